@@ -1,0 +1,53 @@
+#include "core/dtype.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace layercast {
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+std::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+  }
+  return "unknown";
+}
+
+std::string_view DTypeShortName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "f32";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat16:
+      return "f16";
+  }
+  return "unknown";
+}
+
+std::string_view DTypeSafetensorsName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "F32";
+    case DType::kBFloat16:
+      return "BF16";
+    case DType::kFloat16:
+      return "F16";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<DType> DTypeFromSafetensorsName(std::string_view name) {
+  if (name == "F32") return DType::kFloat32;
+  if (name == "BF16") return DType::kBFloat16;
+  if (name == "F16") return DType::kFloat16;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "safetensors dtype '", name, "' is not supported: layercast accepts F32, BF16 and F16"));
+}
+
+}  // namespace layercast

@@ -1,0 +1,88 @@
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+#include "core/model.h"
+#include "core/policy.h"
+
+namespace layercast {
+
+// Byte alignment of every tensor in an assembled layer buffer.
+inline constexpr uint64_t kAssembledAlignment = 256;
+
+// A half-open range [begin, end) of flat elements within one tensor.
+struct ElementRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t size() const { return end - begin; }
+  bool empty() const { return end <= begin; }
+  friend bool operator==(const ElementRange&, const ElementRange&) = default;
+};
+
+// The elements of an `n`-element tensor that shard `shard` of `num_shards`
+// owns: [n*shard/num_shards, n*(shard+1)/num_shards). Balanced to one element;
+// empty when n < num_shards for some shards. REQUIRES: shard < num_shards.
+ElementRange ShardElementRange(uint64_t n, uint32_t shard, uint32_t num_shards);
+
+// Intersection of two element ranges (empty when they do not meet).
+ElementRange Intersect(ElementRange a, ElementRange b);
+
+// Where one tensor sits in an assembled layer buffer.
+struct AssembledTensor {
+  DType compute_dtype = DType::kFloat32;
+  uint64_t byte_offset = 0;  // multiple of kAssembledAlignment
+  uint64_t num_elements = 0;
+  uint64_t num_bytes() const { return num_elements * DTypeSize(compute_dtype); }
+};
+
+// Elements of one tensor selected by a byte range of the assembled layout.
+struct TensorElementRange {
+  uint32_t tensor = 0;  // index into the layer's tensors
+  ElementRange elements;
+};
+
+// The assembled layout of one layer: tensors in manifest order, each in its
+// compute dtype, each at a 256-byte aligned offset, no overlaps. Both sides
+// derive it from the manifest. Immutable and thread-safe once built.
+class AssembledLayout {
+ public:
+  // Lays out `layer` with each tensor's compute dtype from `policy`.
+  static AssembledLayout Build(const LayerSpec& layer, const Policy& policy);
+  // Lays out tensors with explicit compute dtypes and element counts.
+  static AssembledLayout FromDTypes(const std::vector<DType>& dtypes,
+                                    const std::vector<uint64_t>& num_elements);
+
+  const std::vector<AssembledTensor>& tensors() const { return tensors_; }
+  // Size of the assembled buffer in bytes: the end of the last tensor,
+  // rounded up to kAssembledAlignment.
+  uint64_t total_bytes() const { return total_bytes_; }
+
+  // Maps the byte range [begin, end) of the assembled layout to the elements
+  // it covers, tensor by tensor (tensors it does not touch are omitted). Bytes
+  // in alignment padding select nothing. INVALID_ARGUMENT when the range is
+  // empty, reversed or beyond total_bytes(), or when either end falls inside an
+  // element; the message says which end and the valid bounds.
+  absl::StatusOr<std::vector<TensorElementRange>> MapByteRange(uint64_t begin,
+                                                                uint64_t end) const;
+
+  // Splits [0, total_bytes()) into `parts` contiguous byte ranges of nearly
+  // equal size whose boundaries are multiples of kAssembledAlignment, so
+  // each is valid for MapByteRange (some may be empty for tiny layers).
+  std::vector<std::pair<uint64_t, uint64_t>> SplitBytes(uint32_t parts) const;
+
+ private:
+  std::vector<AssembledTensor> tensors_;
+  uint64_t total_bytes_ = 0;
+};
+
+// SHA-256 over every layer's assembled layout: tensor names, shapes, compute
+// dtypes, offsets and sizes, in order. Two peers agree on how to assemble every
+// layer iff their digests are equal.
+std::array<uint8_t, 32> LayoutDigest(const ModelSpec& model, const Policy& policy);
+
+}  // namespace layercast

@@ -1,0 +1,68 @@
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/cast.h"
+#include "core/dtype.h"
+
+namespace layercast {
+
+// A mixed-precision policy in jmp's grammar, plus per-tensor overrides.
+//
+//   policy    := base [';' override (';' override)*]
+//   base      := dtype | key '=' dtype (',' key '=' dtype)*
+//   key       := 'params' | 'p' | 'compute' | 'c' | 'output' | 'o' | 'overflow'
+//   dtype     := 'float32' | 'f32' | 'full' | 'bfloat16' | 'bf16' | 'float16' | 'f16'
+//   override  := glob '=' dtype          (compute dtype of matching tensors)
+//
+// As in jmp: a bare dtype sets all three; otherwise params defaults to
+// float32, compute to params and output to compute; a repeated key takes its
+// last value. `overflow` (error | saturate | inf, default error) is
+// layercast's extension: what narrowing to float16 does with finite values
+// beyond 65504. Overrides match whole tensor names with fnmatch(3) globs
+// (`*` also matches dots) and the first match wins.
+//
+// Immutable value type; thread-safe for concurrent reads.
+class Policy {
+ public:
+  struct Override {
+    std::string glob;
+    DType compute;
+    friend bool operator==(const Override&, const Override&) = default;
+  };
+
+  // Parses `text`. INVALID_ARGUMENT with a message that quotes the bad part
+  // and lists what is accepted.
+  static absl::StatusOr<Policy> Parse(std::string_view text);
+
+  // params=float32,compute=float32,output=float32 with no overrides.
+  Policy() = default;
+
+  DType params() const { return params_; }
+  DType compute() const { return compute_; }
+  DType output() const { return output_; }
+  Fp16Overflow overflow() const { return overflow_; }
+  const std::vector<Override>& overrides() const { return overrides_; }
+
+  // The compute dtype of the tensor named `tensor_name`: the first matching
+  // override's, else compute().
+  DType ComputeDTypeFor(std::string_view tensor_name) const;
+
+  // Canonical form, which Parse() maps back to an equal Policy:
+  // "params=float32,compute=bfloat16,output=float32[,overflow=saturate][;glob=dtype...]".
+  std::string ToString() const;
+
+  friend bool operator==(const Policy&, const Policy&) = default;
+
+ private:
+  DType params_ = DType::kFloat32;
+  DType compute_ = DType::kFloat32;
+  DType output_ = DType::kFloat32;
+  Fp16Overflow overflow_ = Fp16Overflow::kError;
+  std::vector<Override> overrides_;
+};
+
+}  // namespace layercast

@@ -1,0 +1,95 @@
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/dtype.h"
+#include "core/file_system.h"
+#include "core/layout.h"
+
+namespace layercast {
+
+// Largest safetensors JSON header accepted, as the reference implementation
+// (100 MB); a larger declared length is refused before anything is allocated.
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
+
+// One tensor of a safetensors file (or of a multi-file index).
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  uint64_t num_elements = 0;
+  uint32_t file = 0;        // index into SafetensorsReader::files()
+  uint64_t data_begin = 0;  // absolute byte offset of element 0 in that file
+};
+
+// Reads a safetensors model: one `.safetensors` file, or a
+// `model.safetensors.index.json` naming several. Every header is validated on
+// Open (length, JSON, dtypes, shapes without overflow, offsets in range and
+// non-overlapping, shape x dtype size == byte span); every error names the
+// file and the problem. Thread-safe after Open: ReadF32 may run concurrently.
+class SafetensorsReader {
+ public:
+  // `fs` must outlive the reader.
+  static absl::StatusOr<std::unique_ptr<SafetensorsReader>> Open(
+      const std::string& path, FileSystem& fs = DefaultFileSystem());
+
+  // All tensors, sorted by name.
+  const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
+  // Paths of the data files, in the order SafetensorsTensor::file indexes.
+  const std::vector<std::string>& files() const { return file_paths_; }
+  // The `__metadata__` of the (first) file.
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // nullptr when there is no such tensor.
+  const SafetensorsTensor* Find(const std::string& name) const;
+
+  // Reads elements `range` of `tensor`, exactly those bytes, widened to fp32.
+  // REQUIRES: dst.size() == range.size(). OUT_OF_RANGE if range exceeds the
+  // tensor.
+  absl::Status ReadF32(const SafetensorsTensor& tensor, ElementRange range,
+                       std::span<float> dst) const;
+
+ private:
+  SafetensorsReader() = default;
+  std::vector<SafetensorsTensor> tensors_;
+  std::vector<std::string> file_paths_;
+  std::vector<std::unique_ptr<RandomAccessFile>> files_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Writes one safetensors file sequentially: the header (all tensors declared
+// up front), then each tensor's bytes in the declared order. Not thread-safe.
+class SafetensorsWriter {
+ public:
+  struct TensorHeader {
+    std::string name;
+    DType dtype = DType::kFloat32;
+    std::vector<int64_t> shape;
+  };
+
+  // Creates `path` (truncating) and writes the header. Tensor data follows in
+  // `tensors` order, each padded to nothing (safetensors is dense).
+  static absl::StatusOr<std::unique_ptr<SafetensorsWriter>> Create(
+      const std::string& path, const std::vector<TensorHeader>& tensors,
+      const std::map<std::string, std::string>& metadata, FileSystem& fs = DefaultFileSystem());
+
+  // Appends raw little-endian bytes of the current tensor(s). The total must
+  // equal the sum of the declared tensors' sizes by Finish().
+  absl::Status Append(std::span<const uint8_t> bytes);
+  // Checks every declared byte was written, fsyncs and closes.
+  absl::Status Finish();
+
+ private:
+  SafetensorsWriter() = default;
+  std::unique_ptr<WritableFile> file_;
+  std::string path_;
+  uint64_t expected_bytes_ = 0;
+  uint64_t written_bytes_ = 0;
+};
+
+}  // namespace layercast

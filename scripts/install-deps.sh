@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything layercast needs to build and test on Debian bookworm.
+# Idempotent: safe to run again. Needs root (or sudo).
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config clang clang-format
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  prometheus-cpp-dev libboost-dev libgtest-dev libgmock-dev libbenchmark-dev
+  nlohmann-json3-dev libeigen3-dev libssl-dev
+  python3 python3-torch python3-numpy
+)
+
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  "${sudo_cmd[@]}" apt-get update -q
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "all build and test dependencies are installed"
+fi
