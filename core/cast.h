@@ -2,7 +2,7 @@
 
 #include <cstdint>
 #include <span>
-#include <string_view>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
@@ -16,11 +16,13 @@ namespace layercast {
 // flushed); +-inf stays +-inf; NaN becomes the quiet NaN with the input's sign
 // (bf16 0x7FC0, fp16 0x7E00, sign bit or'ed in). For every non-NaN input the
 // bits equal PyTorch's `x.to(torch.bfloat16)` / `x.to(torch.float16)`.
-// Widening is exact.
+// Widening is exact (a float16 signalling NaN comes back quiet, as the
+// hardware conversion does; payloads and signs are kept).
 //
 // Every function writes into memory the caller owns: `dst.size()` must equal
-// `src.size()`. All functions are thread-safe (no shared state after the
-// one-time CPU feature detection).
+// `src.size()` (CastF32ToF16 returns INVALID_ARGUMENT otherwise; the others
+// assert in debug builds and convert the shorter length). All functions are
+// thread-safe (no shared state after the one-time CPU feature detection).
 
 // An instruction-set variant of the kernels. Every variant gives identical bits.
 enum class CastIsa {
@@ -29,12 +31,13 @@ enum class CastIsa {
   kAvx512,  // AVX-512 F + BW
 };
 
-std::string_view CastIsaName(CastIsa isa);
+absl::string_view CastIsaName(CastIsa isa);
 
 // Variants this CPU can run, kScalar first, best last.
 const std::vector<CastIsa>& SupportedCastIsas();
 
-// The variant the unsuffixed functions use: the best this CPU supports.
+// The variant the functions without a CastIsa argument use: the best this
+// CPU supports. Passing a variant this CPU lacks runs kScalar (same bits).
 CastIsa BestCastIsa();
 
 // What narrowing to fp16 does with a finite fp32 whose rounded value lies
@@ -57,7 +60,9 @@ absl::Status CastF32ToF16(std::span<const float> src, std::span<uint16_t> dst,
                           Fp16Overflow overflow, CastIsa isa);
 
 void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst);
+void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa);
 void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst);
+void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa);
 
 // Narrows `count` fp32 elements at `src` into `dst` in `to` (kFloat32 copies).
 // `dst` holds count * DTypeSize(to) bytes and may be unaligned.

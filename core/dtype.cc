@@ -6,7 +6,7 @@ namespace layercast {
 
 size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
-std::string_view DTypeName(DType dtype) {
+absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
       return "float32";
@@ -18,7 +18,7 @@ std::string_view DTypeName(DType dtype) {
   return "unknown";
 }
 
-std::string_view DTypeShortName(DType dtype) {
+absl::string_view DTypeShortName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
       return "f32";
@@ -30,7 +30,7 @@ std::string_view DTypeShortName(DType dtype) {
   return "unknown";
 }
 
-std::string_view DTypeSafetensorsName(DType dtype) {
+absl::string_view DTypeSafetensorsName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
       return "F32";
@@ -42,7 +42,7 @@ std::string_view DTypeSafetensorsName(DType dtype) {
   return "unknown";
 }
 
-absl::StatusOr<DType> DTypeFromSafetensorsName(std::string_view name) {
+absl::StatusOr<DType> DTypeFromSafetensorsName(absl::string_view name) {
   if (name == "F32") return DType::kFloat32;
   if (name == "BF16") return DType::kBFloat16;
   if (name == "F16") return DType::kFloat16;

@@ -2,7 +2,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 
@@ -21,16 +21,16 @@ size_t DTypeSize(DType dtype);
 
 // Canonical long name as the policy grammar writes it: "float32", "bfloat16",
 // "float16".
-std::string_view DTypeName(DType dtype);
+absl::string_view DTypeName(DType dtype);
 
 // Short name as the policy grammar writes it: "f32", "bf16", "f16".
-std::string_view DTypeShortName(DType dtype);
+absl::string_view DTypeShortName(DType dtype);
 
 // The safetensors dtype tag: "F32", "BF16", "F16".
-std::string_view DTypeSafetensorsName(DType dtype);
+absl::string_view DTypeSafetensorsName(DType dtype);
 
 // Parses a safetensors dtype tag. Other tags (F64, I8, ...) are refused with
 // INVALID_ARGUMENT naming the tag and what is accepted.
-absl::StatusOr<DType> DTypeFromSafetensorsName(std::string_view name);
+absl::StatusOr<DType> DTypeFromSafetensorsName(absl::string_view name);
 
 }  // namespace layercast

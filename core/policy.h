@@ -1,7 +1,7 @@
 #pragma once
 
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,7 +36,7 @@ class Policy {
 
   // Parses `text`. INVALID_ARGUMENT with a message that quotes the bad part
   // and lists what is accepted.
-  static absl::StatusOr<Policy> Parse(std::string_view text);
+  static absl::StatusOr<Policy> Parse(absl::string_view text);
 
   // params=float32,compute=float32,output=float32 with no overrides.
   Policy() = default;
@@ -49,7 +49,7 @@ class Policy {
 
   // The compute dtype of the tensor named `tensor_name`: the first matching
   // override's, else compute().
-  DType ComputeDTypeFor(std::string_view tensor_name) const;
+  DType ComputeDTypeFor(absl::string_view tensor_name) const;
 
   // Canonical form, which Parse() maps back to an equal Policy:
   // "params=float32,compute=bfloat16,output=float32[,overflow=saturate][;glob=dtype...]".

@@ -1,0 +1,128 @@
+#include "core/layout.h"
+
+#include <openssl/evp.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace layercast {
+namespace {
+
+uint64_t AlignUp(uint64_t value) {
+  return (value + kAssembledAlignment - 1) / kAssembledAlignment * kAssembledAlignment;
+}
+
+}  // namespace
+
+ElementRange ShardElementRange(uint64_t n, uint32_t shard, uint32_t num_shards) {
+  // n*i/N computed as (n/N)*i + (n%N)*i/N, which is exact and cannot
+  // overflow for any n (the second product is below N^2 <= 2^64).
+  const uint64_t quotient = n / num_shards, remainder = n % num_shards;
+  const auto bound = [&](uint64_t i) { return quotient * i + remainder * i / num_shards; };
+  return ElementRange{bound(shard), bound(shard + 1)};
+}
+
+ElementRange Intersect(ElementRange a, ElementRange b) {
+  const uint64_t begin = std::max(a.begin, b.begin);
+  const uint64_t end = std::min(a.end, b.end);
+  return end > begin ? ElementRange{begin, end} : ElementRange{begin, begin};
+}
+
+AssembledLayout AssembledLayout::Build(const LayerSpec& layer, const Policy& policy) {
+  std::vector<DType> dtypes;
+  std::vector<uint64_t> counts;
+  for (const TensorSpec& tensor : layer.tensors) {
+    dtypes.push_back(policy.ComputeDTypeFor(tensor.name));
+    counts.push_back(tensor.num_elements);
+  }
+  return FromDTypes(dtypes, counts);
+}
+
+AssembledLayout AssembledLayout::FromDTypes(const std::vector<DType>& dtypes,
+                                            const std::vector<uint64_t>& num_elements) {
+  AssembledLayout layout;
+  uint64_t offset = 0;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    AssembledTensor tensor{dtypes[i], offset, num_elements[i]};
+    offset = AlignUp(offset + tensor.num_bytes());
+    layout.tensors_.push_back(tensor);
+  }
+  layout.total_bytes_ = offset;
+  return layout;
+}
+
+absl::StatusOr<std::vector<TensorElementRange>> AssembledLayout::MapByteRange(
+    uint64_t begin, uint64_t end) const {
+  if (begin >= end || end > total_bytes_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte range [", begin, ", ", end, ") is not a non-empty range within the ",
+                     "layer's assembled size of ", total_bytes_, " bytes"));
+  }
+  std::vector<TensorElementRange> out;
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    const AssembledTensor& tensor = tensors_[t];
+    const uint64_t size = DTypeSize(tensor.compute_dtype);
+    const uint64_t tensor_end = tensor.byte_offset + tensor.num_bytes();
+    const uint64_t lo = std::max(begin, tensor.byte_offset);
+    const uint64_t hi = std::min(end, tensor_end);
+    if (lo >= hi) continue;
+    if ((lo - tensor.byte_offset) % size != 0 || (hi - tensor.byte_offset) % size != 0) {
+      const uint64_t bad = (lo - tensor.byte_offset) % size != 0 ? lo : hi;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "byte range [", begin, ", ", end, ") splits an element: byte ", bad, " falls inside a ",
+          DTypeName(tensor.compute_dtype), " element of tensor ", t,
+          "; range ends must be multiples of ", size, " bytes from the tensor's offset ",
+          tensor.byte_offset, " (any multiple of ", kAssembledAlignment, " is always valid)"));
+    }
+    out.push_back(TensorElementRange{
+        t, ElementRange{(lo - tensor.byte_offset) / size, (hi - tensor.byte_offset) / size}});
+  }
+  return out;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> AssembledLayout::SplitBytes(uint32_t parts) const {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  const uint64_t units = total_bytes_ / kAssembledAlignment;
+  for (uint32_t i = 0; i < parts; ++i) {
+    const ElementRange unit_range = ShardElementRange(units, i, parts);
+    out.emplace_back(unit_range.begin * kAssembledAlignment, unit_range.end * kAssembledAlignment);
+  }
+  return out;
+}
+
+std::array<uint8_t, 32> LayoutDigest(const ModelSpec& model, const Policy& policy) {
+  // A length-prefixed serialisation, so no two different layouts hash the
+  // same bytes.
+  std::string bytes;
+  const auto append_u64 = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>(v >> (8 * i)));
+  };
+  const auto append_str = [&](absl::string_view s) {
+    append_u64(s.size());
+    bytes.append(s.data(), s.size());
+  };
+  append_u64(model.layers.size());
+  for (const LayerSpec& layer : model.layers) {
+    append_str(layer.name);
+    const AssembledLayout layout = AssembledLayout::Build(layer, policy);
+    append_u64(layer.tensors.size());
+    append_u64(layout.total_bytes());
+    for (size_t t = 0; t < layer.tensors.size(); ++t) {
+      const TensorSpec& spec = layer.tensors[t];
+      const AssembledTensor& placed = layout.tensors()[t];
+      append_str(spec.name);
+      append_u64(spec.shape.size());
+      for (int64_t dim : spec.shape) append_u64(static_cast<uint64_t>(dim));
+      append_u64(static_cast<uint64_t>(placed.compute_dtype));
+      append_u64(placed.byte_offset);
+      append_u64(placed.num_elements);
+    }
+  }
+  std::array<uint8_t, 32> digest{};
+  unsigned int length = 0;
+  EVP_Digest(bytes.data(), bytes.size(), digest.data(), &length, EVP_sha256(), nullptr);
+  return digest;
+}
+
+}  // namespace layercast

@@ -1,0 +1,147 @@
+#include "core/policy.h"
+
+#include <fnmatch.h>
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/status_macros.h"
+
+namespace layercast {
+namespace {
+
+constexpr absl::string_view kAcceptedDTypes =
+    "float32 (f32, full), bfloat16 (bf16) or float16 (f16)";
+constexpr absl::string_view kAcceptedKeys = "params (p), compute (c), output (o) or overflow";
+constexpr absl::string_view kKeyValueExpected =
+    "a key=value pair: write pairs separated by ',' without spaces, e.g. "
+    "'params=float32,compute=bfloat16,output=float32'";
+constexpr absl::string_view kOverrideExpected =
+    "an override glob=dtype, e.g. 'p=f32,c=bf16;*norm*=f32;lm_head.*=f32'";
+
+absl::Status PolicyError(absl::string_view text, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat("precision policy '", text, "': ", problem));
+}
+
+// jmp's names, matched exactly as jmp does (case-sensitive, no trimming).
+absl::StatusOr<DType> ParseDType(absl::string_view policy_text, absl::string_view value) {
+  if (value == "float32" || value == "f32" || value == "full") return DType::kFloat32;
+  if (value == "bfloat16" || value == "bf16") return DType::kBFloat16;
+  if (value == "float16" || value == "f16") return DType::kFloat16;
+  if (value == "half") {
+    return PolicyError(policy_text,
+                       "dtype 'half' is refused: jmp resolves it to bfloat16 on TPU and float16 "
+                       "elsewhere, so it would mean different things on different machines; "
+                       "write bfloat16 or float16");
+  }
+  if (value == "float64" || value == "f64") {
+    return PolicyError(policy_text, absl::StrCat("dtype '", value,
+                                                 "' is refused: layercast keeps float32 masters "
+                                                 "and computes in ",
+                                                 kAcceptedDTypes));
+  }
+  return PolicyError(policy_text,
+                     absl::StrCat("unknown dtype '", value, "': use ", kAcceptedDTypes));
+}
+
+absl::StatusOr<Fp16Overflow> ParseOverflow(absl::string_view policy_text, absl::string_view value) {
+  if (value == "error") return Fp16Overflow::kError;
+  if (value == "saturate") return Fp16Overflow::kSaturate;
+  if (value == "inf") return Fp16Overflow::kInfinity;
+  return PolicyError(policy_text, absl::StrCat("unknown overflow rule '", value,
+                                               "': use error, saturate or inf"));
+}
+
+absl::string_view OverflowName(Fp16Overflow overflow) {
+  switch (overflow) {
+    case Fp16Overflow::kError:
+      return "error";
+    case Fp16Overflow::kSaturate:
+      return "saturate";
+    case Fp16Overflow::kInfinity:
+      return "inf";
+  }
+  return "error";
+}
+
+// Splits "key=value" where jmp would have unpacked `part.split("=", 2)` into
+// two names; jmp raises a bare unpacking error there, we say what is wrong.
+absl::StatusOr<std::pair<absl::string_view, absl::string_view>> SplitAssignment(
+    absl::string_view text, absl::string_view part, absl::string_view expected) {
+  std::vector<absl::string_view> pieces = absl::StrSplit(part, '=');
+  if (pieces.size() != 2 || pieces[0].empty() || pieces[1].empty()) {
+    return PolicyError(text, absl::StrCat("'", part, "' is not ", expected));
+  }
+  return std::make_pair(pieces[0], pieces[1]);
+}
+
+}  // namespace
+
+absl::StatusOr<Policy> Policy::Parse(absl::string_view text) {
+  std::vector<absl::string_view> sections = absl::StrSplit(text, ';');
+  const absl::string_view base = sections[0];
+  if (base.empty()) {
+    return PolicyError(text, absl::StrCat("empty; write a dtype such as 'bfloat16' or keys "
+                                          "such as 'params=float32,compute=bfloat16', keys ",
+                                          kAcceptedKeys));
+  }
+
+  Policy policy;
+  if (base.find('=') == absl::string_view::npos) {
+    ASSIGN_OR_RETURN(DType all, ParseDType(text, base));
+    policy.params_ = policy.compute_ = policy.output_ = all;
+  } else {
+    std::optional<DType> compute, output;
+    for (absl::string_view part : absl::StrSplit(base, ',')) {
+      ASSIGN_OR_RETURN(auto assignment, SplitAssignment(text, part, kKeyValueExpected));
+      auto [key, value] = assignment;
+      if (key == "overflow") {
+        ASSIGN_OR_RETURN(policy.overflow_, ParseOverflow(text, value));
+        continue;
+      }
+      ASSIGN_OR_RETURN(DType dtype, ParseDType(text, value));
+      if (key == "p" || key == "params") {
+        policy.params_ = dtype;
+      } else if (key == "c" || key == "compute") {
+        compute = dtype;
+      } else if (key == "o" || key == "output") {
+        output = dtype;
+      } else {
+        return PolicyError(text, absl::StrCat("unknown key '", key, "': use ", kAcceptedKeys));
+      }
+    }
+    policy.compute_ = compute.value_or(policy.params_);
+    policy.output_ = output.value_or(policy.compute_);
+  }
+
+  for (size_t i = 1; i < sections.size(); ++i) {
+    ASSIGN_OR_RETURN(auto assignment, SplitAssignment(text, sections[i], kOverrideExpected));
+    auto [glob, value] = assignment;
+    ASSIGN_OR_RETURN(DType dtype, ParseDType(text, value));
+    policy.overrides_.push_back(Override{std::string(glob), dtype});
+  }
+  return policy;
+}
+
+DType Policy::ComputeDTypeFor(absl::string_view tensor_name) const {
+  if (overrides_.empty()) return compute_;
+  const std::string name(tensor_name);
+  for (const Override& override : overrides_) {
+    if (fnmatch(override.glob.c_str(), name.c_str(), 0) == 0) return override.compute;
+  }
+  return compute_;
+}
+
+std::string Policy::ToString() const {
+  std::string out = absl::StrCat("params=", DTypeName(params_), ",compute=", DTypeName(compute_),
+                                 ",output=", DTypeName(output_));
+  if (overflow_ != Fp16Overflow::kError) absl::StrAppend(&out, ",overflow=", OverflowName(overflow_));
+  for (const Override& override : overrides_) {
+    absl::StrAppend(&out, ";", override.glob, "=", DTypeName(override.compute));
+  }
+  return out;
+}
+
+}  // namespace layercast

@@ -1,0 +1,38 @@
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/file_system.h"
+#include "core/layer_grouping.h"
+#include "core/parameter_source.h"
+#include "core/safetensors.h"
+
+namespace layercast {
+
+// Parameters from a safetensors checkpoint (one file or an index), grouped
+// into layers by a LayerGroupingRule. F32, BF16 and F16 tensors are widened
+// to fp32 as they are read; Read() touches only the requested elements'
+// bytes. Thread-safe.
+class SafetensorsSource : public ParameterSource {
+ public:
+  // `model_id` empty: the file's name. `fs` must outlive the source.
+  static absl::StatusOr<std::unique_ptr<SafetensorsSource>> Open(
+      const std::string& path, std::string model_id, const LayerGroupingRule& rule = {},
+      FileSystem& fs = DefaultFileSystem());
+
+  const ModelSpec& model() const override { return model_; }
+  absl::Status Read(uint32_t layer, uint32_t tensor, ElementRange range,
+                    std::span<float> dst) const override;
+
+ private:
+  SafetensorsSource() = default;
+  std::unique_ptr<SafetensorsReader> reader_;
+  ModelSpec model_;
+  // Per layer, per tensor: the checkpoint entry behind it.
+  std::vector<std::vector<const SafetensorsTensor*>> entries_;
+};
+
+}  // namespace layercast

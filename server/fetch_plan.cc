@@ -1,0 +1,59 @@
+#include "server/fetch_plan.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+
+absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
+                                    const layercast::v1::FetchLayerRequest& request) {
+  const ModelSpec& model = store.model();
+  const uint64_t num_layers = model.layers.size();
+  if (request.layer() >= num_layers) {
+    return absl::NotFoundError(absl::StrCat("layer ", request.layer(),
+                                            " does not exist: this model has ", num_layers,
+                                            " layers (0-", num_layers - 1, ")"));
+  }
+  const LayerSpec& layer = model.layers[request.layer()];
+  const AssembledLayout& layout = store.layout(request.layer());
+
+  if (request.expect_dtype() != layercast::v1::DTYPE_UNSPECIFIED) {
+    if (!layercast::v1::DType_IsValid(request.expect_dtype())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expect_dtype ", static_cast<int>(request.expect_dtype()),
+                       " is not a DType: use FLOAT32, BFLOAT16 or FLOAT16"));
+    }
+    const auto expected = static_cast<DType>(request.expect_dtype());
+    for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
+      const DType actual = layout.tensors()[t].compute_dtype;
+      if (actual != expected) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "expect_dtype is ", DTypeName(expected), " but the policy '",
+            store.policy().ToString(), "' gives tensor ", layer.tensors[t].name, " ",
+            DTypeName(actual), "; omit expect_dtype or expect the manifest's compute dtypes"));
+      }
+    }
+  }
+
+  uint64_t begin = request.range_begin(), end = request.range_end();
+  if (begin == 0 && end == 0) {
+    end = layout.total_bytes();
+  } else if (end == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("range_begin is ", begin, " but range_end is 0: give both ends, or 0,0 ",
+                     "for the whole layer of ", layout.total_bytes(), " bytes"));
+  }
+  FetchPlan plan;
+  plan.layer = request.layer();
+  if (end == 0) return plan;  // a layer with no tensors
+  ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
+  for (const TensorElementRange& selection : selected) {
+    const ElementRange run = Intersect(selection.elements, store.owned(plan.layer, selection.tensor));
+    if (run.empty()) continue;
+    plan.runs.push_back(TensorElementRange{selection.tensor, run});
+    plan.bytes += run.size() * DTypeSize(layout.tensors()[selection.tensor].compute_dtype);
+  }
+  return plan;
+}
+
+}  // namespace layercast::server

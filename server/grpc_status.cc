@@ -1,0 +1,11 @@
+#include "server/grpc_status.h"
+
+#include <string>
+
+namespace layercast::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,71 @@
+// layercast-shard: serves one shard of a model. See ShardServer for the
+// life cycle and proto/layercast/v1/config.proto for the flags.
+
+#include <atomic>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/shard_config.h"
+#include "server/shard_server.h"
+
+namespace {
+
+int Fail(const absl::Status& status, int code) {
+  std::fprintf(stderr, "layercast-shard: %s\n", std::string(status.message()).c_str());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using layercast::server::ShardServer;
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(layercast::server::ShardFlagsHelp().c_str(), stdout);
+      return 0;
+    }
+  }
+  auto config = layercast::server::ParseShardFlags(args);
+  if (!config.ok()) return Fail(config.status(), 2);
+  auto settings = layercast::server::ResolveShardConfig(*std::move(config));
+  if (!settings.ok()) return Fail(settings.status(), 2);
+  auto server = ShardServer::Create(*std::move(settings));
+  if (!server.ok()) return Fail(server.status(), 2);
+  if (absl::Status started = (*server)->Start(); !started.ok()) return Fail(started, 1);
+
+  // Asio owns the process's life: the main thread waits for a signal or for
+  // loading to fail; loading runs beside it so a signal during a long load is
+  // answered at once.
+  boost::asio::io_context io;
+  boost::asio::signal_set signals(io, SIGINT, SIGTERM);
+  std::atomic<bool> stopping{false};
+  int exit_code = 0;
+  signals.async_wait([&](const boost::system::error_code& error, int signal) {
+    if (error) return;
+    std::fprintf(stderr, "layercast-shard: received %s, draining\n",
+                 signal == SIGTERM ? "SIGTERM" : "SIGINT");
+    stopping.store(true);
+    io.stop();
+  });
+  std::thread loader([&] {
+    absl::Status loaded = (*server)->Load(&stopping);
+    if (!loaded.ok() && !stopping.load()) {
+      boost::asio::post(io, [&, loaded] {
+        exit_code = Fail(loaded, 1);
+        io.stop();
+      });
+    }
+  });
+  io.run();
+  loader.join();
+  (*server)->Shutdown(std::chrono::seconds(10));
+  std::fprintf(stderr, "layercast-shard: stopped\n");
+  return exit_code;
+}

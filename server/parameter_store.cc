@@ -1,0 +1,55 @@
+#include "server/parameter_store.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+
+uint64_t ParameterStore::MasterBytes(const ModelSpec& model, uint32_t shard_index,
+                                     uint32_t num_shards) {
+  uint64_t elements = 0;
+  for (const LayerSpec& layer : model.layers) {
+    for (const TensorSpec& tensor : layer.tensors) {
+      elements += ShardElementRange(tensor.num_elements, shard_index, num_shards).size();
+    }
+  }
+  return elements * sizeof(float);
+}
+
+absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
+    const ParameterSource& source, uint32_t shard_index, uint32_t num_shards, Policy policy,
+    const std::atomic<bool>* cancel) {
+  auto store = std::unique_ptr<ParameterStore>(new ParameterStore());
+  store->model_ = source.model();
+  store->policy_ = std::move(policy);
+  store->shard_index_ = shard_index;
+  store->num_shards_ = num_shards;
+  store->layout_digest_ = LayoutDigest(store->model_, store->policy_);
+  store->master_bytes_ = MasterBytes(store->model_, shard_index, num_shards);
+
+  const std::vector<LayerSpec>& layers = store->model_.layers;
+  store->slices_.resize(layers.size());
+  for (uint32_t l = 0; l < layers.size(); ++l) {
+    store->layouts_.push_back(AssembledLayout::Build(layers[l], store->policy_));
+    for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
+      if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
+        return absl::CancelledError("loading was cancelled: the server is stopping");
+      }
+      Slice slice;
+      slice.owned = ShardElementRange(layers[l].tensors[t].num_elements, shard_index, num_shards);
+      // Not value-initialised: Read() writes every element, and untouched
+      // pages would otherwise be zero-filled once here and again there.
+      slice.values.reset(new float[slice.owned.size()]);
+      absl::Status read = source.Read(l, t, slice.owned,
+                                      std::span<float>(slice.values.get(), slice.owned.size()));
+      if (!read.ok()) {
+        return absl::Status(read.code(), absl::StrCat("loading tensor ", layers[l].tensors[t].name,
+                                                      ": ", read.message()));
+      }
+      store->slices_[l].push_back(std::move(slice));
+    }
+  }
+  return store;
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,74 @@
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/layout.h"
+#include "core/model.h"
+#include "core/parameter_source.h"
+#include "core/policy.h"
+
+namespace layercast::server {
+
+// The fp32 master parameters of one shard: for every tensor of every layer,
+// the contiguous elements this shard owns, and nothing else. Also the
+// per-layer assembled layouts and the layout digest derived from the model and
+// policy, computed once.
+//
+// Thread-safety: immutable after Load(); reads may run concurrently from any
+// thread. (The parameter version lives in VersionGate.)
+class ParameterStore {
+ public:
+  // Bytes of fp32 master that shard `shard_index` of `num_shards` holds for
+  // `model`: what Load() will allocate.
+  static uint64_t MasterBytes(const ModelSpec& model, uint32_t shard_index, uint32_t num_shards);
+
+  // Reads this shard's ranges from `source`. Returns CANCELLED as soon as
+  // `*cancel` becomes true (checked between tensors), so a server told to stop
+  // while loading exits promptly. REQUIRES: shard_index < num_shards.
+  static absl::StatusOr<std::unique_ptr<ParameterStore>> Load(
+      const ParameterSource& source, uint32_t shard_index, uint32_t num_shards, Policy policy,
+      const std::atomic<bool>* cancel = nullptr);
+
+  const ModelSpec& model() const { return model_; }
+  const Policy& policy() const { return policy_; }
+  uint32_t shard_index() const { return shard_index_; }
+  uint32_t num_shards() const { return num_shards_; }
+  const std::array<uint8_t, 32>& layout_digest() const { return layout_digest_; }
+  uint64_t master_bytes() const { return master_bytes_; }
+
+  // REQUIRES: layer < model().layers.size().
+  const AssembledLayout& layout(uint32_t layer) const { return layouts_[layer]; }
+
+  // The elements of a tensor this shard owns.
+  ElementRange owned(uint32_t layer, uint32_t tensor) const {
+    return slices_[layer][tensor].owned;
+  }
+  // The master values of owned(layer, tensor); element owned().begin first.
+  const float* master(uint32_t layer, uint32_t tensor) const {
+    return slices_[layer][tensor].values.get();
+  }
+
+ private:
+  struct Slice {
+    ElementRange owned;
+    std::unique_ptr<float[]> values;
+  };
+
+  ParameterStore() = default;
+
+  ModelSpec model_;
+  Policy policy_;
+  uint32_t shard_index_ = 0;
+  uint32_t num_shards_ = 1;
+  std::array<uint8_t, 32> layout_digest_{};
+  uint64_t master_bytes_ = 0;
+  std::vector<AssembledLayout> layouts_;
+  std::vector<std::vector<Slice>> slices_;
+};
+
+}  // namespace layercast::server

@@ -1,0 +1,172 @@
+#include "server/shard_config.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <charconv>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "core/byte_size.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+
+constexpr uint64_t kDefaultChunkBytes = 1 << 20;
+// Below gRPC's default 4 MiB receive limit with room for the framing.
+constexpr uint64_t kMaxChunkBytes = 3 << 20;
+
+template <typename T>
+absl::StatusOr<T> ParseUnsigned(const std::string& flag, const std::string& value) {
+  T parsed = 0;
+  auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), parsed);
+  if (ec != std::errc() || end != value.data() + value.size() || value.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " takes an unsigned integer, not '", value, "'"));
+  }
+  return parsed;
+}
+
+// Sets one field from its textual value. Reflection keeps the flags and the
+// config message in step: a new config field is a new flag.
+absl::Status SetField(layercast::v1::ShardConfig& config, const FieldDescriptor& field,
+                      const std::string& flag, const std::string& value) {
+  const auto* reflection = config.GetReflection();
+  switch (field.cpp_type()) {
+    case FieldDescriptor::CPPTYPE_STRING:
+      reflection->SetString(&config, &field, value);
+      return absl::OkStatus();
+    case FieldDescriptor::CPPTYPE_UINT32: {
+      ASSIGN_OR_RETURN(uint32_t parsed, ParseUnsigned<uint32_t>(flag, value));
+      reflection->SetUInt32(&config, &field, parsed);
+      return absl::OkStatus();
+    }
+    case FieldDescriptor::CPPTYPE_UINT64: {
+      ASSIGN_OR_RETURN(uint64_t parsed, ParseUnsigned<uint64_t>(flag, value));
+      reflection->SetUInt64(&config, &field, parsed);
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InternalError(absl::StrCat("config field ", field.name(),
+                                              " has a type flags cannot set"));
+  }
+}
+
+absl::Status MergeJsonFile(const std::string& path, layercast::v1::ShardConfig& config) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto status = google::protobuf::util::JsonStringToMessage(text.str(), &config, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file ", path, " is not a valid ShardConfig: ", status.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<layercast::v1::ShardConfig> ParseShardFlags(const std::vector<std::string>& args) {
+  layercast::v1::ShardConfig config;
+  std::vector<std::pair<std::string, std::string>> flags;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (!absl::StartsWith(arg, "--") || arg.size() == 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument '", arg, "': flags are --name VALUE; see --help"));
+    }
+    std::string name = arg.substr(2), value;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
+    }
+    flags.emplace_back(std::move(name), std::move(value));
+  }
+  for (const auto& [name, value] : flags) {
+    if (name == "config") RETURN_IF_ERROR(MergeJsonFile(value, config));
+  }
+  for (const auto& [name, value] : flags) {
+    if (name == "config") continue;
+    const FieldDescriptor* field =
+        config.GetDescriptor()->FindFieldByName(absl::StrReplaceAll(name, {{"-", "_"}}));
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag --", name, "; see --help for the flags"));
+    }
+    RETURN_IF_ERROR(SetField(config, *field, name, value));
+  }
+  return config;
+}
+
+std::string ShardFlagsHelp() {
+  std::string help =
+      "usage: layercast-shard [--config FILE.json] [--FLAG VALUE ...]\n"
+      "Serves 1/N of a model's fp32 master parameters, cast just in time.\n"
+      "Flags (each also a field of the JSON config, layercast.v1.ShardConfig):\n";
+  const auto* descriptor = layercast::v1::ShardConfig::descriptor();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    absl::StrAppend(&help, "  --",
+                    absl::StrReplaceAll(descriptor->field(i)->name(), {{"_", "-"}}), "\n");
+  }
+  absl::StrAppend(&help, "See proto/layercast/v1/config.proto for each field's meaning.\n");
+  return help;
+}
+
+absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig config) {
+  ShardSettings settings;
+  if (config.listen().empty()) config.set_listen("127.0.0.1:7070");
+  if (config.num_shards() == 0) {
+    return absl::InvalidArgumentError("--num-shards must be at least 1");
+  }
+  if (config.shard_index() >= config.num_shards()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shard-index ", config.shard_index(), " is out of range: with --num-shards ",
+        config.num_shards(), " it must be 0-", config.num_shards() - 1));
+  }
+  if (config.model().empty() == config.synthetic().empty()) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --model PATH (a .safetensors file or model.safetensors.index.json) "
+        "and --synthetic SPEC (e.g. llama:layers=8,hidden=2048)");
+  }
+  if (!config.synthetic().empty() && !config.model_id().empty()) {
+    return absl::InvalidArgumentError(
+        "--model-id names a checkpoint; a synthetic model's id is its canonical spec");
+  }
+  if (config.policy().empty()) config.set_policy("params=float32,compute=bfloat16,output=float32");
+  ASSIGN_OR_RETURN(settings.policy, Policy::Parse(config.policy()));
+  if (settings.policy.params() != DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy '", config.policy(), "' keeps params in ", DTypeName(settings.policy.params()),
+        ", but shard servers hold float32 masters: use params=float32"));
+  }
+  if (config.chunk_bytes() == 0) config.set_chunk_bytes(kDefaultChunkBytes);
+  if (config.chunk_bytes() < 4 || config.chunk_bytes() > kMaxChunkBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
+                                                   " is out of range: use 4-", kMaxChunkBytes));
+  }
+  if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();
+  if (!config.memory_budget().empty()) {
+    absl::StatusOr<uint64_t> budget = ParseByteSize(config.memory_budget());
+    if (!budget.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--memory-budget: ", budget.status().message()));
+    }
+    settings.memory_budget_bytes = *budget;
+  }
+  settings.config = std::move(config);
+  return settings;
+}
+
+}  // namespace layercast::server

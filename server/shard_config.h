@@ -1,0 +1,39 @@
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/layer_grouping.h"
+#include "core/policy.h"
+#include "layercast/v1/config.pb.h"
+
+namespace layercast::server {
+
+// Builds a ShardConfig from command-line arguments (without argv[0]):
+// `--config FILE` (JSON, proto3 mapping) is read first, then every
+// `--field-name VALUE` or `--field-name=VALUE` sets the ShardConfig field of
+// that name ('-' for '_'), overriding the file. INVALID_ARGUMENT naming the
+// unknown flag, the missing value or the bad JSON.
+absl::StatusOr<layercast::v1::ShardConfig> ParseShardFlags(const std::vector<std::string>& args);
+
+// One line per flag, for --help.
+std::string ShardFlagsHelp();
+
+// A validated configuration with defaults applied and strings parsed.
+struct ShardSettings {
+  layercast::v1::ShardConfig config;
+  Policy policy;
+  LayerGroupingRule grouping;
+  std::optional<uint64_t> memory_budget_bytes;  // nullopt: unlimited
+};
+
+// Applies defaults and checks everything that can be checked without
+// touching the model: shard index < count, exactly one model source, the
+// policy (params must be float32), chunk size, budget syntax. The message
+// names the field and what is valid.
+absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig config);
+
+}  // namespace layercast::server

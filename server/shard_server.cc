@@ -1,0 +1,116 @@
+#include "server/shard_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "core/byte_size.h"
+#include "core/safetensors_source.h"
+#include "core/status_macros.h"
+#include "core/synthetic_model.h"
+
+namespace layercast::server {
+namespace {
+
+absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings& settings) {
+  const auto& config = settings.config;
+  if (!config.synthetic().empty()) {
+    ASSIGN_OR_RETURN(auto synthetic, SyntheticModel::Create(config.synthetic()));
+    return std::unique_ptr<ParameterSource>(std::move(synthetic));
+  }
+  ASSIGN_OR_RETURN(auto file,
+                   SafetensorsSource::Open(config.model(), config.model_id(), settings.grouping));
+  return std::unique_ptr<ParameterSource>(std::move(file));
+}
+
+// Keeps the "host:port" the user wrote, with the port gRPC picked for ":0".
+std::string BoundAddress(const std::string& listen, int port) {
+  const size_t colon = listen.rfind(':');
+  return absl::StrCat(listen.substr(0, colon), ":", port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings settings) {
+  auto server = std::unique_ptr<ShardServer>(new ShardServer(std::move(settings)));
+  ASSIGN_OR_RETURN(server->source_, OpenSource(server->settings_));
+  const auto& config = server->settings_.config;
+  const ModelSpec& model = server->source_->model();
+  if (model.layers.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, " has no layers"));
+  }
+  const uint64_t master =
+      ParameterStore::MasterBytes(model, config.shard_index(), config.num_shards());
+  if (server->settings_.memory_budget_bytes && master > *server->settings_.memory_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shard ", config.shard_index(), " of ", config.num_shards(), " needs ",
+        FormatBytes(master), " (", master, " bytes) for its fp32 master parameters, but ",
+        "--memory-budget is ", FormatBytes(*server->settings_.memory_budget_bytes), " (",
+        *server->settings_.memory_budget_bytes, " bytes): raise the budget or use more shards"));
+  }
+  server->service_ =
+      std::make_unique<ShardService>(ShardService::Options{.chunk_bytes = config.chunk_bytes()});
+  return server;
+}
+
+ShardServer::~ShardServer() {
+  if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
+}
+
+absl::Status ShardServer::Start() {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(settings_.config.listen(), grpc::InsecureServerCredentials(), &port_);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", settings_.config.listen(),
+        ": the address is in use or not local; choose another --listen (port 0 picks a free one)"));
+  }
+  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  const std::string address = BoundAddress(settings_.config.listen(), port_);
+  std::fprintf(stderr, "layercast-shard %u/%u: listening on %s\n", settings_.config.shard_index(),
+               settings_.config.num_shards(), address.c_str());
+  if (!settings_.config.port_file().empty()) {
+    // Written to a temporary name and renamed, so a reader never sees half.
+    const std::string tmp = settings_.config.port_file() + ".tmp";
+    std::ofstream(tmp) << port_ << "\n";
+    if (std::rename(tmp.c_str(), settings_.config.port_file().c_str()) != 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot write --port-file ", settings_.config.port_file()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
+  const auto& config = settings_.config;
+  const auto started = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(store_, ParameterStore::Load(*source_, config.shard_index(), config.num_shards(),
+                                                settings_.policy, cancel));
+  service_->AttachStore(store_.get());
+  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, true);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::fprintf(stderr, "layercast-shard %u/%u: loaded %s of fp32 master for %s (%zu layers) in %.2f s; ready\n",
+               config.shard_index(), config.num_shards(), FormatBytes(store_->master_bytes()).c_str(),
+               store_->model().model_id.c_str(), store_->model().layers.size(), seconds);
+  return absl::OkStatus();
+}
+
+void ShardServer::Shutdown(std::chrono::milliseconds drain) {
+  if (server_ == nullptr) return;
+  service_->StartDraining();
+  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  server_->Shutdown(std::chrono::system_clock::now() + drain);
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace layercast::server

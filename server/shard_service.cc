@@ -1,0 +1,103 @@
+#include "server/shard_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "server/fetch_layer_reactor.h"
+#include "server/fetch_plan.h"
+#include "server/grpc_status.h"
+
+namespace layercast::server {
+namespace {
+
+const grpc::Status kLoading(grpc::StatusCode::UNAVAILABLE,
+                            "this shard is still loading its parameters; retry shortly (the "
+                            "readiness health check turns SERVING when it is done)");
+
+// A write reactor that only finishes with `status`: how a refused stream ends.
+class RefusedStream final : public grpc::ServerWriteReactor<layercast::v1::LayerChunk> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
+  layercast::v1::Manifest manifest;
+  const ModelSpec& model = store.model();
+  manifest.set_model_id(model.model_id);
+  manifest.set_num_shards(store.num_shards());
+  manifest.set_shard_index(store.shard_index());
+  manifest.set_policy(store.policy().ToString());
+  manifest.set_layout_digest(std::string(store.layout_digest().begin(), store.layout_digest().end()));
+  for (uint32_t l = 0; l < model.layers.size(); ++l) {
+    const LayerSpec& spec = model.layers[l];
+    const AssembledLayout& layout = store.layout(l);
+    layercast::v1::Layer* layer = manifest.add_layers();
+    layer->set_index(l);
+    layer->set_name(spec.name);
+    layer->set_assembled_bytes(layout.total_bytes());
+    for (uint32_t t = 0; t < spec.tensors.size(); ++t) {
+      layercast::v1::Tensor* tensor = layer->add_tensors();
+      tensor->set_name(spec.tensors[t].name);
+      for (int64_t dim : spec.tensors[t].shape) tensor->add_shape(dim);
+      tensor->set_param_dtype(layercast::v1::FLOAT32);
+      tensor->set_compute_dtype(
+          static_cast<layercast::v1::DType>(layout.tensors()[t].compute_dtype));
+      tensor->set_byte_offset(layout.tensors()[t].byte_offset);
+      tensor->set_num_elements(spec.tensors[t].num_elements);
+    }
+  }
+  return manifest;
+}
+
+void ShardService::AttachStore(const ParameterStore* store) {
+  auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
+  absl::MutexLock lock(&mu_);
+  store_ = store;
+  manifest_ = std::move(manifest);
+}
+
+const ParameterStore* ShardService::store() const {
+  absl::MutexLock lock(&mu_);
+  return store_;
+}
+
+grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext* context,
+                                                    const layercast::v1::GetManifestRequest*,
+                                                    layercast::v1::Manifest* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  {
+    absl::MutexLock lock(&mu_);
+    if (manifest_ == nullptr) {
+      reactor->Finish(kLoading);
+      return reactor;
+    }
+    *response = *manifest_;
+  }
+  response->set_version(gate_.version());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
+    grpc::CallbackServerContext* context, const layercast::v1::FetchLayerRequest* request) {
+  if (draining_.load()) {
+    return new RefusedStream(grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        "this shard is shutting down and takes no new streams; retry against its replacement"));
+  }
+  const ParameterStore* loaded = store();
+  if (loaded == nullptr) return new RefusedStream(kLoading);
+  absl::StatusOr<FetchPlan> plan = PlanFetch(*loaded, *request);
+  if (!plan.ok()) return new RefusedStream(ToGrpcStatus(plan.status()));
+
+  streams_in_flight_.fetch_add(1);
+  FetchLayerReactor::Options reactor_options;
+  reactor_options.chunk_bytes = options_.chunk_bytes;
+  reactor_options.min_version = request->min_version();
+  reactor_options.on_done = [this](const grpc::Status&) { streams_in_flight_.fetch_sub(1); };
+  return new FetchLayerReactor(context, *loaded, gate_, *std::move(plan),
+                               std::move(reactor_options));
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,62 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "layercast/v1/shard.grpc.pb.h"
+#include "server/parameter_store.h"
+#include "server/version_gate.h"
+
+namespace layercast::server {
+
+// The gRPC ShardService of one shard, on the callback API. Until a store is
+// attached (parameters still loading) every call is refused with UNAVAILABLE;
+// after StartDraining() new FetchLayer calls are refused with UNAVAILABLE
+// while streams in flight go on.
+//
+// Thread-safe: gRPC calls its handlers from many threads.
+class ShardService final : public layercast::v1::ShardService::CallbackService {
+ public:
+  struct Options {
+    uint64_t chunk_bytes = 1 << 20;
+  };
+
+  explicit ShardService(Options options) : options_(options) {}
+
+  // Makes the loaded parameters available; called once. `store` must outlive
+  // the service.
+  void AttachStore(const ParameterStore* store);
+  void StartDraining() { draining_.store(true); }
+
+  VersionGate& version_gate() { return gate_; }
+  // FetchLayer streams started and not yet done.
+  int64_t streams_in_flight() const { return streams_in_flight_.load(); }
+
+  grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* context,
+                                        const layercast::v1::GetManifestRequest* request,
+                                        layercast::v1::Manifest* response) override;
+  grpc::ServerWriteReactor<layercast::v1::LayerChunk>* FetchLayer(
+      grpc::CallbackServerContext* context,
+      const layercast::v1::FetchLayerRequest* request) override;
+
+ private:
+  // The loaded store, or nullptr while loading.
+  const ParameterStore* store() const;
+
+  const Options options_;
+  VersionGate gate_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> streams_in_flight_{0};
+  mutable absl::Mutex mu_;
+  const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Built once when the store is attached; the version is filled per call.
+  std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
+};
+
+// The manifest of `store`, version 0.
+layercast::v1::Manifest BuildManifest(const ParameterStore& store);
+
+}  // namespace layercast::server

@@ -1,0 +1,151 @@
+#include "core/layout.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace layercast {
+namespace {
+
+using ::testing::HasSubstr;
+
+const uint64_t kAwkwardSizes[] = {0, 1, 2, 3, 5, 7, 31, 63, 64, 65, 97, 127, 1000, 4099, 65537};
+
+TEST(ShardElementRangeTest, EveryElementOwnedByExactlyOneShard) {
+  for (uint32_t num_shards = 1; num_shards <= 64; ++num_shards) {
+    for (uint64_t n : kAwkwardSizes) {
+      std::vector<int> owners(n, 0);
+      uint64_t smallest = n, largest = 0;
+      for (uint32_t shard = 0; shard < num_shards; ++shard) {
+        const ElementRange range = ShardElementRange(n, shard, num_shards);
+        ASSERT_LE(range.begin, range.end);
+        ASSERT_LE(range.end, n);
+        for (uint64_t i = range.begin; i < range.end; ++i) ++owners[i];
+        smallest = std::min(smallest, range.size());
+        largest = std::max(largest, range.size());
+      }
+      for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(owners[i], 1) << "n=" << n << " N=" << num_shards;
+      EXPECT_LE(largest - smallest, 1u) << "balanced to one element: n=" << n;
+    }
+  }
+  EXPECT_EQ(ShardElementRange(10, 1, 3), (ElementRange{3, 6}));
+}
+
+TEST(ShardElementRangeTest, NoOverflowOnHugeTensors) {
+  const uint64_t n = uint64_t{1} << 62;
+  EXPECT_EQ(ShardElementRange(n, 63, 64).end, n);
+  EXPECT_EQ(ShardElementRange(n, 1, 4).begin, n / 4);
+}
+
+AssembledLayout MixedLayout() {
+  return AssembledLayout::FromDTypes(
+      {DType::kBFloat16, DType::kFloat32, DType::kFloat16, DType::kBFloat16},
+      {1000, 3, 128, 1});
+}
+
+TEST(AssembledLayoutTest, TensorsAlignedAndNonOverlapping) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<DType> dtypes;
+    std::vector<uint64_t> counts;
+    const int tensors = 1 + static_cast<int>(rng() % 12);
+    for (int t = 0; t < tensors; ++t) {
+      dtypes.push_back(static_cast<DType>(1 + rng() % 3));
+      counts.push_back(rng() % 5000);
+    }
+    const AssembledLayout layout = AssembledLayout::FromDTypes(dtypes, counts);
+    uint64_t previous_end = 0;
+    for (const AssembledTensor& t : layout.tensors()) {
+      EXPECT_EQ(t.byte_offset % kAssembledAlignment, 0u);
+      EXPECT_GE(t.byte_offset, previous_end);
+      EXPECT_LT(t.byte_offset - previous_end, kAssembledAlignment);
+      previous_end = t.byte_offset + t.num_bytes();
+    }
+    EXPECT_GE(layout.total_bytes(), previous_end);
+    EXPECT_EQ(layout.total_bytes() % kAssembledAlignment, 0u);
+  }
+  const AssembledLayout layout = MixedLayout();
+  EXPECT_EQ(layout.tensors()[1].byte_offset, 2048u);  // 2000 bytes of bf16, aligned up
+  EXPECT_EQ(layout.total_bytes(), 2048u + 256 + 256 + 256);
+}
+
+TEST(AssembledLayoutTest, SplitRangesTileEveryTensorExactlyOnce) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 100; ++trial) {
+    std::vector<DType> dtypes;
+    std::vector<uint64_t> counts;
+    const int tensors = 1 + static_cast<int>(rng() % 6);
+    for (int t = 0; t < tensors; ++t) {
+      dtypes.push_back(static_cast<DType>(1 + rng() % 3));
+      counts.push_back(1 + rng() % 3000);
+    }
+    const AssembledLayout layout = AssembledLayout::FromDTypes(dtypes, counts);
+    for (uint32_t parts : {1u, 2u, 3u, 8u, 64u}) {
+      std::vector<std::vector<int>> seen(tensors);
+      for (int t = 0; t < tensors; ++t) seen[t].assign(counts[t], 0);
+      uint64_t expected_begin = 0;
+      for (auto [begin, end] : layout.SplitBytes(parts)) {
+        ASSERT_EQ(begin, expected_begin);
+        expected_begin = end;
+        if (begin == end) continue;
+        absl::StatusOr<std::vector<TensorElementRange>> ranges = layout.MapByteRange(begin, end);
+        ASSERT_TRUE(ranges.ok()) << ranges.status();
+        for (const TensorElementRange& r : *ranges) {
+          for (uint64_t i = r.elements.begin; i < r.elements.end; ++i) ++seen[r.tensor][i];
+        }
+      }
+      ASSERT_EQ(expected_begin, layout.total_bytes());
+      for (int t = 0; t < tensors; ++t) {
+        for (uint64_t i = 0; i < counts[t]; ++i) ASSERT_EQ(seen[t][i], 1);
+      }
+    }
+  }
+}
+
+TEST(AssembledLayoutTest, MapByteRangeSelectsElements) {
+  const AssembledLayout layout = MixedLayout();
+  absl::StatusOr<std::vector<TensorElementRange>> ranges = layout.MapByteRange(1000, 2052);
+  ASSERT_TRUE(ranges.ok()) << ranges.status();
+  ASSERT_EQ(ranges->size(), 2u);
+  EXPECT_EQ((*ranges)[0].tensor, 0u);
+  EXPECT_EQ((*ranges)[0].elements, (ElementRange{500, 1000}));
+  EXPECT_EQ((*ranges)[1].tensor, 1u);
+  EXPECT_EQ((*ranges)[1].elements, (ElementRange{0, 1}));
+  // Padding only: valid, selects nothing.
+  ranges = layout.MapByteRange(2000, 2048);
+  ASSERT_TRUE(ranges.ok());
+  EXPECT_TRUE(ranges->empty());
+}
+
+TEST(AssembledLayoutTest, MapByteRangeRefusesBadRanges) {
+  const AssembledLayout layout = MixedLayout();
+  EXPECT_THAT(layout.MapByteRange(0, 0).status().message(), HasSubstr("non-empty"));
+  EXPECT_EQ(layout.MapByteRange(10, 5).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(layout.MapByteRange(0, layout.total_bytes() + 256).status().message(),
+              HasSubstr("assembled size of 2816 bytes"));
+  // Byte 2050 is inside the first fp32 element of tensor 1.
+  absl::Status split = layout.MapByteRange(2050, 2056).status();
+  EXPECT_EQ(split.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(split.message(), HasSubstr("byte 2050 falls inside a float32 element of tensor 1"));
+  EXPECT_EQ(layout.MapByteRange(1, 4).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LayoutDigestTest, ChangesWithAnythingThatMovesBytes) {
+  ModelSpec model{"m", {LayerSpec{"l0", {TensorSpec{"a.weight", {4, 8}, 32},
+                                         TensorSpec{"a.norm", {8}, 8}}}}};
+  const Policy bf16 = *Policy::Parse("c=bf16");
+  const auto base = LayoutDigest(model, bf16);
+  EXPECT_EQ(base, LayoutDigest(model, bf16));
+  EXPECT_NE(base, LayoutDigest(model, *Policy::Parse("c=bf16;*norm=f32")));
+  EXPECT_NE(base, LayoutDigest(model, *Policy::Parse("c=f32")));
+  ModelSpec reshaped = model;
+  reshaped.layers[0].tensors[0].shape = {8, 4};
+  EXPECT_NE(base, LayoutDigest(reshaped, bf16));
+  ModelSpec renamed = model;
+  renamed.layers[0].tensors[1].name = "a.norm2";
+  EXPECT_NE(base, LayoutDigest(renamed, bf16));
+}
+
+}  // namespace
+}  // namespace layercast

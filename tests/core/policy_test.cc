@@ -1,0 +1,120 @@
+#include "core/policy.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace layercast {
+namespace {
+
+using ::testing::HasSubstr;
+
+Policy MustParse(absl::string_view text) {
+  absl::StatusOr<Policy> policy = Policy::Parse(text);
+  EXPECT_TRUE(policy.ok()) << text << ": " << policy.status();
+  return policy.ok() ? *policy : Policy();
+}
+
+struct JmpCase {
+  std::string text;
+  DType params, compute, output;
+};
+
+// Each expectation is what jmp.get_policy(text) returns.
+TEST(PolicyTest, ParsesJmpGrammarAsJmpDoes) {
+  const DType f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
+  const std::vector<JmpCase> cases = {
+      {"params=float32,compute=bfloat16,output=float32", f32, bf16, f32},
+      {"p=f32,c=bf16,o=f32", f32, bf16, f32},
+      {"p=f32,c=bfloat16", f32, bf16, bf16},
+      {"c=bf16", f32, bf16, bf16},
+      {"c=f16", f32, f16, f16},
+      {"p=f16,c=f16", f16, f16, f16},
+      {"p=f16,c=bf16", f16, bf16, bf16},
+      {"p=bf16", bf16, bf16, bf16},
+      {"o=bf16", f32, f32, bf16},
+      {"bf16", bf16, bf16, bf16},
+      {"bfloat16", bf16, bf16, bf16},
+      {"full", f32, f32, f32},
+      {"f32", f32, f32, f32},
+      {"float16", f16, f16, f16},
+      {"p=full,c=float16,o=full", f32, f16, f32},
+      {"c=bf16,c=f16", f32, f16, f16},  // last value wins, as in jmp
+      {"compute=bf16,params=float32", f32, bf16, bf16},
+  };
+  for (const JmpCase& c : cases) {
+    const Policy policy = MustParse(c.text);
+    EXPECT_EQ(policy.params(), c.params) << c.text;
+    EXPECT_EQ(policy.compute(), c.compute) << c.text;
+    EXPECT_EQ(policy.output(), c.output) << c.text;
+    EXPECT_TRUE(policy.overrides().empty());
+  }
+}
+
+TEST(PolicyTest, RefusesHalfAndFloat64WithReason) {
+  for (const char* text : {"half", "c=half", "p=f64", "float64"}) {
+    absl::StatusOr<Policy> policy = Policy::Parse(text);
+    ASSERT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(policy.status().message(), HasSubstr("refused")) << text;
+  }
+  EXPECT_THAT(Policy::Parse("half").status().message(), HasSubstr("TPU"));
+}
+
+TEST(PolicyTest, NamesTheBadPartWhereJmpFailsToUnpack) {
+  struct Bad {
+    std::string text, expected;
+  };
+  const std::vector<Bad> cases = {
+      {"p=f32,", "'' is not a key=value pair"},
+      {"p=f32=x", "'p=f32=x' is not a key=value pair"},
+      {"p=f32, c=bf16", "unknown key ' c'"},
+      {"p=f32,c=", "'c=' is not a key=value pair"},
+      {"=bf16", "'=bf16' is not a key=value pair"},
+      {"x=bf16", "unknown key 'x'"},
+      {"c=bf8", "unknown dtype 'bf8'"},
+      {"BF16", "unknown dtype 'BF16'"},
+      {"", "empty"},
+      {"bf16;norm", "'norm' is not an override glob=dtype"},
+      {"bf16;*norm*=f8", "unknown dtype 'f8'"},
+      {"c=f16,overflow=wrap", "unknown overflow rule 'wrap'"},
+  };
+  for (const Bad& c : cases) {
+    absl::StatusOr<Policy> policy = Policy::Parse(c.text);
+    ASSERT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(policy.status().message(), HasSubstr(c.expected)) << c.text;
+    EXPECT_THAT(policy.status().message(), HasSubstr("'" + c.text + "'")) << c.text;
+  }
+  // The message lists what is accepted.
+  EXPECT_THAT(Policy::Parse("x=bf16").status().message(),
+              HasSubstr("params (p), compute (c), output (o)"));
+  EXPECT_THAT(Policy::Parse("c=bf8").status().message(), HasSubstr("bfloat16 (bf16)"));
+}
+
+TEST(PolicyTest, OverridesResolveFirstMatchWins) {
+  const Policy policy = MustParse("p=f32,c=bf16;*norm*=f32;lm_head.*=f16;*.weight=f32");
+  EXPECT_EQ(policy.ComputeDTypeFor("model.layers.0.input_layernorm.weight"), DType::kFloat32);
+  EXPECT_EQ(policy.ComputeDTypeFor("lm_head.weight"), DType::kFloat16);
+  EXPECT_EQ(policy.ComputeDTypeFor("model.layers.0.mlp.up_proj.weight"), DType::kFloat32);
+  EXPECT_EQ(policy.ComputeDTypeFor("model.layers.0.mlp.up_proj.bias"), DType::kBFloat16);
+  EXPECT_EQ(policy.ComputeDTypeFor("xlm_head.weight"), DType::kFloat32);
+  ASSERT_EQ(policy.overrides().size(), 3u);
+  EXPECT_EQ(policy.overrides()[1], (Policy::Override{"lm_head.*", DType::kFloat16}));
+}
+
+TEST(PolicyTest, CanonicalStringRoundTrips) {
+  for (const char* text :
+       {"bf16", "c=bf16", "p=f32,c=bf16;*norm*=f32;lm_head.*=f32", "c=f16,overflow=saturate",
+        "c=f16,overflow=inf;embed*=bf16", "full"}) {
+    const Policy policy = MustParse(text);
+    const std::string canonical = policy.ToString();
+    const Policy again = MustParse(canonical);
+    EXPECT_EQ(again, policy) << text << " -> " << canonical;
+    EXPECT_EQ(again.ToString(), canonical);
+  }
+  EXPECT_EQ(MustParse("p=f32,c=bf16;*norm*=f32").ToString(),
+            "params=float32,compute=bfloat16,output=bfloat16;*norm*=float32");
+  EXPECT_EQ(MustParse("c=f16,overflow=saturate").overflow(), Fp16Overflow::kSaturate);
+  EXPECT_EQ(MustParse("c=f16").overflow(), Fp16Overflow::kError);
+}
+
+}  // namespace
+}  // namespace layercast
