@@ -1,0 +1,54 @@
+#include "client/cli/cli_flags.h"
+
+#include <charconv>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace layercast::cli {
+
+absl::StatusOr<CliFlags> CliFlags::Parse(const std::vector<std::string>& args,
+                                         const std::set<std::string>& known) {
+  CliFlags flags;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!absl::StartsWith(args[i], "--")) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", args[i], "'"));
+    }
+    std::string name = args[i].substr(2), value;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    } else if (i + 1 < args.size()) {
+      value = args[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
+    }
+    if (known.count(name) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, "; this command takes --",
+                                                     absl::StrJoin(known, ", --")));
+    }
+    flags.values_[name] = value;
+  }
+  return flags;
+}
+
+std::string CliFlags::Get(const std::string& name, const std::string& fallback) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second;
+}
+
+absl::StatusOr<uint64_t> CliFlags::GetUint(const std::string& name, uint64_t fallback) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  const std::string& text = it->second;
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " takes an unsigned integer, not '", text, "'"));
+  }
+  return value;
+}
+
+}  // namespace layercast::cli

@@ -1,0 +1,23 @@
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace layercast::cli {
+
+// The `layercast` subcommands. Each takes the arguments after its name,
+// prints its results to stdout and progress to stderr, and returns a status
+// whose message main() prints.
+
+// layercast manifest --shards A,B,...
+absl::Status RunManifest(const std::vector<std::string>& args);
+// layercast fetch --shards A,B,... --layer L --out FILE.safetensors
+absl::Status RunFetch(const std::vector<std::string>& args);
+// layercast bench --shards A,B,... [--rounds R]
+absl::Status RunBench(const std::vector<std::string>& args);
+// layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] ...
+absl::Status RunDemo(const std::vector<std::string>& args);
+
+}  // namespace layercast::cli

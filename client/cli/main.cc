@@ -1,0 +1,48 @@
+// layercast: the worker-side command-line tool over the client library.
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "client/cli/commands.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: layercast COMMAND [FLAGS]\n"
+    "  manifest --shards A,B,...                      print the model, policy and layers\n"
+    "  fetch --shards A,B,... --layer L --out F       gather layer L into a safetensors file\n"
+    "  bench --shards A,B,... [--rounds R]            gather every layer R times, report GB/s\n"
+    "  demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P] [--steps S]\n"
+    "                                                 start N local shards and walk every layer\n"
+    "                                                 forward then backward, as a training step\n"
+    "Shards are named host:port in shard order.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  const std::vector<std::string> args(argv + 2, argv + argc);
+  absl::Status status;
+  if (command == "manifest") {
+    status = layercast::cli::RunManifest(args);
+  } else if (command == "fetch") {
+    status = layercast::cli::RunFetch(args);
+  } else if (command == "bench") {
+    status = layercast::cli::RunBench(args);
+  } else if (command == "demo") {
+    status = layercast::cli::RunDemo(args);
+  } else {
+    std::fprintf(stderr, "layercast: unknown command '%s'\n%s", command.c_str(), kUsage);
+    return 2;
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "layercast %s: %s\n", command.c_str(), std::string(status.message()).c_str());
+    return absl::IsInvalidArgument(status) ? 2 : 1;
+  }
+  return 0;
+}

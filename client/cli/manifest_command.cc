@@ -1,0 +1,41 @@
+#include <cstdio>
+
+#include "absl/strings/escaping.h"
+#include "client/cli/commands.h"
+#include "client/cli/connect.h"
+#include "core/byte_size.h"
+#include "core/status_macros.h"
+
+namespace layercast::cli {
+
+absl::Status RunManifest(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, {"shards", "connect-timeout-ms"}));
+  ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
+  const layercast::v1::Manifest& manifest = set->manifests()[0];
+  uint64_t elements = 0, assembled = 0;
+  for (const auto& layer : manifest.layers()) {
+    assembled += layer.assembled_bytes();
+    for (const auto& tensor : layer.tensors()) elements += tensor.num_elements();
+  }
+  std::printf("model     %s\n", manifest.model_id().c_str());
+  std::printf("shards    %u\n", manifest.num_shards());
+  std::printf("version   %llu\n", static_cast<unsigned long long>(manifest.version()));
+  std::printf("policy    %s\n", manifest.policy().c_str());
+  std::printf("digest    %s\n", absl::BytesToHexString(manifest.layout_digest()).c_str());
+  std::printf("params    %llu (%s fp32, %s assembled)\n", static_cast<unsigned long long>(elements),
+              FormatBytes(elements * 4).c_str(), FormatBytes(assembled).c_str());
+  std::printf("layers    %d\n", manifest.layers_size());
+  for (const auto& layer : manifest.layers()) {
+    std::printf("  %3u %-28s %3d tensors %12s\n", layer.index(), layer.name().c_str(),
+                layer.tensors_size(), FormatBytes(layer.assembled_bytes()).c_str());
+    for (const auto& tensor : layer.tensors()) {
+      std::string shape;
+      for (int64_t dim : tensor.shape()) shape += (shape.empty() ? "" : "x") + std::to_string(dim);
+      std::printf("        %-48s %-9s [%s]\n", tensor.name().c_str(),
+                  layercast::v1::DType_Name(tensor.compute_dtype()).c_str(), shape.c_str());
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace layercast::cli

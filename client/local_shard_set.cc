@@ -1,0 +1,167 @@
+#include "client/local_shard_set.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+extern char** environ;
+
+namespace layercast::client {
+namespace {
+
+std::string DescribeExit(int wait_status) {
+  if (WIFEXITED(wait_status)) return absl::StrCat("exit status ", WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) return absl::StrCat("signal ", WTERMSIG(wait_status));
+  return "unknown status";
+}
+
+// Waits for `pid` until `deadline`; true and its status once it has exited.
+bool WaitUntil(pid_t pid, std::chrono::steady_clock::time_point deadline, int* wait_status) {
+  while (true) {
+    const pid_t done = waitpid(pid, wait_status, WNOHANG);
+    if (done == pid || done < 0) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace
+
+uint64_t PeakRssBytes(pid_t pid) {
+  std::ifstream status(pid == 0 ? std::string("/proc/self/status")
+                                : absl::StrCat("/proc/", pid, "/status"));
+  std::string key;
+  while (status >> key) {
+    if (key == "VmHWM:") {
+      uint64_t kib = 0;
+      status >> kib;
+      return kib * 1024;
+    }
+    status.ignore(1 << 20, '\n');
+  }
+  return 0;
+}
+
+std::string DefaultShardBinary() {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return "layercast-shard";
+  return (self.parent_path() / "layercast-shard").string();
+}
+
+absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options options) {
+  if (access(options.shard_binary.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("shard binary ", options.shard_binary,
+                                            " is not an executable file; build layercast-shard "
+                                            "or pass its path"));
+  }
+  auto set = std::unique_ptr<LocalShardSet>(new LocalShardSet());
+  char dir_template[] = "/tmp/layercast-shards-XXXXXX";
+  if (mkdtemp(dir_template) == nullptr) return absl::InternalError("cannot create a temp dir");
+  set->temp_dir_ = dir_template;
+
+  for (uint32_t i = 0; i < options.num_shards; ++i) {
+    const std::string port_file = absl::StrCat(set->temp_dir_, "/shard-", i, ".port");
+    std::vector<std::string> args = {options.shard_binary, "--listen", "127.0.0.1:0",
+                                      "--port-file", port_file, "--shard-index",
+                                      absl::StrCat(i), "--num-shards",
+                                      absl::StrCat(options.num_shards)};
+    args.insert(args.end(), options.extra_flags.begin(), options.extra_flags.end());
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    if (!options.log_dir.empty()) {
+      const std::string log = absl::StrCat(options.log_dir, "/shard-", i, ".log");
+      posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    }
+    pid_t pid = 0;
+    const int error = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (error != 0) {
+      return absl::InternalError(absl::StrCat("cannot start ", options.shard_binary, ": ",
+                                              std::strerror(error)));
+    }
+    set->pids_.push_back(pid);
+  }
+
+  const auto deadline = std::chrono::steady_clock::now() + options.start_timeout;
+  for (uint32_t i = 0; i < options.num_shards; ++i) {
+    const std::string port_file = absl::StrCat(set->temp_dir_, "/shard-", i, ".port");
+    int port = 0;
+    while (port == 0) {
+      std::ifstream(port_file) >> port;
+      if (port != 0) break;
+      int wait_status = 0;
+      if (waitpid(set->pids_[i], &wait_status, WNOHANG) == set->pids_[i]) {
+        set->pids_[i] = 0;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "shard ", i, " exited before listening (", DescribeExit(wait_status), ")"));
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("shard ", i, " did not start listening within ",
+                                                        options.start_timeout.count(), " ms"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    set->addresses_.push_back(absl::StrCat("127.0.0.1:", port));
+  }
+  return set;
+}
+
+LocalShardSet::~LocalShardSet() {
+  (void)Stop(std::chrono::milliseconds(5000));
+  std::error_code ignored;
+  if (!temp_dir_.empty()) std::filesystem::remove_all(temp_dir_, ignored);
+}
+
+uint64_t LocalShardSet::PeakRssBytes(size_t shard) const {
+  return pids_[shard] > 0 ? client::PeakRssBytes(pids_[shard]) : 0;
+}
+
+void LocalShardSet::Kill(size_t shard) {
+  if (pids_[shard] <= 0) return;
+  kill(pids_[shard], SIGKILL);
+  int wait_status = 0;
+  waitpid(pids_[shard], &wait_status, 0);
+  pids_[shard] = 0;
+}
+
+absl::Status LocalShardSet::Stop(std::chrono::milliseconds grace) {
+  for (pid_t pid : pids_) {
+    if (pid > 0) kill(pid, SIGTERM);
+  }
+  absl::Status result;
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  for (size_t i = 0; i < pids_.size(); ++i) {
+    if (pids_[i] <= 0) continue;
+    int wait_status = 0;
+    if (!WaitUntil(pids_[i], deadline, &wait_status)) {
+      kill(pids_[i], SIGKILL);
+      waitpid(pids_[i], &wait_status, 0);
+      if (result.ok()) {
+        result = absl::DeadlineExceededError(
+            absl::StrCat("shard ", i, " did not stop within ", grace.count(), " ms; killed"));
+      }
+    } else if (result.ok() && !(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0)) {
+      result = absl::InternalError(
+          absl::StrCat("shard ", i, " stopped with ", DescribeExit(wait_status)));
+    }
+    pids_[i] = 0;
+  }
+  return result;
+}
+
+}  // namespace layercast::client

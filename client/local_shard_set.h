@@ -1,0 +1,66 @@
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace layercast::client {
+
+// N real `layercast-shard` processes on 127.0.0.1, each on a port of its own
+// choosing: what `layercast demo` and the integration tests run against.
+// Stop() (or the destructor) sends SIGTERM and waits; a shard that does not
+// exit within the grace period is killed.
+//
+// Not thread-safe.
+class LocalShardSet {
+ public:
+  struct Options {
+    std::string shard_binary;  // path to layercast-shard
+    uint32_t num_shards = 2;
+    // Flags passed to every shard besides --listen, --port-file,
+    // --shard-index and --num-shards, e.g. {"--synthetic", "llama:"}.
+    std::vector<std::string> extra_flags;
+    std::chrono::milliseconds start_timeout{60000};
+    // Where shards' stderr goes; empty: inherited.
+    std::string log_dir;
+  };
+
+  // Starts every shard and waits until each has written its port file (it is
+  // listening; it may still be loading). FAILED_PRECONDITION with the shard's
+  // exit status if one exits first.
+  static absl::StatusOr<std::unique_ptr<LocalShardSet>> Start(Options options);
+  ~LocalShardSet();
+
+  // "127.0.0.1:PORT" of each shard, in shard order.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  pid_t pid(size_t shard) const { return pids_[shard]; }
+
+  // Peak resident memory (VmHWM) of shard `shard` in bytes; 0 if unknown.
+  uint64_t PeakRssBytes(size_t shard) const;
+
+  // Sends SIGKILL to one shard, as a crash would, and reaps it.
+  void Kill(size_t shard);
+
+  // SIGTERM to every live shard, then waits up to `grace` for each. OK if
+  // every shard exited 0; otherwise an error naming the first that did not.
+  absl::Status Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(15000));
+
+ private:
+  LocalShardSet() = default;
+  std::string temp_dir_;
+  std::vector<pid_t> pids_;
+  std::vector<std::string> addresses_;
+};
+
+// Peak resident memory (VmHWM) of process `pid` (0: this process), bytes.
+uint64_t PeakRssBytes(pid_t pid = 0);
+
+// The layercast-shard binary next to the running executable, if there is one.
+std::string DefaultShardBinary();
+
+}  // namespace layercast::client

@@ -1,0 +1,131 @@
+#include "client/manifest_check.h"
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace layercast::client {
+namespace {
+
+absl::Status Bad(absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat("inconsistent manifest: ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manifest) {
+  ShardSetView view;
+  if (manifest.num_shards() == 0 || manifest.shard_index() >= manifest.num_shards()) {
+    return Bad(absl::StrCat("shard_index ", manifest.shard_index(), " of num_shards ",
+                            manifest.num_shards()));
+  }
+  view.num_shards = manifest.num_shards();
+  absl::StatusOr<Policy> policy = Policy::Parse(manifest.policy());
+  if (!policy.ok()) return Bad(policy.status().message());
+  view.policy = *policy;
+  view.model.model_id = manifest.model_id();
+  for (int l = 0; l < manifest.layers_size(); ++l) {
+    const layercast::v1::Layer& layer = manifest.layers(l);
+    if (layer.index() != static_cast<uint32_t>(l)) {
+      return Bad(absl::StrCat("layer at position ", l, " says index ", layer.index()));
+    }
+    LayerSpec spec{layer.name(), {}};
+    std::vector<DType> dtypes;
+    std::vector<uint64_t> counts;
+    for (const layercast::v1::Tensor& tensor : layer.tensors()) {
+      uint64_t n = 1;
+      for (int64_t dim : tensor.shape()) {
+        if (dim < 0 || __builtin_mul_overflow(n, static_cast<uint64_t>(dim), &n)) {
+          return Bad(absl::StrCat("tensor ", tensor.name(), " has an impossible shape"));
+        }
+      }
+      if (n != tensor.num_elements() || n > (uint64_t{1} << 48)) {
+        return Bad(absl::StrCat("tensor ", tensor.name(), " has ", tensor.num_elements(),
+                                " elements but its shape gives ", n));
+      }
+      if (tensor.compute_dtype() == layercast::v1::DTYPE_UNSPECIFIED ||
+          !layercast::v1::DType_IsValid(tensor.compute_dtype())) {
+        return Bad(absl::StrCat("tensor ", tensor.name(), " has no valid compute dtype"));
+      }
+      const auto dtype = static_cast<DType>(tensor.compute_dtype());
+      if (dtype != view.policy.ComputeDTypeFor(tensor.name())) {
+        return Bad(absl::StrCat("tensor ", tensor.name(), " is ", DTypeName(dtype),
+                                " but the policy gives ",
+                                DTypeName(view.policy.ComputeDTypeFor(tensor.name()))));
+      }
+      spec.tensors.push_back(
+          TensorSpec{tensor.name(), {tensor.shape().begin(), tensor.shape().end()}, n});
+      dtypes.push_back(dtype);
+      counts.push_back(n);
+    }
+    AssembledLayout layout = AssembledLayout::FromDTypes(dtypes, counts);
+    if (layout.total_bytes() != layer.assembled_bytes()) {
+      return Bad(absl::StrCat("layer ", l, " says ", layer.assembled_bytes(),
+                              " assembled bytes, the layout gives ", layout.total_bytes()));
+    }
+    for (int t = 0; t < layer.tensors_size(); ++t) {
+      if (layout.tensors()[t].byte_offset != layer.tensors(t).byte_offset()) {
+        return Bad(absl::StrCat("tensor ", layer.tensors(t).name(), " says offset ",
+                                layer.tensors(t).byte_offset(), ", the layout gives ",
+                                layout.tensors()[t].byte_offset));
+      }
+    }
+    view.model.layers.push_back(std::move(spec));
+    view.layouts.push_back(std::move(layout));
+  }
+  const std::array<uint8_t, 32> digest = LayoutDigest(view.model, view.policy);
+  if (manifest.layout_digest() != std::string(digest.begin(), digest.end())) {
+    return Bad("its layout_digest does not match its layers");
+  }
+  return view;
+}
+
+absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Manifest>& manifests,
+                                           const std::vector<std::string>& addresses) {
+  if (manifests.empty() || manifests.size() != addresses.size()) {
+    return absl::InvalidArgumentError("a shard set needs one manifest per address");
+  }
+  const layercast::v1::Manifest& first = manifests[0];
+  const auto name = [&](size_t i) { return absl::StrCat("shard ", addresses[i], " (position ", i, ")"); };
+  const auto disagree = [&](size_t i, absl::string_view what) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        name(i), " does not belong to this shard set: ", what,
+        ". List every shard of one set, in shard order, in --shards"));
+  };
+  ShardSetView view;
+  for (size_t i = 0; i < manifests.size(); ++i) {
+    const layercast::v1::Manifest& m = manifests[i];
+    absl::StatusOr<ShardSetView> own = CheckManifest(m);
+    if (!own.ok()) return absl::FailedPreconditionError(absl::StrCat(name(i), ": ", own.status().message()));
+    if (m.num_shards() != addresses.size()) {
+      return disagree(i, absl::StrCat("it is one of ", m.num_shards(), " shards, but ",
+                                      addresses.size(), " addresses were given"));
+    }
+    if (m.shard_index() != i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (manifests[j].shard_index() == m.shard_index()) {
+          return disagree(i, absl::StrCat("it has shard index ", m.shard_index(), ", like ",
+                                          addresses[j], " (each index must appear exactly once)"));
+        }
+      }
+      return disagree(i, absl::StrCat("it has shard index ", m.shard_index(), ", not ", i));
+    }
+    if (m.model_id() != first.model_id()) {
+      return disagree(i, absl::StrCat("it serves model '", m.model_id(), "', shard 0 serves '",
+                                      first.model_id(), "'"));
+    }
+    if (m.policy() != first.policy()) {
+      return disagree(i, absl::StrCat("its policy is '", m.policy(), "', shard 0's is '",
+                                      first.policy(), "'"));
+    }
+    if (m.layout_digest() != first.layout_digest()) {
+      return disagree(i, absl::StrCat("its layout digest ", absl::BytesToHexString(m.layout_digest()).substr(0, 16),
+                                      "... differs from shard 0's ",
+                                      absl::BytesToHexString(first.layout_digest()).substr(0, 16), "..."));
+    }
+    if (i == 0) view = *std::move(own);
+  }
+  return view;
+}
+
+}  // namespace layercast::client

@@ -1,0 +1,198 @@
+#include "client/shard_set.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "client/shard_stream.h"
+#include "core/status_macros.h"
+
+namespace layercast::client {
+namespace {
+
+// Chunks are at most 3 MiB; leave room for framing and future growth.
+constexpr int kMaxReceiveMessageBytes = 16 << 20;
+
+std::string Describe(const std::vector<std::string>& addresses, size_t i) {
+  return absl::StrCat("shard ", i, " (", addresses[i], ")");
+}
+
+// Asks one shard for its manifest until it answers or `deadline` passes,
+// retrying while it is unreachable or still loading.
+absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardService::Stub& stub,
+                                                      const std::string& describe,
+                                                      std::chrono::system_clock::time_point deadline) {
+  std::chrono::milliseconds backoff(50);
+  grpc::Status status;
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    context.set_wait_for_ready(true);
+    layercast::v1::Manifest manifest;
+    status = stub.GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
+    if (status.ok()) return manifest;
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
+        std::chrono::system_clock::now() + backoff >= deadline) {
+      break;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(describe, " did not answer GetManifest: ",
+                                   status.error_message()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> ParseShardList(absl::string_view list) {
+  std::vector<std::string> addresses = absl::StrSplit(list, ',');
+  for (const std::string& address : addresses) {
+    if (address.empty() || address.find(':') == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shards '", list, "' must list host:port addresses in shard order, comma-separated"));
+    }
+  }
+  return addresses;
+}
+
+absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::string> addresses,
+                                                            ShardSetOptions options) {
+  if (addresses.empty()) return absl::InvalidArgumentError("a shard set needs at least one shard");
+  auto set = std::unique_ptr<ShardSet>(new ShardSet());
+  set->addresses_ = std::move(addresses);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+  for (const std::string& address : set->addresses_) {
+    set->stubs_.push_back(layercast::v1::ShardService::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+  }
+
+  const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
+  const size_t n = set->addresses_.size();
+  std::vector<absl::StatusOr<layercast::v1::Manifest>> answers(n);
+  {
+    std::vector<std::jthread> askers;
+    for (size_t i = 0; i < n; ++i) {
+      askers.emplace_back([&, i] {
+        answers[i] = FetchManifest(*set->stubs_[i], Describe(set->addresses_, i), deadline);
+      });
+    }
+  }
+  for (auto& answer : answers) {
+    if (!answer.ok()) return answer.status();
+    set->manifests_.push_back(*std::move(answer));
+  }
+  ASSIGN_OR_RETURN(set->view_, CheckShardSet(set->manifests_, set->addresses_));
+  return set;
+}
+
+absl::Status ShardSet::CheckLayerIndex(uint32_t layer) const {
+  if (layer < view_.layouts.size()) return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat("layer ", layer, " does not exist: this model has ",
+                                          view_.layouts.size(), " layers (0-",
+                                          view_.layouts.size() - 1, ")"));
+}
+
+Layer ShardSet::MakeLayer(uint32_t layer, uint64_t version, LayerBuffer buffer) const {
+  return Layer(layer, &view_.model.layers[layer], &view_.layouts[layer], version,
+               std::move(buffer));
+}
+
+absl::StatusOr<Layer> ShardSet::Gather(uint32_t layer, const GatherOptions& options) const {
+  RETURN_IF_ERROR(CheckLayerIndex(layer));
+  LayerBuffer buffer = LayerBuffer::Allocate(view_.layouts[layer].total_bytes());
+  ASSIGN_OR_RETURN(uint64_t version,
+                   GatherInto(layer, options, std::span<uint8_t>(buffer.data(), buffer.size())));
+  return MakeLayer(layer, version, std::move(buffer));
+}
+
+absl::StatusOr<uint64_t> ShardSet::GatherInto(uint32_t layer, const GatherOptions& options,
+                                              std::span<uint8_t> buffer) const {
+  RETURN_IF_ERROR(CheckLayerIndex(layer));
+  const AssembledLayout& layout = view_.layouts[layer];
+  if (buffer.size() < layout.total_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("buffer of ", buffer.size(),
+                                                   " bytes is smaller than layer ", layer, "'s ",
+                                                   layout.total_bytes(), " assembled bytes"));
+  }
+  auto [begin, end] = options.byte_range.value_or(std::make_pair(uint64_t{0}, layout.total_bytes()));
+  if (layout.total_bytes() == 0) return manifests_[0].version();
+  ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
+
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(layer);
+  request.set_min_version(options.min_version);
+  if (options.byte_range) {
+    request.set_range_begin(begin);
+    request.set_range_end(end);
+  }
+
+  const uint32_t n = static_cast<uint32_t>(stubs_.size());
+  absl::Mutex mu;
+  uint32_t remaining = n;
+  bool any_failed = false;
+  std::vector<std::unique_ptr<ShardStream>> streams;
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    std::vector<ShardStream::Run> runs;
+    for (const TensorElementRange& selection : selected) {
+      const AssembledTensor& placed = layout.tensors()[selection.tensor];
+      const ElementRange owned =
+          Intersect(selection.elements, ShardElementRange(placed.num_elements, shard, n));
+      if (owned.empty()) continue;
+      runs.push_back(ShardStream::Run{selection.tensor, owned, placed.byte_offset,
+                                      DTypeSize(placed.compute_dtype)});
+    }
+    // Runs on a gRPC thread once the stream has settled its status.
+    auto on_done = [&, shard] {
+      absl::MutexLock lock(&mu);
+      --remaining;
+      if (!streams[shard]->status().ok()) any_failed = true;
+    };
+    streams.push_back(std::make_unique<ShardStream>(Describe(addresses_, shard), std::move(runs),
+                                                    buffer, std::move(on_done)));
+  }
+  const auto deadline = std::chrono::system_clock::now() + options.timeout;
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    streams[shard]->Start(*stubs_[shard], request, deadline);
+  }
+
+  // At the first failure cancel the other streams, so a dead shard fails the
+  // gather at once instead of at the deadline; then wait for every stream.
+  {
+    absl::MutexLock lock(&mu);
+    const auto settled_or_failed = [&] { return remaining == 0 || any_failed; };
+    mu.Await(absl::Condition(&settled_or_failed));
+    if (remaining > 0) {
+      for (const auto& stream : streams) stream->Cancel();
+      const auto settled = [&] { return remaining == 0; };
+      mu.Await(absl::Condition(&settled));
+    }
+  }
+  absl::Status failure;
+  std::optional<uint64_t> version;
+  for (const auto& stream : streams) {
+    if (!stream->status().ok() && (failure.ok() || absl::IsCancelled(failure))) {
+      failure = stream->status();
+    }
+  }
+  if (!failure.ok()) {
+    return absl::Status(failure.code(),
+                        absl::StrCat("gathering layer ", layer, ": ", failure.message()));
+  }
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    const std::optional<uint64_t> v = streams[shard]->version();
+    if (!v) continue;
+    if (version && *version != *v) {
+      return absl::AbortedError(absl::StrCat(
+          "gathering layer ", layer, ": shards sent different parameter versions (", *version,
+          " and ", *v, " from ", Describe(addresses_, shard),
+          "); retry with min_version set to the newer one"));
+    }
+    version = v;
+  }
+  return version.value_or(manifests_[0].version());
+}
+
+}  // namespace layercast::client

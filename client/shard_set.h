@@ -1,0 +1,82 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "client/layer.h"
+#include "client/manifest_check.h"
+#include "layercast/v1/shard.grpc.pb.h"
+
+namespace layercast::client {
+
+struct ShardSetOptions {
+  // How long Connect waits for every shard to answer GetManifest, retrying
+  // shards that are unreachable or still loading.
+  std::chrono::milliseconds connect_timeout{30000};
+};
+
+struct GatherOptions {
+  // The whole gather, every shard's stream included, ends by then.
+  std::chrono::milliseconds timeout{60000};
+  // Wait on each shard until its parameter version reaches this.
+  uint64_t min_version = 0;
+  // Only this byte range [first, second) of the assembled layout (for K local
+  // GPUs each fetching 1/K); the rest of the buffer is left untouched.
+  std::optional<std::pair<uint64_t, uint64_t>> byte_range;
+};
+
+// A connection to a whole shard set, which has agreed on one model, policy
+// and layout. Gathers layers by streaming from every shard at once, each
+// chunk written straight into its place in one assembled buffer.
+//
+// Thread-safe: Gather may be called concurrently (each call has its own
+// streams); the set itself is immutable after Connect.
+class ShardSet {
+ public:
+  // Fetches every manifest concurrently and checks they form one set (see
+  // CheckShardSet). `addresses` are host:port in shard order.
+  static absl::StatusOr<std::unique_ptr<ShardSet>> Connect(std::vector<std::string> addresses,
+                                                           ShardSetOptions options = {});
+
+  const ShardSetView& view() const { return view_; }
+  const ModelSpec& model() const { return view_.model; }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // The manifests as fetched, in shard order.
+  const std::vector<layercast::v1::Manifest>& manifests() const { return manifests_; }
+
+  // Gathers layer `layer` into a newly allocated buffer.
+  absl::StatusOr<Layer> Gather(uint32_t layer, const GatherOptions& options = {}) const;
+
+  // Gathers layer `layer` into `buffer`, which must hold at least the layer's
+  // assembled bytes; returns the parameter version. Errors name the shard:
+  // UNAVAILABLE when one dies mid-stream, DEADLINE_EXCEEDED when the timeout
+  // passes, DATA_LOSS when a shard sends elements it does not own, twice, or
+  // not at all, or versions disagree.
+  absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
+                                      std::span<uint8_t> buffer) const;
+
+  // Wraps a filled buffer as layer `layer`.
+  Layer MakeLayer(uint32_t layer, uint64_t version, LayerBuffer buffer) const;
+
+ private:
+  ShardSet() = default;
+  absl::Status CheckLayerIndex(uint32_t layer) const;
+
+  std::vector<std::string> addresses_;
+  std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> stubs_;
+  std::vector<layercast::v1::Manifest> manifests_;
+  ShardSetView view_;
+};
+
+// Splits "a:1,b:2" into addresses; INVALID_ARGUMENT on an empty entry.
+absl::StatusOr<std::vector<std::string>> ParseShardList(absl::string_view list);
+
+}  // namespace layercast::client

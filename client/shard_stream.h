@@ -1,0 +1,72 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "core/layout.h"
+#include "layercast/v1/shard.grpc.pb.h"
+
+namespace layercast::client {
+
+// One shard's FetchLayer stream within a gather. Reads chunks and copies each
+// straight to its place in the caller's assembled buffer, checking that the
+// shard sends exactly the runs it owns, in order, each element once.
+//
+// Lifetime: the gather owns it and must keep it alive until `on_done` has run.
+// Thread-safety: gRPC serialises the reactor callbacks; Cancel() may be called
+// from any thread.
+class ShardStream final : public grpc::ClientReadReactor<layercast::v1::LayerChunk> {
+ public:
+  // A run of elements this shard must send, and where they go.
+  struct Run {
+    uint32_t tensor;
+    ElementRange elements;
+    uint64_t byte_offset;  // of the tensor in the assembled buffer
+    size_t element_size;
+  };
+
+  // `describe` names the shard in messages, e.g. "shard 1 (host:port)".
+  ShardStream(std::string describe, std::vector<Run> runs, std::span<uint8_t> buffer,
+              std::function<void()> on_done);
+
+  // Starts the call on `stub`; `on_done` runs once when it has ended.
+  void Start(layercast::v1::ShardService::Stub& stub,
+             const layercast::v1::FetchLayerRequest& request,
+             std::chrono::system_clock::time_point deadline);
+  void Cancel() { context_.TryCancel(); }
+
+  // Valid after on_done: OK, or what went wrong, naming the shard.
+  const absl::Status& status() const { return status_; }
+  // Version of the chunks received; nullopt if the shard sent none.
+  std::optional<uint64_t> version() const { return version_; }
+
+  void OnReadDone(bool ok) override;
+  void OnDone(const grpc::Status& status) override;
+
+ private:
+  absl::Status Accept(const layercast::v1::LayerChunk& chunk);
+
+  const std::string describe_;
+  const std::vector<Run> runs_;
+  const std::span<uint8_t> buffer_;
+  const std::function<void()> on_done_;
+
+  grpc::ClientContext context_;
+  layercast::v1::FetchLayerRequest request_;
+  layercast::v1::LayerChunk chunk_;
+  size_t run_ = 0;              // next run to fill
+  uint64_t next_element_ = 0;   // next element expected in runs_[run_]
+  std::optional<uint64_t> version_;
+  absl::Status protocol_error_;  // set when the shard broke the contract
+  absl::Status status_;
+};
+
+}  // namespace layercast::client
