@@ -1,0 +1,49 @@
+#include "tests/integration/shard_fixture.h"
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+
+namespace layercast::testing {
+
+std::string MakeTempDir(const std::string& name) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
+                                    ("layercast-" + std::to_string(getpid())) /
+                                    (std::string(info->test_suite_name()) + "." + info->name() +
+                                     "." + name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
+  RunningShards running;
+  client::LocalShardSet::Options options;
+  options.shard_binary = ShardBinary();
+  options.num_shards = num_shards;
+  options.extra_flags = std::move(flags);
+  auto processes = client::LocalShardSet::Start(options);
+  EXPECT_TRUE(processes.ok()) << processes.status();
+  if (!processes.ok()) return running;
+  running.processes = *std::move(processes);
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::seconds(60);
+  auto set = client::ShardSet::Connect(running.processes->addresses(), connect);
+  EXPECT_TRUE(set.ok()) << set.status();
+  if (set.ok()) running.set = *std::move(set);
+  return running;
+}
+
+int RunCommand(const std::string& command, std::string* output) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buffer[4096];
+  output->clear();
+  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) output->append(buffer, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace layercast::testing

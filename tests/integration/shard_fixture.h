@@ -1,0 +1,33 @@
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/local_shard_set.h"
+#include "client/shard_set.h"
+
+namespace layercast::testing {
+
+// Paths of the binaries under test, from the build.
+inline std::string ShardBinary() { return LAYERCAST_SHARD_BINARY; }
+inline std::string CliBinary() { return LAYERCAST_CLI_BINARY; }
+
+// A fresh directory under the test's temp dir.
+std::string MakeTempDir(const std::string& name);
+
+// Starts `num_shards` real layercast-shard processes with `flags` and
+// connects a ShardSet to them; fails the test on error.
+struct RunningShards {
+  std::unique_ptr<client::LocalShardSet> processes;
+  std::unique_ptr<client::ShardSet> set;
+};
+RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);
+
+// Runs `command` through the shell; returns its exit status and fills
+// `output` with stdout and stderr together.
+int RunCommand(const std::string& command, std::string* output);
+
+}  // namespace layercast::testing
