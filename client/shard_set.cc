@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/shard_stream.h"
@@ -53,6 +54,22 @@ absl::StatusOr<std::vector<std::string>> ParseShardList(absl::string_view list) 
       return absl::InvalidArgumentError(absl::StrCat(
           "--shards '", list, "' must list host:port addresses in shard order, comma-separated"));
     }
+  }
+  return addresses;
+}
+
+absl::StatusOr<std::vector<std::string>> ExpandShardPattern(absl::string_view pattern,
+                                                            uint64_t num_shards) {
+  if (pattern.find("{i}") == absl::string_view::npos || pattern.find(':') == absl::string_view::npos ||
+      num_shards == 0 || num_shards > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shards-pattern '", pattern, "' with --num-shards ", num_shards,
+        ": the pattern must hold {i} and a port, e.g. 'layercast-{i}.layercast:7070', and "
+        "--num-shards must be 1-4096"));
+  }
+  std::vector<std::string> addresses;
+  for (uint64_t i = 0; i < num_shards; ++i) {
+    addresses.push_back(absl::StrReplaceAll(pattern, {{"{i}", absl::StrCat(i)}}));
   }
   return addresses;
 }

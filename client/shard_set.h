@@ -79,4 +79,10 @@ class ShardSet {
 // Splits "a:1,b:2" into addresses; INVALID_ARGUMENT on an empty entry.
 absl::StatusOr<std::vector<std::string>> ParseShardList(absl::string_view list);
 
+// Expands a pattern such as "layercast-{i}.layercast:7070" for i in
+// 0..num_shards-1 (Kubernetes StatefulSet pod names). INVALID_ARGUMENT unless
+// the pattern holds "{i}" and a port, and num_shards is 1-4096.
+absl::StatusOr<std::vector<std::string>> ExpandShardPattern(absl::string_view pattern,
+                                                            uint64_t num_shards);
+
 }  // namespace layercast::client

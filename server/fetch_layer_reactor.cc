@@ -1,6 +1,7 @@
 #include "server/fetch_layer_reactor.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
@@ -17,10 +18,19 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
       plan_(std::move(plan)),
       options_(std::move(options)) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
+  waiting_for_version_ = true;
+  options_.metrics->streams_waiting_for_version().Increment();
   wait_id_ = gate_.Wait(options_.min_version, [this] {
+    StopWaiting();
     chunk_.set_version(gate_.version());
     WriteNext();
   });
+}
+
+void FetchLayerReactor::StopWaiting() {
+  if (waiting_for_version_.exchange(false)) {
+    options_.metrics->streams_waiting_for_version().Decrement();
+  }
 }
 
 void FetchLayerReactor::WriteNext() {
@@ -40,8 +50,11 @@ void FetchLayerReactor::WriteNext() {
   chunk_.set_element_offset(next_element_);
   std::string* data = chunk_.mutable_data();
   data->resize(count * element_bytes);
+  const auto cast_start = std::chrono::steady_clock::now();
   absl::Status cast = CastFromF32(source, data->data(), count, placed.compute_dtype,
                                   store_.policy().overflow());
+  options_.metrics->RecordCast(
+      count, std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   if (!cast.ok()) {
     const std::string& name = store_.model().layers[plan_.layer].tensors[run.tensor].name;
     FinishOnce(ToGrpcStatus(absl::Status(
@@ -51,6 +64,8 @@ void FetchLayerReactor::WriteNext() {
                                   "overflow=saturate or override this tensor to float32"))));
     return;
   }
+  pending_dtype_ = placed.compute_dtype;
+  pending_elements_ = count;
   next_element_ += count;
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;
@@ -63,11 +78,13 @@ void FetchLayerReactor::OnWriteDone(bool ok) {
     FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away mid-stream"));
     return;
   }
+  options_.metrics->RecordChunkSent(pending_dtype_, pending_elements_);
   WriteNext();
 }
 
 void FetchLayerReactor::OnCancel() {
   if (wait_id_ == 0 || !gate_.Cancel(wait_id_)) return;  // streaming: OnWriteDone finishes
+  StopWaiting();
   const bool expired = context_->deadline() <= std::chrono::system_clock::now();
   FinishOnce(grpc::Status(
       expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,

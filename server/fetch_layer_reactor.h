@@ -8,6 +8,7 @@
 #include "layercast/v1/shard.pb.h"
 #include "server/fetch_plan.h"
 #include "server/parameter_store.h"
+#include "server/server_metrics.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
@@ -28,6 +29,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::L
     uint64_t min_version = 0;
     // Called once from OnDone with the final status, for accounting.
     std::function<void(const grpc::Status&)> on_done;
+    // Must outlive the reactor.
+    ServerMetrics* metrics = nullptr;
   };
 
   // All references must outlive the reactor.
@@ -42,6 +45,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::L
   // Casts the next chunk and writes it, or finishes when the plan is done.
   void WriteNext();
   void FinishOnce(const grpc::Status& status);
+  // Leaves the version wait (the gauge counts parked streams).
+  void StopWaiting();
 
   grpc::CallbackServerContext* context_;
   const ParameterStore& store_;
@@ -50,6 +55,10 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::L
   const Options options_;
 
   uint64_t wait_id_ = 0;
+  std::atomic<bool> waiting_for_version_{false};
+  // The chunk in flight, counted as sent once its write completes.
+  DType pending_dtype_ = DType::kFloat32;
+  uint64_t pending_elements_ = 0;
   size_t run_ = 0;               // index into plan_.runs
   uint64_t next_element_ = 0;    // next element of plan_.runs[run_] to send
   layercast::v1::LayerChunk chunk_;

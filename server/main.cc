@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   });
   io.run();
   loader.join();
-  (*server)->Shutdown(std::chrono::seconds(10));
+  (*server)->Shutdown(std::chrono::seconds((*server)->settings().config.drain_timeout_seconds()));
   std::fprintf(stderr, "layercast-shard: stopped\n");
   return exit_code;
 }

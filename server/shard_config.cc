@@ -156,6 +156,7 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
                                                    " is out of range: use 4-", kMaxChunkBytes));
   }
+  if (config.drain_timeout_seconds() == 0) config.set_drain_timeout_seconds(20);
   if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();
   if (!config.memory_budget().empty()) {
     absl::StatusOr<uint64_t> budget = ParseByteSize(config.memory_budget());

@@ -2,6 +2,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <prometheus/exposer.h>
 
 #include <cstdio>
 #include <fstream>
@@ -51,16 +52,41 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
         "--memory-budget is ", FormatBytes(*server->settings_.memory_budget_bytes), " (",
         *server->settings_.memory_budget_bytes, " bytes): raise the budget or use more shards"));
   }
-  server->service_ =
-      std::make_unique<ShardService>(ShardService::Options{.chunk_bytes = config.chunk_bytes()});
+  server->service_ = std::make_unique<ShardService>(
+      ShardService::Options{.chunk_bytes = config.chunk_bytes()}, server->metrics_);
+  server->metrics_.master_bytes().Set(static_cast<double>(master));
+  server->metrics_.memory_budget_bytes().Set(
+      static_cast<double>(server->settings_.memory_budget_bytes.value_or(0)));
   return server;
 }
+
+absl::Status ShardServer::StartMetrics() {
+  const std::string& listen = settings_.config.metrics_listen();
+  if (listen.empty()) return absl::OkStatus();
+  // prometheus-cpp reports a bind failure by throwing; this is its edge.
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
+  } catch (const std::exception& error) {
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ",
+                                               error.what(), "; choose another --metrics-listen"));
+  }
+  exposer_->RegisterCollectable(metrics_.registry());
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  metrics_port_ = ports.empty() ? 0 : ports[0];
+  std::fprintf(stderr, "layercast-shard %u/%u: metrics on %s/metrics\n",
+               settings_.config.shard_index(), settings_.config.num_shards(),
+               BoundAddress(listen, metrics_port_).c_str());
+  return absl::OkStatus();
+}
+
+ShardServer::ShardServer(ShardSettings settings) : settings_(std::move(settings)) {}
 
 ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
 }
 
 absl::Status ShardServer::Start() {
+  RETURN_IF_ERROR(StartMetrics());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -95,7 +121,9 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   ASSIGN_OR_RETURN(store_, ParameterStore::Load(*source_, config.shard_index(), config.num_shards(),
                                                 settings_.policy, cancel));
   service_->AttachStore(store_.get());
+  metrics_.memory_in_use_bytes().Set(static_cast<double>(store_->master_bytes()));
   server_->GetHealthCheckService()->SetServingStatus(kReadinessService, true);
+  metrics_.ready().Set(1);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   std::fprintf(stderr, "layercast-shard %u/%u: loaded %s of fp32 master for %s (%zu layers) in %.2f s; ready\n",
@@ -107,6 +135,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
 void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   if (server_ == nullptr) return;
   service_->StartDraining();
+  metrics_.ready().Set(0);
   server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
   server_->Shutdown(std::chrono::system_clock::now() + drain);
   server_->Wait();

@@ -9,8 +9,13 @@
 #include "absl/status/statusor.h"
 #include "core/parameter_source.h"
 #include "server/parameter_store.h"
+#include "server/server_metrics.h"
 #include "server/shard_config.h"
 #include "server/shard_service.h"
+
+namespace prometheus {
+class Exposer;
+}
 
 namespace layercast::server {
 
@@ -30,8 +35,9 @@ class ShardServer {
   static absl::StatusOr<std::unique_ptr<ShardServer>> Create(ShardSettings settings);
   ~ShardServer();
 
-  // Binds `listen`, starts serving, logs "listening on HOST:PORT" and writes
-  // the port file. UNAVAILABLE if the address cannot be bound.
+  // Binds `listen` (and `metrics_listen`, if set), starts serving, logs
+  // "listening on HOST:PORT" (and "metrics on HOST:PORT") and writes the port
+  // file. UNAVAILABLE if an address cannot be bound.
   absl::Status Start();
 
   // Loads this shard's parameters; CANCELLED if `*cancel` turns true first.
@@ -43,13 +49,21 @@ class ShardServer {
   void Shutdown(std::chrono::milliseconds drain);
 
   int port() const { return port_; }
+  // The metrics endpoint's port; 0 without one.
+  int metrics_port() const { return metrics_port_; }
+  ServerMetrics& metrics() { return metrics_; }
   const ShardSettings& settings() const { return settings_; }
   ShardService& service() { return *service_; }
 
  private:
-  explicit ShardServer(ShardSettings settings) : settings_(std::move(settings)) {}
+  explicit ShardServer(ShardSettings settings);
+
+  absl::Status StartMetrics();
 
   ShardSettings settings_;
+  ServerMetrics metrics_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int metrics_port_ = 0;
   std::unique_ptr<ParameterSource> source_;
   std::unique_ptr<ShardService> service_;
   std::unique_ptr<grpc::Server> server_;

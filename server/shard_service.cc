@@ -19,6 +19,10 @@ class RefusedStream final : public grpc::ServerWriteReactor<layercast::v1::Layer
   void OnDone() override { delete this; }
 };
 
+std::string CodeName(grpc::StatusCode code) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
 }  // namespace
 
 layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
@@ -52,6 +56,9 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
 
 void ShardService::AttachStore(const ParameterStore* store) {
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
+  metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
+                        manifest->policy(), manifest->layers_size());
+  metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
   absl::MutexLock lock(&mu_);
   store_ = store;
   manifest_ = std::move(manifest);
@@ -69,33 +76,52 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
   {
     absl::MutexLock lock(&mu_);
     if (manifest_ == nullptr) {
+      metrics_.RecordRpc("GetManifest", CodeName(kLoading.error_code()));
       reactor->Finish(kLoading);
       return reactor;
     }
     *response = *manifest_;
   }
   response->set_version(gate_.version());
+  metrics_.RecordRpc("GetManifest", "OK");
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::Refuse(
+    const grpc::Status& status) {
+  metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
+  return new RefusedStream(status);
 }
 
 grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
     grpc::CallbackServerContext* context, const layercast::v1::FetchLayerRequest* request) {
   if (draining_.load()) {
-    return new RefusedStream(grpc::Status(
+    return Refuse(grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
   const ParameterStore* loaded = store();
-  if (loaded == nullptr) return new RefusedStream(kLoading);
+  if (loaded == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*loaded, *request);
-  if (!plan.ok()) return new RefusedStream(ToGrpcStatus(plan.status()));
+  if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
 
   streams_in_flight_.fetch_add(1);
+  metrics_.streams_in_flight().Increment();
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
   reactor_options.min_version = request->min_version();
-  reactor_options.on_done = [this](const grpc::Status&) { streams_in_flight_.fetch_sub(1); };
+  reactor_options.metrics = &metrics_;
+  reactor_options.on_done = [this, start = std::chrono::steady_clock::now()](
+                                const grpc::Status& status) {
+    metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
+    if (status.ok()) {
+      metrics_.RecordFetchDuration(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    metrics_.streams_in_flight().Decrement();
+    streams_in_flight_.fetch_sub(1);
+  };
   return new FetchLayerReactor(context, *loaded, gate_, *std::move(plan),
                                std::move(reactor_options));
 }

@@ -8,6 +8,7 @@
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
 #include "server/parameter_store.h"
+#include "server/server_metrics.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
@@ -24,7 +25,8 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
     uint64_t chunk_bytes = 1 << 20;
   };
 
-  explicit ShardService(Options options) : options_(options) {}
+  // `metrics` must outlive the service.
+  ShardService(Options options, ServerMetrics& metrics) : options_(options), metrics_(metrics) {}
 
   // Makes the loaded parameters available; called once. `store` must outlive
   // the service.
@@ -45,8 +47,11 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
  private:
   // The loaded store, or nullptr while loading.
   const ParameterStore* store() const;
+  // A FetchLayer call refused before streaming, counted like any other.
+  grpc::ServerWriteReactor<layercast::v1::LayerChunk>* Refuse(const grpc::Status& status);
 
   const Options options_;
+  ServerMetrics& metrics_;
   VersionGate gate_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> streams_in_flight_{0};

@@ -9,7 +9,7 @@
 namespace layercast::cli {
 
 absl::Status RunBench(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, {"shards", "rounds", "connect-timeout-ms"}));
+  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, WithShardSetFlags({"rounds"})));
   ASSIGN_OR_RETURN(uint64_t rounds, flags.GetUint("rounds", 3));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   std::vector<uint32_t> order;

@@ -11,8 +11,7 @@
 namespace layercast::cli {
 
 absl::Status RunFetch(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, {"shards", "layer", "out",
-                                                          "connect-timeout-ms", "timeout-ms"}));
+  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, WithShardSetFlags({"layer", "out", "timeout-ms"})));
   if (!flags.Has("layer") || !flags.Has("out")) {
     return absl::InvalidArgumentError("--layer L and --out FILE.safetensors are required");
   }

@@ -16,7 +16,8 @@ constexpr char kUsage[] =
     "  demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P] [--steps S]\n"
     "                                                 start N local shards and walk every layer\n"
     "                                                 forward then backward, as a training step\n"
-    "Shards are named host:port in shard order.\n";
+    "Name shards with --shards host:port,... in shard order, or with\n"
+    "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n";
 
 }  // namespace
 

@@ -1,0 +1,113 @@
+#include "server/server_metrics.h"
+
+#include <prometheus/histogram.h>
+
+#include <string>
+
+namespace layercast::server {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+
+// 1 ms to ~65 s in doublings: a small layer over loopback to a large one
+// waiting on a busy shard.
+prometheus::Histogram::BucketBoundaries FetchBuckets() {
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (double b = 0.001; b < 70; b *= 2) buckets.push_back(b);
+  return buckets;
+}
+
+prometheus::Gauge* Gauge(prometheus::Registry& registry, const std::string& name,
+                         const std::string& help) {
+  return &BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  prometheus::Registry& r = *registry_;
+  rpcs_ = &BuildCounter()
+               .Name("layercast_rpcs_total")
+               .Help("RPCs ended, by method and gRPC status code")
+               .Register(r);
+  sent_bytes_ = &BuildCounter()
+                     .Name("layercast_sent_bytes_total")
+                     .Help("Tensor bytes delivered to clients, by compute dtype")
+                     .Register(r);
+  sent_parameters_ = &BuildCounter()
+                          .Name("layercast_sent_parameters_total")
+                          .Help("Tensor elements delivered to clients")
+                          .Register(r)
+                          .Add({});
+  cast_seconds_ = &BuildCounter()
+                       .Name("layercast_cast_seconds_total")
+                       .Help("Time spent casting fp32 masters into outgoing chunks")
+                       .Register(r)
+                       .Add({});
+  cast_input_bytes_ = &BuildCounter()
+                           .Name("layercast_cast_input_bytes_total")
+                           .Help("fp32 master bytes read by casts (rate over "
+                                 "layercast_cast_seconds_total: cast throughput)")
+                           .Register(r)
+                           .Add({});
+  fetch_duration_ = &BuildHistogram()
+                         .Name("layercast_fetch_duration_seconds")
+                         .Help("Duration of FetchLayer streams that ended OK, start to last chunk")
+                         .Register(r)
+                         .Add({}, FetchBuckets());
+  streams_in_flight_ = Gauge(r, "layercast_streams_in_flight", "FetchLayer streams open now");
+  streams_waiting_version_ = Gauge(r, "layercast_streams_waiting_for_version",
+                                   "Streams parked until the parameter version reaches min_version");
+  streams_waiting_budget_ = Gauge(r, "layercast_streams_waiting_for_budget",
+                                  "Streams waiting for memory budget to start");
+  memory_budget_bytes_ = Gauge(r, "layercast_memory_budget_bytes",
+                               "The server's memory budget (0: unlimited)");
+  master_bytes_ = Gauge(r, "layercast_master_bytes", "Bytes of fp32 master parameters held");
+  memory_in_use_bytes_ = Gauge(r, "layercast_memory_in_use_bytes",
+                               "Budgeted bytes in use: master plus chunk buffers in flight");
+  parameter_version_ = Gauge(r, "layercast_parameter_version",
+                             "Optimizer steps applied to the master parameters");
+  ready_ = Gauge(r, "layercast_ready", "1 when parameters are loaded and the shard serves");
+  shard_info_ = &BuildGauge()
+                     .Name("layercast_shard_info")
+                     .Help("Always 1; labels describe the shard and its model")
+                     .Register(r);
+  layers_ = Gauge(r, "layercast_layers", "Layers in the model");
+  BuildGauge()
+      .Name("layercast_build_info")
+      .Help("Always 1; the version label is the layercast release")
+      .Register(r)
+      .Add({{"version", LAYERCAST_VERSION}})
+      .Set(1);
+}
+
+void ServerMetrics::RecordRpc(absl::string_view method, absl::string_view code) {
+  rpcs_->Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
+}
+
+void ServerMetrics::RecordChunkSent(DType dtype, uint64_t elements) {
+  sent_bytes_->Add({{"dtype", std::string(DTypeName(dtype))}})
+      .Increment(static_cast<double>(elements * DTypeSize(dtype)));
+  sent_parameters_->Increment(static_cast<double>(elements));
+}
+
+void ServerMetrics::RecordCast(uint64_t elements, double seconds) {
+  cast_seconds_->Increment(seconds);
+  cast_input_bytes_->Increment(static_cast<double>(elements * sizeof(float)));
+}
+
+void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_index,
+                                 uint32_t num_shards, const std::string& policy,
+                                 uint64_t layers) {
+  shard_info_
+      ->Add({{"model_id", model_id},
+             {"shard_index", std::to_string(shard_index)},
+             {"num_shards", std::to_string(num_shards)},
+             {"policy", policy}})
+      .Set(1);
+  layers_->Set(static_cast<double>(layers));
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,70 @@
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "core/dtype.h"
+
+namespace layercast::server {
+
+// Every Prometheus metric a shard server exports, registered once, here, at
+// start-up (prometheus-cpp throws on a bad name; a typo fails at start, never
+// mid-request). docs/metrics.md describes each.
+//
+// Thread-safe: prometheus-cpp metrics are atomic and Family::Add locks.
+class ServerMetrics {
+ public:
+  ServerMetrics();
+
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+
+  // One RPC ended with gRPC status code `code` (e.g. "OK", "NOT_FOUND").
+  void RecordRpc(absl::string_view method, absl::string_view code);
+  // One FetchLayer stream that delivered data ended after `seconds`.
+  void RecordFetchDuration(double seconds) { fetch_duration_->Observe(seconds); }
+  // A chunk of `elements` in `dtype` reached the client.
+  void RecordChunkSent(DType dtype, uint64_t elements);
+  // Casting `elements` fp32 values took `seconds`.
+  void RecordCast(uint64_t elements, double seconds);
+
+  prometheus::Gauge& streams_in_flight() { return *streams_in_flight_; }
+  prometheus::Gauge& streams_waiting_for_version() { return *streams_waiting_version_; }
+  prometheus::Gauge& streams_waiting_for_budget() { return *streams_waiting_budget_; }
+  prometheus::Gauge& memory_budget_bytes() { return *memory_budget_bytes_; }
+  prometheus::Gauge& master_bytes() { return *master_bytes_; }
+  prometheus::Gauge& memory_in_use_bytes() { return *memory_in_use_bytes_; }
+  prometheus::Gauge& parameter_version() { return *parameter_version_; }
+  prometheus::Gauge& ready() { return *ready_; }
+
+  // Sets layercast_shard_info and layercast_layers once the model is known.
+  void SetShardInfo(const std::string& model_id, uint32_t shard_index, uint32_t num_shards,
+                    const std::string& policy, uint64_t layers);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* rpcs_;
+  prometheus::Family<prometheus::Counter>* sent_bytes_;
+  prometheus::Counter* sent_parameters_;
+  prometheus::Counter* cast_seconds_;
+  prometheus::Counter* cast_input_bytes_;
+  prometheus::Histogram* fetch_duration_;
+  prometheus::Gauge* streams_in_flight_;
+  prometheus::Gauge* streams_waiting_version_;
+  prometheus::Gauge* streams_waiting_budget_;
+  prometheus::Gauge* memory_budget_bytes_;
+  prometheus::Gauge* master_bytes_;
+  prometheus::Gauge* memory_in_use_bytes_;
+  prometheus::Gauge* parameter_version_;
+  prometheus::Gauge* ready_;
+  prometheus::Family<prometheus::Gauge>* shard_info_;
+  prometheus::Gauge* layers_;
+};
+
+}  // namespace layercast::server
