@@ -139,6 +139,21 @@ void LocalShardSet::Kill(size_t shard) {
   pids_[shard] = 0;
 }
 
+void LocalShardSet::Signal(size_t shard, int signal) {
+  if (pids_[shard] > 0) kill(pids_[shard], signal);
+}
+
+absl::StatusOr<int> LocalShardSet::WaitForExit(size_t shard, std::chrono::milliseconds timeout) {
+  if (pids_[shard] <= 0) return absl::FailedPreconditionError("that shard was already reaped");
+  int wait_status = 0;
+  if (!WaitUntil(pids_[shard], std::chrono::steady_clock::now() + timeout, &wait_status)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("shard ", shard, " still running after ", timeout.count(), " ms"));
+  }
+  pids_[shard] = 0;
+  return WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : 128 + WTERMSIG(wait_status);
+}
+
 absl::Status LocalShardSet::Stop(std::chrono::milliseconds grace) {
   for (pid_t pid : pids_) {
     if (pid > 0) kill(pid, SIGTERM);

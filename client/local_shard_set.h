@@ -46,6 +46,14 @@ class LocalShardSet {
   // Sends SIGKILL to one shard, as a crash would, and reaps it.
   void Kill(size_t shard);
 
+  // Sends `signal` to one shard without waiting.
+  void Signal(size_t shard, int signal);
+
+  // Waits up to `timeout` for one shard to exit and reaps it: its exit code,
+  // or 128 + the signal that ended it. DEADLINE_EXCEEDED if it is still
+  // running (it is left running).
+  absl::StatusOr<int> WaitForExit(size_t shard, std::chrono::milliseconds timeout);
+
   // SIGTERM to every live shard, then waits up to `grace` for each. OK if
   // every shard exited 0; otherwise an error naming the first that did not.
   absl::Status Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(15000));

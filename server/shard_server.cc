@@ -134,10 +134,19 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
 
 void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   if (server_ == nullptr) return;
+  // Refuse new streams with UNAVAILABLE (gRPC's own shutdown would answer
+  // CANCELLED) and let the ones in flight finish; only then stop gRPC, which
+  // cancels whatever the drain deadline left.
   service_->StartDraining();
   metrics_.ready().Set(0);
   server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
-  server_->Shutdown(std::chrono::system_clock::now() + drain);
+  const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
+  if (!drained) {
+    std::fprintf(stderr, "layercast-shard: drain timeout of %lld ms passed; cancelling %lld stream(s)\n",
+                 static_cast<long long>(drain.count()),
+                 static_cast<long long>(service_->streams_in_flight()));
+  }
+  server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
   server_.reset();
 }

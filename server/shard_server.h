@@ -45,7 +45,7 @@ class ShardServer {
 
   // Readiness NOT_SERVING, new streams refused with UNAVAILABLE, streams in
   // flight given until `drain` to finish (then cancelled); returns when the
-  // server has stopped.
+  // server has stopped. Blocks the calling thread for up to `drain`.
   void Shutdown(std::chrono::milliseconds drain);
 
   int port() const { return port_; }

@@ -64,6 +64,19 @@ void ShardService::AttachStore(const ParameterStore* store) {
   manifest_ = std::move(manifest);
 }
 
+int64_t ShardService::streams_in_flight() const {
+  absl::MutexLock lock(&streams_mu_);
+  return streams_in_flight_;
+}
+
+bool ShardService::WaitForStreams(absl::Time deadline) const {
+  absl::MutexLock lock(&streams_mu_);
+  const auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(streams_mu_) {
+    return streams_in_flight_ == 0;
+  };
+  return streams_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
 const ParameterStore* ShardService::store() const {
   absl::MutexLock lock(&mu_);
   return store_;
@@ -106,7 +119,10 @@ grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
   absl::StatusOr<FetchPlan> plan = PlanFetch(*loaded, *request);
   if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
 
-  streams_in_flight_.fetch_add(1);
+  {
+    absl::MutexLock lock(&streams_mu_);
+    ++streams_in_flight_;
+  }
   metrics_.streams_in_flight().Increment();
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
@@ -120,7 +136,8 @@ grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     metrics_.streams_in_flight().Decrement();
-    streams_in_flight_.fetch_sub(1);
+    absl::MutexLock lock(&streams_mu_);
+    --streams_in_flight_;
   };
   return new FetchLayerReactor(context, *loaded, gate_, *std::move(plan),
                                std::move(reactor_options));

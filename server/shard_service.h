@@ -35,7 +35,9 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
 
   VersionGate& version_gate() { return gate_; }
   // FetchLayer streams started and not yet done.
-  int64_t streams_in_flight() const { return streams_in_flight_.load(); }
+  int64_t streams_in_flight() const;
+  // Waits until no stream is in flight or `deadline` passes; true if none is.
+  bool WaitForStreams(absl::Time deadline) const;
 
   grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* context,
                                         const layercast::v1::GetManifestRequest* request,
@@ -54,7 +56,8 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
   ServerMetrics& metrics_;
   VersionGate gate_;
   std::atomic<bool> draining_{false};
-  std::atomic<int64_t> streams_in_flight_{0};
+  mutable absl::Mutex streams_mu_;
+  int64_t streams_in_flight_ ABSL_GUARDED_BY(streams_mu_) = 0;
   mutable absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Built once when the store is attached; the version is filled per call.

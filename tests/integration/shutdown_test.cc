@@ -1,0 +1,150 @@
+// Health and graceful shutdown of real shard processes: readiness follows
+// loading and draining; SIGTERM lets streams in flight finish, refuses new
+// ones, and exits 0; the drain timeout bounds it; SIGTERM while loading exits
+// at once.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <thread>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "layercast/v1/shard.grpc.pb.h"
+#include "tests/integration/shard_fixture.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::grpc::health::v1::HealthCheckRequest;
+using ::grpc::health::v1::HealthCheckResponse;
+
+std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags) {
+  client::LocalShardSet::Options options;
+  options.shard_binary = ShardBinary();
+  options.num_shards = n;
+  options.extra_flags = std::move(flags);
+  auto set = client::LocalShardSet::Start(options);
+  EXPECT_TRUE(set.ok()) << set.status();
+  return set.ok() ? *std::move(set) : nullptr;
+}
+
+// The health status of `service`, or UNKNOWN with the RPC's error.
+HealthCheckResponse::ServingStatus Health(const std::string& address, const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  if (!stub->Check(&context, request, &response).ok()) return HealthCheckResponse::UNKNOWN;
+  return response.status();
+}
+
+TEST(ShutdownTest, ReadinessNotServingWhileLoadingAndSigtermExitsPromptly) {
+  // ~3.6 GiB of fp32 on one shard: loading takes seconds.
+  auto shards =
+      StartProcesses(1, {"--synthetic", "llama:layers=16,hidden=2048,ffn=5632,vocab=32000"});
+  ASSERT_NE(shards, nullptr);
+  const std::string address = shards->addresses()[0];
+  EXPECT_EQ(Health(address, ""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(address, "layercast.v1.ShardService"), HealthCheckResponse::NOT_SERVING);
+
+  auto stub = layercast::v1::ShardService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  layercast::v1::Manifest manifest;
+  const grpc::Status loading = stub->GetManifest(&context, {}, &manifest);
+  EXPECT_EQ(loading.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(loading.error_message(), ::testing::HasSubstr("still loading"));
+
+  const auto start = std::chrono::steady_clock::now();
+  shards->Signal(0, SIGTERM);
+  absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+}
+
+TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {
+  // The embedding layer is 64 MiB of bf16 per shard: more than gRPC buffers,
+  // so a slow reader keeps the stream in flight while the signal arrives.
+  auto shards = StartProcesses(1, {"--synthetic", "llama:layers=1,hidden=1024,ffn=64,vocab=32768"});
+  ASSERT_NE(shards, nullptr);
+  const std::string address = shards->addresses()[0];
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::seconds(60);
+  auto set = client::ShardSet::Connect(shards->addresses(), connect);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(Health(address, "layercast.v1.ShardService"), HealthCheckResponse::SERVING);
+
+  auto stub = layercast::v1::ShardService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(0);
+  auto reader = stub->FetchLayer(&context, request);
+  layercast::v1::LayerChunk chunk;
+  uint64_t bytes = 0;
+  int chunks = 0;
+  ASSERT_TRUE(reader->Read(&chunk));
+  bytes += chunk.data().size();
+
+  shards->Signal(0, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // A new stream is refused while the old one drains.
+  {
+    auto fresh = layercast::v1::ShardService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext other;
+    other.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    auto refused = fresh->FetchLayer(&other, request);
+    layercast::v1::LayerChunk ignored;
+    while (refused->Read(&ignored)) {
+    }
+    EXPECT_EQ(refused->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  while (reader->Read(&chunk)) {
+    bytes += chunk.data().size();
+    if (++chunks % 8 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const grpc::Status finished = reader->Finish();
+  EXPECT_TRUE(finished.ok()) << finished.error_message();
+  EXPECT_EQ(bytes, uint64_t{32768} * 1024 * 2) << "the stream in flight was delivered in full";
+  absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+}
+
+TEST(ShutdownTest, DrainTimeoutCancelsStreamsThatWouldNotFinish) {
+  auto shards = StartProcesses(
+      1, {"--synthetic", "llama:layers=1,hidden=64", "--drain-timeout-seconds", "1"});
+  ASSERT_NE(shards, nullptr);
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::seconds(60);
+  auto set = client::ShardSet::Connect(shards->addresses(), connect);
+  ASSERT_TRUE(set.ok()) << set.status();
+
+  // Parked until version 5, which never comes.
+  client::GatherOptions options;
+  options.min_version = 5;
+  options.timeout = std::chrono::seconds(60);
+  absl::StatusOr<client::Layer> parked;
+  std::thread gather([&] { parked = (*set)->Gather(0, options); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto start = std::chrono::steady_clock::now();
+  shards->Signal(0, SIGTERM);
+  absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(10));
+  gather.join();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  EXPECT_FALSE(parked.ok());
+  EXPECT_THAT(parked.status().code(), ::testing::AnyOf(absl::StatusCode::kCancelled,
+                                                       absl::StatusCode::kUnavailable));
+}
+
+}  // namespace
+}  // namespace layercast::testing
