@@ -9,6 +9,7 @@ packages=(
   prometheus-cpp-dev libboost-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libeigen3-dev libssl-dev
   python3 python3-torch python3-numpy
+  prometheus  # promtool and the server for tests/observability, which runs its own instance
 )
 
 sudo_cmd=()

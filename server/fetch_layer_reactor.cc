@@ -4,33 +4,89 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "core/byte_size.h"
 #include "core/cast.h"
 #include "server/grpc_status.h"
 
 namespace layercast::server {
+namespace {
+
+uint64_t ElementsPerChunk(uint64_t chunk_bytes, size_t element_bytes) {
+  return std::max<uint64_t>(1, chunk_bytes / element_bytes);
+}
+
+// When a stream waiting for budget gives up: a little before the client's
+// deadline, so RESOURCE_EXHAUSTED reaches the client instead of its own
+// DEADLINE_EXCEEDED.
+std::chrono::steady_clock::time_point GiveUpAt(std::chrono::system_clock::time_point deadline) {
+  const auto now = std::chrono::system_clock::now();
+  if (deadline >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
+    return std::chrono::steady_clock::time_point::max();
+  }
+  const auto remaining = std::max(deadline - now, std::chrono::system_clock::duration::zero());
+  const auto margin = std::min<std::chrono::system_clock::duration>(
+      std::chrono::milliseconds(500), remaining / 10);
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(remaining - margin);
+}
+
+}  // namespace
+
+uint64_t FetchLayerReactor::BufferBytes(const ParameterStore& store, const FetchPlan& plan,
+                                        uint64_t chunk_bytes) {
+  uint64_t largest = 0;
+  for (const TensorElementRange& run : plan.runs) {
+    const size_t size = DTypeSize(store.layout(plan.layer).tensors()[run.tensor].compute_dtype);
+    largest = std::max(largest, std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, size)) * size);
+  }
+  return 2 * largest;
+}
 
 FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
                                      const ParameterStore& store, VersionGate& gate,
-                                     FetchPlan plan, Options options)
+                                     MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
+                                     Options options)
     : context_(context),
       store_(store),
       gate_(gate),
+      budget_(budget),
+      metrics_(metrics),
       plan_(std::move(plan)),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      buffer_bytes_(BufferBytes(store_, plan_, options_.chunk_bytes)) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
-  waiting_for_version_ = true;
-  options_.metrics->streams_waiting_for_version().Increment();
-  wait_id_ = gate_.Wait(options_.min_version, [this] {
-    StopWaiting();
-    chunk_.set_version(gate_.version());
-    WriteNext();
-  });
+  metrics_.streams_waiting_for_version().Increment();
+  version_wait_id_ = gate_.Wait(options_.min_version, [this] { OnVersionReached(); });
 }
 
-void FetchLayerReactor::StopWaiting() {
-  if (waiting_for_version_.exchange(false)) {
-    options_.metrics->streams_waiting_for_version().Decrement();
+void FetchLayerReactor::OnVersionReached() {
+  metrics_.streams_waiting_for_version().Decrement();
+  chunk_.set_version(gate_.version());
+  phase_ = Phase::kWaitingForBudget;
+  if (buffer_bytes_ == 0) {  // this shard owns nothing of the range
+    OnBudget(true);
+    return;
   }
+  budget_wait_id_ = budget_.Acquire(buffer_bytes_, GiveUpAt(context_->deadline()),
+                                    [this](bool granted) { OnBudget(granted); });
+}
+
+void FetchLayerReactor::OnBudget(bool granted) {
+  if (!granted) {
+    const std::optional<uint64_t> budget = budget_.budget();
+    FinishOnce(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("no memory budget became free for this stream's ",
+                     FormatBytes(buffer_bytes_), " of chunk buffers before its deadline: the ",
+                     "shard's budget of ", budget ? FormatBytes(*budget) : "unlimited",
+                     " has ", FormatBytes(budget_.in_use()), " in use (fp32 master included) and ",
+                     budget_.waiting(), " stream(s) waiting; retry later, or raise ",
+                     "--memory-budget or lower --chunk-bytes")));
+    return;
+  }
+  holds_budget_ = buffer_bytes_ > 0;
+  phase_ = Phase::kStreaming;
+  WriteNext();
 }
 
 void FetchLayerReactor::WriteNext() {
@@ -41,8 +97,8 @@ void FetchLayerReactor::WriteNext() {
   const TensorElementRange& run = plan_.runs[run_];
   const AssembledTensor& placed = store_.layout(plan_.layer).tensors()[run.tensor];
   const size_t element_bytes = DTypeSize(placed.compute_dtype);
-  const uint64_t count =
-      std::min(run.elements.end - next_element_, std::max<uint64_t>(1, options_.chunk_bytes / element_bytes));
+  const uint64_t count = std::min(run.elements.end - next_element_,
+                                  ElementsPerChunk(options_.chunk_bytes, element_bytes));
   const ElementRange owned = store_.owned(plan_.layer, run.tensor);
   const float* source = store_.master(plan_.layer, run.tensor) + (next_element_ - owned.begin);
 
@@ -53,7 +109,7 @@ void FetchLayerReactor::WriteNext() {
   const auto cast_start = std::chrono::steady_clock::now();
   absl::Status cast = CastFromF32(source, data->data(), count, placed.compute_dtype,
                                   store_.policy().overflow());
-  options_.metrics->RecordCast(
+  metrics_.RecordCast(
       count, std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   if (!cast.ok()) {
     const std::string& name = store_.model().layers[plan_.layer].tensors[run.tensor].name;
@@ -78,19 +134,34 @@ void FetchLayerReactor::OnWriteDone(bool ok) {
     FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away mid-stream"));
     return;
   }
-  options_.metrics->RecordChunkSent(pending_dtype_, pending_elements_);
+  metrics_.RecordChunkSent(pending_dtype_, pending_elements_);
   WriteNext();
 }
 
 void FetchLayerReactor::OnCancel() {
-  if (wait_id_ == 0 || !gate_.Cancel(wait_id_)) return;  // streaming: OnWriteDone finishes
-  StopWaiting();
   const bool expired = context_->deadline() <= std::chrono::system_clock::now();
-  FinishOnce(grpc::Status(
-      expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
-      absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
-                   gate_.version(), ") before the call ",
-                   expired ? "deadline expired" : "was cancelled")));
+  const grpc::StatusCode code =
+      expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED;
+  const char* why = expired ? "deadline expired" : "was cancelled";
+  switch (phase_.load()) {
+    case Phase::kWaitingForVersion: {
+      const uint64_t id = version_wait_id_.load();
+      if (id == 0 || !gate_.Cancel(id)) return;  // the version arrived: the next step finishes
+      metrics_.streams_waiting_for_version().Decrement();
+      FinishOnce(grpc::Status(code, absl::StrCat("parameter version ", options_.min_version,
+                                                 " was not reached (current ", gate_.version(),
+                                                 ") before the call ", why)));
+      return;
+    }
+    case Phase::kWaitingForBudget: {
+      const uint64_t id = budget_wait_id_.load();
+      if (id == 0 || !budget_.Cancel(id)) return;  // granted: the write will fail and finish
+      FinishOnce(grpc::Status(code, absl::StrCat("waiting for memory budget when the call ", why)));
+      return;
+    }
+    case Phase::kStreaming:
+      return;  // the write in flight fails and OnWriteDone finishes
+  }
 }
 
 void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
@@ -100,6 +171,7 @@ void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
 }
 
 void FetchLayerReactor::OnDone() {
+  if (holds_budget_) budget_.Release(buffer_bytes_);
   if (options_.on_done) options_.on_done(final_status_);
   delete this;
 }

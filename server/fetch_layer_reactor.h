@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 
@@ -7,21 +8,24 @@
 
 #include "layercast/v1/shard.pb.h"
 #include "server/fetch_plan.h"
+#include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
 
-// Streams one FetchLayer call: waits (without blocking a thread) until the
-// requested parameter version is reached, then casts the planned runs chunk
-// by chunk straight from the fp32 master into the outgoing message, keeping
-// one write in flight and starting the next from OnWriteDone. No copy of the
-// layer in its compute dtype ever exists beyond the chunk being written.
+// Streams one FetchLayer call. Three steps, none of which blocks a thread:
+// wait until the requested parameter version is reached; wait (in arrival
+// order) for memory budget for its chunk buffers; then cast the planned runs
+// chunk by chunk straight from the fp32 master into the outgoing message,
+// keeping one write in flight and starting the next from OnWriteDone. No copy
+// of the layer in its compute dtype ever exists beyond the chunk being
+// written.
 //
-// Owns itself: deletes itself in OnDone. gRPC serialises its callbacks; the
-// only concurrent entry is the version gate's callback racing OnCancel, which
-// VersionGate::Cancel arbitrates.
+// Owns itself: deletes itself in OnDone. gRPC serialises its own callbacks;
+// the version gate's and the budget's callbacks may race OnCancel, and
+// VersionGate::Cancel / MemoryBudget::Cancel decide which side finishes.
 class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::LayerChunk> {
  public:
   struct Options {
@@ -29,41 +33,54 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::L
     uint64_t min_version = 0;
     // Called once from OnDone with the final status, for accounting.
     std::function<void(const grpc::Status&)> on_done;
-    // Must outlive the reactor.
-    ServerMetrics* metrics = nullptr;
   };
 
-  // All references must outlive the reactor.
+  // Everything referenced must outlive the reactor.
   FetchLayerReactor(grpc::CallbackServerContext* context, const ParameterStore& store,
-                    VersionGate& gate, FetchPlan plan, Options options);
+                    VersionGate& gate, MemoryBudget& budget, ServerMetrics& metrics,
+                    FetchPlan plan, Options options);
+
+  // Budgeted bytes one stream of `plan` holds while it runs: its largest
+  // chunk, twice, since gRPC serialises each message into a buffer of its own
+  // while ours is still alive.
+  static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
+                              uint64_t chunk_bytes);
 
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
 
  private:
+  enum class Phase { kWaitingForVersion, kWaitingForBudget, kStreaming };
+
+  void OnVersionReached();
+  void OnBudget(bool granted);
   // Casts the next chunk and writes it, or finishes when the plan is done.
   void WriteNext();
   void FinishOnce(const grpc::Status& status);
-  // Leaves the version wait (the gauge counts parked streams).
-  void StopWaiting();
 
   grpc::CallbackServerContext* context_;
   const ParameterStore& store_;
   VersionGate& gate_;
+  MemoryBudget& budget_;
+  ServerMetrics& metrics_;
   const FetchPlan plan_;
   const Options options_;
+  const uint64_t buffer_bytes_;
 
-  uint64_t wait_id_ = 0;
-  std::atomic<bool> waiting_for_version_{false};
+  std::atomic<Phase> phase_{Phase::kWaitingForVersion};
+  std::atomic<uint64_t> version_wait_id_{0};
+  std::atomic<uint64_t> budget_wait_id_{0};
+  std::atomic<bool> holds_budget_{false};
+  std::atomic<bool> finished_{false};
+
+  size_t run_ = 0;             // index into plan_.runs
+  uint64_t next_element_ = 0;  // next element of plan_.runs[run_] to send
+  layercast::v1::LayerChunk chunk_;
   // The chunk in flight, counted as sent once its write completes.
   DType pending_dtype_ = DType::kFloat32;
   uint64_t pending_elements_ = 0;
-  size_t run_ = 0;               // index into plan_.runs
-  uint64_t next_element_ = 0;    // next element of plan_.runs[run_] to send
-  layercast::v1::LayerChunk chunk_;
   grpc::Status final_status_;
-  std::atomic<bool> finished_{false};
 };
 
 }  // namespace layercast::server

@@ -45,12 +45,22 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   }
   const uint64_t master =
       ParameterStore::MasterBytes(model, config.shard_index(), config.num_shards());
-  if (server->settings_.memory_budget_bytes && master > *server->settings_.memory_budget_bytes) {
+  const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes;
+  if (budget && master > *budget) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "shard ", config.shard_index(), " of ", config.num_shards(), " needs ",
         FormatBytes(master), " (", master, " bytes) for its fp32 master parameters, but ",
-        "--memory-budget is ", FormatBytes(*server->settings_.memory_budget_bytes), " (",
-        *server->settings_.memory_budget_bytes, " bytes): raise the budget or use more shards"));
+        "--memory-budget is ", FormatBytes(*budget), " (", *budget,
+        " bytes): raise the budget or use more shards"));
+  }
+  // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
+  const uint64_t one_stream = 2 * config.chunk_bytes();
+  if (budget && *budget - master < one_stream) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "--memory-budget of ", FormatBytes(*budget), " leaves ", FormatBytes(*budget - master),
+        " beside shard ", config.shard_index(), "'s fp32 master of ", FormatBytes(master),
+        ", but one stream needs ", FormatBytes(one_stream), " (twice --chunk-bytes): raise the ",
+        "budget or lower --chunk-bytes"));
   }
   server->service_ = std::make_unique<ShardService>(
       ShardService::Options{.chunk_bytes = config.chunk_bytes()}, server->metrics_);
@@ -120,8 +130,13 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   const auto started = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(store_, ParameterStore::Load(*source_, config.shard_index(), config.num_shards(),
                                                 settings_.policy, cancel));
-  service_->AttachStore(store_.get());
-  metrics_.memory_in_use_bytes().Set(static_cast<double>(store_->master_bytes()));
+  budget_ = std::make_unique<MemoryBudget>(
+      settings_.memory_budget_bytes, store_->master_bytes(),
+      [this](uint64_t in_use, size_t waiting) {
+        metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
+        metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
+      });
+  service_->AttachStore(store_.get(), budget_.get());
   server_->GetHealthCheckService()->SetServingStatus(kReadinessService, true);
   metrics_.ready().Set(1);
   const double seconds =

@@ -54,6 +54,8 @@ class ShardServer {
   ServerMetrics& metrics() { return metrics_; }
   const ShardSettings& settings() const { return settings_; }
   ShardService& service() { return *service_; }
+  // The memory budget; nullptr until Load() is done.
+  const MemoryBudget* budget() const { return budget_.get(); }
 
  private:
   explicit ShardServer(ShardSettings settings);
@@ -68,6 +70,7 @@ class ShardServer {
   std::unique_ptr<ShardService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<ParameterStore> store_;
+  std::unique_ptr<MemoryBudget> budget_;
   int port_ = 0;
 };
 

@@ -54,13 +54,14 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
   return manifest;
 }
 
-void ShardService::AttachStore(const ParameterStore* store) {
+void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget) {
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
   absl::MutexLock lock(&mu_);
   store_ = store;
+  budget_ = budget;
   manifest_ = std::move(manifest);
 }
 
@@ -77,9 +78,9 @@ bool ShardService::WaitForStreams(absl::Time deadline) const {
   return streams_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
-const ParameterStore* ShardService::store() const {
+std::pair<const ParameterStore*, MemoryBudget*> ShardService::loaded() const {
   absl::MutexLock lock(&mu_);
-  return store_;
+  return {store_, budget_};
 }
 
 grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext* context,
@@ -114,9 +115,9 @@ grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
-  const ParameterStore* loaded = store();
-  if (loaded == nullptr) return Refuse(kLoading);
-  absl::StatusOr<FetchPlan> plan = PlanFetch(*loaded, *request);
+  auto [store, budget] = loaded();
+  if (store == nullptr) return Refuse(kLoading);
+  absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
 
   {
@@ -127,7 +128,6 @@ grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
   reactor_options.min_version = request->min_version();
-  reactor_options.metrics = &metrics_;
   reactor_options.on_done = [this, start = std::chrono::steady_clock::now()](
                                 const grpc::Status& status) {
     metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
@@ -139,7 +139,7 @@ grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
     absl::MutexLock lock(&streams_mu_);
     --streams_in_flight_;
   };
-  return new FetchLayerReactor(context, *loaded, gate_, *std::move(plan),
+  return new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
                                std::move(reactor_options));
 }
 

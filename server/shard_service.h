@@ -7,6 +7,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
@@ -28,9 +29,9 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
   // `metrics` must outlive the service.
   ShardService(Options options, ServerMetrics& metrics) : options_(options), metrics_(metrics) {}
 
-  // Makes the loaded parameters available; called once. `store` must outlive
+  // Makes the loaded parameters available; called once. Both must outlive
   // the service.
-  void AttachStore(const ParameterStore* store);
+  void AttachStore(const ParameterStore* store, MemoryBudget* budget);
   void StartDraining() { draining_.store(true); }
 
   VersionGate& version_gate() { return gate_; }
@@ -47,8 +48,8 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
       const layercast::v1::FetchLayerRequest* request) override;
 
  private:
-  // The loaded store, or nullptr while loading.
-  const ParameterStore* store() const;
+  // The loaded store and its budget, or nullptrs while loading.
+  std::pair<const ParameterStore*, MemoryBudget*> loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<layercast::v1::LayerChunk>* Refuse(const grpc::Status& status);
 
@@ -60,6 +61,7 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
   int64_t streams_in_flight_ ABSL_GUARDED_BY(streams_mu_) = 0;
   mutable absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
+  MemoryBudget* budget_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
 };

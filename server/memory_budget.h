@@ -1,0 +1,104 @@
+#pragma once
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace layercast::server {
+
+// The server's memory budget: the fp32 master is charged once at start; the
+// chunk buffers of streams in flight are drawn from what remains. A request
+// that does not fit waits in arrival order (first come, first served: a large
+// request is never starved by smaller ones behind it) and is granted by the
+// Release() that makes room, or refused when its deadline comes. Nothing is
+// ever granted beyond the budget.
+//
+// Reactors must not block, so Acquire() never waits on the caller's thread:
+// it grants at once or calls back later. Deadlines run on the budget's own
+// Boost.Asio timer thread.
+//
+// Thread-safe.
+class MemoryBudget {
+ public:
+  // Called with the lock held after every change: must be cheap and must not
+  // call back into the budget (it feeds metrics gauges).
+  using Observer = std::function<void(uint64_t in_use, size_t waiting)>;
+  // Runs once: true when the bytes are granted, false when the deadline came
+  // first.
+  using Granted = std::function<void(bool granted)>;
+
+  // `budget_bytes` nullopt: unlimited (everything is still counted).
+  // REQUIRES: master_bytes <= *budget_bytes (checked at start-up).
+  MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
+               Observer observer = {});
+  ~MemoryBudget();
+
+  // Runs `granted(true)` once `bytes` are reserved: at once, on this thread,
+  // when they fit and nobody waits ahead (returns 0); else later, from the
+  // Release() that makes room (returns an id for Cancel), or
+  // `granted(false)` at `give_up_at`. A request that can never fit would
+  // wait until then: callers check Grantable() first.
+  uint64_t Acquire(uint64_t bytes, std::chrono::steady_clock::time_point give_up_at,
+                   Granted granted);
+
+  // Withdraws waiting request `id`. True if it was still waiting (`granted`
+  // will never run); false if it already ran or is running.
+  bool Cancel(uint64_t id);
+
+  // Returns `bytes` granted earlier and grants waiting requests in order.
+  void Release(uint64_t bytes);
+
+  // Whether a request of `bytes` fits beside the master when nothing else is
+  // in use.
+  bool Grantable(uint64_t bytes) const;
+
+  uint64_t in_use() const;  // master + granted bytes
+  uint64_t peak() const;    // highest in_use() so far
+  size_t waiting() const;   // requests queued
+  std::optional<uint64_t> budget() const { return budget_; }
+
+ private:
+  struct Waiter {
+    uint64_t id;
+    uint64_t bytes;
+    Granted granted;
+    std::shared_ptr<boost::asio::steady_timer> timer;
+  };
+
+  bool FitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes waiter `id`; appends to `ready` what removing it lets through.
+  // False if there is no such waiter.
+  bool RemoveLocked(uint64_t id, std::vector<Granted>& ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Grants queued requests in order while the head fits.
+  void GrantWaitersLocked(std::vector<Granted>& ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Expire(uint64_t id);
+  void CancelTimer(const std::shared_ptr<boost::asio::steady_timer>& timer);
+
+  const std::optional<uint64_t> budget_;
+  const uint64_t master_bytes_;
+  const Observer observer_;
+
+  mutable absl::Mutex mu_;
+  uint64_t in_use_ ABSL_GUARDED_BY(mu_);
+  uint64_t peak_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+
+  boost::asio::io_context timers_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_;
+  std::thread timer_thread_;
+};
+
+}  // namespace layercast::server

@@ -1,0 +1,61 @@
+#include "server/fetch_plan.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "core/synthetic_model.h"
+
+namespace layercast::server {
+namespace {
+
+std::unique_ptr<ParameterStore> Store(uint32_t shard, uint32_t num_shards) {
+  auto source = SyntheticModel::Create("llama:layers=1,hidden=48,ffn=80,vocab=30");
+  auto store = ParameterStore::Load(**source, shard, num_shards, *Policy::Parse("c=bf16;*norm*=f32"));
+  EXPECT_TRUE(store.ok()) << store.status();
+  return *std::move(store);
+}
+
+TEST(FetchPlanTest, PlansExactlyTheOwnedElementsOfTheRange) {
+  for (uint32_t num_shards : {1u, 2u, 3u, 7u}) {
+    for (uint32_t layer = 0; layer < 3; ++layer) {
+      std::vector<uint64_t> covered;
+      uint64_t bytes = 0;
+      for (uint32_t shard = 0; shard < num_shards; ++shard) {
+        auto store = Store(shard, num_shards);
+        layercast::v1::FetchLayerRequest request;
+        request.set_layer(layer);
+        absl::StatusOr<FetchPlan> plan = PlanFetch(*store, request);
+        ASSERT_TRUE(plan.ok()) << plan.status();
+        covered.resize(store->layout(layer).tensors().size(), 0);
+        for (const TensorElementRange& run : plan->runs) {
+          EXPECT_EQ(Intersect(run.elements, store->owned(layer, run.tensor)), run.elements);
+          covered[run.tensor] += run.elements.size();
+        }
+        bytes += plan->bytes;
+      }
+      uint64_t expected_bytes = 0;
+      auto store = Store(0, 1);
+      for (size_t t = 0; t < covered.size(); ++t) {
+        EXPECT_EQ(covered[t], store->layout(layer).tensors()[t].num_elements);
+        expected_bytes += store->layout(layer).tensors()[t].num_bytes();
+      }
+      EXPECT_EQ(bytes, expected_bytes);
+    }
+  }
+}
+
+TEST(FetchPlanTest, RefusesWithTheDocumentedCodes) {
+  auto store = Store(0, 2);
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(3);
+  EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kNotFound);
+  request.set_layer(1);
+  request.set_range_end(store->layout(1).total_bytes() + 1);
+  EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kInvalidArgument);
+  request.set_range_end(0);
+  request.set_expect_dtype(layercast::v1::FLOAT16);
+  EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace layercast::server

@@ -1,0 +1,136 @@
+// A real in-process shard server on 127.0.0.1 whose memory budget leaves room
+// for only a few chunk buffers: concurrent fetches all complete bit-exact and
+// the tracked peak never exceeds the budget; a stream that cannot get budget
+// before its deadline is refused with RESOURCE_EXHAUSTED.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include "client/shard_set.h"
+#include "core/cast.h"
+#include "core/synthetic_model.h"
+#include "server/shard_server.h"
+
+namespace layercast::server {
+namespace {
+
+constexpr char kModel[] = "llama:layers=2,hidden=256,ffn=512,vocab=4096,seed=4";
+constexpr uint64_t kChunkBytes = 16 << 10;
+
+std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::string& model = kModel) {
+  auto source = SyntheticModel::Create(model);
+  const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);
+  layercast::v1::ShardConfig config;
+  config.set_listen("127.0.0.1:0");
+  config.set_num_shards(1);
+  config.set_synthetic(model);
+  config.set_chunk_bytes(kChunkBytes);
+  config.set_memory_budget(std::to_string(master + spare_chunks * kChunkBytes));
+  auto settings = ResolveShardConfig(config);
+  EXPECT_TRUE(settings.ok()) << settings.status();
+  auto server = ShardServer::Create(*std::move(settings));
+  EXPECT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE((*server)->Start().ok());
+  EXPECT_TRUE((*server)->Load(nullptr).ok());
+  return *std::move(server);
+}
+
+TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
+  // Room for two streams (each holds two chunks) beside the master.
+  auto server = StartServer(4);
+  const uint64_t budget = *server->budget()->budget();
+  auto set = client::ShardSet::Connect({"127.0.0.1:" + std::to_string(server->port())});
+  ASSERT_TRUE(set.ok()) << set.status();
+  auto source = SyntheticModel::Create(kModel);
+
+  constexpr int kWorkers = 12;
+  std::vector<std::thread> workers;
+  std::atomic<int> exact{0}, failed{0};
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] {
+      const uint32_t layer = static_cast<uint32_t>(w % (*set)->model().layers.size());
+      absl::StatusOr<client::Layer> gathered = (*set)->Gather(layer);
+      if (!gathered.ok()) {
+        ADD_FAILURE() << gathered.status();
+        ++failed;
+        return;
+      }
+      for (size_t t = 0; t < gathered->num_tensors(); ++t) {
+        const client::Layer::TensorView view = gathered->tensor(t);
+        std::vector<float> master(view.num_elements);
+        ASSERT_TRUE((*source)->Read(layer, t, ElementRange{0, view.num_elements}, master).ok());
+        std::vector<uint8_t> expected(view.bytes.size());
+        ASSERT_TRUE(CastFromF32(master.data(), expected.data(), master.size(), view.dtype,
+                                Fp16Overflow::kError)
+                        .ok());
+        if (std::memcmp(expected.data(), view.bytes.data(), expected.size()) != 0) {
+          ADD_FAILURE() << "tensor " << view.name << " differs";
+          return;
+        }
+      }
+      ++exact;
+    });
+  }
+  for (auto& worker : workers) worker.join();
+  EXPECT_EQ(exact.load(), kWorkers);
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_LE(server->budget()->peak(), budget);
+  EXPECT_GT(server->budget()->peak(), server->budget()->in_use()) << "chunk buffers were counted";
+  EXPECT_EQ(server->budget()->in_use(), ParameterStore::MasterBytes((*set)->model(), 0, 1));
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+TEST(ShardServerBudgetTest, AStreamThatCannotStartBeforeItsDeadlineIsRefused) {
+  // Room for exactly one stream.
+  auto server = StartServer(2, "llama:layers=1,hidden=256,ffn=64,vocab=65536");
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = layercast::v1::ShardService::NewStub(channel);
+
+  // A stream whose reader stops after one chunk keeps its buffers: the
+  // embedding is 32 MiB of bf16, far more than flow control lets through.
+  grpc::ClientContext holder_context;
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(0);
+  auto holder = stub->FetchLayer(&holder_context, request);
+  layercast::v1::LayerChunk chunk;
+  ASSERT_TRUE(holder->Read(&chunk));
+
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(800));
+  request.set_layer(1);
+  auto refused = stub->FetchLayer(&context, request);
+  while (refused->Read(&chunk)) {
+  }
+  const grpc::Status status = refused->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("no memory budget became free"));
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("raise --memory-budget"));
+
+  holder_context.TryCancel();
+  while (holder->Read(&chunk)) {
+  }
+  holder->Finish();
+  EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+TEST(ShardServerBudgetTest, ABudgetThatCannotServeOneStreamFailsAtStart) {
+  auto source = SyntheticModel::Create(kModel);
+  const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);
+  layercast::v1::ShardConfig config;
+  config.set_num_shards(1);
+  config.set_synthetic(kModel);
+  config.set_chunk_bytes(kChunkBytes);
+  config.set_memory_budget(std::to_string(master + kChunkBytes));
+  auto server = ShardServer::Create(*ResolveShardConfig(config));
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(server.status().message()),
+              ::testing::HasSubstr("but one stream needs 32.00 KiB (twice --chunk-bytes)"));
+}
+
+}  // namespace
+}  // namespace layercast::server
