@@ -102,6 +102,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
     set->manifests_.push_back(*std::move(answer));
   }
   ASSIGN_OR_RETURN(set->view_, CheckShardSet(set->manifests_, set->addresses_));
+  if (options.registry) set->metrics_ = std::make_unique<ClientMetrics>(*options.registry);
   return set;
 }
 
@@ -112,10 +113,6 @@ absl::Status ShardSet::CheckLayerIndex(uint32_t layer) const {
                                           view_.layouts.size() - 1, ")"));
 }
 
-Layer ShardSet::MakeLayer(uint32_t layer, uint64_t version, LayerBuffer buffer) const {
-  return Layer(layer, &view_.model.layers[layer], &view_.layouts[layer], version,
-               std::move(buffer));
-}
 
 absl::StatusOr<Layer> ShardSet::Gather(uint32_t layer, const GatherOptions& options) const {
   RETURN_IF_ERROR(CheckLayerIndex(layer));
@@ -127,6 +124,18 @@ absl::StatusOr<Layer> ShardSet::Gather(uint32_t layer, const GatherOptions& opti
 
 absl::StatusOr<uint64_t> ShardSet::GatherInto(uint32_t layer, const GatherOptions& options,
                                               std::span<uint8_t> buffer) const {
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<uint64_t> version = GatherStreams(layer, options, buffer);
+  if (metrics_ != nullptr && layer < view_.layouts.size()) {
+    metrics_->RecordGather(
+        version.ok(), view_.layouts[layer].total_bytes(),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return version;
+}
+
+absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOptions& options,
+                                                 std::span<uint8_t> buffer) const {
   RETURN_IF_ERROR(CheckLayerIndex(layer));
   const AssembledLayout& layout = view_.layouts[layer];
   if (buffer.size() < layout.total_bytes()) {
@@ -174,6 +183,12 @@ absl::StatusOr<uint64_t> ShardSet::GatherInto(uint32_t layer, const GatherOption
   for (uint32_t shard = 0; shard < n; ++shard) {
     streams[shard]->Start(*stubs_[shard], request, deadline);
   }
+  uint64_t cancel_id = 0;
+  if (options.cancellation != nullptr) {
+    cancel_id = options.cancellation->Register([&] {
+      for (const auto& stream : streams) stream->Cancel();
+    });
+  }
 
   // At the first failure cancel the other streams, so a dead shard fails the
   // gather at once instead of at the deadline; then wait for every stream.
@@ -187,6 +202,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherInto(uint32_t layer, const GatherOption
       mu.Await(absl::Condition(&settled));
     }
   }
+  if (cancel_id != 0) options.cancellation->Unregister(cancel_id);
   absl::Status failure;
   std::optional<uint64_t> version;
   for (const auto& stream : streams) {

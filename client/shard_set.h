@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/layer.h"
+#include "client/layer_source.h"
 #include "client/manifest_check.h"
 #include "layercast/v1/shard.grpc.pb.h"
 
@@ -21,16 +22,8 @@ struct ShardSetOptions {
   // How long Connect waits for every shard to answer GetManifest, retrying
   // shards that are unreachable or still loading.
   std::chrono::milliseconds connect_timeout{30000};
-};
-
-struct GatherOptions {
-  // The whole gather, every shard's stream included, ends by then.
-  std::chrono::milliseconds timeout{60000};
-  // Wait on each shard until its parameter version reaches this.
-  uint64_t min_version = 0;
-  // Only this byte range [first, second) of the assembled layout (for K local
-  // GPUs each fetching 1/K); the rest of the buffer is left untouched.
-  std::optional<std::pair<uint64_t, uint64_t>> byte_range;
+  // Where the worker library's metrics go; none if null.
+  std::shared_ptr<prometheus::Registry> registry;
 };
 
 // A connection to a whole shard set, which has agreed on one model, policy
@@ -39,14 +32,14 @@ struct GatherOptions {
 //
 // Thread-safe: Gather may be called concurrently (each call has its own
 // streams); the set itself is immutable after Connect.
-class ShardSet {
+class ShardSet final : public LayerSource {
  public:
   // Fetches every manifest concurrently and checks they form one set (see
   // CheckShardSet). `addresses` are host:port in shard order.
   static absl::StatusOr<std::unique_ptr<ShardSet>> Connect(std::vector<std::string> addresses,
                                                            ShardSetOptions options = {});
 
-  const ShardSetView& view() const { return view_; }
+  const ShardSetView& view() const override { return view_; }
   const ModelSpec& model() const { return view_.model; }
   const std::vector<std::string>& addresses() const { return addresses_; }
   // The manifests as fetched, in shard order.
@@ -61,19 +54,22 @@ class ShardSet {
   // passes, DATA_LOSS when a shard sends elements it does not own, twice, or
   // not at all, or versions disagree.
   absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
-                                      std::span<uint8_t> buffer) const;
+                                      std::span<uint8_t> buffer) const override;
 
-  // Wraps a filled buffer as layer `layer`.
-  Layer MakeLayer(uint32_t layer, uint64_t version, LayerBuffer buffer) const;
+  // The worker library's metrics; nullptr without a registry.
+  ClientMetrics* metrics() const override { return metrics_.get(); }
 
  private:
   ShardSet() = default;
   absl::Status CheckLayerIndex(uint32_t layer) const;
+  absl::StatusOr<uint64_t> GatherStreams(uint32_t layer, const GatherOptions& options,
+                                         std::span<uint8_t> buffer) const;
 
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> stubs_;
   std::vector<layercast::v1::Manifest> manifests_;
   ShardSetView view_;
+  std::unique_ptr<ClientMetrics> metrics_;
 };
 
 // Splits "a:1,b:2" into addresses; INVALID_ARGUMENT on an empty entry.

@@ -1,0 +1,55 @@
+#include "client/client_metrics.h"
+
+namespace layercast::client {
+namespace {
+
+prometheus::Histogram::BucketBoundaries GatherBuckets() {
+  prometheus::Histogram::BucketBoundaries buckets;
+  for (double b = 0.001; b < 70; b *= 2) buckets.push_back(b);
+  return buckets;
+}
+
+}  // namespace
+
+ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
+  gather_duration_ = &prometheus::BuildHistogram()
+                          .Name("layercast_client_gather_duration_seconds")
+                          .Help("Duration of layer gathers from every shard, successful or not")
+                          .Register(registry)
+                          .Add({}, GatherBuckets());
+  auto& gathers = prometheus::BuildCounter()
+                      .Name("layercast_client_gathers_total")
+                      .Help("Layer gathers by result (ok or error)")
+                      .Register(registry);
+  gathers_ok_ = &gathers.Add({{"result", "ok"}});
+  gathers_failed_ = &gathers.Add({{"result", "error"}});
+  received_bytes_ = &prometheus::BuildCounter()
+                         .Name("layercast_client_received_bytes_total")
+                         .Help("Assembled layer bytes gathered successfully")
+                         .Register(registry)
+                         .Add({});
+  wait_seconds_ = &prometheus::BuildCounter()
+                       .Name("layercast_client_wait_seconds_total")
+                       .Help("Time callers spent blocked in LayerStream::Next waiting for a layer")
+                       .Register(registry)
+                       .Add({});
+  auto& prefetch = prometheus::BuildCounter()
+                       .Name("layercast_client_prefetch_total")
+                       .Help("LayerStream::Next calls by whether the layer was already gathered")
+                       .Register(registry);
+  prefetch_hits_ = &prefetch.Add({{"result", "hit"}});
+  prefetch_misses_ = &prefetch.Add({{"result", "miss"}});
+}
+
+void ClientMetrics::RecordGather(bool ok, uint64_t bytes, double seconds) {
+  gather_duration_->Observe(seconds);
+  (ok ? gathers_ok_ : gathers_failed_)->Increment();
+  if (ok) received_bytes_->Increment(static_cast<double>(bytes));
+}
+
+void ClientMetrics::RecordNext(bool hit, double seconds) {
+  wait_seconds_->Increment(seconds);
+  (hit ? prefetch_hits_ : prefetch_misses_)->Increment();
+}
+
+}  // namespace layercast::client

@@ -1,0 +1,35 @@
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+namespace layercast::client {
+
+// The worker library's Prometheus metrics, registered once in the caller's
+// registry (prometheus-cpp throws on a bad name; these names are fixed, so
+// it cannot, but construction is the only place it could). docs/metrics.md
+// describes each.
+//
+// Thread-safe.
+class ClientMetrics {
+ public:
+  explicit ClientMetrics(prometheus::Registry& registry);
+
+  // A gather of `bytes` ended (ok or not) after `seconds`.
+  void RecordGather(bool ok, uint64_t bytes, double seconds);
+  // The caller waited `seconds` in LayerStream::Next; `hit` when the layer
+  // was already there.
+  void RecordNext(bool hit, double seconds);
+
+ private:
+  prometheus::Histogram* gather_duration_;
+  prometheus::Counter* gathers_ok_;
+  prometheus::Counter* gathers_failed_;
+  prometheus::Counter* received_bytes_;
+  prometheus::Counter* wait_seconds_;
+  prometheus::Counter* prefetch_hits_;
+  prometheus::Counter* prefetch_misses_;
+};
+
+}  // namespace layercast::client

@@ -1,0 +1,57 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "client/cancellation.h"
+#include "client/client_metrics.h"
+#include "client/layer.h"
+#include "client/manifest_check.h"
+
+namespace layercast::client {
+
+struct GatherOptions {
+  // The whole gather, every shard's stream included, ends by then.
+  std::chrono::milliseconds timeout{60000};
+  // Wait on each shard until its parameter version reaches this.
+  uint64_t min_version = 0;
+  // Only this byte range [first, second) of the assembled layout (for K local
+  // GPUs each fetching 1/K); the rest of the buffer is left untouched.
+  std::optional<std::pair<uint64_t, uint64_t>> byte_range;
+  // If set and cancelled, the gather stops its streams and returns CANCELLED.
+  Cancellation* cancellation = nullptr;
+};
+
+// Where assembled layers come from: a ShardSet in production. The seam
+// LayerStream is written against, so its concurrency can be tested (and run
+// under ThreadSanitizer) without gRPC.
+//
+// Implementations are thread-safe.
+class LayerSource {
+ public:
+  virtual ~LayerSource() = default;
+
+  // The model, policy and every layer's assembled layout.
+  virtual const ShardSetView& view() const = 0;
+
+  // Fills `buffer` (at least the layer's assembled bytes) with layer `layer`;
+  // returns the parameter version it was cast from.
+  virtual absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
+                                              std::span<uint8_t> buffer) const = 0;
+
+  // Where to record the worker library's metrics; nullptr for none.
+  virtual ClientMetrics* metrics() const = 0;
+
+  // Wraps a filled buffer as layer `layer`. The Layer refers to view(), so
+  // the source must outlive it.
+  Layer MakeLayer(uint32_t layer, uint64_t version, LayerBuffer buffer) const {
+    return Layer(layer, &view().model.layers[layer], &view().layouts[layer], version,
+                 std::move(buffer));
+  }
+};
+
+}  // namespace layercast::client

@@ -1,0 +1,139 @@
+// LayerStream against an in-process LayerSource: order, budget, look-ahead,
+// cancellation on destruction. Runs under ThreadSanitizer in CI.
+
+#include "client/layer_stream.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/client/in_memory_layer_source.h"
+
+namespace layercast::client {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kSpec[] = "llama:layers=4,hidden=64,ffn=96,vocab=128";
+
+uint64_t LargestLayer(const LayerSource& source) {
+  uint64_t largest = 0;
+  for (const AssembledLayout& layout : source.view().layouts) {
+    largest = std::max(largest, layout.total_bytes());
+  }
+  return largest;
+}
+
+TEST(LayerStreamTest, HandsOutTheDeclaredOrderWithinTheBudget) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(2));
+  const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
+  for (uint64_t budget_layers : {1, 2, 3, 100}) {
+    LayerStreamOptions options;
+    options.order = ForwardBackwardOrder(n);
+    options.budget_bytes = budget_layers * LargestLayer(source);
+    auto stream = LayerStream::Create(source, options);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    for (uint32_t expected : options.order) {
+      absl::StatusOr<Layer> layer = (*stream)->Next();
+      ASSERT_TRUE(layer.ok()) << layer.status();
+      EXPECT_EQ(layer->index(), expected);
+      EXPECT_EQ(layer->bytes().size(), source.view().layouts[expected].total_bytes());
+    }
+    EXPECT_EQ((*stream)->Next().status().code(), absl::StatusCode::kOutOfRange);
+    const LayerStreamStats stats = (*stream)->stats();
+    EXPECT_EQ(stats.layers, options.order.size());
+    EXPECT_LE(stats.peak_bytes, options.budget_bytes) << budget_layers << " layers of budget";
+  }
+}
+
+TEST(LayerStreamTest, PrefetchesWhileTheCallerComputes) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(5));
+  const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
+  LayerStreamOptions options;
+  options.order = ForwardOrder(n);
+  options.budget_bytes = 3 * LargestLayer(source);
+  auto stream = LayerStream::Create(source, options);
+  ASSERT_TRUE(stream.ok());
+  for (uint32_t i = 0; i < n; ++i) {
+    absl::StatusOr<Layer> layer = (*stream)->Next();
+    ASSERT_TRUE(layer.ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));  // "compute"
+  }
+  const LayerStreamStats stats = (*stream)->stats();
+  EXPECT_GE(stats.hits, n - 1) << "every layer after the first was ready in time";
+}
+
+TEST(LayerStreamTest, ZeroLookaheadFetchesOnlyOnDemand) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(5));
+  const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
+  LayerStreamOptions options;
+  options.order = ForwardOrder(n);
+  options.budget_bytes = 100 * LargestLayer(source);
+  options.max_lookahead = 0;
+  auto stream = LayerStream::Create(source, options);
+  ASSERT_TRUE(stream.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_EQ(source.gathers(), 0) << "nothing fetched before it was asked for";
+  for (uint32_t i = 0; i < n; ++i) {
+    ASSERT_TRUE((*stream)->Next().ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_EQ(source.gathers(), static_cast<int>(i + 1));
+  }
+  EXPECT_EQ((*stream)->stats().misses, n);
+}
+
+TEST(LayerStreamTest, RefusesALayerLargerThanTheBudgetUpFront) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(0));
+  LayerStreamOptions options;
+  options.order = {0, 1};
+  options.budget_bytes = LargestLayer(source) - 1;
+  auto stream = LayerStream::Create(source, options);
+  EXPECT_EQ(stream.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(stream.status().message()), HasSubstr("more than the stream's budget"));
+  options.order = {0, 99};
+  options.budget_bytes = 100 * LargestLayer(source);
+  EXPECT_EQ(LayerStream::Create(source, options).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(LayerStreamTest, ACallerHoldingTheWholeBudgetGetsAnErrorNotAHang) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(0));
+  LayerStreamOptions options;
+  options.order = {1, 2, 3};
+  options.budget_bytes = source.view().layouts[1].total_bytes() + 10;
+  auto stream = LayerStream::Create(source, options);
+  ASSERT_TRUE(stream.ok());
+  absl::StatusOr<Layer> held = (*stream)->Next();
+  ASSERT_TRUE(held.ok());
+  absl::StatusOr<Layer> next = (*stream)->Next();
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(next.status().message()), HasSubstr("drop a layer"));
+  held = absl::CancelledError("dropped");  // returns its bytes
+  absl::StatusOr<Layer> after = (*stream)->Next();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->index(), 2u);
+}
+
+TEST(LayerStreamTest, DestroyingMidwayCancelsAndKeepsHandedOutLayers) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(200));
+  LayerStreamOptions options;
+  options.order = ForwardBackwardOrder(static_cast<uint32_t>(source.view().layouts.size()));
+  options.budget_bytes = 100 * LargestLayer(source);
+  absl::StatusOr<Layer> kept = absl::UnknownError("unset");
+  const auto start = std::chrono::steady_clock::now();
+  {
+    auto stream = LayerStream::Create(source, options);
+    ASSERT_TRUE(stream.ok());
+    kept = (*stream)->Next();
+    ASSERT_TRUE(kept.ok());
+  }  // a 200 ms gather is in flight: cancelled, not waited out
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(390));
+  // The handed-out layer outlives the stream.
+  EXPECT_EQ(kept->index(), 0u);
+  uint64_t sum = 0;
+  for (uint8_t byte : kept->bytes()) sum += byte;
+  EXPECT_GT(sum, 0u);
+}
+
+}  // namespace
+}  // namespace layercast::client
