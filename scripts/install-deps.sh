@@ -10,6 +10,7 @@ packages=(
   nlohmann-json3-dev libeigen3-dev libssl-dev
   python3 python3-torch python3-numpy
   prometheus  # promtool and the server for tests/observability, which runs its own instance
+  yamllint  # tests/deploy; kubectl, node and npm come with the machine image
 )
 
 sudo_cmd=()

@@ -28,11 +28,5 @@ absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlag
   return client::ShardSet::Connect(std::move(addresses), options);
 }
 
-std::vector<uint32_t> ForwardBackwardOrder(uint32_t num_layers) {
-  std::vector<uint32_t> order;
-  for (uint32_t l = 0; l < num_layers; ++l) order.push_back(l);
-  for (uint32_t l = num_layers; l-- > 0;) order.push_back(l);
-  return order;
-}
 
 }  // namespace layercast::cli

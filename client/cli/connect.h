@@ -25,8 +25,5 @@ absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags&
 // --connect-timeout-ms for it to be ready).
 absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlags& flags);
 
-// A walk over a model's layers as a training step makes it: forward 0..L-1,
-// then backward L-1..0.
-std::vector<uint32_t> ForwardBackwardOrder(uint32_t num_layers);
 
 }  // namespace layercast::cli

@@ -49,8 +49,8 @@ absl::Status VerifySamples(const ParameterSource& source, const Policy& policy,
 }  // namespace
 
 absl::Status RunDemo(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, {"num-shards", "synthetic", "model",
-                                                          "policy", "steps", "shard-binary"}));
+  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, {"num-shards", "synthetic", "model", "policy",
+                                                          "steps", "shard-binary", "budget-layers"}));
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", 2));
   ASSIGN_OR_RETURN(uint64_t steps, flags.GetUint("steps", 1));
   if (num_shards == 0 || num_shards > 64) {
@@ -94,14 +94,16 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
 
   std::vector<uint32_t> order;
   for (uint64_t s = 0; s < steps; ++s) {
-    const std::vector<uint32_t> step = ForwardBackwardOrder(num_layers);
+    const std::vector<uint32_t> step = client::ForwardBackwardOrder(num_layers);
     order.insert(order.end(), step.begin(), step.end());
   }
+  ASSIGN_OR_RETURN(uint64_t budget_layers, flags.GetUint("budget-layers", 3));
+  const uint64_t budget = LayersBudget(*set, budget_layers);
   uint64_t verified = 0, largest_layer = 0;
   ASSIGN_OR_RETURN(
       WalkStats stats,
       WalkLayers(
-          *set, order,
+          *set, order, budget,
           [&](size_t step) { return step % (2 * num_layers) < num_layers ? "forward" : "backward"; },
           [&](const client::Layer& layer) {
             largest_layer = std::max<uint64_t>(largest_layer, layer.bytes().size());
@@ -122,8 +124,14 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
   std::printf("  bytes on the wire %s in compute dtypes\n", FormatBytes(stats.wire_bytes).c_str());
   std::printf("  an fp32 gather    %s (%.2fx the bytes)\n", FormatBytes(stats.fp32_bytes).c_str(),
               static_cast<double>(stats.fp32_bytes) / stats.wire_bytes);
-  std::printf("  time              %.2f s, %.2f GB/s, slowest layer %.3f s\n", stats.seconds,
-              stats.wire_bytes / stats.seconds / 1e9, stats.max_layer_seconds);
+  std::printf("  time              %.2f s, %.2f GB/s\n", stats.seconds,
+              stats.wire_bytes / stats.seconds / 1e9);
+  std::printf("  prefetch          budget %s (%llu largest layers), peak held %s, %llu/%llu "
+              "layers ready when asked, %.2f s waited\n",
+              FormatBytes(budget).c_str(), static_cast<unsigned long long>(budget_layers),
+              FormatBytes(stats.stream.peak_bytes).c_str(),
+              static_cast<unsigned long long>(stats.stream.hits),
+              static_cast<unsigned long long>(stats.stream.layers), stats.stream.wait_seconds);
   std::printf("  verified          %llu sampled values bit-exact against the core cast\n",
               static_cast<unsigned long long>(verified));
   for (uint32_t i = 0; i < num_shards; ++i) {

@@ -19,18 +19,27 @@ std::string Bar(size_t done, size_t total, size_t width) {
 
 }  // namespace
 
+uint64_t LayersBudget(const client::ShardSet& set, uint64_t layers) {
+  uint64_t largest = 0;
+  for (const AssembledLayout& layout : set.view().layouts) {
+    largest = std::max(largest, layout.total_bytes());
+  }
+  return layers * largest;
+}
+
 absl::StatusOr<WalkStats> WalkLayers(const client::ShardSet& set,
-                                     const std::vector<uint32_t>& order,
+                                     const std::vector<uint32_t>& order, uint64_t budget_bytes,
                                      const std::function<const char*(size_t step)>& label,
                                      const std::function<absl::Status(const client::Layer&)>& use) {
   const bool terminal = isatty(STDERR_FILENO) != 0;
+  client::LayerStreamOptions options;
+  options.order = order;
+  options.budget_bytes = budget_bytes;
+  ASSIGN_OR_RETURN(auto stream, client::LayerStream::Create(set, options));
   WalkStats stats;
   const auto start = std::chrono::steady_clock::now();
   for (size_t step = 0; step < order.size(); ++step) {
-    const auto layer_start = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(client::Layer layer, set.Gather(order[step]));
-    const double layer_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - layer_start).count();
+    ASSIGN_OR_RETURN(client::Layer layer, stream->Next());
     uint64_t wire = 0, fp32 = 0;
     for (size_t t = 0; t < layer.num_tensors(); ++t) {
       wire += layer.tensor(t).bytes.size();
@@ -40,14 +49,15 @@ absl::StatusOr<WalkStats> WalkLayers(const client::ShardSet& set,
     stats.layers++;
     stats.wire_bytes += wire;
     stats.fp32_bytes += fp32;
-    stats.max_layer_seconds = std::max(stats.max_layer_seconds, layer_seconds);
     stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::fprintf(stderr, "%s[%s] %3zu/%zu %-8s layer %3u %-24s %10s %6.2f GB/s%s",
+    std::fprintf(stderr, "%s[%s] %3zu/%zu %-8s layer %3u %-24s %10s  %6.2f GB/s so far%s",
                  terminal ? "\r" : "", Bar(step + 1, order.size(), 24).c_str(), step + 1,
                  order.size(), label(step), layer.index(), layer.name().c_str(),
-                 FormatBytes(wire).c_str(), wire / layer_seconds / 1e9, terminal ? "" : "\n");
+                 FormatBytes(wire).c_str(), stats.wire_bytes / stats.seconds / 1e9,
+                 terminal ? "" : "\n");
   }
   if (terminal) std::fputc('\n', stderr);
+  stats.stream = stream->stats();
   return stats;
 }
 

@@ -12,10 +12,13 @@ constexpr char kUsage[] =
     "usage: layercast COMMAND [FLAGS]\n"
     "  manifest --shards A,B,...                      print the model, policy and layers\n"
     "  fetch --shards A,B,... --layer L --out F       gather layer L into a safetensors file\n"
-    "  bench --shards A,B,... [--rounds R]            gather every layer R times, report GB/s\n"
+    "  bench --shards A,B,... [--rounds R] [--budget-layers K]\n"
+    "                                                 gather every layer R times, report GB/s\n"
     "  demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P] [--steps S]\n"
+    "       [--budget-layers K]\n"
     "                                                 start N local shards and walk every layer\n"
     "                                                 forward then backward, as a training step\n"
+    "--budget-layers K: prefetch into at most K x the largest layer of host memory (default 3).\n"
     "Name shards with --shards host:port,... in shard order, or with\n"
     "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n";
 

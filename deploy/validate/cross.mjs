@@ -1,0 +1,320 @@
+// Checks that span objects, or that need layercast's own knowledge: the things
+// a schema cannot see but that break a shard set at run time.
+import fs from "node:fs";
+import path from "node:path";
+import { parseBudget, parseQuantity, formatBytes } from "./quantity.mjs";
+
+const POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']";
+const READINESS_SERVICE = "layercast.v1.ShardService";
+const HEADROOM_ANNOTATION = "layercast/memory-headroom";
+const DEFAULT_DRAIN_SECONDS = 20; // server/shard_config.cc
+const DEFAULT_GRACE_SECONDS = 30; // Kubernetes' default
+const EXIT_MARGIN_SECONDS = 5; // time to exit after the drain ends
+
+// Field names of layercast.v1.ShardConfig, read from the proto so that they
+// cannot drift: proto3 JSON accepts each as snake_case or lowerCamelCase.
+export function shardConfigFields(repoRoot) {
+  const proto = fs.readFileSync(path.join(repoRoot, "proto/layercast/v1/config.proto"), "utf8");
+  const body = /message ShardConfig \{([\s\S]*?)\n\}/.exec(proto)[1];
+  const fields = new Map(); // json key -> { name, type }
+  for (const [, type, name] of body.matchAll(/^\s*(\w+)\s+(\w+)\s*=\s*\d+;/gm)) {
+    const camel = name.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
+    fields.set(name, { name, type });
+    fields.set(camel, { name, type });
+  }
+  return fields;
+}
+
+const selects = (selector, labels) =>
+  !!selector && Object.keys(selector).length > 0 &&
+  Object.entries(selector).every(([k, v]) => labels?.[k] === v);
+
+const id = (o) => `${o.kind}/${o.metadata?.name}`;
+
+// The value of --NAME in args, in either "--NAME=V" or "--NAME V" form.
+function flag(args, name) {
+  for (let i = 0; i < args.length; ++i) {
+    if (args[i] === `--${name}`) return args[i + 1];
+    if (args[i].startsWith(`--${name}=`)) return args[i].slice(name.length + 3);
+  }
+  return undefined;
+}
+
+// "$(VAR)" -> the env entry of VAR, else undefined.
+function envRef(container, value) {
+  const m = /^\$\((\w+)\)$/.exec(value ?? "");
+  return m ? (container.env ?? []).find((e) => e.name === m[1]) : undefined;
+}
+
+function splitHostPort(address) {
+  const m = /^(.*):(\d+)$/.exec(address ?? "");
+  return m ? { host: m[1], port: Number(m[2]) } : null;
+}
+
+export function checkCrossObject(docs, { repoRoot }) {
+  const errors = [];
+  const fail = (obj, message) => errors.push(`${id(obj)}: ${message}`);
+  const byKind = (kind) => docs.filter((d) => d.kind === kind);
+  const configMaps = new Map(byKind("ConfigMap").map((c) => [c.metadata.name, c]));
+  const ns = (o) => o.metadata?.namespace ?? "";
+
+  for (const kind of ["StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget", "PodMonitor"]) {
+    if (byKind(kind).length === 0) errors.push(`no ${kind} in the rendered manifests`);
+  }
+
+  // Every pod-owning object, to check that selectors pick only shard pods.
+  const workloads = docs.filter((d) => d.spec?.template?.spec?.containers);
+
+  // Every ConfigMap a pod names must be in the render (names carry a hash).
+  for (const w of workloads) {
+    const pod = w.spec.template.spec;
+    const refs = [
+      ...(pod.volumes ?? []).filter((v) => v.configMap).map((v) => v.configMap.name),
+      ...[...(pod.containers ?? []), ...(pod.initContainers ?? [])].flatMap((c) =>
+        (c.env ?? []).map((e) => e.valueFrom?.configMapKeyRef?.name).filter(Boolean)),
+    ];
+    for (const name of refs) {
+      if (!configMaps.has(name)) fail(w, `refers to ConfigMap ${name}, which is not in the render`);
+    }
+  }
+
+  const shardFields = shardConfigFields(repoRoot);
+
+  for (const sts of byKind("StatefulSet")) {
+    const pod = sts.spec.template.spec;
+    const podLabels = sts.spec.template.metadata?.labels ?? {};
+    const replicas = sts.spec.replicas ?? 1;
+
+    // Shard index = pod-index label, which starts at ordinals.start.
+    const start = sts.spec.ordinals?.start ?? 0;
+    if (start !== 0) {
+      fail(sts, `spec.ordinals.start is ${start}: pod-index labels would run ${start}..` +
+        `${start + replicas - 1} but shard indices must run 0..${replicas - 1}; remove it`);
+    }
+    if (!selects(sts.spec.selector?.matchLabels, podLabels)) {
+      fail(sts, "spec.selector.matchLabels does not match the pod template's labels");
+    }
+
+    const shard = pod.containers.find((c) => (c.ports ?? []).some((p) => p.name === "grpc"));
+    if (!shard) {
+      fail(sts, "no container has a port named grpc");
+      continue;
+    }
+    const args = shard.args ?? [];
+    const portsByName = new Map((shard.ports ?? []).map((p) => [p.name, p.containerPort]));
+    const containerPorts = new Set((shard.ports ?? []).map((p) => p.containerPort));
+
+    // --shard-index from the downward API's pod-index label.
+    const indexEnv = envRef(shard, flag(args, "shard-index"));
+    if (indexEnv?.valueFrom?.fieldRef?.fieldPath !== POD_INDEX_FIELD) {
+      fail(sts, `--shard-index must be $(VAR) with VAR from the downward API field ${POD_INDEX_FIELD}`);
+    }
+
+    // --num-shards from one ConfigMap key, equal to replicas.
+    const countEnv = envRef(shard, flag(args, "num-shards"));
+    const countRef = countEnv?.valueFrom?.configMapKeyRef;
+    const countText = countRef ? configMaps.get(countRef.name)?.data?.[countRef.key] : undefined;
+    if (countText === undefined) {
+      fail(sts, "--num-shards must be $(VAR) with VAR from a ConfigMap key (the one shard count)");
+    } else if (Number(countText) !== replicas) {
+      fail(sts, `spec.replicas is ${replicas} but ConfigMap ${countRef.name} key ${countRef.key} ` +
+        `says ${countText} shards (did the overlay include components/shard-count?)`);
+    }
+
+    // The server's effective config: the JSON file, then flags on top.
+    const configPath = flag(args, "config");
+    let config = {};
+    const mount = (shard.volumeMounts ?? []).find((m) => configPath?.startsWith(m.mountPath + "/"));
+    const volume = (pod.volumes ?? []).find((v) => v.name === mount?.name);
+    const configMap = configMaps.get(volume?.configMap?.name);
+    const fileName = configPath ? path.posix.basename(configPath) : undefined;
+    if (!configMap || configMap.data?.[fileName] === undefined) {
+      fail(sts, `--config ${configPath} is not a key of a ConfigMap mounted in the container`);
+    } else {
+      try {
+        config = JSON.parse(configMap.data[fileName]);
+      } catch (e) {
+        fail(configMap, `${fileName} is not JSON: ${e.message}`);
+      }
+    }
+    const effective = {};
+    for (const [key, value] of Object.entries(config)) {
+      const field = shardFields.get(key);
+      if (!field) {
+        fail(configMap, `${fileName}: unknown field '${key}' (not in layercast.v1.ShardConfig; ` +
+          "the server refuses the file)");
+        continue;
+      }
+      if (field.type === "string" && typeof value !== "string") {
+        fail(configMap, `${fileName}: ${key} must be a string`);
+      }
+      if (/int/.test(field.type) && !/^\d+$/.test(String(value))) {
+        fail(configMap, `${fileName}: ${key} must be a non-negative integer`);
+      }
+      if (field.name === "shard_index" || field.name === "num_shards") {
+        fail(configMap, `${fileName}: ${key} does not belong in the shared config: the index comes ` +
+          "from the pod, the count from the ConfigMap key behind --num-shards");
+      }
+      effective[field.name] = value;
+    }
+    for (const { name } of shardFields.values()) {
+      const value = flag(args, name.replace(/_/g, "-"));
+      if (value !== undefined) effective[name] = value;
+    }
+
+    // Listen on all interfaces, on the ports the pod declares.
+    for (const [field, portName] of [["listen", "grpc"], ["metrics_listen", "metrics"]]) {
+      const address = splitHostPort(effective[field]);
+      if (!address) {
+        fail(sts, `the server's ${field} must be set to 0.0.0.0:<port of '${portName}'>`);
+        continue;
+      }
+      if (!["0.0.0.0", "[::]"].includes(address.host)) {
+        fail(sts, `the server's ${field} is ${effective[field]}: listen on all interfaces ` +
+          "(0.0.0.0), the kubelet and Prometheus dial the pod IP");
+      }
+      if (portsByName.get(portName) !== address.port) {
+        fail(sts, `the server's ${field} port ${address.port} is not container port ` +
+          `'${portName}' (${portsByName.get(portName)})`);
+      }
+    }
+    if (!effective.model === !effective.synthetic) {
+      fail(sts, "the server's config must set exactly one of model and synthetic");
+    }
+
+    // Native gRPC probes: numeric container ports; liveness on service "",
+    // readiness on the ShardService (NOT_SERVING until loaded and when draining).
+    for (const [probeName, service] of [["livenessProbe", ""], ["readinessProbe", READINESS_SERVICE]]) {
+      const grpc = shard[probeName]?.grpc;
+      if (!grpc) {
+        fail(sts, `${probeName} must be a native gRPC probe`);
+        continue;
+      }
+      if (typeof grpc.port !== "number") {
+        fail(sts, `${probeName}.grpc.port must be numeric, not '${grpc.port}'`);
+      } else if (!containerPorts.has(grpc.port)) {
+        fail(sts, `${probeName}.grpc.port ${grpc.port} is not a container port`);
+      } else if (grpc.port !== portsByName.get("grpc")) {
+        fail(sts, `${probeName}.grpc.port ${grpc.port} is not the gRPC port ${portsByName.get("grpc")}`);
+      }
+      if ((grpc.service ?? "") !== service) {
+        fail(sts, `${probeName}.grpc.service must be '${service}', not '${grpc.service ?? ""}'`);
+      }
+    }
+    for (const c of pod.containers) {
+      for (const probeName of ["livenessProbe", "readinessProbe", "startupProbe"]) {
+        const port = c[probeName]?.httpGet?.port ?? c[probeName]?.tcpSocket?.port;
+        if (port !== undefined && !(c.ports ?? []).some((p) => p.containerPort === port || p.name === port)) {
+          fail(sts, `container ${c.name} ${probeName} port ${port} is not a container port`);
+        }
+      }
+    }
+
+    // SIGKILL must not cut the drain short.
+    const drain = Number(effective.drain_timeout_seconds || DEFAULT_DRAIN_SECONDS);
+    const grace = pod.terminationGracePeriodSeconds ?? DEFAULT_GRACE_SECONDS;
+    if (grace < drain + EXIT_MARGIN_SECONDS) {
+      fail(sts, `terminationGracePeriodSeconds ${grace} must be at least drain_timeout_seconds ` +
+        `${drain} + ${EXIT_MARGIN_SECONDS}`);
+    }
+
+    // Memory: request = limit >= budget + stated headroom.
+    const request = shard.resources?.requests?.memory;
+    const limit = shard.resources?.limits?.memory;
+    if (!request || !limit || parseQuantity(request) !== parseQuantity(limit)) {
+      fail(sts, `memory request (${request}) must equal memory limit (${limit})`);
+    }
+    const headroom = sts.metadata?.annotations?.[HEADROOM_ANNOTATION];
+    if (!effective.memory_budget) {
+      fail(sts, "the server's memory_budget must be set: the container has a memory limit");
+    } else if (!headroom) {
+      fail(sts, `annotation ${HEADROOM_ANNOTATION} must state the memory above memory_budget`);
+    } else if (limit) {
+      const need = parseBudget(effective.memory_budget) + parseQuantity(headroom);
+      if (parseQuantity(limit) < need) {
+        fail(sts, `memory limit ${limit} is below memory_budget ${effective.memory_budget} + ` +
+          `headroom ${headroom} = ${formatBytes(need)}`);
+      }
+    }
+
+    // A selector must pick this set's pods and no other workload's.
+    const checkSelector = (obj, selector, what) => {
+      if (!selects(selector, podLabels) || ns(obj) !== ns(sts)) {
+        fail(obj, `${what} selects no pod of ${id(sts)}`);
+      }
+      for (const other of workloads) {
+        if (other !== sts && ns(other) === ns(obj) &&
+            selects(selector, other.spec.template.metadata?.labels)) {
+          fail(obj, `${what} also selects the pods of ${id(other)}`);
+        }
+      }
+    };
+
+    // Headless Service named by serviceName: stable per-shard DNS names.
+    const service = byKind("Service").find((s) => s.metadata.name === sts.spec.serviceName && ns(s) === ns(sts));
+    if (!service) {
+      fail(sts, `serviceName ${sts.spec.serviceName} names no Service in the render`);
+    } else {
+      if (service.spec.clusterIP !== "None") fail(service, "must be headless (clusterIP: None)");
+      checkSelector(service, service.spec.selector, "spec.selector");
+      for (const p of service.spec.ports ?? []) {
+        const target = p.targetPort ?? p.port;
+        if (!(typeof target === "number" ? containerPorts.has(target) : portsByName.has(target))) {
+          fail(service, `port ${p.name} targets ${target}, which is not a container port`);
+        }
+      }
+    }
+
+    for (const pdb of byKind("PodDisruptionBudget")) {
+      checkSelector(pdb, pdb.spec.selector?.matchLabels, "spec.selector");
+      if (pdb.spec.maxUnavailable !== 1) fail(pdb, "maxUnavailable must be 1 (one shard at a time)");
+    }
+
+    for (const monitor of byKind("PodMonitor")) {
+      checkSelector(monitor, monitor.spec.selector?.matchLabels, "spec.selector");
+      for (const endpoint of monitor.spec.podMetricsEndpoints ?? []) {
+        if (!portsByName.has(endpoint.port)) {
+          fail(monitor, `podMetricsEndpoints port '${endpoint.port}' names no container port ` +
+            `(have: ${[...portsByName.keys()].join(", ")})`);
+        }
+      }
+      if (!(monitor.spec.podMetricsEndpoints ?? []).length) fail(monitor, "no podMetricsEndpoints");
+    }
+
+    // Workers: the layercast tool names the shards by pattern and count.
+    const port = portsByName.get("grpc");
+    const dnsName = `${sts.metadata.name}-{i}.${service?.metadata.name}`;
+    const fullName = `${dnsName}.${ns(sts) || "default"}.svc`;
+    for (const w of workloads.filter((w) => w !== sts)) {
+      for (const c of w.spec.template.spec.containers) {
+        if ((c.command ?? [])[0] !== "layercast") continue;
+        const wargs = c.args ?? [];
+        const pattern = flag(wargs, "shards-pattern");
+        const address = splitHostPort(pattern);
+        // The short name resolves only from the shards' own namespace.
+        const hostOk = address && ((address.host === dnsName && ns(w) === ns(sts)) ||
+          address.host === fullName || address.host === `${fullName}.cluster.local`);
+        if (!hostOk || address.port !== port) {
+          fail(w, `--shards-pattern '${pattern}' must be '${dnsName}:${port}' from the shards' ` +
+            `namespace, or '${fullName}:${port}'`);
+        }
+        const n = flag(wargs, "num-shards");
+        const ref = envRef(c, n)?.valueFrom?.configMapKeyRef;
+        if (ref ? !(ref.name === countRef?.name && ref.key === countRef?.key) : Number(n) !== replicas) {
+          fail(w, `--num-shards ${n} must come from ConfigMap key ${countRef?.key} like the shards'`);
+        }
+      }
+    }
+  }
+
+  // Images must be pinned: a bare name means :latest.
+  for (const w of workloads) {
+    const pod = w.spec.template.spec;
+    for (const c of [...(pod.containers ?? []), ...(pod.initContainers ?? [])]) {
+      if (!/[:@]/.test(c.image.split("/").pop()) || c.image.endsWith(":latest")) {
+        fail(w, `container ${c.name} image '${c.image}' has no pinned tag`);
+      }
+    }
+  }
+  return errors;
+}

@@ -1,0 +1,181 @@
+#!/usr/bin/env node
+// Negative tests for the deploy validators: each case breaks one thing and
+// must fail with a message naming that thing (so a case cannot pass because
+// of some unrelated failure). The unbroken input must pass first.
+//   node tests/deploy/negative.mjs RENDERED_OVERLAY.yaml [BIN_DIR]
+// Prints "ok"/"not ok" per case and "negative: N passed, M failed".
+import fs from "node:fs";
+import os from "node:os";
+import path from "node:path";
+import { execFileSync, spawnSync } from "node:child_process";
+import { fileURLToPath } from "node:url";
+import { parseDocs, validateDocs } from "../../deploy/validate/validate.mjs";
+import { checkDockerfile } from "../../deploy/validate/dockerfile.mjs";
+
+const repoRoot = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
+const [renderedFile, binDir] = process.argv.slice(2);
+const rendered = parseDocs(fs.readFileSync(renderedFile, "utf8"));
+
+const find = (docs, kind) => docs.find((d) => d.kind === kind);
+const shard = (docs) => find(docs, "StatefulSet").spec.template.spec.containers[0];
+const worker = (docs) => find(docs, "Job").spec.template.spec.containers[0];
+const configMap = (docs) => find(docs, "ConfigMap");
+const editConfig = (docs, edit) => {
+  const cm = configMap(docs);
+  const config = JSON.parse(cm.data["config.json"]);
+  edit(config);
+  cm.data["config.json"] = JSON.stringify(config);
+};
+const rename = (obj, from, to) => {
+  obj[to] = obj[from];
+  delete obj[from];
+};
+
+// [name, expected message (regex), mutation of the rendered example overlay]
+const mutations = [
+  ["misspelled container field readinessProbes", /'"readinessProbes"' does not exist/,
+    (d) => rename(shard(d), "readinessProbe", "readinessProbes")],
+  ["misspelled pod field terminationGracePeriodSecond", /'"terminationGracePeriodSecond"' does not exist/,
+    (d) => rename(find(d, "StatefulSet").spec.template.spec, "terminationGracePeriodSeconds",
+      "terminationGracePeriodSecond")],
+  ["misspelled PodMonitor field podMetricEndpoints", /'"podMetricEndpoints"' does not exist/,
+    (d) => rename(find(d, "PodMonitor").spec, "podMetricsEndpoints", "podMetricEndpoints")],
+  ["replicas of the wrong type", /\/spec\/replicas must be integer/,
+    (d) => { find(d, "StatefulSet").spec.replicas = "8"; }],
+  ["unknown apiVersion", /no schema for apiVersion policy\/v1beta2/,
+    (d) => { find(d, "PodDisruptionBudget").apiVersion = "policy/v1beta2"; }],
+  ["ordinals.start set", /spec\.ordinals\.start is 1/,
+    (d) => { find(d, "StatefulSet").spec.ordinals = { start: 1 }; }],
+  ["shard index not from the pod-index label", /--shard-index must be/,
+    (d) => { shard(d).env[0].valueFrom.fieldRef.fieldPath = "metadata.name"; }],
+  ["replicas differ from num-shards", /spec\.replicas is 3 but ConfigMap/,
+    (d) => { find(d, "StatefulSet").spec.replicas = 3; }],
+  ["Service not headless", /must be headless/,
+    (d) => { delete find(d, "Service").spec.clusterIP; }],
+  ["Service selects no shard", /Service\/layercast: spec\.selector selects no pod/,
+    (d) => { find(d, "Service").spec.selector["app.kubernetes.io/component"] = "shards"; }],
+  ["Service also selects the worker Job", /also selects the pods of Job/,
+    (d) => { delete find(d, "Service").spec.selector["app.kubernetes.io/component"]; }],
+  ["readiness probe on a port the container lacks", /readinessProbe\.grpc\.port 7071 is not a container port/,
+    (d) => { shard(d).readinessProbe.grpc.port = 7071; }],
+  ["liveness probe on a named port", /livenessProbe\.grpc\.port must be numeric/,
+    (d) => { shard(d).livenessProbe.grpc.port = "grpc"; }],
+  ["readiness probe on the process-wide service", /readinessProbe\.grpc\.service must be/,
+    (d) => { delete shard(d).readinessProbe.grpc.service; }],
+  ["PodMonitor port name that no container has", /port 'prometheus' names no container port/,
+    (d) => { find(d, "PodMonitor").spec.podMetricsEndpoints[0].port = "prometheus"; }],
+  ["PDB maxUnavailable 2", /maxUnavailable must be 1/,
+    (d) => { find(d, "PodDisruptionBudget").spec.maxUnavailable = 2; }],
+  ["grace period not above the drain timeout", /terminationGracePeriodSeconds 20 must be at least/,
+    (d) => { find(d, "StatefulSet").spec.template.spec.terminationGracePeriodSeconds = 20; }],
+  ["drain timeout in the config above the grace period", /drain_timeout_seconds 40/,
+    (d) => editConfig(d, (c) => { c.drain_timeout_seconds = 40; })],
+  ["memory request below the limit", /must equal memory limit/,
+    (d) => { shard(d).resources.requests.memory = "4Gi"; }],
+  ["memory limit without the headroom", /below memory_budget 4GiB \+ headroom 512Mi/,
+    (d) => { shard(d).resources.requests.memory = shard(d).resources.limits.memory = "4Gi"; }],
+  ["server listening on loopback only", /listen on all interfaces/,
+    (d) => editConfig(d, (c) => { c.listen = "127.0.0.1:7070"; })],
+  ["metrics port other than the container port", /metrics_listen port 9091 is not container port/,
+    (d) => editConfig(d, (c) => { c.metrics_listen = "0.0.0.0:9091"; })],
+  ["misspelled field in the server's JSON config", /unknown field 'memory_budgets'/,
+    (d) => editConfig(d, (c) => rename(c, "memory_budget", "memory_budgets"))],
+  ["shard count inside the shared JSON config", /num_shards does not belong/,
+    (d) => editConfig(d, (c) => { c.num_shards = 8; })],
+  ["worker pattern on the wrong port", /--shards-pattern 'layercast-\{i\}\.layercast:7071'/,
+    (d) => { worker(d).args[1] = "--shards-pattern=layercast-{i}.layercast:7071"; }],
+  ["worker shard count not from the ConfigMap", /--num-shards 4 must come from/,
+    (d) => { worker(d).args[2] = "--num-shards=4"; }],
+  ["ConfigMap reference outside the render", /refers to ConfigMap layercast-config,/,
+    (d) => { shard(d).env[1].valueFrom.configMapKeyRef.name = "layercast-config"; }],
+  ["unpinned image", /image 'layercast' has no pinned tag/,
+    (d) => { shard(d).image = "layercast"; }],
+];
+
+// Overlays a user might write; kubectl kustomize renders them for real.
+const fixtures = [
+  ["fixture misspelled-patch", /'"terminationGracePeriodSecnds"' does not exist/],
+  ["fixture ordinals-start", /spec\.ordinals\.start is 1/],
+  ["fixture forgot-shard-count", /replicas is 4 but .* says 8 shards/],
+];
+
+// [name, expected message, edit of the Dockerfile text]
+const dockerfile = fs.readFileSync(path.join(repoRoot, "deploy/docker/Dockerfile"), "utf8");
+const dockerMutations = [
+  ["COPY of a missing path", /COPY kernels: no such file/, (t) => t.replace("COPY core core", "COPY kernels kernels")],
+  ["COPY of a git-ignored path", /COPY build: git-ignored/, (t) => t.replace("COPY core core", "COPY build build")],
+  ["RUN of a script never copied in", /RUN scripts\/install-deps.sh: not copied/,
+    (t) => t.replace(/^COPY scripts\/install-deps.sh.*$/m, "")],
+  ["RUN of a missing script", /RUN scripts\/setup.sh: no such file/,
+    (t) => t.replace("RUN scripts/install-deps.sh", "RUN scripts/setup.sh")],
+  ["unnamed stage", /stage has no name/, (t) => t.replace("FROM debian:bookworm AS build", "FROM debian:bookworm")],
+  ["final USER by name", /USER 'layercast' must be a numeric non-root uid/,
+    (t) => t.replace("USER 10001:10001", "USER layercast")],
+  ["final USER root", /USER '0' must be a numeric non-root uid/, (t) => t.replace("USER 10001:10001", "USER 0")],
+  ["shell-form ENTRYPOINT", /use the exec form/,
+    (t) => t.replace('ENTRYPOINT ["layercast-shard"]', "ENTRYPOINT layercast-shard")],
+  ["ENTRYPOINT of the worker tool", /ENTRYPOINT must run layercast-shard/,
+    (t) => t.replace('ENTRYPOINT ["layercast-shard"]', 'ENTRYPOINT ["layercast"]')],
+  ["layercast not copied beside the server", /does not copy layercast from/,
+    (t) => t.replace(" /src/build/bin/layercast /usr/local/bin/", " /usr/local/bin/")],
+];
+if (binDir) {
+  dockerMutations.push(["runtime stage missing a library", /loads a library from libprotobuf32/,
+    (t) => t.replace("libprotobuf32 ", "")]);
+}
+
+let passed = 0;
+let failed = 0;
+function expectFailure(name, errors, expected) {
+  const hit = errors.find((e) => expected.test(e));
+  if (hit) {
+    passed += 1;
+    console.log(`ok - ${name}: ${hit}`);
+  } else {
+    failed += 1;
+    console.log(`not ok - ${name}: expected ${expected}, got: ${errors.join(" | ") || "no failure"}`);
+  }
+}
+
+// The controls: unbroken inputs pass, so a failure below is the mutation's.
+const control = await validateDocs(rendered, { repoRoot });
+const dockerControl = checkDockerfile(path.join(repoRoot, "deploy/docker/Dockerfile"), { repoRoot, binDir });
+if (control.length || dockerControl.length) {
+  console.log(`not ok - controls must pass first: ${[...control, ...dockerControl].join(" | ")}`);
+  process.exit(1);
+}
+
+for (const [name, expected, mutate] of mutations) {
+  const docs = structuredClone(rendered);
+  mutate(docs);
+  expectFailure(name, await validateDocs(docs, { repoRoot }), expected);
+}
+
+for (const [name, expected] of fixtures) {
+  const dir = path.join(repoRoot, "tests/deploy/fixtures", name.replace("fixture ", ""));
+  const yaml = execFileSync("kubectl", ["kustomize", dir], { encoding: "utf8" });
+  expectFailure(name, await validateDocs(parseDocs(yaml), { repoRoot }), expected);
+}
+
+const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "layercast-dockerfile-"));
+try {
+  const ignore = fs.readFileSync(path.join(repoRoot, "deploy/docker/Dockerfile.dockerignore"));
+  for (const [name, expected, edit] of dockerMutations) {
+    const file = path.join(tmp, "Dockerfile");
+    fs.writeFileSync(file, edit(dockerfile));
+    fs.writeFileSync(`${file}.dockerignore`, ignore);
+    expectFailure(`Dockerfile: ${name}`, checkDockerfile(file, { repoRoot, binDir }), expected);
+  }
+
+  // yamllint with the project's config must reject a broken file.
+  const bad = path.join(tmp, "bad.yaml");
+  fs.writeFileSync(bad, "kind: Service\nmetadata:\n  name: a\n  name: b\nspec:  \n   ports: []\n");
+  const lint = spawnSync("yamllint", ["-c", path.join(repoRoot, "deploy/.yamllint"), bad], { encoding: "utf8" });
+  expectFailure("yamllint: duplicate key, trailing space, bad indentation",
+    lint.status !== 0 ? lint.stdout.split("\n").map((l) => l.trim()) : [], /duplication of key "name"/);
+} finally {
+  fs.rmSync(tmp, { recursive: true, force: true });
+}
+
+console.log(`negative: ${passed} passed, ${failed} failed`);
+process.exit(failed ? 1 : 0);
