@@ -37,6 +37,7 @@ class LayerBuffer {
   void Reset();
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
+  bool mapped_ = false;  // from mmap (huge pages) rather than aligned_alloc
   std::function<void()> on_release_;
 };
 

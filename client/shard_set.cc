@@ -82,8 +82,9 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
   for (const std::string& address : set->addresses_) {
-    set->stubs_.push_back(layercast::v1::ShardService::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
+    set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
   }
 
   const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
@@ -181,7 +182,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   }
   const auto deadline = std::chrono::system_clock::now() + options.timeout;
   for (uint32_t shard = 0; shard < n; ++shard) {
-    streams[shard]->Start(*stubs_[shard], request, deadline);
+    streams[shard]->Start(*generic_stubs_[shard], request, deadline);
   }
   uint64_t cancel_id = 0;
   if (options.cancellation != nullptr) {

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
@@ -67,6 +68,8 @@ class ShardSet final : public LayerSource {
 
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> stubs_;
+  // FetchLayer goes through raw ByteBuffers (see ShardStream).
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
   std::vector<layercast::v1::Manifest> manifests_;
   ShardSetView view_;
   std::unique_ptr<ClientMetrics> metrics_;

@@ -1,10 +1,21 @@
 #include "client/shard_stream.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 
 namespace layercast::client {
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+
+constexpr char kFetchLayerMethod[] = "/layercast.v1.ShardService/FetchLayer";
+
+}  // namespace
 
 ShardStream::ShardStream(std::string describe, std::vector<Run> runs, std::span<uint8_t> buffer,
                          std::function<void()> on_done)
@@ -15,57 +26,105 @@ ShardStream::ShardStream(std::string describe, std::vector<Run> runs, std::span<
   if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
 }
 
-void ShardStream::Start(layercast::v1::ShardService::Stub& stub,
-                        const layercast::v1::FetchLayerRequest& request,
+void ShardStream::Start(grpc::GenericStub& stub, const layercast::v1::FetchLayerRequest& request,
                         std::chrono::system_clock::time_point deadline) {
-  request_ = request;
+  const std::string bytes = request.SerializeAsString();
+  const grpc::Slice slice(bytes);
+  request_ = grpc::ByteBuffer(&slice, 1);
   context_.set_deadline(deadline);
-  stub.async()->FetchLayer(&context_, &request_, this);
-  StartRead(&chunk_);
+  // A server-streaming method called as a bidi stream: one request, then
+  // half-close; the wire is the same, and the generic stub is the public way
+  // to read responses as raw ByteBuffers.
+  stub.PrepareBidiStreamingCall(&context_, kFetchLayerMethod, grpc::StubOptions(), this);
+  StartWriteLast(&request_, grpc::WriteOptions());
+  StartRead(&incoming_);
   StartCall();
 }
 
-absl::Status ShardStream::Accept(const layercast::v1::LayerChunk& chunk) {
+absl::StatusOr<uint8_t*> ShardStream::Destination(uint32_t tensor, uint64_t offset,
+                                                  uint64_t bytes) {
   if (run_ == runs_.size()) {
-    return absl::DataLossError(absl::StrCat("sent a chunk of tensor ", chunk.tensor(),
-                                            " after all the elements it owns"));
+    return absl::DataLossError(
+        absl::StrCat("sent a chunk of tensor ", tensor, " after all the elements it owns"));
   }
   const Run& run = runs_[run_];
-  if (chunk.tensor() != run.tensor || chunk.element_offset() != next_element_) {
-    return absl::DataLossError(absl::StrCat(
-        "sent tensor ", chunk.tensor(), " from element ", chunk.element_offset(),
-        " where tensor ", run.tensor, " from element ", next_element_, " was due"));
+  if (tensor != run.tensor || offset != next_element_) {
+    return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
+                                            " where tensor ", run.tensor, " from element ",
+                                            next_element_, " was due"));
   }
-  const std::string& data = chunk.data();
   const uint64_t remaining = run.elements.end - next_element_;
-  if (data.empty() || data.size() % run.element_size != 0 ||
-      data.size() / run.element_size > remaining) {
-    return absl::DataLossError(absl::StrCat("sent ", data.size(), " bytes for tensor ",
-                                            run.tensor, " where at most ", remaining,
-                                            " elements of ", run.element_size, " bytes remain"));
+  if (bytes == 0 || bytes % run.element_size != 0 || bytes / run.element_size > remaining) {
+    return absl::DataLossError(absl::StrCat("sent ", bytes, " bytes for tensor ", run.tensor,
+                                            " where at most ", remaining, " elements of ",
+                                            run.element_size, " bytes remain"));
   }
-  if (version_.has_value() && *version_ != chunk.version()) {
-    return absl::DataLossError(absl::StrCat("switched parameter version from ", *version_, " to ",
-                                            chunk.version(), " within one stream"));
-  }
-  version_ = chunk.version();
-  std::memcpy(buffer_.data() + run.byte_offset + next_element_ * run.element_size, data.data(),
-              data.size());
-  next_element_ += data.size() / run.element_size;
-  if (next_element_ == run.elements.end && ++run_ < runs_.size()) {
+  return buffer_.data() + run.byte_offset + next_element_ * run.element_size;
+}
+
+void ShardStream::Advance(uint64_t bytes) {
+  next_element_ += bytes / runs_[run_].element_size;
+  if (next_element_ == runs_[run_].elements.end && ++run_ < runs_.size()) {
     next_element_ = runs_[run_].elements.begin;
   }
+}
+
+absl::Status ShardStream::Accept(grpc::ByteBuffer& chunk) {
+  grpc::ProtoBufferReader reader(&chunk);
+  google::protobuf::io::CodedInputStream in(&reader);
+  uint32_t tensor = 0;
+  uint64_t offset = 0, version = 0;
+  bool placed = false;
+  // Fields are read in the order protobuf serializers write them (field
+  // number order: tensor, element_offset, data, version), so the data's place
+  // is known when it arrives and it is copied once, straight there. A peer
+  // sending tensor or offset after the data is refused rather than guessed.
+  while (const uint32_t tag = in.ReadTag()) {
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const auto type = WireFormatLite::GetTagWireType(tag);
+    bool ok = true;
+    if ((field == 1 || field == 2) && placed) {
+      return absl::DataLossError(
+          "sent tensor or element_offset after data; LayerChunk fields must be in field order");
+    } else if (field == 1 && type == WireFormatLite::WIRETYPE_VARINT) {
+      ok = in.ReadVarint32(&tensor);
+    } else if (field == 2 && type == WireFormatLite::WIRETYPE_VARINT) {
+      ok = in.ReadVarint64(&offset);
+    } else if (field == 4 && type == WireFormatLite::WIRETYPE_VARINT) {
+      ok = in.ReadVarint64(&version);
+    } else if (field == 3 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && !placed) {
+      uint32_t size = 0;
+      ok = in.ReadVarint32(&size);
+      if (ok) {
+        absl::StatusOr<uint8_t*> destination = Destination(tensor, offset, size);
+        if (!destination.ok()) return destination.status();
+        ok = in.ReadRaw(*destination, static_cast<int>(size));
+        if (ok) Advance(size);
+        placed = ok;
+      }
+    } else {
+      ok = WireFormatLite::SkipField(&in, tag);
+    }
+    if (!ok) return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
+  }
+  if (!placed) return absl::DataLossError("sent a chunk without data");
+  if (version_.has_value() && *version_ != version) {
+    return absl::DataLossError(absl::StrCat("switched parameter version from ", *version_, " to ",
+                                            version, " within one stream"));
+  }
+  version_ = version;
   return absl::OkStatus();
 }
 
 void ShardStream::OnReadDone(bool ok) {
   if (!ok) return;  // the stream ended; OnDone follows with its status
-  protocol_error_ = Accept(chunk_);
+  protocol_error_ = Accept(incoming_);
+  incoming_.Clear();
   if (!protocol_error_.ok()) {
     context_.TryCancel();
     return;
   }
-  StartRead(&chunk_);
+  StartRead(&incoming_);
 }
 
 void ShardStream::OnDone(const grpc::Status& status) {

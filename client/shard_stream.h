@@ -8,22 +8,27 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "core/layout.h"
-#include "layercast/v1/shard.grpc.pb.h"
+#include "layercast/v1/shard.pb.h"
 
 namespace layercast::client {
 
-// One shard's FetchLayer stream within a gather. Reads chunks and copies each
-// straight to its place in the caller's assembled buffer, checking that the
+// One shard's FetchLayer stream within a gather. Decodes each LayerChunk
+// straight from gRPC's receive buffer into its place in the caller's
+// assembled buffer (one copy, no intermediate message), checking that the
 // shard sends exactly the runs it owns, in order, each element once.
+//
+// Why raw: a parsed LayerChunk would allocate and copy every chunk's bytes
+// once more before they could be placed.
 //
 // Lifetime: the gather owns it and must keep it alive until `on_done` has run.
 // Thread-safety: gRPC serialises the reactor callbacks; Cancel() may be called
 // from any thread.
-class ShardStream final : public grpc::ClientReadReactor<layercast::v1::LayerChunk> {
+class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // A run of elements this shard must send, and where they go.
   struct Run {
@@ -38,8 +43,7 @@ class ShardStream final : public grpc::ClientReadReactor<layercast::v1::LayerChu
               std::function<void()> on_done);
 
   // Starts the call on `stub`; `on_done` runs once when it has ended.
-  void Start(layercast::v1::ShardService::Stub& stub,
-             const layercast::v1::FetchLayerRequest& request,
+  void Start(grpc::GenericStub& stub, const layercast::v1::FetchLayerRequest& request,
              std::chrono::system_clock::time_point deadline);
   void Cancel() { context_.TryCancel(); }
 
@@ -52,7 +56,12 @@ class ShardStream final : public grpc::ClientReadReactor<layercast::v1::LayerChu
   void OnDone(const grpc::Status& status) override;
 
  private:
-  absl::Status Accept(const layercast::v1::LayerChunk& chunk);
+  // Places one encoded chunk; DATA_LOSS when the shard broke the contract.
+  absl::Status Accept(grpc::ByteBuffer& chunk);
+  // Where `bytes` of tensor `tensor` from element `offset` go, after
+  // checking they are the next thing due.
+  absl::StatusOr<uint8_t*> Destination(uint32_t tensor, uint64_t offset, uint64_t bytes);
+  void Advance(uint64_t bytes);
 
   const std::string describe_;
   const std::vector<Run> runs_;
@@ -60,10 +69,10 @@ class ShardStream final : public grpc::ClientReadReactor<layercast::v1::LayerChu
   const std::function<void()> on_done_;
 
   grpc::ClientContext context_;
-  layercast::v1::FetchLayerRequest request_;
-  layercast::v1::LayerChunk chunk_;
-  size_t run_ = 0;              // next run to fill
-  uint64_t next_element_ = 0;   // next element expected in runs_[run_]
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer incoming_;
+  size_t run_ = 0;             // next run to fill
+  uint64_t next_element_ = 0;  // next element expected in runs_[run_]
   std::optional<uint64_t> version_;
   absl::Status protocol_error_;  // set when the shard broke the contract
   absl::Status status_;

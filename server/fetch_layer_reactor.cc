@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
+#include "server/chunk_encoder.h"
 #include "server/grpc_status.h"
 
 namespace layercast::server {
@@ -61,7 +63,7 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
 
 void FetchLayerReactor::OnVersionReached() {
   metrics_.streams_waiting_for_version().Decrement();
-  chunk_.set_version(gate_.version());
+  version_ = gate_.version();
   phase_ = Phase::kWaitingForBudget;
   if (buffer_bytes_ == 0) {  // this shard owns nothing of the range
     OnBudget(true);
@@ -102,12 +104,16 @@ void FetchLayerReactor::WriteNext() {
   const ElementRange owned = store_.owned(plan_.layer, run.tensor);
   const float* source = store_.master(plan_.layer, run.tensor) + (next_element_ - owned.begin);
 
-  chunk_.set_tensor(run.tensor);
-  chunk_.set_element_offset(next_element_);
-  std::string* data = chunk_.mutable_data();
-  data->resize(count * element_bytes);
+  const size_t bytes = count * element_bytes;
+  void* data = std::malloc(bytes);
+  if (data == nullptr) {
+    FinishOnce(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory for a chunk"));
+    return;
+  }
+  // Owned by gRPC from here: freed when the transport is done with it.
+  const grpc::Slice slice(data, bytes, std::free);
   const auto cast_start = std::chrono::steady_clock::now();
-  absl::Status cast = CastFromF32(source, data->data(), count, placed.compute_dtype,
+  absl::Status cast = CastFromF32(source, data, count, placed.compute_dtype,
                                   store_.policy().overflow());
   metrics_.RecordCast(
       count, std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
@@ -120,6 +126,7 @@ void FetchLayerReactor::WriteNext() {
                                   "overflow=saturate or override this tensor to float32"))));
     return;
   }
+  chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, slice);
   pending_dtype_ = placed.compute_dtype;
   pending_elements_ = count;
   next_element_ += count;

@@ -18,15 +18,15 @@ namespace layercast::server {
 // Streams one FetchLayer call. Three steps, none of which blocks a thread:
 // wait until the requested parameter version is reached; wait (in arrival
 // order) for memory budget for its chunk buffers; then cast the planned runs
-// chunk by chunk straight from the fp32 master into the outgoing message,
-// keeping one write in flight and starting the next from OnWriteDone. No copy
-// of the layer in its compute dtype ever exists beyond the chunk being
-// written.
+// chunk by chunk straight from the fp32 master into the slice that goes on
+// the wire (see EncodeLayerChunk), keeping one write in flight and starting
+// the next from OnWriteDone. No copy of the layer in its compute dtype ever
+// exists beyond the chunks in flight.
 //
 // Owns itself: deletes itself in OnDone. gRPC serialises its own callbacks;
 // the version gate's and the budget's callbacks may race OnCancel, and
 // VersionGate::Cancel / MemoryBudget::Cancel decide which side finishes.
-class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::LayerChunk> {
+class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
@@ -41,8 +41,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::L
                     FetchPlan plan, Options options);
 
   // Budgeted bytes one stream of `plan` holds while it runs: its largest
-  // chunk, twice, since gRPC serialises each message into a buffer of its own
-  // while ours is still alive.
+  // chunk, twice, since the transport may still hold the previous chunk's
+  // slice when the next one is cast.
   static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
                               uint64_t chunk_bytes);
 
@@ -76,7 +76,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<layercast::v1::L
 
   size_t run_ = 0;             // index into plan_.runs
   uint64_t next_element_ = 0;  // next element of plan_.runs[run_] to send
-  layercast::v1::LayerChunk chunk_;
+  uint64_t version_ = 0;        // of the master the chunks are cast from
+  grpc::ByteBuffer chunk_;      // the encoded chunk being written
   // The chunk in flight, counted as sent once its write completes.
   DType pending_dtype_ = DType::kFloat32;
   uint64_t pending_elements_ = 0;

@@ -1,5 +1,7 @@
 #include "server/shard_service.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include "absl/strings/str_cat.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
@@ -13,7 +15,7 @@ const grpc::Status kLoading(grpc::StatusCode::UNAVAILABLE,
                             "readiness health check turns SERVING when it is done)");
 
 // A write reactor that only finishes with `status`: how a refused stream ends.
-class RefusedStream final : public grpc::ServerWriteReactor<layercast::v1::LayerChunk> {
+class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   explicit RefusedStream(const grpc::Status& status) { Finish(status); }
   void OnDone() override { delete this; }
@@ -102,14 +104,22 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
   return reactor;
 }
 
-grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::Refuse(
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(
     const grpc::Status& status) {
   metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
   return new RefusedStream(status);
 }
 
-grpc::ServerWriteReactor<layercast::v1::LayerChunk>* ShardService::FetchLayer(
-    grpc::CallbackServerContext* context, const layercast::v1::FetchLayerRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
+  layercast::v1::FetchLayerRequest parsed;
+  grpc::ByteBuffer copy(*raw_request);  // ProtoBufferReader needs a mutable buffer
+  grpc::ProtoBufferReader reader(&copy);
+  if (!parsed.ParseFromZeroCopyStream(&reader)) {
+    return Refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               "the request is not a layercast.v1.FetchLayerRequest"));
+  }
+  const layercast::v1::FetchLayerRequest* request = &parsed;
   if (draining_.load()) {
     return Refuse(grpc::Status(
         grpc::StatusCode::UNAVAILABLE,

@@ -14,13 +14,17 @@
 
 namespace layercast::server {
 
-// The gRPC ShardService of one shard, on the callback API. Until a store is
+// The gRPC ShardService of one shard, on the callback API (FetchLayer in its
+// raw form, to keep copies off the hot path). Until a store is
 // attached (parameters still loading) every call is refused with UNAVAILABLE;
 // after StartDraining() new FetchLayer calls are refused with UNAVAILABLE
 // while streams in flight go on.
 //
 // Thread-safe: gRPC calls its handlers from many threads.
-class ShardService final : public layercast::v1::ShardService::CallbackService {
+class ShardService final
+    : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
+          layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
+              layercast::v1::ShardService::Service>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
@@ -43,15 +47,16 @@ class ShardService final : public layercast::v1::ShardService::CallbackService {
   grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* context,
                                         const layercast::v1::GetManifestRequest* request,
                                         layercast::v1::Manifest* response) override;
-  grpc::ServerWriteReactor<layercast::v1::LayerChunk>* FetchLayer(
-      grpc::CallbackServerContext* context,
-      const layercast::v1::FetchLayerRequest* request) override;
+  // Raw: the request is parsed here and chunks are written as ByteBuffers
+  // built around the cast bytes (see EncodeLayerChunk).
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchLayer(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request) override;
 
  private:
   // The loaded store and its budget, or nullptrs while loading.
   std::pair<const ParameterStore*, MemoryBudget*> loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
-  grpc::ServerWriteReactor<layercast::v1::LayerChunk>* Refuse(const grpc::Status& status);
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
 
   const Options options_;
   ServerMetrics& metrics_;

@@ -1,0 +1,129 @@
+// Narrowing 64 MiB of fp32 with each kernel variant against memcpy of the
+// same 64 MiB, the bound a streaming cast is judged by. Throughput counts fp32
+// input bytes for every benchmark, so the GB/s compare directly.
+
+#include <benchmark/benchmark.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/cast.h"
+
+namespace layercast {
+namespace {
+
+constexpr size_t kElements = size_t{16} << 20;  // 64 MiB of fp32
+constexpr int64_t kInputBytes = kElements * sizeof(float);
+
+// Weights as a model holds them: small normals, some fp16 subnormals, no
+// overflow (kError, the policy default, must not stop early).
+const std::vector<float>& Input() {
+  static const std::vector<float>* const input = [] {
+    auto* values = new std::vector<float>(kElements);
+    std::mt19937 random(1);
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    for (float& v : *values) v = normal(random);
+    return values;
+  }();
+  return *input;
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  const std::vector<float>& in = Input();
+  std::vector<float> out(kElements);  // zeroed, so its pages are mapped before timing
+  for (auto _ : state) {
+    std::memcpy(out.data(), in.data(), kInputBytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
+void BM_F32ToBF16(benchmark::State& state, CastIsa isa) {
+  const std::vector<float>& in = Input();
+  std::vector<uint16_t> out(kElements);
+  for (auto _ : state) {
+    CastF32ToBF16(in, out, isa);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
+void BM_F32ToF16(benchmark::State& state, CastIsa isa) {
+  const std::vector<float>& in = Input();
+  std::vector<uint16_t> out(kElements);
+  for (auto _ : state) {
+    if (absl::Status status = CastF32ToF16(in, out, Fp16Overflow::kError, isa); !status.ok()) {
+      state.SkipWithError(status.ToString().c_str());
+      break;
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
+// Prints as usual, and keeps each benchmark's median throughput for the table.
+class TableReporter : public benchmark::ConsoleReporter {
+ public:
+  TableReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
+
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      if (run.run_type != Run::RT_Aggregate || run.aggregate_name != "median") continue;
+      if (auto it = run.counters.find("bytes_per_second"); it != run.counters.end()) {
+        medians_.emplace_back(run.run_name.function_name, it->second.value / 1e9);
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+
+  // Variants in the order they ran, memcpy (the first) as the baseline.
+  void PrintTable() const {
+    if (medians_.empty() || medians_.front().first != "memcpy") return;
+    const double baseline = medians_.front().second;
+    std::printf("\nfp32 input bytes per second, median of 3\n%-20s %8s %10s\n", "variant", "GB/s",
+                "vs memcpy");
+    for (const auto& [name, gb_per_s] : medians_) {
+      std::printf("%-20s %8.2f %9.2fx\n", name.c_str(), gb_per_s, gb_per_s / baseline);
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, double>> medians_;  // (benchmark, GB/s), 1 GB = 1e9 bytes
+};
+
+void Register(benchmark::internal::Benchmark* benchmark) {
+  benchmark->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->MinTime(0.3)
+      ->Repetitions(3)
+      ->ReportAggregatesOnly(true);
+}
+
+}  // namespace
+}  // namespace layercast
+
+int main(int argc, char** argv) {
+  using namespace layercast;
+  Register(benchmark::RegisterBenchmark("memcpy", BM_Memcpy));
+  for (CastIsa isa : SupportedCastIsas()) {
+    const std::string name(CastIsaName(isa));
+    Register(benchmark::RegisterBenchmark(absl::StrCat("f32_to_bf16/", name).c_str(), BM_F32ToBF16,
+                                          isa));
+    Register(
+        benchmark::RegisterBenchmark(absl::StrCat("f32_to_f16/", name).c_str(), BM_F32ToF16, isa));
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  Input();  // filled once, before any timing
+  TableReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  reporter.PrintTable();
+  benchmark::Shutdown();
+  return 0;
+}

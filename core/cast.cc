@@ -1,0 +1,197 @@
+#include "core/cast.h"
+
+#include <cpuid.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cstdint>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/cast_kernels.h"
+
+namespace layercast {
+namespace {
+
+struct Kernels {
+  void (*f32_to_bf16)(const float*, uint16_t*, size_t);
+  size_t (*f32_to_f16)(const float*, uint16_t*, size_t, Fp16Overflow);
+  void (*bf16_to_f32)(const uint16_t*, float*, size_t);
+  void (*f16_to_f32)(const uint16_t*, float*, size_t);
+};
+
+constexpr Kernels kScalarKernels = {internal::F32ToBF16Scalar, internal::F32ToF16Scalar,
+                                    internal::BF16ToF32Scalar, internal::F16ToF32Scalar};
+constexpr Kernels kAvx2Kernels = {internal::F32ToBF16Avx2, internal::F32ToF16Avx2,
+                                  internal::BF16ToF32Avx2, internal::F16ToF32Avx2};
+constexpr Kernels kAvx512Kernels = {internal::F32ToBF16Avx512, internal::F32ToF16Avx512,
+                                    internal::BF16ToF32Avx512, internal::F16ToF32Avx512};
+
+// F16C from CPUID: clang 14's __builtin_cpu_supports does not know "f16c".
+// Its registers are the AVX ones, whose OS support the "avx2" check includes.
+bool CpuHasF16c() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
+// Beyond the features each variant is named after, this also asks for every
+// set its file is compiled with (core/CMakeLists.txt), since the compiler may
+// use any of them there. The compiler's checks include the OS saving the
+// registers.
+bool CpuRuns(CastIsa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case CastIsa::kScalar:
+      return true;
+    case CastIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
+    case CastIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && CpuHasF16c();
+  }
+  return false;
+}
+
+// An isa this CPU cannot run gets the scalar kernels: same bits, no SIGILL.
+const Kernels& KernelsFor(CastIsa isa) {
+  static const bool avx2 = CpuRuns(CastIsa::kAvx2);
+  static const bool avx512 = CpuRuns(CastIsa::kAvx512);
+  if (isa == CastIsa::kAvx512 && avx512) return kAvx512Kernels;
+  if (isa == CastIsa::kAvx2 && avx2) return kAvx2Kernels;
+  return kScalarKernels;
+}
+
+absl::Status OverflowError(const float* src, size_t index) {
+  return absl::OutOfRangeError(absl::StrCat("element ", index, " is ", src[index],
+                                            ", beyond float16's largest finite value 65504"));
+}
+
+// Enough for the bounce buffers of unaligned 16-bit data, small for the stack.
+constexpr size_t kBounceElements = 2048;
+
+}  // namespace
+
+absl::string_view CastIsaName(CastIsa isa) {
+  switch (isa) {
+    case CastIsa::kScalar:
+      return "scalar";
+    case CastIsa::kAvx2:
+      return "avx2";
+    case CastIsa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+const std::vector<CastIsa>& SupportedCastIsas() {
+  static const std::vector<CastIsa>* const isas = [] {
+    auto* supported = new std::vector<CastIsa>;
+    for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512}) {
+      if (CpuRuns(isa)) supported->push_back(isa);
+    }
+    return supported;
+  }();
+  return *isas;
+}
+
+CastIsa BestCastIsa() {
+  static const CastIsa best = SupportedCastIsas().back();
+  return best;
+}
+
+void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst) {
+  CastF32ToBF16(src, dst, BestCastIsa());
+}
+
+void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst, CastIsa isa) {
+  assert(src.size() == dst.size());
+  KernelsFor(isa).f32_to_bf16(src.data(), dst.data(), std::min(src.size(), dst.size()));
+}
+
+absl::Status CastF32ToF16(std::span<const float> src, std::span<uint16_t> dst,
+                          Fp16Overflow overflow) {
+  return CastF32ToF16(src, dst, overflow, BestCastIsa());
+}
+
+absl::Status CastF32ToF16(std::span<const float> src, std::span<uint16_t> dst,
+                          Fp16Overflow overflow, CastIsa isa) {
+  if (src.size() != dst.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot cast ", src.size(),
+                                                   " float32 elements into room for ", dst.size(),
+                                                   ": the sizes must be equal"));
+  }
+  const size_t done = KernelsFor(isa).f32_to_f16(src.data(), dst.data(), src.size(), overflow);
+  if (done != src.size()) return OverflowError(src.data(), done);
+  return absl::OkStatus();
+}
+
+void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst) {
+  CastBF16ToF32(src, dst, BestCastIsa());
+}
+
+void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa) {
+  assert(src.size() == dst.size());
+  KernelsFor(isa).bf16_to_f32(src.data(), dst.data(), std::min(src.size(), dst.size()));
+}
+
+void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst) {
+  CastF16ToF32(src, dst, BestCastIsa());
+}
+
+void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa) {
+  assert(src.size() == dst.size());
+  KernelsFor(isa).f16_to_f32(src.data(), dst.data(), std::min(src.size(), dst.size()));
+}
+
+absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
+                         Fp16Overflow overflow) {
+  if (to == DType::kFloat32) {
+    if (count != 0) std::memcpy(dst, src, count * sizeof(float));
+    return absl::OkStatus();
+  }
+  const Kernels& kernels = KernelsFor(BestCastIsa());
+  // Narrows [0, count) into `out`; returns the first overflowing index or count.
+  auto narrow = [&](const float* from, uint16_t* out, size_t n) -> size_t {
+    if (to == DType::kBFloat16) {
+      kernels.f32_to_bf16(from, out, n);
+      return n;
+    }
+    return kernels.f32_to_f16(from, out, n, overflow);
+  };
+  if (reinterpret_cast<uintptr_t>(dst) % alignof(uint16_t) == 0) {
+    const size_t done = narrow(src, static_cast<uint16_t*>(dst), count);
+    return done == count ? absl::OkStatus() : OverflowError(src, done);
+  }
+  // The kernels store whole uint16_t, which an odd address cannot hold.
+  uint16_t bounce[kBounceElements];
+  auto* out = static_cast<unsigned char*>(dst);
+  for (size_t begin = 0; begin < count; begin += kBounceElements) {
+    const size_t n = std::min(kBounceElements, count - begin);
+    const size_t done = narrow(src + begin, bounce, n);
+    std::memcpy(out + begin * sizeof(uint16_t), bounce, done * sizeof(uint16_t));
+    if (done != n) return OverflowError(src, begin + done);
+  }
+  return absl::OkStatus();
+}
+
+void CastToF32(const void* src, DType from, float* dst, size_t count) {
+  if (from == DType::kFloat32) {
+    if (count != 0) std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  const Kernels& kernels = KernelsFor(BestCastIsa());
+  const auto widen = from == DType::kBFloat16 ? kernels.bf16_to_f32 : kernels.f16_to_f32;
+  if (reinterpret_cast<uintptr_t>(src) % alignof(uint16_t) == 0) {
+    widen(static_cast<const uint16_t*>(src), dst, count);
+    return;
+  }
+  uint16_t bounce[kBounceElements];
+  const auto* in = static_cast<const unsigned char*>(src);
+  for (size_t begin = 0; begin < count; begin += kBounceElements) {
+    const size_t n = std::min(kBounceElements, count - begin);
+    std::memcpy(bounce, in + begin * sizeof(uint16_t), n * sizeof(uint16_t));
+    widen(bounce, dst + begin, n);
+  }
+}
+
+}  // namespace layercast

@@ -1,0 +1,118 @@
+// AVX2 + F16C kernels. Compiled with -mavx2 -mf16c -mfma (core/CMakeLists.txt);
+// called only after cast.cc has seen those features. Tails shorter than a
+// vector go to the scalar kernels, which give the same bits.
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cast_kernels.h"
+
+namespace layercast::internal {
+namespace {
+
+// Hardware prefetchers stop at 4 KiB page boundaries; asking for the source
+// 16 KiB ahead keeps a long cast reading at memory speed (measured ~1.3x on
+// 64 MiB). A prefetch never faults, so running past the end is harmless; the
+// address is formed as an integer because it may lie outside the array.
+void PrefetchAhead(const float* p) {
+  constexpr uintptr_t kAheadBytes = 16 << 10;
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAheadBytes),
+               _MM_HINT_T0);
+}
+
+// Round-to-nearest-even by integer add, as in cast_scalar.cc; leaves the bf16
+// in the low half of each lane. NaNs become the quiet NaN with their sign.
+__m256i RoundToBF16(__m256i u) {
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+  const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(0x80000000)),
+                                        _mm256_set1_epi32(0x7FC00000));
+  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_srli_epi32(rounded, 16);
+}
+
+// Returns n, or with kError the index of the first overflowing element.
+template <Fp16Overflow kOverflow>
+size_t F32ToF16(const float* src, uint16_t* dst, size_t n) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i sign_mask = _mm256_set1_epi32(0x80000000);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    PrefetchAhead(src + i);
+    __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    const __m256i abs = _mm256_and_si256(u, abs_mask);
+    const __m256i sign = _mm256_and_si256(u, sign_mask);
+    // VCVTPS2PH keeps a NaN's payload; the contract wants the plain quiet NaN.
+    const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F800000));
+    u = _mm256_blendv_epi8(u, _mm256_or_si256(sign, _mm256_set1_epi32(0x7FC00000)), nan);
+    if constexpr (kOverflow != Fp16Overflow::kInfinity) {
+      // Finite and at least 65520.0f, the first float that rounds past 65504.
+      const __m256i big =
+          _mm256_andnot_si256(_mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F7FFFFF)),
+                              _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x477FEFFF)));
+      if constexpr (kOverflow == Fp16Overflow::kError) {
+        if (!_mm256_testz_si256(big, big)) {
+          return i + __builtin_ctz(_mm256_movemask_ps(_mm256_castsi256_ps(big)));
+        }
+      } else {
+        u = _mm256_blendv_epi8(u, _mm256_or_si256(sign, _mm256_set1_epi32(0x477FE000)), big);
+      }
+    }
+    const __m128i half = _mm256_cvtps_ph(_mm256_castsi256_ps(u), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), half);
+  }
+  return i + F32ToF16Scalar(src + i, dst + i, n - i, kOverflow);
+}
+
+}  // namespace
+
+void F32ToBF16Avx2(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    PrefetchAhead(src + i);
+    const __m256i lo = RoundToBF16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    const __m256i hi =
+        RoundToBF16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 8)));
+    // packus works per 128-bit lane, giving lo0-3 hi0-3 lo4-7 hi4-7.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+  F32ToBF16Scalar(src + i, dst + i, n - i);
+}
+
+size_t F32ToF16Avx2(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow) {
+  switch (overflow) {
+    case Fp16Overflow::kError:
+      return F32ToF16<Fp16Overflow::kError>(src, dst, n);
+    case Fp16Overflow::kSaturate:
+      return F32ToF16<Fp16Overflow::kSaturate>(src, dst, n);
+    case Fp16Overflow::kInfinity:
+      break;
+  }
+  return F32ToF16<Fp16Overflow::kInfinity>(src, dst, n);
+}
+
+void BF16ToF32Avx2(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_slli_epi32(wide, 16));
+  }
+  BF16ToF32Scalar(src + i, dst + i, n - i);
+}
+
+void F16ToF32Avx2(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  F16ToF32Scalar(src + i, dst + i, n - i);
+}
+
+}  // namespace layercast::internal

@@ -1,0 +1,42 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cast.h"
+
+// Per-instruction-set kernels behind core/cast.h. cast.cc picks one at run
+// time; callers outside core/ use cast.h instead.
+//
+// Every kernel of a family gives identical bits (the contract in cast.h). The
+// AVX2 and AVX-512 kernels live in files compiled with those instruction sets
+// enabled, so they may only be called once the CPU is known to have them, and
+// those files must not define inline functions or templates that other files
+// also instantiate: the linker could keep the AVX copy for everyone.
+//
+// REQUIRES for all: `src` and `dst` do not overlap and are aligned to their
+// element type (no stronger alignment is needed); `n` may be anything,
+// including 0.
+
+namespace layercast::internal {
+
+void F32ToBF16Scalar(const float* src, uint16_t* dst, size_t n);
+void F32ToBF16Avx2(const float* src, uint16_t* dst, size_t n);
+void F32ToBF16Avx512(const float* src, uint16_t* dst, size_t n);
+
+// Returns n, or with Fp16Overflow::kError the index of the first finite
+// element that rounds beyond 65504; elements from some point before that index
+// on are then left unwritten.
+size_t F32ToF16Scalar(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow);
+size_t F32ToF16Avx2(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow);
+size_t F32ToF16Avx512(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow);
+
+void BF16ToF32Scalar(const uint16_t* src, float* dst, size_t n);
+void BF16ToF32Avx2(const uint16_t* src, float* dst, size_t n);
+void BF16ToF32Avx512(const uint16_t* src, float* dst, size_t n);
+
+void F16ToF32Scalar(const uint16_t* src, float* dst, size_t n);
+void F16ToF32Avx2(const uint16_t* src, float* dst, size_t n);
+void F16ToF32Avx512(const uint16_t* src, float* dst, size_t n);
+
+}  // namespace layercast::internal

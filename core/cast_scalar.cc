@@ -1,0 +1,120 @@
+// The portable kernels, and the reference the vector kernels must match bit
+// for bit. Integer arithmetic only, so the result does not depend on the
+// floating-point environment (rounding mode, flush-to-zero, denormals-are-zero).
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cast_kernels.h"
+
+namespace layercast::internal {
+namespace {
+
+// F32ToBF16Scalar works in chunks of this many: a fixed-length, branch-free
+// inner loop, which the compiler vectorizes with the baseline instruction set
+// (SSE2 on x86-64) even at -O2.
+constexpr size_t kChunk = 16;
+constexpr uint32_t kAbsMask = 0x7FFFFFFF;
+constexpr uint32_t kF32Inf = 0x7F800000;
+// 65520.0f: the smallest magnitude that rounds beyond float16's 65504.
+constexpr uint32_t kF16OverflowFloor = 0x477FF000;
+// 2^-14: the smallest magnitude whose float16 is normal.
+constexpr uint32_t kF16NormalFloor = 0x38800000;
+
+uint16_t F32ToBF16(uint32_t u) {
+  // Adding just under half an ulp, plus the lsb that survives, rounds to
+  // nearest even; a carry out of the mantissa bumps the exponent, which is the
+  // right answer up to and including rounding to infinity.
+  const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+  const uint32_t quiet_nan = ((u >> 16) & 0x8000) | 0x7FC0;
+  return static_cast<uint16_t>((u & kAbsMask) > kF32Inf ? quiet_nan : rounded);
+}
+
+// `a` is a finite magnitude below kF16NormalFloor: the float16 is subnormal or
+// zero, a count of units of 2^-24. As a = mantissa * 2^(exponent - 150), the
+// count is mantissa >> (126 - exponent), rounded as in F32ToBF16.
+uint32_t RoundToF16Subnormal(uint32_t a) {
+  const uint32_t exponent = a >> 23;
+  if (exponent < 102) return 0;  // below 2^-25, half the smallest subnormal
+  const uint32_t mantissa = (a & 0x7FFFFF) | 0x800000;
+  const uint32_t shift = 126 - exponent;  // 14..24
+  // A carry into bit 10 gives 0x400, the smallest normal: right.
+  return (mantissa + (1u << (shift - 1)) - 1 + ((mantissa >> shift) & 1)) >> shift;
+}
+
+// Branches, unlike F32ToBF16: SSE2 has neither unsigned compares nor per-lane
+// shifts, and its compiler-vectorized form measured slower than this loop.
+template <Fp16Overflow kOverflow>
+size_t F32ToF16(const float* src, uint16_t* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const uint32_t a = u & kAbsMask;
+    uint32_t magnitude;
+    if (a >= kF16NormalFloor && a < kF16OverflowFloor) {  // the common case first
+      const uint32_t rebiased = a - (112u << 23);         // exponent bias 127 -> 15
+      magnitude = (rebiased + 0xFFF + ((rebiased >> 13) & 1)) >> 13;
+    } else if (a < kF16NormalFloor) {
+      magnitude = RoundToF16Subnormal(a);
+    } else if (a >= kF32Inf) {
+      magnitude = a == kF32Inf ? 0x7C00 : 0x7E00;
+    } else if constexpr (kOverflow == Fp16Overflow::kError) {
+      return i;
+    } else {
+      magnitude = kOverflow == Fp16Overflow::kSaturate ? 0x7BFF : 0x7C00;
+    }
+    dst[i] = static_cast<uint16_t>(((u >> 16) & 0x8000) | magnitude);
+  }
+  return n;
+}
+
+}  // namespace
+
+void F32ToBF16Scalar(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    for (size_t j = 0; j < kChunk; ++j) {
+      dst[i + j] = F32ToBF16(std::bit_cast<uint32_t>(src[i + j]));
+    }
+  }
+  for (; i < n; ++i) dst[i] = F32ToBF16(std::bit_cast<uint32_t>(src[i]));
+}
+
+size_t F32ToF16Scalar(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow) {
+  switch (overflow) {
+    case Fp16Overflow::kError:
+      return F32ToF16<Fp16Overflow::kError>(src, dst, n);
+    case Fp16Overflow::kSaturate:
+      return F32ToF16<Fp16Overflow::kSaturate>(src, dst, n);
+    case Fp16Overflow::kInfinity:
+      break;
+  }
+  return F32ToF16<Fp16Overflow::kInfinity>(src, dst, n);
+}
+
+void BF16ToF32Scalar(const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t{src[i]} << 16);
+}
+
+void F16ToF32Scalar(const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t h = src[i];
+    const uint32_t sign = (h & 0x8000) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1F;
+    const uint32_t mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+      // As VCVTPH2PS does: a signalling NaN comes back quiet.
+      bits = kF32Inf | (mantissa << 13) | (mantissa != 0 ? 0x400000 : 0);
+    } else if (exponent != 0) {
+      bits = ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+      // Zero or subnormal: mantissa * 2^-24 is exact in fp32 and normal there
+      // (or zero), so flush-to-zero settings cannot touch it.
+      bits = std::bit_cast<uint32_t>(static_cast<float>(mantissa) * 0x1p-24f);
+    }
+    dst[i] = std::bit_cast<float>(sign | bits);
+  }
+}
+
+}  // namespace layercast::internal

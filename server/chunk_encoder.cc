@@ -1,0 +1,44 @@
+#include "server/chunk_encoder.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+
+namespace layercast::server {
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedOutputStream;
+
+uint8_t* Varint(uint64_t value, uint8_t* out) {
+  return CodedOutputStream::WriteVarint64ToArray(value, out);
+}
+
+uint8_t* Tag(int field, WireFormatLite::WireType type, uint8_t* out) {
+  return CodedOutputStream::WriteTagToArray(WireFormatLite::MakeTag(field, type), out);
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodeLayerChunk(uint32_t tensor, uint64_t element_offset, uint64_t version,
+                                  const grpc::Slice& data) {
+  // Three tags and three varints: at most 3 + 3 * 10 bytes.
+  uint8_t header[40];
+  uint8_t* end = header;
+  // proto3 omits fields equal to their default; so do we, like protobuf.
+  if (tensor != 0) end = Varint(tensor, Tag(1, WireFormatLite::WIRETYPE_VARINT, end));
+  if (element_offset != 0) {
+    end = Varint(element_offset, Tag(2, WireFormatLite::WIRETYPE_VARINT, end));
+  }
+  end = Varint(data.size(), Tag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, end));
+  uint8_t trailer[16];
+  uint8_t* trailer_end = trailer;
+  if (version != 0) trailer_end = Varint(version, Tag(4, WireFormatLite::WIRETYPE_VARINT, trailer));
+  const grpc::Slice slices[] = {
+      grpc::Slice(header, static_cast<size_t>(end - header)),
+      data,
+      grpc::Slice(trailer, static_cast<size_t>(trailer_end - trailer)),
+  };
+  return grpc::ByteBuffer(slices, trailer_end == trailer ? 2 : 3);
+}
+
+}  // namespace layercast::server
