@@ -121,9 +121,10 @@ int Run(const Args& args) {
     total += layout.total_bytes();
   }
   const uint64_t budget = args.budget_layers * largest;
-  std::printf("model %s, %u shards, %zu layers (largest %s, all %s assembled), compute %d ms/layer\n",
-              (*set)->model().model_id.c_str(), args.num_shards, (*set)->model().layers.size(),
-              FormatBytes(largest).c_str(), FormatBytes(total).c_str(), args.compute_ms);
+  std::printf(
+      "model %s, %u shards, %zu layers (largest %s, all %s assembled), compute %d ms/layer\n",
+      (*set)->model().model_id.c_str(), args.num_shards, (*set)->model().layers.size(),
+      FormatBytes(largest).c_str(), FormatBytes(total).c_str(), args.compute_ms);
 
   absl::StatusOr<Walk> on_demand = StreamWalk(**set, budget, 0, args.compute_ms);
   absl::StatusOr<Walk> prefetch = StreamWalk(**set, budget, UINT32_MAX, args.compute_ms);

@@ -73,9 +73,10 @@ void LayerBuffer::Reset() {
 Layer::TensorView Layer::tensor(size_t i) const {
   const TensorSpec& spec = spec_->tensors[i];
   const AssembledTensor& placed = layout_->tensors()[i];
-  return TensorView{spec.name, spec.shape, placed.compute_dtype,
-                    std::span<const uint8_t>(buffer_.data() + placed.byte_offset, placed.num_bytes()),
-                    placed.num_elements};
+  return TensorView{
+      spec.name, spec.shape, placed.compute_dtype,
+      std::span<const uint8_t>(buffer_.data() + placed.byte_offset, placed.num_bytes()),
+      placed.num_elements};
 }
 
 std::optional<Layer::TensorView> Layer::Find(absl::string_view name) const {

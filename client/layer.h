@@ -59,7 +59,11 @@ class Layer {
   // position in the model.
   Layer(uint32_t index, const LayerSpec* spec, const AssembledLayout* layout, uint64_t version,
         LayerBuffer buffer)
-      : index_(index), spec_(spec), layout_(layout), version_(version), buffer_(std::move(buffer)) {}
+      : index_(index),
+        spec_(spec),
+        layout_(layout),
+        version_(version),
+        buffer_(std::move(buffer)) {}
 
   uint32_t index() const { return index_; }
   const std::string& name() const { return spec_->name; }

@@ -54,10 +54,9 @@ struct LayerStream::State : std::enable_shared_from_this<LayerStream::State> {
 
   void Fetch(size_t step, uint64_t bytes) {
     const uint32_t layer = options.order[step];
-    LayerBuffer buffer = LayerBuffer::Allocate(
-        bytes, [weak = weak_from_this(), bytes] {
-          if (auto self = weak.lock()) self->Release(bytes);
-        });
+    LayerBuffer buffer = LayerBuffer::Allocate(bytes, [weak = weak_from_this(), bytes] {
+      if (auto self = weak.lock()) self->Release(bytes);
+    });
     GatherOptions gather = options.gather;
     gather.cancellation = &cancellation;
     absl::StatusOr<uint64_t> version =
@@ -103,8 +102,8 @@ absl::StatusOr<std::unique_ptr<LayerStream>> LayerStream::Create(const LayerSour
   for (uint32_t layer : options.order) {
     if (layer >= layouts.size()) {
       return absl::NotFoundError(absl::StrCat("the order names layer ", layer,
-                                              ", but the model has ", layouts.size(),
-                                              " layers (0-", layouts.size() - 1, ")"));
+                                              ", but the model has ", layouts.size(), " layers (0-",
+                                              layouts.size() - 1, ")"));
     }
     if (layouts[layer].total_bytes() > options.budget_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -155,7 +154,8 @@ absl::StatusOr<Layer> LayerStream::Next() {
   const auto arrived_or_stuck = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
     if (s.ready.count(step) > 0) return true;
     // Nothing in flight and no room for it: only the caller can free bytes.
-    return !s.fetching && s.next_to_fetch == step && s.in_use + s.Bytes(step) > s.options.budget_bytes;
+    return !s.fetching && s.next_to_fetch == step &&
+           s.in_use + s.Bytes(step) > s.options.budget_bytes;
   };
   s.mu.Await(absl::Condition(&arrived_or_stuck));
   s.caller_waiting = false;

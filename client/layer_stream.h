@@ -34,11 +34,11 @@ std::vector<uint32_t> ForwardBackwardOrder(uint32_t num_layers);
 
 // Counters a LayerStream keeps; see stats().
 struct LayerStreamStats {
-  uint64_t layers = 0;        // handed out by Next()
-  uint64_t hits = 0;          // Next() found the layer already gathered
-  uint64_t misses = 0;        // Next() had to wait for it
-  double wait_seconds = 0;    // time callers spent blocked in Next()
-  uint64_t peak_bytes = 0;    // most budgeted bytes held at once
+  uint64_t layers = 0;      // handed out by Next()
+  uint64_t hits = 0;        // Next() found the layer already gathered
+  uint64_t misses = 0;      // Next() had to wait for it
+  double wait_seconds = 0;  // time callers spent blocked in Next()
+  uint64_t peak_bytes = 0;  // most budgeted bytes held at once
   uint64_t budget_bytes = 0;
 };
 

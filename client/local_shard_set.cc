@@ -71,10 +71,10 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
 
   for (uint32_t i = 0; i < options.num_shards; ++i) {
     const std::string port_file = absl::StrCat(set->temp_dir_, "/shard-", i, ".port");
-    std::vector<std::string> args = {options.shard_binary, "--listen", "127.0.0.1:0",
-                                      "--port-file", port_file, "--shard-index",
-                                      absl::StrCat(i), "--num-shards",
-                                      absl::StrCat(options.num_shards)};
+    std::vector<std::string> args = {
+        options.shard_binary, "--listen",     "127.0.0.1:0",
+        "--port-file",        port_file,      "--shard-index",
+        absl::StrCat(i),      "--num-shards", absl::StrCat(options.num_shards)};
     args.insert(args.end(), options.extra_flags.begin(), options.extra_flags.end());
     std::vector<char*> argv;
     for (std::string& arg : args) argv.push_back(arg.data());
@@ -91,8 +91,8 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
     const int error = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
     if (error != 0) {
-      return absl::InternalError(absl::StrCat("cannot start ", options.shard_binary, ": ",
-                                              std::strerror(error)));
+      return absl::InternalError(
+          absl::StrCat("cannot start ", options.shard_binary, ": ", std::strerror(error)));
     }
     set->pids_.push_back(pid);
   }
@@ -107,12 +107,12 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
       int wait_status = 0;
       if (waitpid(set->pids_[i], &wait_status, WNOHANG) == set->pids_[i]) {
         set->pids_[i] = 0;
-        return absl::FailedPreconditionError(absl::StrCat(
-            "shard ", i, " exited before listening (", DescribeExit(wait_status), ")"));
+        return absl::FailedPreconditionError(absl::StrCat("shard ", i, " exited before listening (",
+                                                          DescribeExit(wait_status), ")"));
       }
       if (std::chrono::steady_clock::now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat("shard ", i, " did not start listening within ",
-                                                        options.start_timeout.count(), " ms"));
+        return absl::DeadlineExceededError(absl::StrCat(
+            "shard ", i, " did not start listening within ", options.start_timeout.count(), " ms"));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }

@@ -86,17 +86,20 @@ absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Mani
     return absl::InvalidArgumentError("a shard set needs one manifest per address");
   }
   const layercast::v1::Manifest& first = manifests[0];
-  const auto name = [&](size_t i) { return absl::StrCat("shard ", addresses[i], " (position ", i, ")"); };
+  const auto name = [&](size_t i) {
+    return absl::StrCat("shard ", addresses[i], " (position ", i, ")");
+  };
   const auto disagree = [&](size_t i, absl::string_view what) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        name(i), " does not belong to this shard set: ", what,
-        ". List every shard of one set, in shard order, in --shards"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(name(i), " does not belong to this shard set: ", what,
+                     ". List every shard of one set, in shard order, in --shards"));
   };
   ShardSetView view;
   for (size_t i = 0; i < manifests.size(); ++i) {
     const layercast::v1::Manifest& m = manifests[i];
     absl::StatusOr<ShardSetView> own = CheckManifest(m);
-    if (!own.ok()) return absl::FailedPreconditionError(absl::StrCat(name(i), ": ", own.status().message()));
+    if (!own.ok())
+      return absl::FailedPreconditionError(absl::StrCat(name(i), ": ", own.status().message()));
     if (m.num_shards() != addresses.size()) {
       return disagree(i, absl::StrCat("it is one of ", m.num_shards(), " shards, but ",
                                       addresses.size(), " addresses were given"));
@@ -115,13 +118,15 @@ absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Mani
                                       first.model_id(), "'"));
     }
     if (m.policy() != first.policy()) {
-      return disagree(i, absl::StrCat("its policy is '", m.policy(), "', shard 0's is '",
-                                      first.policy(), "'"));
+      return disagree(
+          i, absl::StrCat("its policy is '", m.policy(), "', shard 0's is '", first.policy(), "'"));
     }
     if (m.layout_digest() != first.layout_digest()) {
-      return disagree(i, absl::StrCat("its layout digest ", absl::BytesToHexString(m.layout_digest()).substr(0, 16),
-                                      "... differs from shard 0's ",
-                                      absl::BytesToHexString(first.layout_digest()).substr(0, 16), "..."));
+      return disagree(
+          i, absl::StrCat("its layout digest ",
+                          absl::BytesToHexString(m.layout_digest()).substr(0, 16),
+                          "... differs from shard 0's ",
+                          absl::BytesToHexString(first.layout_digest()).substr(0, 16), "..."));
     }
     if (i == 0) view = *std::move(own);
   }

@@ -21,9 +21,9 @@ std::string Describe(const std::vector<std::string>& addresses, size_t i) {
 
 // Asks one shard for its manifest until it answers or `deadline` passes,
 // retrying while it is unreachable or still loading.
-absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardService::Stub& stub,
-                                                      const std::string& describe,
-                                                      std::chrono::system_clock::time_point deadline) {
+absl::StatusOr<layercast::v1::Manifest> FetchManifest(
+    layercast::v1::ShardService::Stub& stub, const std::string& describe,
+    std::chrono::system_clock::time_point deadline) {
   std::chrono::milliseconds backoff(50);
   grpc::Status status;
   for (int attempt = 0; attempt < 1000; ++attempt) {
@@ -40,9 +40,9 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardServic
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      absl::StrCat(describe, " did not answer GetManifest: ",
-                                   status.error_message()));
+  return absl::Status(
+      static_cast<absl::StatusCode>(status.error_code()),
+      absl::StrCat(describe, " did not answer GetManifest: ", status.error_message()));
 }
 
 }  // namespace
@@ -60,8 +60,8 @@ absl::StatusOr<std::vector<std::string>> ParseShardList(absl::string_view list) 
 
 absl::StatusOr<std::vector<std::string>> ExpandShardPattern(absl::string_view pattern,
                                                             uint64_t num_shards) {
-  if (pattern.find("{i}") == absl::string_view::npos || pattern.find(':') == absl::string_view::npos ||
-      num_shards == 0 || num_shards > 4096) {
+  if (pattern.find("{i}") == absl::string_view::npos ||
+      pattern.find(':') == absl::string_view::npos || num_shards == 0 || num_shards > 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--shards-pattern '", pattern, "' with --num-shards ", num_shards,
         ": the pattern must hold {i} and a port, e.g. 'layercast-{i}.layercast:7070', and "
@@ -114,7 +114,6 @@ absl::Status ShardSet::CheckLayerIndex(uint32_t layer) const {
                                           view_.layouts.size() - 1, ")"));
 }
 
-
 absl::StatusOr<Layer> ShardSet::Gather(uint32_t layer, const GatherOptions& options) const {
   RETURN_IF_ERROR(CheckLayerIndex(layer));
   LayerBuffer buffer = LayerBuffer::Allocate(view_.layouts[layer].total_bytes());
@@ -144,7 +143,8 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
                                                    " bytes is smaller than layer ", layer, "'s ",
                                                    layout.total_bytes(), " assembled bytes"));
   }
-  auto [begin, end] = options.byte_range.value_or(std::make_pair(uint64_t{0}, layout.total_bytes()));
+  auto [begin, end] =
+      options.byte_range.value_or(std::make_pair(uint64_t{0}, layout.total_bytes()));
   if (layout.total_bytes() == 0) return manifests_[0].version();
   ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
 
@@ -219,10 +219,10 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     const std::optional<uint64_t> v = streams[shard]->version();
     if (!v) continue;
     if (version && *version != *v) {
-      return absl::AbortedError(absl::StrCat(
-          "gathering layer ", layer, ": shards sent different parameter versions (", *version,
-          " and ", *v, " from ", Describe(addresses_, shard),
-          "); retry with min_version set to the newer one"));
+      return absl::AbortedError(
+          absl::StrCat("gathering layer ", layer, ": shards sent different parameter versions (",
+                       *version, " and ", *v, " from ", Describe(addresses_, shard),
+                       "); retry with min_version set to the newer one"));
     }
     version = v;
   }

@@ -2,8 +2,8 @@
 
 #include <cstdint>
 #include <span>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "core/dtype.h"

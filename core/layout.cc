@@ -52,8 +52,8 @@ AssembledLayout AssembledLayout::FromDTypes(const std::vector<DType>& dtypes,
   return layout;
 }
 
-absl::StatusOr<std::vector<TensorElementRange>> AssembledLayout::MapByteRange(
-    uint64_t begin, uint64_t end) const {
+absl::StatusOr<std::vector<TensorElementRange>> AssembledLayout::MapByteRange(uint64_t begin,
+                                                                              uint64_t end) const {
   if (begin >= end || end > total_bytes_) {
     return absl::InvalidArgumentError(
         absl::StrCat("byte range [", begin, ", ", end, ") is not a non-empty range within the ",

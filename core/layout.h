@@ -67,8 +67,7 @@ class AssembledLayout {
   // in alignment padding select nothing. INVALID_ARGUMENT when the range is
   // empty, reversed or beyond total_bytes(), or when either end falls inside an
   // element; the message says which end and the valid bounds.
-  absl::StatusOr<std::vector<TensorElementRange>> MapByteRange(uint64_t begin,
-                                                                uint64_t end) const;
+  absl::StatusOr<std::vector<TensorElementRange>> MapByteRange(uint64_t begin, uint64_t end) const;
 
   // Splits [0, total_bytes()) into `parts` contiguous byte ranges of nearly
   // equal size whose boundaries are multiples of kAssembledAlignment, so

@@ -50,8 +50,8 @@ absl::StatusOr<Fp16Overflow> ParseOverflow(absl::string_view policy_text, absl::
   if (value == "error") return Fp16Overflow::kError;
   if (value == "saturate") return Fp16Overflow::kSaturate;
   if (value == "inf") return Fp16Overflow::kInfinity;
-  return PolicyError(policy_text, absl::StrCat("unknown overflow rule '", value,
-                                               "': use error, saturate or inf"));
+  return PolicyError(
+      policy_text, absl::StrCat("unknown overflow rule '", value, "': use error, saturate or inf"));
 }
 
 absl::string_view OverflowName(Fp16Overflow overflow) {
@@ -137,7 +137,8 @@ DType Policy::ComputeDTypeFor(absl::string_view tensor_name) const {
 std::string Policy::ToString() const {
   std::string out = absl::StrCat("params=", DTypeName(params_), ",compute=", DTypeName(compute_),
                                  ",output=", DTypeName(output_));
-  if (overflow_ != Fp16Overflow::kError) absl::StrAppend(&out, ",overflow=", OverflowName(overflow_));
+  if (overflow_ != Fp16Overflow::kError)
+    absl::StrAppend(&out, ",overflow=", OverflowName(overflow_));
   for (const Override& override : overrides_) {
     absl::StrAppend(&out, ";", override.glob, "=", DTypeName(override.compute));
   }

@@ -8,8 +8,7 @@
 namespace layercast {
 
 absl::StatusOr<std::unique_ptr<SafetensorsSource>> SafetensorsSource::Open(
-    const std::string& path, std::string model_id, const LayerGroupingRule& rule,
-    FileSystem& fs) {
+    const std::string& path, std::string model_id, const LayerGroupingRule& rule, FileSystem& fs) {
   auto source = std::unique_ptr<SafetensorsSource>(new SafetensorsSource());
   ASSIGN_OR_RETURN(source->reader_, SafetensorsReader::Open(path, fs));
   if (model_id.empty()) model_id = std::filesystem::path(path).filename().string();

@@ -10,9 +10,9 @@
 #define LAYERCAST_STATUS_CONCAT_(a, b) LAYERCAST_STATUS_CONCAT_INNER_(a, b)
 
 // Returns `expr` from the enclosing function if it is not OK.
-#define RETURN_IF_ERROR(expr)                   \
-  do {                                          \
-    ::absl::Status _layercast_status = (expr);  \
+#define RETURN_IF_ERROR(expr)                              \
+  do {                                                     \
+    ::absl::Status _layercast_status = (expr);             \
     if (!_layercast_status.ok()) return _layercast_status; \
   } while (0)
 
@@ -20,7 +20,7 @@
 // absl::StatusOr, or returns its status from the enclosing function.
 #define ASSIGN_OR_RETURN(lhs, expr) \
   ASSIGN_OR_RETURN_IMPL_(LAYERCAST_STATUS_CONCAT_(_layercast_statusor_, __LINE__), lhs, expr)
-#define ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                           \
+#define ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)        \
+  auto statusor = (expr);                                  \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = *std::move(statusor)

@@ -51,9 +51,10 @@ float ElementValue(uint64_t name_seed, bool norm, uint64_t index) {
 
 absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::string_view spec) {
   if (!absl::StartsWith(spec, kPrefix)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "synthetic spec '", spec,
-        "' must start with 'llama:', e.g. 'llama:layers=8,hidden=2048,ffn=5632,vocab=32000,seed=1'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("synthetic spec '", spec,
+                     "' must start with 'llama:', e.g. "
+                     "'llama:layers=8,hidden=2048,ffn=5632,vocab=32000,seed=1'"));
   }
   std::map<std::string, uint64_t> values = {
       {"layers", 2}, {"hidden", 256}, {"ffn", 688}, {"vocab", 1024}, {"seed", 0}};
@@ -73,10 +74,9 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
       const bool is_seed = it->first == "seed";
       if (ec != std::errc() || end != kv[1].data() + kv[1].size() || (!is_seed && v == 0) ||
           (!is_seed && v > (1u << 20))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("synthetic spec '", spec, "': ", it->first, " must be ",
-                         is_seed ? "an unsigned integer" : "an integer in 1..1048576", ", not '",
-                         kv[1], "'"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "synthetic spec '", spec, "': ", it->first, " must be ",
+            is_seed ? "an unsigned integer" : "an integer in 1..1048576", ", not '", kv[1], "'"));
       }
       it->second = v;
     }
@@ -87,27 +87,27 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
 
   auto model = std::unique_ptr<SyntheticModel>(new SyntheticModel());
   model->seed_ = values["seed"];
-  model->model_.model_id = absl::StrCat("synthetic:llama:layers=", values["layers"], ",hidden=",
-                                        hidden, ",ffn=", ffn, ",vocab=", vocab,
-                                        ",seed=", model->seed_);
+  model->model_.model_id =
+      absl::StrCat("synthetic:llama:layers=", values["layers"], ",hidden=", hidden, ",ffn=", ffn,
+                   ",vocab=", vocab, ",seed=", model->seed_);
   model->model_.layers.push_back(
       LayerSpec{"model.embed_tokens", {Tensor("model.embed_tokens.weight", {vocab, hidden})}});
   for (uint64_t i = 0; i < values["layers"]; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     // Sorted by name, as layers grouped from a checkpoint are.
-    model->model_.layers.push_back(LayerSpec{
-        absl::StrCat("model.layers.", i),
-        {
-            Tensor(p + "input_layernorm.weight", {hidden}),
-            Tensor(p + "mlp.down_proj.weight", {hidden, ffn}),
-            Tensor(p + "mlp.gate_proj.weight", {ffn, hidden}),
-            Tensor(p + "mlp.up_proj.weight", {ffn, hidden}),
-            Tensor(p + "post_attention_layernorm.weight", {hidden}),
-            Tensor(p + "self_attn.k_proj.weight", {hidden, hidden}),
-            Tensor(p + "self_attn.o_proj.weight", {hidden, hidden}),
-            Tensor(p + "self_attn.q_proj.weight", {hidden, hidden}),
-            Tensor(p + "self_attn.v_proj.weight", {hidden, hidden}),
-        }});
+    model->model_.layers.push_back(
+        LayerSpec{absl::StrCat("model.layers.", i),
+                  {
+                      Tensor(p + "input_layernorm.weight", {hidden}),
+                      Tensor(p + "mlp.down_proj.weight", {hidden, ffn}),
+                      Tensor(p + "mlp.gate_proj.weight", {ffn, hidden}),
+                      Tensor(p + "mlp.up_proj.weight", {ffn, hidden}),
+                      Tensor(p + "post_attention_layernorm.weight", {hidden}),
+                      Tensor(p + "self_attn.k_proj.weight", {hidden, hidden}),
+                      Tensor(p + "self_attn.o_proj.weight", {hidden, hidden}),
+                      Tensor(p + "self_attn.q_proj.weight", {hidden, hidden}),
+                      Tensor(p + "self_attn.v_proj.weight", {hidden, hidden}),
+                  }});
   }
   model->model_.layers.push_back(LayerSpec{
       "final", {Tensor("lm_head.weight", {vocab, hidden}), Tensor("model.norm.weight", {hidden})}});

@@ -26,8 +26,8 @@ std::chrono::steady_clock::time_point GiveUpAt(std::chrono::system_clock::time_p
     return std::chrono::steady_clock::time_point::max();
   }
   const auto remaining = std::max(deadline - now, std::chrono::system_clock::duration::zero());
-  const auto margin = std::min<std::chrono::system_clock::duration>(
-      std::chrono::milliseconds(500), remaining / 10);
+  const auto margin =
+      std::min<std::chrono::system_clock::duration>(std::chrono::milliseconds(500), remaining / 10);
   return std::chrono::steady_clock::now() +
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(remaining - margin);
 }
@@ -39,7 +39,8 @@ uint64_t FetchLayerReactor::BufferBytes(const ParameterStore& store, const Fetch
   uint64_t largest = 0;
   for (const TensorElementRange& run : plan.runs) {
     const size_t size = DTypeSize(store.layout(plan.layer).tensors()[run.tensor].compute_dtype);
-    largest = std::max(largest, std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, size)) * size);
+    largest = std::max(largest,
+                       std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, size)) * size);
   }
   return 2 * largest;
 }
@@ -78,10 +79,10 @@ void FetchLayerReactor::OnBudget(bool granted) {
     const std::optional<uint64_t> budget = budget_.budget();
     FinishOnce(grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("no memory budget became free for this stream's ",
-                     FormatBytes(buffer_bytes_), " of chunk buffers before its deadline: the ",
-                     "shard's budget of ", budget ? FormatBytes(*budget) : "unlimited",
-                     " has ", FormatBytes(budget_.in_use()), " in use (fp32 master included) and ",
+        absl::StrCat("no memory budget became free for this stream's ", FormatBytes(buffer_bytes_),
+                     " of chunk buffers before its deadline: the ", "shard's budget of ",
+                     budget ? FormatBytes(*budget) : "unlimited", " has ",
+                     FormatBytes(budget_.in_use()), " in use (fp32 master included) and ",
                      budget_.waiting(), " stream(s) waiting; retry later, or raise ",
                      "--memory-budget or lower --chunk-bytes")));
     return;
@@ -113,17 +114,17 @@ void FetchLayerReactor::WriteNext() {
   // Owned by gRPC from here: freed when the transport is done with it.
   const grpc::Slice slice(data, bytes, std::free);
   const auto cast_start = std::chrono::steady_clock::now();
-  absl::Status cast = CastFromF32(source, data, count, placed.compute_dtype,
-                                  store_.policy().overflow());
+  absl::Status cast =
+      CastFromF32(source, data, count, placed.compute_dtype, store_.policy().overflow());
   metrics_.RecordCast(
       count, std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   if (!cast.ok()) {
     const std::string& name = store_.model().layers[plan_.layer].tensors[run.tensor].name;
     FinishOnce(ToGrpcStatus(absl::Status(
-        cast.code(), absl::StrCat("tensor ", name, " (from element ", next_element_,
-                                  "): ", cast.message(),
-                                  "; the policy's float16 overflow rule is 'error': set "
-                                  "overflow=saturate or override this tensor to float32"))));
+        cast.code(),
+        absl::StrCat("tensor ", name, " (from element ", next_element_, "): ", cast.message(),
+                     "; the policy's float16 overflow rule is 'error': set "
+                     "overflow=saturate or override this tensor to float32"))));
     return;
   }
   chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, slice);

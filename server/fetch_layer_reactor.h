@@ -37,8 +37,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
 
   // Everything referenced must outlive the reactor.
   FetchLayerReactor(grpc::CallbackServerContext* context, const ParameterStore& store,
-                    VersionGate& gate, MemoryBudget& budget, ServerMetrics& metrics,
-                    FetchPlan plan, Options options);
+                    VersionGate& gate, MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
+                    Options options);
 
   // Budgeted bytes one stream of `plan` holds while it runs: its largest
   // chunk, twice, since the transport may still hold the previous chunk's
@@ -76,8 +76,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
 
   size_t run_ = 0;             // index into plan_.runs
   uint64_t next_element_ = 0;  // next element of plan_.runs[run_] to send
-  uint64_t version_ = 0;        // of the master the chunks are cast from
-  grpc::ByteBuffer chunk_;      // the encoded chunk being written
+  uint64_t version_ = 0;       // of the master the chunks are cast from
+  grpc::ByteBuffer chunk_;     // the encoded chunk being written
   // The chunk in flight, counted as sent once its write completes.
   DType pending_dtype_ = DType::kFloat32;
   uint64_t pending_elements_ = 0;

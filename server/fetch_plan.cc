@@ -28,9 +28,9 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
       const DType actual = layout.tensors()[t].compute_dtype;
       if (actual != expected) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "expect_dtype is ", DTypeName(expected), " but the policy '",
-            store.policy().ToString(), "' gives tensor ", layer.tensors[t].name, " ",
-            DTypeName(actual), "; omit expect_dtype or expect the manifest's compute dtypes"));
+            "expect_dtype is ", DTypeName(expected), " but the policy '", store.policy().ToString(),
+            "' gives tensor ", layer.tensors[t].name, " ", DTypeName(actual),
+            "; omit expect_dtype or expect the manifest's compute dtypes"));
       }
     }
   }
@@ -48,7 +48,8 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   if (end == 0) return plan;  // a layer with no tensors
   ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
   for (const TensorElementRange& selection : selected) {
-    const ElementRange run = Intersect(selection.elements, store.owned(plan.layer, selection.tensor));
+    const ElementRange run =
+        Intersect(selection.elements, store.owned(plan.layer, selection.tensor));
     if (run.empty()) continue;
     plan.runs.push_back(TensorElementRange{selection.tensor, run});
     plan.bytes += run.size() * DTypeSize(layout.tensors()[selection.tensor].compute_dtype);

@@ -73,8 +73,8 @@ uint64_t MemoryBudget::Acquire(uint64_t bytes, std::chrono::steady_clock::time_p
 }
 
 bool MemoryBudget::RemoveLocked(uint64_t id, std::vector<Granted>& ready) {
-  auto it = std::find_if(waiters_.begin(), waiters_.end(),
-                         [id](const Waiter& w) { return w.id == id; });
+  auto it =
+      std::find_if(waiters_.begin(), waiters_.end(), [id](const Waiter& w) { return w.id == id; });
   if (it == waiters_.end()) return false;
   const bool was_head = it == waiters_.begin();
   CancelTimer(it->timer);

@@ -40,8 +40,7 @@ class MemoryBudget {
 
   // `budget_bytes` nullopt: unlimited (everything is still counted).
   // REQUIRES: master_bytes <= *budget_bytes (checked at start-up).
-  MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
-               Observer observer = {});
+  MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes, Observer observer = {});
   ~MemoryBudget();
 
   // Runs `granted(true)` once `bytes` are reserved: at once, on this thread,

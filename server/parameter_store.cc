@@ -40,8 +40,8 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
       // Not value-initialised: Read() writes every element, and untouched
       // pages would otherwise be zero-filled once here and again there.
       slice.values.reset(new float[slice.owned.size()]);
-      absl::Status read = source.Read(l, t, slice.owned,
-                                      std::span<float>(slice.values.get(), slice.owned.size()));
+      absl::Status read =
+          source.Read(l, t, slice.owned, std::span<float>(slice.values.get(), slice.owned.size()));
       if (!read.ok()) {
         return absl::Status(read.code(), absl::StrCat("loading tensor ", layers[l].tensors[t].name,
                                                       ": ", read.message()));

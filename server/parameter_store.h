@@ -45,9 +45,7 @@ class ParameterStore {
   const AssembledLayout& layout(uint32_t layer) const { return layouts_[layer]; }
 
   // The elements of a tensor this shard owns.
-  ElementRange owned(uint32_t layer, uint32_t tensor) const {
-    return slices_[layer][tensor].owned;
-  }
+  ElementRange owned(uint32_t layer, uint32_t tensor) const { return slices_[layer][tensor].owned; }
   // The master values of owned(layer, tensor); element owned().begin first.
   const float* master(uint32_t layer, uint32_t tensor) const {
     return slices_[layer][tensor].values.get();

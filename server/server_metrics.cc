@@ -48,8 +48,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                        .Add({});
   cast_input_bytes_ = &BuildCounter()
                            .Name("layercast_cast_input_bytes_total")
-                           .Help("fp32 master bytes read by casts (rate over "
-                                 "layercast_cast_seconds_total: cast throughput)")
+                           .Help(
+                               "fp32 master bytes read by casts (rate over "
+                               "layercast_cast_seconds_total: cast throughput)")
                            .Register(r)
                            .Add({});
   fetch_duration_ = &BuildHistogram()
@@ -58,17 +59,18 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                          .Register(r)
                          .Add({}, FetchBuckets());
   streams_in_flight_ = Gauge(r, "layercast_streams_in_flight", "FetchLayer streams open now");
-  streams_waiting_version_ = Gauge(r, "layercast_streams_waiting_for_version",
-                                   "Streams parked until the parameter version reaches min_version");
+  streams_waiting_version_ =
+      Gauge(r, "layercast_streams_waiting_for_version",
+            "Streams parked until the parameter version reaches min_version");
   streams_waiting_budget_ = Gauge(r, "layercast_streams_waiting_for_budget",
                                   "Streams waiting for memory budget to start");
-  memory_budget_bytes_ = Gauge(r, "layercast_memory_budget_bytes",
-                               "The server's memory budget (0: unlimited)");
+  memory_budget_bytes_ =
+      Gauge(r, "layercast_memory_budget_bytes", "The server's memory budget (0: unlimited)");
   master_bytes_ = Gauge(r, "layercast_master_bytes", "Bytes of fp32 master parameters held");
   memory_in_use_bytes_ = Gauge(r, "layercast_memory_in_use_bytes",
                                "Budgeted bytes in use: master plus chunk buffers in flight");
-  parameter_version_ = Gauge(r, "layercast_parameter_version",
-                             "Optimizer steps applied to the master parameters");
+  parameter_version_ =
+      Gauge(r, "layercast_parameter_version", "Optimizer steps applied to the master parameters");
   ready_ = Gauge(r, "layercast_ready", "1 when parameters are loaded and the shard serves");
   shard_info_ = &BuildGauge()
                      .Name("layercast_shard_info")
@@ -99,8 +101,7 @@ void ServerMetrics::RecordCast(uint64_t elements, double seconds) {
 }
 
 void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_index,
-                                 uint32_t num_shards, const std::string& policy,
-                                 uint64_t layers) {
+                                 uint32_t num_shards, const std::string& policy, uint64_t layers) {
   shard_info_
       ->Add({{"model_id", model_id},
              {"shard_index", std::to_string(shard_index)},

@@ -52,8 +52,8 @@ absl::Status SetField(layercast::v1::ShardConfig& config, const FieldDescriptor&
       return absl::OkStatus();
     }
     default:
-      return absl::InternalError(absl::StrCat("config field ", field.name(),
-                                              " has a type flags cannot set"));
+      return absl::InternalError(
+          absl::StrCat("config field ", field.name(), " has a type flags cannot set"));
   }
 }
 
@@ -117,8 +117,8 @@ std::string ShardFlagsHelp() {
       "Flags (each also a field of the JSON config, layercast.v1.ShardConfig):\n";
   const auto* descriptor = layercast::v1::ShardConfig::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {
-    absl::StrAppend(&help, "  --",
-                    absl::StrReplaceAll(descriptor->field(i)->name(), {{"_", "-"}}), "\n");
+    absl::StrAppend(&help, "  --", absl::StrReplaceAll(descriptor->field(i)->name(), {{"_", "-"}}),
+                    "\n");
   }
   absl::StrAppend(&help, "See proto/layercast/v1/config.proto for each field's meaning.\n");
   return help;
@@ -131,9 +131,9 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError("--num-shards must be at least 1");
   }
   if (config.shard_index() >= config.num_shards()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--shard-index ", config.shard_index(), " is out of range: with --num-shards ",
-        config.num_shards(), " it must be 0-", config.num_shards() - 1));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shard-index ", config.shard_index(), " is out of range: with --num-shards ",
+                     config.num_shards(), " it must be 0-", config.num_shards() - 1));
   }
   if (config.model().empty() == config.synthetic().empty()) {
     return absl::InvalidArgumentError(

@@ -48,10 +48,9 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes;
   if (budget && master > *budget) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "shard ", config.shard_index(), " of ", config.num_shards(), " needs ",
-        FormatBytes(master), " (", master, " bytes) for its fp32 master parameters, but ",
-        "--memory-budget is ", FormatBytes(*budget), " (", *budget,
-        " bytes): raise the budget or use more shards"));
+        "shard ", config.shard_index(), " of ", config.num_shards(), " needs ", FormatBytes(master),
+        " (", master, " bytes) for its fp32 master parameters, but ", "--memory-budget is ",
+        FormatBytes(*budget), " (", *budget, " bytes): raise the budget or use more shards"));
   }
   // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
   const uint64_t one_stream = 2 * config.chunk_bytes();
@@ -141,9 +140,11 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   metrics_.ready().Set(1);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  std::fprintf(stderr, "layercast-shard %u/%u: loaded %s of fp32 master for %s (%zu layers) in %.2f s; ready\n",
-               config.shard_index(), config.num_shards(), FormatBytes(store_->master_bytes()).c_str(),
-               store_->model().model_id.c_str(), store_->model().layers.size(), seconds);
+  std::fprintf(
+      stderr,
+      "layercast-shard %u/%u: loaded %s of fp32 master for %s (%zu layers) in %.2f s; ready\n",
+      config.shard_index(), config.num_shards(), FormatBytes(store_->master_bytes()).c_str(),
+      store_->model().model_id.c_str(), store_->model().layers.size(), seconds);
   return absl::OkStatus();
 }
 
@@ -157,7 +158,8 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
   const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
   if (!drained) {
-    std::fprintf(stderr, "layercast-shard: drain timeout of %lld ms passed; cancelling %lld stream(s)\n",
+    std::fprintf(stderr,
+                 "layercast-shard: drain timeout of %lld ms passed; cancelling %lld stream(s)\n",
                  static_cast<long long>(drain.count()),
                  static_cast<long long>(service_->streams_in_flight()));
   }

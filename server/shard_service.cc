@@ -34,7 +34,8 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
   manifest.set_num_shards(store.num_shards());
   manifest.set_shard_index(store.shard_index());
   manifest.set_policy(store.policy().ToString());
-  manifest.set_layout_digest(std::string(store.layout_digest().begin(), store.layout_digest().end()));
+  manifest.set_layout_digest(
+      std::string(store.layout_digest().begin(), store.layout_digest().end()));
   for (uint32_t l = 0; l < model.layers.size(); ++l) {
     const LayerSpec& spec = model.layers[l];
     const AssembledLayout& layout = store.layout(l);
@@ -104,8 +105,7 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
   return reactor;
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(
-    const grpc::Status& status) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(const grpc::Status& status) {
   metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
   return new RefusedStream(status);
 }
@@ -138,8 +138,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
   reactor_options.min_version = request->min_version();
-  reactor_options.on_done = [this, start = std::chrono::steady_clock::now()](
-                                const grpc::Status& status) {
+  reactor_options.on_done = [this,
+                             start = std::chrono::steady_clock::now()](const grpc::Status& status) {
     metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
     if (status.ok()) {
       metrics_.RecordFetchDuration(

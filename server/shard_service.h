@@ -21,10 +21,9 @@ namespace layercast::server {
 // while streams in flight go on.
 //
 // Thread-safe: gRPC calls its handlers from many threads.
-class ShardService final
-    : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
-          layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
-              layercast::v1::ShardService::Service>> {
+class ShardService final : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
+                               layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
+                                   layercast::v1::ShardService::Service>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;

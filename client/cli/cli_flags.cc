@@ -25,8 +25,8 @@ absl::StatusOr<CliFlags> CliFlags::Parse(const std::vector<std::string>& args,
       return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
     }
     if (known.count(name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, "; this command takes --",
-                                                     absl::StrJoin(known, ", --")));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown flag --", name, "; this command takes --", absl::StrJoin(known, ", --")));
     }
     flags.values_[name] = value;
   }

@@ -28,5 +28,4 @@ absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlag
   return client::ShardSet::Connect(std::move(addresses), options);
 }
 
-
 }  // namespace layercast::cli

@@ -25,5 +25,4 @@ absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags&
 // --connect-timeout-ms for it to be ready).
 absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlags& flags);
 
-
 }  // namespace layercast::cli

@@ -49,8 +49,9 @@ absl::Status VerifySamples(const ParameterSource& source, const Policy& policy,
 }  // namespace
 
 absl::Status RunDemo(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, {"num-shards", "synthetic", "model", "policy",
-                                                          "steps", "shard-binary", "budget-layers"}));
+  ASSIGN_OR_RETURN(CliFlags flags,
+                   CliFlags::Parse(args, {"num-shards", "synthetic", "model", "policy", "steps",
+                                          "shard-binary", "budget-layers"}));
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", 2));
   ASSIGN_OR_RETURN(uint64_t steps, flags.GetUint("steps", 1));
   if (num_shards == 0 || num_shards > 64) {
@@ -100,15 +101,16 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(uint64_t budget_layers, flags.GetUint("budget-layers", 3));
   const uint64_t budget = LayersBudget(*set, budget_layers);
   uint64_t verified = 0, largest_layer = 0;
-  ASSIGN_OR_RETURN(
-      WalkStats stats,
-      WalkLayers(
-          *set, order, budget,
-          [&](size_t step) { return step % (2 * num_layers) < num_layers ? "forward" : "backward"; },
-          [&](const client::Layer& layer) {
-            largest_layer = std::max<uint64_t>(largest_layer, layer.bytes().size());
-            return VerifySamples(*source, policy, layer, &verified);
-          }));
+  ASSIGN_OR_RETURN(WalkStats stats,
+                   WalkLayers(
+                       *set, order, budget,
+                       [&](size_t step) {
+                         return step % (2 * num_layers) < num_layers ? "forward" : "backward";
+                       },
+                       [&](const client::Layer& layer) {
+                         largest_layer = std::max<uint64_t>(largest_layer, layer.bytes().size());
+                         return VerifySamples(*source, policy, layer, &verified);
+                       }));
 
   std::vector<uint64_t> shard_peaks;
   for (uint32_t i = 0; i < num_shards; ++i) shard_peaks.push_back(shards->PeakRssBytes(i));
@@ -126,12 +128,13 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
               static_cast<double>(stats.fp32_bytes) / stats.wire_bytes);
   std::printf("  time              %.2f s, %.2f GB/s\n", stats.seconds,
               stats.wire_bytes / stats.seconds / 1e9);
-  std::printf("  prefetch          budget %s (%llu largest layers), peak held %s, %llu/%llu "
-              "layers ready when asked, %.2f s waited\n",
-              FormatBytes(budget).c_str(), static_cast<unsigned long long>(budget_layers),
-              FormatBytes(stats.stream.peak_bytes).c_str(),
-              static_cast<unsigned long long>(stats.stream.hits),
-              static_cast<unsigned long long>(stats.stream.layers), stats.stream.wait_seconds);
+  std::printf(
+      "  prefetch          budget %s (%llu largest layers), peak held %s, %llu/%llu "
+      "layers ready when asked, %.2f s waited\n",
+      FormatBytes(budget).c_str(), static_cast<unsigned long long>(budget_layers),
+      FormatBytes(stats.stream.peak_bytes).c_str(),
+      static_cast<unsigned long long>(stats.stream.hits),
+      static_cast<unsigned long long>(stats.stream.layers), stats.stream.wait_seconds);
   std::printf("  verified          %llu sampled values bit-exact against the core cast\n",
               static_cast<unsigned long long>(verified));
   for (uint32_t i = 0; i < num_shards; ++i) {
@@ -139,7 +142,8 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
       uint64_t elements = 0;
       for (const LayerSpec& layer : set->model().layers) {
         for (const TensorSpec& tensor : layer.tensors) {
-          elements += ShardElementRange(tensor.num_elements, i, static_cast<uint32_t>(num_shards)).size();
+          elements +=
+              ShardElementRange(tensor.num_elements, i, static_cast<uint32_t>(num_shards)).size();
         }
       }
       return elements * 4;
@@ -149,7 +153,8 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
   }
   std::printf("  worker peak RSS   %s (largest assembled layer: %s)\n",
               FormatBytes(client::PeakRssBytes()).c_str(), FormatBytes(largest_layer).c_str());
-  std::printf("  shards stopped    %s\n", stopped.ok() ? "cleanly (exit 0)" : std::string(stopped.message()).c_str());
+  std::printf("  shards stopped    %s\n",
+              stopped.ok() ? "cleanly (exit 0)" : std::string(stopped.message()).c_str());
   return stopped;
 }
 

@@ -11,7 +11,8 @@
 namespace layercast::cli {
 
 absl::Status RunFetch(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, WithShardSetFlags({"layer", "out", "timeout-ms"})));
+  ASSIGN_OR_RETURN(CliFlags flags,
+                   CliFlags::Parse(args, WithShardSetFlags({"layer", "out", "timeout-ms"})));
   if (!flags.Has("layer") || !flags.Has("out")) {
     return absl::InvalidArgumentError("--layer L and --out FILE.safetensors are required");
   }
@@ -19,9 +20,9 @@ absl::Status RunFetch(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(uint64_t timeout_ms, flags.GetUint("timeout-ms", 60000));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   if (layer_index >= set->model().layers.size()) {
-    return absl::NotFoundError(absl::StrCat("layer ", layer_index, " does not exist: the model has ",
-                                            set->model().layers.size(), " layers (0-",
-                                            set->model().layers.size() - 1, ")"));
+    return absl::NotFoundError(absl::StrCat(
+        "layer ", layer_index, " does not exist: the model has ", set->model().layers.size(),
+        " layers (0-", set->model().layers.size() - 1, ")"));
   }
   client::GatherOptions options;
   options.timeout = std::chrono::milliseconds(timeout_ms);

@@ -12,10 +12,10 @@ namespace layercast::cli {
 
 // What a walk over layers moved and how fast.
 struct WalkStats {
-  uint32_t layers = 0;        // gathers done
-  uint64_t wire_bytes = 0;    // tensor bytes received, in compute dtypes
-  uint64_t fp32_bytes = 0;    // what gathering the same tensors in fp32 would move
-  double seconds = 0;         // wall time of the whole walk
+  uint32_t layers = 0;              // gathers done
+  uint64_t wire_bytes = 0;          // tensor bytes received, in compute dtypes
+  uint64_t fp32_bytes = 0;          // what gathering the same tensors in fp32 would move
+  double seconds = 0;               // wall time of the whole walk
   client::LayerStreamStats stream;  // waiting, prefetch hits, peak bytes held
 };
 

@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!status.ok()) {
-    std::fprintf(stderr, "layercast %s: %s\n", command.c_str(), std::string(status.message()).c_str());
+    std::fprintf(stderr, "layercast %s: %s\n", command.c_str(),
+                 std::string(status.message()).c_str());
     return absl::IsInvalidArgument(status) ? 2 : 1;
   }
   return 0;

@@ -46,8 +46,8 @@ class InMemoryLayerSource final : public LayerSource {
       const AssembledTensor& placed = layout.tensors()[t];
       std::vector<float> master(placed.num_elements);
       RETURN_IF_ERROR(model_->Read(layer, t, ElementRange{0, placed.num_elements}, master));
-      RETURN_IF_ERROR(CastFromF32(master.data(), buffer.data() + placed.byte_offset,
-                                   master.size(), placed.compute_dtype, Fp16Overflow::kError));
+      RETURN_IF_ERROR(CastFromF32(master.data(), buffer.data() + placed.byte_offset, master.size(),
+                                  placed.compute_dtype, Fp16Overflow::kError));
     }
     return 0;
   }

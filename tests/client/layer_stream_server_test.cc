@@ -59,7 +59,8 @@ TEST(LayerStreamServerTest, ForwardBackwardWalkIsExactAndWithinBudget) {
   auto source = SyntheticModel::Create(kModel);
 
   uint64_t largest = 0;
-  for (const auto& layout : (*set)->view().layouts) largest = std::max(largest, layout.total_bytes());
+  for (const auto& layout : (*set)->view().layouts)
+    largest = std::max(largest, layout.total_bytes());
   LayerStreamOptions options;
   const uint32_t n = static_cast<uint32_t>((*set)->model().layers.size());
   options.order = ForwardBackwardOrder(n);
@@ -75,9 +76,9 @@ TEST(LayerStreamServerTest, ForwardBackwardWalkIsExactAndWithinBudget) {
       std::vector<float> master(view.num_elements);
       ASSERT_TRUE((*source)->Read(expected, t, ElementRange{0, view.num_elements}, master).ok());
       std::vector<uint8_t> cast(view.bytes.size());
-      ASSERT_TRUE(CastFromF32(master.data(), cast.data(), master.size(), view.dtype,
-                              Fp16Overflow::kError)
-                      .ok());
+      ASSERT_TRUE(
+          CastFromF32(master.data(), cast.data(), master.size(), view.dtype, Fp16Overflow::kError)
+              .ok());
       ASSERT_EQ(std::memcmp(cast.data(), view.bytes.data(), cast.size()), 0) << view.name;
     }
   }
@@ -89,7 +90,8 @@ TEST(LayerStreamServerTest, ForwardBackwardWalkIsExactAndWithinBudget) {
   EXPECT_EQ(Sum(*registry, "layercast_client_gathers_total"), options.order.size());
   EXPECT_EQ(Sum(*registry, "layercast_client_gather_duration_seconds"), options.order.size());
   uint64_t expected_bytes = 0;
-  for (uint32_t layer : options.order) expected_bytes += (*set)->view().layouts[layer].total_bytes();
+  for (uint32_t layer : options.order)
+    expected_bytes += (*set)->view().layouts[layer].total_bytes();
   EXPECT_EQ(Sum(*registry, "layercast_client_received_bytes_total"), expected_bytes);
   for (auto& server : servers) server->Shutdown(std::chrono::seconds(5));
 }

@@ -40,8 +40,7 @@ TEST(ShardElementRangeTest, NoOverflowOnHugeTensors) {
 
 AssembledLayout MixedLayout() {
   return AssembledLayout::FromDTypes(
-      {DType::kBFloat16, DType::kFloat32, DType::kFloat16, DType::kBFloat16},
-      {1000, 3, 128, 1});
+      {DType::kBFloat16, DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {1000, 3, 128, 1});
 }
 
 TEST(AssembledLayoutTest, TensorsAlignedAndNonOverlapping) {
@@ -132,8 +131,8 @@ TEST(AssembledLayoutTest, MapByteRangeRefusesBadRanges) {
 }
 
 TEST(LayoutDigestTest, ChangesWithAnythingThatMovesBytes) {
-  ModelSpec model{"m", {LayerSpec{"l0", {TensorSpec{"a.weight", {4, 8}, 32},
-                                         TensorSpec{"a.norm", {8}, 8}}}}};
+  ModelSpec model{
+      "m", {LayerSpec{"l0", {TensorSpec{"a.weight", {4, 8}, 32}, TensorSpec{"a.norm", {8}, 8}}}}};
   const Policy bf16 = *Policy::Parse("c=bf16");
   const auto base = LayoutDigest(model, bf16);
   EXPECT_EQ(base, LayoutDigest(model, bf16));

@@ -101,9 +101,8 @@ TEST(PolicyTest, OverridesResolveFirstMatchWins) {
 }
 
 TEST(PolicyTest, CanonicalStringRoundTrips) {
-  for (const char* text :
-       {"bf16", "c=bf16", "p=f32,c=bf16;*norm*=f32;lm_head.*=f32", "c=f16,overflow=saturate",
-        "c=f16,overflow=inf;embed*=bf16", "full"}) {
+  for (const char* text : {"bf16", "c=bf16", "p=f32,c=bf16;*norm*=f32;lm_head.*=f32",
+                           "c=f16,overflow=saturate", "c=f16,overflow=inf;embed*=bf16", "full"}) {
     const Policy policy = MustParse(text);
     const std::string canonical = policy.ToString();
     const Policy again = MustParse(canonical);

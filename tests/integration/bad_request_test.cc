@@ -18,11 +18,11 @@ using ::testing::HasSubstr;
 class BadRequestTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    shards_ = StartShards(2, {"--synthetic", "llama:layers=2,hidden=64,ffn=96,vocab=50",
-                              "--policy", "p=f32,c=bf16;*norm*=f32"});
+    shards_ = StartShards(2, {"--synthetic", "llama:layers=2,hidden=64,ffn=96,vocab=50", "--policy",
+                              "p=f32,c=bf16;*norm*=f32"});
     ASSERT_NE(shards_.set, nullptr);
-    stub_ = layercast::v1::ShardService::NewStub(grpc::CreateChannel(
-        shards_.processes->addresses()[0], grpc::InsecureChannelCredentials()));
+    stub_ = layercast::v1::ShardService::NewStub(
+        grpc::CreateChannel(shards_.processes->addresses()[0], grpc::InsecureChannelCredentials()));
   }
 
   // Runs FetchLayer to the end; returns its status and counts the chunks.
@@ -82,8 +82,8 @@ TEST_F(BadRequestTest, EachBadRequestGetsItsCodeAndTheServerKeepsServing) {
                    "gives tensor model.layers.0.input_layernorm.weight float32"});
   auto bogus_dtype = Request(1);
   bogus_dtype.set_expect_dtype(static_cast<layercast::v1::DType>(77));
-  cases.push_back({"unknown dtype", bogus_dtype, grpc::StatusCode::INVALID_ARGUMENT,
-                   "is not a DType"});
+  cases.push_back(
+      {"unknown dtype", bogus_dtype, grpc::StatusCode::INVALID_ARGUMENT, "is not a DType"});
 
   for (const Case& c : cases) {
     int chunks = -1;
@@ -160,7 +160,8 @@ TEST(ShardSetTest, RefusesSetsThatDoNotAgree) {
   const std::vector<Case> cases = {
       {"duplicated index", {A[0], A[0]}, "like " + A[0] + " (each index must appear exactly once)"},
       {"wrong order", {A[1], A[0]}, "it has shard index 1, not 0"},
-      {"different shard count", {A[0], b.processes->addresses()[1]},
+      {"different shard count",
+       {A[0], b.processes->addresses()[1]},
        "it is one of 3 shards, but 2 addresses were given"},
       {"different model", {A[0], other_model.processes->addresses()[1]}, "serves model"},
       {"different policy", {A[0], other_policy.processes->addresses()[1]}, "its policy is"},
@@ -194,9 +195,8 @@ TEST(ShardConfigTest, ImpossibleConfigsExitBeforeBinding) {
   };
   for (const Case& c : cases) {
     std::string output;
-    const int code = RunCommand(ShardBinary() + " --listen 127.0.0.1:0 --port-file " + port_file +
-                                    " " + c.flags,
-                                &output);
+    const int code = RunCommand(
+        ShardBinary() + " --listen 127.0.0.1:0 --port-file " + port_file + " " + c.flags, &output);
     EXPECT_EQ(code, 2) << c.flags << "\n" << output;
     EXPECT_THAT(output, HasSubstr(c.message)) << c.flags;
     EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << "one line: " << output;

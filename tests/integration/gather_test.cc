@@ -22,9 +22,8 @@ constexpr char kPolicy[] = "p=f32,c=bf16;*norm*=f32;lm_head.*=f16";
 // The bytes a tensor must arrive as: the core cast of its fp32 master.
 std::vector<uint8_t> ExpectedBytes(const std::vector<float>& values, DType dtype) {
   std::vector<uint8_t> bytes(values.size() * DTypeSize(dtype));
-  EXPECT_TRUE(CastFromF32(values.data(), bytes.data(), values.size(), dtype,
-                          Fp16Overflow::kSaturate)
-                  .ok());
+  EXPECT_TRUE(
+      CastFromF32(values.data(), bytes.data(), values.size(), dtype, Fp16Overflow::kSaturate).ok());
   return bytes;
 }
 
@@ -33,9 +32,10 @@ class GatherTest : public ::testing::TestWithParam<uint32_t> {};
 TEST_P(GatherTest, EveryLayerBitExactWithMixedDTypes) {
   const uint32_t num_shards = GetParam();
   const TestModel model = WriteTestModel(MakeTempDir("model") + "/model.safetensors", 3, 42);
-  RunningShards shards = StartShards(
-      num_shards, {"--model", model.path, "--policy", "p=f32,c=bf16,overflow=saturate;*norm*=f32;lm_head.*=f16",
-                   "--chunk-bytes", "1000"});
+  RunningShards shards =
+      StartShards(num_shards, {"--model", model.path, "--policy",
+                               "p=f32,c=bf16,overflow=saturate;*norm*=f32;lm_head.*=f16",
+                               "--chunk-bytes", "1000"});
   ASSERT_NE(shards.set, nullptr);
   const Policy policy = *Policy::Parse(kPolicy);
 

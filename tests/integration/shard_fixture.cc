@@ -9,10 +9,9 @@ namespace layercast::testing {
 
 std::string MakeTempDir(const std::string& name) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    ("layercast-" + std::to_string(getpid())) /
-                                    (std::string(info->test_suite_name()) + "." + info->name() +
-                                     "." + name);
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / ("layercast-" + std::to_string(getpid())) /
+      (std::string(info->test_suite_name()) + "." + info->name() + "." + name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();

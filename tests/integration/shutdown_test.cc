@@ -142,8 +142,8 @@ TEST(ShutdownTest, DrainTimeoutCancelsStreamsThatWouldNotFinish) {
   EXPECT_EQ(*code, 0);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
   EXPECT_FALSE(parked.ok());
-  EXPECT_THAT(parked.status().code(), ::testing::AnyOf(absl::StatusCode::kCancelled,
-                                                       absl::StatusCode::kUnavailable));
+  EXPECT_THAT(parked.status().code(),
+              ::testing::AnyOf(absl::StatusCode::kCancelled, absl::StatusCode::kUnavailable));
 }
 
 }  // namespace

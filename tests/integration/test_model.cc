@@ -42,7 +42,8 @@ float InterestingValue(std::mt19937_64& rng) {
 
 TestModel WriteTestModel(const std::string& path, int num_layers, uint64_t seed) {
   constexpr int64_t kHidden = 67, kFfn = 131, kVocab = 97;
-  std::vector<Planned> planned = {{"model.embed_tokens.weight", {kVocab, kHidden}, DType::kFloat32}};
+  std::vector<Planned> planned = {
+      {"model.embed_tokens.weight", {kVocab, kHidden}, DType::kFloat32}};
   for (int i = 0; i < num_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     planned.push_back({p + "input_layernorm.weight", {kHidden}, DType::kFloat32});
@@ -71,7 +72,8 @@ TestModel WriteTestModel(const std::string& path, int num_layers, uint64_t seed)
       std::memcpy(bytes.data(), values.data(), bytes.size());
     } else {
       // Store in 16 bits and keep, as the master, exactly what widening gives.
-      EXPECT_TRUE(CastFromF32(values.data(), bytes.data(), n, p.stored, Fp16Overflow::kSaturate).ok());
+      EXPECT_TRUE(
+          CastFromF32(values.data(), bytes.data(), n, p.stored, Fp16Overflow::kSaturate).ok());
       CastToF32(bytes.data(), p.stored, values.data(), n);
     }
     headers.push_back({p.name, p.stored, p.shape});

@@ -10,7 +10,8 @@ namespace {
 
 std::unique_ptr<ParameterStore> Store(uint32_t shard, uint32_t num_shards) {
   auto source = SyntheticModel::Create("llama:layers=1,hidden=48,ffn=80,vocab=30");
-  auto store = ParameterStore::Load(**source, shard, num_shards, *Policy::Parse("c=bf16;*norm*=f32"));
+  auto store =
+      ParameterStore::Load(**source, shard, num_shards, *Policy::Parse("c=bf16;*norm*=f32"));
   EXPECT_TRUE(store.ok()) << store.status();
   return *std::move(store);
 }
