@@ -82,7 +82,9 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
   for (const std::string& address : set->addresses_) {
-    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    auto channel = grpc::CreateCustomChannel(
+        address, options.credentials ? options.credentials : grpc::InsecureChannelCredentials(),
+        args);
     set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
     set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
   }

@@ -25,6 +25,8 @@ struct ShardSetOptions {
   std::chrono::milliseconds connect_timeout{30000};
   // Where the worker library's metrics go; none if null.
   std::shared_ptr<prometheus::Registry> registry;
+  // Channel credentials (TLS, mutual TLS); plaintext when null.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 // A connection to a whole shard set, which has agreed on one model, policy
