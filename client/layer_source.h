@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <utility>
@@ -24,6 +25,9 @@ struct GatherOptions {
   std::optional<std::pair<uint64_t, uint64_t>> byte_range;
   // If set and cancelled, the gather stops its streams and returns CANCELLED.
   Cancellation* cancellation = nullptr;
+  // If set, called with the size of each chunk placed (for progress), on a
+  // gRPC thread: it must be quick and thread-safe.
+  std::function<void(uint64_t bytes)> on_chunk;
 };
 
 // Where assembled layers come from: a ShardSet in production. The seam

@@ -6,12 +6,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 extern char** environ;
 
@@ -58,6 +61,57 @@ std::string DefaultShardBinary() {
   return (self.parent_path() / "layercast-shard").string();
 }
 
+absl::StatusOr<pid_t> LocalShardSet::Spawn(uint32_t shard, const std::string& listen) {
+  const std::string port_file = absl::StrCat(temp_dir_, "/shard-", shard, ".port");
+  std::remove(port_file.c_str());
+  std::vector<std::string> args = {options_.shard_binary, "--listen", listen, "--port-file",
+                                    port_file, "--shard-index", absl::StrCat(shard),
+                                    "--num-shards", absl::StrCat(options_.num_shards)};
+  args.insert(args.end(), options_.extra_flags.begin(), options_.extra_flags.end());
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (!options_.log_dir.empty()) {
+    const std::string log = absl::StrCat(options_.log_dir, "/shard-", shard, ".log");
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+  }
+  pid_t pid = 0;
+  const int error = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (error != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot start ", options_.shard_binary, ": ", std::strerror(error)));
+  }
+  return pid;
+}
+
+absl::Status LocalShardSet::AwaitPort(uint32_t shard,
+                                      std::chrono::steady_clock::time_point deadline) {
+  const std::string port_file = absl::StrCat(temp_dir_, "/shard-", shard, ".port");
+  int port = 0;
+  while (true) {
+    std::ifstream(port_file) >> port;
+    if (port != 0) break;
+    int wait_status = 0;
+    if (waitpid(pids_[shard], &wait_status, WNOHANG) == pids_[shard]) {
+      pids_[shard] = 0;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shard ", shard, " exited before listening (", DescribeExit(wait_status), ")"));
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("shard ", shard, " did not start listening in time"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  addresses_[shard] = absl::StrCat("127.0.0.1:", port);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options options) {
   if (access(options.shard_binary.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("shard binary ", options.shard_binary,
@@ -65,60 +119,27 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
                                             "or pass its path"));
   }
   auto set = std::unique_ptr<LocalShardSet>(new LocalShardSet());
+  set->options_ = std::move(options);
   char dir_template[] = "/tmp/layercast-shards-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) return absl::InternalError("cannot create a temp dir");
   set->temp_dir_ = dir_template;
-
-  for (uint32_t i = 0; i < options.num_shards; ++i) {
-    const std::string port_file = absl::StrCat(set->temp_dir_, "/shard-", i, ".port");
-    std::vector<std::string> args = {
-        options.shard_binary, "--listen",     "127.0.0.1:0",
-        "--port-file",        port_file,      "--shard-index",
-        absl::StrCat(i),      "--num-shards", absl::StrCat(options.num_shards)};
-    args.insert(args.end(), options.extra_flags.begin(), options.extra_flags.end());
-    std::vector<char*> argv;
-    for (std::string& arg : args) argv.push_back(arg.data());
-    argv.push_back(nullptr);
-
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    if (!options.log_dir.empty()) {
-      const std::string log = absl::StrCat(options.log_dir, "/shard-", i, ".log");
-      posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
-                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    }
-    pid_t pid = 0;
-    const int error = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    if (error != 0) {
-      return absl::InternalError(
-          absl::StrCat("cannot start ", options.shard_binary, ": ", std::strerror(error)));
-    }
+  const uint32_t n = set->options_.num_shards;
+  set->addresses_.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    ASSIGN_OR_RETURN(pid_t pid, set->Spawn(i, "127.0.0.1:0"));
     set->pids_.push_back(pid);
   }
-
-  const auto deadline = std::chrono::steady_clock::now() + options.start_timeout;
-  for (uint32_t i = 0; i < options.num_shards; ++i) {
-    const std::string port_file = absl::StrCat(set->temp_dir_, "/shard-", i, ".port");
-    int port = 0;
-    while (port == 0) {
-      std::ifstream(port_file) >> port;
-      if (port != 0) break;
-      int wait_status = 0;
-      if (waitpid(set->pids_[i], &wait_status, WNOHANG) == set->pids_[i]) {
-        set->pids_[i] = 0;
-        return absl::FailedPreconditionError(absl::StrCat("shard ", i, " exited before listening (",
-                                                          DescribeExit(wait_status), ")"));
-      }
-      if (std::chrono::steady_clock::now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "shard ", i, " did not start listening within ", options.start_timeout.count(), " ms"));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    set->addresses_.push_back(absl::StrCat("127.0.0.1:", port));
-  }
+  const auto deadline = std::chrono::steady_clock::now() + set->options_.start_timeout;
+  for (uint32_t i = 0; i < n; ++i) RETURN_IF_ERROR(set->AwaitPort(i, deadline));
   return set;
+}
+
+absl::Status LocalShardSet::Restart(size_t shard, std::chrono::milliseconds timeout) {
+  if (pids_[shard] > 0) {
+    return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " is still running"));
+  }
+  ASSIGN_OR_RETURN(pids_[shard], Spawn(static_cast<uint32_t>(shard), addresses_[shard]));
+  return AwaitPort(static_cast<uint32_t>(shard), std::chrono::steady_clock::now() + timeout);
 }
 
 LocalShardSet::~LocalShardSet() {

@@ -46,6 +46,11 @@ class LocalShardSet {
   // Sends SIGKILL to one shard, as a crash would, and reaps it.
   void Kill(size_t shard);
 
+  // Starts shard `shard` again (after Kill or exit) with the same flags on
+  // the same port, as a restarted pod would come back; returns once it
+  // listens. The old process must have been reaped.
+  absl::Status Restart(size_t shard, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
   // Sends `signal` to one shard without waiting.
   void Signal(size_t shard, int signal);
 
@@ -60,6 +65,12 @@ class LocalShardSet {
 
  private:
   LocalShardSet() = default;
+  // Spawns shard `shard` listening on `listen`; returns its pid.
+  absl::StatusOr<pid_t> Spawn(uint32_t shard, const std::string& listen);
+  // Waits for shard `shard`'s port file; fills addresses_[shard].
+  absl::Status AwaitPort(uint32_t shard, std::chrono::steady_clock::time_point deadline);
+
+  Options options_;
   std::string temp_dir_;
   std::vector<pid_t> pids_;
   std::vector<std::string> addresses_;

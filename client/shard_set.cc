@@ -6,7 +6,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "client/shard_stream.h"
+#include "client/layer_gather.h"
 #include "core/status_macros.h"
 
 namespace layercast::client {
@@ -81,6 +81,11 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   set->addresses_ = std::move(addresses);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+  // Reconnect quickly to a shard that restarts at the same address: gRPC's
+  // default first backoff is a second, longer than a gather should stall.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   for (const std::string& address : set->addresses_) {
     auto channel = grpc::CreateCustomChannel(
         address, options.credentials ? options.credentials : grpc::InsecureChannelCredentials(),
@@ -145,90 +150,12 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
                                                    " bytes is smaller than layer ", layer, "'s ",
                                                    layout.total_bytes(), " assembled bytes"));
   }
-  auto [begin, end] =
-      options.byte_range.value_or(std::make_pair(uint64_t{0}, layout.total_bytes()));
-  if (layout.total_bytes() == 0) return manifests_[0].version();
-  ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
-
-  layercast::v1::FetchLayerRequest request;
-  request.set_layer(layer);
-  request.set_min_version(options.min_version);
-  if (options.byte_range) {
-    request.set_range_begin(begin);
-    request.set_range_end(end);
+  std::vector<LayerGather::Shard> shards;
+  for (size_t i = 0; i < generic_stubs_.size(); ++i) {
+    shards.push_back(LayerGather::Shard{generic_stubs_[i].get(), Describe(addresses_, i)});
   }
-
-  const uint32_t n = static_cast<uint32_t>(stubs_.size());
-  absl::Mutex mu;
-  uint32_t remaining = n;
-  bool any_failed = false;
-  std::vector<std::unique_ptr<ShardStream>> streams;
-  for (uint32_t shard = 0; shard < n; ++shard) {
-    std::vector<ShardStream::Run> runs;
-    for (const TensorElementRange& selection : selected) {
-      const AssembledTensor& placed = layout.tensors()[selection.tensor];
-      const ElementRange owned =
-          Intersect(selection.elements, ShardElementRange(placed.num_elements, shard, n));
-      if (owned.empty()) continue;
-      runs.push_back(ShardStream::Run{selection.tensor, owned, placed.byte_offset,
-                                      DTypeSize(placed.compute_dtype)});
-    }
-    // Runs on a gRPC thread once the stream has settled its status.
-    auto on_done = [&, shard] {
-      absl::MutexLock lock(&mu);
-      --remaining;
-      if (!streams[shard]->status().ok()) any_failed = true;
-    };
-    streams.push_back(std::make_unique<ShardStream>(Describe(addresses_, shard), std::move(runs),
-                                                    buffer, std::move(on_done)));
-  }
-  const auto deadline = std::chrono::system_clock::now() + options.timeout;
-  for (uint32_t shard = 0; shard < n; ++shard) {
-    streams[shard]->Start(*generic_stubs_[shard], request, deadline);
-  }
-  uint64_t cancel_id = 0;
-  if (options.cancellation != nullptr) {
-    cancel_id = options.cancellation->Register([&] {
-      for (const auto& stream : streams) stream->Cancel();
-    });
-  }
-
-  // At the first failure cancel the other streams, so a dead shard fails the
-  // gather at once instead of at the deadline; then wait for every stream.
-  {
-    absl::MutexLock lock(&mu);
-    const auto settled_or_failed = [&] { return remaining == 0 || any_failed; };
-    mu.Await(absl::Condition(&settled_or_failed));
-    if (remaining > 0) {
-      for (const auto& stream : streams) stream->Cancel();
-      const auto settled = [&] { return remaining == 0; };
-      mu.Await(absl::Condition(&settled));
-    }
-  }
-  if (cancel_id != 0) options.cancellation->Unregister(cancel_id);
-  absl::Status failure;
-  std::optional<uint64_t> version;
-  for (const auto& stream : streams) {
-    if (!stream->status().ok() && (failure.ok() || absl::IsCancelled(failure))) {
-      failure = stream->status();
-    }
-  }
-  if (!failure.ok()) {
-    return absl::Status(failure.code(),
-                        absl::StrCat("gathering layer ", layer, ": ", failure.message()));
-  }
-  for (uint32_t shard = 0; shard < n; ++shard) {
-    const std::optional<uint64_t> v = streams[shard]->version();
-    if (!v) continue;
-    if (version && *version != *v) {
-      return absl::AbortedError(
-          absl::StrCat("gathering layer ", layer, ": shards sent different parameter versions (",
-                       *version, " and ", *v, " from ", Describe(addresses_, shard),
-                       "); retry with min_version set to the newer one"));
-    }
-    version = v;
-  }
-  return version.value_or(manifests_[0].version());
+  LayerGather gather(std::move(shards), layout, layer, options, buffer, manifests_[0].version());
+  return gather.Run();
 }
 
 }  // namespace layercast::client

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
 
 namespace layercast::client {
 namespace {
@@ -18,11 +19,13 @@ constexpr char kFetchLayerMethod[] = "/layercast.v1.ShardService/FetchLayer";
 }  // namespace
 
 ShardStream::ShardStream(std::string describe, std::vector<Run> runs, std::span<uint8_t> buffer,
-                         std::function<void()> on_done)
+                         std::function<void()> on_done,
+                         std::function<void(uint64_t bytes)> on_chunk)
     : describe_(std::move(describe)),
       runs_(std::move(runs)),
       buffer_(buffer),
-      on_done_(std::move(on_done)) {
+      on_done_(std::move(on_done)),
+      on_chunk_(std::move(on_chunk)) {
   if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
 }
 
@@ -72,9 +75,11 @@ void ShardStream::Advance(uint64_t bytes) {
 absl::Status ShardStream::Accept(grpc::ByteBuffer& chunk) {
   grpc::ProtoBufferReader reader(&chunk);
   google::protobuf::io::CodedInputStream in(&reader);
-  uint32_t tensor = 0;
+  uint32_t tensor = 0, crc = 0;
   uint64_t offset = 0, version = 0;
-  bool placed = false;
+  bool placed = false, has_crc = false;
+  uint8_t* destination = nullptr;
+  uint32_t size = 0;
   // Fields are read in the order protobuf serializers write them (field
   // number order: tensor, element_offset, data, version), so the data's place
   // is known when it arrives and it is copied once, straight there. A peer
@@ -92,14 +97,16 @@ absl::Status ShardStream::Accept(grpc::ByteBuffer& chunk) {
       ok = in.ReadVarint64(&offset);
     } else if (field == 4 && type == WireFormatLite::WIRETYPE_VARINT) {
       ok = in.ReadVarint64(&version);
+    } else if (field == 5 && type == WireFormatLite::WIRETYPE_FIXED32) {
+      ok = in.ReadLittleEndian32(&crc);
+      has_crc = ok;
     } else if (field == 3 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && !placed) {
-      uint32_t size = 0;
       ok = in.ReadVarint32(&size);
       if (ok) {
-        absl::StatusOr<uint8_t*> destination = Destination(tensor, offset, size);
-        if (!destination.ok()) return destination.status();
-        ok = in.ReadRaw(*destination, static_cast<int>(size));
-        if (ok) Advance(size);
+        absl::StatusOr<uint8_t*> place = Destination(tensor, offset, size);
+        if (!place.ok()) return place.status();
+        destination = *place;
+        ok = in.ReadRaw(destination, static_cast<int>(size));
         placed = ok;
       }
     } else {
@@ -108,12 +115,26 @@ absl::Status ShardStream::Accept(grpc::ByteBuffer& chunk) {
     if (!ok) return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
   }
   if (!placed) return absl::DataLossError("sent a chunk without data");
+  // Counted as received only once its checksum holds: a retry resumes from
+  // the first chunk that did not arrive intact.
+  if (has_crc && Crc32c(destination, size) != crc) {
+    return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
+                                            " with a CRC-32C that does not match its data"));
+  }
   if (version_.has_value() && *version_ != version) {
     return absl::DataLossError(absl::StrCat("switched parameter version from ", *version_, " to ",
                                             version, " within one stream"));
   }
   version_ = version;
+  Advance(size);
+  if (on_chunk_) on_chunk_(size);
   return absl::OkStatus();
+}
+
+std::vector<ShardStream::Run> ShardStream::RemainingRuns() const {
+  std::vector<Run> remaining(runs_.begin() + static_cast<std::ptrdiff_t>(run_), runs_.end());
+  if (!remaining.empty()) remaining.front().elements.begin = next_element_;
+  return remaining;
 }
 
 void ShardStream::OnReadDone(bool ok) {

@@ -20,7 +20,8 @@ namespace layercast::client {
 // One shard's FetchLayer stream within a gather. Decodes each LayerChunk
 // straight from gRPC's receive buffer into its place in the caller's
 // assembled buffer (one copy, no intermediate message), checking that the
-// shard sends exactly the runs it owns, in order, each element once.
+// shard sends exactly the runs it owns, in order, each element once, and
+// that each chunk's CRC-32C holds.
 //
 // Why raw: a parsed LayerChunk would allocate and copy every chunk's bytes
 // once more before they could be placed.
@@ -39,8 +40,10 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   };
 
   // `describe` names the shard in messages, e.g. "shard 1 (host:port)".
+  // `on_chunk` (optional) runs on a gRPC thread for each chunk placed.
   ShardStream(std::string describe, std::vector<Run> runs, std::span<uint8_t> buffer,
-              std::function<void()> on_done);
+              std::function<void()> on_done,
+              std::function<void(uint64_t bytes)> on_chunk = {});
 
   // Starts the call on `stub`; `on_done` runs once when it has ended.
   void Start(grpc::GenericStub& stub, const layercast::v1::FetchLayerRequest& request,
@@ -51,6 +54,8 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   const absl::Status& status() const { return status_; }
   // Version of the chunks received; nullopt if the shard sent none.
   std::optional<uint64_t> version() const { return version_; }
+  // Valid after on_done: what has not arrived intact yet, for resuming.
+  std::vector<Run> RemainingRuns() const;
 
   void OnReadDone(bool ok) override;
   void OnDone(const grpc::Status& status) override;
@@ -67,6 +72,7 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   const std::vector<Run> runs_;
   const std::span<uint8_t> buffer_;
   const std::function<void()> on_done_;
+  const std::function<void(uint64_t bytes)> on_chunk_;
 
   grpc::ClientContext context_;
   grpc::ByteBuffer request_;

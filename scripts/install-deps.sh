@@ -5,9 +5,11 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config clang clang-format
+  libclang-rt-14-dev  # libFuzzer and the sanitizer runtimes for clang (tests/fuzz)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   prometheus-cpp-dev libboost-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libeigen3-dev libssl-dev
+  openssl  # the command: tests/integration/security_test makes its certificates with it
   python3 python3-torch python3-numpy
   prometheus  # promtool and the server for tests/observability, which runs its own instance
   yamllint  # tests/deploy; kubectl, node and npm come with the machine image

@@ -3,7 +3,9 @@
 # warnings as errors and runs the whole suite; then again under
 # AddressSanitizer + UndefinedBehaviorSanitizer; then the concurrency tests
 # (those that run without gRPC, whose Debian build is not instrumented) under
-# ThreadSanitizer. LAYERCAST_SKIP_SANITIZERS=1 runs only the plain build.
+# ThreadSanitizer; then each libFuzzer target (tests/fuzz) for
+# LAYERCAST_FUZZ_SECONDS (default 60). LAYERCAST_SKIP_SANITIZERS=1 runs only
+# the plain build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -35,4 +37,5 @@ if [ "${LAYERCAST_SKIP_SANITIZERS:-0}" != 1 ]; then
     -DLAYERCAST_SANITIZE=address,undefined -DLAYERCAST_BUILD_BENCH=OFF
   run_suite build-tsan "-L concurrency" "client_concurrency_test server_concurrency_test" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLAYERCAST_SANITIZE=thread -DLAYERCAST_BUILD_BENCH=OFF
+  tests/fuzz/run_fuzzers.sh "${LAYERCAST_FUZZ_SECONDS:-60}"
 fi

@@ -20,7 +20,7 @@ uint8_t* Tag(int field, WireFormatLite::WireType type, uint8_t* out) {
 }  // namespace
 
 grpc::ByteBuffer EncodeLayerChunk(uint32_t tensor, uint64_t element_offset, uint64_t version,
-                                  const grpc::Slice& data) {
+                                  uint32_t crc32c, const grpc::Slice& data) {
   // Three tags and three varints: at most 3 + 3 * 10 bytes.
   uint8_t header[40];
   uint8_t* end = header;
@@ -30,15 +30,18 @@ grpc::ByteBuffer EncodeLayerChunk(uint32_t tensor, uint64_t element_offset, uint
     end = Varint(element_offset, Tag(2, WireFormatLite::WIRETYPE_VARINT, end));
   }
   end = Varint(data.size(), Tag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, end));
-  uint8_t trailer[16];
+  uint8_t trailer[24];
   uint8_t* trailer_end = trailer;
   if (version != 0) trailer_end = Varint(version, Tag(4, WireFormatLite::WIRETYPE_VARINT, trailer));
+  // `optional`: present even when zero.
+  trailer_end = CodedOutputStream::WriteLittleEndian32ToArray(
+      crc32c, Tag(5, WireFormatLite::WIRETYPE_FIXED32, trailer_end));
   const grpc::Slice slices[] = {
       grpc::Slice(header, static_cast<size_t>(end - header)),
       data,
       grpc::Slice(trailer, static_cast<size_t>(trailer_end - trailer)),
   };
-  return grpc::ByteBuffer(slices, trailer_end == trailer ? 2 : 3);
+  return grpc::ByteBuffer(slices, 3);
 }
 
 }  // namespace layercast::server

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
+#include "core/crc32c.h"
 #include "server/chunk_encoder.h"
 #include "server/grpc_status.h"
 
@@ -127,7 +128,7 @@ void FetchLayerReactor::WriteNext() {
                      "overflow=saturate or override this tensor to float32"))));
     return;
   }
-  chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, slice);
+  chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, Crc32c(data, bytes), slice);
   pending_dtype_ = placed.compute_dtype;
   pending_elements_ = count;
   next_element_ += count;

@@ -1,5 +1,11 @@
 // layercast-shard: serves one shard of a model. See ShardServer for the
 // life cycle and proto/layercast/v1/config.proto for the flags.
+//
+// Exit status: 0 after a clean stop (SIGTERM/SIGINT, drained, checkpoint
+// written if configured); 2 when it refuses to start (bad flags, a model or
+// budget that cannot work, bad TLS files or token, a mismatched or corrupt
+// checkpoint); 1 for other failures (a port in use, a read error, a failed
+// checkpoint on exit).
 
 #include <atomic>
 #include <boost/asio/io_context.hpp>
@@ -58,7 +64,9 @@ int main(int argc, char** argv) {
     absl::Status loaded = (*server)->Load(&stopping);
     if (!loaded.ok() && !stopping.load()) {
       boost::asio::post(io, [&, loaded] {
-        exit_code = Fail(loaded, 1);
+        // DATA_LOSS: a checkpoint that fails its checksum, refused like a
+        // mismatched one.
+        exit_code = Fail(loaded, absl::IsDataLoss(loaded) ? 2 : 1);
         io.stop();
       });
     }
@@ -66,6 +74,9 @@ int main(int argc, char** argv) {
   io.run();
   loader.join();
   (*server)->Shutdown(std::chrono::seconds((*server)->settings().config.drain_timeout_seconds()));
+  if (stopping.load()) {
+    if (absl::Status saved = (*server)->CheckpointOnExit(); !saved.ok()) exit_code = Fail(saved, 1);
+  }
   std::fprintf(stderr, "layercast-shard: stopped\n");
   return exit_code;
 }

@@ -18,6 +18,11 @@ namespace {
 using google::protobuf::FieldDescriptor;
 
 constexpr uint64_t kDefaultChunkBytes = 1 << 20;
+constexpr uint32_t kDefaultMaxReceiveMessageBytes = 64 << 10;
+constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
+constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
+constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
+constexpr uint32_t kDefaultMaxStreams = 1024;
 // Below gRPC's default 4 MiB receive limit with room for the framing.
 constexpr uint64_t kMaxChunkBytes = 3 << 20;
 
@@ -51,6 +56,16 @@ absl::Status SetField(layercast::v1::ShardConfig& config, const FieldDescriptor&
       reflection->SetUInt64(&config, &field, parsed);
       return absl::OkStatus();
     }
+    case FieldDescriptor::CPPTYPE_BOOL:
+      if (value == "true" || value == "1") {
+        reflection->SetBool(&config, &field, true);
+      } else if (value == "false" || value == "0") {
+        reflection->SetBool(&config, &field, false);
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", flag, " takes true or false (or 1 or 0), not '", value, "'"));
+      }
+      return absl::OkStatus();
     default:
       return absl::InternalError(
           absl::StrCat("config field ", field.name(), " has a type flags cannot set"));
@@ -120,7 +135,10 @@ std::string ShardFlagsHelp() {
     absl::StrAppend(&help, "  --", absl::StrReplaceAll(descriptor->field(i)->name(), {{"_", "-"}}),
                     "\n");
   }
-  absl::StrAppend(&help, "See proto/layercast/v1/config.proto for each field's meaning.\n");
+  absl::StrAppend(&help,
+                  "See proto/layercast/v1/config.proto for each field's meaning, and\n"
+                  "docs/security.md for TLS, admin tokens, limits and checkpoints.\n"
+                  "Boolean flags take true or false (or 1 or 0).\n");
   return help;
 }
 
@@ -166,6 +184,30 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     }
     settings.memory_budget_bytes = *budget;
   }
+  if (!config.has_checkpoint_on_sigterm()) {
+    config.set_checkpoint_on_sigterm(!config.checkpoint_dir().empty());
+  } else if (config.checkpoint_on_sigterm() && config.checkpoint_dir().empty()) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-on-sigterm true needs --checkpoint-dir DIR to write to");
+  }
+  if (config.max_receive_message_bytes() == 0) {
+    config.set_max_receive_message_bytes(kDefaultMaxReceiveMessageBytes);
+  }
+  if (config.max_receive_message_bytes() < kMinReceiveMessageBytes ||
+      config.max_receive_message_bytes() > kMaxReceiveMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-receive-message-bytes ", config.max_receive_message_bytes(),
+        " is out of range: use ", kMinReceiveMessageBytes, "-", kMaxReceiveMessageBytes));
+  }
+  if (config.max_concurrent_streams_per_connection() == 0) {
+    config.set_max_concurrent_streams_per_connection(kDefaultMaxConcurrentStreamsPerConnection);
+  }
+  if (config.max_concurrent_streams_per_connection() > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-concurrent-streams-per-connection ",
+                                                   config.max_concurrent_streams_per_connection(),
+                                                   " is out of range: use 1-", INT32_MAX));
+  }
+  if (config.max_streams() == 0) config.set_max_streams(kDefaultMaxStreams);
   settings.config = std::move(config);
   return settings;
 }

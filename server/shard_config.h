@@ -31,9 +31,12 @@ struct ShardSettings {
 };
 
 // Applies defaults and checks everything that can be checked without
-// touching the model: shard index < count, exactly one model source, the
-// policy (params must be float32), chunk size, budget syntax. The message
-// names the field and what is valid.
+// touching the model or other files: shard index < count, exactly one model
+// source, the policy (params must be float32), chunk size, budget syntax,
+// the limits' ranges; checkpoint_on_sigterm defaults to whether
+// checkpoint_dir is set. The message names the field and what is valid.
+// (TLS files, the admin token and the checkpoint are read by
+// ShardServer::Create.)
 absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig config);
 
 }  // namespace layercast::server

@@ -12,6 +12,7 @@
 #include "core/safetensors_source.h"
 #include "core/status_macros.h"
 #include "core/synthetic_model.h"
+#include "server/auth_token.h"
 
 namespace layercast::server {
 namespace {
@@ -61,12 +62,55 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
         ", but one stream needs ", FormatBytes(one_stream), " (twice --chunk-bytes): raise the ",
         "budget or lower --chunk-bytes"));
   }
+  ASSIGN_OR_RETURN(server->security_, ServerSecurityFor(config));
+  ShardAdminService::Options admin;
+  if (!config.admin_token_file().empty()) {
+    ASSIGN_OR_RETURN(admin.token, AdminToken::FromFile(config.admin_token_file()));
+    if (!server->security_.tls) {
+      std::fprintf(stderr,
+                   "layercast-shard %u/%u: warning: --admin-token-file without TLS: the token "
+                   "crosses the network in clear text; use --tls-cert-file and --tls-key-file "
+                   "beyond loopback\n",
+                   config.shard_index(), config.num_shards());
+    }
+  }
+  RETURN_IF_ERROR(server->UseCheckpoint());
+  admin.checkpoints = server->checkpoints_.get();
   server->service_ = std::make_unique<ShardService>(
       ShardService::Options{.chunk_bytes = config.chunk_bytes()}, server->metrics_);
+  server->admin_ = std::make_unique<ShardAdminService>(
+      std::move(admin), server->service_->version_gate(), server->metrics_);
   server->metrics_.master_bytes().Set(static_cast<double>(master));
   server->metrics_.memory_budget_bytes().Set(
       static_cast<double>(server->settings_.memory_budget_bytes.value_or(0)));
   return server;
+}
+
+absl::Status ShardServer::UseCheckpoint() {
+  const auto& config = settings_.config;
+  if (config.checkpoint_dir().empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(checkpoints_,
+                   CheckpointManager::Create(config.checkpoint_dir(), config.shard_index(),
+                                             config.num_shards()));
+  if (const int removed = checkpoints_->RemoveStaleTemporaries(); removed > 0) {
+    std::fprintf(stderr,
+                 "layercast-shard %u/%u: removed %d temporary file(s) of interrupted checkpoint "
+                 "writes from %s\n",
+                 config.shard_index(), config.num_shards(), removed, checkpoints_->dir().c_str());
+  }
+  ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
+  if (!existing) return absl::OkStatus();
+  ASSIGN_OR_RETURN(auto checkpoint,
+                   CheckpointSource::Open(*existing, source_->model(), config.shard_index(),
+                                          config.num_shards(), settings_.policy));
+  std::fprintf(stderr,
+               "layercast-shard %u/%u: loading checkpoint %s (version %llu) instead of %s\n",
+               config.shard_index(), config.num_shards(), existing->c_str(),
+               static_cast<unsigned long long>(checkpoint->version()),
+               config.synthetic().empty() ? "--model's values" : "--synthetic's values");
+  checkpoint_source_ = checkpoint.get();
+  source_ = std::move(checkpoint);
+  return absl::OkStatus();
 }
 
 absl::Status ShardServer::StartMetrics() {
@@ -94,13 +138,49 @@ ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
 }
 
+absl::Status ShardServer::StartHealth() {
+  const std::string& listen = settings_.config.health_listen();
+  if (listen.empty()) return absl::OkStatus();
+  // A server of its own with no services: gRPC adds its default health
+  // service (and reflection, which lists only that).
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &health_port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(settings_.config.max_receive_message_bytes()));
+  health_server_ = builder.BuildAndStart();
+  if (health_server_ == nullptr || health_port_ == 0) {
+    health_server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot serve health on ", listen,
+                                               ": the address is in use or not local; choose "
+                                               "another --health-listen"));
+  }
+  health_server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  std::fprintf(stderr, "layercast-shard %u/%u: health on %s (plaintext)\n",
+               settings_.config.shard_index(), settings_.config.num_shards(),
+               BoundAddress(listen, health_port_).c_str());
+  return absl::OkStatus();
+}
+
+void ShardServer::SetReadiness(bool serving) {
+  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, serving);
+  if (health_server_ != nullptr) {
+    health_server_->GetHealthCheckService()->SetServingStatus(kReadinessService, serving);
+  }
+}
+
 absl::Status ShardServer::Start() {
   RETURN_IF_ERROR(StartMetrics());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  RETURN_IF_ERROR(StartHealth());
+  const auto& config = settings_.config;
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(settings_.config.listen(), grpc::InsecureServerCredentials(), &port_);
+  builder.AddListeningPort(config.listen(), security_.credentials, &port_);
+  // Requests are a few dozen bytes: refuse big ones before parsing them.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_receive_message_bytes()));
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(config.max_concurrent_streams_per_connection()));
   builder.RegisterService(service_.get());
+  builder.RegisterService(admin_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     server_.reset();
@@ -108,10 +188,13 @@ absl::Status ShardServer::Start() {
         "cannot listen on ", settings_.config.listen(),
         ": the address is in use or not local; choose another --listen (port 0 picks a free one)"));
   }
-  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  SetReadiness(false);
   const std::string address = BoundAddress(settings_.config.listen(), port_);
-  std::fprintf(stderr, "layercast-shard %u/%u: listening on %s\n", settings_.config.shard_index(),
-               settings_.config.num_shards(), address.c_str());
+  std::fprintf(stderr, "layercast-shard %u/%u: listening on %s (%s)\n",
+               settings_.config.shard_index(), settings_.config.num_shards(), address.c_str(),
+               security_.mutual ? "mutual TLS"
+               : security_.tls  ? "TLS"
+                                : "plaintext");
   if (!settings_.config.port_file().empty()) {
     // Written to a temporary name and renamed, so a reader never sees half.
     const std::string tmp = settings_.config.port_file() + ".tmp";
@@ -127,8 +210,17 @@ absl::Status ShardServer::Start() {
 absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   const auto& config = settings_.config;
   const auto started = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(store_, ParameterStore::Load(*source_, config.shard_index(), config.num_shards(),
-                                                settings_.policy, cancel));
+  ASSIGN_OR_RETURN(std::unique_ptr<ParameterStore> store,
+                   ParameterStore::Load(*source_, config.shard_index(), config.num_shards(),
+                                        settings_.policy, cancel));
+  if (checkpoint_source_ != nullptr) {
+    // Before store_ is set: parameters that fail their checksum are never
+    // served, nor written back as a checkpoint on exit.
+    RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
+    service_->version_gate().Advance(checkpoint_source_->version());
+    checkpoints_->NoteOnDisk(checkpoint_source_->version());
+  }
+  store_ = std::move(store);
   budget_ = std::make_unique<MemoryBudget>(
       settings_.memory_budget_bytes, store_->master_bytes(),
       [this](uint64_t in_use, size_t waiting) {
@@ -136,7 +228,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
   service_->AttachStore(store_.get(), budget_.get());
-  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, true);
+  admin_->AttachStore(store_.get());
+  SetReadiness(true);
   metrics_.ready().Set(1);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -154,8 +247,9 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   // CANCELLED) and let the ones in flight finish; only then stop gRPC, which
   // cancels whatever the drain deadline left.
   service_->StartDraining();
+  admin_->StartDraining();
   metrics_.ready().Set(0);
-  server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
+  SetReadiness(false);
   const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
   if (!drained) {
     std::fprintf(stderr,
@@ -163,9 +257,39 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
                  static_cast<long long>(drain.count()),
                  static_cast<long long>(service_->streams_in_flight()));
   }
+  // Waits for a checkpoint being written for a ShardAdmin call to finish.
   server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
   server_.reset();
+  if (health_server_ != nullptr) {
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+    health_server_.reset();
+  }
+}
+
+absl::Status ShardServer::CheckpointOnExit() {
+  const auto& config = settings_.config;
+  if (checkpoints_ == nullptr || !config.checkpoint_on_sigterm()) return absl::OkStatus();
+  if (store_ == nullptr) {
+    std::fprintf(stderr,
+                 "layercast-shard %u/%u: parameters were not loaded; no checkpoint written\n",
+                 config.shard_index(), config.num_shards());
+    return absl::OkStatus();
+  }
+  const uint64_t version = service_->version_gate().version();
+  if (checkpoints_->HoldsVersion(version)) {
+    std::fprintf(stderr, "layercast-shard %u/%u: checkpoint %s already holds version %llu\n",
+                 config.shard_index(), config.num_shards(), checkpoints_->path().c_str(),
+                 static_cast<unsigned long long>(version));
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(CheckpointInfo info, checkpoints_->Write(*store_, version));
+  std::fprintf(
+      stderr, "layercast-shard %u/%u: checkpoint version %llu written to %s (%s) in %.2f s\n",
+      config.shard_index(), config.num_shards(), static_cast<unsigned long long>(info.version),
+      info.path.c_str(), FormatBytes(info.bytes).c_str(), info.seconds);
+  return absl::OkStatus();
 }
 
 }  // namespace layercast::server

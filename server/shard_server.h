@@ -8,10 +8,14 @@
 
 #include "absl/status/statusor.h"
 #include "core/parameter_source.h"
+#include "server/checkpoint_manager.h"
+#include "server/checkpoint_source.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
+#include "server/shard_admin_service.h"
 #include "server/shard_config.h"
 #include "server/shard_service.h"
+#include "server/tls_credentials.h"
 
 namespace prometheus {
 class Exposer;
@@ -21,9 +25,11 @@ namespace layercast::server {
 
 // One shard server process's parts, in the order they come up: Create()
 // checks everything that can fail without binding a port (config, model
-// header, memory budget); Start() binds and serves health and reflection
-// with readiness NOT_SERVING; Load() reads the shard's parameters and turns
-// readiness SERVING; Shutdown() drains.
+// header, memory budget, TLS files, admin token, the checkpoint's header);
+// Start() binds and serves health and reflection with readiness
+// NOT_SERVING; Load() reads the shard's parameters (from its checkpoint when
+// --checkpoint-dir holds one) and turns readiness SERVING; Shutdown()
+// drains; CheckpointOnExit() then saves the parameters.
 //
 // Thread-safety: Shutdown() may be called from any thread once, concurrently
 // with Load(); the other methods from one thread.
@@ -35,12 +41,15 @@ class ShardServer {
   static absl::StatusOr<std::unique_ptr<ShardServer>> Create(ShardSettings settings);
   ~ShardServer();
 
-  // Binds `listen` (and `metrics_listen`, if set), starts serving, logs
-  // "listening on HOST:PORT" (and "metrics on HOST:PORT") and writes the port
-  // file. UNAVAILABLE if an address cannot be bound.
+  // Binds `listen` (and `metrics_listen`, `health_listen`, if set), starts
+  // serving, logs "listening on HOST:PORT" (and "metrics on HOST:PORT",
+  // "health on HOST:PORT") and writes the port file. UNAVAILABLE if an
+  // address cannot be bound.
   absl::Status Start();
 
   // Loads this shard's parameters; CANCELLED if `*cancel` turns true first.
+  // From a checkpoint, DATA_LOSS naming the file when its data does not
+  // match its checksum (nothing is served; layercast-shard exits 2).
   absl::Status Load(const std::atomic<bool>* cancel);
 
   // Readiness NOT_SERVING, new streams refused with UNAVAILABLE, streams in
@@ -48,12 +57,26 @@ class ShardServer {
   // server has stopped. Blocks the calling thread for up to `drain`.
   void Shutdown(std::chrono::milliseconds drain);
 
+  // After Shutdown(): writes the checkpoint if --checkpoint-on-sigterm is on
+  // (the default with --checkpoint-dir), parameters were loaded, and the
+  // file does not already hold this version. Logs what it did; the write's
+  // error otherwise.
+  absl::Status CheckpointOnExit();
+
+  // The limit on FetchLayer streams in flight (--max-streams, resolved).
+  uint32_t max_streams() const { return settings_.config.max_streams(); }
+
   int port() const { return port_; }
   // The metrics endpoint's port; 0 without one.
   int metrics_port() const { return metrics_port_; }
+  // The plaintext health port's port; 0 without --health-listen.
+  int health_port() const { return health_port_; }
   ServerMetrics& metrics() { return metrics_; }
   const ShardSettings& settings() const { return settings_; }
   ShardService& service() { return *service_; }
+  ShardAdminService& admin() { return *admin_; }
+  // Null without --checkpoint-dir.
+  CheckpointManager* checkpoints() { return checkpoints_.get(); }
   // The memory budget; nullptr until Load() is done.
   const MemoryBudget* budget() const { return budget_.get(); }
 
@@ -61,14 +84,27 @@ class ShardServer {
   explicit ShardServer(ShardSettings settings);
 
   absl::Status StartMetrics();
+  absl::Status StartHealth();
+  // Sets the readiness service's status on every port that serves health.
+  void SetReadiness(bool serving);
+  // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
+  absl::Status UseCheckpoint();
 
   ShardSettings settings_;
   ServerMetrics metrics_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int metrics_port_ = 0;
+  ServerSecurity security_;
+  std::unique_ptr<CheckpointManager> checkpoints_;
   std::unique_ptr<ParameterSource> source_;
+  // source_ when it is a checkpoint, for its checksum and version.
+  CheckpointSource* checkpoint_source_ = nullptr;
   std::unique_ptr<ShardService> service_;
+  std::unique_ptr<ShardAdminService> admin_;
   std::unique_ptr<grpc::Server> server_;
+  // Plaintext, health only (--health-listen); null without one.
+  std::unique_ptr<grpc::Server> health_server_;
+  int health_port_ = 0;
   std::unique_ptr<ParameterStore> store_;
   std::unique_ptr<MemoryBudget> budget_;
   int port_ = 0;

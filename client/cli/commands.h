@@ -17,6 +17,8 @@ absl::Status RunManifest(const std::vector<std::string>& args);
 absl::Status RunFetch(const std::vector<std::string>& args);
 // layercast bench --shards A,B,... [--rounds R]
 absl::Status RunBench(const std::vector<std::string>& args);
+// layercast checkpoint --shards A,B,... --token-file F [--timeout-seconds S]
+absl::Status RunCheckpoint(const std::vector<std::string>& args);
 // layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] ...
 absl::Status RunDemo(const std::vector<std::string>& args);
 

@@ -1,8 +1,38 @@
 #include "client/cli/connect.h"
 
+#include "absl/strings/str_cat.h"
+#include "core/file_system.h"
 #include "core/status_macros.h"
 
 namespace layercast::cli {
+namespace {
+
+// PEM files are a few KiB; a CA bundle a few hundred KiB.
+constexpr uint64_t kMaxPemBytes = 4 << 20;
+
+absl::StatusOr<std::string> ReadPem(const CliFlags& flags, const std::string& flag) {
+  const std::string path = flags.Get(flag);
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> file = DefaultFileSystem().OpenForRead(path);
+  if (!file.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " ", path, " cannot be read: ", file.status().message()));
+  }
+  if ((*file)->size() == 0 || (*file)->size() > kMaxPemBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, " is ", (*file)->size(),
+                                                   " bytes; expected a PEM file of 1 to ",
+                                                   kMaxPemBytes));
+  }
+  std::string pem((*file)->size(), '\0');
+  absl::Status read =
+      (*file)->ReadAt(0, std::span<uint8_t>(reinterpret_cast<uint8_t*>(pem.data()), pem.size()));
+  if (!read.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " ", path, " cannot be read: ", read.message()));
+  }
+  return pem;
+}
+
+}  // namespace
 
 std::set<std::string> WithShardSetFlags(std::set<std::string> own) {
   own.insert(kShardSetFlags.begin(), kShardSetFlags.end());
@@ -20,11 +50,34 @@ absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags&
   return client::ExpandShardPattern(flags.Get("shards-pattern"), num_shards);
 }
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromFlags(
+    const CliFlags& flags) {
+  const bool ca = flags.Has("tls-ca-file");
+  const bool cert = flags.Has("tls-cert-file");
+  const bool key = flags.Has("tls-key-file");
+  if (cert != key) {
+    return absl::InvalidArgumentError(
+        "a client certificate needs both --tls-cert-file (PEM) and --tls-key-file (its PEM "
+        "private key)");
+  }
+  if (!ca && !cert) return std::shared_ptr<grpc::ChannelCredentials>();
+  grpc::SslCredentialsOptions options;
+  if (ca) {
+    ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem(flags, "tls-ca-file"));
+  }
+  if (cert) {
+    ASSIGN_OR_RETURN(options.pem_cert_chain, ReadPem(flags, "tls-cert-file"));
+    ASSIGN_OR_RETURN(options.pem_private_key, ReadPem(flags, "tls-key-file"));
+  }
+  return grpc::SslCredentials(options);
+}
+
 absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlags& flags) {
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ShardAddressesFromFlags(flags));
   ASSIGN_OR_RETURN(uint64_t timeout_ms, flags.GetUint("connect-timeout-ms", 30000));
   client::ShardSetOptions options;
   options.connect_timeout = std::chrono::milliseconds(timeout_ms);
+  ASSIGN_OR_RETURN(options.credentials, ChannelCredentialsFromFlags(flags));
   return client::ShardSet::Connect(std::move(addresses), options);
 }
 

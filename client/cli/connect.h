@@ -5,21 +5,34 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/status/statusor.h"
 #include "client/cli/cli_flags.h"
 #include "client/shard_set.h"
 
 namespace layercast::cli {
 
-// The flags every command that talks to a shard set takes.
-inline const std::set<std::string> kShardSetFlags = {"shards", "shards-pattern", "num-shards",
-                                                     "connect-timeout-ms"};
+// The flags every command that talks to a shard set takes: where the shards
+// are, and how to reach them (TLS, see ChannelCredentialsFromFlags).
+inline const std::set<std::string> kShardSetFlags = {
+    "shards",      "shards-pattern", "num-shards",  "connect-timeout-ms",
+    "tls-ca-file", "tls-cert-file",  "tls-key-file"};
 
 // kShardSetFlags plus a command's own.
 std::set<std::string> WithShardSetFlags(std::set<std::string> own);
 
 // Addresses from --shards A,B,... or --shards-pattern P --num-shards N.
 absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags& flags);
+
+// Channel credentials from the TLS flags: plaintext (null) without any;
+// TLS verifying the shards' certificates against --tls-ca-file (PEM; the
+// system's roots when absent) when any is given; mutual TLS, presenting
+// --tls-cert-file with its --tls-key-file (both or neither), for shards that
+// require client certificates. INVALID_ARGUMENT naming the flag when a file
+// is unreadable or a half pair is given.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromFlags(
+    const CliFlags& flags);
 
 // Connects to the shard set named by the flags above (and waits up to
 // --connect-timeout-ms for it to be ready).

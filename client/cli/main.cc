@@ -14,13 +14,17 @@ constexpr char kUsage[] =
     "  fetch --shards A,B,... --layer L --out F       gather layer L into a safetensors file\n"
     "  bench --shards A,B,... [--rounds R] [--budget-layers K]\n"
     "                                                 gather every layer R times, report GB/s\n"
+    "  checkpoint --shards A,B,... --token-file F [--timeout-seconds S]\n"
+    "                                                 have every shard write its checkpoint\n"
     "  demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P] [--steps S]\n"
     "       [--budget-layers K]\n"
     "                                                 start N local shards and walk every layer\n"
     "                                                 forward then backward, as a training step\n"
     "--budget-layers K: prefetch into at most K x the largest layer of host memory (default 3).\n"
     "Name shards with --shards host:port,... in shard order, or with\n"
-    "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n";
+    "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n"
+    "TLS: --tls-ca-file CA.pem verifies the shards; --tls-cert-file and --tls-key-file\n"
+    "present a client certificate to shards that require one (mutual TLS).\n";
 
 }  // namespace
 
@@ -38,6 +42,8 @@ int main(int argc, char** argv) {
     status = layercast::cli::RunFetch(args);
   } else if (command == "bench") {
     status = layercast::cli::RunBench(args);
+  } else if (command == "checkpoint") {
+    status = layercast::cli::RunCheckpoint(args);
   } else if (command == "demo") {
     status = layercast::cli::RunDemo(args);
   } else {

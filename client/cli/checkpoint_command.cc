@@ -1,0 +1,117 @@
+#include <cstdio>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli/commands.h"
+#include "client/cli/connect.h"
+#include "core/byte_size.h"
+#include "core/file_system.h"
+#include "core/status_macros.h"
+#include "layercast/v1/admin.grpc.pb.h"
+
+namespace layercast::cli {
+namespace {
+
+// A token file holds one token and perhaps a newline.
+constexpr uint64_t kMaxTokenFileBytes = 8192;
+
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  ASSIGN_OR_RETURN(auto file, DefaultFileSystem().OpenForRead(path));
+  if (file->size() == 0 || file->size() > kMaxTokenFileBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--token-file ", path, " is ", file->size(), " bytes; expected one token"));
+  }
+  std::string token(file->size(), '\0');
+  RETURN_IF_ERROR(
+      file->ReadAt(0, std::span<uint8_t>(reinterpret_cast<uint8_t*>(token.data()), token.size())));
+  const std::string trimmed(absl::StripAsciiWhitespace(token));
+  if (trimmed.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--token-file ", path, " holds no token"));
+  }
+  return trimmed;
+}
+
+struct Target {
+  std::string describe;  // "shard i (host:port)"
+  std::shared_ptr<grpc::Channel> channel;
+};
+
+absl::StatusOr<layercast::v1::CheckpointResponse> CheckpointOne(
+    const Target& target, const std::string& token, std::chrono::milliseconds connect_timeout,
+    std::chrono::seconds timeout) {
+  if (!target.channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout)) {
+    return absl::UnavailableError(absl::StrCat(
+        target.describe, " did not accept a connection within ", connect_timeout.count(),
+        " ms: is it running, and do --tls-ca-file/--tls-cert-file match its TLS settings?"));
+  }
+  auto stub = layercast::v1::ShardAdmin::NewStub(target.channel);
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  layercast::v1::CheckpointResponse response;
+  const grpc::Status status = stub->Checkpoint(&context, {}, &response);
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat(target.describe, ": ", status.error_message()));
+  }
+  return response;
+}
+
+}  // namespace
+
+absl::Status RunCheckpoint(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(CliFlags flags,
+                   CliFlags::Parse(args, WithShardSetFlags({"token-file", "timeout-seconds"})));
+  if (!flags.Has("token-file")) {
+    return absl::InvalidArgumentError(
+        "--token-file FILE is required: the file holding the shards' admin token (their "
+        "--admin-token-file)");
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> addresses, ShardAddressesFromFlags(flags));
+  ASSIGN_OR_RETURN(uint64_t connect_ms, flags.GetUint("connect-timeout-ms", 30000));
+  ASSIGN_OR_RETURN(uint64_t timeout_s, flags.GetUint("timeout-seconds", 3600));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                   ChannelCredentialsFromFlags(flags));
+  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
+  ASSIGN_OR_RETURN(std::string token, ReadToken(flags.Get("token-file")));
+
+  std::vector<Target> targets;
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    targets.push_back({absl::StrCat("shard ", i, " (", addresses[i], ")"),
+                       grpc::CreateChannel(addresses[i], credentials)});
+  }
+  // Every shard writes at once: the checkpoint takes as long as the slowest.
+  std::vector<absl::StatusOr<layercast::v1::CheckpointResponse>> answers(targets.size());
+  {
+    std::vector<std::jthread> callers;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      callers.emplace_back([&, i] {
+        answers[i] = CheckpointOne(targets[i], token, std::chrono::milliseconds(connect_ms),
+                                   std::chrono::seconds(timeout_s));
+      });
+    }
+  }
+  absl::Status first_error;
+  for (size_t i = 0; i < answers.size(); ++i) {
+    if (!answers[i].ok()) {
+      // The first error is what the command returns (and main prints).
+      if (first_error.ok()) {
+        first_error = answers[i].status();
+      } else {
+        std::fprintf(stderr, "%s\n", std::string(answers[i].status().message()).c_str());
+      }
+      continue;
+    }
+    const layercast::v1::CheckpointResponse& response = *answers[i];
+    std::printf("shard %u/%u  version %llu  %s in %.2f s  %s  %s\n", response.shard_index(),
+                response.num_shards(), static_cast<unsigned long long>(response.version()),
+                FormatBytes(response.bytes()).c_str(), response.seconds(), response.path().c_str(),
+                response.checksum().c_str());
+  }
+  return first_error;
+}
+
+}  // namespace layercast::cli

@@ -1,0 +1,202 @@
+#include "client/layer_gather.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace layercast::client {
+namespace {
+
+bool Retryable(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDataLoss(status);
+}
+
+// 50 ms doubling to at most 2 s, each drawn from [half, full] so shards and
+// workers that failed together do not retry in lockstep.
+std::chrono::milliseconds Backoff(int attempt, std::mt19937_64& rng) {
+  const int64_t full = std::min<int64_t>(2000, int64_t{50} << std::min(attempt, 10));
+  return std::chrono::milliseconds(
+      std::uniform_int_distribution<int64_t>(full / 2, full)(rng));
+}
+
+}  // namespace
+
+LayerGather::LayerGather(std::vector<Shard> shards, const AssembledLayout& layout, uint32_t layer,
+                         const GatherOptions& options, std::span<uint8_t> buffer,
+                         uint64_t default_version)
+    : shards_(std::move(shards)),
+      layout_(layout),
+      layer_(layer),
+      options_(options),
+      buffer_(buffer),
+      default_version_(default_version),
+      jitter_(std::random_device{}()) {}
+
+std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
+  std::vector<ShardStream::Run> runs;
+  const uint32_t n = static_cast<uint32_t>(shards_.size());
+  for (const TensorElementRange& selection : selected_) {
+    const AssembledTensor& placed = layout_.tensors()[selection.tensor];
+    const ElementRange owned =
+        Intersect(selection.elements, ShardElementRange(placed.num_elements, shard, n));
+    if (owned.empty()) continue;
+    runs.push_back(ShardStream::Run{selection.tensor, owned, placed.byte_offset,
+                                    DTypeSize(placed.compute_dtype)});
+  }
+  return runs;
+}
+
+layercast::v1::FetchLayerRequest LayerGather::RequestFor(
+    const std::vector<ShardStream::Run>& runs) const {
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(layer_);
+  request.set_min_version(options_.min_version);
+  // The shard sends what it owns of the range, so starting the range at the
+  // first missing element asks for exactly the runs still owed.
+  const uint64_t begin =
+      runs.empty() ? range_begin_
+                   : runs[0].byte_offset + runs[0].elements.begin * runs[0].element_size;
+  if (begin != 0 || range_end_ != layout_.total_bytes()) {
+    request.set_range_begin(begin);
+    request.set_range_end(range_end_);
+  }
+  return request;
+}
+
+void LayerGather::Start(uint32_t shard) {
+  ShardState& s = state_[shard];
+  s.retry_at.reset();
+  ++s.attempts;
+  ++active_;
+  s.stream = std::make_unique<ShardStream>(
+      shards_[shard].describe, s.runs, buffer_,
+      [this, shard] {
+        absl::MutexLock lock(&mu_);
+        finished_.push_back(shard);
+      },
+      options_.on_chunk);
+  s.stream->Start(*shards_[shard].stub, RequestFor(s.runs), deadline_);
+}
+
+void LayerGather::CancelAll() {
+  for (ShardState& s : state_) {
+    if (s.stream != nullptr) s.stream->Cancel();
+    s.retry_at.reset();
+  }
+}
+
+void LayerGather::Settle(uint32_t shard) {
+  ShardState& s = state_[shard];
+  --active_;
+  const std::optional<uint64_t> version = s.stream->version();
+  if (version && s.version && *version != *s.version) {
+    if (failure_.ok()) {
+      failure_ = absl::AbortedError(absl::StrCat(
+          shards_[shard].describe, " came back at parameter version ", *version,
+          " after sending version ", *s.version, "; gather the layer again with min_version ",
+          std::max(*version, *s.version)));
+    }
+    CancelAll();
+    return;
+  }
+  if (version) s.version = version;
+  s.runs = s.stream->RemainingRuns();
+  const absl::Status status = s.stream->status();
+  if (status.ok()) return;
+  s.last_error = status;
+  if (!failure_.ok() || cancelled_) return;  // already failing: just count it out
+  const auto now = std::chrono::steady_clock::now();
+  const auto delay = Backoff(s.attempts, jitter_);
+  const bool time_left = std::chrono::system_clock::now() + delay < deadline_;
+  if (Retryable(status) && s.attempts < kMaxAttempts && time_left) {
+    s.retry_at = now + delay;
+    return;
+  }
+  failure_ = absl::Status(
+      status.code(), absl::StrCat(status.message(),
+                                  Retryable(status) ? absl::StrCat(" (gave up after ", s.attempts,
+                                                                   " attempt(s))")
+                                                    : ""));
+  CancelAll();
+}
+
+absl::StatusOr<uint64_t> LayerGather::Run() {
+  const uint64_t total = layout_.total_bytes();
+  std::tie(range_begin_, range_end_) =
+      options_.byte_range.value_or(std::make_pair(uint64_t{0}, total));
+  if (total == 0) return default_version_;
+  ASSIGN_OR_RETURN(selected_, layout_.MapByteRange(range_begin_, range_end_));
+  deadline_ = std::chrono::system_clock::now() + options_.timeout;
+
+  uint64_t cancel_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    state_.resize(shards_.size());
+    for (uint32_t shard = 0; shard < shards_.size(); ++shard) {
+      state_[shard].runs = OwnedRuns(shard);
+      Start(shard);
+    }
+  }
+  if (options_.cancellation != nullptr) {
+    cancel_id = options_.cancellation->Register([this] {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      CancelAll();
+    });
+  }
+
+  {
+    absl::MutexLock lock(&mu_);
+    while (true) {
+      while (!finished_.empty()) {
+        const uint32_t shard = finished_.front();
+        finished_.pop_front();
+        Settle(shard);
+      }
+      std::optional<std::chrono::steady_clock::time_point> next_retry;
+      for (uint32_t shard = 0; shard < state_.size(); ++shard) {
+        const auto& retry_at = state_[shard].retry_at;
+        if (!retry_at) continue;
+        if (*retry_at <= std::chrono::steady_clock::now()) {
+          Start(shard);
+        } else if (!next_retry || *retry_at < *next_retry) {
+          next_retry = retry_at;
+        }
+      }
+      if (active_ == 0 && !next_retry) break;
+      const auto has_news = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !finished_.empty();
+      };
+      if (next_retry) {
+        mu_.AwaitWithTimeout(absl::Condition(&has_news),
+                             absl::FromChrono(*next_retry - std::chrono::steady_clock::now()));
+      } else {
+        mu_.Await(absl::Condition(&has_news));
+      }
+    }
+  }
+  if (cancel_id != 0) options_.cancellation->Unregister(cancel_id);
+
+  absl::MutexLock lock(&mu_);
+  if (cancelled_ && failure_.ok()) failure_ = absl::CancelledError("the gather was cancelled");
+  if (!failure_.ok()) {
+    return absl::Status(failure_.code(),
+                        absl::StrCat("gathering layer ", layer_, ": ", failure_.message()));
+  }
+  std::optional<uint64_t> version;
+  for (uint32_t shard = 0; shard < state_.size(); ++shard) {
+    const std::optional<uint64_t>& v = state_[shard].version;
+    if (!v) continue;
+    if (version && *version != *v) {
+      return absl::AbortedError(absl::StrCat(
+          "gathering layer ", layer_, ": shards sent different parameter versions (", *version,
+          " and ", *v, " from ", shards_[shard].describe,
+          "); gather it again with min_version set to the newer one"));
+    }
+    version = v;
+  }
+  return version.value_or(default_version_);
+}
+
+}  // namespace layercast::client

@@ -1,0 +1,91 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <grpcpp/generic/generic_stub.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "client/layer_source.h"
+#include "client/shard_stream.h"
+#include "core/layout.h"
+
+namespace layercast::client {
+
+// One gather of one layer (or byte range of it) from every shard at once.
+// A shard whose stream fails with UNAVAILABLE (it died, restarted, or is
+// still loading) or DATA_LOSS (a chunk failed its checksum) is retried with
+// exponential backoff and jitter within the deadline, resuming from the first
+// element it has not delivered intact rather than from the start. Any other
+// failure, or running out of time, cancels every stream and fails the gather
+// with the shard's error, naming it.
+//
+// Single use: construct, Run() once. Not thread-safe; Run() blocks.
+class LayerGather {
+ public:
+  struct Shard {
+    grpc::GenericStub* stub;
+    std::string describe;  // "shard 1 (host:port)"
+  };
+
+  // Everything referenced must outlive Run(). `default_version` is returned
+  // when no shard had anything to send (a range of padding only).
+  LayerGather(std::vector<Shard> shards, const AssembledLayout& layout, uint32_t layer,
+              const GatherOptions& options, std::span<uint8_t> buffer,
+              uint64_t default_version);
+
+  // The parameter version the layer was cast from.
+  absl::StatusOr<uint64_t> Run();
+
+ private:
+  // How many times one shard's stream is started at most.
+  static constexpr int kMaxAttempts = 8;
+
+  struct ShardState {
+    std::vector<ShardStream::Run> runs;  // what this shard still owes
+    std::unique_ptr<ShardStream> stream;
+    int attempts = 0;
+    std::optional<uint64_t> version;
+    std::optional<std::chrono::steady_clock::time_point> retry_at;
+    absl::Status last_error;
+  };
+
+  // The runs shard `shard` owns within the requested range.
+  std::vector<ShardStream::Run> OwnedRuns(uint32_t shard) const;
+  // A request for exactly `runs` (the tail of the requested range).
+  layercast::v1::FetchLayerRequest RequestFor(const std::vector<ShardStream::Run>& runs) const;
+  void Start(uint32_t shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds a finished stream into its shard's state: done, retry later, or
+  // fail the gather.
+  void Settle(uint32_t shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CancelAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::vector<Shard> shards_;
+  const AssembledLayout& layout_;
+  const uint32_t layer_;
+  const GatherOptions& options_;
+  const std::span<uint8_t> buffer_;
+  const uint64_t default_version_;
+  uint64_t range_begin_ = 0, range_end_ = 0;
+  std::vector<TensorElementRange> selected_;
+  std::chrono::system_clock::time_point deadline_;
+  std::mt19937_64 jitter_;
+
+  absl::Mutex mu_;
+  std::vector<ShardState> state_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint32_t> finished_ ABSL_GUARDED_BY(mu_);  // streams whose on_done ran
+  uint32_t active_ ABSL_GUARDED_BY(mu_) = 0;            // streams started, not settled
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace layercast::client

@@ -1,0 +1,19 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/file_system.h"
+
+namespace layercast::server {
+
+// Reads a small credential file (a token, a PEM certificate or key) whole,
+// through `fs`. `flag` names the setting the path came from, for messages:
+// INVALID_ARGUMENT when the file is empty or over `max_bytes`; the file
+// system's code (NOT_FOUND, PERMISSION_DENIED, ...) when it cannot be read.
+absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, const std::string& flag,
+                                               uint64_t max_bytes,
+                                               FileSystem& fs = DefaultFileSystem());
+
+}  // namespace layercast::server

@@ -1,0 +1,74 @@
+#include "server/checkpoint_format.h"
+
+#include <openssl/evp.h>
+
+#include <bit>
+#include <charconv>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace layercast::server {
+
+static_assert(std::endian::native == std::endian::little,
+              "checkpoints store fp32 little-endian, straight from memory");
+
+std::string CheckpointFileName(uint32_t shard_index, uint32_t num_shards) {
+  return absl::StrCat("shard-", shard_index, "-of-", num_shards, ".safetensors");
+}
+
+std::string CheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards) {
+  return absl::StrCat(dir, "/", CheckpointFileName(shard_index, num_shards));
+}
+
+std::string TempCheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards,
+                               int64_t pid) {
+  return absl::StrCat(dir, "/.", CheckpointFileName(shard_index, num_shards), ".tmp-", pid);
+}
+
+std::optional<uint32_t> CheckpointShardCount(const std::string& file_name, uint32_t shard_index) {
+  const std::string prefix = absl::StrCat("shard-", shard_index, "-of-");
+  constexpr char kSuffix[] = ".safetensors";
+  if (!absl::StartsWith(file_name, prefix) || !absl::EndsWith(file_name, kSuffix)) {
+    return std::nullopt;
+  }
+  const char* begin = file_name.data() + prefix.size();
+  const char* end = file_name.data() + file_name.size() - (sizeof(kSuffix) - 1);
+  uint32_t count = 0;
+  auto [parsed_end, ec] = std::from_chars(begin, end, count);
+  if (begin >= end || ec != std::errc() || parsed_end != end) return std::nullopt;
+  return count;
+}
+
+std::string HexString(std::span<const uint8_t> bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string hex;
+  hex.reserve(bytes.size() * 2);
+  for (uint8_t byte : bytes) {
+    hex.push_back(kDigits[byte >> 4]);
+    hex.push_back(kDigits[byte & 0xF]);
+  }
+  return hex;
+}
+
+Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
+
+Sha256::~Sha256() { EVP_MD_CTX_free(ctx_); }
+
+void Sha256::Update(std::span<const uint8_t> bytes) {
+  EVP_DigestUpdate(ctx_, bytes.data(), bytes.size());
+}
+
+std::string Sha256::Finish() {
+  std::array<uint8_t, EVP_MAX_MD_SIZE> digest{};
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(ctx_, digest.data(), &length);
+  return absl::StrCat("sha256:", HexString(std::span<const uint8_t>(digest.data(), length)));
+}
+
+std::span<const uint8_t> FloatBytes(std::span<const float> values) {
+  return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(values.data()),
+                                  values.size_bytes());
+}
+
+}  // namespace layercast::server

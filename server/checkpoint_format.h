@@ -1,0 +1,78 @@
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/file_system.h"
+
+// OpenSSL's EVP_MD_CTX, kept out of this header.
+struct evp_md_ctx_st;
+
+namespace layercast::server {
+
+// The on-disk form of a shard checkpoint, shared by CheckpointWriter and
+// CheckpointSource.
+//
+// Shard i of N writes `<dir>/shard-<i>-of-<N>.safetensors`: a standard
+// safetensors file with one F32 tensor per model tensor, named as in the
+// model, of 1-D shape [elements this shard owns] (the range follows from the
+// shard math, ShardElementRange), in manifest order, and this `__metadata__`:
+//
+//   format          "layercast-shard-checkpoint"
+//   format_version  "1"
+//   model_id        the model's id
+//   num_shards      decimal N
+//   shard_index     decimal i
+//   version         decimal parameter version (optimizer steps applied)
+//   policy          the canonical precision policy
+//   layout_digest   64 lowercase hex digits of LayoutDigest(model, policy)
+//   checksum        "sha256:" + 64 lowercase hex digits: SHA-256 of the data
+//                   section, i.e. every byte after the header, in file order
+//
+// It is written under `.shard-<i>-of-<N>.safetensors.tmp-<pid>` in the same
+// directory and renamed into place, so a file with the final name is always
+// complete.
+
+inline constexpr char kCheckpointFormat[] = "layercast-shard-checkpoint";
+inline constexpr char kCheckpointFormatVersion[] = "1";
+
+// "shard-<i>-of-<N>.safetensors".
+std::string CheckpointFileName(uint32_t shard_index, uint32_t num_shards);
+// `dir` + "/" + CheckpointFileName(...).
+std::string CheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards);
+// `dir` + "/.shard-<i>-of-<N>.safetensors.tmp-<pid>".
+std::string TempCheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards,
+                               int64_t pid);
+
+// The shard count of a checkpoint file name "shard-<i>-of-<M>.safetensors"
+// whose index is `shard_index`, or nullopt for any other name.
+std::optional<uint32_t> CheckpointShardCount(const std::string& file_name, uint32_t shard_index);
+
+// Lowercase hex of `bytes`.
+std::string HexString(std::span<const uint8_t> bytes);
+
+// Incremental SHA-256 (OpenSSL EVP). Not thread-safe.
+class Sha256 {
+ public:
+  Sha256();
+  ~Sha256();
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
+
+  void Update(std::span<const uint8_t> bytes);
+  // "sha256:" + 64 lowercase hex digits. Ends the computation: call once.
+  std::string Finish();
+
+ private:
+  evp_md_ctx_st* ctx_;
+};
+
+// The checkpoint's stored bytes of a float span, little-endian (checked at
+// compile time: layercast only builds for little-endian hosts).
+std::span<const uint8_t> FloatBytes(std::span<const float> values);
+
+}  // namespace layercast::server

@@ -1,0 +1,127 @@
+#include "server/checkpoint_manager.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <filesystem>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/checkpoint_format.h"
+
+namespace layercast::server {
+
+CheckpointManager::CheckpointManager(std::string dir, uint32_t shard_index, uint32_t num_shards,
+                                     FileSystem& fs)
+    : dir_(std::move(dir)),
+      shard_index_(shard_index),
+      num_shards_(num_shards),
+      path_(CheckpointPath(dir_, shard_index, num_shards)),
+      fs_(fs) {}
+
+absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(std::string dir,
+                                                                             uint32_t shard_index,
+                                                                             uint32_t num_shards,
+                                                                             FileSystem& fs) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  if (dir.empty() || !fs.Exists(dir)) {
+    return absl::NotFoundError(
+        absl::StrCat("--checkpoint-dir '", dir,
+                     "' does not exist: create it, on storage that outlives the process"));
+  }
+  return std::unique_ptr<CheckpointManager>(
+      new CheckpointManager(std::move(dir), shard_index, num_shards, fs));
+}
+
+// Listing a directory is not part of the FileSystem seam (nothing else needs
+// it); the scans below use std::filesystem and only ever read names.
+absl::StatusOr<std::optional<std::string>> CheckpointManager::FindExisting() const {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, error)) {
+    const std::string name = entry.path().filename().string();
+    const std::optional<uint32_t> count = CheckpointShardCount(name, shard_index_);
+    if (count && *count != num_shards_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", dir_, "/", name, " is shard ", shard_index_, " of ", *count,
+                       " and this is shard ", shard_index_, " of ", num_shards_,
+                       ": a checkpoint cannot be resharded; start with --num-shards ", *count,
+                       ", or move the old checkpoints away to start from --model/--synthetic"));
+    }
+  }
+  if (error) {
+    return absl::Status(absl::ErrnoToStatusCode(error.value()),
+                        absl::StrCat("cannot list --checkpoint-dir ", dir_, ": ", error.message()));
+  }
+  if (!fs_.Exists(path_)) return std::nullopt;
+  return path_;
+}
+
+int CheckpointManager::RemoveStaleTemporaries() {
+  const std::string prefix =
+      absl::StrCat(".", CheckpointFileName(shard_index_, num_shards_), ".tmp-");
+  int removed = 0;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, error)) {
+    const std::string name = entry.path().filename().string();
+    if (!absl::StartsWith(name, prefix)) continue;
+    int64_t pid = 0;
+    const char* begin = name.data() + prefix.size();
+    const char* end = name.data() + name.size();
+    auto [parsed_end, ec] = std::from_chars(begin, end, pid);
+    if (begin == end || ec != std::errc() || parsed_end != end || pid <= 0) continue;
+    // Our own id (a restarted container is often pid 1 again), or a process
+    // that no longer runs: no write is in progress there.
+    const bool gone = pid == getpid() || (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
+    if (gone && fs_.Remove(entry.path().string()).ok()) ++removed;
+  }
+  return removed;
+}
+
+void CheckpointManager::NoteOnDisk(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  on_disk_version_ = version;
+}
+
+bool CheckpointManager::HoldsVersion(uint64_t version) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (on_disk_version_ != version) return false;
+  }
+  return fs_.Exists(path_);
+}
+
+absl::StatusOr<CheckpointInfo> CheckpointManager::Write(const ParameterStore& store,
+                                                        uint64_t version) {
+  absl::MutexLock lock(&write_mu_);
+  return WriteLocked(store, version);
+}
+
+absl::StatusOr<CheckpointInfo> CheckpointManager::TryWrite(const ParameterStore& store,
+                                                           uint64_t version) {
+  if (!write_mu_.TryLock()) {
+    return absl::AbortedError(absl::StrCat("a checkpoint of this shard is being written to ", path_,
+                                           "; wait for it to finish and retry"));
+  }
+  absl::StatusOr<CheckpointInfo> info = WriteLocked(store, version);
+  write_mu_.Unlock();
+  return info;
+}
+
+absl::StatusOr<CheckpointInfo> CheckpointManager::WriteLocked(const ParameterStore& store,
+                                                              uint64_t version) {
+  {
+    // Whatever happens next, the file may no longer hold the old version.
+    absl::MutexLock lock(&mu_);
+    on_disk_version_.reset();
+  }
+  absl::StatusOr<CheckpointInfo> info = WriteCheckpoint(store, version, dir_, fs_);
+  if (info.ok()) {
+    absl::MutexLock lock(&mu_);
+    on_disk_version_ = version;
+  }
+  return info;
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,183 @@
+#include "server/checkpoint_source.h"
+
+#include <algorithm>
+#include <charconv>
+
+#include "absl/strings/str_cat.h"
+#include "core/layout.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+namespace {
+
+// Floats per read when the data is hashed a second time.
+constexpr uint64_t kRehashElements = 1 << 20;
+
+constexpr char kWhatToDo[] =
+    "; start the shard with the settings the checkpoint was written with, or move the file away "
+    "to start from --model/--synthetic";
+
+absl::Status Mismatch(const std::string& path, const std::string& problem) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("checkpoint ", path, " does not match this shard: ", problem, kWhatToDo));
+}
+
+std::string MetadataValue(const std::map<std::string, std::string>& metadata,
+                          const std::string& key) {
+  const auto it = metadata.find(key);
+  return it == metadata.end() ? std::string("(absent)") : it->second;
+}
+
+bool ParseDecimal(const std::string& text, uint64_t* value) {
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *value);
+  return !text.empty() && ec == std::errc() && end == text.data() + text.size();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CheckpointSource>> CheckpointSource::Open(
+    const std::string& path, const ModelSpec& model, uint32_t shard_index, uint32_t num_shards,
+    const Policy& policy, FileSystem& fs) {
+  auto source = std::unique_ptr<CheckpointSource>(new CheckpointSource());
+  source->path_ = path;
+  source->model_ = model;
+  source->shard_index_ = shard_index;
+  source->num_shards_ = num_shards;
+  absl::StatusOr<std::unique_ptr<SafetensorsReader>> reader = SafetensorsReader::Open(path, fs);
+  if (!reader.ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path,
+                                            " cannot be read as a safetensors file (",
+                                            reader.status().message(), ")", kWhatToDo));
+  }
+  source->reader_ = *std::move(reader);
+  RETURN_IF_ERROR(source->CheckHeader(policy));
+  {
+    absl::MutexLock lock(&source->mu_);  // not shared yet; the analysis asks for it
+    source->sha_ = std::make_unique<Sha256>();
+    if (!source->file_order_.empty()) source->next_offset_ = source->file_order_[0]->data_begin;
+  }
+  return source;
+}
+
+absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
+  const auto& metadata = reader_->metadata();
+  const auto field = [&](const char* key) { return MetadataValue(metadata, key); };
+  if (field("format") != kCheckpointFormat) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has format '", field("format"),
+                                            "', not '", kCheckpointFormat, "'", kWhatToDo));
+  }
+  if (field("format_version") != kCheckpointFormatVersion) {
+    return Mismatch(path_,
+                    absl::StrCat("it has format version ", field("format_version"),
+                                 " and this server reads version ", kCheckpointFormatVersion));
+  }
+  if (field("model_id") != model_.model_id) {
+    return Mismatch(path_, absl::StrCat("it holds model '", field("model_id"),
+                                        "' and this shard serves '", model_.model_id, "'"));
+  }
+  if (field("num_shards") != absl::StrCat(num_shards_) ||
+      field("shard_index") != absl::StrCat(shard_index_)) {
+    return Mismatch(path_,
+                    absl::StrCat("it is shard ", field("shard_index"), " of ", field("num_shards"),
+                                 " and this is shard ", shard_index_, " of ", num_shards_));
+  }
+  const std::string digest = HexString(LayoutDigest(model_, policy));
+  if (field("layout_digest") != digest) {
+    return Mismatch(path_, absl::StrCat("its layout digest is ", field("layout_digest"),
+                                        " (policy '", field("policy"), "') and this shard's is ",
+                                        digest, " (policy '", policy.ToString(), "')"));
+  }
+  checksum_ = field("checksum");
+  if (checksum_.size() != 7 + 64 || checksum_.rfind("sha256:", 0) != 0) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records checksum '", checksum_,
+                                            "', not sha256:<64 hex digits>", kWhatToDo));
+  }
+  if (!ParseDecimal(field("version"), &version_)) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records version '",
+                                            field("version"), "', not a number", kWhatToDo));
+  }
+
+  size_t expected_tensors = 0;
+  entries_.resize(model_.layers.size());
+  for (uint32_t l = 0; l < model_.layers.size(); ++l) {
+    for (const TensorSpec& tensor : model_.layers[l].tensors) {
+      ++expected_tensors;
+      const SafetensorsTensor* entry = reader_->Find(tensor.name);
+      const uint64_t owned =
+          ShardElementRange(tensor.num_elements, shard_index_, num_shards_).size();
+      if (entry == nullptr) {
+        return Mismatch(path_, absl::StrCat("it has no tensor ", tensor.name));
+      }
+      if (entry->dtype != DType::kFloat32 || entry->shape.size() != 1 ||
+          entry->num_elements != owned) {
+        return Mismatch(path_, absl::StrCat("tensor ", tensor.name, " holds ", entry->num_elements,
+                                            " elements of ", DTypeName(entry->dtype),
+                                            " and this shard owns ", owned, " of F32"));
+      }
+      entries_[l].push_back(entry);
+      file_order_.push_back(entry);
+    }
+  }
+  if (reader_->tensors().size() != expected_tensors) {
+    return Mismatch(path_, absl::StrCat("it has ", reader_->tensors().size(),
+                                        " tensors and the model has ", expected_tensors));
+  }
+  std::stable_sort(file_order_.begin(), file_order_.end(),
+                   [](const SafetensorsTensor* a, const SafetensorsTensor* b) {
+                     return a->data_begin < b->data_begin;
+                   });
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointSource::Read(uint32_t layer, uint32_t tensor, ElementRange range,
+                                    std::span<float> dst) const {
+  const SafetensorsTensor& entry = *entries_[layer][tensor];
+  const ElementRange owned = ShardElementRange(model_.layers[layer].tensors[tensor].num_elements,
+                                               shard_index_, num_shards_);
+  if (range.begin < owned.begin || range.end > owned.end || range.end < range.begin) {
+    return absl::OutOfRangeError(absl::StrCat("checkpoint ", path_, " holds elements [",
+                                              owned.begin, ", ", owned.end, ") of ", entry.name,
+                                              ", not [", range.begin, ", ", range.end, ")"));
+  }
+  RETURN_IF_ERROR(reader_->ReadF32(
+      entry, ElementRange{range.begin - owned.begin, range.end - owned.begin}, dst));
+  absl::MutexLock lock(&mu_);
+  if (!out_of_order_ && range == owned && entry.data_begin == next_offset_) {
+    sha_->Update(FloatBytes(dst));
+    next_offset_ += dst.size_bytes();
+    ++hashed_tensors_;
+  } else {
+    out_of_order_ = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointSource::VerifyChecksum() {
+  std::string actual;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!out_of_order_ && hashed_tensors_ == file_order_.size()) actual = sha_->Finish();
+  }
+  if (actual.empty()) {
+    Sha256 sha;
+    std::vector<float> buffer;
+    for (const SafetensorsTensor* entry : file_order_) {
+      for (uint64_t begin = 0; begin < entry->num_elements; begin += kRehashElements) {
+        const uint64_t end = std::min(entry->num_elements, begin + kRehashElements);
+        buffer.resize(end - begin);
+        RETURN_IF_ERROR(reader_->ReadF32(*entry, ElementRange{begin, end}, buffer));
+        sha.Update(FloatBytes(buffer));
+      }
+    }
+    actual = sha.Finish();
+  }
+  if (actual != checksum_) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path_, " is corrupt: its data hashes to ", actual,
+        " but its header records ", checksum_,
+        "; restore it from a copy, or move it away to start from --model/--synthetic"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,80 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/file_system.h"
+#include "core/parameter_source.h"
+#include "core/policy.h"
+#include "core/safetensors.h"
+#include "server/checkpoint_format.h"
+
+namespace layercast::server {
+
+// A shard's parameters from its own checkpoint file (format:
+// server/checkpoint_format.h), for ParameterStore::Load. The model's layout
+// comes from elsewhere (--model or --synthetic); the checkpoint must match it.
+//
+// Open() checks the header against what this shard serves: format, model id,
+// shard count and index, layout digest (model and policy), and every tensor's
+// name, dtype and element count. The data's checksum needs every byte, so it
+// is checked by VerifyChecksum() once loading has read them; nothing may be
+// served before it passes.
+//
+// Thread-safe: Read may run concurrently.
+class CheckpointSource final : public ParameterSource {
+ public:
+  // FAILED_PRECONDITION naming `path` and the first mismatch; DATA_LOSS when
+  // the file is not a valid checkpoint. `fs` must outlive the source.
+  static absl::StatusOr<std::unique_ptr<CheckpointSource>> Open(
+      const std::string& path, const ModelSpec& model, uint32_t shard_index, uint32_t num_shards,
+      const Policy& policy, FileSystem& fs = DefaultFileSystem());
+
+  const ModelSpec& model() const override { return model_; }
+  // Only the elements this shard owns are in the file: OUT_OF_RANGE for
+  // others.
+  absl::Status Read(uint32_t layer, uint32_t tensor, ElementRange range,
+                    std::span<float> dst) const override;
+
+  const std::string& path() const { return path_; }
+  // The parameter version the checkpoint holds.
+  uint64_t version() const { return version_; }
+  // "sha256:<hex>" as the header records it.
+  const std::string& checksum() const { return checksum_; }
+
+  // DATA_LOSS naming the file unless the SHA-256 of its data equals the
+  // recorded checksum. Hashes what Read() returned when that was every
+  // tensor, whole, in file order (as ParameterStore::Load reads); otherwise
+  // reads the data again. Call once, after loading.
+  absl::Status VerifyChecksum();
+
+ private:
+  CheckpointSource() = default;
+  absl::Status CheckHeader(const Policy& policy);
+
+  std::string path_;
+  ModelSpec model_;
+  uint32_t shard_index_ = 0;
+  uint32_t num_shards_ = 1;
+  uint64_t version_ = 0;
+  std::string checksum_;
+  std::unique_ptr<SafetensorsReader> reader_;
+  // Per layer, per tensor: its entry in the file.
+  std::vector<std::vector<const SafetensorsTensor*>> entries_;
+  // Every entry, by position in the file.
+  std::vector<const SafetensorsTensor*> file_order_;
+
+  // The running hash of whole tensors read in file order.
+  mutable absl::Mutex mu_;
+  mutable std::unique_ptr<Sha256> sha_ ABSL_GUARDED_BY(mu_);
+  mutable uint64_t next_offset_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable size_t hashed_tensors_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable bool out_of_order_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace layercast::server

@@ -1,0 +1,110 @@
+#include "server/checkpoint_writer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+#include "server/checkpoint_format.h"
+
+namespace layercast::server {
+namespace {
+
+// Bytes per Append: keeps each write(2) bounded however large a tensor is.
+constexpr size_t kAppendBytes = 4 << 20;
+
+std::span<const float> Owned(const ParameterStore& store, uint32_t layer, uint32_t tensor) {
+  return std::span<const float>(store.master(layer, tensor), store.owned(layer, tensor).size());
+}
+
+std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_t version,
+                                            const std::string& checksum) {
+  return {
+      {"format", kCheckpointFormat},
+      {"format_version", kCheckpointFormatVersion},
+      {"model_id", store.model().model_id},
+      {"num_shards", absl::StrCat(store.num_shards())},
+      {"shard_index", absl::StrCat(store.shard_index())},
+      {"version", absl::StrCat(version)},
+      {"policy", store.policy().ToString()},
+      {"layout_digest", HexString(store.layout_digest())},
+      {"checksum", checksum},
+  };
+}
+
+// Steps 2 and 3 of WriteCheckpoint: the temporary file, whole and synced,
+// renamed into place. Returns the file's size.
+absl::StatusOr<uint64_t> WriteAndRename(const ParameterStore& store,
+                                        const std::vector<SafetensorsWriter::TensorHeader>& headers,
+                                        const std::map<std::string, std::string>& metadata,
+                                        const std::string& tmp, const std::string& path,
+                                        FileSystem& fs) {
+  ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::Create(tmp, headers, metadata, fs));
+  const std::vector<LayerSpec>& layers = store.model().layers;
+  for (uint32_t l = 0; l < layers.size(); ++l) {
+    for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
+      std::span<const uint8_t> bytes = FloatBytes(Owned(store, l, t));
+      while (!bytes.empty()) {
+        const size_t n = std::min(bytes.size(), kAppendBytes);
+        RETURN_IF_ERROR(writer->Append(bytes.first(n)));
+        bytes = bytes.subspan(n);
+      }
+    }
+  }
+  RETURN_IF_ERROR(writer->Finish());
+  ASSIGN_OR_RETURN(auto written, fs.OpenForRead(tmp));
+  const uint64_t size = written->size();
+  RETURN_IF_ERROR(fs.Rename(tmp, path));
+  return size;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint64_t version,
+                                               const std::string& dir, FileSystem& fs) {
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<SafetensorsWriter::TensorHeader> headers;
+  Sha256 sha;
+  const std::vector<LayerSpec>& layers = store.model().layers;
+  for (uint32_t l = 0; l < layers.size(); ++l) {
+    for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
+      const std::span<const float> owned = Owned(store, l, t);
+      headers.push_back({.name = layers[l].tensors[t].name,
+                         .dtype = DType::kFloat32,
+                         .shape = {static_cast<int64_t>(owned.size())}});
+      sha.Update(FloatBytes(owned));
+    }
+  }
+  CheckpointInfo info;
+  info.version = version;
+  info.checksum = sha.Finish();
+  info.path = CheckpointPath(dir, store.shard_index(), store.num_shards());
+  const std::string tmp =
+      TempCheckpointPath(dir, store.shard_index(), store.num_shards(), getpid());
+
+  absl::StatusOr<uint64_t> size =
+      WriteAndRename(store, headers, Metadata(store, version, info.checksum), tmp, info.path, fs);
+  if (!size.ok()) {
+    if (fs.Exists(tmp)) (void)fs.Remove(tmp);
+    return absl::Status(
+        size.status().code(),
+        absl::StrCat("writing checkpoint ", info.path, " failed (", size.status().message(),
+                     "); the previous checkpoint, if any, is unchanged"));
+  }
+  info.bytes = *size;
+  if (absl::Status synced = fs.SyncDir(dir); !synced.ok()) {
+    return absl::Status(synced.code(),
+                        absl::StrCat("checkpoint ", info.path,
+                                     " was written but its directory could not be synced (",
+                                     synced.message(), "); it may not survive a power loss"));
+  }
+  info.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return info;
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,42 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/file_system.h"
+#include "server/parameter_store.h"
+
+namespace layercast::server {
+
+// What one checkpoint write produced.
+struct CheckpointInfo {
+  std::string path;      // the checkpoint file
+  uint64_t bytes = 0;    // its size: header and data
+  uint64_t version = 0;  // parameter version it holds
+  double seconds = 0;    // wall-clock time of the write, fsyncs included
+  std::string checksum;  // "sha256:<hex>" of the data section
+};
+
+// Writes `store`'s fp32 master at parameter `version` as the checkpoint of
+// its shard in `dir` (format: server/checkpoint_format.h), atomically and
+// durably, through `fs` only:
+//
+//   1. compute the SHA-256 of the data (it goes in the header, which comes
+//      first);
+//   2. write `.shard-<i>-of-<N>.safetensors.tmp-<pid>` and fsync it;
+//   3. rename it to `shard-<i>-of-<N>.safetensors`;
+//   4. fsync `dir`.
+//
+// A failure before step 3 leaves the previous checkpoint untouched and
+// removes the temporary file (best effort: a crash leaves it, and nothing
+// reads it). A failure in step 4 is reported, though the new checkpoint is in
+// place and complete: it may not survive a power loss.
+//
+// REQUIRES: `store` does not change during the call (the data is read twice);
+// `dir` exists. Thread-compatible: one write per (dir, shard) at a time.
+absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint64_t version,
+                                               const std::string& dir,
+                                               FileSystem& fs = DefaultFileSystem());
+
+}  // namespace layercast::server

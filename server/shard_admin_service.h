@@ -1,0 +1,64 @@
+#pragma once
+
+#include <atomic>
+#include <optional>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "layercast/v1/admin.grpc.pb.h"
+#include "server/auth_token.h"
+#include "server/checkpoint_manager.h"
+#include "server/parameter_store.h"
+#include "server/server_metrics.h"
+#include "server/version_gate.h"
+
+namespace layercast::server {
+
+// The gRPC ShardAdmin service of one shard (proto/layercast/v1/admin.proto),
+// on the callback API. Every call is authorised first: refused with
+// FAILED_PRECONDITION when the shard has no admin token, UNAUTHENTICATED
+// without a bearer token, PERMISSION_DENIED with a wrong one. Checkpoint
+// writes run on a thread of their own, never on gRPC's, one at a time.
+//
+// Thread-safe: gRPC calls its handlers from many threads.
+class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackService {
+ public:
+  struct Options {
+    // Null without --checkpoint-dir: Checkpoint is refused.
+    CheckpointManager* checkpoints = nullptr;
+    // Nullopt without --admin-token-file: every call is refused.
+    std::optional<AdminToken> token;
+  };
+
+  // `checkpoints`, `gate` and `metrics` must outlive the service.
+  ShardAdminService(Options options, const VersionGate& gate, ServerMetrics& metrics);
+  // Waits for a checkpoint being written.
+  ~ShardAdminService() override;
+
+  // Makes the loaded parameters available; called once. `store` must
+  // outlive the service.
+  void AttachStore(const ParameterStore* store);
+  // New calls are refused with UNAVAILABLE from now on.
+  void StartDraining() { draining_.store(true); }
+
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
+                                       const layercast::v1::CheckpointRequest* request,
+                                       layercast::v1::CheckpointResponse* response) override;
+
+ private:
+  grpc::Status Authorize(const grpc::CallbackServerContext& context) const;
+  grpc::ServerUnaryReactor* Finish(grpc::ServerUnaryReactor* reactor, const grpc::Status& status);
+
+  const Options options_;
+  const VersionGate& gate_;
+  ServerMetrics& metrics_;
+  std::atomic<bool> draining_{false};
+  absl::Mutex mu_;
+  const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // The thread of the last checkpoint written for a call.
+  std::thread writer_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace layercast::server

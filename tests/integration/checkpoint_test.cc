@@ -1,0 +1,304 @@
+// Checkpoints of real shard processes: written on `layercast checkpoint` and
+// on SIGTERM; a restarted shard set serves them, bit for bit, in preference
+// to its --model; a corrupt or mismatched checkpoint stops the shard with
+// exit status 2 and one line naming the file; a SIGKILL in the middle of a
+// large write leaves the previous checkpoint whole.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/cast.h"
+#include "layercast/v1/admin.grpc.pb.h"
+#include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr char kPolicy[] = "p=f32,c=bf16;*norm*=f32";
+constexpr char kToken[] = "checkpoint-test-token-0123456789";
+
+std::string WriteToken(const std::string& dir) {
+  const std::string path = dir + "/token";
+  std::ofstream(path) << kToken << "\n";
+  return path;
+}
+
+std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
+                                                      const std::string& log_dir = "") {
+  client::LocalShardSet::Options options;
+  options.shard_binary = ShardBinary();
+  options.num_shards = n;
+  options.extra_flags = std::move(flags);
+  options.log_dir = log_dir;
+  auto set = client::LocalShardSet::Start(options);
+  EXPECT_TRUE(set.ok()) << set.status();
+  return set.ok() ? *std::move(set) : nullptr;
+}
+
+std::unique_ptr<client::ShardSet> Connect(const client::LocalShardSet& processes) {
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::seconds(120);
+  auto set = client::ShardSet::Connect(processes.addresses(), options);
+  EXPECT_TRUE(set.ok()) << set.status();
+  return set.ok() ? *std::move(set) : nullptr;
+}
+
+// Every tensor of every layer, gathered: its bytes, or (for big models) a
+// hash of them.
+using Gathered = std::map<std::string, std::string>;
+Gathered GatherAll(const client::ShardSet& set, bool hash_only = false) {
+  Gathered gathered;
+  for (uint32_t l = 0; l < set.model().layers.size(); ++l) {
+    absl::StatusOr<client::Layer> layer = set.Gather(l);
+    EXPECT_TRUE(layer.ok()) << layer.status();
+    if (!layer.ok()) return {};
+    for (size_t t = 0; t < layer->num_tensors(); ++t) {
+      const client::Layer::TensorView view = layer->tensor(t);
+      std::string bytes(reinterpret_cast<const char*>(view.bytes.data()), view.bytes.size());
+      gathered[std::string(view.name)] =
+          hash_only ? absl::StrCat(std::hash<std::string>{}(bytes), ":", bytes.size()) : bytes;
+    }
+  }
+  return gathered;
+}
+
+std::string ReadLog(const std::string& log_dir, int shard) {
+  std::ifstream in(absl::StrCat(log_dir, "/shard-", shard, ".log"));
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::string Sha256Sum(const std::string& path) {
+  std::string output;
+  EXPECT_EQ(RunCommand("sha256sum " + path, &output), 0) << output;
+  return output.substr(0, 64);
+}
+
+// Runs layercast-shard with `flags` to its end: its exit status and output.
+int RunShard(const std::string& flags, std::string* output) {
+  return RunCommand(ShardBinary() + " --listen 127.0.0.1:0 " + flags, output);
+}
+
+TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string logs = MakeTempDir("logs");
+  const std::string token = WriteToken(MakeTempDir("secret"));
+  const TestModel model = WriteTestModel(MakeTempDir("model") + "/model.safetensors", 2, 11);
+  const std::vector<std::string> flags = {
+      "--model",          model.path, "--policy",           kPolicy,
+      "--checkpoint-dir", dir,        "--admin-token-file", token};
+  Gathered before;
+  {
+    auto processes = StartProcesses(3, flags);
+    ASSERT_NE(processes, nullptr);
+    auto set = Connect(*processes);
+    ASSERT_NE(set, nullptr);
+    before = GatherAll(*set);
+    std::string output;
+    ASSERT_EQ(RunCommand(
+                  absl::StrCat(CliBinary(), " checkpoint --shards ",
+                               absl::StrJoin(processes->addresses(), ","), " --token-file ", token),
+                  &output),
+              0)
+        << output;
+    EXPECT_THAT(output, AllOf(HasSubstr("shard 0/3  version 0"), HasSubstr("shard 2/3  version 0"),
+                              HasSubstr("shard-1-of-3.safetensors"), HasSubstr("sha256:")));
+    EXPECT_TRUE(processes->Stop().ok());
+  }
+  ASSERT_FALSE(before.empty());
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(std::filesystem::exists(absl::StrCat(dir, "/shard-", i, "-of-3.safetensors")));
+  }
+
+  // Same names and shapes, other values: a shard that read the model instead
+  // of its checkpoint would serve these.
+  const TestModel other = WriteTestModel(model.path, 2, 12);
+  {
+    const std::vector<float>& head = other.values.at("lm_head.weight");
+    std::string other_bytes(head.size() * 2, '\0');
+    ASSERT_TRUE(CastFromF32(head.data(), other_bytes.data(), head.size(), DType::kBFloat16,
+                            Fp16Overflow::kError)
+                    .ok());
+    ASSERT_NE(other_bytes, before.at("lm_head.weight")) << "the rewritten model must differ";
+  }
+  auto processes = StartProcesses(3, flags, logs);
+  ASSERT_NE(processes, nullptr);
+  auto set = Connect(*processes);
+  ASSERT_NE(set, nullptr);
+  const Gathered after = GatherAll(*set);
+  ASSERT_EQ(after.size(), before.size());
+  for (const auto& [name, bytes] : before) {
+    ASSERT_TRUE(after.at(name) == bytes) << name << " differs from before the restart";
+  }
+  EXPECT_TRUE(processes->Stop().ok());
+  for (int i = 0; i < 3; ++i) {
+    const std::string log = ReadLog(logs, i);
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("loading checkpoint ", dir, "/shard-", i,
+                                            "-of-3.safetensors (version 0) instead of --model")));
+    EXPECT_THAT(log, HasSubstr("already holds version 0")) << "nothing new to write on SIGTERM";
+  }
+}
+
+TEST(CheckpointTest, SigtermWritesTheCheckpointUnlessTurnedOff) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string logs = MakeTempDir("logs");
+  const std::vector<std::string> model = {"--synthetic", "llama:layers=1,hidden=64"};
+  {
+    std::vector<std::string> flags = model;
+    flags.insert(flags.end(), {"--checkpoint-dir", dir, "--checkpoint-on-sigterm", "false"});
+    auto processes = StartProcesses(1, flags);
+    ASSERT_NE(processes, nullptr);
+    ASSERT_NE(Connect(*processes), nullptr);
+    EXPECT_TRUE(processes->Stop().ok());
+    EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors"));
+  }
+  std::vector<std::string> flags = model;
+  flags.insert(flags.end(), {"--checkpoint-dir", dir});
+  auto processes = StartProcesses(1, flags, logs);
+  ASSERT_NE(processes, nullptr);
+  ASSERT_NE(Connect(*processes), nullptr);
+  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_TRUE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors"));
+  EXPECT_THAT(ReadLog(logs, 0), AllOf(HasSubstr("received SIGTERM, draining"),
+                                      HasSubstr("checkpoint version 0 written to")));
+}
+
+TEST(CheckpointTest, CorruptOrMismatchedCheckpointsStopTheShardWithExitStatusTwo) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string spec = "llama:layers=1,hidden=64,seed=3";
+  {
+    auto processes = StartProcesses(2, {"--synthetic", spec, "--checkpoint-dir", dir});
+    ASSERT_NE(processes, nullptr);
+    ASSERT_NE(Connect(*processes), nullptr);
+    EXPECT_TRUE(processes->Stop().ok());
+  }
+  const std::string file = dir + "/shard-1-of-2.safetensors";
+  ASSERT_TRUE(std::filesystem::exists(file));
+  std::string output;
+
+  // Another model.
+  EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 2 --synthetic ", spec,
+                                  "0 --checkpoint-dir ", dir),
+                     &output),
+            2);
+  EXPECT_THAT(output, AllOf(HasSubstr("layercast-shard: checkpoint " + file +
+                                      " does not match this shard: it holds model"),
+                            HasSubstr("seed=3'")));
+  // Another shard count.
+  EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 3 --synthetic ", spec,
+                                  " --checkpoint-dir ", dir),
+                     &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("checkpoint " + file +
+                                " is shard 1 of 2 and this is shard 1 of 3: a checkpoint cannot be "
+                                "resharded"));
+  // Another policy: a different layout.
+  EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 2 --synthetic ", spec,
+                                  " --policy p=f32,c=f16 --checkpoint-dir ", dir),
+                     &output),
+            2);
+  EXPECT_THAT(output, AllOf(HasSubstr(file), HasSubstr("its layout digest is")));
+
+  // One flipped bit in the data.
+  {
+    std::fstream bytes(file, std::ios::in | std::ios::out | std::ios::binary);
+    bytes.seekg(-100, std::ios::end);
+    char byte = 0;
+    bytes.read(&byte, 1);
+    byte ^= 0x10;
+    bytes.seekp(-100, std::ios::end);
+    bytes.write(&byte, 1);
+  }
+  EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 2 --synthetic ", spec,
+                                  " --checkpoint-dir ", dir),
+                     &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("layercast-shard: checkpoint " + file +
+                                " is corrupt: its data hashes to sha256:"));
+  EXPECT_THAT(output, ::testing::Not(HasSubstr("ready"))) << "nothing may be served";
+}
+
+TEST(CheckpointTest, SigkillDuringALargeWriteLeavesThePreviousCheckpointWhole) {
+  // About 350 MiB of fp32 on one shard: the write takes long enough to be
+  // interrupted.
+  const std::string spec = "llama:layers=2,hidden=1024,ffn=2816,vocab=32000,seed=5";
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string logs = MakeTempDir("logs");
+  const std::string token = WriteToken(MakeTempDir("secret"));
+  const std::vector<std::string> flags = {"--synthetic",        spec, "--checkpoint-dir", dir,
+                                          "--admin-token-file", token};
+  const std::string file = dir + "/shard-0-of-1.safetensors";
+
+  auto processes = StartProcesses(1, flags);
+  ASSERT_NE(processes, nullptr);
+  const Gathered before = [&] {
+    auto set = Connect(*processes);
+    return set ? GatherAll(*set, /*hash_only=*/true) : Gathered();
+  }();
+  ASSERT_FALSE(before.empty());
+  auto stub = layercast::v1::ShardAdmin::NewStub(
+      grpc::CreateChannel(processes->addresses()[0], grpc::InsecureChannelCredentials()));
+  const auto checkpoint = [&] {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    layercast::v1::CheckpointResponse response;
+    return stub->Checkpoint(&context, {}, &response);
+  };
+  const grpc::Status first = checkpoint();
+  ASSERT_TRUE(first.ok()) << first.error_message();
+  const uint64_t size = std::filesystem::file_size(file);
+  ASSERT_GT(size, uint64_t{300} << 20);
+  const std::string sha = Sha256Sum(file);
+
+  // The second write is killed as soon as its temporary file has data.
+  const std::string temporary =
+      absl::StrCat(dir, "/.shard-0-of-1.safetensors.tmp-", processes->pid(0));
+  grpc::Status second;
+  std::thread writer([&] { second = checkpoint(); });
+  const auto written = [&] {
+    std::error_code error;  // none yet: file_size fails and says so
+    const uint64_t bytes = std::filesystem::file_size(temporary, error);
+    return error ? 0 : bytes;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && written() < (uint64_t{32} << 20)) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  processes->Kill(0);
+  writer.join();
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::UNAVAILABLE) << second.error_message();
+  ASSERT_TRUE(std::filesystem::exists(temporary)) << "the kill came before the rename";
+  std::fprintf(stderr, "killed with %llu of %llu bytes in the temporary file\n",
+               static_cast<unsigned long long>(written()), static_cast<unsigned long long>(size));
+  EXPECT_EQ(std::filesystem::file_size(file), size);
+  EXPECT_EQ(Sha256Sum(file), sha) << "the previous checkpoint changed";
+
+  // A new process removes the torn temporary file, loads the checkpoint and
+  // serves exactly what was served before.
+  processes = StartProcesses(1, flags, logs);
+  ASSERT_NE(processes, nullptr);
+  auto set = Connect(*processes);
+  ASSERT_NE(set, nullptr);
+  const Gathered after = GatherAll(*set, /*hash_only=*/true);
+  EXPECT_TRUE(after == before) << "gathered layers differ after loading the checkpoint";
+  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_FALSE(std::filesystem::exists(temporary));
+  EXPECT_THAT(ReadLog(logs, 0), AllOf(HasSubstr("removed 1 temporary file(s)"),
+                                      HasSubstr("loading checkpoint " + file)));
+}
+
+}  // namespace
+}  // namespace layercast::testing

@@ -1,0 +1,81 @@
+// A shard SIGKILLed in the middle of a gather and restarted at the same
+// address: the worker retries with backoff, reconnects, resumes the shard's
+// stream from the first element it had not received, and completes the layer
+// bit-identical within the deadline, receiving every byte exactly once.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "core/cast.h"
+#include "core/synthetic_model.h"
+#include "tests/integration/shard_fixture.h"
+
+namespace layercast::testing {
+namespace {
+
+// The embedding is 64 MiB of bf16, sent in 64 KiB chunks.
+constexpr char kSpec[] = "llama:layers=1,hidden=1024,ffn=64,vocab=32768,seed=6";
+
+TEST(RecoveryTest, KilledShardRestartsAndTheGatherResumes) {
+  RunningShards shards = StartShards(2, {"--synthetic", kSpec, "--chunk-bytes", "65536"});
+  ASSERT_NE(shards.set, nullptr);
+  const AssembledLayout& layout = shards.set->view().layouts[0];
+  const uint64_t tensor_bytes = layout.tensors()[0].num_bytes();
+
+  std::atomic<uint64_t> received{0};
+  std::atomic<bool> killed{false};
+  std::thread restarter;
+  client::GatherOptions options;
+  options.timeout = std::chrono::seconds(60);
+  options.on_chunk = [&](uint64_t bytes) {
+    // Throttled so the kill lands while shard 1 still owes most of its part.
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    if (received.fetch_add(bytes) + bytes >= tensor_bytes / 4 && !killed.exchange(true)) {
+      shards.processes->Kill(1);
+      restarter = std::thread([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        EXPECT_TRUE(shards.processes->Restart(1).ok());
+      });
+    }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<client::Layer> layer = shards.set->Gather(0, options);
+  const auto took = std::chrono::steady_clock::now() - start;
+  if (restarter.joinable()) restarter.join();
+  ASSERT_TRUE(killed.load()) << "the kill never happened";
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_LT(took, std::chrono::seconds(60));
+  EXPECT_EQ(received.load(), tensor_bytes) << "resumed, not restarted: every byte exactly once";
+
+  auto source = SyntheticModel::Create(kSpec);
+  const client::Layer::TensorView view = layer->tensor(0);
+  std::vector<float> master(view.num_elements);
+  ASSERT_TRUE((*source)->Read(0, 0, ElementRange{0, view.num_elements}, master).ok());
+  std::vector<uint8_t> expected(view.bytes.size());
+  ASSERT_TRUE(CastFromF32(master.data(), expected.data(), master.size(), view.dtype,
+                          Fp16Overflow::kError)
+                  .ok());
+  EXPECT_EQ(std::memcmp(expected.data(), view.bytes.data(), expected.size()), 0);
+}
+
+TEST(RecoveryTest, WithoutARestartTheGatherFailsNamingTheShard) {
+  RunningShards shards = StartShards(2, {"--synthetic", "llama:layers=1,hidden=64"});
+  ASSERT_NE(shards.set, nullptr);
+  shards.processes->Kill(0);
+  client::GatherOptions options;
+  options.timeout = std::chrono::seconds(3);
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<client::Layer> layer = shards.set->Gather(1, options);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  EXPECT_THAT(layer.status().code(), ::testing::AnyOf(absl::StatusCode::kUnavailable,
+                                                      absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(std::string(layer.status().message()),
+              ::testing::HasSubstr("shard 0 (" + shards.processes->addresses()[0] + ")"));
+}
+
+}  // namespace
+}  // namespace layercast::testing

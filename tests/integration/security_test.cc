@@ -1,0 +1,396 @@
+// Transport security, admin tokens and request limits on real shard
+// processes, with certificates made here by the `openssl` command (the tests
+// skip, saying so, where it is not installed): a TLS shard refuses plaintext
+// clients and serves TLS clients bit-exact; a mutual-TLS shard refuses
+// clients without a certificate from its CA; ShardAdmin needs the right
+// bearer token; oversized requests are refused before they are parsed.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <grpcpp/generic/generic_stub.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <regex>
+
+#include "absl/strings/str_cat.h"
+#include "core/cast.h"
+#include "core/synthetic_model.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "layercast/v1/admin.grpc.pb.h"
+#include "layercast/v1/shard.grpc.pb.h"
+#include "tests/integration/shard_fixture.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr char kSpec[] = "llama:layers=2,hidden=96,ffn=160,vocab=300,seed=9";
+constexpr char kPolicy[] = "p=f32,c=bf16;*norm*=f32;lm_head.*=f16";
+constexpr char kToken[] = "security-test-token-abcdef0123456789";
+
+// PEM files: a CA, a server certificate for 127.0.0.1 and localhost, a
+// client certificate from the same CA, and one from another CA.
+struct Certs {
+  std::string ca, server_cert, server_key, client_cert, client_key;
+  std::string other_ca, other_client_cert, other_client_key;
+};
+
+bool HaveOpenssl() {
+  std::string output;
+  return RunCommand("command -v openssl", &output) == 0;
+}
+
+Certs MakeCerts(const std::string& dir) {
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const auto run = [&](const std::string& command) {
+    std::string output;
+    EXPECT_EQ(RunCommand("cd " + dir + " && " + command, &output), 0) << command << "\n" << output;
+  };
+  const auto make_ca = [&](const std::string& name) {
+    run(absl::StrCat("openssl req -x509 ", ec, " -keyout ", name, ".key -out ", name,
+                     ".pem -days 2 -subj /CN=", name));
+  };
+  const auto make_leaf = [&](const std::string& name, const std::string& ca,
+                             const std::string& extensions) {
+    std::ofstream(absl::StrCat(dir, "/", name, ".ext")) << extensions << "\n";
+    run(absl::StrCat("openssl req ", ec, " -keyout ", name, ".key -out ", name,
+                     ".csr -subj /CN=", name));
+    run(absl::StrCat("openssl x509 -req -in ", name, ".csr -CA ", ca, ".pem -CAkey ", ca,
+                     ".key -CAcreateserial -days 2 -out ", name, ".pem -extfile ", name, ".ext"));
+  };
+  make_ca("ca");
+  make_ca("other-ca");
+  make_leaf("server", "ca",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth");
+  make_leaf("client", "ca", "extendedKeyUsage=clientAuth");
+  make_leaf("other-client", "other-ca", "extendedKeyUsage=clientAuth");
+  const auto path = [&](const std::string& name) { return dir + "/" + name; };
+  return Certs{path("ca.pem"),           path("server.pem"),      path("server.key"),
+               path("client.pem"),       path("client.key"),      path("other-ca.pem"),
+               path("other-client.pem"), path("other-client.key")};
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Tls(const std::string& ca, const std::string& cert = "",
+                                              const std::string& key = "") {
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = ReadText(ca);
+  if (!cert.empty()) {
+    options.pem_cert_chain = ReadText(cert);
+    options.pem_private_key = ReadText(key);
+  }
+  return grpc::SslCredentials(options);
+}
+
+std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
+                                                      const std::string& log_dir = "") {
+  client::LocalShardSet::Options options;
+  options.shard_binary = ShardBinary();
+  options.num_shards = n;
+  options.extra_flags = std::move(flags);
+  options.log_dir = log_dir;
+  auto set = client::LocalShardSet::Start(options);
+  EXPECT_TRUE(set.ok()) << set.status();
+  return set.ok() ? *std::move(set) : nullptr;
+}
+
+// One GetManifest without waiting for the connection: how a client that
+// cannot complete the handshake fails.
+grpc::Status GetManifest(const std::string& address,
+                         std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  auto stub = layercast::v1::ShardService::NewStub(grpc::CreateChannel(address, credentials));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  layercast::v1::Manifest manifest;
+  return stub->GetManifest(&context, {}, &manifest);
+}
+
+absl::StatusOr<std::unique_ptr<client::ShardSet>> Connect(
+    const client::LocalShardSet& processes, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::seconds(60);
+  options.credentials = std::move(credentials);
+  return client::ShardSet::Connect(processes.addresses(), options);
+}
+
+// Every tensor of every layer equals the core cast of the synthetic master.
+void ExpectBitExact(const client::ShardSet& set) {
+  auto source = SyntheticModel::Create(kSpec);
+  ASSERT_TRUE(source.ok());
+  for (uint32_t l = 0; l < set.model().layers.size(); ++l) {
+    absl::StatusOr<client::Layer> layer = set.Gather(l);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    for (uint32_t t = 0; t < layer->num_tensors(); ++t) {
+      const client::Layer::TensorView view = layer->tensor(t);
+      std::vector<float> master(view.num_elements);
+      ASSERT_TRUE((*source)->Read(l, t, ElementRange{0, view.num_elements}, master).ok());
+      std::vector<uint8_t> expected(view.bytes.size());
+      ASSERT_TRUE(CastFromF32(master.data(), expected.data(), master.size(), view.dtype,
+                              Fp16Overflow::kError)
+                      .ok());
+      ASSERT_EQ(std::memcmp(expected.data(), view.bytes.data(), expected.size()), 0) << view.name;
+    }
+  }
+}
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveOpenssl()) {
+      GTEST_SKIP() << "the openssl command is not installed (apt-get install openssl); the TLS "
+                      "tests need it to make their certificates";
+    }
+    certs_ = MakeCerts(MakeTempDir("certs"));
+  }
+
+  std::vector<std::string> TlsFlags() const {
+    return {"--synthetic",     kSpec,
+            "--policy",        kPolicy,
+            "--tls-cert-file", certs_.server_cert,
+            "--tls-key-file",  certs_.server_key};
+  }
+
+  Certs certs_;
+};
+
+TEST_F(SecurityTest, TlsRefusesPlaintextClientsAndServesTlsClientsBitExact) {
+  auto processes = StartProcesses(2, TlsFlags());
+  ASSERT_NE(processes, nullptr);
+  const std::string address = processes->addresses()[0];
+
+  EXPECT_EQ(GetManifest(address, grpc::InsecureChannelCredentials()).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(GetManifest(address, Tls(certs_.other_ca)).error_code(), grpc::StatusCode::UNAVAILABLE)
+      << "a server certificate from an untrusted CA is refused";
+
+  auto set = Connect(*processes, Tls(certs_.ca));
+  ASSERT_TRUE(set.ok()) << set.status();
+  ExpectBitExact(**set);
+
+  std::string output;
+  const std::string shards = processes->addresses()[0] + "," + processes->addresses()[1];
+  EXPECT_EQ(RunCommand(CliBinary() + " manifest --shards " + shards + " --tls-ca-file " + certs_.ca,
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("model     synthetic:llama:layers=2"));
+  EXPECT_EQ(
+      RunCommand(CliBinary() + " manifest --connect-timeout-ms 2000 --shards " + shards, &output),
+      1)
+      << "plaintext CLI: " << output;
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
+  std::vector<std::string> flags = TlsFlags();
+  flags.insert(flags.end(), {"--tls-client-ca-file", certs_.ca});
+  auto processes = StartProcesses(1, flags);
+  ASSERT_NE(processes, nullptr);
+  const std::string address = processes->addresses()[0];
+
+  EXPECT_EQ(GetManifest(address, Tls(certs_.ca)).error_code(), grpc::StatusCode::UNAVAILABLE)
+      << "no client certificate";
+  EXPECT_EQ(GetManifest(address, Tls(certs_.ca, certs_.other_client_cert, certs_.other_client_key))
+                .error_code(),
+            grpc::StatusCode::UNAVAILABLE)
+      << "a client certificate from another CA";
+  EXPECT_EQ(GetManifest(address, grpc::InsecureChannelCredentials()).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+
+  auto set = Connect(*processes, Tls(certs_.ca, certs_.client_cert, certs_.client_key));
+  ASSERT_TRUE(set.ok()) << set.status();
+  ExpectBitExact(**set);
+
+  std::string output;
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " manifest --shards ", address, " --tls-ca-file ",
+                                    certs_.ca, " --tls-cert-file ", certs_.client_cert,
+                                    " --tls-key-file ", certs_.client_key),
+                       &output),
+            0)
+      << output;
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+TEST_F(SecurityTest, HealthListenServesPlaintextProbesBesideTls) {
+  std::vector<std::string> flags = TlsFlags();
+  flags.insert(flags.end(), {"--tls-client-ca-file", certs_.ca, "--health-listen", "127.0.0.1:0"});
+  const std::string logs = MakeTempDir("logs");
+  auto processes = StartProcesses(1, flags, logs);
+  ASSERT_NE(processes, nullptr);
+  ASSERT_TRUE(Connect(*processes, Tls(certs_.ca, certs_.client_cert, certs_.client_key)).ok());
+
+  const std::string log = ReadText(logs + "/shard-0.log");
+  std::smatch match;
+  ASSERT_TRUE(
+      std::regex_search(log, match, std::regex("health on 127\\.0\\.0\\.1:(\\d+) \\(plaintext\\)")))
+      << log;
+  EXPECT_THAT(log, HasSubstr("(mutual TLS)"));
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + match[1].str(), grpc::InsecureChannelCredentials()));
+  for (const std::string service : {"", "layercast.v1.ShardService"}) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = health->Check(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << "'" << service << "': " << status.error_message();
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
+  }
+  // The health port serves nothing else.
+  EXPECT_EQ(
+      GetManifest("127.0.0.1:" + match[1].str(), grpc::InsecureChannelCredentials()).error_code(),
+      grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+TEST_F(SecurityTest, BadTlsFilesStopTheShardWithOneLine) {
+  std::string output;
+  const std::string base =
+      ShardBinary() + " --listen 127.0.0.1:0 --num-shards 1 --synthetic llama:layers=1 ";
+  EXPECT_EQ(RunCommand(base + "--tls-cert-file " + certs_.server_cert, &output), 2);
+  EXPECT_THAT(output, HasSubstr("TLS needs both --tls-cert-file"));
+  EXPECT_EQ(RunCommand(base + "--tls-cert-file " + certs_.server_cert + " --tls-key-file " +
+                           certs_.client_key,
+                       &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("--tls-key-file " + certs_.client_key +
+                                " is not the private key of the certificate"));
+  EXPECT_EQ(RunCommand(base + "--tls-cert-file " + certs_.server_key + " --tls-key-file " +
+                           certs_.server_key,
+                       &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("holds no PEM certificate"));
+  EXPECT_EQ(RunCommand(base + "--tls-client-ca-file " + certs_.ca, &output), 2);
+  EXPECT_THAT(output, HasSubstr("mutual TLS, which needs TLS"));
+}
+
+// ShardAdmin.Checkpoint with `authorization` metadata `value` (none if
+// empty).
+grpc::Status Checkpoint(const std::string& address,
+                        std::shared_ptr<grpc::ChannelCredentials> credentials,
+                        const std::string& value,
+                        layercast::v1::CheckpointResponse* response = nullptr) {
+  auto stub = layercast::v1::ShardAdmin::NewStub(grpc::CreateChannel(address, credentials));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  if (!value.empty()) context.AddMetadata("authorization", value);
+  layercast::v1::CheckpointResponse ignored;
+  return stub->Checkpoint(&context, {}, response != nullptr ? response : &ignored);
+}
+
+TEST_F(SecurityTest, CheckpointNeedsTheRightBearerToken) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string token = MakeTempDir("secret") + "/token";
+  std::ofstream(token) << "  " << kToken << "\n\n";  // trimmed when read
+  std::vector<std::string> flags = TlsFlags();
+  flags.insert(flags.end(), {"--checkpoint-dir", dir, "--admin-token-file", token});
+  auto processes = StartProcesses(1, flags);
+  ASSERT_NE(processes, nullptr);
+  ASSERT_TRUE(Connect(*processes, Tls(certs_.ca)).ok());
+  const std::string address = processes->addresses()[0];
+  const auto tls = Tls(certs_.ca);
+
+  const grpc::Status missing = Checkpoint(address, tls, "");
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(missing.error_message(),
+              HasSubstr("send the metadata 'authorization: Bearer <token>'"));
+  EXPECT_EQ(Checkpoint(address, tls, absl::StrCat("Basic ", kToken)).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  const grpc::Status wrong = Checkpoint(address, tls, "Bearer not-the-token-0123456789");
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(wrong.error_message(), HasSubstr("does not match this shard's --admin-token-file"));
+  EXPECT_EQ(Checkpoint(address, tls, absl::StrCat("Bearer ", kToken, "x")).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors"))
+      << "a refused call wrote nothing";
+
+  layercast::v1::CheckpointResponse response;
+  const grpc::Status right = Checkpoint(address, tls, absl::StrCat("bearer ", kToken), &response);
+  ASSERT_TRUE(right.ok()) << right.error_message();
+  EXPECT_EQ(response.path(), dir + "/shard-0-of-1.safetensors");
+  EXPECT_EQ(response.bytes(), std::filesystem::file_size(response.path()));
+  EXPECT_EQ(response.version(), 0u);
+  EXPECT_EQ(response.num_shards(), 1u);
+  EXPECT_THAT(response.checksum(), ::testing::StartsWith("sha256:"));
+
+  // The CLI over TLS, with the token from the same file.
+  std::string output;
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards ", address,
+                                    " --tls-ca-file ", certs_.ca, " --token-file ", token),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("shard 0/1  version 0"));
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+TEST_F(SecurityTest, WithoutATokenEveryAdminCallIsRefused) {
+  auto processes =
+      StartProcesses(1, {"--synthetic", kSpec, "--checkpoint-dir", MakeTempDir("checkpoints")});
+  ASSERT_NE(processes, nullptr);
+  ASSERT_TRUE(Connect(*processes, grpc::InsecureChannelCredentials()).ok());
+  const grpc::Status status =
+      Checkpoint(processes->addresses()[0], grpc::InsecureChannelCredentials(),
+                 absl::StrCat("Bearer ", kToken));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("start it with --admin-token-file FILE"));
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+TEST_F(SecurityTest, ShortTokenFilesStopTheShard) {
+  const std::string token = MakeTempDir("secret") + "/token";
+  std::ofstream(token) << "short\n";
+  std::string output;
+  EXPECT_EQ(RunCommand(ShardBinary() +
+                           " --listen 127.0.0.1:0 --num-shards 1 --synthetic "
+                           "llama:layers=1 --admin-token-file " +
+                           token,
+                       &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("--admin-token-file " + token + " holds a token of 5 characters"));
+}
+
+// A unary call of `bytes` zero bytes to GetManifest: what the shard says
+// about a request of that size.
+grpc::StatusCode OversizedGetManifest(const std::string& address, size_t bytes) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  const std::string payload(bytes, '\0');
+  grpc::Slice slice(payload);
+  grpc::ByteBuffer request(&slice, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/layercast.v1.ShardService/GetManifest", grpc::StubOptions(), &request,
+                 &response, [&](grpc::Status status) { done.set_value(status); });
+  return done.get_future().get().error_code();
+}
+
+TEST(LimitsTest, OversizedRequestsAreRefusedBeforeTheyAreParsed) {
+  auto processes = StartProcesses(1, {"--synthetic", "llama:layers=1,hidden=64"});
+  ASSERT_NE(processes, nullptr);
+  EXPECT_EQ(OversizedGetManifest(processes->addresses()[0], 128 << 10),
+            grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "above the 64 KiB default";
+  EXPECT_TRUE(processes->Stop().ok());
+
+  processes = StartProcesses(
+      1, {"--synthetic", "llama:layers=1,hidden=64", "--max-receive-message-bytes", "2048"});
+  ASSERT_NE(processes, nullptr);
+  EXPECT_EQ(OversizedGetManifest(processes->addresses()[0], 4096),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+}  // namespace
+}  // namespace layercast::testing

@@ -1,0 +1,143 @@
+// Starting from a checkpoint: a file of another model, shard, shard count or
+// layout is refused with a message naming the file and the mismatch; a
+// corrupt one (a flipped data byte, a truncated file) is refused too; reads
+// in any order still have their checksum verified.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "server/checkpoint_format.h"
+#include "server/checkpoint_source.h"
+#include "server/checkpoint_writer.h"
+#include "tests/server/checkpoint_test_util.h"
+
+namespace layercast::server::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+class CheckpointSourceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = FreshDir("source");
+    auto info = WriteCheckpoint(*LoadStore(values_, 1, 2), 9, dir_);
+    ASSERT_TRUE(info.ok()) << info.status();
+    path_ = info->path;
+  }
+
+  absl::Status OpenError(const ModelSpec& model, uint32_t shard, uint32_t num_shards,
+                         const Policy& policy = TestPolicy()) {
+    return CheckpointSource::Open(path_, model, shard, num_shards, policy).status();
+  }
+
+  // Overwrites one byte of the checkpoint file at `offset` from its end.
+  void FlipByteFromEnd(uint64_t offset) {
+    const uint64_t size = std::filesystem::file_size(path_);
+    std::fstream file(path_, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(size - offset));
+    char byte = 0;
+    file.read(&byte, 1);
+    byte ^= 0x01;
+    file.seekp(static_cast<std::streamoff>(size - offset));
+    file.write(&byte, 1);
+  }
+
+  const ShiftedSource values_{0.5f};
+  std::string dir_, path_;
+};
+
+TEST_F(CheckpointSourceTest, AnotherModelIsRefusedNamingBoth) {
+  const ShiftedSource other(0.5f, "another-model");
+  const absl::Status status = OpenError(other.model(), 1, 2);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr(path_), HasSubstr("holds model 'ckpt-test-model'"),
+                    HasSubstr("serves 'another-model'"), HasSubstr("move the file away")));
+}
+
+TEST_F(CheckpointSourceTest, AnotherShardOrShardCountIsRefused) {
+  const absl::Status index = OpenError(values_.model(), 0, 2);
+  EXPECT_EQ(index.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(index.message()),
+              HasSubstr("it is shard 1 of 2 and this is shard 0 of 2"));
+  const absl::Status count = OpenError(values_.model(), 1, 3);
+  EXPECT_EQ(count.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(count.message()),
+              HasSubstr("it is shard 1 of 2 and this is shard 1 of 3"));
+}
+
+TEST_F(CheckpointSourceTest, AnotherPolicyIsALayoutMismatch) {
+  const absl::Status status = OpenError(values_.model(), 1, 2, *Policy::Parse("p=f32,c=f16"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("layout digest"), HasSubstr("compute=float16")));
+}
+
+TEST_F(CheckpointSourceTest, AnotherShapeIsRefusedNamingTheTensor) {
+  ShiftedSource reshaped(0.5f);
+  ModelSpec model = reshaped.model();
+  model.layers[2].tensors[0].shape = {7, 14};
+  model.layers[2].tensors[0].num_elements = 98;
+  // The digest covers shapes too; a matching digest with other element
+  // counts cannot happen, so the digest is what reports it.
+  const absl::Status status = OpenError(model, 1, 2);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("layout digest"));
+}
+
+TEST_F(CheckpointSourceTest, AFlippedDataByteFailsTheChecksum) {
+  FlipByteFromEnd(5);  // inside the last tensor's data
+  auto source = CheckpointSource::Open(path_, values_.model(), 1, 2, TestPolicy());
+  ASSERT_TRUE(source.ok()) << source.status() << " (the header is intact)";
+  auto store = LoadStore(**source, 1, 2);
+  ASSERT_NE(store, nullptr);
+  const absl::Status verified = (*source)->VerifyChecksum();
+  EXPECT_EQ(verified.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(verified.message()), AllOf(HasSubstr(path_), HasSubstr("is corrupt"),
+                                                     HasSubstr("header records sha256:")));
+}
+
+TEST_F(CheckpointSourceTest, ATruncatedFileIsRefusedAtOpen) {
+  std::filesystem::resize_file(path_, std::filesystem::file_size(path_) - 4);
+  const absl::Status status = OpenError(values_.model(), 1, 2);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr(path_), HasSubstr("cannot be read as a safetensors file")));
+}
+
+TEST_F(CheckpointSourceTest, AnyFileThatIsNotACheckpointIsRefused) {
+  std::ofstream(path_, std::ios::trunc) << "not a checkpoint";
+  EXPECT_EQ(OpenError(values_.model(), 1, 2).code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(CheckpointSourceTest, ReadsOutOfOrderAreVerifiedByReadingAgain) {
+  auto source = CheckpointSource::Open(path_, values_.model(), 1, 2, TestPolicy());
+  ASSERT_TRUE(source.ok()) << source.status();
+  // The last tensor first, then one part of another: not the load order.
+  const ModelSpec& model = values_.model();
+  const ElementRange head = ShardElementRange(model.layers[2].tensors[0].num_elements, 1, 2);
+  std::vector<float> buffer(head.size());
+  ASSERT_TRUE((*source)->Read(2, 0, head, buffer).ok());
+  EXPECT_EQ(buffer[0], values_.Value(2, 0, head.begin));
+  const ElementRange big = ShardElementRange(model.layers[1].tensors[1].num_elements, 1, 2);
+  buffer.resize(3);
+  ASSERT_TRUE((*source)->Read(1, 1, ElementRange{big.begin + 10, big.begin + 13}, buffer).ok());
+  EXPECT_EQ(buffer[2], values_.Value(1, 1, big.begin + 12));
+  EXPECT_TRUE((*source)->VerifyChecksum().ok());
+}
+
+TEST_F(CheckpointSourceTest, ElementsOfOtherShardsAreOutOfRange) {
+  auto source = CheckpointSource::Open(path_, values_.model(), 1, 2, TestPolicy());
+  ASSERT_TRUE(source.ok()) << source.status();
+  std::vector<float> buffer(1);
+  const absl::Status status = (*source)->Read(0, 0, ElementRange{0, 1}, buffer);
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("holds elements ["));
+}
+
+}  // namespace
+}  // namespace layercast::server::testing
