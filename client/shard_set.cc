@@ -134,8 +134,11 @@ absl::StatusOr<uint64_t> ShardSet::GatherInto(uint32_t layer, const GatherOption
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<uint64_t> version = GatherStreams(layer, options, buffer);
   if (metrics_ != nullptr && layer < view_.layouts.size()) {
+    const uint64_t bytes = options.byte_range
+                               ? options.byte_range->second - options.byte_range->first
+                               : view_.layouts[layer].total_bytes();
     metrics_->RecordGather(
-        version.ok(), view_.layouts[layer].total_bytes(),
+        version.ok(), bytes,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return version;
