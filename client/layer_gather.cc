@@ -16,8 +16,7 @@ bool Retryable(const absl::Status& status) {
 // workers that failed together do not retry in lockstep.
 std::chrono::milliseconds Backoff(int attempt, std::mt19937_64& rng) {
   const int64_t full = std::min<int64_t>(2000, int64_t{50} << std::min(attempt, 10));
-  return std::chrono::milliseconds(
-      std::uniform_int_distribution<int64_t>(full / 2, full)(rng));
+  return std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(full / 2, full)(rng));
 }
 
 }  // namespace
@@ -54,9 +53,9 @@ layercast::v1::FetchLayerRequest LayerGather::RequestFor(
   request.set_min_version(options_.min_version);
   // The shard sends what it owns of the range, so starting the range at the
   // first missing element asks for exactly the runs still owed.
-  const uint64_t begin =
-      runs.empty() ? range_begin_
-                   : runs[0].byte_offset + runs[0].elements.begin * runs[0].element_size;
+  const uint64_t begin = runs.empty()
+                             ? range_begin_
+                             : runs[0].byte_offset + runs[0].elements.begin * runs[0].element_size;
   if (begin != 0 || range_end_ != layout_.total_bytes()) {
     request.set_range_begin(begin);
     request.set_range_end(range_end_);
@@ -114,10 +113,10 @@ void LayerGather::Settle(uint32_t shard) {
     return;
   }
   failure_ = absl::Status(
-      status.code(), absl::StrCat(status.message(),
-                                  Retryable(status) ? absl::StrCat(" (gave up after ", s.attempts,
-                                                                   " attempt(s))")
-                                                    : ""));
+      status.code(),
+      absl::StrCat(
+          status.message(),
+          Retryable(status) ? absl::StrCat(" (gave up after ", s.attempts, " attempt(s))") : ""));
   CancelAll();
 }
 
@@ -165,9 +164,8 @@ absl::StatusOr<uint64_t> LayerGather::Run() {
         }
       }
       if (active_ == 0 && !next_retry) break;
-      const auto has_news = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !finished_.empty();
-      };
+      const auto has_news = [this]()
+                                ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !finished_.empty(); };
       if (next_retry) {
         mu_.AwaitWithTimeout(absl::Condition(&has_news),
                              absl::FromChrono(*next_retry - std::chrono::steady_clock::now()));
@@ -189,10 +187,10 @@ absl::StatusOr<uint64_t> LayerGather::Run() {
     const std::optional<uint64_t>& v = state_[shard].version;
     if (!v) continue;
     if (version && *version != *v) {
-      return absl::AbortedError(absl::StrCat(
-          "gathering layer ", layer_, ": shards sent different parameter versions (", *version,
-          " and ", *v, " from ", shards_[shard].describe,
-          "); gather it again with min_version set to the newer one"));
+      return absl::AbortedError(
+          absl::StrCat("gathering layer ", layer_, ": shards sent different parameter versions (",
+                       *version, " and ", *v, " from ", shards_[shard].describe,
+                       "); gather it again with min_version set to the newer one"));
     }
     version = v;
   }

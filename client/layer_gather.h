@@ -40,8 +40,7 @@ class LayerGather {
   // Everything referenced must outlive Run(). `default_version` is returned
   // when no shard had anything to send (a range of padding only).
   LayerGather(std::vector<Shard> shards, const AssembledLayout& layout, uint32_t layer,
-              const GatherOptions& options, std::span<uint8_t> buffer,
-              uint64_t default_version);
+              const GatherOptions& options, std::span<uint8_t> buffer, uint64_t default_version);
 
   // The parameter version the layer was cast from.
   absl::StatusOr<uint64_t> Run();

@@ -56,9 +56,9 @@ TEST(RecoveryTest, KilledShardRestartsAndTheGatherResumes) {
   std::vector<float> master(view.num_elements);
   ASSERT_TRUE((*source)->Read(0, 0, ElementRange{0, view.num_elements}, master).ok());
   std::vector<uint8_t> expected(view.bytes.size());
-  ASSERT_TRUE(CastFromF32(master.data(), expected.data(), master.size(), view.dtype,
-                          Fp16Overflow::kError)
-                  .ok());
+  ASSERT_TRUE(
+      CastFromF32(master.data(), expected.data(), master.size(), view.dtype, Fp16Overflow::kError)
+          .ok());
   EXPECT_EQ(std::memcmp(expected.data(), view.bytes.data(), expected.size()), 0);
 }
 

@@ -18,13 +18,13 @@ TEST(ChunkEncoderTest, ParsesAsALayerChunk) {
     uint64_t offset, version;
     size_t bytes;
   };
-  for (const Case& c : {Case{0, 0, 0, 2}, Case{7, 123456789012ull, 3, 1000},
-                        Case{4000000000u, 1, 0, 1 << 20}}) {
+  for (const Case& c :
+       {Case{0, 0, 0, 2}, Case{7, 123456789012ull, 3, 1000}, Case{4000000000u, 1, 0, 1 << 20}}) {
     std::vector<uint8_t> data(c.bytes);
     for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 31 + 7);
     const uint32_t crc = Crc32c(data.data(), data.size());
-    const grpc::ByteBuffer frame = EncodeLayerChunk(
-        c.tensor, c.offset, c.version, crc, grpc::Slice(data.data(), data.size()));
+    const grpc::ByteBuffer frame =
+        EncodeLayerChunk(c.tensor, c.offset, c.version, crc, grpc::Slice(data.data(), data.size()));
     std::vector<grpc::Slice> slices;
     ASSERT_TRUE(frame.Dump(&slices).ok());
     std::string bytes;
