@@ -46,16 +46,17 @@ std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
   return runs;
 }
 
-layercast::v1::FetchLayerRequest LayerGather::RequestFor(
-    const std::vector<ShardStream::Run>& runs) const {
+layercast::v1::FetchLayerRequest LayerGather::RequestFor(const std::vector<ShardStream::Run>& runs,
+                                                         bool resume) const {
   layercast::v1::FetchLayerRequest request;
   request.set_layer(layer_);
   request.set_min_version(options_.min_version);
-  // The shard sends what it owns of the range, so starting the range at the
-  // first missing element asks for exactly the runs still owed.
-  const uint64_t begin = runs.empty()
-                             ? range_begin_
-                             : runs[0].byte_offset + runs[0].elements.begin * runs[0].element_size;
+  // A resumed stream asks for the range from its first missing element: the
+  // shard sends what it owns of a range, so that is exactly the runs still
+  // owed.
+  const uint64_t begin = resume && !runs.empty()
+                             ? runs[0].byte_offset + runs[0].elements.begin * runs[0].element_size
+                             : range_begin_;
   if (begin != 0 || range_end_ != layout_.total_bytes()) {
     request.set_range_begin(begin);
     request.set_range_end(range_end_);
@@ -75,7 +76,7 @@ void LayerGather::Start(uint32_t shard) {
         finished_.push_back(shard);
       },
       options_.on_chunk);
-  s.stream->Start(*shards_[shard].stub, RequestFor(s.runs), deadline_);
+  s.stream->Start(*shards_[shard].stub, RequestFor(s.runs, /*resume=*/s.attempts > 1), deadline_);
 }
 
 void LayerGather::CancelAll() {

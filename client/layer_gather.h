@@ -60,8 +60,10 @@ class LayerGather {
 
   // The runs shard `shard` owns within the requested range.
   std::vector<ShardStream::Run> OwnedRuns(uint32_t shard) const;
-  // A request for exactly `runs` (the tail of the requested range).
-  layercast::v1::FetchLayerRequest RequestFor(const std::vector<ShardStream::Run>& runs) const;
+  // The request for a shard's first stream, or for resuming `runs` (the
+  // tail of what it owes).
+  layercast::v1::FetchLayerRequest RequestFor(const std::vector<ShardStream::Run>& runs,
+                                              bool resume) const;
   void Start(uint32_t shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Folds a finished stream into its shard's state: done, retry later, or
   // fail the gather.

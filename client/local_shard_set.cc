@@ -75,6 +75,8 @@ absl::StatusOr<pid_t> LocalShardSet::Spawn(uint32_t shard, const std::string& li
 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
+  // The shard must not hold the caller's pipes and sockets open.
+  posix_spawn_file_actions_addclosefrom_np(&actions, STDERR_FILENO + 1);
   if (!options_.log_dir.empty()) {
     const std::string log = absl::StrCat(options_.log_dir, "/shard-", shard, ".log");
     posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),

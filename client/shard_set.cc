@@ -86,6 +86,9 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // Each ShardSet gets connections of its own: several workers in one
+  // process should not share (and serialise on) one HTTP/2 connection.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   for (const std::string& address : set->addresses_) {
     auto channel = grpc::CreateCustomChannel(
         address, options.credentials ? options.credentials : grpc::InsecureChannelCredentials(),

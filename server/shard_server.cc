@@ -76,8 +76,10 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   }
   RETURN_IF_ERROR(server->UseCheckpoint());
   admin.checkpoints = server->checkpoints_.get();
-  server->service_ = std::make_unique<ShardService>(
-      ShardService::Options{.chunk_bytes = config.chunk_bytes()}, server->metrics_);
+  server->service_ =
+      std::make_unique<ShardService>(ShardService::Options{.chunk_bytes = config.chunk_bytes(),
+                                                           .max_streams = config.max_streams()},
+                                     server->metrics_);
   server->admin_ = std::make_unique<ShardAdminService>(
       std::move(admin), server->service_->version_gate(), server->metrics_);
   server->metrics_.master_bytes().Set(static_cast<double>(master));

@@ -130,9 +130,18 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
 
+  bool admitted = false;
   {
     absl::MutexLock lock(&streams_mu_);
-    ++streams_in_flight_;
+    admitted = streams_in_flight_ < static_cast<int64_t>(options_.max_streams);
+    if (admitted) ++streams_in_flight_;
+  }
+  if (!admitted) {
+    return Refuse(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("this shard already serves ", options_.max_streams,
+                     " FetchLayer streams (--max-streams); retry with backoff, or raise "
+                     "--max-streams")));
   }
   metrics_.streams_in_flight().Increment();
   FetchLayerReactor::Options reactor_options;

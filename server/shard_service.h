@@ -27,6 +27,9 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
+    // FetchLayer streams in flight at most (--max-streams); more are refused
+    // with RESOURCE_EXHAUSTED.
+    uint32_t max_streams = 1024;
   };
 
   // `metrics` must outlive the service.

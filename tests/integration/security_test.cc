@@ -14,7 +14,6 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
-#include <regex>
 
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
@@ -230,13 +229,17 @@ TEST_F(SecurityTest, HealthListenServesPlaintextProbesBesideTls) {
   ASSERT_TRUE(Connect(*processes, Tls(certs_.ca, certs_.client_cert, certs_.client_key)).ok());
 
   const std::string log = ReadText(logs + "/shard-0.log");
-  std::smatch match;
-  ASSERT_TRUE(
-      std::regex_search(log, match, std::regex("health on 127\\.0\\.0\\.1:(\\d+) \\(plaintext\\)")))
-      << log;
-  EXPECT_THAT(log, HasSubstr("(mutual TLS)"));
+  // "health on 127.0.0.1:PORT (plaintext)"
+  constexpr char kHealthOn[] = "health on 127.0.0.1:";
+  const size_t begin = log.find(kHealthOn);
+  ASSERT_NE(begin, std::string::npos) << log;
+  const size_t port_begin = begin + sizeof(kHealthOn) - 1;
+  const std::string health_address =
+      "127.0.0.1:" + log.substr(port_begin, log.find(' ', port_begin) - port_begin);
+  EXPECT_THAT(log, AllOf(HasSubstr("health on " + health_address + " (plaintext)"),
+                         HasSubstr("(mutual TLS)")));
   auto health = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + match[1].str(), grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel(health_address, grpc::InsecureChannelCredentials()));
   for (const std::string service : {"", "layercast.v1.ShardService"}) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -248,9 +251,8 @@ TEST_F(SecurityTest, HealthListenServesPlaintextProbesBesideTls) {
     EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING) << service;
   }
   // The health port serves nothing else.
-  EXPECT_EQ(
-      GetManifest("127.0.0.1:" + match[1].str(), grpc::InsecureChannelCredentials()).error_code(),
-      grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(GetManifest(health_address, grpc::InsecureChannelCredentials()).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
   EXPECT_TRUE(processes->Stop().ok());
 }
 

@@ -118,6 +118,41 @@ TEST(ShardServerBudgetTest, AStreamThatCannotStartBeforeItsDeadlineIsRefused) {
   server->Shutdown(std::chrono::seconds(5));
 }
 
+TEST(ShardServerBudgetTest, StreamsBeyondMaxStreamsAreRefused) {
+  layercast::v1::ShardConfig config;
+  config.set_listen("127.0.0.1:0");
+  config.set_num_shards(1);
+  config.set_synthetic("llama:layers=1,hidden=256,ffn=64,vocab=65536");
+  config.set_max_streams(1);
+  auto server = ShardServer::Create(*ResolveShardConfig(config));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->Start().ok());
+  ASSERT_TRUE((*server)->Load(nullptr).ok());
+  auto stub = layercast::v1::ShardService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  // Held open: 32 MiB of bf16 that this reader does not drain.
+  grpc::ClientContext holder_context;
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(0);
+  auto holder = stub->FetchLayer(&holder_context, request);
+  layercast::v1::LayerChunk chunk;
+  ASSERT_TRUE(holder->Read(&chunk));
+
+  grpc::ClientContext context;
+  request.set_layer(1);
+  auto refused = stub->FetchLayer(&context, request);
+  while (refused->Read(&chunk)) {
+  }
+  const grpc::Status status = refused->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), ::testing::HasSubstr("already serves 1 FetchLayer"));
+  holder_context.TryCancel();
+  while (holder->Read(&chunk)) {
+  }
+  holder->Finish();
+  (*server)->Shutdown(std::chrono::seconds(5));
+}
+
 TEST(ShardServerBudgetTest, ABudgetThatCannotServeOneStreamFailsAtStart) {
   auto source = SyntheticModel::Create(kModel);
   const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);

@@ -1,0 +1,586 @@
+// Gathering layers from real shard servers on 127.0.0.1, measured in one run
+// against a baseline from the same run:
+//   (a) baseline: N minimal gRPC servers (forked from this process before any
+//       gRPC object exists, so their CPU is their own) that stream pre-made
+//       LayerChunk frames of exactly the bytes and chunks shard i would send,
+//       through the same raw FetchLayer path; the client side is identical;
+//   (b) layercast, policy p=f32,c=bf16 (cast just in time, per chunk);
+//   (c) layercast, policy p=f32,c=f32 (the fp32 gather the cast replaces).
+// Reports bytes/s on the wire, parameters/s, server and worker CPU seconds per
+// GB delivered, and the ratios b/a, b/c against their goals.
+//
+// --table instead loops N in {1,2,4,8} and W in {1,8} over a smaller model
+// (policy b only) and prints bytes/s, time to first byte and p50/p99 per-layer
+// gather latency, each configuration bounded to a few seconds.
+//
+// Usage: gather_bench [--num-shards N] [--workers W] [--rounds R]
+//                     [--synthetic SPEC] [--table]
+
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "client/local_shard_set.h"
+#include "client/shard_set.h"
+#include "core/byte_size.h"
+#include "core/crc32c.h"
+#include "core/dtype.h"
+#include "core/layout.h"
+#include "layercast/v1/shard.grpc.pb.h"
+#include "server/chunk_encoder.h"
+
+namespace layercast {
+namespace {
+
+constexpr uint64_t kChunkBytes = 1 << 20;
+constexpr const char* kPolicyBf16 = "p=f32,c=bf16";
+constexpr const char* kPolicyF32 = "p=f32,c=f32";
+constexpr const char* kLogDir = "/tmp/gather_bench_logs";
+
+struct Args {
+  uint32_t num_shards = 2;
+  uint32_t workers = 1;
+  uint32_t rounds = 3;
+  std::string synthetic = "llama:layers=4,hidden=2048,ffn=5632,vocab=32000,seed=1";
+  bool table = false;
+};
+
+Args ParseArgs(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--table") {
+      args.table = true;
+      continue;
+    }
+    if (i + 1 >= argc) break;
+    const std::string value = argv[++i];
+    if (flag == "--num-shards") args.num_shards = static_cast<uint32_t>(std::stoul(value));
+    if (flag == "--workers") args.workers = static_cast<uint32_t>(std::stoul(value));
+    if (flag == "--rounds") args.rounds = static_cast<uint32_t>(std::stoul(value));
+    if (flag == "--synthetic") args.synthetic = value;
+  }
+  args.num_shards = std::max(1u, args.num_shards);
+  args.workers = std::max(1u, args.workers);
+  args.rounds = std::max(1u, args.rounds);
+  return args;
+}
+
+// --- pipes between this process and the forked baseline servers -----------
+
+bool WriteAll(int fd, const void* data, size_t size) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = write(fd, p, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, void* data, size_t size) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    const ssize_t n = read(fd, p, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// --- (a) the baseline server: pre-made chunks, raw FetchLayer --------------
+
+// Writes one layer's pre-encoded chunks in order, one write in flight, as
+// FetchLayerReactor does, but with nothing to cast.
+class PremadeReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  PremadeReactor(const std::vector<grpc::ByteBuffer>* chunks, size_t first)
+      : chunks_(chunks), next_(first) {
+    WriteNext();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+      return;
+    }
+    WriteNext();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() {
+    if (next_ == chunks_->size()) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    chunk_ = (*chunks_)[next_++];  // a reference to the same slices, no copy
+    StartWrite(&chunk_);
+  }
+  const std::vector<grpc::ByteBuffer>* chunks_;
+  size_t next_;
+  grpc::ByteBuffer chunk_;
+};
+
+class BaselineService final : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
+                                  layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
+                                      layercast::v1::ShardService::Service>> {
+ public:
+  // Encodes every chunk shard manifest.shard_index() would send, once.
+  explicit BaselineService(layercast::v1::Manifest manifest) : manifest_(std::move(manifest)) {
+    const uint32_t shard = manifest_.shard_index(), n = manifest_.num_shards();
+    for (const layercast::v1::Layer& layer : manifest_.layers()) {
+      std::vector<grpc::ByteBuffer>& chunks = layers_.emplace_back();
+      std::vector<uint64_t>& starts = starts_.emplace_back();
+      for (int t = 0; t < layer.tensors_size(); ++t) {
+        const layercast::v1::Tensor& tensor = layer.tensors(t);
+        const ElementRange owned = ShardElementRange(tensor.num_elements(), shard, n);
+        const size_t size = DTypeSize(static_cast<DType>(tensor.compute_dtype()));
+        const uint64_t per_chunk = std::max<uint64_t>(1, kChunkBytes / size);
+        for (uint64_t e = owned.begin; e < owned.end; e += per_chunk) {
+          const uint64_t count = std::min(per_chunk, owned.end - e);
+          grpc::Slice slice(count * size);
+          auto* data = const_cast<uint8_t*>(slice.begin());
+          for (size_t i = 0; i < slice.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + e);
+          starts.push_back(tensor.byte_offset() + e * size);
+          chunks.push_back(server::EncodeLayerChunk(
+              static_cast<uint32_t>(t), e, manifest_.version(), Crc32c(data, slice.size()), slice));
+        }
+      }
+    }
+  }
+
+  grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* context,
+                                        const layercast::v1::GetManifestRequest*,
+                                        layercast::v1::Manifest* response) override {
+    *response = manifest_;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchLayer(grpc::CallbackServerContext*,
+                                                         const grpc::ByteBuffer* raw) override {
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    layercast::v1::FetchLayerRequest request;
+    if (raw->Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices)
+        bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    // The worker asks shard i > 0 for the range from its first owned byte to
+    // the end of the layer: start at that chunk.
+    size_t first = 0;
+    bool ok = request.ParseFromString(bytes) && request.layer() < layers_.size();
+    if (ok) {
+      const std::vector<uint64_t>& starts = starts_[request.layer()];
+      first = static_cast<size_t>(
+          std::lower_bound(starts.begin(), starts.end(), request.range_begin()) - starts.begin());
+      ok = (request.range_begin() == 0 ||
+            (first < starts.size() && starts[first] == request.range_begin())) &&
+           (request.range_end() == 0 ||
+            request.range_end() ==
+                manifest_.layers(static_cast<int>(request.layer())).assembled_bytes());
+    }
+    if (!ok) {
+      struct Refuse final : grpc::ServerWriteReactor<grpc::ByteBuffer> {
+        Refuse() {
+          Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "baseline: only a whole shard's part of a layer"));
+        }
+        void OnDone() override { delete this; }
+      };
+      return new Refuse();
+    }
+    return new PremadeReactor(&layers_[request.layer()], first);
+  }
+
+ private:
+  const layercast::v1::Manifest manifest_;
+  std::vector<std::vector<grpc::ByteBuffer>> layers_;
+  std::vector<std::vector<uint64_t>> starts_;  // each chunk's assembled byte offset
+};
+
+// The forked child: reads its manifest from `in`, serves it, writes its port
+// to `out`, and serves until `in` reaches end of file. Never returns.
+[[noreturn]] void BaselineChild(int in, int out) {
+  uint64_t size = 0;
+  std::string bytes;
+  layercast::v1::Manifest manifest;
+  if (!ReadAll(in, &size, sizeof size)) _exit(0);  // parent ended without using us
+  bytes.resize(size);
+  if (!ReadAll(in, bytes.data(), size) || !manifest.ParseFromString(bytes)) _exit(2);
+  int port = 0;
+  {
+    BaselineService service(std::move(manifest));
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    const int32_t reply = server ? port : 0;
+    WriteAll(out, &reply, sizeof reply);
+    if (!server) _exit(3);
+    char c;
+    while (read(in, &c, 1) > 0) {
+    }
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
+  _exit(0);
+}
+
+struct BaselineProcess {
+  pid_t pid = -1;
+  int to_child = -1;    // manifest, then end of file to stop
+  int from_child = -1;  // its port
+};
+
+// Forks `n` baseline servers that wait for their manifests. Must run before
+// this process creates any gRPC object.
+std::vector<BaselineProcess> ForkBaselines(uint32_t n) {
+  std::vector<BaselineProcess> children;
+  for (uint32_t i = 0; i < n; ++i) {
+    int down[2], up[2];
+    if (pipe2(down, O_CLOEXEC) != 0 || pipe2(up, O_CLOEXEC) != 0) break;
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(down[1]);
+      close(up[0]);
+      // Pipes to earlier children must not be held open by this one.
+      for (const BaselineProcess& c : children) {
+        close(c.to_child);
+        close(c.from_child);
+      }
+      BaselineChild(down[0], up[1]);
+    }
+    close(down[0]);
+    close(up[1]);
+    children.push_back({pid, down[1], up[0]});
+  }
+  return children;
+}
+
+void StopBaselines(std::vector<BaselineProcess>& children) {
+  for (BaselineProcess& c : children) {
+    close(c.to_child);
+    close(c.from_child);
+  }
+  for (BaselineProcess& c : children) waitpid(c.pid, nullptr, 0);
+  children.clear();
+}
+
+// --- measurement -------------------------------------------------------------
+
+// utime + stime of process `pid`, seconds.
+double ProcessCpuSeconds(pid_t pid) {
+  std::ifstream file(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::istringstream fields(text.substr(paren + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);
+  }
+  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+double ServersCpuSeconds(const std::vector<pid_t>& pids) {
+  double total = 0;
+  for (pid_t pid : pids) total += ProcessCpuSeconds(pid);
+  return total;
+}
+
+double SelfCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+struct Result {
+  uint64_t wire_bytes = 0;
+  uint64_t params = 0;
+  uint64_t gathers = 0;
+  double seconds = 0;
+  double server_cpu = 0;
+  double worker_cpu = 0;
+  std::vector<double> latencies;   // per-layer gather, seconds
+  std::vector<double> first_byte;  // gather start to first chunk placed, seconds
+  double bytes_per_s() const { return wire_bytes / seconds; }
+  double params_per_s() const { return params / seconds; }
+  double server_cpu_per_gb() const { return server_cpu / (wire_bytes / 1e9); }
+  double worker_cpu_per_gb() const { return worker_cpu / (wire_bytes / 1e9); }
+};
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())));
+  return v[i];
+}
+
+// W workers, each with its own ShardSet to `addresses`, walk every layer
+// `rounds` times (stopping early once `limit` has passed). Servers' CPU is
+// read from `server_pids`.
+absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
+                               const std::vector<pid_t>& server_pids, uint32_t workers,
+                               uint32_t rounds, std::chrono::milliseconds limit) {
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::minutes(2);
+  std::vector<std::unique_ptr<client::ShardSet>> sets;
+  for (uint32_t w = 0; w < workers; ++w) {
+    auto set = client::ShardSet::Connect(addresses, connect);
+    if (!set.ok()) return set.status();
+    sets.push_back(*std::move(set));
+  }
+  const client::ShardSetView& view = sets[0]->view();
+  const uint32_t num_layers = static_cast<uint32_t>(view.layouts.size());
+  uint64_t largest = 0;
+  std::vector<uint64_t> layer_wire(num_layers), layer_params(num_layers);
+  for (uint32_t l = 0; l < num_layers; ++l) {
+    largest = std::max(largest, view.layouts[l].total_bytes());
+    for (const AssembledTensor& t : view.layouts[l].tensors()) {
+      layer_wire[l] += t.num_bytes();
+      layer_params[l] += t.num_elements;
+    }
+  }
+  // One reused, touched buffer per worker: page faults of fresh buffers are
+  // not what is measured here.
+  std::vector<std::vector<uint8_t>> buffers(workers, std::vector<uint8_t>(largest, 1));
+  // Warm-up: every worker gathers every layer once (connections, flow
+  // control windows, allocator).
+  for (uint32_t w = 0; w < workers; ++w) {
+    for (uint32_t l = 0; l < num_layers; ++l) {
+      auto v = sets[w]->GatherInto(l, {}, buffers[w]);
+      if (!v.ok()) return v.status();
+    }
+  }
+
+  std::vector<Result> per_worker(workers);
+  std::vector<absl::Status> errors(workers);
+  const double server_before = ServersCpuSeconds(server_pids);
+  const double self_before = SelfCpuSeconds();
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + limit;
+  std::vector<std::thread> threads;
+  for (uint32_t w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      Result& r = per_worker[w];
+      for (uint32_t round = 0; round < rounds; ++round) {
+        for (uint32_t l = 0; l < num_layers; ++l) {
+          if (round > 0 && std::chrono::steady_clock::now() > deadline) return;
+          std::atomic<int64_t> first_ns{-1};
+          const auto t0 = std::chrono::steady_clock::now();
+          client::GatherOptions options;
+          options.on_chunk = [&first_ns, t0](uint64_t) {
+            if (first_ns.load(std::memory_order_relaxed) >= 0) return;
+            int64_t expected = -1;
+            first_ns.compare_exchange_strong(expected,
+                                             std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                 std::chrono::steady_clock::now() - t0)
+                                                 .count());
+          };
+          auto version = sets[w]->GatherInto(l, options, buffers[w]);
+          const double took =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          if (!version.ok()) {
+            errors[w] = version.status();
+            return;
+          }
+          r.latencies.push_back(took);
+          r.first_byte.push_back(first_ns.load() * 1e-9);
+          r.wire_bytes += layer_wire[l];
+          r.params += layer_params[l];
+          ++r.gathers;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  Result total;
+  total.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  total.worker_cpu = SelfCpuSeconds() - self_before;
+  total.server_cpu = ServersCpuSeconds(server_pids) - server_before;
+  for (uint32_t w = 0; w < workers; ++w) {
+    if (!errors[w].ok()) return errors[w];
+    total.wire_bytes += per_worker[w].wire_bytes;
+    total.params += per_worker[w].params;
+    total.gathers += per_worker[w].gathers;
+    total.latencies.insert(total.latencies.end(), per_worker[w].latencies.begin(),
+                           per_worker[w].latencies.end());
+    total.first_byte.insert(total.first_byte.end(), per_worker[w].first_byte.begin(),
+                            per_worker[w].first_byte.end());
+  }
+  return total;
+}
+
+absl::StatusOr<std::unique_ptr<client::LocalShardSet>> StartShards(uint32_t n,
+                                                                   const std::string& synthetic,
+                                                                   const std::string& policy) {
+  client::LocalShardSet::Options options;
+  options.shard_binary = LAYERCAST_SHARD_BINARY;
+  options.num_shards = n;
+  options.extra_flags = {"--synthetic", synthetic, "--policy", policy};
+  mkdir(kLogDir, 0755);
+  options.log_dir = kLogDir;
+  return client::LocalShardSet::Start(options);
+}
+
+std::vector<pid_t> Pids(const client::LocalShardSet& shards, uint32_t n) {
+  std::vector<pid_t> pids;
+  for (uint32_t i = 0; i < n; ++i) pids.push_back(shards.pid(i));
+  return pids;
+}
+
+int Fail(const absl::Status& status, const char* what) {
+  std::fprintf(stderr, "%s: %s\n", what, status.ToString().c_str());
+  return 1;
+}
+
+void PrintRow(const char* name, const Result& r) {
+  std::printf("%-26s %9s/s %10.3f G/s %9.3f %9.3f %8.2f %8.2f %6llu\n", name,
+              FormatBytes(static_cast<uint64_t>(r.bytes_per_s())).c_str(), r.params_per_s() / 1e9,
+              r.server_cpu_per_gb(), r.worker_cpu_per_gb(), Percentile(r.latencies, 0.5) * 1e3,
+              Percentile(r.first_byte, 0.5) * 1e3, static_cast<unsigned long long>(r.gathers));
+}
+
+int RunDefault(const Args& args) {
+  // Before any gRPC object exists in this process.
+  std::vector<BaselineProcess> baselines = ForkBaselines(args.num_shards);
+  if (baselines.size() != args.num_shards) return 1;
+  const std::chrono::milliseconds limit = std::chrono::seconds(60);
+
+  auto bf16_shards = StartShards(args.num_shards, args.synthetic, kPolicyBf16);
+  if (!bf16_shards.ok()) return Fail(bf16_shards.status(), "starting shards (b)");
+  std::vector<std::string> baseline_addresses;
+  uint64_t assembled = 0;
+  size_t num_layers = 0;
+  {
+    client::ShardSetOptions connect;
+    connect.connect_timeout = std::chrono::minutes(2);
+    auto set = client::ShardSet::Connect((*bf16_shards)->addresses(), connect);
+    if (!set.ok()) return Fail(set.status(), "connecting to shards (b)");
+    for (const auto& layout : (*set)->view().layouts) assembled += layout.total_bytes();
+    num_layers = (*set)->view().layouts.size();
+    for (uint32_t i = 0; i < args.num_shards; ++i) {
+      const std::string bytes = (*set)->manifests()[i].SerializeAsString();
+      const uint64_t size = bytes.size();
+      int32_t port = 0;
+      if (!WriteAll(baselines[i].to_child, &size, sizeof size) ||
+          !WriteAll(baselines[i].to_child, bytes.data(), size) ||
+          !ReadAll(baselines[i].from_child, &port, sizeof port) || port == 0) {
+        std::fprintf(stderr, "baseline server %u did not start\n", i);
+        return 1;
+      }
+      baseline_addresses.push_back(absl::StrCat("127.0.0.1:", port));
+    }
+  }
+  std::vector<pid_t> baseline_pids;
+  for (const BaselineProcess& c : baselines) baseline_pids.push_back(c.pid);
+
+  std::printf(
+      "gather_bench: %s, %u shards, %u worker(s), %u rounds, %zu layers (%s per walk at bf16)\n"
+      "machine: 2 cores shared by servers and workers, nothing pinned: compare within this run\n\n",
+      args.synthetic.c_str(), args.num_shards, args.workers, args.rounds, num_layers,
+      FormatBytes(assembled).c_str());
+
+  auto a = Measure(baseline_addresses, baseline_pids, args.workers, args.rounds, limit);
+  if (!a.ok()) return Fail(a.status(), "baseline (a)");
+  auto b = Measure((*bf16_shards)->addresses(), Pids(**bf16_shards, args.num_shards), args.workers,
+                   args.rounds, limit);
+  if (!b.ok()) return Fail(b.status(), "layercast bf16 (b)");
+  StopBaselines(baselines);
+  const absl::Status stopped_b = (*bf16_shards)->Stop();
+  bf16_shards->reset();
+
+  auto f32_shards = StartShards(args.num_shards, args.synthetic, kPolicyF32);
+  if (!f32_shards.ok()) return Fail(f32_shards.status(), "starting shards (c)");
+  auto c = Measure((*f32_shards)->addresses(), Pids(**f32_shards, args.num_shards), args.workers,
+                   args.rounds, limit);
+  if (!c.ok()) return Fail(c.status(), "layercast f32 (c)");
+  const absl::Status stopped_c = (*f32_shards)->Stop();
+
+  std::printf("%-26s %11s %14s %9s %9s %8s %8s %6s\n", "", "wire", "params", "srv CPU", "wkr CPU",
+              "p50", "p50 TTFB", "layers");
+  std::printf("%-26s %11s %14s %9s %9s %8s %8s %6s\n", "", "bytes/s", "/s", "s/GB", "s/GB", "ms",
+              "ms", "");
+  PrintRow("(a) baseline, pre-made", *a);
+  PrintRow("(b) layercast p=f32,c=bf16", *b);
+  PrintRow("(c) layercast p=f32,c=f32", *c);
+  std::printf("\n%-44s %7.3f   goal >= 0.95\n",
+              "b/a wire bytes/s:", b->bytes_per_s() / a->bytes_per_s());
+  std::printf("%-44s %7.3f   goal >= 1.8\n",
+              "b/c parameters/s:", b->params_per_s() / c->params_per_s());
+  std::printf("%-44s %7.3f   goal <= 1.2\n",
+              "b/a server CPU s/GB:", b->server_cpu_per_gb() / a->server_cpu_per_gb());
+  std::printf("%-44s %7.3f   (no goal)\n",
+              "b/a worker CPU s/GB:", b->worker_cpu_per_gb() / a->worker_cpu_per_gb());
+  if (!stopped_b.ok() || !stopped_c.ok()) {
+    std::fprintf(stderr, "shard exit: %s / %s\n", stopped_b.ToString().c_str(),
+                 stopped_c.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+int RunTable(const Args& args) {
+  const std::string synthetic = args.synthetic == Args().synthetic
+                                    ? "llama:layers=4,hidden=1024,ffn=2816,vocab=32000,seed=2"
+                                    : args.synthetic;
+  const std::chrono::milliseconds limit = std::chrono::seconds(5);
+  std::printf(
+      "gather_bench --table: %s, policy %s, up to %u rounds or %llds per configuration\n"
+      "machine: 2 cores shared by servers and workers, nothing pinned: compare within this run\n\n",
+      synthetic.c_str(), kPolicyBf16, args.rounds, static_cast<long long>(limit.count() / 1000));
+  std::printf("%3s %3s %12s %10s %10s %10s %10s %8s\n", "N", "W", "bytes/s", "TTFB p50", "TTFB p99",
+              "lat p50", "lat p99", "layers");
+  for (uint32_t n : {1u, 2u, 4u, 8u}) {
+    auto shards = StartShards(n, synthetic, kPolicyBf16);
+    if (!shards.ok()) return Fail(shards.status(), "starting shards");
+    for (uint32_t w : {1u, 8u}) {
+      auto r = Measure((*shards)->addresses(), Pids(**shards, n), w, args.rounds, limit);
+      if (!r.ok()) return Fail(r.status(), "gather");
+      std::printf("%3u %3u %10s/s %8.2fms %8.2fms %8.2fms %8.2fms %8llu\n", n, w,
+                  FormatBytes(static_cast<uint64_t>(r->bytes_per_s())).c_str(),
+                  Percentile(r->first_byte, 0.5) * 1e3, Percentile(r->first_byte, 0.99) * 1e3,
+                  Percentile(r->latencies, 0.5) * 1e3, Percentile(r->latencies, 0.99) * 1e3,
+                  static_cast<unsigned long long>(r->gathers));
+      std::fflush(stdout);
+    }
+    const absl::Status stopped = (*shards)->Stop();
+    if (!stopped.ok()) return Fail(stopped, "stopping shards");
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace layercast
+
+int main(int argc, char** argv) {
+  const layercast::Args args = layercast::ParseArgs(argc, argv);
+  return args.table ? layercast::RunTable(args) : layercast::RunDefault(args);
+}
