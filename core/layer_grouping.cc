@@ -5,10 +5,14 @@
 #include <map>
 // GCC 12 reports a false -Wmaybe-uninitialized inside libstdc++'s regex
 // compiler when built with sanitizers (GCC bug 105562).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <regex>
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #include <set>
 #include <utility>
 

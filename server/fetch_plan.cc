@@ -10,9 +10,11 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   const ModelSpec& model = store.model();
   const uint64_t num_layers = model.layers.size();
   if (request.layer() >= num_layers) {
-    return absl::NotFoundError(absl::StrCat("layer ", request.layer(),
-                                            " does not exist: this model has ", num_layers,
-                                            " layers (0-", num_layers - 1, ")"));
+    return absl::NotFoundError(
+        num_layers == 0
+            ? absl::StrCat("layer ", request.layer(), " does not exist: this model has no layers")
+            : absl::StrCat("layer ", request.layer(), " does not exist: this model has ",
+                           num_layers, " layers (0-", num_layers - 1, ")"));
   }
   const LayerSpec& layer = model.layers[request.layer()];
   const AssembledLayout& layout = store.layout(request.layer());

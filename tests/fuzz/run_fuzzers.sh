@@ -13,7 +13,7 @@ seconds=${1:-60}
 shift || true
 targets=("$@")
 if [ "${#targets[@]}" -eq 0 ]; then targets=(safetensors policy manifest fetch_plan); fi
-build=build-fuzz
+build="build-fuzz"
 jobs=$(nproc)
 
 echo "== build $build (clang, libFuzzer, address,undefined)"

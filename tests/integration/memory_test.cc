@@ -7,6 +7,15 @@
 #include "core/byte_size.h"
 #include "tests/integration/shard_fixture.h"
 
+// GCC says __SANITIZE_ADDRESS__; clang says __has_feature.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define LAYERCAST_UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define LAYERCAST_UNDER_SANITIZER 1
+#endif
+#endif
+
 namespace layercast::testing {
 namespace {
 
@@ -15,7 +24,7 @@ namespace {
 constexpr uint64_t kServerOverheadBytes = 32ull << 20;
 
 TEST(MemoryTest, ServerPeakRssStaysNearItsFp32Slice) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(LAYERCAST_UNDER_SANITIZER)
   GTEST_SKIP() << "sanitizer shadow memory inflates RSS; measured in the plain build";
 #endif
   // 8 x 28.3M + 2 x 49.2M parameters = 1.21 GiB of fp32.
