@@ -36,18 +36,6 @@ std::string WriteToken(const std::string& dir) {
   return path;
 }
 
-std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
-                                                      const std::string& log_dir = "") {
-  client::LocalShardSet::Options options;
-  options.shard_binary = ShardBinary();
-  options.num_shards = n;
-  options.extra_flags = std::move(flags);
-  options.log_dir = log_dir;
-  auto set = client::LocalShardSet::Start(options);
-  EXPECT_TRUE(set.ok()) << set.status();
-  return set.ok() ? *std::move(set) : nullptr;
-}
-
 std::unique_ptr<client::ShardSet> Connect(const client::LocalShardSet& processes) {
   client::ShardSetOptions options;
   options.connect_timeout = std::chrono::seconds(120);

@@ -91,18 +91,6 @@ std::shared_ptr<grpc::ChannelCredentials> Tls(const std::string& ca, const std::
   return grpc::SslCredentials(options);
 }
 
-std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
-                                                      const std::string& log_dir = "") {
-  client::LocalShardSet::Options options;
-  options.shard_binary = ShardBinary();
-  options.num_shards = n;
-  options.extra_flags = std::move(flags);
-  options.log_dir = log_dir;
-  auto set = client::LocalShardSet::Start(options);
-  EXPECT_TRUE(set.ok()) << set.status();
-  return set.ok() ? *std::move(set) : nullptr;
-}
-
 // One GetManifest without waiting for the connection: how a client that
 // cannot complete the handshake fails.
 grpc::Status GetManifest(const std::string& address,

@@ -17,16 +17,22 @@ std::string MakeTempDir(const std::string& name) {
   return dir.string();
 }
 
-RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
-  RunningShards running;
+std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
+                                                      const std::string& log_dir) {
   client::LocalShardSet::Options options;
   options.shard_binary = ShardBinary();
-  options.num_shards = num_shards;
+  options.num_shards = n;
   options.extra_flags = std::move(flags);
-  auto processes = client::LocalShardSet::Start(options);
-  EXPECT_TRUE(processes.ok()) << processes.status();
-  if (!processes.ok()) return running;
-  running.processes = *std::move(processes);
+  options.log_dir = log_dir;
+  auto set = client::LocalShardSet::Start(options);
+  EXPECT_TRUE(set.ok()) << set.status();
+  return set.ok() ? *std::move(set) : nullptr;
+}
+
+RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
+  RunningShards running;
+  running.processes = StartProcesses(num_shards, std::move(flags));
+  if (running.processes == nullptr) return running;
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::seconds(60);
   auto set = client::ShardSet::Connect(running.processes->addresses(), connect);

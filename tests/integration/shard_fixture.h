@@ -18,6 +18,12 @@ inline std::string CliBinary() { return LAYERCAST_CLI_BINARY; }
 // A fresh directory under the test's temp dir.
 std::string MakeTempDir(const std::string& name);
 
+// Starts `n` real layercast-shard processes with `flags` (stderr to
+// `log_dir`/shard-<i>.log when given); fails the test and returns nullptr
+// on error.
+std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
+                                                      const std::string& log_dir = "");
+
 // Starts `num_shards` real layercast-shard processes with `flags` and
 // connects a ShardSet to them; fails the test on error.
 struct RunningShards {

@@ -19,16 +19,6 @@ namespace {
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 
-std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags) {
-  client::LocalShardSet::Options options;
-  options.shard_binary = ShardBinary();
-  options.num_shards = n;
-  options.extra_flags = std::move(flags);
-  auto set = client::LocalShardSet::Start(options);
-  EXPECT_TRUE(set.ok()) << set.status();
-  return set.ok() ? *std::move(set) : nullptr;
-}
-
 // The health status of `service`, or UNKNOWN with the RPC's error.
 HealthCheckResponse::ServingStatus Health(const std::string& address, const std::string& service) {
   auto stub = grpc::health::v1::Health::NewStub(
