@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
+#include "core/crc32c.h"
 
 namespace layercast {
 namespace {
@@ -63,6 +64,16 @@ void BM_F32ToF16(benchmark::State& state, CastIsa isa) {
       break;
     }
     benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
+// What a shard adds per chunk after the cast: the CRC-32C of the bf16 bytes,
+// half the fp32 input's size, over the same fp32 input bytes as the others.
+void BM_Crc32cOfBf16(benchmark::State& state) {
+  const std::vector<float>& in = Input();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(Crc32c(in.data(), kInputBytes / 2));
   }
   state.SetBytesProcessed(state.iterations() * kInputBytes);
 }
@@ -118,6 +129,7 @@ int main(int argc, char** argv) {
     Register(
         benchmark::RegisterBenchmark(absl::StrCat("f32_to_f16/", name).c_str(), BM_F32ToF16, isa));
   }
+  Register(benchmark::RegisterBenchmark("crc32c_of_bf16", BM_Crc32cOfBf16));
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   Input();  // filled once, before any timing

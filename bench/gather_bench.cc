@@ -13,8 +13,11 @@
 // (policy b only) and prints bytes/s, time to first byte and p50/p99 per-layer
 // gather latency, each configuration bounded to a few seconds.
 //
+// --sharing loops W in {1,2,4,8} workers walking the same layers, against the
+// baseline at the same W, with shared casts on and off (see RunSharing).
+//
 // Usage: gather_bench [--num-shards N] [--workers W] [--rounds R]
-//                     [--synthetic SPEC] [--table]
+//                     [--synthetic SPEC] [--table | --sharing]
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -45,6 +48,7 @@
 #include "core/byte_size.h"
 #include "core/crc32c.h"
 #include "core/dtype.h"
+#include "core/heap_tuning.h"
 #include "core/layout.h"
 #include "layercast/v1/shard.grpc.pb.h"
 #include "server/chunk_encoder.h"
@@ -63,14 +67,15 @@ struct Args {
   uint32_t rounds = 3;
   std::string synthetic = "llama:layers=4,hidden=2048,ffn=5632,vocab=32000,seed=1";
   bool table = false;
+  bool sharing = false;
 };
 
 Args ParseArgs(int argc, char** argv) {
   Args args;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--table") {
-      args.table = true;
+    if (flag == "--table" || flag == "--sharing") {
+      (flag == "--table" ? args.table : args.sharing) = true;
       continue;
     }
     if (i + 1 >= argc) break;
@@ -438,13 +443,14 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   return total;
 }
 
-absl::StatusOr<std::unique_ptr<client::LocalShardSet>> StartShards(uint32_t n,
-                                                                   const std::string& synthetic,
-                                                                   const std::string& policy) {
+absl::StatusOr<std::unique_ptr<client::LocalShardSet>> StartShards(
+    uint32_t n, const std::string& synthetic, const std::string& policy,
+    std::vector<std::string> more_flags = {}) {
   client::LocalShardSet::Options options;
   options.shard_binary = LAYERCAST_SHARD_BINARY;
   options.num_shards = n;
   options.extra_flags = {"--synthetic", synthetic, "--policy", policy};
+  options.extra_flags.insert(options.extra_flags.end(), more_flags.begin(), more_flags.end());
   mkdir(kLogDir, 0755);
   options.log_dir = kLogDir;
   return client::LocalShardSet::Start(options);
@@ -468,6 +474,40 @@ void PrintRow(const char* name, const Result& r) {
               Percentile(r.first_byte, 0.5) * 1e3, static_cast<unsigned long long>(r.gathers));
 }
 
+// Hands each forked baseline server the manifest of the real shard it
+// stands in for (the shards at `addresses`), and returns the baselines'
+// addresses; with the total assembled bytes and layer count of the model.
+struct BaselineSet {
+  std::vector<std::string> addresses;
+  std::vector<pid_t> pids;
+  uint64_t assembled = 0;
+  size_t num_layers = 0;
+};
+
+absl::StatusOr<BaselineSet> ServeBaselines(const std::vector<BaselineProcess>& baselines,
+                                           const std::vector<std::string>& addresses) {
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::minutes(2);
+  auto set = client::ShardSet::Connect(addresses, connect);
+  if (!set.ok()) return set.status();
+  BaselineSet result;
+  for (const auto& layout : (*set)->view().layouts) result.assembled += layout.total_bytes();
+  result.num_layers = (*set)->view().layouts.size();
+  for (size_t i = 0; i < baselines.size(); ++i) {
+    const std::string bytes = (*set)->manifests()[i].SerializeAsString();
+    const uint64_t size = bytes.size();
+    int32_t port = 0;
+    if (!WriteAll(baselines[i].to_child, &size, sizeof size) ||
+        !WriteAll(baselines[i].to_child, bytes.data(), size) ||
+        !ReadAll(baselines[i].from_child, &port, sizeof port) || port == 0) {
+      return absl::InternalError(absl::StrCat("baseline server ", i, " did not start"));
+    }
+    result.addresses.push_back(absl::StrCat("127.0.0.1:", port));
+    result.pids.push_back(baselines[i].pid);
+  }
+  return result;
+}
+
 int RunDefault(const Args& args) {
   // Before any gRPC object exists in this process.
   std::vector<BaselineProcess> baselines = ForkBaselines(args.num_shards);
@@ -476,31 +516,12 @@ int RunDefault(const Args& args) {
 
   auto bf16_shards = StartShards(args.num_shards, args.synthetic, kPolicyBf16);
   if (!bf16_shards.ok()) return Fail(bf16_shards.status(), "starting shards (b)");
-  std::vector<std::string> baseline_addresses;
-  uint64_t assembled = 0;
-  size_t num_layers = 0;
-  {
-    client::ShardSetOptions connect;
-    connect.connect_timeout = std::chrono::minutes(2);
-    auto set = client::ShardSet::Connect((*bf16_shards)->addresses(), connect);
-    if (!set.ok()) return Fail(set.status(), "connecting to shards (b)");
-    for (const auto& layout : (*set)->view().layouts) assembled += layout.total_bytes();
-    num_layers = (*set)->view().layouts.size();
-    for (uint32_t i = 0; i < args.num_shards; ++i) {
-      const std::string bytes = (*set)->manifests()[i].SerializeAsString();
-      const uint64_t size = bytes.size();
-      int32_t port = 0;
-      if (!WriteAll(baselines[i].to_child, &size, sizeof size) ||
-          !WriteAll(baselines[i].to_child, bytes.data(), size) ||
-          !ReadAll(baselines[i].from_child, &port, sizeof port) || port == 0) {
-        std::fprintf(stderr, "baseline server %u did not start\n", i);
-        return 1;
-      }
-      baseline_addresses.push_back(absl::StrCat("127.0.0.1:", port));
-    }
-  }
-  std::vector<pid_t> baseline_pids;
-  for (const BaselineProcess& c : baselines) baseline_pids.push_back(c.pid);
+  auto baseline = ServeBaselines(baselines, (*bf16_shards)->addresses());
+  if (!baseline.ok()) return Fail(baseline.status(), "starting the baseline (a)");
+  const std::vector<std::string>& baseline_addresses = baseline->addresses;
+  const std::vector<pid_t>& baseline_pids = baseline->pids;
+  const uint64_t assembled = baseline->assembled;
+  const size_t num_layers = baseline->num_layers;
 
   std::printf(
       "gather_bench: %s, %u shards, %u worker(s), %u rounds, %zu layers (%s per walk at bf16)\n"
@@ -577,10 +598,69 @@ int RunTable(const Args& args) {
   return 0;
 }
 
+// Cast once, send to many: W workers walking the same layers together, for
+// W = 1, 2, 4, 8, against the baseline at the same W, with sharing on (the
+// default) and off (--shared-chunk-bytes 0). The cast's CPU is what the
+// shards spend beyond the baseline's for the same bytes; per distinct GB of
+// the model it stays flat in W when casts are shared, and grows with W when
+// every stream casts its own.
+int RunSharing(const Args& args) {
+  const std::string synthetic = args.synthetic == Args().synthetic
+                                    ? "llama:layers=4,hidden=1024,ffn=2816,vocab=32000,seed=2"
+                                    : args.synthetic;
+  const std::chrono::milliseconds limit = std::chrono::seconds(8);
+  std::vector<BaselineProcess> baselines = ForkBaselines(args.num_shards);
+  if (baselines.size() != args.num_shards) return 1;
+  auto shared = StartShards(args.num_shards, synthetic, kPolicyBf16);
+  if (!shared.ok()) return Fail(shared.status(), "starting shards (sharing)");
+  auto unshared =
+      StartShards(args.num_shards, synthetic, kPolicyBf16, {"--shared-chunk-bytes", "0"});
+  if (!unshared.ok()) return Fail(unshared.status(), "starting shards (no sharing)");
+  auto baseline = ServeBaselines(baselines, (*shared)->addresses());
+  if (!baseline.ok()) return Fail(baseline.status(), "starting the baseline");
+
+  std::printf(
+      "gather_bench --sharing: %s, %u shards, policy %s, up to %u rounds or %llds per row\n"
+      "machine: 2 cores shared by servers and workers, nothing pinned: compare within a row\n\n",
+      synthetic.c_str(), args.num_shards, kPolicyBf16, args.rounds,
+      static_cast<long long>(limit.count() / 1000));
+  std::printf("%3s %12s %12s %12s %7s %7s %16s %16s\n", "W", "(a) bytes/s", "shared", "unshared",
+              "sh/a", "unsh/a", "cast s/GB shared", "cast s/GB unsh.");
+  for (uint32_t w : {1u, 2u, 4u, 8u}) {
+    auto a = Measure(baseline->addresses, baseline->pids, w, args.rounds, limit);
+    if (!a.ok()) return Fail(a.status(), "baseline");
+    auto s =
+        Measure((*shared)->addresses(), Pids(**shared, args.num_shards), w, args.rounds, limit);
+    if (!s.ok()) return Fail(s.status(), "sharing");
+    auto u =
+        Measure((*unshared)->addresses(), Pids(**unshared, args.num_shards), w, args.rounds, limit);
+    if (!u.ok()) return Fail(u.status(), "no sharing");
+    // Each distinct byte is delivered W times.
+    const auto cast_per_distinct_gb = [&](const Result& r) {
+      return (r.server_cpu_per_gb() - a->server_cpu_per_gb()) * w;
+    };
+    std::printf("%3u %10s/s %10s/s %10s/s %7.3f %7.3f %16.3f %16.3f\n", w,
+                FormatBytes(static_cast<uint64_t>(a->bytes_per_s())).c_str(),
+                FormatBytes(static_cast<uint64_t>(s->bytes_per_s())).c_str(),
+                FormatBytes(static_cast<uint64_t>(u->bytes_per_s())).c_str(),
+                s->bytes_per_s() / a->bytes_per_s(), u->bytes_per_s() / a->bytes_per_s(),
+                cast_per_distinct_gb(*s), cast_per_distinct_gb(*u));
+    std::fflush(stdout);
+  }
+  StopBaselines(baselines);
+  const absl::Status stopped_shared = (*shared)->Stop();
+  const absl::Status stopped_unshared = (*unshared)->Stop();
+  if (!stopped_shared.ok()) return Fail(stopped_shared, "stopping shards");
+  if (!stopped_unshared.ok()) return Fail(stopped_unshared, "stopping shards");
+  return 0;
+}
+
 }  // namespace
 }  // namespace layercast
 
 int main(int argc, char** argv) {
+  layercast::KeepChunkBuffersInHeap();  // as in layercast and layercast-shard
   const layercast::Args args = layercast::ParseArgs(argc, argv);
+  if (args.sharing) return layercast::RunSharing(args);
   return args.table ? layercast::RunTable(args) : layercast::RunDefault(args);
 }

@@ -14,6 +14,11 @@
 namespace layercast::server {
 namespace {
 
+// Casts run in blocks whose output stays in the core's cache, so the CRC
+// reads it back from there instead of from memory: 48 KiB of bfloat16, four
+// of Crc32c's three-stripe blocks.
+constexpr uint64_t kCastBlockElements = 24 << 10;
+
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, size_t element_bytes) {
   return std::max<uint64_t>(1, chunk_bytes / element_bytes);
 }
@@ -93,45 +98,75 @@ void FetchLayerReactor::OnBudget(bool granted) {
   WriteNext();
 }
 
+absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
+  const ElementRange owned = store_.owned(key.layer, key.tensor);
+  const float* source = store_.master(key.layer, key.tensor) + (key.element_begin - owned.begin);
+  const size_t element_bytes = DTypeSize(key.dtype);
+  const size_t bytes = key.elements * element_bytes;
+  auto* data = static_cast<uint8_t*>(std::malloc(bytes));
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory for a chunk of ", FormatBytes(bytes), "; retry later"));
+  }
+  // Owned by gRPC from here: freed when the last stream sending it is done.
+  CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
+  const auto cast_start = std::chrono::steady_clock::now();
+  for (uint64_t done = 0; done < key.elements;) {
+    const uint64_t block = std::min(kCastBlockElements, key.elements - done);
+    uint8_t* out = data + done * element_bytes;
+    if (absl::Status cast =
+            CastFromF32(source + done, out, block, key.dtype, store_.policy().overflow());
+        !cast.ok()) {
+      const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
+      return absl::Status(cast.code(),
+                          absl::StrCat("tensor ", name, " (from element ", key.element_begin + done,
+                                       "): ", cast.message(),
+                                       "; the policy's float16 overflow rule is 'error': set "
+                                       "overflow=saturate or override this tensor to float32"));
+    }
+    chunk.crc32c = Crc32c(out, block * element_bytes, chunk.crc32c);
+    done += block;
+  }
+  metrics_.RecordCast(
+      key.elements,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
+  return chunk;
+}
+
 void FetchLayerReactor::WriteNext() {
   if (run_ == plan_.runs.size()) {
     FinishOnce(grpc::Status::OK);
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
-  const AssembledTensor& placed = store_.layout(plan_.layer).tensors()[run.tensor];
-  const size_t element_bytes = DTypeSize(placed.compute_dtype);
-  const uint64_t count = std::min(run.elements.end - next_element_,
-                                  ElementsPerChunk(options_.chunk_bytes, element_bytes));
-  const ElementRange owned = store_.owned(plan_.layer, run.tensor);
-  const float* source = store_.master(plan_.layer, run.tensor) + (next_element_ - owned.begin);
-
-  const size_t bytes = count * element_bytes;
-  void* data = std::malloc(bytes);
-  if (data == nullptr) {
-    FinishOnce(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory for a chunk"));
+  const DType dtype = store_.layout(plan_.layer).tensors()[run.tensor].compute_dtype;
+  const size_t element_bytes = DTypeSize(dtype);
+  // Chunks lie on a grid from the start of this shard's slice, wherever a
+  // request's range starts, so a resumed or ranged stream still meets the
+  // chunks other streams have cast.
+  const uint64_t owned_begin = store_.owned(plan_.layer, run.tensor).begin;
+  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, element_bytes);
+  const uint64_t grid_end =
+      owned_begin + ((next_element_ - owned_begin) / per_chunk + 1) * per_chunk;
+  const ChunkKey key{.layer = plan_.layer,
+                     .tensor = run.tensor,
+                     .element_begin = next_element_,
+                     .elements = std::min(run.elements.end, grid_end) - next_element_,
+                     .version = version_,
+                     .dtype = dtype};
+  const auto cast = [this, &key] { return Cast(key); };
+  absl::StatusOr<CastChunk> chunk =
+      options_.shared != nullptr
+          ? options_.shared->GetOrCast(key, key.elements * element_bytes, cast)
+          : cast();
+  if (!chunk.ok()) {
+    FinishOnce(ToGrpcStatus(chunk.status()));
     return;
   }
-  // Owned by gRPC from here: freed when the transport is done with it.
-  const grpc::Slice slice(data, bytes, std::free);
-  const auto cast_start = std::chrono::steady_clock::now();
-  absl::Status cast =
-      CastFromF32(source, data, count, placed.compute_dtype, store_.policy().overflow());
-  metrics_.RecordCast(
-      count, std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
-  if (!cast.ok()) {
-    const std::string& name = store_.model().layers[plan_.layer].tensors[run.tensor].name;
-    FinishOnce(ToGrpcStatus(absl::Status(
-        cast.code(),
-        absl::StrCat("tensor ", name, " (from element ", next_element_, "): ", cast.message(),
-                     "; the policy's float16 overflow rule is 'error': set "
-                     "overflow=saturate or override this tensor to float32"))));
-    return;
-  }
-  chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, Crc32c(data, bytes), slice);
-  pending_dtype_ = placed.compute_dtype;
-  pending_elements_ = count;
-  next_element_ += count;
+  chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, chunk->crc32c, chunk->data);
+  pending_dtype_ = dtype;
+  pending_elements_ = key.elements;
+  next_element_ += key.elements;
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;
   }

@@ -11,6 +11,7 @@
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
+#include "server/shared_chunks.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
@@ -31,6 +32,9 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
     uint64_t min_version = 0;
+    // Where chunks cast by other streams are shared; null: cast every chunk
+    // here.
+    SharedChunks* shared = nullptr;
     // Called once from OnDone with the final status, for accounting.
     std::function<void(const grpc::Status&)> on_done;
   };
@@ -55,7 +59,9 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
 
   void OnVersionReached();
   void OnBudget(bool granted);
-  // Casts the next chunk and writes it, or finishes when the plan is done.
+  // Casts chunk `key` from the master into a new slice, with its CRC-32C.
+  absl::StatusOr<CastChunk> Cast(const ChunkKey& key);
+  // Casts (or shares) the next chunk and writes it, or finishes when the plan is done.
   void WriteNext();
   void FinishOnce(const grpc::Status& status);
 

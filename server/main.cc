@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/heap_tuning.h"
 #include "server/shard_config.h"
 #include "server/shard_server.h"
 
@@ -30,6 +31,7 @@ int Fail(const absl::Status& status, int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  layercast::KeepChunkBuffersInHeap();
   using layercast::server::ShardServer;
   const std::vector<std::string> args(argv + 1, argv + argc);
   for (const std::string& arg : args) {

@@ -62,6 +62,9 @@ uint64_t MemoryBudget::Acquire(uint64_t bytes, std::chrono::steady_clock::time_p
       });
       waiters_.push_back(Waiter{id, bytes, std::move(granted), std::move(timer)});
       NotifyLocked();
+      // Not on this thread: the reclaimer's Release() may grant this very
+      // request, and the caller must see its id first.
+      if (reclaim_) boost::asio::post(timers_, reclaim_);
       return id;
     }
     in_use_ += bytes;
@@ -71,6 +74,17 @@ uint64_t MemoryBudget::Acquire(uint64_t bytes, std::chrono::steady_clock::time_p
   granted(true);
   return 0;
 }
+
+bool MemoryBudget::TryAcquire(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (!waiters_.empty() || !FitsLocked(bytes)) return false;
+  in_use_ += bytes;
+  peak_ = std::max(peak_, in_use_);
+  NotifyLocked();
+  return true;
+}
+
+void MemoryBudget::SetReclaimer(std::function<void()> reclaim) { reclaim_ = std::move(reclaim); }
 
 bool MemoryBudget::RemoveLocked(uint64_t id, std::vector<Granted>& ready) {
   auto it =

@@ -51,6 +51,16 @@ class MemoryBudget {
   uint64_t Acquire(uint64_t bytes, std::chrono::steady_clock::time_point give_up_at,
                    Granted granted);
 
+  // Reserves `bytes` only if they fit now and nobody waits ahead: for
+  // memory that is nice to have (SharedChunks), which must never jump the
+  // queue of streams that need it.
+  bool TryAcquire(uint64_t bytes);
+
+  // `reclaim` runs on the budget's timer thread whenever a request has to
+  // wait: it should Release() whatever can be given up. Set once, before any
+  // request.
+  void SetReclaimer(std::function<void()> reclaim);
+
   // Withdraws waiting request `id`. True if it was still waiting (`granted`
   // will never run); false if it already ran or is running.
   bool Cancel(uint64_t id);
@@ -88,6 +98,7 @@ class MemoryBudget {
   const std::optional<uint64_t> budget_;
   const uint64_t master_bytes_;
   const Observer observer_;
+  std::function<void()> reclaim_;
 
   mutable absl::Mutex mu_;
   uint64_t in_use_ ABSL_GUARDED_BY(mu_);

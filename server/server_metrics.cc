@@ -53,6 +53,17 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                                "layercast_cast_seconds_total: cast throughput)")
                            .Register(r)
                            .Add({});
+  chunk_sources_ = &BuildCounter()
+                        .Name("layercast_chunks_total")
+                        .Help(
+                            "Chunks sent, by source: cast for the stream, or shared with "
+                            "another stream that cast it")
+                        .Register(r);
+  chunks_cast_ = &chunk_sources_->Add({{"source", "cast"}});
+  chunks_shared_ = &chunk_sources_->Add({{"source", "shared"}});
+  shared_chunk_bytes_ =
+      Gauge(r, "layercast_shared_chunk_bytes",
+            "Bytes of cast chunks kept for other streams to send (part of memory in use)");
   fetch_duration_ = &BuildHistogram()
                          .Name("layercast_fetch_duration_seconds")
                          .Help("Duration of FetchLayer streams that ended OK, start to last chunk")
@@ -67,8 +78,9 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   memory_budget_bytes_ =
       Gauge(r, "layercast_memory_budget_bytes", "The server's memory budget (0: unlimited)");
   master_bytes_ = Gauge(r, "layercast_master_bytes", "Bytes of fp32 master parameters held");
-  memory_in_use_bytes_ = Gauge(r, "layercast_memory_in_use_bytes",
-                               "Budgeted bytes in use: master plus chunk buffers in flight");
+  memory_in_use_bytes_ =
+      Gauge(r, "layercast_memory_in_use_bytes",
+            "Budgeted bytes in use: master, chunk buffers in flight and shared chunks");
   parameter_version_ =
       Gauge(r, "layercast_parameter_version", "Optimizer steps applied to the master parameters");
   ready_ = Gauge(r, "layercast_ready", "1 when parameters are loaded and the shard serves");

@@ -34,6 +34,14 @@ class ServerMetrics {
   // Casting `elements` fp32 values took `seconds`.
   void RecordCast(uint64_t elements, double seconds);
 
+  // A chunk went out that was cast for its stream, or shared with another
+  // stream that cast it (see SharedChunks).
+  void RecordChunkCast() { chunks_cast_->Increment(); }
+  void RecordChunkShared() { chunks_shared_->Increment(); }
+
+  const prometheus::Counter& chunks_cast() const { return *chunks_cast_; }
+  const prometheus::Counter& chunks_shared() const { return *chunks_shared_; }
+  prometheus::Gauge& shared_chunk_bytes() { return *shared_chunk_bytes_; }
   prometheus::Gauge& streams_in_flight() { return *streams_in_flight_; }
   prometheus::Gauge& streams_waiting_for_version() { return *streams_waiting_version_; }
   prometheus::Gauge& streams_waiting_for_budget() { return *streams_waiting_budget_; }
@@ -54,6 +62,10 @@ class ServerMetrics {
   prometheus::Counter* sent_parameters_;
   prometheus::Counter* cast_seconds_;
   prometheus::Counter* cast_input_bytes_;
+  prometheus::Family<prometheus::Counter>* chunk_sources_;
+  prometheus::Counter* chunks_cast_;
+  prometheus::Counter* chunks_shared_;
+  prometheus::Gauge* shared_chunk_bytes_;
   prometheus::Histogram* fetch_duration_;
   prometheus::Gauge* streams_in_flight_;
   prometheus::Gauge* streams_waiting_version_;

@@ -17,6 +17,10 @@
 namespace layercast::server {
 namespace {
 
+// Workers of one data-parallel step fetch a layer within moments of each
+// other; a chunk older than this is unlikely to be asked for again.
+constexpr auto kSharedChunkMaxAge = std::chrono::seconds(5);
+
 absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings& settings) {
   const auto& config = settings.config;
   if (!config.synthetic().empty()) {
@@ -229,7 +233,14 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
-  service_->AttachStore(store_.get(), budget_.get());
+  if (config.shared_chunk_bytes() > 0) {
+    shared_ = std::make_shared<SharedChunks>(config.shared_chunk_bytes(), kSharedChunkMaxAge,
+                                             *budget_, metrics_);
+    budget_->SetReclaimer([weak = std::weak_ptr<SharedChunks>(shared_)] {
+      if (auto shared = weak.lock()) shared->DropAll();
+    });
+  }
+  service_->AttachStore(store_.get(), budget_.get(), shared_.get());
   admin_->AttachStore(store_.get());
   SetReadiness(true);
   metrics_.ready().Set(1);

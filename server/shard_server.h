@@ -15,6 +15,7 @@
 #include "server/shard_admin_service.h"
 #include "server/shard_config.h"
 #include "server/shard_service.h"
+#include "server/shared_chunks.h"
 #include "server/tls_credentials.h"
 
 namespace prometheus {
@@ -79,6 +80,8 @@ class ShardServer {
   CheckpointManager* checkpoints() { return checkpoints_.get(); }
   // The memory budget; nullptr until Load() is done.
   const MemoryBudget* budget() const { return budget_.get(); }
+  // Null before Load() and with --shared-chunk-bytes 0.
+  const SharedChunks* shared_chunks() const { return shared_.get(); }
 
  private:
   explicit ShardServer(ShardSettings settings);
@@ -107,6 +110,9 @@ class ShardServer {
   int health_port_ = 0;
   std::unique_ptr<ParameterStore> store_;
   std::unique_ptr<MemoryBudget> budget_;
+  // After budget_: destroyed first, giving its bytes back. Shared with the
+  // budget's reclaimer, which holds it weakly.
+  std::shared_ptr<SharedChunks> shared_;
   int port_ = 0;
 };
 

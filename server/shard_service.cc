@@ -57,7 +57,8 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
   return manifest;
 }
 
-void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget) {
+void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget,
+                               SharedChunks* shared) {
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size());
@@ -65,6 +66,7 @@ void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget
   absl::MutexLock lock(&mu_);
   store_ = store;
   budget_ = budget;
+  shared_ = shared;
   manifest_ = std::move(manifest);
 }
 
@@ -81,9 +83,9 @@ bool ShardService::WaitForStreams(absl::Time deadline) const {
   return streams_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
-std::pair<const ParameterStore*, MemoryBudget*> ShardService::loaded() const {
+ShardService::Loaded ShardService::loaded() const {
   absl::MutexLock lock(&mu_);
-  return {store_, budget_};
+  return {store_, budget_, shared_};
 }
 
 grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext* context,
@@ -125,7 +127,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
-  auto [store, budget] = loaded();
+  auto [store, budget, shared] = loaded();
   if (store == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
@@ -147,6 +149,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
   reactor_options.min_version = request->min_version();
+  reactor_options.shared = shared;
   reactor_options.on_done = [this,
                              start = std::chrono::steady_clock::now()](const grpc::Status& status) {
     metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));

@@ -10,6 +10,7 @@
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
+#include "server/shared_chunks.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
@@ -35,9 +36,9 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   // `metrics` must outlive the service.
   ShardService(Options options, ServerMetrics& metrics) : options_(options), metrics_(metrics) {}
 
-  // Makes the loaded parameters available; called once. Both must outlive
-  // the service.
-  void AttachStore(const ParameterStore* store, MemoryBudget* budget);
+  // Makes the loaded parameters available; called once. All must outlive
+  // the service; `shared` may be null (every stream casts its own chunks).
+  void AttachStore(const ParameterStore* store, MemoryBudget* budget, SharedChunks* shared);
   void StartDraining() { draining_.store(true); }
 
   VersionGate& version_gate() { return gate_; }
@@ -55,8 +56,12 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
                                                          const grpc::ByteBuffer* request) override;
 
  private:
-  // The loaded store and its budget, or nullptrs while loading.
-  std::pair<const ParameterStore*, MemoryBudget*> loaded() const;
+  struct Loaded {
+    const ParameterStore* store = nullptr;  // null while loading
+    MemoryBudget* budget = nullptr;
+    SharedChunks* shared = nullptr;
+  };
+  Loaded loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
 
@@ -69,6 +74,7 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   mutable absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   MemoryBudget* budget_ ABSL_GUARDED_BY(mu_) = nullptr;
+  SharedChunks* shared_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
 };

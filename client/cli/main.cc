@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "client/cli/commands.h"
+#include "core/heap_tuning.h"
 
 namespace {
 
@@ -29,6 +30,7 @@ constexpr char kUsage[] =
 }  // namespace
 
 int main(int argc, char** argv) {
+  layercast::KeepChunkBuffersInHeap();
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

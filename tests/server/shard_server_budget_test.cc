@@ -20,7 +20,8 @@ namespace {
 constexpr char kModel[] = "llama:layers=2,hidden=256,ffn=512,vocab=4096,seed=4";
 constexpr uint64_t kChunkBytes = 16 << 10;
 
-std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::string& model = kModel) {
+std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::string& model = kModel,
+                                         std::optional<uint64_t> shared_chunk_bytes = {}) {
   auto source = SyntheticModel::Create(model);
   const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config;
@@ -29,6 +30,7 @@ std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::strin
   config.set_synthetic(model);
   config.set_chunk_bytes(kChunkBytes);
   config.set_memory_budget(std::to_string(master + spare_chunks * kChunkBytes));
+  if (shared_chunk_bytes) config.set_shared_chunk_bytes(*shared_chunk_bytes);
   auto settings = ResolveShardConfig(config);
   EXPECT_TRUE(settings.ok()) << settings.status();
   auto server = ShardServer::Create(*std::move(settings));
@@ -36,6 +38,27 @@ std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::strin
   EXPECT_TRUE((*server)->Start().ok());
   EXPECT_TRUE((*server)->Load(nullptr).ok());
   return *std::move(server);
+}
+
+// Every tensor of `gathered` is the policy's cast of the master, bit for bit.
+bool MatchesMaster(const ParameterSource& source, uint32_t layer, const client::Layer& gathered) {
+  for (size_t t = 0; t < gathered.num_tensors(); ++t) {
+    const client::Layer::TensorView view = gathered.tensor(t);
+    std::vector<float> master(view.num_elements);
+    std::vector<uint8_t> expected(view.bytes.size());
+    if (!source.Read(layer, t, ElementRange{0, view.num_elements}, master).ok() ||
+        !CastFromF32(master.data(), expected.data(), master.size(), view.dtype,
+                     Fp16Overflow::kError)
+             .ok()) {
+      ADD_FAILURE() << "cannot compute the expected bytes of " << view.name;
+      return false;
+    }
+    if (std::memcmp(expected.data(), view.bytes.data(), expected.size()) != 0) {
+      ADD_FAILURE() << "tensor " << view.name << " of layer " << layer << " differs";
+      return false;
+    }
+  }
+  return true;
 }
 
 TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
@@ -58,20 +81,7 @@ TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
         ++failed;
         return;
       }
-      for (size_t t = 0; t < gathered->num_tensors(); ++t) {
-        const client::Layer::TensorView view = gathered->tensor(t);
-        std::vector<float> master(view.num_elements);
-        ASSERT_TRUE((*source)->Read(layer, t, ElementRange{0, view.num_elements}, master).ok());
-        std::vector<uint8_t> expected(view.bytes.size());
-        ASSERT_TRUE(CastFromF32(master.data(), expected.data(), master.size(), view.dtype,
-                                Fp16Overflow::kError)
-                        .ok());
-        if (std::memcmp(expected.data(), view.bytes.data(), expected.size()) != 0) {
-          ADD_FAILURE() << "tensor " << view.name << " differs";
-          return;
-        }
-      }
-      ++exact;
+      if (MatchesMaster(**source, layer, *gathered)) ++exact;
     });
   }
   for (auto& worker : workers) worker.join();
@@ -79,7 +89,9 @@ TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
   EXPECT_EQ(failed.load(), 0);
   EXPECT_LE(server->budget()->peak(), budget);
   EXPECT_GT(server->budget()->peak(), server->budget()->in_use()) << "chunk buffers were counted";
-  EXPECT_EQ(server->budget()->in_use(), ParameterStore::MasterBytes((*set)->model(), 0, 1));
+  EXPECT_EQ(server->budget()->in_use(), ParameterStore::MasterBytes((*set)->model(), 0, 1) +
+                                            server->shared_chunks()->kept_bytes())
+      << "only the master and the chunks kept for sharing remain";
   server->Shutdown(std::chrono::seconds(5));
 }
 
@@ -165,6 +177,121 @@ TEST(ShardServerBudgetTest, ABudgetThatCannotServeOneStreamFailsAtStart) {
   EXPECT_EQ(server.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(server.status().message()),
               ::testing::HasSubstr("but one stream needs 32.00 KiB (twice --chunk-bytes)"));
+}
+
+// Cast once, send to many (SharedChunks) over real gRPC streams.
+
+// Each worker has its own connections, as separate processes would.
+absl::StatusOr<std::unique_ptr<client::ShardSet>> Connect(const ShardServer& server) {
+  return client::ShardSet::Connect({"127.0.0.1:" + std::to_string(server.port())});
+}
+
+TEST(ShardServerSharingTest, ASecondWorkerSendsEveryChunkTheFirstCast) {
+  auto server = StartServer(1024, kModel, 8 << 20);
+  auto source = SyntheticModel::Create(kModel);
+  const ServerMetrics& metrics = server->metrics();
+  constexpr uint32_t kLayer = 1;
+
+  auto first = Connect(*server);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto gathered = (*first)->Gather(kLayer);
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  ASSERT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  const double chunks = metrics.chunks_cast().Value();
+  ASSERT_GT(chunks, 1);
+  EXPECT_EQ(metrics.chunks_shared().Value(), 0);
+
+  auto second = Connect(*server);
+  ASSERT_TRUE(second.ok()) << second.status();
+  gathered = (*second)->Gather(kLayer);
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  EXPECT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  EXPECT_EQ(metrics.chunks_cast().Value(), chunks) << "nothing was cast again";
+  EXPECT_EQ(metrics.chunks_shared().Value(), chunks);
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+TEST(ShardServerSharingTest, ConcurrentWorkersOnOneModelGetIdenticalExactBytes) {
+  auto server = StartServer(1024, kModel, 8 << 20);
+  auto source = SyntheticModel::Create(kModel);
+  constexpr int kWorkers = 6;
+  std::vector<std::unique_ptr<client::ShardSet>> sets;
+  for (int w = 0; w < kWorkers; ++w) {
+    auto set = Connect(*server);
+    ASSERT_TRUE(set.ok()) << set.status();
+    sets.push_back(*std::move(set));
+  }
+  const uint32_t layers = static_cast<uint32_t>(sets[0]->model().layers.size());
+  std::atomic<int> exact{0};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] {
+      for (uint32_t layer = 0; layer < layers; ++layer) {
+        absl::StatusOr<client::Layer> gathered = sets[w]->Gather(layer);
+        if (!gathered.ok()) {
+          ADD_FAILURE() << gathered.status();
+          return;
+        }
+        if (MatchesMaster(**source, layer, *gathered)) ++exact;
+      }
+    });
+  }
+  for (auto& worker : workers) worker.join();
+  EXPECT_EQ(exact.load(), kWorkers * static_cast<int>(layers));
+  const ServerMetrics& metrics = server->metrics();
+  EXPECT_GT(metrics.chunks_shared().Value(), 0) << "workers in step share casts";
+  EXPECT_LT(metrics.chunks_cast().Value(),
+            (metrics.chunks_cast().Value() + metrics.chunks_shared().Value()) / 2)
+      << "most chunks were cast once for several workers";
+  EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+TEST(ShardServerSharingTest, ASlowOrCancelledWorkerDoesNotHoldTheOthersBack) {
+  // Room for the two stalled streams, four workers and some shared chunks.
+  auto server = StartServer(24, kModel);
+  auto source = SyntheticModel::Create(kModel);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = layercast::v1::ShardService::NewStub(channel);
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(0);  // the embedding: 2 MiB of bfloat16, far beyond flow control's window
+
+  // One worker reads a chunk and stalls; another reads a chunk and cancels.
+  grpc::ClientContext slow_context, cancelled_context;
+  auto slow = stub->FetchLayer(&slow_context, request);
+  auto cancelled = stub->FetchLayer(&cancelled_context, request);
+  layercast::v1::LayerChunk chunk;
+  ASSERT_TRUE(slow->Read(&chunk));
+  ASSERT_TRUE(cancelled->Read(&chunk));
+  cancelled_context.TryCancel();
+
+  constexpr int kWorkers = 4;
+  std::atomic<int> exact{0};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&] {
+      auto set = Connect(*server);
+      ASSERT_TRUE(set.ok()) << set.status();
+      client::GatherOptions options;
+      options.timeout = std::chrono::seconds(20);
+      absl::StatusOr<client::Layer> gathered = (*set)->Gather(0, options);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      if (MatchesMaster(**source, 0, *gathered)) ++exact;
+    });
+  }
+  for (auto& worker : workers) worker.join();
+  EXPECT_EQ(exact.load(), kWorkers);
+  EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
+
+  while (cancelled->Read(&chunk)) {
+  }
+  EXPECT_EQ(cancelled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  slow_context.TryCancel();
+  while (slow->Read(&chunk)) {
+  }
+  slow->Finish();
+  server->Shutdown(std::chrono::seconds(5));
 }
 
 }  // namespace

@@ -1,0 +1,15 @@
+#include "core/heap_tuning.h"
+
+#include <malloc.h>
+
+namespace layercast {
+
+void KeepChunkBuffersInHeap() {
+  // Setting either also turns off glibc's own threshold adjustment, which
+  // raises the mmap threshold only after a large block is freed and, with
+  // blocks freed on other threads than allocated them, often never does.
+  mallopt(M_MMAP_THRESHOLD, 4 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
+}
+
+}  // namespace layercast

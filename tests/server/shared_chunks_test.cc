@@ -1,0 +1,184 @@
+// SharedChunks on its own, without gRPC calls: each chunk is cast once however
+// many streams ask for it, kept chunks are charged to the memory budget and
+// given up first when a stream waits for budget, and failures are never kept.
+
+#include "server/shared_chunks.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <thread>
+#include <vector>
+
+namespace layercast::server {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr uint64_t kMaster = 1000;
+constexpr uint64_t kChunk = 100;
+
+ChunkKey Key(uint64_t begin) {
+  return ChunkKey{.layer = 1,
+                  .tensor = 2,
+                  .element_begin = begin,
+                  .elements = kChunk / 2,
+                  .version = 0,
+                  .dtype = DType::kBFloat16};
+}
+
+// A cast that fills kChunk bytes with `fill` and counts its calls.
+absl::StatusOr<CastChunk> FakeCast(std::atomic<int>& casts, uint8_t fill,
+                                   milliseconds takes = milliseconds(0)) {
+  ++casts;
+  std::this_thread::sleep_for(takes);
+  void* data = std::malloc(kChunk);
+  std::memset(data, fill, kChunk);
+  return CastChunk{grpc::Slice(data, kChunk, std::free), fill};
+}
+
+struct Fixture {
+  explicit Fixture(uint64_t capacity, std::optional<uint64_t> budget_bytes = std::nullopt,
+                   std::chrono::steady_clock::duration max_age = seconds(60))
+      : budget(budget_bytes, kMaster), shared(capacity, max_age, budget, metrics) {}
+  ServerMetrics metrics;
+  MemoryBudget budget;
+  SharedChunks shared;
+  std::atomic<int> casts{0};
+};
+
+TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
+  Fixture f(10 * kChunk);
+  auto first = f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 7); });
+  auto second = f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 9); });
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(f.casts.load(), 1);
+  EXPECT_EQ(first->data.begin(), second->data.begin()) << "one buffer, referenced twice";
+  EXPECT_EQ(second->crc32c, 7u);
+  EXPECT_EQ(f.metrics.chunks_cast().Value(), 1);
+  EXPECT_EQ(f.metrics.chunks_shared().Value(), 1);
+
+  // Another range, version or dtype is another chunk.
+  ChunkKey other_version = Key(0);
+  other_version.version = 1;
+  ASSERT_TRUE(f.shared.GetOrCast(other_version, kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(f.shared.GetOrCast(Key(50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.casts.load(), 3);
+}
+
+TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
+  Fixture f(10 * kChunk);
+  constexpr int kStreams = 8;
+  std::vector<std::future<absl::StatusOr<CastChunk>>> results;
+  for (int i = 0; i < kStreams; ++i) {
+    results.push_back(std::async(std::launch::async, [&] {
+      return f.shared.GetOrCast(Key(0), kChunk,
+                                [&] { return FakeCast(f.casts, 3, milliseconds(100)); });
+    }));
+  }
+  const uint8_t* data = nullptr;
+  for (auto& result : results) {
+    absl::StatusOr<CastChunk> chunk = result.get();
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    if (data == nullptr) data = chunk->data.begin();
+    EXPECT_EQ(chunk->data.begin(), data);
+  }
+  EXPECT_EQ(f.casts.load(), 1);
+  EXPECT_EQ(f.metrics.chunks_shared().Value(), kStreams - 1);
+}
+
+TEST(SharedChunksTest, KeptChunksAreChargedToTheBudgetAndGivenBack) {
+  Fixture f(10 * kChunk, kMaster + 10 * kChunk);
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(f.shared.GetOrCast(Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  }
+  EXPECT_EQ(f.shared.kept_bytes(), 3 * kChunk);
+  EXPECT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
+  EXPECT_EQ(f.metrics.shared_chunk_bytes().Value(), 3 * kChunk);
+  f.shared.DropAll();
+  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  EXPECT_EQ(f.budget.in_use(), kMaster);
+}
+
+TEST(SharedChunksTest, TheOldestChunkMakesRoomAndOnlyWithinCapacity) {
+  Fixture f(2 * kChunk);
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(f.shared.GetOrCast(Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+    std::this_thread::sleep_for(milliseconds(2));  // distinct kept_at
+  }
+  EXPECT_EQ(f.shared.kept_bytes(), 2 * kChunk);
+  ASSERT_TRUE(f.shared.GetOrCast(Key(100), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.casts.load(), 3) << "the newest chunk was kept";
+  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.casts.load(), 4) << "the oldest chunk was dropped for the third";
+
+  // A chunk larger than the capacity is cast for its stream alone.
+  ASSERT_TRUE(f.shared.GetOrCast(Key(500), 3 * kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared.kept_bytes(), 2 * kChunk);
+}
+
+TEST(SharedChunksTest, ChunksPastTheirAgeAreDropped) {
+  Fixture f(10 * kChunk, std::nullopt, milliseconds(20));
+  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  std::this_thread::sleep_for(milliseconds(60));
+  ASSERT_TRUE(f.shared.GetOrCast(Key(50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared.kept_bytes(), kChunk) << "only the fresh chunk is kept";
+}
+
+TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
+  Fixture f(10 * kChunk, kMaster + 4 * kChunk);
+  f.budget.SetReclaimer([&] { f.shared.DropAll(); });
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(f.shared.GetOrCast(Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  }
+  ASSERT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
+
+  // A stream needs two chunks' worth: it must wait, and the kept chunks go.
+  std::promise<bool> granted;
+  f.budget.Acquire(2 * kChunk, std::chrono::steady_clock::now() + seconds(10),
+                   [&](bool ok) { granted.set_value(ok); });
+  auto future = granted.get_future();
+  ASSERT_EQ(future.wait_for(seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(future.get());
+  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  EXPECT_EQ(f.budget.in_use(), kMaster + 2 * kChunk);
+
+  // While someone waits, nothing new is kept; the cast still happens.
+  f.budget.Acquire(4 * kChunk, std::chrono::steady_clock::now() + seconds(10), [](bool) {});
+  ASSERT_EQ(f.budget.waiting(), 1u);
+  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  EXPECT_LE(f.budget.peak(), kMaster + 4 * kChunk);
+  f.budget.Release(2 * kChunk);  // lets the waiter through before teardown
+}
+
+TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
+  Fixture f(10 * kChunk, kMaster + 10 * kChunk);
+  const auto fail = [&]() -> absl::StatusOr<CastChunk> {
+    ++f.casts;
+    std::this_thread::sleep_for(milliseconds(300));
+    return absl::OutOfRangeError("value 1e6 overflows float16");
+  };
+  auto waiter = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(milliseconds(50));  // arrives during the cast
+    return f.shared.GetOrCast(Key(0), kChunk, fail);
+  });
+  absl::StatusOr<CastChunk> first = f.shared.GetOrCast(Key(0), kChunk, fail);
+  absl::StatusOr<CastChunk> second = waiter.get();
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(second.status(), first.status());
+  EXPECT_EQ(f.casts.load(), 1);
+  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  EXPECT_EQ(f.budget.in_use(), kMaster);
+  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.casts.load(), 2) << "the failure was not kept";
+}
+
+}  // namespace
+}  // namespace layercast::server
