@@ -18,15 +18,20 @@
 //
 // Usage: gather_bench [--num-shards N] [--workers W] [--rounds R]
 //                     [--synthetic SPEC] [--table | --sharing]
+//                     [--shared-chunk-bytes B (with --sharing)]
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -34,6 +39,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -68,6 +74,7 @@ struct Args {
   std::string synthetic = "llama:layers=4,hidden=2048,ffn=5632,vocab=32000,seed=1";
   bool table = false;
   bool sharing = false;
+  std::string shared_chunk_bytes;  // passed to the sharing shards; "" for their default
 };
 
 Args ParseArgs(int argc, char** argv) {
@@ -84,6 +91,7 @@ Args ParseArgs(int argc, char** argv) {
     if (flag == "--workers") args.workers = static_cast<uint32_t>(std::stoul(value));
     if (flag == "--rounds") args.rounds = static_cast<uint32_t>(std::stoul(value));
     if (flag == "--synthetic") args.synthetic = value;
+    if (flag == "--shared-chunk-bytes") args.shared_chunk_bytes = value;
   }
   args.num_shards = std::max(1u, args.num_shards);
   args.workers = std::max(1u, args.workers);
@@ -326,6 +334,73 @@ double SelfCpuSeconds() {
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
+// --- the shards' own metrics (sharing mode) -----------------------------------
+
+// What the shards say they did, summed over shards.
+struct ShardCounters {
+  double cast_seconds = 0;
+  double chunks_cast = 0;
+  double chunks_shared = 0;
+};
+
+// The body of GET /metrics from 127.0.0.1:`port`, or "" on any failure. A
+// plain socket: one request, read to EOF, bounded in size and time.
+std::string HttpGetMetrics(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval timeout{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+      WriteAll(fd, request.data(), request.size())) {
+    char buffer[1 << 14];
+    ssize_t n;
+    while (response.size() < (8 << 20) && (n = read(fd, buffer, sizeof buffer)) > 0) {
+      response.append(buffer, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return response;
+}
+
+double Sample(const std::string& exposition, const std::string& series) {
+  const size_t at = exposition.find("\n" + series + " ");
+  return at == std::string::npos ? 0 : std::stod(exposition.substr(at + series.size() + 2));
+}
+
+ShardCounters ScrapeShards(const std::vector<int>& ports) {
+  ShardCounters total;
+  for (int port : ports) {
+    const std::string text = HttpGetMetrics(port);
+    total.cast_seconds += Sample(text, "layercast_cast_seconds_total");
+    total.chunks_cast += Sample(text, R"(layercast_chunks_total{source="cast"})");
+    total.chunks_shared += Sample(text, R"(layercast_chunks_total{source="shared"})");
+  }
+  return total;
+}
+
+// The metrics ports shards started with --metrics-listen 127.0.0.1:0 logged.
+std::vector<int> MetricsPorts(const std::string& log_dir, uint32_t n) {
+  static const std::regex kLine(R"(metrics on 127\.0\.0\.1:(\d+)/metrics)");
+  std::vector<int> ports;
+  for (uint32_t i = 0; i < n; ++i) {
+    std::ifstream log(absl::StrCat(log_dir, "/shard-", i, ".log"));
+    std::string line;
+    std::smatch match;
+    int port = 0;  // logs are appended to: the last start is this one
+    while (std::getline(log, line)) {
+      if (std::regex_search(line, match, kLine)) port = std::stoi(match[1]);
+    }
+    if (port != 0) ports.push_back(port);
+  }
+  return ports;
+}
+
 struct Result {
   uint64_t wire_bytes = 0;
   uint64_t params = 0;
@@ -335,6 +410,7 @@ struct Result {
   double worker_cpu = 0;
   std::vector<double> latencies;   // per-layer gather, seconds
   std::vector<double> first_byte;  // gather start to first chunk placed, seconds
+  ShardCounters shards;            // what the shards counted, when scraped
   double bytes_per_s() const { return wire_bytes / seconds; }
   double params_per_s() const { return params / seconds; }
   double server_cpu_per_gb() const { return server_cpu / (wire_bytes / 1e9); }
@@ -353,7 +429,8 @@ double Percentile(std::vector<double> v, double p) {
 // read from `server_pids`.
 absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
                                const std::vector<pid_t>& server_pids, uint32_t workers,
-                               uint32_t rounds, std::chrono::milliseconds limit) {
+                               uint32_t rounds, std::chrono::milliseconds limit,
+                               const std::vector<int>& metrics_ports = {}, bool lockstep = false) {
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::minutes(2);
   std::vector<std::unique_ptr<client::ShardSet>> sets;
@@ -387,17 +464,27 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
 
   std::vector<Result> per_worker(workers);
   std::vector<absl::Status> errors(workers);
+  const ShardCounters counters_before = ScrapeShards(metrics_ports);
   const double server_before = ServersCpuSeconds(server_pids);
   const double self_before = SelfCpuSeconds();
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + limit;
+  // A round is a training step when `lockstep`: data-parallel workers meet at
+  // the gradient all-reduce before the next step's walk.
+  std::barrier step(static_cast<std::ptrdiff_t>(workers));
+  std::atomic<bool> out_of_time{false};
   std::vector<std::thread> threads;
   for (uint32_t w = 0; w < workers; ++w) {
     threads.emplace_back([&, w] {
       Result& r = per_worker[w];
       for (uint32_t round = 0; round < rounds; ++round) {
+        if (lockstep) {
+          if (round > 0 && std::chrono::steady_clock::now() > deadline) out_of_time = true;
+          step.arrive_and_wait();
+          if (out_of_time) return;
+        }
         for (uint32_t l = 0; l < num_layers; ++l) {
-          if (round > 0 && std::chrono::steady_clock::now() > deadline) return;
+          if (!lockstep && round > 0 && std::chrono::steady_clock::now() > deadline) return;
           std::atomic<int64_t> first_ns{-1};
           const auto t0 = std::chrono::steady_clock::now();
           client::GatherOptions options;
@@ -414,6 +501,7 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           if (!version.ok()) {
             errors[w] = version.status();
+            if (lockstep) step.arrive_and_drop();
             return;
           }
           r.latencies.push_back(took);
@@ -430,6 +518,10 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   total.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   total.worker_cpu = SelfCpuSeconds() - self_before;
   total.server_cpu = ServersCpuSeconds(server_pids) - server_before;
+  const ShardCounters counters_after = ScrapeShards(metrics_ports);
+  total.shards.cast_seconds = counters_after.cast_seconds - counters_before.cast_seconds;
+  total.shards.chunks_cast = counters_after.chunks_cast - counters_before.chunks_cast;
+  total.shards.chunks_shared = counters_after.chunks_shared - counters_before.chunks_shared;
   for (uint32_t w = 0; w < workers; ++w) {
     if (!errors[w].ok()) return errors[w];
     total.wire_bytes += per_worker[w].wire_bytes;
@@ -445,14 +537,15 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
 
 absl::StatusOr<std::unique_ptr<client::LocalShardSet>> StartShards(
     uint32_t n, const std::string& synthetic, const std::string& policy,
-    std::vector<std::string> more_flags = {}) {
+    std::vector<std::string> more_flags = {}, const std::string& log_dir = kLogDir) {
   client::LocalShardSet::Options options;
   options.shard_binary = LAYERCAST_SHARD_BINARY;
   options.num_shards = n;
   options.extra_flags = {"--synthetic", synthetic, "--policy", policy};
   options.extra_flags.insert(options.extra_flags.end(), more_flags.begin(), more_flags.end());
   mkdir(kLogDir, 0755);
-  options.log_dir = kLogDir;
+  mkdir(log_dir.c_str(), 0755);
+  options.log_dir = log_dir;
   return client::LocalShardSet::Start(options);
 }
 
@@ -599,11 +692,12 @@ int RunTable(const Args& args) {
 }
 
 // Cast once, send to many: W workers walking the same layers together, for
-// W = 1, 2, 4, 8, against the baseline at the same W, with sharing on (the
-// default) and off (--shared-chunk-bytes 0). The cast's CPU is what the
-// shards spend beyond the baseline's for the same bytes; per distinct GB of
-// the model it stays flat in W when casts are shared, and grows with W when
-// every stream casts its own.
+// W = 1, 2, 4, 8, in lockstep (each round a step that every worker finishes
+// before the next begins), against the baseline at the same W, with sharing
+// on (the default) and off (--shared-chunk-bytes 0). The shards' own metrics give the
+// share of chunks sent without a cast and the seconds spent casting per GB of
+// distinct model bytes (each distinct byte goes to W workers): flat in W when
+// casts are shared, growing with W when every stream casts its own.
 int RunSharing(const Args& args) {
   const std::string synthetic = args.synthetic == Args().synthetic
                                     ? "llama:layers=4,hidden=1024,ffn=2816,vocab=32000,seed=2"
@@ -611,40 +705,57 @@ int RunSharing(const Args& args) {
   const std::chrono::milliseconds limit = std::chrono::seconds(8);
   std::vector<BaselineProcess> baselines = ForkBaselines(args.num_shards);
   if (baselines.size() != args.num_shards) return 1;
-  auto shared = StartShards(args.num_shards, synthetic, kPolicyBf16);
+  const std::string shared_logs = absl::StrCat(kLogDir, "/shared");
+  const std::string unshared_logs = absl::StrCat(kLogDir, "/unshared");
+  std::vector<std::string> shared_flags = {"--metrics-listen", "127.0.0.1:0"};
+  if (!args.shared_chunk_bytes.empty()) {
+    shared_flags.insert(shared_flags.end(), {"--shared-chunk-bytes", args.shared_chunk_bytes});
+  }
+  auto shared = StartShards(args.num_shards, synthetic, kPolicyBf16, shared_flags, shared_logs);
   if (!shared.ok()) return Fail(shared.status(), "starting shards (sharing)");
   auto unshared =
-      StartShards(args.num_shards, synthetic, kPolicyBf16, {"--shared-chunk-bytes", "0"});
+      StartShards(args.num_shards, synthetic, kPolicyBf16,
+                  {"--metrics-listen", "127.0.0.1:0", "--shared-chunk-bytes", "0"}, unshared_logs);
   if (!unshared.ok()) return Fail(unshared.status(), "starting shards (no sharing)");
   auto baseline = ServeBaselines(baselines, (*shared)->addresses());
   if (!baseline.ok()) return Fail(baseline.status(), "starting the baseline");
+  const std::vector<int> shared_ports = MetricsPorts(shared_logs, args.num_shards);
+  const std::vector<int> unshared_ports = MetricsPorts(unshared_logs, args.num_shards);
+  if (shared_ports.size() != args.num_shards || unshared_ports.size() != args.num_shards) {
+    std::fprintf(stderr, "no metrics port in the shard logs under %s\n", kLogDir);
+    return 1;
+  }
 
   std::printf(
       "gather_bench --sharing: %s, %u shards, policy %s, up to %u rounds or %llds per row\n"
       "machine: 2 cores shared by servers and workers, nothing pinned: compare within a row\n\n",
       synthetic.c_str(), args.num_shards, kPolicyBf16, args.rounds,
       static_cast<long long>(limit.count() / 1000));
-  std::printf("%3s %12s %12s %12s %7s %7s %16s %16s\n", "W", "(a) bytes/s", "shared", "unshared",
-              "sh/a", "unsh/a", "cast s/GB shared", "cast s/GB unsh.");
+  std::printf("%3s | %11s | %11s %6s %7s %8s | %11s %6s %8s\n", "", "(a)", "shared", "", "",
+              "cast s", "unshared", "", "cast s");
+  std::printf("%3s | %11s | %11s %6s %7s %8s | %11s %6s %8s\n", "W", "bytes/s", "bytes/s", "/a",
+              "shared", "/dist.GB", "bytes/s", "/a", "/dist.GB");
   for (uint32_t w : {1u, 2u, 4u, 8u}) {
-    auto a = Measure(baseline->addresses, baseline->pids, w, args.rounds, limit);
+    auto a = Measure(baseline->addresses, baseline->pids, w, args.rounds, limit, {},
+                     /*lockstep=*/true);
     if (!a.ok()) return Fail(a.status(), "baseline");
-    auto s =
-        Measure((*shared)->addresses(), Pids(**shared, args.num_shards), w, args.rounds, limit);
+    auto s = Measure((*shared)->addresses(), Pids(**shared, args.num_shards), w, args.rounds, limit,
+                     shared_ports, /*lockstep=*/true);
     if (!s.ok()) return Fail(s.status(), "sharing");
-    auto u =
-        Measure((*unshared)->addresses(), Pids(**unshared, args.num_shards), w, args.rounds, limit);
+    auto u = Measure((*unshared)->addresses(), Pids(**unshared, args.num_shards), w, args.rounds,
+                     limit, unshared_ports, /*lockstep=*/true);
     if (!u.ok()) return Fail(u.status(), "no sharing");
-    // Each distinct byte is delivered W times.
-    const auto cast_per_distinct_gb = [&](const Result& r) {
-      return (r.server_cpu_per_gb() - a->server_cpu_per_gb()) * w;
+    const auto cast_per_distinct_gb = [w](const Result& r) {
+      return r.shards.cast_seconds / (static_cast<double>(r.wire_bytes) / w / 1e9);
     };
-    std::printf("%3u %10s/s %10s/s %10s/s %7.3f %7.3f %16.3f %16.3f\n", w,
+    const double sent = s->shards.chunks_cast + s->shards.chunks_shared;
+    std::printf("%3u | %9s/s | %9s/s %6.3f %6.1f%% %8.3f | %9s/s %6.3f %8.3f\n", w,
                 FormatBytes(static_cast<uint64_t>(a->bytes_per_s())).c_str(),
                 FormatBytes(static_cast<uint64_t>(s->bytes_per_s())).c_str(),
+                s->bytes_per_s() / a->bytes_per_s(),
+                sent > 0 ? 100 * s->shards.chunks_shared / sent : 0.0, cast_per_distinct_gb(*s),
                 FormatBytes(static_cast<uint64_t>(u->bytes_per_s())).c_str(),
-                s->bytes_per_s() / a->bytes_per_s(), u->bytes_per_s() / a->bytes_per_s(),
-                cast_per_distinct_gb(*s), cast_per_distinct_gb(*u));
+                u->bytes_per_s() / a->bytes_per_s(), cast_per_distinct_gb(*u));
     std::fflush(stdout);
   }
   StopBaselines(baselines);

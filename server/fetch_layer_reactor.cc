@@ -62,8 +62,10 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
       metrics_(metrics),
       plan_(std::move(plan)),
       options_(std::move(options)),
-      buffer_bytes_(BufferBytes(store_, plan_, options_.chunk_bytes)) {
+      buffer_bytes_(BufferBytes(store_, plan_, options_.chunk_bytes)),
+      peer_(context->peer()) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
+  if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer, peer_);
   metrics_.streams_waiting_for_version().Increment();
   version_wait_id_ = gate_.Wait(options_.min_version, [this] { OnVersionReached(); });
 }
@@ -157,7 +159,7 @@ void FetchLayerReactor::WriteNext() {
   const auto cast = [this, &key] { return Cast(key); };
   absl::StatusOr<CastChunk> chunk =
       options_.shared != nullptr
-          ? options_.shared->GetOrCast(key, key.elements * element_bytes, cast)
+          ? options_.shared->GetOrCast(key, key.elements * element_bytes, peer_, cast)
           : cast();
   if (!chunk.ok()) {
     FinishOnce(ToGrpcStatus(chunk.status()));
@@ -216,6 +218,7 @@ void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
 
 void FetchLayerReactor::OnDone() {
   if (holds_budget_) budget_.Release(buffer_bytes_);
+  if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer, peer_);
   if (options_.on_done) options_.on_done(final_status_);
   delete this;
 }

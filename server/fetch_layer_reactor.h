@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <string>
 
 #include <grpcpp/grpcpp.h>
 
@@ -73,6 +74,7 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   const FetchPlan plan_;
   const Options options_;
   const uint64_t buffer_bytes_;
+  const std::string peer_;  // the reader, for SharedChunks
 
   std::atomic<Phase> phase_{Phase::kWaitingForVersion};
   std::atomic<uint64_t> version_wait_id_{0};

@@ -23,8 +23,6 @@ constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
 constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
 constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
 constexpr uint32_t kDefaultMaxStreams = 1024;
-// Enough for data-parallel workers a few chunks apart to share each cast.
-constexpr uint64_t kDefaultSharedChunks = 32;
 // Below gRPC's default 4 MiB receive limit with room for the framing.
 constexpr uint64_t kMaxChunkBytes = 3 << 20;
 
@@ -175,9 +173,6 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
   if (config.chunk_bytes() < 4 || config.chunk_bytes() > kMaxChunkBytes) {
     return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
                                                    " is out of range: use 4-", kMaxChunkBytes));
-  }
-  if (!config.has_shared_chunk_bytes()) {
-    config.set_shared_chunk_bytes(kDefaultSharedChunks * config.chunk_bytes());
   }
   if (config.drain_timeout_seconds() == 0) config.set_drain_timeout_seconds(20);
   if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();

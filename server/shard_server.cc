@@ -18,8 +18,28 @@ namespace layercast::server {
 namespace {
 
 // Workers of one data-parallel step fetch a layer within moments of each
-// other; a chunk older than this is unlikely to be asked for again.
+// other; a chunk unused for this long is unlikely to be asked for again.
 constexpr auto kSharedChunkMaxAge = std::chrono::seconds(5);
+// Workers in step still drift apart within a walk. Measured with 4 and 8
+// workers in lockstep (gather_bench --sharing): room for twice this shard's
+// part of its largest layer let every chunk be cast once (75% and 87.5% of
+// chunks shared); room for one layer, 64% and 56%; 32 chunks, less.
+constexpr uint64_t kSharedLayers = 2;
+constexpr uint64_t kMinSharedChunks = 32;
+
+// This shard's part of its largest layer, in the compute dtypes.
+uint64_t LargestLayerShareBytes(const ParameterStore& store) {
+  uint64_t largest = 0;
+  for (uint32_t layer = 0; layer < store.model().layers.size(); ++layer) {
+    uint64_t bytes = 0;
+    const auto& tensors = store.layout(layer).tensors();
+    for (uint32_t t = 0; t < tensors.size(); ++t) {
+      bytes += store.owned(layer, t).size() * DTypeSize(tensors[t].compute_dtype);
+    }
+    largest = std::max(largest, bytes);
+  }
+  return largest;
+}
 
 absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings& settings) {
   const auto& config = settings.config;
@@ -233,9 +253,12 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
-  if (config.shared_chunk_bytes() > 0) {
-    shared_ = std::make_shared<SharedChunks>(config.shared_chunk_bytes(), kSharedChunkMaxAge,
-                                             *budget_, metrics_);
+  const uint64_t shared_bytes = config.has_shared_chunk_bytes()
+                                    ? config.shared_chunk_bytes()
+                                    : std::max(kMinSharedChunks * config.chunk_bytes(),
+                                               kSharedLayers * LargestLayerShareBytes(*store_));
+  if (shared_bytes > 0) {
+    shared_ = std::make_shared<SharedChunks>(shared_bytes, kSharedChunkMaxAge, *budget_, metrics_);
     budget_->SetReclaimer([weak = std::weak_ptr<SharedChunks>(shared_)] {
       if (auto shared = weak.lock()) shared->DropAll();
     });

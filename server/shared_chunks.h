@@ -3,6 +3,8 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <grpcpp/support/slice.h>
 
@@ -50,13 +52,20 @@ struct ChunkKey {
 // stream that finds a chunk still being cast waits for that cast (one chunk's
 // cast, well under a millisecond) instead of repeating it.
 //
+// A chunk is kept only if another reader (another peer: each worker has its
+// own connection) has a stream of its layer open, or had one within
+// `max_age`: a lone worker (inference, or one walk at a time) gains nothing
+// from kept chunks and would pay for them in cold memory, every cast landing
+// in a fresh buffer instead of one still in cache. Workers need not overlap:
+// data-parallel workers a layer apart still share.
+//
 // Kept chunks are charged to the memory budget, and they are the first thing
 // given up: a chunk is kept only if it fits in `capacity_bytes` (oldest kept
 // chunks make room) and the budget grants it without anyone waiting; when a
 // stream has to wait for budget, every kept chunk is dropped (see
 // MemoryBudget::SetReclaimer). Nothing ever waits on a slow reader: a stream
 // that falls behind finds its chunks dropped and casts its own. Kept chunks
-// older than `max_age` are dropped on the next lookup.
+// unused for `max_age` are dropped on the next miss.
 //
 // Thread-safe. Lock order: this cache, then the budget.
 class SharedChunks {
@@ -68,10 +77,18 @@ class SharedChunks {
   // Returns the budget of every kept chunk. REQUIRES: no call in progress.
   ~SharedChunks();
 
-  // The chunk `key` of `bytes` bytes: kept or being cast by another stream,
-  // or cast here by `cast` (and kept when there is room). A failed cast is
-  // returned to every stream that waited for it, and never kept.
-  absl::StatusOr<CastChunk> GetOrCast(const ChunkKey& key, uint64_t bytes, Cast cast);
+  // Every stream of `layer` from reader `peer` (grpc::ServerContext::peer())
+  // calls BeginStream once before its first GetOrCast and EndStream once
+  // when it is done.
+  void BeginStream(uint32_t layer, const std::string& peer);
+  void EndStream(uint32_t layer, const std::string& peer);
+
+  // The chunk `key` of `bytes` bytes for a stream of `peer`: kept or being
+  // cast by another stream, or cast here by `cast` (and kept when another
+  // reader wants the layer and there is room). A failed cast is returned to
+  // every stream that waited for it, and never kept.
+  absl::StatusOr<CastChunk> GetOrCast(const ChunkKey& key, uint64_t bytes, const std::string& peer,
+                                      Cast cast);
 
   // Drops every kept chunk that is not being cast, returning its budget.
   void DropAll();
@@ -81,14 +98,24 @@ class SharedChunks {
  private:
   struct Entry {
     uint64_t bytes = 0;
-    std::chrono::steady_clock::time_point kept_at;
+    std::chrono::steady_clock::time_point last_used;
     absl::Notification ready;
     absl::StatusOr<CastChunk> chunk;  // written once, before `ready`
   };
 
+  struct Reader {
+    std::string peer;
+    int open = 0;
+    std::chrono::steady_clock::time_point last_seen;
+  };
+
+  // Whether a reader other than `peer` has `layer` open or had it lately.
+  bool OthersWantLocked(uint32_t layer, const std::string& peer,
+                        std::chrono::steady_clock::time_point now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes finished entries: all of them (`room` == UINT64_MAX), or the
-  // oldest until `room` more bytes fit, after first removing those past
-  // max_age. Returns the bytes removed, for the caller to give back to the
+  // least recently used until `room` more bytes fit, after first removing
+  // those unused for max_age. Returns the bytes removed, for the caller to give back to the
   // budget once the lock is released.
   uint64_t EvictLocked(uint64_t room, std::chrono::steady_clock::time_point now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -103,6 +130,8 @@ class SharedChunks {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // By layer; readers idle past max_age are dropped when a stream begins.
+  absl::flat_hash_map<uint32_t, std::vector<Reader>> readers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace layercast::server

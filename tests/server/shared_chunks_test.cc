@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -23,6 +24,9 @@ using std::chrono::seconds;
 
 constexpr uint64_t kMaster = 1000;
 constexpr uint64_t kChunk = 100;
+// Readers, as grpc::ServerContext::peer() names them.
+const std::string kPeer = "ipv4:127.0.0.1:50001";
+const std::string kOtherPeer = "ipv4:127.0.0.1:50002";
 
 ChunkKey Key(uint64_t begin) {
   return ChunkKey{.layer = 1,
@@ -46,17 +50,24 @@ absl::StatusOr<CastChunk> FakeCast(std::atomic<int>& casts, uint8_t fill,
 struct Fixture {
   explicit Fixture(uint64_t capacity, std::optional<uint64_t> budget_bytes = std::nullopt,
                    std::chrono::steady_clock::duration max_age = seconds(60))
-      : budget(budget_bytes, kMaster), shared(capacity, max_age, budget, metrics) {}
+      : budget(budget_bytes, kMaster),
+        shared(std::make_shared<SharedChunks>(capacity, max_age, budget, metrics)) {
+    // Another reader has the layer open: chunks are worth keeping.
+    shared->BeginStream(Key(0).layer, kPeer);
+    shared->BeginStream(Key(0).layer, kOtherPeer);
+  }
   ServerMetrics metrics;
   MemoryBudget budget;
-  SharedChunks shared;
+  // Shared, as ShardServer holds it: the budget's reclaimer may still run
+  // on the budget's thread while the test ends.
+  std::shared_ptr<SharedChunks> shared;
   std::atomic<int> casts{0};
 };
 
 TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   Fixture f(10 * kChunk);
-  auto first = f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 7); });
-  auto second = f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 9); });
+  auto first = f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 7); });
+  auto second = f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 9); });
   ASSERT_TRUE(first.ok() && second.ok());
   EXPECT_EQ(f.casts.load(), 1);
   EXPECT_EQ(first->data.begin(), second->data.begin()) << "one buffer, referenced twice";
@@ -67,9 +78,39 @@ TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   // Another range, version or dtype is another chunk.
   ChunkKey other_version = Key(0);
   other_version.version = 1;
-  ASSERT_TRUE(f.shared.GetOrCast(other_version, kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
-  ASSERT_TRUE(f.shared.GetOrCast(Key(50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(
+      f.shared->GetOrCast(other_version, kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 3);
+}
+
+TEST(SharedChunksTest, ChunksAreKeptOnlyForOtherReadersOfTheLayer) {
+  Fixture f(10 * kChunk, kMaster + 10 * kChunk, milliseconds(200));
+  const auto cast_twice = [&](const std::string& peer) {
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(
+          f.shared->GetOrCast(Key(0), kChunk, peer, [&] { return FakeCast(f.casts, 1); }).ok());
+    }
+  };
+  // A lone reader re-reading its layer gains nothing from kept chunks.
+  cast_twice("ipv4:127.0.0.1:50003");
+  EXPECT_EQ(f.casts.load(), 1) << "kPeer and kOtherPeer have the layer open";
+  f.shared->DropAll();
+  f.shared->EndStream(Key(0).layer, kOtherPeer);
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
+
+  // kOtherPeer closed its stream just now: it may be back soon.
+  cast_twice(kPeer);
+  EXPECT_EQ(f.casts.load(), 2);
+  f.shared->DropAll();
+
+  // Long enough ago: only kPeer itself reads the layer; nothing is kept.
+  std::this_thread::sleep_for(milliseconds(300));
+  cast_twice(kPeer);
+  EXPECT_EQ(f.casts.load(), 4);
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
+  EXPECT_EQ(f.budget.in_use(), kMaster);
 }
 
 TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
@@ -78,8 +119,8 @@ TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
   std::vector<std::future<absl::StatusOr<CastChunk>>> results;
   for (int i = 0; i < kStreams; ++i) {
     results.push_back(std::async(std::launch::async, [&] {
-      return f.shared.GetOrCast(Key(0), kChunk,
-                                [&] { return FakeCast(f.casts, 3, milliseconds(100)); });
+      return f.shared->GetOrCast(Key(0), kChunk, kPeer,
+                                 [&] { return FakeCast(f.casts, 3, milliseconds(100)); });
     }));
   }
   const uint8_t* data = nullptr;
@@ -96,46 +137,56 @@ TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
 TEST(SharedChunksTest, KeptChunksAreChargedToTheBudgetAndGivenBack) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk);
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(f.shared.GetOrCast(Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+    ASSERT_TRUE(
+        f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   }
-  EXPECT_EQ(f.shared.kept_bytes(), 3 * kChunk);
+  EXPECT_EQ(f.shared->kept_bytes(), 3 * kChunk);
   EXPECT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
   EXPECT_EQ(f.metrics.shared_chunk_bytes().Value(), 3 * kChunk);
-  f.shared.DropAll();
-  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  f.shared->DropAll();
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_EQ(f.budget.in_use(), kMaster);
 }
 
 TEST(SharedChunksTest, TheOldestChunkMakesRoomAndOnlyWithinCapacity) {
   Fixture f(2 * kChunk);
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(f.shared.GetOrCast(Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+    ASSERT_TRUE(
+        f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
     std::this_thread::sleep_for(milliseconds(2));  // distinct kept_at
   }
-  EXPECT_EQ(f.shared.kept_bytes(), 2 * kChunk);
-  ASSERT_TRUE(f.shared.GetOrCast(Key(100), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(100), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 3) << "the newest chunk was kept";
-  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 4) << "the oldest chunk was dropped for the third";
 
   // A chunk larger than the capacity is cast for its stream alone.
-  ASSERT_TRUE(f.shared.GetOrCast(Key(500), 3 * kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
-  EXPECT_EQ(f.shared.kept_bytes(), 2 * kChunk);
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(500), 3 * kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 }
 
 TEST(SharedChunksTest, ChunksPastTheirAgeAreDropped) {
   Fixture f(10 * kChunk, std::nullopt, milliseconds(20));
-  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   std::this_thread::sleep_for(milliseconds(60));
-  ASSERT_TRUE(f.shared.GetOrCast(Key(50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
-  EXPECT_EQ(f.shared.kept_bytes(), kChunk) << "only the fresh chunk is kept";
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk) << "only the fresh chunk is kept";
 }
 
 TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
   Fixture f(10 * kChunk, kMaster + 4 * kChunk);
-  f.budget.SetReclaimer([&] { f.shared.DropAll(); });
+  f.budget.SetReclaimer([weak = std::weak_ptr<SharedChunks>(f.shared)] {
+    if (auto shared = weak.lock()) shared->DropAll();
+  });
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(f.shared.GetOrCast(Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+    ASSERT_TRUE(
+        f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   }
   ASSERT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
 
@@ -146,14 +197,15 @@ TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
   auto future = granted.get_future();
   ASSERT_EQ(future.wait_for(seconds(10)), std::future_status::ready);
   EXPECT_TRUE(future.get());
-  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_EQ(f.budget.in_use(), kMaster + 2 * kChunk);
 
   // While someone waits, nothing new is kept; the cast still happens.
   f.budget.Acquire(4 * kChunk, std::chrono::steady_clock::now() + seconds(10), [](bool) {});
   ASSERT_EQ(f.budget.waiting(), 1u);
-  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
-  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_LE(f.budget.peak(), kMaster + 4 * kChunk);
   f.budget.Release(2 * kChunk);  // lets the waiter through before teardown
 }
@@ -167,16 +219,17 @@ TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
   };
   auto waiter = std::async(std::launch::async, [&] {
     std::this_thread::sleep_for(milliseconds(50));  // arrives during the cast
-    return f.shared.GetOrCast(Key(0), kChunk, fail);
+    return f.shared->GetOrCast(Key(0), kChunk, kPeer, fail);
   });
-  absl::StatusOr<CastChunk> first = f.shared.GetOrCast(Key(0), kChunk, fail);
+  absl::StatusOr<CastChunk> first = f.shared->GetOrCast(Key(0), kChunk, kPeer, fail);
   absl::StatusOr<CastChunk> second = waiter.get();
   EXPECT_EQ(first.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(second.status(), first.status());
   EXPECT_EQ(f.casts.load(), 1);
-  EXPECT_EQ(f.shared.kept_bytes(), 0u);
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_EQ(f.budget.in_use(), kMaster);
-  ASSERT_TRUE(f.shared.GetOrCast(Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(
+      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 2) << "the failure was not kept";
 }
 
