@@ -132,6 +132,7 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   metrics_.RecordCast(
       key.elements,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
+  metrics_.RecordChunkCast();
   return chunk;
 }
 

@@ -84,7 +84,10 @@ bool MemoryBudget::TryAcquire(uint64_t bytes) {
   return true;
 }
 
-void MemoryBudget::SetReclaimer(std::function<void()> reclaim) { reclaim_ = std::move(reclaim); }
+void MemoryBudget::SetReclaimer(std::function<void()> reclaim) {
+  absl::MutexLock lock(&mu_);
+  reclaim_ = std::move(reclaim);
+}
 
 bool MemoryBudget::RemoveLocked(uint64_t id, std::vector<Granted>& ready) {
   auto it =

@@ -57,8 +57,7 @@ class MemoryBudget {
   bool TryAcquire(uint64_t bytes);
 
   // `reclaim` runs on the budget's timer thread whenever a request has to
-  // wait: it should Release() whatever can be given up. Set once, before any
-  // request.
+  // wait: it should Release() whatever can be given up.
   void SetReclaimer(std::function<void()> reclaim);
 
   // Withdraws waiting request `id`. True if it was still waiting (`granted`
@@ -98,13 +97,13 @@ class MemoryBudget {
   const std::optional<uint64_t> budget_;
   const uint64_t master_bytes_;
   const Observer observer_;
-  std::function<void()> reclaim_;
 
   mutable absl::Mutex mu_;
   uint64_t in_use_ ABSL_GUARDED_BY(mu_);
   uint64_t peak_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> reclaim_ ABSL_GUARDED_BY(mu_);
 
   boost::asio::io_context timers_;
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_;

@@ -174,6 +174,9 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
                                                    " is out of range: use 4-", kMaxChunkBytes));
   }
+  // Workers of one data-parallel step fetch a layer within moments of each
+  // other; a chunk unused for 5 s is unlikely to be asked for again.
+  if (config.shared_chunk_max_idle_ms() == 0) config.set_shared_chunk_max_idle_ms(5000);
   if (config.drain_timeout_seconds() == 0) config.set_drain_timeout_seconds(20);
   if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();
   if (!config.memory_budget().empty()) {

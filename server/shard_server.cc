@@ -17,9 +17,6 @@
 namespace layercast::server {
 namespace {
 
-// Workers of one data-parallel step fetch a layer within moments of each
-// other; a chunk unused for this long is unlikely to be asked for again.
-constexpr auto kSharedChunkMaxAge = std::chrono::seconds(5);
 // Workers in step still drift apart within a walk. Measured with 4 and 8
 // workers in lockstep (gather_bench --sharing): room for twice this shard's
 // part of its largest layer let every chunk be cast once (75% and 87.5% of
@@ -258,7 +255,9 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                     : std::max(kMinSharedChunks * config.chunk_bytes(),
                                                kSharedLayers * LargestLayerShareBytes(*store_));
   if (shared_bytes > 0) {
-    shared_ = std::make_shared<SharedChunks>(shared_bytes, kSharedChunkMaxAge, *budget_, metrics_);
+    shared_ = std::make_shared<SharedChunks>(
+        shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *budget_,
+        metrics_);
     budget_->SetReclaimer([weak = std::weak_ptr<SharedChunks>(shared_)] {
       if (auto shared = weak.lock()) shared->DropAll();
     });

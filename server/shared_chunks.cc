@@ -1,30 +1,59 @@
 #include "server/shared_chunks.h"
 
 #include <algorithm>
-#include <limits>
 
 namespace layercast::server {
 
-SharedChunks::SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_age,
-                           MemoryBudget& budget, ServerMetrics& metrics)
-    : capacity_bytes_(capacity_bytes), max_age_(max_age), budget_(budget), metrics_(metrics) {}
+SharedChunks::SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_idle,
+                           MemoryBudget& budget, ServerMetrics& metrics, Clock now)
+    : capacity_bytes_(capacity_bytes),
+      max_idle_(max_idle),
+      budget_(budget),
+      metrics_(metrics),
+      now_(std::move(now)),
+      sweeper_([this] { Sweep(); }) {}
 
-SharedChunks::~SharedChunks() { DropAll(); }
+SharedChunks::~SharedChunks() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  sweeper_.join();
+  DropAll();
+}
+
+void SharedChunks::Sweep() {
+  // Twice per max_idle, so nothing stays much longer than that after its
+  // workers have gone (a finished job would otherwise leave its last layers
+  // charged to the budget until the next miss).
+  const absl::Duration period = absl::FromChrono(max_idle_) / 2;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) return;
+    }
+    DropIdle();
+  }
+}
 
 absl::StatusOr<CastChunk> SharedChunks::GetOrCast(const ChunkKey& key, uint64_t bytes,
                                                   const std::string& peer, Cast cast) {
   std::shared_ptr<Entry> entry;
   bool cast_here = false;
-  uint64_t evicted = 0;
+  uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = now_();
     if (auto it = entries_.find(key); it != entries_.end()) {
       entry = it->second;
       entry->last_used = now;
     } else if (bytes <= capacity_bytes_ && OthersWantLocked(key.layer, peer, now)) {
-      evicted = EvictLocked(bytes, now);
-      if (kept_bytes_ + bytes <= capacity_bytes_ && budget_.TryAcquire(bytes)) {
+      freed = DropIdleLocked(now, /*all=*/false) + MakeRoomLocked(bytes);
+      // Bytes just freed pay for the new chunk first; the budget is asked
+      // only for the rest, and never while a stream waits for it.
+      const uint64_t reused = std::min(freed, bytes);
+      if (budget_.waiting() == 0 && (reused == bytes || budget_.TryAcquire(bytes - reused))) {
+        freed -= reused;
         entry = std::make_shared<Entry>();
         entry->bytes = bytes;
         entry->last_used = now;
@@ -35,20 +64,17 @@ absl::StatusOr<CastChunk> SharedChunks::GetOrCast(const ChunkKey& key, uint64_t 
     }
     metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
-  GiveBack(evicted);
 
-  if (entry == nullptr) {  // no room to keep it: cast for this stream alone
-    metrics_.RecordChunkCast();
-    return cast();
-  }
   if (!cast_here) {
-    metrics_.RecordChunkShared();
+    GiveBack(freed);
+    if (entry == nullptr) return cast();  // not worth keeping, or no room
     entry->ready.WaitForNotification();
+    if (entry->chunk.ok()) metrics_.RecordChunkShared();
     return entry->chunk;
   }
-  metrics_.RecordChunkCast();
   entry->chunk = cast();
   entry->ready.Notify();
+  GiveBack(freed);  // only now: see the class comment
   // Streams waiting for budget come before sharing; a failure is not kept.
   if (!entry->chunk.ok() || budget_.waiting() > 0) Forget(key, entry);
   return entry->chunk;
@@ -56,15 +82,16 @@ absl::StatusOr<CastChunk> SharedChunks::GetOrCast(const ChunkKey& key, uint64_t 
 
 void SharedChunks::BeginStream(uint32_t layer, const std::string& peer) {
   absl::MutexLock lock(&mu_);
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = now_();
   std::vector<Reader>& readers = readers_[layer];
   std::erase_if(readers, [&](const Reader& r) {
-    return r.open == 0 && now - r.last_seen > max_age_ && r.peer != peer;
+    return r.open == 0 && now - r.last_seen > max_idle_ && r.peer != peer;
   });
   auto it =
       std::find_if(readers.begin(), readers.end(), [&](const Reader& r) { return r.peer == peer; });
-  if (it == readers.end())
+  if (it == readers.end()) {
     it = readers.insert(readers.end(), Reader{.peer = peer, .open = 0, .last_seen = now});
+  }
   ++it->open;
   it->last_seen = now;
 }
@@ -76,7 +103,7 @@ void SharedChunks::EndStream(uint32_t layer, const std::string& peer) {
   for (Reader& reader : layer_readers->second) {
     if (reader.peer != peer) continue;
     reader.open = std::max(0, reader.open - 1);
-    reader.last_seen = std::chrono::steady_clock::now();
+    reader.last_seen = now_();
   }
 }
 
@@ -86,62 +113,73 @@ bool SharedChunks::OthersWantLocked(uint32_t layer, const std::string& peer,
   if (layer_readers == readers_.end()) return false;
   return std::any_of(layer_readers->second.begin(), layer_readers->second.end(),
                      [&](const Reader& r) {
-                       return r.peer != peer && (r.open > 0 || now - r.last_seen <= max_age_);
+                       return r.peer != peer && (r.open > 0 || now - r.last_seen <= max_idle_);
                      });
 }
 
-uint64_t SharedChunks::EvictLocked(uint64_t room, std::chrono::steady_clock::time_point now) {
-  uint64_t evicted = 0;
-  const auto remove = [&](auto it) {
-    evicted += it->second->bytes;
-    kept_bytes_ -= it->second->bytes;
-    entries_.erase(it);
-  };
+uint64_t SharedChunks::RemoveLocked(
+    absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>>::iterator it) {
+  const uint64_t bytes = it->second->bytes;
+  kept_bytes_ -= bytes;
+  entries_.erase(it);
+  return bytes;
+}
+
+uint64_t SharedChunks::DropIdleLocked(std::chrono::steady_clock::time_point now, bool all) {
+  uint64_t freed = 0;
   for (auto it = entries_.begin(); it != entries_.end();) {
     auto next = std::next(it);
-    if (it->second->ready.HasBeenNotified() &&
-        (room == std::numeric_limits<uint64_t>::max() || now - it->second->last_used > max_age_)) {
-      remove(it);
+    if (it->second->ready.HasBeenNotified() && (all || now - it->second->last_used > max_idle_)) {
+      freed += RemoveLocked(it);
     }
     it = next;
   }
-  // Least recently used first. Linear scans: a cache holds tens of chunks, and each scan
-  // costs far less than casting one.
-  while (kept_bytes_ + room > capacity_bytes_ && room <= capacity_bytes_) {
-    auto oldest = entries_.end();
+  return freed;
+}
+
+uint64_t SharedChunks::MakeRoomLocked(uint64_t room) {
+  uint64_t freed = 0;
+  // Linear scans: the default capacity holds two layers' worth of one
+  // shard's chunks (hundreds), and a scan costs far less than one cast.
+  while (kept_bytes_ + room > capacity_bytes_) {
+    auto least_recent = entries_.end();
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
       if (!it->second->ready.HasBeenNotified()) continue;
-      if (oldest == entries_.end() || it->second->last_used < oldest->second->last_used)
-        oldest = it;
+      if (least_recent == entries_.end() ||
+          it->second->last_used < least_recent->second->last_used) {
+        least_recent = it;
+      }
     }
-    if (oldest == entries_.end()) break;  // the rest are being cast
-    remove(oldest);
+    if (least_recent == entries_.end()) break;  // the rest are being cast
+    freed += RemoveLocked(least_recent);
   }
-  return evicted;
+  return freed;
 }
 
 void SharedChunks::Forget(const ChunkKey& key, const std::shared_ptr<Entry>& entry) {
-  uint64_t evicted = 0;
+  uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
     if (it == entries_.end() || it->second != entry) return;  // already dropped
-    evicted = entry->bytes;
-    kept_bytes_ -= entry->bytes;
-    entries_.erase(it);
+    freed = RemoveLocked(it);
     metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
-  GiveBack(evicted);
+  GiveBack(freed);
 }
 
-void SharedChunks::DropAll() {
-  uint64_t evicted = 0;
+void SharedChunks::DropAll() { Drop(/*all=*/true); }
+
+void SharedChunks::DropIdle() { Drop(/*all=*/false); }
+
+void SharedChunks::Drop(bool all) {
+  uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    evicted = EvictLocked(std::numeric_limits<uint64_t>::max(), std::chrono::steady_clock::now());
+    freed = DropIdleLocked(now_(), all);
     metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
-  GiveBack(evicted);
+  GiveBack(freed);
 }
 
 void SharedChunks::GiveBack(uint64_t bytes) {

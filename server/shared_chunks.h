@@ -2,8 +2,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/support/slice.h>
@@ -54,27 +56,37 @@ struct ChunkKey {
 //
 // A chunk is kept only if another reader (another peer: each worker has its
 // own connection) has a stream of its layer open, or had one within
-// `max_age`: a lone worker (inference, or one walk at a time) gains nothing
+// `max_idle`: a lone worker (inference, or one walk at a time) gains nothing
 // from kept chunks and would pay for them in cold memory, every cast landing
 // in a fresh buffer instead of one still in cache. Workers need not overlap:
 // data-parallel workers a layer apart still share.
 //
-// Kept chunks are charged to the memory budget, and they are the first thing
-// given up: a chunk is kept only if it fits in `capacity_bytes` (oldest kept
-// chunks make room) and the budget grants it without anyone waiting; when a
-// stream has to wait for budget, every kept chunk is dropped (see
-// MemoryBudget::SetReclaimer). Nothing ever waits on a slow reader: a stream
-// that falls behind finds its chunks dropped and casts its own. Kept chunks
-// unused for `max_age` are dropped on the next miss.
+// Readers are told apart by grpc::ServerContext::peer(). Workers behind a
+// proxy that funnels them into one upstream connection look like one reader,
+// and nothing is kept for them.
 //
-// Thread-safe. Lock order: this cache, then the budget.
+// Kept chunks are charged to the memory budget, and they are the first thing
+// given up: a chunk is kept only if it fits in `capacity_bytes` (the least
+// recently used kept chunks make room) and the budget grants it without
+// anyone waiting; when a stream has to wait for budget, every kept chunk is
+// dropped (see MemoryBudget::SetReclaimer); a sweeper thread drops chunks
+// unused for `max_idle`. Nothing ever waits on a slow reader: a stream that
+// falls behind finds its chunks dropped and casts its own.
+//
+// Thread-safe. Lock order: this cache, then the budget. Budget is never
+// released while the releasing thread owes other streams a cast: Release()
+// may run a granted stream's callbacks on the calling thread, and that
+// stream may want the very chunk.
 class SharedChunks {
  public:
   using Cast = absl::FunctionRef<absl::StatusOr<CastChunk>()>;
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
 
-  SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_age,
-               MemoryBudget& budget, ServerMetrics& metrics);
-  // Returns the budget of every kept chunk. REQUIRES: no call in progress.
+  SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_idle,
+               MemoryBudget& budget, ServerMetrics& metrics,
+               Clock now = std::chrono::steady_clock::now);
+  // Stops the sweeper and returns the budget of every kept chunk.
+  // REQUIRES: no call in progress.
   ~SharedChunks();
 
   // Every stream of `layer` from reader `peer` (grpc::ServerContext::peer())
@@ -84,14 +96,16 @@ class SharedChunks {
   void EndStream(uint32_t layer, const std::string& peer);
 
   // The chunk `key` of `bytes` bytes for a stream of `peer`: kept or being
-  // cast by another stream, or cast here by `cast` (and kept when another
-  // reader wants the layer and there is room). A failed cast is returned to
-  // every stream that waited for it, and never kept.
+  // cast by another stream (counted as shared), or cast here by `cast` (and
+  // kept when another reader wants the layer and there is room). A failed
+  // cast is returned to every stream that waited for it, and never kept.
   absl::StatusOr<CastChunk> GetOrCast(const ChunkKey& key, uint64_t bytes, const std::string& peer,
                                       Cast cast);
 
   // Drops every kept chunk that is not being cast, returning its budget.
   void DropAll();
+  // Drops kept chunks unused for max_idle (the sweeper calls it).
+  void DropIdle();
 
   uint64_t kept_bytes() const;
 
@@ -113,25 +127,33 @@ class SharedChunks {
   bool OthersWantLocked(uint32_t layer, const std::string& peer,
                         std::chrono::steady_clock::time_point now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes finished entries: all of them (`room` == UINT64_MAX), or the
-  // least recently used until `room` more bytes fit, after first removing
-  // those unused for max_age. Returns the bytes removed, for the caller to give back to the
-  // budget once the lock is released.
-  uint64_t EvictLocked(uint64_t room, std::chrono::steady_clock::time_point now)
+  // Each removes finished entries and returns their bytes, for the caller to
+  // give back to the budget once the lock is released: those unused for
+  // max_idle (all of them when `all`); or the least recently used until
+  // `room` more bytes fit in the capacity.
+  uint64_t DropIdleLocked(std::chrono::steady_clock::time_point now, bool all)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t MakeRoomLocked(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t RemoveLocked(absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Drop(bool all);
   void Forget(const ChunkKey& key, const std::shared_ptr<Entry>& entry);
   void GiveBack(uint64_t bytes);
+  void Sweep();
 
   const uint64_t capacity_bytes_;
-  const std::chrono::steady_clock::duration max_age_;
+  const std::chrono::steady_clock::duration max_idle_;
   MemoryBudget& budget_;
   ServerMetrics& metrics_;
+  const Clock now_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // By layer; readers idle past max_age are dropped when a stream begins.
+  // By layer; readers idle past max_idle are dropped when a stream begins.
   absl::flat_hash_map<uint32_t, std::vector<Reader>> readers_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sweeper_;  // last: starts once everything above is set
 };
 
 }  // namespace layercast::server

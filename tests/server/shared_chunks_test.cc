@@ -49,15 +49,21 @@ absl::StatusOr<CastChunk> FakeCast(std::atomic<int>& casts, uint8_t fill,
 
 struct Fixture {
   explicit Fixture(uint64_t capacity, std::optional<uint64_t> budget_bytes = std::nullopt,
-                   std::chrono::steady_clock::duration max_age = seconds(60))
+                   std::chrono::steady_clock::duration max_idle = seconds(60))
       : budget(budget_bytes, kMaster),
-        shared(std::make_shared<SharedChunks>(capacity, max_age, budget, metrics)) {
+        shared(std::make_shared<SharedChunks>(capacity, max_idle, budget, metrics, [this] {
+          return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(now_ns.load()));
+        })) {
     // Another reader has the layer open: chunks are worth keeping.
     shared->BeginStream(Key(0).layer, kPeer);
     shared->BeginStream(Key(0).layer, kOtherPeer);
   }
+  // Moves the cache's clock on; its sweeper reads the clock from its thread.
+  void Advance(std::chrono::nanoseconds by) { now_ns += by.count(); }
+
   ServerMetrics metrics;
   MemoryBudget budget;
+  std::atomic<int64_t> now_ns{0};
   // Shared, as ShardServer holds it: the budget's reclaimer may still run
   // on the budget's thread while the test ends.
   std::shared_ptr<SharedChunks> shared;
@@ -72,7 +78,6 @@ TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   EXPECT_EQ(f.casts.load(), 1);
   EXPECT_EQ(first->data.begin(), second->data.begin()) << "one buffer, referenced twice";
   EXPECT_EQ(second->crc32c, 7u);
-  EXPECT_EQ(f.metrics.chunks_cast().Value(), 1);
   EXPECT_EQ(f.metrics.chunks_shared().Value(), 1);
 
   // Another range, version or dtype is another chunk.
@@ -93,9 +98,10 @@ TEST(SharedChunksTest, ChunksAreKeptOnlyForOtherReadersOfTheLayer) {
           f.shared->GetOrCast(Key(0), kChunk, peer, [&] { return FakeCast(f.casts, 1); }).ok());
     }
   };
-  // A lone reader re-reading its layer gains nothing from kept chunks.
+  // A third reader: kPeer and kOtherPeer have the layer open, so its cast is
+  // kept, and its second read shares it.
   cast_twice("ipv4:127.0.0.1:50003");
-  EXPECT_EQ(f.casts.load(), 1) << "kPeer and kOtherPeer have the layer open";
+  EXPECT_EQ(f.casts.load(), 1);
   f.shared->DropAll();
   f.shared->EndStream(Key(0).layer, kOtherPeer);
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
@@ -106,7 +112,7 @@ TEST(SharedChunksTest, ChunksAreKeptOnlyForOtherReadersOfTheLayer) {
   f.shared->DropAll();
 
   // Long enough ago: only kPeer itself reads the layer; nothing is kept.
-  std::this_thread::sleep_for(milliseconds(300));
+  f.Advance(milliseconds(300));
   cast_twice(kPeer);
   EXPECT_EQ(f.casts.load(), 4);
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
@@ -153,7 +159,7 @@ TEST(SharedChunksTest, TheOldestChunkMakesRoomAndOnlyWithinCapacity) {
   for (uint64_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(
         f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
-    std::this_thread::sleep_for(milliseconds(2));  // distinct kept_at
+    f.Advance(milliseconds(1));  // distinct last use
   }
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
   ASSERT_TRUE(
@@ -169,14 +175,27 @@ TEST(SharedChunksTest, TheOldestChunkMakesRoomAndOnlyWithinCapacity) {
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 }
 
-TEST(SharedChunksTest, ChunksPastTheirAgeAreDropped) {
-  Fixture f(10 * kChunk, std::nullopt, milliseconds(20));
+TEST(SharedChunksTest, ChunksUnusedForMaxIdleAreDropped) {
+  Fixture f(10 * kChunk, kMaster + 10 * kChunk, milliseconds(40));
   ASSERT_TRUE(
       f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
-  std::this_thread::sleep_for(milliseconds(60));
+  f.Advance(milliseconds(30));
+  ASSERT_TRUE(  // a use keeps it
+      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  f.Advance(milliseconds(30));
   ASSERT_TRUE(
       f.shared->GetOrCast(Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
-  EXPECT_EQ(f.shared->kept_bytes(), kChunk) << "only the fresh chunk is kept";
+  EXPECT_EQ(f.casts.load(), 2);
+  EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
+
+  // Nobody asks again: the sweeper drops both, within a few of its periods.
+  f.Advance(milliseconds(100));
+  const auto give_up = std::chrono::steady_clock::now() + seconds(10);
+  while (f.shared->kept_bytes() > 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
+  EXPECT_EQ(f.budget.in_use(), kMaster);
 }
 
 TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
