@@ -1,9 +1,7 @@
 // Gathering layers from real shard servers on 127.0.0.1, measured in one run
 // against a baseline from the same run:
-//   (a) baseline: N minimal gRPC servers (forked from this process before any
-//       gRPC object exists, so their CPU is their own) that stream pre-made
-//       LayerChunk frames of exactly the bytes and chunks shard i would send,
-//       through the same raw FetchLayer path; the client side is identical;
+//   (a) baseline: N minimal gRPC servers that stream pre-made frames of the
+//       same bytes and chunks (bench/baseline_server.h);
 //   (b) layercast, policy p=f32,c=bf16 (cast just in time, per chunk);
 //   (c) layercast, policy p=f32,c=f32 (the fp32 gather the cast replaces).
 // Reports bytes/s on the wire, parameters/s, server and worker CPU seconds per
@@ -20,49 +18,32 @@
 //                     [--synthetic SPEC] [--table | --sharing]
 //                     [--shared-chunk-bytes B (with --sharing)]
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <barrier>
-#include <cerrno>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
 #include <memory>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "bench/baseline_server.h"
+#include "bench/process_probes.h"
 #include "client/local_shard_set.h"
 #include "client/shard_set.h"
 #include "core/byte_size.h"
-#include "core/crc32c.h"
-#include "core/dtype.h"
 #include "core/heap_tuning.h"
 #include "core/layout.h"
-#include "layercast/v1/shard.grpc.pb.h"
-#include "server/chunk_encoder.h"
 
 namespace layercast {
 namespace {
 
-constexpr uint64_t kChunkBytes = 1 << 20;
 constexpr const char* kPolicyBf16 = "p=f32,c=bf16";
 constexpr const char* kPolicyF32 = "p=f32,c=f32";
 constexpr const char* kLogDir = "/tmp/gather_bench_logs";
@@ -99,308 +80,6 @@ Args ParseArgs(int argc, char** argv) {
   return args;
 }
 
-// --- pipes between this process and the forked baseline servers -----------
-
-bool WriteAll(int fd, const void* data, size_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = write(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, void* data, size_t size) {
-  char* p = static_cast<char*>(data);
-  while (size > 0) {
-    const ssize_t n = read(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-// --- (a) the baseline server: pre-made chunks, raw FetchLayer --------------
-
-// Writes one layer's pre-encoded chunks in order, one write in flight, as
-// FetchLayerReactor does, but with nothing to cast.
-class PremadeReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
- public:
-  PremadeReactor(const std::vector<grpc::ByteBuffer>* chunks, size_t first)
-      : chunks_(chunks), next_(first) {
-    WriteNext();
-  }
-  void OnWriteDone(bool ok) override {
-    if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
-      return;
-    }
-    WriteNext();
-  }
-  void OnDone() override { delete this; }
-
- private:
-  void WriteNext() {
-    if (next_ == chunks_->size()) {
-      Finish(grpc::Status::OK);
-      return;
-    }
-    chunk_ = (*chunks_)[next_++];  // a reference to the same slices, no copy
-    StartWrite(&chunk_);
-  }
-  const std::vector<grpc::ByteBuffer>* chunks_;
-  size_t next_;
-  grpc::ByteBuffer chunk_;
-};
-
-class BaselineService final : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
-                                  layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
-                                      layercast::v1::ShardService::Service>> {
- public:
-  // Encodes every chunk shard manifest.shard_index() would send, once.
-  explicit BaselineService(layercast::v1::Manifest manifest) : manifest_(std::move(manifest)) {
-    const uint32_t shard = manifest_.shard_index(), n = manifest_.num_shards();
-    for (const layercast::v1::Layer& layer : manifest_.layers()) {
-      std::vector<grpc::ByteBuffer>& chunks = layers_.emplace_back();
-      std::vector<uint64_t>& starts = starts_.emplace_back();
-      for (int t = 0; t < layer.tensors_size(); ++t) {
-        const layercast::v1::Tensor& tensor = layer.tensors(t);
-        const ElementRange owned = ShardElementRange(tensor.num_elements(), shard, n);
-        const size_t size = DTypeSize(static_cast<DType>(tensor.compute_dtype()));
-        const uint64_t per_chunk = std::max<uint64_t>(1, kChunkBytes / size);
-        for (uint64_t e = owned.begin; e < owned.end; e += per_chunk) {
-          const uint64_t count = std::min(per_chunk, owned.end - e);
-          grpc::Slice slice(count * size);
-          auto* data = const_cast<uint8_t*>(slice.begin());
-          for (size_t i = 0; i < slice.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + e);
-          starts.push_back(tensor.byte_offset() + e * size);
-          chunks.push_back(server::EncodeLayerChunk(
-              static_cast<uint32_t>(t), e, manifest_.version(), Crc32c(data, slice.size()), slice));
-        }
-      }
-    }
-  }
-
-  grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* context,
-                                        const layercast::v1::GetManifestRequest*,
-                                        layercast::v1::Manifest* response) override {
-    *response = manifest_;
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
-  }
-
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchLayer(grpc::CallbackServerContext*,
-                                                         const grpc::ByteBuffer* raw) override {
-    std::vector<grpc::Slice> slices;
-    std::string bytes;
-    layercast::v1::FetchLayerRequest request;
-    if (raw->Dump(&slices).ok()) {
-      for (const grpc::Slice& s : slices)
-        bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    // The worker asks shard i > 0 for the range from its first owned byte to
-    // the end of the layer: start at that chunk.
-    size_t first = 0;
-    bool ok = request.ParseFromString(bytes) && request.layer() < layers_.size();
-    if (ok) {
-      const std::vector<uint64_t>& starts = starts_[request.layer()];
-      first = static_cast<size_t>(
-          std::lower_bound(starts.begin(), starts.end(), request.range_begin()) - starts.begin());
-      ok = (request.range_begin() == 0 ||
-            (first < starts.size() && starts[first] == request.range_begin())) &&
-           (request.range_end() == 0 ||
-            request.range_end() ==
-                manifest_.layers(static_cast<int>(request.layer())).assembled_bytes());
-    }
-    if (!ok) {
-      struct Refuse final : grpc::ServerWriteReactor<grpc::ByteBuffer> {
-        Refuse() {
-          Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              "baseline: only a whole shard's part of a layer"));
-        }
-        void OnDone() override { delete this; }
-      };
-      return new Refuse();
-    }
-    return new PremadeReactor(&layers_[request.layer()], first);
-  }
-
- private:
-  const layercast::v1::Manifest manifest_;
-  std::vector<std::vector<grpc::ByteBuffer>> layers_;
-  std::vector<std::vector<uint64_t>> starts_;  // each chunk's assembled byte offset
-};
-
-// The forked child: reads its manifest from `in`, serves it, writes its port
-// to `out`, and serves until `in` reaches end of file. Never returns.
-[[noreturn]] void BaselineChild(int in, int out) {
-  uint64_t size = 0;
-  std::string bytes;
-  layercast::v1::Manifest manifest;
-  if (!ReadAll(in, &size, sizeof size)) _exit(0);  // parent ended without using us
-  bytes.resize(size);
-  if (!ReadAll(in, bytes.data(), size) || !manifest.ParseFromString(bytes)) _exit(2);
-  int port = 0;
-  {
-    BaselineService service(std::move(manifest));
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-    const int32_t reply = server ? port : 0;
-    WriteAll(out, &reply, sizeof reply);
-    if (!server) _exit(3);
-    char c;
-    while (read(in, &c, 1) > 0) {
-    }
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  }
-  _exit(0);
-}
-
-struct BaselineProcess {
-  pid_t pid = -1;
-  int to_child = -1;    // manifest, then end of file to stop
-  int from_child = -1;  // its port
-};
-
-// Forks `n` baseline servers that wait for their manifests. Must run before
-// this process creates any gRPC object.
-std::vector<BaselineProcess> ForkBaselines(uint32_t n) {
-  std::vector<BaselineProcess> children;
-  for (uint32_t i = 0; i < n; ++i) {
-    int down[2], up[2];
-    if (pipe2(down, O_CLOEXEC) != 0 || pipe2(up, O_CLOEXEC) != 0) break;
-    const pid_t pid = fork();
-    if (pid == 0) {
-      close(down[1]);
-      close(up[0]);
-      // Pipes to earlier children must not be held open by this one.
-      for (const BaselineProcess& c : children) {
-        close(c.to_child);
-        close(c.from_child);
-      }
-      BaselineChild(down[0], up[1]);
-    }
-    close(down[0]);
-    close(up[1]);
-    children.push_back({pid, down[1], up[0]});
-  }
-  return children;
-}
-
-void StopBaselines(std::vector<BaselineProcess>& children) {
-  for (BaselineProcess& c : children) {
-    close(c.to_child);
-    close(c.from_child);
-  }
-  for (BaselineProcess& c : children) waitpid(c.pid, nullptr, 0);
-  children.clear();
-}
-
-// --- measurement -------------------------------------------------------------
-
-// utime + stime of process `pid`, seconds.
-double ProcessCpuSeconds(pid_t pid) {
-  std::ifstream file(absl::StrCat("/proc/", pid, "/stat"));
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  if (paren == std::string::npos) return 0;
-  std::istringstream fields(text.substr(paren + 2));
-  std::string field;
-  double ticks = 0;
-  for (int i = 3; i <= 15 && fields >> field; ++i) {
-    if (i == 14 || i == 15) ticks += std::stod(field);
-  }
-  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
-}
-
-double ServersCpuSeconds(const std::vector<pid_t>& pids) {
-  double total = 0;
-  for (pid_t pid : pids) total += ProcessCpuSeconds(pid);
-  return total;
-}
-
-double SelfCpuSeconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  const auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
-  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-}
-
-// --- the shards' own metrics (sharing mode) -----------------------------------
-
-// What the shards say they did, summed over shards.
-struct ShardCounters {
-  double cast_seconds = 0;
-  double chunks_cast = 0;
-  double chunks_shared = 0;
-};
-
-// The body of GET /metrics from 127.0.0.1:`port`, or "" on any failure. A
-// plain socket: one request, read to EOF, bounded in size and time.
-std::string HttpGetMetrics(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval timeout{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-      WriteAll(fd, request.data(), request.size())) {
-    char buffer[1 << 14];
-    ssize_t n;
-    while (response.size() < (8 << 20) && (n = read(fd, buffer, sizeof buffer)) > 0) {
-      response.append(buffer, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  return response;
-}
-
-double Sample(const std::string& exposition, const std::string& series) {
-  const size_t at = exposition.find("\n" + series + " ");
-  return at == std::string::npos ? 0 : std::stod(exposition.substr(at + series.size() + 2));
-}
-
-ShardCounters ScrapeShards(const std::vector<int>& ports) {
-  ShardCounters total;
-  for (int port : ports) {
-    const std::string text = HttpGetMetrics(port);
-    total.cast_seconds += Sample(text, "layercast_cast_seconds_total");
-    total.chunks_cast += Sample(text, R"(layercast_chunks_total{source="cast"})");
-    total.chunks_shared += Sample(text, R"(layercast_chunks_total{source="shared"})");
-  }
-  return total;
-}
-
-// The metrics ports shards started with --metrics-listen 127.0.0.1:0 logged.
-std::vector<int> MetricsPorts(const std::string& log_dir, uint32_t n) {
-  static const std::regex kLine(R"(metrics on 127\.0\.0\.1:(\d+)/metrics)");
-  std::vector<int> ports;
-  for (uint32_t i = 0; i < n; ++i) {
-    std::ifstream log(absl::StrCat(log_dir, "/shard-", i, ".log"));
-    std::string line;
-    std::smatch match;
-    int port = 0;  // logs are appended to: the last start is this one
-    while (std::getline(log, line)) {
-      if (std::regex_search(line, match, kLine)) port = std::stoi(match[1]);
-    }
-    if (port != 0) ports.push_back(port);
-  }
-  return ports;
-}
-
 struct Result {
   uint64_t wire_bytes = 0;
   uint64_t params = 0;
@@ -410,7 +89,7 @@ struct Result {
   double worker_cpu = 0;
   std::vector<double> latencies;   // per-layer gather, seconds
   std::vector<double> first_byte;  // gather start to first chunk placed, seconds
-  ShardCounters shards;            // what the shards counted, when scraped
+  bench::ShardCounters shards;     // what the shards counted, when scraped
   double bytes_per_s() const { return wire_bytes / seconds; }
   double params_per_s() const { return params / seconds; }
   double server_cpu_per_gb() const { return server_cpu / (wire_bytes / 1e9); }
@@ -464,9 +143,9 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
 
   std::vector<Result> per_worker(workers);
   std::vector<absl::Status> errors(workers);
-  const ShardCounters counters_before = ScrapeShards(metrics_ports);
-  const double server_before = ServersCpuSeconds(server_pids);
-  const double self_before = SelfCpuSeconds();
+  const bench::ShardCounters counters_before = bench::ScrapeShards(metrics_ports);
+  const double server_before = bench::ProcessesCpuSeconds(server_pids);
+  const double self_before = bench::SelfCpuSeconds();
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + limit;
   // A round is a training step when `lockstep`: data-parallel workers meet at
@@ -516,9 +195,9 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   for (std::thread& t : threads) t.join();
   Result total;
   total.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  total.worker_cpu = SelfCpuSeconds() - self_before;
-  total.server_cpu = ServersCpuSeconds(server_pids) - server_before;
-  const ShardCounters counters_after = ScrapeShards(metrics_ports);
+  total.worker_cpu = bench::SelfCpuSeconds() - self_before;
+  total.server_cpu = bench::ProcessesCpuSeconds(server_pids) - server_before;
+  const bench::ShardCounters counters_after = bench::ScrapeShards(metrics_ports);
   total.shards.cast_seconds = counters_after.cast_seconds - counters_before.cast_seconds;
   total.shards.chunks_cast = counters_after.chunks_cast - counters_before.chunks_cast;
   total.shards.chunks_shared = counters_after.chunks_shared - counters_before.chunks_shared;
@@ -567,49 +246,15 @@ void PrintRow(const char* name, const Result& r) {
               Percentile(r.first_byte, 0.5) * 1e3, static_cast<unsigned long long>(r.gathers));
 }
 
-// Hands each forked baseline server the manifest of the real shard it
-// stands in for (the shards at `addresses`), and returns the baselines'
-// addresses; with the total assembled bytes and layer count of the model.
-struct BaselineSet {
-  std::vector<std::string> addresses;
-  std::vector<pid_t> pids;
-  uint64_t assembled = 0;
-  size_t num_layers = 0;
-};
-
-absl::StatusOr<BaselineSet> ServeBaselines(const std::vector<BaselineProcess>& baselines,
-                                           const std::vector<std::string>& addresses) {
-  client::ShardSetOptions connect;
-  connect.connect_timeout = std::chrono::minutes(2);
-  auto set = client::ShardSet::Connect(addresses, connect);
-  if (!set.ok()) return set.status();
-  BaselineSet result;
-  for (const auto& layout : (*set)->view().layouts) result.assembled += layout.total_bytes();
-  result.num_layers = (*set)->view().layouts.size();
-  for (size_t i = 0; i < baselines.size(); ++i) {
-    const std::string bytes = (*set)->manifests()[i].SerializeAsString();
-    const uint64_t size = bytes.size();
-    int32_t port = 0;
-    if (!WriteAll(baselines[i].to_child, &size, sizeof size) ||
-        !WriteAll(baselines[i].to_child, bytes.data(), size) ||
-        !ReadAll(baselines[i].from_child, &port, sizeof port) || port == 0) {
-      return absl::InternalError(absl::StrCat("baseline server ", i, " did not start"));
-    }
-    result.addresses.push_back(absl::StrCat("127.0.0.1:", port));
-    result.pids.push_back(baselines[i].pid);
-  }
-  return result;
-}
-
 int RunDefault(const Args& args) {
   // Before any gRPC object exists in this process.
-  std::vector<BaselineProcess> baselines = ForkBaselines(args.num_shards);
+  std::vector<bench::BaselineProcess> baselines = bench::ForkBaselines(args.num_shards);
   if (baselines.size() != args.num_shards) return 1;
   const std::chrono::milliseconds limit = std::chrono::seconds(60);
 
   auto bf16_shards = StartShards(args.num_shards, args.synthetic, kPolicyBf16);
   if (!bf16_shards.ok()) return Fail(bf16_shards.status(), "starting shards (b)");
-  auto baseline = ServeBaselines(baselines, (*bf16_shards)->addresses());
+  auto baseline = bench::ServeBaselines(baselines, (*bf16_shards)->addresses());
   if (!baseline.ok()) return Fail(baseline.status(), "starting the baseline (a)");
   const std::vector<std::string>& baseline_addresses = baseline->addresses;
   const std::vector<pid_t>& baseline_pids = baseline->pids;
@@ -627,7 +272,7 @@ int RunDefault(const Args& args) {
   auto b = Measure((*bf16_shards)->addresses(), Pids(**bf16_shards, args.num_shards), args.workers,
                    args.rounds, limit);
   if (!b.ok()) return Fail(b.status(), "layercast bf16 (b)");
-  StopBaselines(baselines);
+  bench::StopBaselines(baselines);
   const absl::Status stopped_b = (*bf16_shards)->Stop();
   bf16_shards->reset();
 
@@ -703,7 +348,7 @@ int RunSharing(const Args& args) {
                                     ? "llama:layers=4,hidden=1024,ffn=2816,vocab=32000,seed=2"
                                     : args.synthetic;
   const std::chrono::milliseconds limit = std::chrono::seconds(8);
-  std::vector<BaselineProcess> baselines = ForkBaselines(args.num_shards);
+  std::vector<bench::BaselineProcess> baselines = bench::ForkBaselines(args.num_shards);
   if (baselines.size() != args.num_shards) return 1;
   const std::string shared_logs = absl::StrCat(kLogDir, "/shared");
   const std::string unshared_logs = absl::StrCat(kLogDir, "/unshared");
@@ -717,10 +362,10 @@ int RunSharing(const Args& args) {
       StartShards(args.num_shards, synthetic, kPolicyBf16,
                   {"--metrics-listen", "127.0.0.1:0", "--shared-chunk-bytes", "0"}, unshared_logs);
   if (!unshared.ok()) return Fail(unshared.status(), "starting shards (no sharing)");
-  auto baseline = ServeBaselines(baselines, (*shared)->addresses());
+  auto baseline = bench::ServeBaselines(baselines, (*shared)->addresses());
   if (!baseline.ok()) return Fail(baseline.status(), "starting the baseline");
-  const std::vector<int> shared_ports = MetricsPorts(shared_logs, args.num_shards);
-  const std::vector<int> unshared_ports = MetricsPorts(unshared_logs, args.num_shards);
+  const std::vector<int> shared_ports = bench::MetricsPorts(shared_logs, args.num_shards);
+  const std::vector<int> unshared_ports = bench::MetricsPorts(unshared_logs, args.num_shards);
   if (shared_ports.size() != args.num_shards || unshared_ports.size() != args.num_shards) {
     std::fprintf(stderr, "no metrics port in the shard logs under %s\n", kLogDir);
     return 1;
@@ -758,7 +403,7 @@ int RunSharing(const Args& args) {
                 u->bytes_per_s() / a->bytes_per_s(), cast_per_distinct_gb(*u));
     std::fflush(stdout);
   }
-  StopBaselines(baselines);
+  bench::StopBaselines(baselines);
   const absl::Status stopped_shared = (*shared)->Stop();
   const absl::Status stopped_unshared = (*unshared)->Stop();
   if (!stopped_shared.ok()) return Fail(stopped_shared, "stopping shards");

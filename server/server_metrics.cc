@@ -53,14 +53,14 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                                "layercast_cast_seconds_total: cast throughput)")
                            .Register(r)
                            .Add({});
-  chunk_sources_ = &BuildCounter()
-                        .Name("layercast_chunks_total")
-                        .Help(
-                            "Chunks sent, by source: cast for the stream, or shared with "
-                            "another stream that cast it")
-                        .Register(r);
-  chunks_cast_ = &chunk_sources_->Add({{"source", "cast"}});
-  chunks_shared_ = &chunk_sources_->Add({{"source", "shared"}});
+  auto& chunk_sources = BuildCounter()
+                            .Name("layercast_chunks_total")
+                            .Help(
+                                "Chunks sent, by source: cast for the stream, or shared with "
+                                "another stream that cast it")
+                            .Register(r);
+  chunks_cast_ = &chunk_sources.Add({{"source", "cast"}});
+  chunks_shared_ = &chunk_sources.Add({{"source", "shared"}});
   shared_chunk_bytes_ =
       Gauge(r, "layercast_shared_chunk_bytes",
             "Bytes of cast chunks kept for other streams to send (part of memory in use)");

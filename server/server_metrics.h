@@ -62,7 +62,6 @@ class ServerMetrics {
   prometheus::Counter* sent_parameters_;
   prometheus::Counter* cast_seconds_;
   prometheus::Counter* cast_input_bytes_;
-  prometheus::Family<prometheus::Counter>* chunk_sources_;
   prometheus::Counter* chunks_cast_;
   prometheus::Counter* chunks_shared_;
   prometheus::Gauge* shared_chunk_bytes_;
