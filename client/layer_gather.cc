@@ -8,8 +8,10 @@
 namespace layercast::client {
 namespace {
 
+// CANCELLED reaches a gather that did not cancel only from the shard: its
+// gRPC server cancels what its drain left when it stops.
 bool Retryable(const absl::Status& status) {
-  return absl::IsUnavailable(status) || absl::IsDataLoss(status);
+  return absl::IsUnavailable(status) || absl::IsDataLoss(status) || absl::IsCancelled(status);
 }
 
 // 50 ms doubling to at most 2 s, each drawn from [half, full] so shards and
@@ -46,11 +48,13 @@ std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
   return runs;
 }
 
-layercast::v1::FetchLayerRequest LayerGather::RequestFor(const std::vector<ShardStream::Run>& runs,
+layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
+                                                         const std::vector<ShardStream::Run>& runs,
                                                          bool resume) const {
   layercast::v1::FetchLayerRequest request;
   request.set_layer(layer_);
   request.set_min_version(options_.min_version);
+  request.set_expect_content_fingerprint(shards_[shard].content_fingerprint);
   // A resumed stream asks for the range from its first missing element: the
   // shard sends what it owns of a range, so that is exactly the runs still
   // owed.
@@ -76,7 +80,8 @@ void LayerGather::Start(uint32_t shard) {
         finished_.push_back(shard);
       },
       options_.on_chunk);
-  s.stream->Start(*shards_[shard].stub, RequestFor(s.runs, /*resume=*/s.attempts > 1), deadline_);
+  s.stream->Start(*shards_[shard].stub, RequestFor(shard, s.runs, /*resume=*/s.attempts > 1),
+                  deadline_);
 }
 
 void LayerGather::CancelAll() {
@@ -102,6 +107,9 @@ void LayerGather::Settle(uint32_t shard) {
   }
   if (version) s.version = version;
   s.runs = s.stream->RemainingRuns();
+  // Settled by what it delivered: a stream that ended badly after its last
+  // chunk owes nothing, and asking again would ask for the whole range.
+  if (s.runs.empty()) return;
   const absl::Status status = s.stream->status();
   if (status.ok()) return;
   s.last_error = status;
@@ -109,15 +117,19 @@ void LayerGather::Settle(uint32_t shard) {
   const auto now = std::chrono::steady_clock::now();
   const auto delay = Backoff(s.attempts, jitter_);
   const bool time_left = std::chrono::system_clock::now() + delay < deadline_;
-  if (Retryable(status) && s.attempts < kMaxAttempts && time_left) {
+  if (Retryable(status) && time_left) {
     s.retry_at = now + delay;
+    if (options_.on_retry) options_.on_retry(status, delay);
     return;
   }
   failure_ = absl::Status(
       status.code(),
-      absl::StrCat(
-          status.message(),
-          Retryable(status) ? absl::StrCat(" (gave up after ", s.attempts, " attempt(s))") : ""));
+      absl::StrCat(status.message(),
+                   Retryable(status)
+                       ? absl::StrCat(" (gave up after ", s.attempts, " attempt(s): the gather's ",
+                                      "deadline of ", options_.timeout.count(),
+                                      " ms came; raise it to wait longer for a restarting shard)")
+                       : ""));
   CancelAll();
 }
 

@@ -22,12 +22,16 @@
 namespace layercast::client {
 
 // One gather of one layer (or byte range of it) from every shard at once.
-// A shard whose stream fails with UNAVAILABLE (it died, restarted, or is
-// still loading) or DATA_LOSS (a chunk failed its checksum) is retried with
-// exponential backoff and jitter within the deadline, resuming from the first
-// element it has not delivered intact rather than from the start. Any other
-// failure, or running out of time, cancels every stream and fails the gather
-// with the shard's error, naming it.
+// A shard whose stream fails with UNAVAILABLE (it died, restarted, is
+// draining or still loading), DATA_LOSS (a chunk failed its checksum) or a
+// CANCELLED the gather did not ask for (the shard's own shutdown) is retried
+// with exponential backoff and jitter until the gather's deadline
+// (GatherOptions::timeout), resuming from the first element it has not
+// delivered intact rather than from the start; a rolling restart of a shard
+// is waited out. A stream is settled by what it delivered, not by how it
+// ended: one that failed after its last chunk is done. Any other failure, or
+// running out of time, cancels every stream and fails the gather with the
+// shard's error, naming it.
 //
 // Single use: construct, Run() once. Not thread-safe; Run() blocks.
 class LayerGather {
@@ -35,6 +39,9 @@ class LayerGather {
   struct Shard {
     grpc::GenericStub* stub;
     std::string describe;  // "shard 1 (host:port)"
+    // The shard's manifest content_fingerprint, sent in every request: a
+    // shard restarted with other values refuses instead of being mixed in.
+    std::string content_fingerprint;
   };
 
   // Everything referenced must outlive Run(). `default_version` is returned
@@ -46,9 +53,6 @@ class LayerGather {
   absl::StatusOr<uint64_t> Run();
 
  private:
-  // How many times one shard's stream is started at most.
-  static constexpr int kMaxAttempts = 8;
-
   struct ShardState {
     std::vector<ShardStream::Run> runs;  // what this shard still owes
     std::unique_ptr<ShardStream> stream;
@@ -62,7 +66,8 @@ class LayerGather {
   std::vector<ShardStream::Run> OwnedRuns(uint32_t shard) const;
   // The request for a shard's first stream, or for resuming `runs` (the
   // tail of what it owes).
-  layercast::v1::FetchLayerRequest RequestFor(const std::vector<ShardStream::Run>& runs,
+  layercast::v1::FetchLayerRequest RequestFor(uint32_t shard,
+                                              const std::vector<ShardStream::Run>& runs,
                                               bool resume) const;
   void Start(uint32_t shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Folds a finished stream into its shard's state: done, retry later, or

@@ -28,6 +28,10 @@ struct GatherOptions {
   // If set, called with the size of each chunk placed (for progress), on a
   // gRPC thread: it must be quick and thread-safe.
   std::function<void(uint64_t bytes)> on_chunk;
+  // If set, told each time a shard's stream is retried: what it failed with
+  // (naming the shard, e.g. "shard 1 (host:port): this shard is shutting
+  // down ...") and how long until the retry. On the gathering thread.
+  std::function<void(const absl::Status& why, std::chrono::milliseconds delay)> on_retry;
 };
 
 // Where assembled layers come from: a ShardSet in production. The seam

@@ -121,6 +121,14 @@ absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Mani
       return disagree(
           i, absl::StrCat("its policy is '", m.policy(), "', shard 0's is '", first.policy(), "'"));
     }
+    if (m.content_fingerprint() != first.content_fingerprint()) {
+      return disagree(
+          i, absl::StrCat("it serves other parameter values: its content fingerprint ",
+                          absl::BytesToHexString(m.content_fingerprint()).substr(0, 16),
+                          "... differs from shard 0's ",
+                          absl::BytesToHexString(first.content_fingerprint()).substr(0, 16),
+                          "... (another checkpoint or training step of the same model?)"));
+    }
     if (m.layout_digest() != first.layout_digest()) {
       return disagree(
           i, absl::StrCat("its layout digest ",

@@ -158,7 +158,8 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   }
   std::vector<LayerGather::Shard> shards;
   for (size_t i = 0; i < generic_stubs_.size(); ++i) {
-    shards.push_back(LayerGather::Shard{generic_stubs_[i].get(), Describe(addresses_, i)});
+    shards.push_back(LayerGather::Shard{generic_stubs_[i].get(), Describe(addresses_, i),
+                                        manifests_[i].content_fingerprint()});
   }
   LayerGather gather(std::move(shards), layout, layer, options, buffer, manifests_[0].version());
   return gather.Run();

@@ -30,6 +30,10 @@ namespace layercast::server {
 //   version         decimal parameter version (optimizer steps applied)
 //   policy          the canonical precision policy
 //   layout_digest   64 lowercase hex digits of LayoutDigest(model, policy)
+//   content_fingerprint  64 lowercase hex digits: the content fingerprint of
+//                   the model this shard's values descend from (see
+//                   SampleFingerprint); absent in checkpoints written before
+//                   it existed
 //   checksum        "sha256:" + 64 lowercase hex digits: SHA-256 of the data
 //                   section, i.e. every byte after the header, in file order
 //

@@ -1,5 +1,7 @@
 #include "server/checkpoint_source.h"
 
+#include "core/content_fingerprint.h"
+
 #include <algorithm>
 #include <charconv>
 
@@ -37,9 +39,10 @@ bool ParseDecimal(const std::string& text, uint64_t* value) {
 
 absl::StatusOr<std::unique_ptr<CheckpointSource>> CheckpointSource::Open(
     const std::string& path, const ModelSpec& model, uint32_t shard_index, uint32_t num_shards,
-    const Policy& policy, FileSystem& fs) {
+    const Policy& policy, std::optional<ContentFingerprint> lineage, FileSystem& fs) {
   auto source = std::unique_ptr<CheckpointSource>(new CheckpointSource());
   source->path_ = path;
+  source->lineage_ = lineage;
   source->model_ = model;
   source->shard_index_ = shard_index;
   source->num_shards_ = num_shards;
@@ -57,6 +60,13 @@ absl::StatusOr<std::unique_ptr<CheckpointSource>> CheckpointSource::Open(
     if (!source->file_order_.empty()) source->next_offset_ = source->file_order_[0]->data_begin;
   }
   return source;
+}
+
+absl::StatusOr<ContentFingerprint> CheckpointSource::Fingerprint() const {
+  if (recorded_fingerprint_) return *recorded_fingerprint_;
+  if (lineage_) return *lineage_;
+  return absl::FailedPreconditionError(
+      absl::StrCat("checkpoint ", path_, " records no content fingerprint and none was given"));
 }
 
 absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
@@ -86,6 +96,14 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
     return Mismatch(path_, absl::StrCat("its layout digest is ", field("layout_digest"),
                                         " (policy '", field("policy"), "') and this shard's is ",
                                         digest, " (policy '", policy.ToString(), "')"));
+  }
+  if (metadata.contains("content_fingerprint")) {
+    recorded_fingerprint_ = ParseFingerprintHex(field("content_fingerprint"));
+    if (!recorded_fingerprint_) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint ", path_, " records content_fingerprint '",
+                       field("content_fingerprint"), "', not 64 hex digits", kWhatToDo));
+    }
   }
   checksum_ = field("checksum");
   if (checksum_.size() != 7 + 64 || checksum_.rfind("sha256:", 0) != 0) {

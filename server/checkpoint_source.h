@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,9 +34,18 @@ class CheckpointSource final : public ParameterSource {
   // the file is not a valid checkpoint. `fs` must outlive the source.
   static absl::StatusOr<std::unique_ptr<CheckpointSource>> Open(
       const std::string& path, const ModelSpec& model, uint32_t shard_index, uint32_t num_shards,
-      const Policy& policy, FileSystem& fs = DefaultFileSystem());
+      const Policy& policy, std::optional<ContentFingerprint> lineage = std::nullopt,
+      FileSystem& fs = DefaultFileSystem());
 
   const ModelSpec& model() const override { return model_; }
+  // The fingerprint of the model the checkpoint descends from: the one it
+  // records, else (a checkpoint written before fingerprints) the `lineage`
+  // given to Open; FAILED_PRECONDITION with neither.
+  absl::StatusOr<ContentFingerprint> Fingerprint() const override;
+  // The fingerprint the file records; nullopt for older checkpoints.
+  const std::optional<ContentFingerprint>& recorded_fingerprint() const {
+    return recorded_fingerprint_;
+  }
   // Only the elements this shard owns are in the file: OUT_OF_RANGE for
   // others.
   absl::Status Read(uint32_t layer, uint32_t tensor, ElementRange range,
@@ -62,6 +72,8 @@ class CheckpointSource final : public ParameterSource {
   uint32_t shard_index_ = 0;
   uint32_t num_shards_ = 1;
   uint64_t version_ = 0;
+  std::optional<ContentFingerprint> recorded_fingerprint_;
+  std::optional<ContentFingerprint> lineage_;
   std::string checksum_;
   std::unique_ptr<SafetensorsReader> reader_;
   // Per layer, per tensor: its entry in the file.

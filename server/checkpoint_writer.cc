@@ -33,6 +33,7 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
       {"version", absl::StrCat(version)},
       {"policy", store.policy().ToString()},
       {"layout_digest", HexString(store.layout_digest())},
+      {"content_fingerprint", HexString(store.content_fingerprint())},
       {"checksum", checksum},
   };
 }

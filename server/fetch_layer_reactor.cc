@@ -67,36 +67,86 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
   if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer, peer_);
   metrics_.streams_waiting_for_version().Increment();
-  version_wait_id_ = gate_.Wait(options_.min_version, [this] { OnVersionReached(); });
+  absl::MutexLock lock(&mu_);
+  // Posted, never run here: this constructor has not returned to gRPC yet.
+  wait_id_ = gate_.Wait(
+      options_.min_version, options_.version_give_up_at,
+      [this](VersionGate::Outcome outcome, uint64_t version) { OnVersion(outcome, version); });
 }
 
-void FetchLayerReactor::OnVersionReached() {
+grpc::Status FetchLayerReactor::CancelledWhileWaiting(absl::string_view what) const {
+  const bool expired = context_->deadline() <= std::chrono::system_clock::now();
+  return grpc::Status(
+      expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
+      absl::StrCat(what, " when the call ", expired ? "reached its deadline" : "was cancelled"));
+}
+
+void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version) {
   metrics_.streams_waiting_for_version().Decrement();
-  version_ = gate_.version();
-  phase_ = Phase::kWaitingForBudget;
-  if (buffer_bytes_ == 0) {  // this shard owns nothing of the range
-    OnBudget(true);
-    return;
+  // Before anything is granted: a grant may finish the stream at once.
+  if (outcome == VersionGate::Outcome::kReached && options_.on_unparked) options_.on_unparked();
+  std::optional<grpc::Status> finish;
+  bool streaming = false;
+  {
+    absl::MutexLock lock(&mu_);
+    wait_id_ = 0;
+    if (cancelled_) {
+      finish = CancelledWhileWaiting(absl::StrCat(
+          "waiting for parameter version ", options_.min_version, " (current ", version, ")"));
+    } else if (outcome == VersionGate::Outcome::kClosed) {
+      finish = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("this shard is shutting down while the stream waited "
+                                         "for parameter version ",
+                                         options_.min_version, " (current ", version,
+                                         "); retry against its replacement"));
+    } else if (outcome == VersionGate::Outcome::kTimedOut) {
+      finish = grpc::Status(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
+                       version, ") within this shard's limit on waiting for a version ",
+                       "(--max-version-wait-ms); ask again"));
+    } else {
+      version_ = version;
+      phase_ = Phase::kWaitingForBudget;
+      if (buffer_bytes_ == 0) {  // this shard owns nothing of the range
+        phase_ = Phase::kStreaming;
+        streaming = true;
+      } else {
+        wait_id_ = budget_.Acquire(buffer_bytes_, GiveUpAt(context_->deadline()),
+                                   [this](bool granted) { OnBudget(granted); });
+      }
+    }
   }
-  budget_wait_id_ = budget_.Acquire(buffer_bytes_, GiveUpAt(context_->deadline()),
-                                    [this](bool granted) { OnBudget(granted); });
+  if (finish) FinishOnce(*finish);
+  if (streaming) WriteNext();
 }
 
 void FetchLayerReactor::OnBudget(bool granted) {
-  if (!granted) {
-    const std::optional<uint64_t> budget = budget_.budget();
-    FinishOnce(grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("no memory budget became free for this stream's ", FormatBytes(buffer_bytes_),
-                     " of chunk buffers before its deadline: the ", "shard's budget of ",
-                     budget ? FormatBytes(*budget) : "unlimited", " has ",
-                     FormatBytes(budget_.in_use()), " in use (fp32 master included) and ",
-                     budget_.waiting(), " stream(s) waiting; retry later, or raise ",
-                     "--memory-budget or lower --chunk-bytes")));
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    wait_id_ = 0;
+    holds_budget_ = granted;
+    if (cancelled_) {
+      finish = CancelledWhileWaiting("waiting for memory budget");
+    } else if (!granted) {
+      const std::optional<uint64_t> budget = budget_.budget();
+      finish = grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("no memory budget became free for this stream's ",
+                       FormatBytes(buffer_bytes_), " of chunk buffers before its deadline: the ",
+                       "shard's budget of ", budget ? FormatBytes(*budget) : "unlimited", " has ",
+                       FormatBytes(budget_.in_use()), " in use (fp32 master included) and ",
+                       budget_.waiting(), " stream(s) waiting; retry later, or raise ",
+                       "--memory-budget or lower --chunk-bytes"));
+    } else {
+      phase_ = Phase::kStreaming;
+    }
+  }
+  if (finish) {
+    FinishOnce(*finish);
     return;
   }
-  holds_budget_ = buffer_bytes_ > 0;
-  phase_ = Phase::kStreaming;
   WriteNext();
 }
 
@@ -141,6 +191,12 @@ void FetchLayerReactor::WriteNext() {
     FinishOnce(grpc::Status::OK);
     return;
   }
+  if (stop_) {
+    FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "this shard is shutting down and its drain timeout has passed; "
+                            "resume the rest of the layer against its replacement"));
+    return;
+  }
   const TensorElementRange& run = plan_.runs[run_];
   const DType dtype = store_.layout(plan_.layer).tensors()[run.tensor].compute_dtype;
   const size_t element_bytes = DTypeSize(dtype);
@@ -157,28 +213,52 @@ void FetchLayerReactor::WriteNext() {
                      .elements = std::min(run.elements.end, grid_end) - next_element_,
                      .version = version_,
                      .dtype = dtype};
+  pending_dtype_ = dtype;
+  pending_elements_ = key.elements;
   const auto cast = [this, &key] { return Cast(key); };
-  absl::StatusOr<CastChunk> chunk =
-      options_.shared != nullptr
-          ? options_.shared->GetOrCast(key, key.elements * element_bytes, peer_, cast)
-          : cast();
+  if (options_.shared == nullptr) {
+    Write(cast());
+    return;
+  }
+  // Another stream casting this very chunk resumes this one when it is done
+  // (posted: nothing runs on that stream's thread); until then nothing of
+  // this stream runs, and it cannot finish, so `this` stays valid.
+  std::optional<absl::StatusOr<CastChunk>> chunk =
+      options_.shared->GetOrCast(key, key.elements * element_bytes, peer_, cast,
+                                 [this](absl::StatusOr<CastChunk> shared) { Write(shared); });
+  if (chunk) Write(*std::move(chunk));
+}
+
+void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   if (!chunk.ok()) {
     FinishOnce(ToGrpcStatus(chunk.status()));
     return;
   }
+  const TensorElementRange& run = plan_.runs[run_];
   chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, chunk->crc32c, chunk->data);
-  pending_dtype_ = dtype;
-  pending_elements_ = key.elements;
-  next_element_ += key.elements;
+  next_element_ += pending_elements_;
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;
   }
+  write_started_ =
+      std::max<int64_t>(1, std::chrono::steady_clock::now().time_since_epoch().count());
   StartWrite(&chunk_);
 }
 
+bool FetchLayerReactor::MarkIfStalled(std::chrono::steady_clock::time_point now,
+                                      std::chrono::steady_clock::duration limit) {
+  const int64_t started = write_started_.load();
+  if (started == 0 || now.time_since_epoch().count() - started <= limit.count()) return false;
+  return !stalled_.exchange(true);
+}
+
 void FetchLayerReactor::OnWriteDone(bool ok) {
+  write_started_ = 0;
   if (!ok) {
-    FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away mid-stream"));
+    FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
+                            stalled_ ? "the client stopped reading: no chunk was drained within "
+                                       "the shard's --write-progress-timeout-ms"
+                                     : "the client went away mid-stream"));
     return;
   }
   metrics_.RecordChunkSent(pending_dtype_, pending_elements_);
@@ -186,29 +266,24 @@ void FetchLayerReactor::OnWriteDone(bool ok) {
 }
 
 void FetchLayerReactor::OnCancel() {
-  const bool expired = context_->deadline() <= std::chrono::system_clock::now();
-  const grpc::StatusCode code =
-      expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED;
-  const char* why = expired ? "deadline expired" : "was cancelled";
-  switch (phase_.load()) {
-    case Phase::kWaitingForVersion: {
-      const uint64_t id = version_wait_id_.load();
-      if (id == 0 || !gate_.Cancel(id)) return;  // the version arrived: the next step finishes
+  std::optional<grpc::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    // A wait still registered is withdrawn here and this side finishes; a
+    // wait whose grant is already posted (Cancel is false) or a phase in
+    // between is finished by that grant, which sees `cancelled_`; a stream
+    // in flight is finished by its failing write.
+    if (phase_ == Phase::kWaitingForVersion && wait_id_ != 0 && gate_.Cancel(wait_id_)) {
       metrics_.streams_waiting_for_version().Decrement();
-      FinishOnce(grpc::Status(code, absl::StrCat("parameter version ", options_.min_version,
-                                                 " was not reached (current ", gate_.version(),
-                                                 ") before the call ", why)));
-      return;
+      finish =
+          CancelledWhileWaiting(absl::StrCat("waiting for parameter version ", options_.min_version,
+                                             " (current ", gate_.version(), ")"));
+    } else if (phase_ == Phase::kWaitingForBudget && wait_id_ != 0 && budget_.Cancel(wait_id_)) {
+      finish = CancelledWhileWaiting("waiting for memory budget");
     }
-    case Phase::kWaitingForBudget: {
-      const uint64_t id = budget_wait_id_.load();
-      if (id == 0 || !budget_.Cancel(id)) return;  // granted: the write will fail and finish
-      FinishOnce(grpc::Status(code, absl::StrCat("waiting for memory budget when the call ", why)));
-      return;
-    }
-    case Phase::kStreaming:
-      return;  // the write in flight fails and OnWriteDone finishes
   }
+  if (finish) FinishOnce(*finish);
 }
 
 void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
@@ -220,8 +295,7 @@ void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
 void FetchLayerReactor::OnDone() {
   if (holds_budget_) budget_.Release(buffer_bytes_);
   if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer, peer_);
-  if (options_.on_done) options_.on_done(final_status_);
-  delete this;
+  if (!options_.on_done || options_.on_done(this, final_status_)) delete this;
 }
 
 }  // namespace layercast::server

@@ -7,6 +7,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.pb.h"
 #include "server/fetch_plan.h"
 #include "server/memory_budget.h"
@@ -26,18 +28,32 @@ namespace layercast::server {
 // exists beyond the chunks in flight.
 //
 // Owns itself: deletes itself in OnDone. gRPC serialises its own callbacks;
-// the version gate's and the budget's callbacks may race OnCancel, and
-// VersionGate::Cancel / MemoryBudget::Cancel decide which side finishes.
+// the version gate's, the budget's and SharedChunks' callbacks are posted to
+// the grant executor and may race OnCancel: the phase, the id of the wait in
+// progress and whether the call was cancelled are kept under one mutex, so
+// a cancel in any phase (or between two) ends the stream exactly once. The
+// reactor never calls Finish while it holds that mutex (OnDone may delete it
+// at once), and it never finishes while a grant to it is still posted, so a
+// grant always finds it alive.
 class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
     uint64_t min_version = 0;
+    // When a stream parked for min_version gives up on the server's side
+    // (--max-version-wait-ms), whatever the client's deadline.
+    std::chrono::steady_clock::time_point version_give_up_at =
+        std::chrono::steady_clock::time_point::max();
     // Where chunks cast by other streams are shared; null: cast every chunk
     // here.
     SharedChunks* shared = nullptr;
-    // Called once from OnDone with the final status, for accounting.
-    std::function<void(const grpc::Status&)> on_done;
+    // Called once from OnDone with the final status, for accounting; the
+    // reactor deletes itself when it returns true, else its owner deletes it
+    // later (it is pinned by a caller of CancelStalled).
+    std::function<bool(FetchLayerReactor*, const grpc::Status&)> on_done;
+    // Called once when the version has been reached (the stream stops being
+    // parked), for accounting.
+    std::function<void()> on_unparked;
   };
 
   // Everything referenced must outlive the reactor.
@@ -51,6 +67,20 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
                               uint64_t chunk_bytes);
 
+  // Whether a write has been in flight for longer than `limit` at `now`;
+  // true once per stream. Thread-safe; the service's watchdog calls it.
+  bool MarkIfStalled(std::chrono::steady_clock::time_point now,
+                     std::chrono::steady_clock::duration limit);
+  // Cancels the call of a stream MarkIfStalled marked: the write in flight
+  // fails, OnWriteDone finishes, and OnDone gives the budget back. gRPC may
+  // run OnCancel (and OnDone) on the calling thread: call it holding no lock
+  // that those take.
+  void CancelStalled() { context_->TryCancel(); }
+  // Ends the stream with UNAVAILABLE at its next chunk boundary, so the
+  // worker resumes the rest elsewhere (the drain timeout has passed).
+  // Thread-safe.
+  void StopAtNextChunk() { stop_ = true; }
+
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
@@ -58,13 +88,17 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
  private:
   enum class Phase { kWaitingForVersion, kWaitingForBudget, kStreaming };
 
-  void OnVersionReached();
+  void OnVersion(VersionGate::Outcome outcome, uint64_t version);
   void OnBudget(bool granted);
   // Casts chunk `key` from the master into a new slice, with its CRC-32C.
   absl::StatusOr<CastChunk> Cast(const ChunkKey& key);
-  // Casts (or shares) the next chunk and writes it, or finishes when the plan is done.
+  // Casts (or shares) the next chunk and writes it, or finishes when the
+  // plan is done.
   void WriteNext();
+  void Write(absl::StatusOr<CastChunk> chunk);
   void FinishOnce(const grpc::Status& status);
+  // The status of a call that was cancelled while waiting.
+  grpc::Status CancelledWhileWaiting(absl::string_view what) const;
 
   grpc::CallbackServerContext* context_;
   const ParameterStore& store_;
@@ -76,12 +110,19 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   const uint64_t buffer_bytes_;
   const std::string peer_;  // the reader, for SharedChunks
 
-  std::atomic<Phase> phase_{Phase::kWaitingForVersion};
-  std::atomic<uint64_t> version_wait_id_{0};
-  std::atomic<uint64_t> budget_wait_id_{0};
+  absl::Mutex mu_;
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kWaitingForVersion;
+  uint64_t wait_id_ ABSL_GUARDED_BY(mu_) = 0;  // of the version or budget wait
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> holds_budget_{false};
   std::atomic<bool> finished_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> stalled_{false};
+  // steady_clock ticks when the write in flight started; 0: none in flight.
+  std::atomic<int64_t> write_started_{0};
 
+  // Streaming state: touched only by the one step that runs at a time
+  // (OnBudget, OnWriteDone or a SharedChunks resume).
   size_t run_ = 0;             // index into plan_.runs
   uint64_t next_element_ = 0;  // next element of plan_.runs[run_] to send
   uint64_t version_ = 0;       // of the master the chunks are cast from

@@ -1,6 +1,8 @@
 #include "server/fetch_plan.h"
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/content_fingerprint.h"
 #include "core/status_macros.h"
 
 namespace layercast::server {
@@ -18,6 +20,16 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   }
   const LayerSpec& layer = model.layers[request.layer()];
   const AssembledLayout& layout = store.layout(request.layer());
+
+  const ContentFingerprint& fingerprint = store.content_fingerprint();
+  if (!request.expect_content_fingerprint().empty() &&
+      request.expect_content_fingerprint() != std::string(fingerprint.begin(), fingerprint.end())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this shard serves other parameter values (content fingerprint ",
+        FingerprintHex(fingerprint, 8), "...) than the worker's shard set was connected to (",
+        absl::BytesToHexString(request.expect_content_fingerprint()).substr(0, 16),
+        "...): it restarted with another model or checkpoint. Connect the shard set again"));
+  }
 
   if (request.expect_dtype() != layercast::v1::DTYPE_UNSPECIFIED) {
     if (!layercast::v1::DType_IsValid(request.expect_dtype())) {

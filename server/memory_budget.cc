@@ -7,20 +7,13 @@
 namespace layercast::server {
 
 MemoryBudget::MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
-                           Observer observer)
+                           boost::asio::any_io_executor grants, Observer observer)
     : budget_(budget_bytes),
       master_bytes_(master_bytes),
+      grants_(std::move(grants)),
       observer_(std::move(observer)),
       in_use_(master_bytes),
-      peak_(master_bytes),
-      keep_running_(boost::asio::make_work_guard(timers_)),
-      timer_thread_([this] { timers_.run(); }) {}
-
-MemoryBudget::~MemoryBudget() {
-  keep_running_.reset();
-  timers_.stop();
-  timer_thread_.join();
-}
+      peak_(master_bytes) {}
 
 bool MemoryBudget::FitsLocked(uint64_t bytes) const {
   return !budget_ || (in_use_ <= *budget_ && bytes <= *budget_ - in_use_);
@@ -34,45 +27,37 @@ void MemoryBudget::NotifyLocked() {
   if (observer_) observer_(in_use_, waiters_.size());
 }
 
-void MemoryBudget::GrantWaitersLocked(std::vector<Granted>& ready) {
+void MemoryBudget::Post(Granted granted, bool ok) {
+  boost::asio::post(grants_, [granted = std::move(granted), ok] { granted(ok); });
+}
+
+void MemoryBudget::GrantWaitersLocked() {
   while (!waiters_.empty() && FitsLocked(waiters_.front().bytes)) {
     Waiter& head = waiters_.front();
     in_use_ += head.bytes;
     peak_ = std::max(peak_, in_use_);
-    CancelTimer(head.timer);
-    ready.push_back(std::move(head.granted));
+    timers_.Cancel(head.timer);
+    Post(std::move(head.granted), true);
     waiters_.pop_front();
   }
 }
 
-void MemoryBudget::CancelTimer(const std::shared_ptr<boost::asio::steady_timer>& timer) {
-  // Timers belong to the timer thread; cancel them there.
-  if (timer) boost::asio::post(timers_, [timer] { timer->cancel(); });
-}
-
 uint64_t MemoryBudget::Acquire(uint64_t bytes, std::chrono::steady_clock::time_point give_up_at,
                                Granted granted) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (!waiters_.empty() || !FitsLocked(bytes)) {
-      const uint64_t id = next_id_++;
-      auto timer = std::make_shared<boost::asio::steady_timer>(timers_, give_up_at);
-      timer->async_wait([this, id](const boost::system::error_code& error) {
-        if (!error) Expire(id);
-      });
-      waiters_.push_back(Waiter{id, bytes, std::move(granted), std::move(timer)});
-      NotifyLocked();
-      // Not on this thread: the reclaimer's Release() may grant this very
-      // request, and the caller must see its id first.
-      if (reclaim_) boost::asio::post(timers_, reclaim_);
-      return id;
-    }
+  absl::MutexLock lock(&mu_);
+  const uint64_t id = next_id_++;
+  if (waiters_.empty() && FitsLocked(bytes)) {
     in_use_ += bytes;
     peak_ = std::max(peak_, in_use_);
     NotifyLocked();
+    Post(std::move(granted), true);
+    return id;
   }
-  granted(true);
-  return 0;
+  DeadlineTimers::Handle timer = timers_.Schedule(give_up_at, [this, id] { Expire(id); });
+  waiters_.push_back(Waiter{id, bytes, std::move(granted), std::move(timer)});
+  NotifyLocked();
+  if (reclaim_) timers_.Post(reclaim_);
+  return id;
 }
 
 bool MemoryBudget::TryAcquire(uint64_t bytes) {
@@ -89,54 +74,38 @@ void MemoryBudget::SetReclaimer(std::function<void()> reclaim) {
   reclaim_ = std::move(reclaim);
 }
 
-bool MemoryBudget::RemoveLocked(uint64_t id, std::vector<Granted>& ready) {
+bool MemoryBudget::RemoveLocked(uint64_t id) {
   auto it =
       std::find_if(waiters_.begin(), waiters_.end(), [id](const Waiter& w) { return w.id == id; });
   if (it == waiters_.end()) return false;
   const bool was_head = it == waiters_.begin();
-  CancelTimer(it->timer);
+  timers_.Cancel(it->timer);
   waiters_.erase(it);
   // A large request at the head may have held back smaller ones that fit.
-  if (was_head) GrantWaitersLocked(ready);
+  if (was_head) GrantWaitersLocked();
   NotifyLocked();
   return true;
 }
 
 bool MemoryBudget::Cancel(uint64_t id) {
-  std::vector<Granted> ready;
-  bool removed;
-  {
-    absl::MutexLock lock(&mu_);
-    removed = RemoveLocked(id, ready);
-  }
-  for (Granted& callback : ready) callback(true);
-  return removed;
+  absl::MutexLock lock(&mu_);
+  return RemoveLocked(id);
 }
 
 void MemoryBudget::Expire(uint64_t id) {
-  std::vector<Granted> ready;
-  Granted expired;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = std::find_if(waiters_.begin(), waiters_.end(),
-                           [id](const Waiter& w) { return w.id == id; });
-    if (it == waiters_.end()) return;
-    expired = std::move(it->granted);
-    RemoveLocked(id, ready);
-  }
-  expired(false);
-  for (Granted& callback : ready) callback(true);
+  absl::MutexLock lock(&mu_);
+  auto it =
+      std::find_if(waiters_.begin(), waiters_.end(), [id](const Waiter& w) { return w.id == id; });
+  if (it == waiters_.end()) return;
+  Post(std::move(it->granted), false);
+  RemoveLocked(id);
 }
 
 void MemoryBudget::Release(uint64_t bytes) {
-  std::vector<Granted> ready;
-  {
-    absl::MutexLock lock(&mu_);
-    in_use_ -= std::min(in_use_, bytes);
-    GrantWaitersLocked(ready);
-    NotifyLocked();
-  }
-  for (Granted& callback : ready) callback(true);
+  absl::MutexLock lock(&mu_);
+  in_use_ -= std::min(in_use_, bytes);
+  GrantWaitersLocked();
+  NotifyLocked();
 }
 
 uint64_t MemoryBudget::in_use() const {

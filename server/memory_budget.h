@@ -1,19 +1,17 @@
 #pragma once
 
-#include <boost/asio/executor_work_guard.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/any_io_executor.hpp>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "server/deadline_timers.h"
 
 namespace layercast::server {
 
@@ -24,9 +22,12 @@ namespace layercast::server {
 // Release() that makes room, or refused when its deadline comes. Nothing is
 // ever granted beyond the budget.
 //
-// Reactors must not block, so Acquire() never waits on the caller's thread:
-// it grants at once or calls back later. Deadlines run on the budget's own
-// Boost.Asio timer thread.
+// Reactors must not block, so Acquire() never waits on the caller's thread,
+// and no call ever runs a requester's callback on the caller's thread either:
+// every grant and refusal is posted to `grants` (the shard's grant executor),
+// so Release() and Cancel() never run other streams' code inline, and a
+// reactor that calls Acquire() is never re-entered before it returns.
+// Deadlines run on the budget's own timer thread.
 //
 // Thread-safe.
 class MemoryBudget {
@@ -39,15 +40,16 @@ class MemoryBudget {
   using Granted = std::function<void(bool granted)>;
 
   // `budget_bytes` nullopt: unlimited (everything is still counted).
+  // `grants` runs every Granted callback and must outlive pending ones.
   // REQUIRES: master_bytes <= *budget_bytes (checked at start-up).
-  MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes, Observer observer = {});
-  ~MemoryBudget();
+  MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
+               boost::asio::any_io_executor grants, Observer observer = {});
 
-  // Runs `granted(true)` once `bytes` are reserved: at once, on this thread,
-  // when they fit and nobody waits ahead (returns 0); else later, from the
-  // Release() that makes room (returns an id for Cancel), or
-  // `granted(false)` at `give_up_at`. A request that can never fit would
-  // wait until then: callers check Grantable() first.
+  // Posts `granted(true)` once `bytes` are reserved: at once when they fit
+  // and nobody waits ahead, else when a Release() makes room; or
+  // `granted(false)` at `give_up_at`. Returns an id for Cancel. A request
+  // that can never fit would wait until then: callers check Grantable()
+  // first.
   uint64_t Acquire(uint64_t bytes, std::chrono::steady_clock::time_point give_up_at,
                    Granted granted);
 
@@ -61,7 +63,7 @@ class MemoryBudget {
   void SetReclaimer(std::function<void()> reclaim);
 
   // Withdraws waiting request `id`. True if it was still waiting (`granted`
-  // will never run); false if it already ran or is running.
+  // will never run); false if its callback has been posted.
   bool Cancel(uint64_t id);
 
   // Returns `bytes` granted earlier and grants waiting requests in order.
@@ -81,21 +83,22 @@ class MemoryBudget {
     uint64_t id;
     uint64_t bytes;
     Granted granted;
-    std::shared_ptr<boost::asio::steady_timer> timer;
+    DeadlineTimers::Handle timer;
   };
 
   bool FitsLocked(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes waiter `id`; appends to `ready` what removing it lets through.
-  // False if there is no such waiter.
-  bool RemoveLocked(uint64_t id, std::vector<Granted>& ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes waiter `id` and grants what removing it lets through. False if
+  // there is no such waiter.
+  bool RemoveLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Grants queued requests in order while the head fits.
-  void GrantWaitersLocked(std::vector<Granted>& ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void GrantWaitersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Post(Granted granted, bool ok);
   void Expire(uint64_t id);
-  void CancelTimer(const std::shared_ptr<boost::asio::steady_timer>& timer);
 
   const std::optional<uint64_t> budget_;
   const uint64_t master_bytes_;
+  const boost::asio::any_io_executor grants_;
   const Observer observer_;
 
   mutable absl::Mutex mu_;
@@ -104,10 +107,7 @@ class MemoryBudget {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::deque<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   std::function<void()> reclaim_ ABSL_GUARDED_BY(mu_);
-
-  boost::asio::io_context timers_;
-  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_;
-  std::thread timer_thread_;
+  DeadlineTimers timers_;  // last: see DeadlineTimers
 };
 
 }  // namespace layercast::server

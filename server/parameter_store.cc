@@ -26,6 +26,9 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   store->num_shards_ = num_shards;
   store->layout_digest_ = LayoutDigest(store->model_, store->policy_);
   store->master_bytes_ = MasterBytes(store->model_, shard_index, num_shards);
+  absl::StatusOr<ContentFingerprint> fingerprint = source.Fingerprint();
+  if (!fingerprint.ok()) return fingerprint.status();
+  store->content_fingerprint_ = *fingerprint;
 
   const std::vector<LayerSpec>& layers = store->model_.layers;
   store->slices_.resize(layers.size());

@@ -39,6 +39,8 @@ class ParameterStore {
   uint32_t shard_index() const { return shard_index_; }
   uint32_t num_shards() const { return num_shards_; }
   const std::array<uint8_t, 32>& layout_digest() const { return layout_digest_; }
+  // The source's ParameterSource::Fingerprint(), read once at Load.
+  const ContentFingerprint& content_fingerprint() const { return content_fingerprint_; }
   uint64_t master_bytes() const { return master_bytes_; }
 
   // REQUIRES: layer < model().layers.size().
@@ -64,6 +66,7 @@ class ParameterStore {
   uint32_t shard_index_ = 0;
   uint32_t num_shards_ = 1;
   std::array<uint8_t, 32> layout_digest_{};
+  ContentFingerprint content_fingerprint_{};
   uint64_t master_bytes_ = 0;
   std::vector<AssembledLayout> layouts_;
   std::vector<std::vector<Slice>> slices_;

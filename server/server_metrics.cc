@@ -73,6 +73,13 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   streams_waiting_version_ =
       Gauge(r, "layercast_streams_waiting_for_version",
             "Streams parked until the parameter version reaches min_version");
+  streams_stalled_ = &BuildCounter()
+                          .Name("layercast_streams_stalled_total")
+                          .Help(
+                              "Streams cancelled because the client did not drain a chunk "
+                              "within --write-progress-timeout-ms")
+                          .Register(r)
+                          .Add({});
   streams_waiting_budget_ = Gauge(r, "layercast_streams_waiting_for_budget",
                                   "Streams waiting for memory budget to start");
   memory_budget_bytes_ =

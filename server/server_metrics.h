@@ -38,6 +38,9 @@ class ServerMetrics {
   // stream that cast it (see SharedChunks).
   void RecordChunkCast() { chunks_cast_->Increment(); }
   void RecordChunkShared() { chunks_shared_->Increment(); }
+  // A stream was cancelled because its reader stopped draining chunks.
+  void RecordStalledStream() { streams_stalled_->Increment(); }
+  const prometheus::Counter& streams_stalled() const { return *streams_stalled_; }
 
   const prometheus::Counter& chunks_cast() const { return *chunks_cast_; }
   const prometheus::Counter& chunks_shared() const { return *chunks_shared_; }
@@ -68,6 +71,7 @@ class ServerMetrics {
   prometheus::Histogram* fetch_duration_;
   prometheus::Gauge* streams_in_flight_;
   prometheus::Gauge* streams_waiting_version_;
+  prometheus::Counter* streams_stalled_;
   prometheus::Gauge* streams_waiting_budget_;
   prometheus::Gauge* memory_budget_bytes_;
   prometheus::Gauge* master_bytes_;

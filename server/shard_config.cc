@@ -23,6 +23,12 @@ constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
 constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
 constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
 constexpr uint32_t kDefaultMaxStreams = 1024;
+constexpr uint32_t kDefaultMaxParkedStreams = 4096;
+constexpr uint32_t kDefaultMaxVersionLead = 64;
+constexpr uint32_t kDefaultMaxVersionWaitMs = 5 * 60 * 1000;
+constexpr uint32_t kDefaultWriteProgressTimeoutMs = 30 * 1000;
+constexpr uint32_t kDefaultKeepaliveTimeMs = 60 * 1000;
+constexpr uint32_t kDefaultMaxConnectionIdleMs = 10 * 60 * 1000;
 // Below gRPC's default 4 MiB receive limit with room for the framing.
 constexpr uint64_t kMaxChunkBytes = 3 << 20;
 
@@ -211,6 +217,24 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
                                                    " is out of range: use 1-", INT32_MAX));
   }
   if (config.max_streams() == 0) config.set_max_streams(kDefaultMaxStreams);
+  if (config.max_parked_streams() == 0) config.set_max_parked_streams(kDefaultMaxParkedStreams);
+  if (config.max_version_lead() == 0) config.set_max_version_lead(kDefaultMaxVersionLead);
+  if (config.max_version_wait_ms() == 0) config.set_max_version_wait_ms(kDefaultMaxVersionWaitMs);
+  if (config.write_progress_timeout_ms() == 0) {
+    config.set_write_progress_timeout_ms(kDefaultWriteProgressTimeoutMs);
+  }
+  if (config.keepalive_time_ms() == 0) config.set_keepalive_time_ms(kDefaultKeepaliveTimeMs);
+  if (config.max_connection_idle_ms() == 0) {
+    config.set_max_connection_idle_ms(kDefaultMaxConnectionIdleMs);
+  }
+  for (const auto& [flag, value] :
+       {std::pair{"keepalive-time-ms", config.keepalive_time_ms()},
+        std::pair{"max-connection-idle-ms", config.max_connection_idle_ms()}}) {
+    if (value > INT32_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " ", value, " is out of range: use 1-", INT32_MAX));
+    }
+  }
   settings.config = std::move(config);
   return settings;
 }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
+#include "core/content_fingerprint.h"
 #include "core/safetensors_source.h"
 #include "core/status_macros.h"
 #include "core/synthetic_model.h"
@@ -97,10 +98,15 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   }
   RETURN_IF_ERROR(server->UseCheckpoint());
   admin.checkpoints = server->checkpoints_.get();
-  server->service_ =
-      std::make_unique<ShardService>(ShardService::Options{.chunk_bytes = config.chunk_bytes(),
-                                                           .max_streams = config.max_streams()},
-                                     server->metrics_);
+  server->service_ = std::make_unique<ShardService>(
+      ShardService::Options{
+          .chunk_bytes = config.chunk_bytes(),
+          .max_streams = config.max_streams(),
+          .max_parked_streams = config.max_parked_streams(),
+          .max_version_lead = config.max_version_lead(),
+          .max_version_wait = std::chrono::milliseconds(config.max_version_wait_ms()),
+          .write_progress_timeout = std::chrono::milliseconds(config.write_progress_timeout_ms())},
+      server->metrics_, server->grants_.get_executor());
   server->admin_ = std::make_unique<ShardAdminService>(
       std::move(admin), server->service_->version_gate(), server->metrics_);
   server->metrics_.master_bytes().Set(static_cast<double>(master));
@@ -123,9 +129,29 @@ absl::Status ShardServer::UseCheckpoint() {
   }
   ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
   if (!existing) return absl::OkStatus();
-  ASSIGN_OR_RETURN(auto checkpoint,
-                   CheckpointSource::Open(*existing, source_->model(), config.shard_index(),
-                                          config.num_shards(), settings_.policy));
+  // The values the shard was started with: a checkpoint descending from
+  // another model is not silently served in their place.
+  ASSIGN_OR_RETURN(const ContentFingerprint model_fingerprint, source_->Fingerprint());
+  ASSIGN_OR_RETURN(auto checkpoint, CheckpointSource::Open(
+                                        *existing, source_->model(), config.shard_index(),
+                                        config.num_shards(), settings_.policy, model_fingerprint));
+  if (const auto& recorded = checkpoint->recorded_fingerprint();
+      recorded && *recorded != model_fingerprint) {
+    const std::string what =
+        absl::StrCat("checkpoint ", *existing, " descends from a model with content fingerprint ",
+                     FingerprintHex(*recorded, 8), "..., but ",
+                     config.synthetic().empty() ? "--model" : "--synthetic",
+                     " now holds other values (", FingerprintHex(model_fingerprint, 8), "...)");
+    if (!config.checkpoint_over_changed_model()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what,
+                       ": the model was replaced. Remove the checkpoint (or point --checkpoint-dir "
+                       "elsewhere) to serve the new model, or pass --checkpoint-over-changed-model "
+                       "true to keep serving the checkpoint"));
+    }
+    std::fprintf(stderr, "layercast-shard %u/%u: %s; serving the checkpoint as told\n",
+                 config.shard_index(), config.num_shards(), what.c_str());
+  }
   std::fprintf(stderr,
                "layercast-shard %u/%u: loading checkpoint %s (version %llu) instead of %s\n",
                config.shard_index(), config.num_shards(), existing->c_str(),
@@ -202,6 +228,18 @@ absl::Status ShardServer::Start() {
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_receive_message_bytes()));
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              static_cast<int>(config.max_concurrent_streams_per_connection()));
+  // gRPC sets SO_REUSEPORT by default: a second shard on this port would
+  // start beside the first and take half its connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // A dead peer's connection (and its streams) goes after an unanswered
+  // ping; an idle one after max_connection_idle_ms. Workers may ping every
+  // 10 s without being told off.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                             static_cast<int>(config.keepalive_time_ms()));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(config.max_connection_idle_ms()));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
   builder.RegisterService(service_.get());
   builder.RegisterService(admin_.get());
   server_ = builder.BuildAndStart();
@@ -245,7 +283,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   }
   store_ = std::move(store);
   budget_ = std::make_unique<MemoryBudget>(
-      settings_.memory_budget_bytes, store_->master_bytes(),
+      settings_.memory_budget_bytes, store_->master_bytes(), grants_.get_executor(),
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
@@ -257,7 +295,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   if (shared_bytes > 0) {
     shared_ = std::make_shared<SharedChunks>(
         shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *budget_,
-        metrics_);
+        metrics_, grants_.get_executor());
     budget_->SetReclaimer([weak = std::weak_ptr<SharedChunks>(shared_)] {
       if (auto shared = weak.lock()) shared->DropAll();
     });
@@ -288,9 +326,14 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
   if (!drained) {
     std::fprintf(stderr,
-                 "layercast-shard: drain timeout of %lld ms passed; cancelling %lld stream(s)\n",
+                 "layercast-shard: drain timeout of %lld ms passed; ending %lld stream(s) with "
+                 "UNAVAILABLE at their next chunk\n",
                  static_cast<long long>(drain.count()),
                  static_cast<long long>(service_->streams_in_flight()));
+    // Workers resume what is left elsewhere; a reader that does not drain
+    // its chunk within a second is cancelled by gRPC's shutdown below.
+    service_->StopStreams();
+    service_->WaitForStreams(absl::Now() + absl::Seconds(1));
   }
   // Waits for a checkpoint being written for a ShardAdmin call to finish.
   server_->Shutdown(std::chrono::system_clock::now());

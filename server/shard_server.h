@@ -5,6 +5,7 @@
 #include <memory>
 
 #include <grpcpp/grpcpp.h>
+#include <boost/asio/thread_pool.hpp>
 
 #include "absl/status/statusor.h"
 #include "core/parameter_source.h"
@@ -94,6 +95,10 @@ class ShardServer {
   absl::Status UseCheckpoint();
 
   ShardSettings settings_;
+  // Runs every grant (a version reached, budget granted, a shared chunk
+  // cast) so that no grant runs on the granter's thread. First: it outlives
+  // everything that posts to it.
+  boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
   ServerMetrics metrics_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int metrics_port_ = 0;

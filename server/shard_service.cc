@@ -36,6 +36,8 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
   manifest.set_policy(store.policy().ToString());
   manifest.set_layout_digest(
       std::string(store.layout_digest().begin(), store.layout_digest().end()));
+  manifest.set_content_fingerprint(
+      std::string(store.content_fingerprint().begin(), store.content_fingerprint().end()));
   for (uint32_t l = 0; l < model.layers.size(); ++l) {
     const LayerSpec& spec = model.layers[l];
     const AssembledLayout& layout = store.layout(l);
@@ -57,6 +59,64 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
   return manifest;
 }
 
+ShardService::ShardService(Options options, ServerMetrics& metrics,
+                           boost::asio::any_io_executor grants)
+    : options_(options), metrics_(metrics), gate_(grants), watchdog_([this] { Watchdog(); }) {}
+
+ShardService::~ShardService() {
+  {
+    absl::MutexLock lock(&streams_mu_);
+    stopping_ = true;
+  }
+  watchdog_.join();
+}
+
+void ShardService::Watchdog() {
+  // Four looks per timeout: a stalled stream is caught within 1.25 of it.
+  const absl::Duration period =
+      std::max(absl::Milliseconds(50), absl::FromChrono(options_.write_progress_timeout) / 4);
+  streams_mu_.Lock();
+  while (!streams_mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<FetchLayerReactor*> stalled;
+    for (auto& [stream, pins] : streams_) {
+      if (!pins.done && stream->MarkIfStalled(now, options_.write_progress_timeout)) {
+        ++pins.count;
+        stalled.push_back(stream);
+      }
+    }
+    if (stalled.empty()) continue;
+    // Cancelled outside the lock: gRPC may run OnCancel and OnDone, which
+    // take it, on this thread.
+    streams_mu_.Unlock();
+    for (FetchLayerReactor* stream : stalled) {
+      stream->CancelStalled();
+      metrics_.RecordStalledStream();
+    }
+    streams_mu_.Lock();
+    for (FetchLayerReactor* stream : stalled) {
+      auto it = streams_.find(stream);
+      if (--it->second.count == 0 && it->second.done) {
+        streams_.erase(it);
+        delete stream;
+      }
+    }
+  }
+  streams_mu_.Unlock();
+}
+
+void ShardService::StartDraining() {
+  draining_.store(true);
+  gate_.Close();
+}
+
+void ShardService::StopStreams() {
+  absl::MutexLock lock(&streams_mu_);
+  for (auto& [stream, pins] : streams_) {
+    if (!pins.done) stream->StopAtNextChunk();
+  }
+}
+
 void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget,
                                SharedChunks* shared) {
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
@@ -72,13 +132,13 @@ void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget
 
 int64_t ShardService::streams_in_flight() const {
   absl::MutexLock lock(&streams_mu_);
-  return streams_in_flight_;
+  return streaming_ + parked_;
 }
 
 bool ShardService::WaitForStreams(absl::Time deadline) const {
   absl::MutexLock lock(&streams_mu_);
   const auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(streams_mu_) {
-    return streams_in_flight_ == 0;
+    return streaming_ + parked_ == 0;
   };
   return streams_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
@@ -132,26 +192,39 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
 
-  bool admitted = false;
-  {
-    absl::MutexLock lock(&streams_mu_);
-    admitted = streams_in_flight_ < static_cast<int64_t>(options_.max_streams);
-    if (admitted) ++streams_in_flight_;
-  }
-  if (!admitted) {
+  // A stream that must wait for its version is parked: it holds no budget
+  // and no streaming slot, but it may not ask for a version that cannot
+  // come, and it takes a slot of its own kind.
+  const uint64_t current = gate_.version();
+  if (request->min_version() > current &&
+      request->min_version() - current > options_.max_version_lead) {
     return Refuse(grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("this shard already serves ", options_.max_streams,
-                     " FetchLayer streams (--max-streams); retry with backoff, or raise "
-                     "--max-streams")));
+        grpc::StatusCode::OUT_OF_RANGE,
+        absl::StrCat("min_version ", request->min_version(), " is more than ",
+                     options_.max_version_lead, " versions ahead of this shard's version ", current,
+                     " (--max-version-lead): it cannot come soon. If this shard ",
+                     "restarted from older parameters, restart the job from its checkpoint")));
   }
+  const bool parked = request->min_version() > current;
+  if (grpc::Status admitted = Admit(parked); !admitted.ok()) return Refuse(admitted);
   metrics_.streams_in_flight().Increment();
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
   reactor_options.min_version = request->min_version();
+  reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   reactor_options.shared = shared;
-  reactor_options.on_done = [this,
-                             start = std::chrono::steady_clock::now()](const grpc::Status& status) {
+  // Whether the stream still holds a parked slot rather than a streaming one.
+  auto still_parked = std::make_shared<std::atomic<bool>>(parked);
+  reactor_options.on_unparked = [this, still_parked] {
+    if (!still_parked->exchange(false)) return;
+    // Past --max-streams for a moment when many parked streams wake at once:
+    // they were admitted already, and the budget still bounds their memory.
+    absl::MutexLock lock(&streams_mu_);
+    --parked_;
+    ++streaming_;
+  };
+  reactor_options.on_done = [this, still_parked, start = std::chrono::steady_clock::now()](
+                                FetchLayerReactor* stream, const grpc::Status& status) {
     metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
     if (status.ok()) {
       metrics_.RecordFetchDuration(
@@ -159,10 +232,45 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
     }
     metrics_.streams_in_flight().Decrement();
     absl::MutexLock lock(&streams_mu_);
-    --streams_in_flight_;
+    --(still_parked->load() ? parked_ : streaming_);
+    auto it = streams_.find(stream);
+    if (it->second.count > 0) {
+      it->second.done = true;  // its last holder deletes it
+      return false;
+    }
+    streams_.erase(it);
+    return true;
   };
-  return new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
-                               std::move(reactor_options));
+  // Registered under the lock its on_done takes: no grant runs before the
+  // constructor returns, and OnDone cannot come before it is registered.
+  absl::MutexLock lock(&streams_mu_);
+  auto* stream = new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
+                                       std::move(reactor_options));
+  streams_.emplace(stream, Pins{});
+  return stream;
+}
+
+grpc::Status ShardService::Admit(bool parked) {
+  absl::MutexLock lock(&streams_mu_);
+  if (parked) {
+    if (parked_ < static_cast<int64_t>(options_.max_parked_streams)) {
+      ++parked_;
+      return grpc::Status::OK;
+    }
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("this shard already has ", options_.max_parked_streams,
+                     " FetchLayer streams parked for a future min_version "
+                     "(--max-parked-streams); retry with backoff once its version advances"));
+  }
+  if (streaming_ < static_cast<int64_t>(options_.max_streams)) {
+    ++streaming_;
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat("this shard already serves ", options_.max_streams,
+                                   " FetchLayer streams (--max-streams); retry with backoff, or "
+                                   "raise --max-streams"));
 }
 
 }  // namespace layercast::server

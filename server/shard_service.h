@@ -1,12 +1,17 @@
 #pragma once
 
 #include <atomic>
+#include <boost/asio/any_io_executor.hpp>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "server/fetch_layer_reactor.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
@@ -18,8 +23,15 @@ namespace layercast::server {
 // The gRPC ShardService of one shard, on the callback API (FetchLayer in its
 // raw form, to keep copies off the hot path). Until a store is
 // attached (parameters still loading) every call is refused with UNAVAILABLE;
-// after StartDraining() new FetchLayer calls are refused with UNAVAILABLE
-// while streams in flight go on.
+// after StartDraining() new FetchLayer calls are refused with UNAVAILABLE,
+// parked streams end with UNAVAILABLE, and streams in flight go on.
+//
+// What a stream may hold: a stream parked for a future min_version holds no
+// budget and no --max-streams slot, only one of --max-parked-streams, for at
+// most --max-version-wait-ms, and only for a version at most
+// --max-version-lead ahead; a streaming one holds a --max-streams slot and
+// two chunks of budget, and loses both when its reader does not drain a
+// chunk within --write-progress-timeout-ms (a watchdog thread checks).
 //
 // Thread-safe: gRPC calls its handlers from many threads.
 class ShardService final : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
@@ -28,21 +40,36 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
-    // FetchLayer streams in flight at most (--max-streams); more are refused
+    // FetchLayer streams streaming at most (--max-streams); more are refused
     // with RESOURCE_EXHAUSTED.
     uint32_t max_streams = 1024;
+    // Streams parked for a future min_version at most (--max-parked-streams).
+    uint32_t max_parked_streams = 4096;
+    // How far ahead of the shard's version a min_version may be.
+    uint32_t max_version_lead = 64;
+    std::chrono::milliseconds max_version_wait{5 * 60 * 1000};
+    std::chrono::milliseconds write_progress_timeout{30 * 1000};
   };
 
-  // `metrics` must outlive the service.
-  ShardService(Options options, ServerMetrics& metrics) : options_(options), metrics_(metrics) {}
+  // `metrics` must outlive the service; `grants` (the shard's grant
+  // executor, see VersionGate) must outlive every stream.
+  ShardService(Options options, ServerMetrics& metrics, boost::asio::any_io_executor grants);
+  // Stops the watchdog. REQUIRES: no stream in flight (the server has
+  // shut down).
+  ~ShardService();
 
   // Makes the loaded parameters available; called once. All must outlive
   // the service; `shared` may be null (every stream casts its own chunks).
   void AttachStore(const ParameterStore* store, MemoryBudget* budget, SharedChunks* shared);
-  void StartDraining() { draining_.store(true); }
+  // Refuses new streams and ends parked ones, both with UNAVAILABLE.
+  void StartDraining();
+  // Ends every stream in flight with UNAVAILABLE at its next chunk boundary
+  // (the drain timeout has passed): the worker resumes the rest against the
+  // shard's replacement instead of seeing the call cancelled.
+  void StopStreams();
 
   VersionGate& version_gate() { return gate_; }
-  // FetchLayer streams started and not yet done.
+  // FetchLayer streams started and not yet done, parked ones included.
   int64_t streams_in_flight() const;
   // Waits until no stream is in flight or `deadline` passes; true if none is.
   bool WaitForStreams(absl::Time deadline) const;
@@ -64,19 +91,34 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   Loaded loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
+  // Takes a streaming (or parked) slot; an error when none is free.
+  grpc::Status Admit(bool parked);
+  // Cancels streams whose reader stopped, until the service is destroyed.
+  void Watchdog();
 
   const Options options_;
   ServerMetrics& metrics_;
   VersionGate gate_;
   std::atomic<bool> draining_{false};
   mutable absl::Mutex streams_mu_;
-  int64_t streams_in_flight_ ABSL_GUARDED_BY(streams_mu_) = 0;
+  int64_t streaming_ ABSL_GUARDED_BY(streams_mu_) = 0;
+  int64_t parked_ ABSL_GUARDED_BY(streams_mu_) = 0;
+  // Every stream not yet done, and how many callers outside the lock hold
+  // it (the watchdog cancelling it). A reactor leaves in OnDone, under the
+  // lock; one still held is deleted by its last holder instead of itself.
+  struct Pins {
+    int count = 0;
+    bool done = false;
+  };
+  absl::flat_hash_map<FetchLayerReactor*, Pins> streams_ ABSL_GUARDED_BY(streams_mu_);
+  bool stopping_ ABSL_GUARDED_BY(streams_mu_) = false;
   mutable absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   MemoryBudget* budget_ ABSL_GUARDED_BY(mu_) = nullptr;
   SharedChunks* shared_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
+  std::thread watchdog_;  // last: starts once everything above is set
 };
 
 // The manifest of `store`, version 0.

@@ -2,14 +2,18 @@
 
 #include <algorithm>
 
+#include <boost/asio/post.hpp>
+
 namespace layercast::server {
 
 SharedChunks::SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_idle,
-                           MemoryBudget& budget, ServerMetrics& metrics, Clock now)
+                           MemoryBudget& budget, ServerMetrics& metrics,
+                           boost::asio::any_io_executor resumes, Clock now)
     : capacity_bytes_(capacity_bytes),
       max_idle_(max_idle),
       budget_(budget),
       metrics_(metrics),
+      resumes_(std::move(resumes)),
       now_(std::move(now)),
       sweeper_([this] { Sweep(); }) {}
 
@@ -36,18 +40,25 @@ void SharedChunks::Sweep() {
   }
 }
 
-absl::StatusOr<CastChunk> SharedChunks::GetOrCast(const ChunkKey& key, uint64_t bytes,
-                                                  const std::string& peer, Cast cast) {
+std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey& key,
+                                                                 uint64_t bytes,
+                                                                 const std::string& peer, Cast cast,
+                                                                 Resume resume) {
   std::shared_ptr<Entry> entry;
-  bool cast_here = false;
   uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
     const auto now = now_();
     if (auto it = entries_.find(key); it != entries_.end()) {
-      entry = it->second;
-      entry->last_used = now;
-    } else if (bytes <= capacity_bytes_ && OthersWantLocked(key.layer, peer, now)) {
+      it->second->last_used = now;
+      if (!it->second->ready) {
+        it->second->waiting.push_back(std::move(resume));
+        return std::nullopt;
+      }
+      if (it->second->chunk.ok()) metrics_.RecordChunkShared();
+      return it->second->chunk;
+    }
+    if (bytes <= capacity_bytes_ && OthersWantLocked(key.layer, peer, now)) {
       freed = DropIdleLocked(now, /*all=*/false) + MakeRoomLocked(bytes);
       // Bytes just freed pay for the new chunk first; the budget is asked
       // only for the rest, and never while a stream waits for it.
@@ -59,25 +70,28 @@ absl::StatusOr<CastChunk> SharedChunks::GetOrCast(const ChunkKey& key, uint64_t 
         entry->last_used = now;
         entries_.emplace(key, entry);
         kept_bytes_ += bytes;
-        cast_here = true;
       }
     }
     metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
+  GiveBack(freed);
+  if (entry == nullptr) return cast();  // not worth keeping, or no room
 
-  if (!cast_here) {
-    GiveBack(freed);
-    if (entry == nullptr) return cast();  // not worth keeping, or no room
-    entry->ready.WaitForNotification();
-    if (entry->chunk.ok()) metrics_.RecordChunkShared();
-    return entry->chunk;
+  absl::StatusOr<CastChunk> chunk = cast();
+  std::vector<Resume> waiting;
+  {
+    absl::MutexLock lock(&mu_);
+    entry->chunk = chunk;
+    entry->ready = true;
+    waiting.swap(entry->waiting);
   }
-  entry->chunk = cast();
-  entry->ready.Notify();
-  GiveBack(freed);  // only now: see the class comment
+  for (Resume& waiter : waiting) {
+    if (chunk.ok()) metrics_.RecordChunkShared();
+    boost::asio::post(resumes_, [waiter = std::move(waiter), chunk] { waiter(chunk); });
+  }
   // Streams waiting for budget come before sharing; a failure is not kept.
-  if (!entry->chunk.ok() || budget_.waiting() > 0) Forget(key, entry);
-  return entry->chunk;
+  if (!chunk.ok() || budget_.waiting() > 0) Forget(key, entry);
+  return chunk;
 }
 
 void SharedChunks::BeginStream(uint32_t layer, const std::string& peer) {
@@ -129,7 +143,7 @@ uint64_t SharedChunks::DropIdleLocked(std::chrono::steady_clock::time_point now,
   uint64_t freed = 0;
   for (auto it = entries_.begin(); it != entries_.end();) {
     auto next = std::next(it);
-    if (it->second->ready.HasBeenNotified() && (all || now - it->second->last_used > max_idle_)) {
+    if (it->second->ready && (all || now - it->second->last_used > max_idle_)) {
       freed += RemoveLocked(it);
     }
     it = next;
@@ -144,7 +158,7 @@ uint64_t SharedChunks::MakeRoomLocked(uint64_t room) {
   while (kept_bytes_ + room > capacity_bytes_) {
     auto least_recent = entries_.end();
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (!it->second->ready.HasBeenNotified()) continue;
+      if (!it->second->ready) continue;
       if (least_recent == entries_.end() ||
           it->second->last_used < least_recent->second->last_used) {
         least_recent = it;

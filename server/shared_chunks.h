@@ -9,13 +9,13 @@
 #include <vector>
 
 #include <grpcpp/support/slice.h>
+#include <boost/asio/any_io_executor.hpp>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "core/dtype.h"
 #include "server/memory_budget.h"
 #include "server/server_metrics.h"
@@ -51,8 +51,9 @@ struct ChunkKey {
 // Cast once, send to many. Data-parallel workers fetch the same layer at the
 // same version at about the same time; the first stream to need a chunk casts
 // it and keeps it here, and the streams behind it send the same slice. A
-// stream that finds a chunk still being cast waits for that cast (one chunk's
-// cast, well under a millisecond) instead of repeating it.
+// stream that finds a chunk still being cast is resumed when that cast (one
+// chunk's, well under a millisecond) is done, instead of repeating it; it
+// never blocks a thread while it waits.
 //
 // A chunk is kept only if another reader (another peer: each worker has its
 // own connection) has a stream of its layer open, or had one within
@@ -73,17 +74,17 @@ struct ChunkKey {
 // unused for `max_idle`. Nothing ever waits on a slow reader: a stream that
 // falls behind finds its chunks dropped and casts its own.
 //
-// Thread-safe. Lock order: this cache, then the budget. Budget is never
-// released while the releasing thread owes other streams a cast: Release()
-// may run a granted stream's callbacks on the calling thread, and that
-// stream may want the very chunk.
+// Thread-safe. Lock order: this cache, then the budget.
 class SharedChunks {
  public:
   using Cast = absl::FunctionRef<absl::StatusOr<CastChunk>()>;
+  using Resume = std::function<void(absl::StatusOr<CastChunk>)>;
   using Clock = std::function<std::chrono::steady_clock::time_point()>;
 
+  // `resumes` runs the Resume callbacks of streams that waited for another
+  // stream's cast; it must outlive them.
   SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_idle,
-               MemoryBudget& budget, ServerMetrics& metrics,
+               MemoryBudget& budget, ServerMetrics& metrics, boost::asio::any_io_executor resumes,
                Clock now = std::chrono::steady_clock::now);
   // Stops the sweeper and returns the budget of every kept chunk.
   // REQUIRES: no call in progress.
@@ -95,12 +96,15 @@ class SharedChunks {
   void BeginStream(uint32_t layer, const std::string& peer);
   void EndStream(uint32_t layer, const std::string& peer);
 
-  // The chunk `key` of `bytes` bytes for a stream of `peer`: kept or being
-  // cast by another stream (counted as shared), or cast here by `cast` (and
-  // kept when another reader wants the layer and there is room). A failed
-  // cast is returned to every stream that waited for it, and never kept.
-  absl::StatusOr<CastChunk> GetOrCast(const ChunkKey& key, uint64_t bytes, const std::string& peer,
-                                      Cast cast);
+  // The chunk `key` of `bytes` bytes for a stream of `peer`: returned at
+  // once when it is kept (counted as shared), or cast here by `cast` (and
+  // kept when another reader wants the layer and there is room). When
+  // another stream is casting it right now, returns nullopt and posts
+  // `resume` with the chunk (counted as shared) once that cast is done. A
+  // failed cast goes to every stream that waited for it, and is never kept.
+  std::optional<absl::StatusOr<CastChunk>> GetOrCast(const ChunkKey& key, uint64_t bytes,
+                                                     const std::string& peer, Cast cast,
+                                                     Resume resume);
 
   // Drops every kept chunk that is not being cast, returning its budget.
   void DropAll();
@@ -110,11 +114,13 @@ class SharedChunks {
   uint64_t kept_bytes() const;
 
  private:
+  // Guarded by the cache's mutex.
   struct Entry {
     uint64_t bytes = 0;
     std::chrono::steady_clock::time_point last_used;
-    absl::Notification ready;
-    absl::StatusOr<CastChunk> chunk;  // written once, before `ready`
+    bool ready = false;
+    absl::StatusOr<CastChunk> chunk;  // set once, with `ready`
+    std::vector<Resume> waiting;      // streams to resume when it is ready
   };
 
   struct Reader {
@@ -145,6 +151,7 @@ class SharedChunks {
   const std::chrono::steady_clock::duration max_idle_;
   MemoryBudget& budget_;
   ServerMetrics& metrics_;
+  const boost::asio::any_io_executor resumes_;
   const Clock now_;
 
   mutable absl::Mutex mu_;

@@ -1,48 +1,69 @@
 #include "server/version_gate.h"
 
-#include <vector>
+#include <boost/asio/post.hpp>
 
 namespace layercast::server {
+
+VersionGate::VersionGate(boost::asio::any_io_executor executor, uint64_t version)
+    : executor_(std::move(executor)), version_(version) {}
 
 uint64_t VersionGate::version() const {
   absl::MutexLock lock(&mu_);
   return version_;
 }
 
-void VersionGate::Advance(uint64_t version) {
-  std::vector<std::function<void()>> ready;
-  {
-    absl::MutexLock lock(&mu_);
-    if (version <= version_) return;
-    version_ = version;
-    for (auto it = waiters_.begin(); it != waiters_.end();) {
-      if (it->second.min_version <= version_) {
-        ready.push_back(std::move(it->second.ready));
-        it = waiters_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (auto& callback : ready) callback();
+void VersionGate::Post(Ready ready, Outcome outcome, uint64_t version) {
+  boost::asio::post(executor_,
+                    [ready = std::move(ready), outcome, version] { ready(outcome, version); });
 }
 
-uint64_t VersionGate::Wait(uint64_t min_version, std::function<void()> ready) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (min_version > version_) {
-      const uint64_t id = next_id_++;
-      waiters_.emplace(id, Waiter{min_version, std::move(ready)});
-      return id;
-    }
+void VersionGate::PostLocked(std::map<uint64_t, Waiter>::iterator it, Outcome outcome) {
+  timers_.Cancel(it->second.timer);
+  Post(std::move(it->second.ready), outcome, version_);
+  waiters_.erase(it);
+}
+
+void VersionGate::Advance(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  if (version <= version_) return;
+  version_ = version;
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    auto next = std::next(it);
+    if (it->second.min_version <= version_) PostLocked(it, Outcome::kReached);
+    it = next;
   }
-  ready();
-  return 0;
+}
+
+uint64_t VersionGate::Wait(uint64_t min_version, std::chrono::steady_clock::time_point give_up_at,
+                           Ready ready) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t id = next_id_++;
+  if (min_version <= version_ || closed_) {
+    Post(std::move(ready), min_version <= version_ ? Outcome::kReached : Outcome::kClosed,
+         version_);
+    return id;
+  }
+  DeadlineTimers::Handle timer = timers_.Schedule(give_up_at, [this, id] {
+    absl::MutexLock lock(&mu_);
+    if (auto it = waiters_.find(id); it != waiters_.end()) PostLocked(it, Outcome::kTimedOut);
+  });
+  waiters_.emplace(id, Waiter{min_version, std::move(ready), std::move(timer)});
+  return id;
 }
 
 bool VersionGate::Cancel(uint64_t id) {
   absl::MutexLock lock(&mu_);
-  return waiters_.erase(id) > 0;
+  auto it = waiters_.find(id);
+  if (it == waiters_.end()) return false;
+  timers_.Cancel(it->second.timer);
+  waiters_.erase(it);
+  return true;
+}
+
+void VersionGate::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+  while (!waiters_.empty()) PostLocked(waiters_.begin(), Outcome::kClosed);
 }
 
 size_t VersionGate::waiting() const {

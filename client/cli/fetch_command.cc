@@ -26,6 +26,12 @@ absl::Status RunFetch(const std::vector<std::string>& args) {
   }
   client::GatherOptions options;
   options.timeout = std::chrono::milliseconds(timeout_ms);
+  // A shard restarting (a rolling update) is waited out until --timeout-ms;
+  // say what the fetch waits for meanwhile.
+  options.on_retry = [](const absl::Status& why, std::chrono::milliseconds delay) {
+    std::fprintf(stderr, "layercast fetch: %s; retrying in %.1f s\n",
+                 std::string(why.message()).c_str(), static_cast<double>(delay.count()) / 1000);
+  };
   ASSIGN_OR_RETURN(client::Layer layer, set->Gather(static_cast<uint32_t>(layer_index), options));
 
   std::vector<SafetensorsWriter::TensorHeader> headers;

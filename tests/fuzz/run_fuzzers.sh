@@ -20,7 +20,9 @@ echo "== build $build (clang, libFuzzer, address,undefined)"
 CC=clang CXX=clang++ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DLAYERCAST_FUZZ=ON -DLAYERCAST_SANITIZE=address,undefined,fuzzer-no-link \
   -DLAYERCAST_BUILD_TESTS=ON -DLAYERCAST_BUILD_BENCH=OFF -DLAYERCAST_WITH_CUDA=OFF >/dev/null
-cmake --build "$build" -j"$jobs" --target "${targets[@]/%/_fuzzer}"
+# The server and worker libraries too: clang's -Wthread-safety
+# (layercast::build_options) checks every lock annotation in them.
+cmake --build "$build" -j"$jobs" --target "${targets[@]/%/_fuzzer}" layercast_server layercast_client
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -121,7 +121,22 @@ TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
                     .ok());
     ASSERT_NE(other_bytes, before.at("lm_head.weight")) << "the rewritten model must differ";
   }
-  auto processes = StartProcesses(3, flags, logs);
+  // A model replaced under the same name is not shadowed silently by the
+  // old model's checkpoint: the start is refused, naming both fingerprints.
+  {
+    std::string output;
+    EXPECT_EQ(RunShard(absl::StrCat("--shard-index 0 --num-shards 3 --model ", model.path,
+                                    " --policy '", kPolicy, "' --checkpoint-dir ", dir),
+                       &output),
+              2)
+        << output;
+    EXPECT_THAT(output, AllOf(HasSubstr("the model was replaced"),
+                              HasSubstr("--checkpoint-over-changed-model")));
+  }
+  // Told explicitly, the checkpoint wins.
+  std::vector<std::string> keep_checkpoint = flags;
+  keep_checkpoint.insert(keep_checkpoint.end(), {"--checkpoint-over-changed-model", "true"});
+  auto processes = StartProcesses(3, keep_checkpoint, logs);
   ASSERT_NE(processes, nullptr);
   auto set = Connect(*processes);
   ASSERT_NE(set, nullptr);
@@ -135,6 +150,7 @@ TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
     const std::string log = ReadLog(logs, i);
     EXPECT_THAT(log, HasSubstr(absl::StrCat("loading checkpoint ", dir, "/shard-", i,
                                             "-of-3.safetensors (version 0) instead of --model")));
+    EXPECT_THAT(log, HasSubstr("serving the checkpoint as told"));
     EXPECT_THAT(log, HasSubstr("already holds version 0")) << "nothing new to write on SIGTERM";
   }
 }

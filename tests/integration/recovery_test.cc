@@ -5,6 +5,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <atomic>
 #include <cstring>
@@ -60,6 +61,37 @@ TEST(RecoveryTest, KilledShardRestartsAndTheGatherResumes) {
       CastFromF32(master.data(), expected.data(), master.size(), view.dtype, Fp16Overflow::kError)
           .ok());
   EXPECT_EQ(std::memcmp(expected.data(), view.bytes.data(), expected.size()), 0);
+}
+
+// A rolling update: the shard is stopped, and its replacement comes back
+// seconds later on the same address. The gather waits for it until its own
+// deadline, saying what it waits for, instead of giving up after a few
+// attempts.
+TEST(RecoveryTest, TheGatherWaitsOutARestartingShard) {
+  RunningShards shards = StartShards(2, {"--synthetic", "llama:layers=1,hidden=64,seed=3"});
+  ASSERT_NE(shards.set, nullptr);
+  shards.processes->Signal(1, SIGTERM);
+  absl::StatusOr<int> code = shards.processes->WaitForExit(1, std::chrono::seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status();
+  std::thread restarter([&] {
+    std::this_thread::sleep_for(std::chrono::seconds(7));
+    EXPECT_TRUE(shards.processes->Restart(1).ok());
+  });
+  std::atomic<int> retries{0};
+  client::GatherOptions options;
+  options.timeout = std::chrono::seconds(60);
+  options.on_retry = [&](const absl::Status& why, std::chrono::milliseconds) {
+    EXPECT_THAT(std::string(why.message()),
+                ::testing::HasSubstr("shard 1 (" + shards.processes->addresses()[1] + ")"));
+    ++retries;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<client::Layer> layer = shards.set->Gather(0, options);
+  const auto took = std::chrono::steady_clock::now() - start;
+  restarter.join();
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_GE(took, std::chrono::seconds(6));
+  EXPECT_GE(retries.load(), 8) << "more attempts than the old fixed cap of 8";
 }
 
 TEST(RecoveryTest, WithoutARestartTheGatherFailsNamingTheShard) {

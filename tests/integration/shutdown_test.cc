@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <atomic>
 #include <thread>
 
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -108,9 +109,9 @@ TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {
   EXPECT_EQ(*code, 0);
 }
 
-TEST(ShutdownTest, DrainTimeoutCancelsStreamsThatWouldNotFinish) {
+TEST(ShutdownTest, SigtermEndsParkedStreamsAtOnceAndTheWorkerWaitsForTheShard) {
   auto shards = StartProcesses(
-      1, {"--synthetic", "llama:layers=1,hidden=64", "--drain-timeout-seconds", "1"});
+      1, {"--synthetic", "llama:layers=1,hidden=64", "--drain-timeout-seconds", "20"});
   ASSERT_NE(shards, nullptr);
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::seconds(60);
@@ -120,21 +121,29 @@ TEST(ShutdownTest, DrainTimeoutCancelsStreamsThatWouldNotFinish) {
   // Parked until version 5, which never comes.
   client::GatherOptions options;
   options.min_version = 5;
-  options.timeout = std::chrono::seconds(60);
+  options.timeout = std::chrono::seconds(4);
+  std::atomic<int> retries{0};
+  std::string first_retry;
+  options.on_retry = [&](const absl::Status& why, std::chrono::milliseconds) {
+    if (retries++ == 0) first_retry = std::string(why.message());
+  };
   absl::StatusOr<client::Layer> parked;
   std::thread gather([&] { parked = (*set)->Gather(0, options); });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const auto start = std::chrono::steady_clock::now();
   shards->Signal(0, SIGTERM);
   absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(10));
+  // Well within the 20 s drain timeout: a parked stream holds no drain.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
-  // The worker retries the vanished shard with backoff, then gives up.
-  gather.join();
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
+  // The worker retries the vanished shard until its deadline, saying why.
+  gather.join();
   EXPECT_FALSE(parked.ok());
-  EXPECT_THAT(parked.status().code(),
-              ::testing::AnyOf(absl::StatusCode::kCancelled, absl::StatusCode::kUnavailable));
+  EXPECT_THAT(parked.status().code(), ::testing::AnyOf(absl::StatusCode::kUnavailable,
+                                                       absl::StatusCode::kDeadlineExceeded));
+  EXPECT_GE(retries.load(), 1);
+  EXPECT_THAT(first_retry, ::testing::HasSubstr("shutting down"));
 }
 
 }  // namespace

@@ -278,12 +278,12 @@ class Storm {
         expected = {StatusCode::CANCELLED, StatusCode::OK};
         break;
       case Kind::kCancelWaiting:
-        request.set_min_version(1 + rng() % 1000);
+        request.set_min_version(1 + rng() % 64);  // within --max-version-lead
         cancel_after = std::chrono::milliseconds(1 + rng() % 20);
         expected = {StatusCode::CANCELLED};
         break;
       case Kind::kDeadlineWaiting:
-        request.set_min_version(1 + rng() % 1000);
+        request.set_min_version(1 + rng() % 64);  // within --max-version-lead
         timeout = std::chrono::milliseconds(20 + rng() % 80);
         expected = {StatusCode::DEADLINE_EXCEEDED};
         break;

@@ -6,6 +6,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <boost/asio/thread_pool.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -47,13 +48,27 @@ absl::StatusOr<CastChunk> FakeCast(std::atomic<int>& casts, uint8_t fill,
   return CastChunk{grpc::Slice(data, kChunk, std::free), fill};
 }
 
+// GetOrCast as a stream sees it: the chunk now, or once the stream casting
+// it resumes this one (waited for here, in the test).
+absl::StatusOr<CastChunk> Get(SharedChunks& shared, const ChunkKey& key, uint64_t bytes,
+                              const std::string& peer, SharedChunks::Cast cast) {
+  auto resumed = std::make_shared<std::promise<absl::StatusOr<CastChunk>>>();
+  std::future<absl::StatusOr<CastChunk>> later = resumed->get_future();
+  std::optional<absl::StatusOr<CastChunk>> now = shared.GetOrCast(
+      key, bytes, peer, cast,
+      [resumed](absl::StatusOr<CastChunk> chunk) { resumed->set_value(std::move(chunk)); });
+  if (now) return *std::move(now);
+  return later.get();
+}
+
 struct Fixture {
   explicit Fixture(uint64_t capacity, std::optional<uint64_t> budget_bytes = std::nullopt,
                    std::chrono::steady_clock::duration max_idle = seconds(60))
-      : budget(budget_bytes, kMaster),
-        shared(std::make_shared<SharedChunks>(capacity, max_idle, budget, metrics, [this] {
-          return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(now_ns.load()));
-        })) {
+      : budget(budget_bytes, kMaster, grants.get_executor()),
+        shared(std::make_shared<SharedChunks>(
+            capacity, max_idle, budget, metrics, grants.get_executor(), [this] {
+              return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(now_ns.load()));
+            })) {
     // Another reader has the layer open: chunks are worth keeping.
     shared->BeginStream(Key(0).layer, kPeer);
     shared->BeginStream(Key(0).layer, kOtherPeer);
@@ -61,6 +76,7 @@ struct Fixture {
   // Moves the cache's clock on; its sweeper reads the clock from its thread.
   void Advance(std::chrono::nanoseconds by) { now_ns += by.count(); }
 
+  boost::asio::thread_pool grants{1};
   ServerMetrics metrics;
   MemoryBudget budget;
   std::atomic<int64_t> now_ns{0};
@@ -72,8 +88,8 @@ struct Fixture {
 
 TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   Fixture f(10 * kChunk);
-  auto first = f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 7); });
-  auto second = f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 9); });
+  auto first = Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 7); });
+  auto second = Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 9); });
   ASSERT_TRUE(first.ok() && second.ok());
   EXPECT_EQ(f.casts.load(), 1);
   EXPECT_EQ(first->data.begin(), second->data.begin()) << "one buffer, referenced twice";
@@ -84,9 +100,8 @@ TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   ChunkKey other_version = Key(0);
   other_version.version = 1;
   ASSERT_TRUE(
-      f.shared->GetOrCast(other_version, kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+      Get(*f.shared, other_version, kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 3);
 }
 
@@ -94,8 +109,7 @@ TEST(SharedChunksTest, ChunksAreKeptOnlyForOtherReadersOfTheLayer) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk, milliseconds(200));
   const auto cast_twice = [&](const std::string& peer) {
     for (int i = 0; i < 2; ++i) {
-      ASSERT_TRUE(
-          f.shared->GetOrCast(Key(0), kChunk, peer, [&] { return FakeCast(f.casts, 1); }).ok());
+      ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, peer, [&] { return FakeCast(f.casts, 1); }).ok());
     }
   };
   // A third reader: kPeer and kOtherPeer have the layer open, so its cast is
@@ -125,8 +139,8 @@ TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
   std::vector<std::future<absl::StatusOr<CastChunk>>> results;
   for (int i = 0; i < kStreams; ++i) {
     results.push_back(std::async(std::launch::async, [&] {
-      return f.shared->GetOrCast(Key(0), kChunk, kPeer,
-                                 [&] { return FakeCast(f.casts, 3, milliseconds(100)); });
+      return Get(*f.shared, Key(0), kChunk, kPeer,
+                 [&] { return FakeCast(f.casts, 3, milliseconds(100)); });
     }));
   }
   const uint8_t* data = nullptr;
@@ -144,7 +158,7 @@ TEST(SharedChunksTest, KeptChunksAreChargedToTheBudgetAndGivenBack) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk);
   for (uint64_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(
-        f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+        Get(*f.shared, Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   }
   EXPECT_EQ(f.shared->kept_bytes(), 3 * kChunk);
   EXPECT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
@@ -158,33 +172,29 @@ TEST(SharedChunksTest, TheOldestChunkMakesRoomAndOnlyWithinCapacity) {
   Fixture f(2 * kChunk);
   for (uint64_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(
-        f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+        Get(*f.shared, Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
     f.Advance(milliseconds(1));  // distinct last use
   }
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(100), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(100), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 3) << "the newest chunk was kept";
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 4) << "the oldest chunk was dropped for the third";
 
   // A chunk larger than the capacity is cast for its stream alone.
   ASSERT_TRUE(
-      f.shared->GetOrCast(Key(500), 3 * kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+      Get(*f.shared, Key(500), 3 * kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 }
 
 TEST(SharedChunksTest, ChunksUnusedForMaxIdleAreDropped) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk, milliseconds(40));
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   f.Advance(milliseconds(30));
   ASSERT_TRUE(  // a use keeps it
-      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+      Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   f.Advance(milliseconds(30));
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 2);
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 
@@ -205,7 +215,7 @@ TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
   });
   for (uint64_t i = 0; i < 3; ++i) {
     ASSERT_TRUE(
-        f.shared->GetOrCast(Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+        Get(*f.shared, Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   }
   ASSERT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
 
@@ -222,11 +232,39 @@ TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
   // While someone waits, nothing new is kept; the cast still happens.
   f.budget.Acquire(4 * kChunk, std::chrono::steady_clock::now() + seconds(10), [](bool) {});
   ASSERT_EQ(f.budget.waiting(), 1u);
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_LE(f.budget.peak(), kMaster + 4 * kChunk);
   f.budget.Release(2 * kChunk);  // lets the waiter through before teardown
+}
+
+TEST(SharedChunksTest, AStreamWaitingForAnotherStreamsCastIsResumedNotBlocked) {
+  Fixture f(10 * kChunk);
+  std::promise<void> casting;
+  std::promise<void> finish_cast;
+  auto caster = std::async(std::launch::async, [&] {
+    return Get(*f.shared, Key(0), kChunk, kPeer, [&] {
+      casting.set_value();
+      finish_cast.get_future().wait();
+      return FakeCast(f.casts, 5);
+    });
+  });
+  casting.get_future().wait();
+  std::promise<absl::StatusOr<CastChunk>> resumed;
+  // Returns at once, on this thread, while the other cast is still running.
+  std::optional<absl::StatusOr<CastChunk>> now = f.shared->GetOrCast(
+      Key(0), kChunk, kOtherPeer, [&] { return FakeCast(f.casts, 9); },
+      [&](absl::StatusOr<CastChunk> chunk) { resumed.set_value(chunk); });
+  EXPECT_FALSE(now.has_value());
+  auto later = resumed.get_future();
+  EXPECT_EQ(later.wait_for(milliseconds(100)), std::future_status::timeout);
+  finish_cast.set_value();
+  ASSERT_EQ(later.wait_for(seconds(10)), std::future_status::ready);
+  absl::StatusOr<CastChunk> chunk = later.get();
+  ASSERT_TRUE(chunk.ok()) << chunk.status();
+  EXPECT_EQ(chunk->data.begin()[0], 5);
+  EXPECT_EQ(chunk->data.begin(), caster.get()->data.begin());
+  EXPECT_EQ(f.casts.load(), 1);
 }
 
 TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
@@ -238,17 +276,16 @@ TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
   };
   auto waiter = std::async(std::launch::async, [&] {
     std::this_thread::sleep_for(milliseconds(50));  // arrives during the cast
-    return f.shared->GetOrCast(Key(0), kChunk, kPeer, fail);
+    return Get(*f.shared, Key(0), kChunk, kPeer, fail);
   });
-  absl::StatusOr<CastChunk> first = f.shared->GetOrCast(Key(0), kChunk, kPeer, fail);
+  absl::StatusOr<CastChunk> first = Get(*f.shared, Key(0), kChunk, kPeer, fail);
   absl::StatusOr<CastChunk> second = waiter.get();
   EXPECT_EQ(first.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(second.status(), first.status());
   EXPECT_EQ(f.casts.load(), 1);
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_EQ(f.budget.in_use(), kMaster);
-  ASSERT_TRUE(
-      f.shared->GetOrCast(Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 2) << "the failure was not kept";
 }
 

@@ -2,27 +2,116 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/thread_pool.hpp>
+#include <thread>
+#include <vector>
+
 namespace layercast::server {
 namespace {
 
-TEST(VersionGateTest, RunsWaitersWhenTheirVersionArrives) {
-  VersionGate gate(3);
+using Outcome = VersionGate::Outcome;
+constexpr auto kNever = std::chrono::steady_clock::time_point::max();
+
+// Callbacks are posted to an io_context the test runs by hand.
+struct Gate {
+  explicit Gate(uint64_t version) : gate(io.get_executor(), version) {}
+  void RunPosted() {
+    io.restart();
+    io.poll();
+  }
+  boost::asio::io_context io;
+  VersionGate gate;
+};
+
+TEST(VersionGateTest, PostsWaitersWhenTheirVersionArrives) {
+  Gate g(3);
   int ran = 0;
-  EXPECT_EQ(gate.Wait(2, [&] { ran += 1; }), 0u);  // already there: runs at once
+  g.gate.Wait(2, kNever, [&](Outcome outcome, uint64_t version) {
+    EXPECT_EQ(outcome, Outcome::kReached);
+    EXPECT_EQ(version, 3u);
+    ran += 1;
+  });
+  EXPECT_EQ(ran, 0) << "even a version already reached is posted, never run inline";
+  g.RunPosted();
   EXPECT_EQ(ran, 1);
-  const uint64_t five = gate.Wait(5, [&] { ran += 10; });
-  const uint64_t seven = gate.Wait(7, [&] { ran += 100; });
-  EXPECT_EQ(gate.waiting(), 2u);
-  gate.Advance(4);
+  const uint64_t five = g.gate.Wait(5, kNever, [&](Outcome, uint64_t) { ran += 10; });
+  const uint64_t seven = g.gate.Wait(7, kNever, [&](Outcome, uint64_t) { ran += 100; });
+  EXPECT_EQ(g.gate.waiting(), 2u);
+  g.gate.Advance(4);
+  g.RunPosted();
   EXPECT_EQ(ran, 1);
-  gate.Advance(6);
+  g.gate.Advance(6);
+  EXPECT_EQ(ran, 1) << "Advance never runs a waiter itself";
+  EXPECT_FALSE(g.gate.Cancel(five)) << "posted: the waiter learns of it from its callback";
+  g.RunPosted();
   EXPECT_EQ(ran, 11);
-  EXPECT_FALSE(gate.Cancel(five));
-  EXPECT_TRUE(gate.Cancel(seven));
-  gate.Advance(9);
+  EXPECT_TRUE(g.gate.Cancel(seven));
+  g.gate.Advance(9);
+  g.RunPosted();
   EXPECT_EQ(ran, 11);
-  gate.Advance(1);  // never lowers
-  EXPECT_EQ(gate.version(), 9u);
+  g.gate.Advance(1);  // never lowers
+  EXPECT_EQ(g.gate.version(), 9u);
+}
+
+TEST(VersionGateTest, CloseEndsEveryWaiterAndEveryLaterOne) {
+  Gate g(0);
+  std::vector<Outcome> outcomes;
+  const auto record = [&](Outcome outcome, uint64_t) { outcomes.push_back(outcome); };
+  g.gate.Wait(1, kNever, record);
+  g.gate.Wait(2, kNever, record);
+  g.gate.Close();
+  g.gate.Wait(3, kNever, record);
+  g.gate.Wait(0, kNever, record);  // already reached: still served
+  g.RunPosted();
+  EXPECT_EQ(outcomes, std::vector<Outcome>({Outcome::kClosed, Outcome::kClosed, Outcome::kClosed,
+                                            Outcome::kReached}));
+  EXPECT_EQ(g.gate.waiting(), 0u);
+}
+
+TEST(VersionGateTest, AWaiterGivesUpAtItsTime) {
+  boost::asio::thread_pool pool(1);
+  VersionGate gate(pool.get_executor(), 0);
+  std::atomic<int> outcome{-1};
+  const auto start = std::chrono::steady_clock::now();
+  gate.Wait(1, start + std::chrono::milliseconds(100),
+            [&](Outcome o, uint64_t) { outcome = static_cast<int>(o); });
+  for (int i = 0; i < 500 && outcome.load() < 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(outcome.load(), static_cast<int>(Outcome::kTimedOut));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+  EXPECT_EQ(gate.waiting(), 0u);
+}
+
+// Every waiter hears exactly once, whether the version, a cancel or the
+// close comes first, with the version advancing on another thread.
+TEST(VersionGateTest, EachWaiterEndsExactlyOnceUnderRaces) {
+  boost::asio::thread_pool pool(2);
+  VersionGate gate(pool.get_executor(), 0);
+  constexpr int kWaiters = 2000;
+  std::vector<std::atomic<int>> heard(kWaiters);
+  std::atomic<int> cancelled{0};
+  std::thread advancer([&] {
+    for (uint64_t v = 1; v <= 200; ++v) {
+      gate.Advance(v);
+      std::this_thread::yield();
+    }
+  });
+  for (int i = 0; i < kWaiters; ++i) {
+    const uint64_t id = gate.Wait(static_cast<uint64_t>(i % 250), kNever,
+                                  [&heard, i](Outcome, uint64_t) { ++heard[i]; });
+    if (i % 3 == 0 && gate.Cancel(id)) {
+      ++heard[i];  // the canceller ends it
+      ++cancelled;
+    }
+  }
+  advancer.join();
+  gate.Close();
+  pool.join();
+  for (int i = 0; i < kWaiters; ++i) EXPECT_EQ(heard[i].load(), 1) << "waiter " << i;
+  EXPECT_GT(cancelled.load(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,67 @@
+// Which values a shard serves, told apart by content and not only by layout:
+// shards of two checkpoints of one model (same file name, names, shapes and
+// policy) are refused as one set, and a shard restarted with other values is
+// refused mid-gather instead of being mixed into the layer.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+std::unique_ptr<client::LocalShardSet> StartSet(const std::string& model_path) {
+  return StartProcesses(2, {"--model", model_path});
+}
+
+TEST(IdentityTest, ShardsOfTwoCheckpointsOfOneModelAreNotOneSet) {
+  // Two training steps of one model, each saved as model.safetensors.
+  const TestModel step1 = WriteTestModel(MakeTempDir("step1") + "/model.safetensors", 2, 21);
+  const TestModel step2 = WriteTestModel(MakeTempDir("step2") + "/model.safetensors", 2, 22);
+  auto first = StartSet(step1.path);
+  auto second = StartSet(step2.path);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::seconds(60);
+  auto same = client::ShardSet::Connect(first->addresses(), options);
+  ASSERT_TRUE(same.ok()) << same.status();
+  auto mixed = client::ShardSet::Connect({first->addresses()[0], second->addresses()[1]}, options);
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(mixed.status().message()),
+              AllOf(HasSubstr(second->addresses()[1]), HasSubstr("content fingerprint")));
+}
+
+TEST(IdentityTest, AShardRestartedWithOtherValuesIsRefusedMidGather) {
+  const std::string path = MakeTempDir("replaced") + "/model.safetensors";
+  WriteTestModel(path, 2, 31);
+  auto processes = StartSet(path);
+  ASSERT_NE(processes, nullptr);
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::seconds(60);
+  auto set = client::ShardSet::Connect(processes->addresses(), options);
+  ASSERT_TRUE(set.ok()) << set.status();
+  ASSERT_TRUE((*set)->Gather(1).ok());
+
+  // The same layout, other values, under the same name; shard 1 restarts
+  // on it at version 0, like the shard it replaces.
+  processes->Kill(1);
+  WriteTestModel(path, 2, 32);
+  ASSERT_TRUE(processes->Restart(1).ok());
+  client::GatherOptions gather;
+  gather.timeout = std::chrono::seconds(30);
+  absl::StatusOr<client::Layer> layer = (*set)->Gather(1, gather);
+  ASSERT_FALSE(layer.ok()) << "a layer mixing two models was gathered";
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(layer.status().message()),
+              AllOf(HasSubstr("shard 1"), HasSubstr("restarted with another model")));
+}
+
+}  // namespace
+}  // namespace layercast::testing
