@@ -50,11 +50,12 @@ std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
 
 layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
                                                          const std::vector<ShardStream::Run>& runs,
-                                                         bool resume) const {
+                                                         bool resume, bool recast) const {
   layercast::v1::FetchLayerRequest request;
   request.set_layer(layer_);
   request.set_min_version(options_.min_version);
   request.set_expect_content_fingerprint(shards_[shard].content_fingerprint);
+  request.set_recast(recast);
   // A resumed stream asks for the range from its first missing element: the
   // shard sends what it owns of a range, so that is exactly the runs still
   // owed.
@@ -80,7 +81,10 @@ void LayerGather::Start(uint32_t shard) {
         finished_.push_back(shard);
       },
       options_.on_chunk);
-  s.stream->Start(*shards_[shard].stub, RequestFor(shard, s.runs, /*resume=*/s.attempts > 1),
+  s.stream->Start(*shards_[shard].stub,
+                  RequestFor(shard, s.runs, /*resume=*/s.attempts > 1,
+                             // after a checksum failure, not the kept copy again
+                             /*recast=*/absl::IsDataLoss(s.last_error)),
                   deadline_);
 }
 

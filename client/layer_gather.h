@@ -65,10 +65,10 @@ class LayerGather {
   // The runs shard `shard` owns within the requested range.
   std::vector<ShardStream::Run> OwnedRuns(uint32_t shard) const;
   // The request for a shard's first stream, or for resuming `runs` (the
-  // tail of what it owes).
+  // tail of what it owes); `recast` asks the shard to cast afresh.
   layercast::v1::FetchLayerRequest RequestFor(uint32_t shard,
                                               const std::vector<ShardStream::Run>& runs,
-                                              bool resume) const;
+                                              bool resume, bool recast) const;
   void Start(uint32_t shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Folds a finished stream into its shard's state: done, retry later, or
   // fail the gather.

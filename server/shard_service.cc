@@ -213,6 +213,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   reactor_options.min_version = request->min_version();
   reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   reactor_options.shared = shared;
+  if (request->recast() && shared != nullptr) {
+    // The worker saw a chunk of this layer fail its checksum: the kept copy
+    // may be the corrupted one.
+    shared->DropLayer(request->layer());
+    reactor_options.shared = nullptr;
+  }
   // Whether the stream still holds a parked slot rather than a streaming one.
   auto still_parked = std::make_shared<std::atomic<bool>>(parked);
   reactor_options.on_unparked = [this, still_parked] {

@@ -186,6 +186,20 @@ void SharedChunks::DropAll() { Drop(/*all=*/true); }
 
 void SharedChunks::DropIdle() { Drop(/*all=*/false); }
 
+void SharedChunks::DropLayer(uint32_t layer) {
+  uint64_t freed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      auto next = std::next(it);
+      if (it->first.layer == layer && it->second->ready) freed += RemoveLocked(it);
+      it = next;
+    }
+    metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
+  }
+  GiveBack(freed);
+}
+
 void SharedChunks::Drop(bool all) {
   uint64_t freed = 0;
   {

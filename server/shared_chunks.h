@@ -108,6 +108,8 @@ class SharedChunks {
 
   // Drops every kept chunk that is not being cast, returning its budget.
   void DropAll();
+  // Drops the kept chunks of `layer` (a worker saw one fail its checksum).
+  void DropLayer(uint32_t layer);
   // Drops kept chunks unused for max_idle (the sweeper calls it).
   void DropIdle();
 

@@ -13,8 +13,10 @@
 #include <string>
 #include <vector>
 
+#include "core/crc32c.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
+#include "server/chunk_encoder.h"
 #include "server/parameter_store.h"
 #include "server/shard_service.h"
 #include "tests/fuzz/safetensors_input.h"
@@ -209,6 +211,37 @@ void FetchPlanSeeds(const fs::path& dir) {
   request("invalid_dtype", 1, 0, 0, 77);
 }
 
+// Inputs of chunk_decoder_fuzzer (see there): a plan, then frames made by
+// the server's own encoder.
+void ChunkDecoderSeeds(const fs::path& dir) {
+  // Frame `tensor` from `element` with `count` elements of `size` bytes.
+  const auto frame = [](uint32_t tensor, uint64_t element, size_t bytes, bool good_crc) {
+    std::string data(bytes, '\0');
+    for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(i * 7 + tensor);
+    const grpc::Slice slice(data);
+    const uint32_t crc =
+        Crc32c(reinterpret_cast<const uint8_t*>(data.data()), bytes) ^ (good_crc ? 0u : 1u);
+    grpc::ByteBuffer encoded = server::EncodeLayerChunk(tensor, element, 3, crc, slice);
+    std::vector<grpc::Slice> slices;
+    (void)encoded.Dump(&slices);
+    std::string out;
+    for (const grpc::Slice& s : slices)
+      out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    std::string framed = {static_cast<char>(out.size() & 0xff), static_cast<char>(out.size() >> 8)};
+    return framed + out;
+  };
+  // Plan: two runs, bf16 elements 4..20 of tensor 0, f32 elements 0..9 of tensor 1.
+  const std::string plan = {1, 1, 4, 15, 2, 0, 9};
+  Write(dir, "valid_two_runs",
+        plan + frame(0, 4, 16, true) + frame(0, 12, 16, true) + frame(1, 0, 40, true));
+  Write(dir, "invalid_crc", plan + frame(0, 4, 16, false) + frame(0, 12, 16, true));
+  Write(dir, "invalid_out_of_order", plan + frame(0, 12, 16, true) + frame(0, 4, 16, true));
+  Write(dir, "invalid_too_long", plan + frame(0, 4, 64, true));
+  Write(dir, "invalid_after_done",
+        plan + frame(0, 4, 32, true) + frame(1, 0, 40, true) + frame(1, 10, 4, true));
+  Write(dir, "invalid_garbage", plan + std::string("\x05\x00\xff\xff\xff\xff\xff", 7));
+}
+
 }  // namespace
 }  // namespace layercast::fuzz
 
@@ -225,6 +258,7 @@ int main(int argc, char** argv) {
   layercast::fuzz::PolicySeeds(out / "policy");
   layercast::fuzz::ManifestSeeds(out / "manifest");
   layercast::fuzz::FetchPlanSeeds(out / "fetch_plan");
+  layercast::fuzz::ChunkDecoderSeeds(out / "chunk_decoder");
   fs::remove_all(scratch);
   return 0;
 }

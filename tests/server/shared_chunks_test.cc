@@ -267,6 +267,22 @@ TEST(SharedChunksTest, AStreamWaitingForAnotherStreamsCastIsResumedNotBlocked) {
   EXPECT_EQ(f.casts.load(), 1);
 }
 
+TEST(SharedChunksTest, DroppingALayerCastsItsChunksAfresh) {
+  Fixture f(10 * kChunk, kMaster + 10 * kChunk);
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ChunkKey other_layer = Key(0);
+  other_layer.layer = 7;
+  f.shared->BeginStream(7, kOtherPeer);
+  ASSERT_TRUE(
+      Get(*f.shared, other_layer, kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_EQ(f.shared->kept_bytes(), 2 * kChunk);
+  f.shared->DropLayer(Key(0).layer);
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk) << "only that layer's chunks go";
+  EXPECT_EQ(f.budget.in_use(), kMaster + kChunk);
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 2); }).ok());
+  EXPECT_EQ(f.casts.load(), 3) << "cast again, not resent";
+}
+
 TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk);
   const auto fail = [&]() -> absl::StatusOr<CastChunk> {

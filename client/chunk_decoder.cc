@@ -1,0 +1,127 @@
+#include "client/chunk_decoder.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+
+namespace layercast::client {
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+
+// Small enough to stay in the core's cache between the copy and the
+// checksum; a multiple of Crc32c's three-stripe block (12 KiB).
+constexpr uint32_t kChecksumBlockBytes = 48 << 10;
+
+}  // namespace
+
+ChunkDecoder::ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer)
+    : runs_(std::move(runs)), buffer_(buffer) {
+  if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
+}
+
+absl::StatusOr<uint8_t*> ChunkDecoder::Destination(uint32_t tensor, uint64_t offset,
+                                                   uint64_t bytes) {
+  if (run_ == runs_.size()) {
+    return absl::DataLossError(
+        absl::StrCat("sent a chunk of tensor ", tensor, " after all the elements it owns"));
+  }
+  const Run& run = runs_[run_];
+  if (tensor != run.tensor || offset != next_element_) {
+    return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
+                                            " where tensor ", run.tensor, " from element ",
+                                            next_element_, " was due"));
+  }
+  const uint64_t remaining = run.elements.end - next_element_;
+  if (bytes == 0 || bytes % run.element_size != 0 || bytes / run.element_size > remaining) {
+    return absl::DataLossError(absl::StrCat("sent ", bytes, " bytes for tensor ", run.tensor,
+                                            " where at most ", remaining, " elements of ",
+                                            run.element_size, " bytes remain"));
+  }
+  return buffer_.data() + run.byte_offset + next_element_ * run.element_size;
+}
+
+void ChunkDecoder::Advance(uint64_t bytes) {
+  next_element_ += bytes / runs_[run_].element_size;
+  if (next_element_ == runs_[run_].elements.end && ++run_ < runs_.size()) {
+    next_element_ = runs_[run_].elements.begin;
+  }
+}
+
+absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
+  grpc::ProtoBufferReader reader(&chunk);
+  google::protobuf::io::CodedInputStream in(&reader);
+  uint32_t tensor = 0, crc = 0, data_crc = 0;
+  uint64_t offset = 0, version = 0;
+  bool placed = false, has_crc = false;
+  uint32_t size = 0;
+  // Fields are read in the order protobuf serializers write them (field
+  // number order: tensor, element_offset, data, version), so the data's place
+  // is known when it arrives and it is copied once, straight there. A peer
+  // sending tensor or offset after the data is refused rather than guessed.
+  while (const uint32_t tag = in.ReadTag()) {
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const auto type = WireFormatLite::GetTagWireType(tag);
+    bool ok = true;
+    if ((field == 1 || field == 2) && placed) {
+      return absl::DataLossError(
+          "sent tensor or element_offset after data; LayerChunk fields must be in field order");
+    } else if (field == 1 && type == WireFormatLite::WIRETYPE_VARINT) {
+      ok = in.ReadVarint32(&tensor);
+    } else if (field == 2 && type == WireFormatLite::WIRETYPE_VARINT) {
+      ok = in.ReadVarint64(&offset);
+    } else if (field == 4 && type == WireFormatLite::WIRETYPE_VARINT) {
+      ok = in.ReadVarint64(&version);
+    } else if (field == 5 && type == WireFormatLite::WIRETYPE_FIXED32) {
+      ok = in.ReadLittleEndian32(&crc);
+      has_crc = ok;
+    } else if (field == 3 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && !placed) {
+      ok = in.ReadVarint32(&size);
+      if (ok) {
+        absl::StatusOr<uint8_t*> place = Destination(tensor, offset, size);
+        if (!place.ok()) return place.status();
+        uint8_t* destination = *place;
+        // The checksum follows the data on the wire, so it is computed as the
+        // data is placed, a cache-sized block at a time, rather than by
+        // reading the whole chunk back from memory afterwards.
+        for (uint32_t done = 0; ok && done < size;) {
+          const uint32_t block = std::min(kChecksumBlockBytes, size - done);
+          ok = in.ReadRaw(destination + done, static_cast<int>(block));
+          data_crc = Crc32c(destination + done, block, data_crc);
+          done += block;
+        }
+        placed = ok;
+      }
+    } else {
+      ok = WireFormatLite::SkipField(&in, tag);
+    }
+    if (!ok) return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
+  }
+  if (!placed) return absl::DataLossError("sent a chunk without data");
+  // Counted as received only once its checksum holds: a retry resumes from
+  // the first chunk that did not arrive intact.
+  if (has_crc && data_crc != crc) {
+    return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
+                                            " with a CRC-32C that does not match its data"));
+  }
+  if (version_.has_value() && *version_ != version) {
+    return absl::DataLossError(absl::StrCat("switched parameter version from ", *version_, " to ",
+                                            version, " within one stream"));
+  }
+  version_ = version;
+  Advance(size);
+  return size;
+}
+
+std::vector<ChunkDecoder::Run> ChunkDecoder::RemainingRuns() const {
+  std::vector<Run> remaining(runs_.begin() + static_cast<std::ptrdiff_t>(run_), runs_.end());
+  if (!remaining.empty()) remaining.front().elements.begin = next_element_;
+  return remaining;
+}
+
+}  // namespace layercast::client

@@ -1,0 +1,68 @@
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include "absl/status/statusor.h"
+#include "core/layout.h"
+
+namespace layercast::client {
+
+// Decodes the LayerChunk frames of one shard's FetchLayer stream straight
+// from gRPC's receive buffer into their place in the assembled buffer (one
+// copy, no intermediate message), checking that the shard sends exactly the
+// runs it owns, in order, each element once, and that each chunk's CRC-32C
+// holds. Untrusted input: whatever the bytes, it writes only inside
+// `buffer`, and only inside the runs of the plan (tests/fuzz checks both).
+//
+// Why by hand: a parsed LayerChunk would allocate and copy every chunk's
+// bytes once more before they could be placed.
+//
+// Not thread-safe: one stream's reads are serialised by gRPC.
+class ChunkDecoder {
+ public:
+  // A run of elements this shard must send, and where they go.
+  struct Run {
+    uint32_t tensor;
+    ElementRange elements;
+    uint64_t byte_offset;  // of the tensor in the assembled buffer
+    size_t element_size;
+  };
+
+  // REQUIRES: every run lies within `buffer`.
+  ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer);
+
+  // Places one encoded chunk and returns its data's size in bytes; DATA_LOSS
+  // (saying what was wrong) when the shard broke the contract. A chunk counts
+  // as received only once its checksum holds.
+  absl::StatusOr<uint64_t> Accept(grpc::ByteBuffer& chunk);
+
+  // Whether every run has arrived.
+  bool done() const { return run_ == runs_.size(); }
+  // What has not arrived intact yet, for resuming.
+  std::vector<Run> RemainingRuns() const;
+  // Version of the chunks received; nullopt before the first.
+  std::optional<uint64_t> version() const { return version_; }
+  // Where the next element is due, for messages.
+  const Run* next_run() const { return done() ? nullptr : &runs_[run_]; }
+  uint64_t next_element() const { return next_element_; }
+
+ private:
+  // Where `bytes` of tensor `tensor` from element `offset` go, after
+  // checking they are the next thing due.
+  absl::StatusOr<uint8_t*> Destination(uint32_t tensor, uint64_t offset, uint64_t bytes);
+  void Advance(uint64_t bytes);
+
+  const std::vector<Run> runs_;
+  const std::span<uint8_t> buffer_;
+  size_t run_ = 0;             // next run to fill
+  uint64_t next_element_ = 0;  // next element expected in runs_[run_]
+  std::optional<uint64_t> version_;
+};
+
+}  // namespace layercast::client
