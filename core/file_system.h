@@ -42,8 +42,14 @@ class FileSystem {
   virtual ~FileSystem() = default;
   virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(
       const std::string& path) = 0;
-  // Creates or truncates `path`.
+  // Creates (mode 0644 less the umask) or truncates `path`, following a
+  // symbolic link there.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) = 0;
+  // Creates `path` as a new file that only its owner may read or write
+  // (0600), for contents others must neither read nor redirect: ALREADY_EXISTS
+  // if anything is at `path`, a symbolic link included (dangling or not),
+  // which is never followed.
+  virtual absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) = 0;
   // Atomically replaces `to` with `from` (rename(2)).
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
   // Makes a directory's entries durable (fsync of the directory).

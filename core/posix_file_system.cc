@@ -165,6 +165,19 @@ class PosixFileSystem final : public FileSystem {
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    // O_EXCL fails on any existing name, a symbolic link included (POSIX:
+    // "regardless of the contents of the symbolic link"); O_NOFOLLOW says the
+    // same for a reader who does not know that. The umask can only clear
+    // bits, so the file is at most 0600 whatever it is.
+    int fd;
+    do {
+      fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return ErrnoError(errno, "create (new, owner only)", path);
+    return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
   absl::Status Rename(const std::string& from, const std::string& to) override {
     if (rename(from.c_str(), to.c_str()) != 0) {
       return ErrnoError(errno, absl::StrCat("rename to '", to, "' of"), from);

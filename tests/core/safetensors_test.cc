@@ -85,6 +85,9 @@ class CountingFileSystem : public FileSystem {
   absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override {
     return DefaultFileSystem().OpenForWrite(path);
   }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    return DefaultFileSystem().CreatePrivate(path);
+  }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     return DefaultFileSystem().Rename(from, to);
   }

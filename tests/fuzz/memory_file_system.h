@@ -38,6 +38,9 @@ class MemoryFileSystem final : public FileSystem {
   absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override {
     return absl::PermissionDeniedError(absl::StrCat("open '", path, "' for writing: read-only"));
   }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    return absl::PermissionDeniedError(absl::StrCat("create '", path, "': read-only"));
+  }
   absl::Status Rename(const std::string& from, const std::string&) override {
     return absl::PermissionDeniedError(absl::StrCat("rename '", from, "': read-only"));
   }

@@ -251,13 +251,18 @@ TEST(CheckpointTest, SigkillDuringALargeWriteLeavesThePreviousCheckpointWhole) {
   ASSERT_GT(size, uint64_t{300} << 20);
   const std::string sha = Sha256Sum(file);
 
-  // The second write is killed as soon as its temporary file has data.
-  const std::string temporary =
-      absl::StrCat(dir, "/.shard-0-of-1.safetensors.tmp-", processes->pid(0));
+  // The second write is killed as soon as its temporary file has data. Its
+  // name ends in a random nonce: find it by the shard's pid.
+  const std::string prefix = absl::StrCat(".shard-0-of-1.safetensors.tmp-", processes->pid(0), "-");
+  std::string temporary;
   grpc::Status second;
   std::thread writer([&] { second = checkpoint(); });
-  const auto written = [&] {
+  const auto written = [&]() -> uint64_t {
     std::error_code error;  // none yet: file_size fails and says so
+    for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+      if (entry.path().filename().string().rfind(prefix, 0) == 0) temporary = entry.path();
+    }
+    if (temporary.empty()) return 0;
     const uint64_t bytes = std::filesystem::file_size(temporary, error);
     return error ? 0 : bytes;
   };
