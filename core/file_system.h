@@ -14,6 +14,12 @@ namespace layercast {
 // (DefaultFileSystem()); tests wrap it to inject faults. Errors are statuses
 // whose messages name the path and the failing operation.
 
+// Who may do what with a file, as stat(2) reports it.
+struct FilePermissions {
+  uint32_t mode = 0;       // the permission bits, st_mode & 07777 (e.g. 0600)
+  uint32_t owner_uid = 0;  // st_uid
+};
+
 // A file opened for positioned reads. Thread-safe: ReadAt may be called
 // concurrently.
 class RandomAccessFile {
@@ -25,6 +31,9 @@ class RandomAccessFile {
   // first.
   virtual absl::Status ReadAt(uint64_t offset, std::span<uint8_t> out) const = 0;
   virtual const std::string& path() const = 0;
+  // Its permissions when opened: those of the file being read, not of
+  // whatever the path names later.
+  virtual FilePermissions permissions() const = 0;
 };
 
 // A file opened for sequential writes. Not thread-safe.

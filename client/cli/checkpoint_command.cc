@@ -9,6 +9,7 @@
 #include "client/cli/connect.h"
 #include "core/byte_size.h"
 #include "core/file_system.h"
+#include "core/secret_file.h"
 #include "core/status_macros.h"
 #include "layercast/v1/admin.grpc.pb.h"
 
@@ -20,6 +21,7 @@ constexpr uint64_t kMaxTokenFileBytes = 8192;
 
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
   ASSIGN_OR_RETURN(auto file, DefaultFileSystem().OpenForRead(path));
+  RETURN_IF_ERROR(CheckSecretFilePermissions(*file, "token-file"));
   if (file->size() == 0 || file->size() > kMaxTokenFileBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("--token-file ", path, " is ", file->size(), " bytes; expected one token"));

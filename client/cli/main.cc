@@ -25,7 +25,8 @@ constexpr char kUsage[] =
     "Name shards with --shards host:port,... in shard order, or with\n"
     "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n"
     "TLS: --tls-ca-file CA.pem verifies the shards; --tls-cert-file and --tls-key-file\n"
-    "present a client certificate to shards that require one (mutual TLS).\n";
+    "present a client certificate to shards that require one (mutual TLS).\n"
+    "Secrets (--token-file, --tls-key-file) must be their owner's alone (chmod 600).\n";
 
 }  // namespace
 

@@ -1,5 +1,6 @@
-// The POSIX file seam's private files: CreatePrivate makes a new 0600 file
-// whatever the umask and never follows or reuses what is at the name.
+// The POSIX file seam's private files and permissions: CreatePrivate makes a
+// new 0600 file whatever the umask and never follows or reuses what is at the
+// name; OpenForRead reports the permissions of the file it opened.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -79,6 +80,20 @@ TEST(PosixFileSystemTest, CreatePrivateNeverFollowsASymbolicLink) {
             absl::StatusCode::kAlreadyExists);
   EXPECT_FALSE(std::filesystem::exists(dir + "/would-be-created"))
       << "a dangling link's target was created";
+}
+
+TEST(PosixFileSystemTest, OpenForReadReportsTheModeAndOwnerOfTheOpenedFile) {
+  const std::string path = MakeTestDir() + "/file";
+  std::ofstream(path) << "x";
+  std::filesystem::permissions(path, perms::owner_read | perms::group_read);
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> file = DefaultFileSystem().OpenForRead(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->permissions().mode, 0440u);
+  EXPECT_EQ((*file)->permissions().owner_uid, geteuid());
+
+  // What was opened, not what the path names later.
+  std::filesystem::permissions(path, perms::owner_all | perms::others_all);
+  EXPECT_EQ((*file)->permissions().mode, 0440u);
 }
 
 }  // namespace
