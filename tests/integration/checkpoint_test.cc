@@ -98,10 +98,10 @@ TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
     ASSERT_NE(set, nullptr);
     before = GatherAll(*set);
     std::string output;
-    ASSERT_EQ(RunCommand(
-                  absl::StrCat(CliBinary(), " checkpoint --shards ",
-                               absl::StrJoin(processes->addresses(), ","), " --token-file ", token),
-                  &output),
+    ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards ",
+                                      absl::StrJoin(processes->addresses(), ","), " --token-file ",
+                                      token, " --insecure"),
+                         &output),
               0)
         << output;
     EXPECT_THAT(output, AllOf(HasSubstr("shard 0/3  version 0"), HasSubstr("shard 2/3  version 0"),

@@ -416,6 +416,34 @@ TEST_F(SecurityTest, SecretFilesOtherUsersCanReadStopTheShardAndTheCli) {
   EXPECT_TRUE(processes->Stop().ok());
 }
 
+TEST_F(SecurityTest, CheckpointCommandRefusesToSendTheTokenInClearText) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string token = WriteToken(absl::StrCat(kToken, "\n"));
+  auto processes = StartProcesses(
+      1, {"--synthetic", kSpec, "--checkpoint-dir", dir, "--admin-token-file", token});
+  ASSERT_NE(processes, nullptr);
+  ASSERT_TRUE(Connect(*processes, grpc::InsecureChannelCredentials()).ok());
+  const std::string address = processes->addresses()[0];
+
+  std::string output;
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards ", address, " --token-file ",
+                                    token),
+                       &output),
+            2);
+  EXPECT_THAT(output, AllOf(HasSubstr("the admin token would cross the network in clear text"),
+                            HasSubstr("--tls-ca-file"), HasSubstr("--insecure")));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors")) << "nothing was sent";
+
+  // --insecure takes no value: the flag after it is still read as a flag.
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --insecure --shards ", address,
+                                    " --token-file ", token),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("shard 0/1  version 0"));
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
 // A unary call of `bytes` zero bytes to GetManifest: what the shard says
 // about a request of that size.
 grpc::StatusCode OversizedGetManifest(const std::string& address, size_t bytes) {
