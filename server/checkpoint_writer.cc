@@ -1,11 +1,11 @@
 #include "server/checkpoint_writer.h"
 
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <map>
-#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -40,10 +40,15 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
 
 // A nonce for the temporary file's name that nobody can predict, so that
 // nobody can plant a file or link there first (CreatePrivate would refuse
-// it, but the checkpoint would then fail).
+// it, but the checkpoint would then fail). From the kernel (getrandom(2),
+// which cannot throw as std::random_device may); should it fail, the clock
+// still makes the name unique, and CreatePrivate keeps it safe.
 uint64_t RandomNonce() {
-  std::random_device random;  // the kernel's generator on Linux
-  return (uint64_t{random()} << 32) | random();
+  uint64_t nonce = 0;
+  if (getrandom(&nonce, sizeof(nonce), 0) != static_cast<ssize_t>(sizeof(nonce))) {
+    nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  return nonce;
 }
 
 // Steps 2 and 3 of WriteCheckpoint: the temporary file, whole and synced,
