@@ -14,6 +14,12 @@ namespace layercast {
 // (DefaultFileSystem()); tests wrap it to inject faults. Errors are statuses
 // whose messages name the path and the failing operation.
 
+// Who may do what with a file, as stat(2) reports it.
+struct FilePermissions {
+  uint32_t mode = 0;       // the permission bits, st_mode & 07777 (e.g. 0600)
+  uint32_t owner_uid = 0;  // st_uid
+};
+
 // A file opened for positioned reads. Thread-safe: ReadAt may be called
 // concurrently.
 class RandomAccessFile {
@@ -25,6 +31,9 @@ class RandomAccessFile {
   // first.
   virtual absl::Status ReadAt(uint64_t offset, std::span<uint8_t> out) const = 0;
   virtual const std::string& path() const = 0;
+  // Its permissions when opened: those of the file being read, not of
+  // whatever the path names later.
+  virtual FilePermissions permissions() const = 0;
 };
 
 // A file opened for sequential writes. Not thread-safe.
@@ -42,8 +51,14 @@ class FileSystem {
   virtual ~FileSystem() = default;
   virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(
       const std::string& path) = 0;
-  // Creates or truncates `path`.
+  // Creates (mode 0644 less the umask) or truncates `path`, following a
+  // symbolic link there.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) = 0;
+  // Creates `path` as a new file that only its owner may read or write
+  // (0600), for contents others must neither read nor redirect: ALREADY_EXISTS
+  // if anything is at `path`, a symbolic link included (dangling or not),
+  // which is never followed.
+  virtual absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) = 0;
   // Atomically replaces `to` with `from` (rename(2)).
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
   // Makes a directory's entries durable (fsync of the directory).

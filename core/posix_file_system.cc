@@ -42,14 +42,15 @@ absl::Status ErrnoError(int errnum, const std::string& operation, const std::str
 
 class PosixRandomAccessFile final : public RandomAccessFile {
  public:
-  PosixRandomAccessFile(std::string path, int fd, uint64_t size)
-      : path_(std::move(path)), fd_(fd), size_(size) {}
+  PosixRandomAccessFile(std::string path, int fd, uint64_t size, FilePermissions permissions)
+      : path_(std::move(path)), fd_(fd), size_(size), permissions_(permissions) {}
   ~PosixRandomAccessFile() override { close(fd_); }
   PosixRandomAccessFile(const PosixRandomAccessFile&) = delete;
   PosixRandomAccessFile& operator=(const PosixRandomAccessFile&) = delete;
 
   uint64_t size() const override { return size_; }
   const std::string& path() const override { return path_; }
+  FilePermissions permissions() const override { return permissions_; }
 
   absl::Status ReadAt(uint64_t offset, std::span<uint8_t> out) const override {
     uint64_t end = 0;
@@ -82,6 +83,7 @@ class PosixRandomAccessFile final : public RandomAccessFile {
   const std::string path_;
   const int fd_;
   const uint64_t size_;
+  const FilePermissions permissions_;
 };
 
 class PosixWritableFile final : public WritableFile {
@@ -153,7 +155,10 @@ class PosixFileSystem final : public FileSystem {
       close(fd);
       return ErrnoError(EISDIR, "open for reading", path);
     }
-    return std::make_unique<PosixRandomAccessFile>(path, fd, static_cast<uint64_t>(st.st_size));
+    return std::make_unique<PosixRandomAccessFile>(
+        path, fd, static_cast<uint64_t>(st.st_size),
+        FilePermissions{.mode = static_cast<uint32_t>(st.st_mode & 07777),
+                        .owner_uid = static_cast<uint32_t>(st.st_uid)});
   }
 
   absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override {
@@ -162,6 +167,19 @@ class PosixFileSystem final : public FileSystem {
       fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) return ErrnoError(errno, "open for writing", path);
+    return std::make_unique<PosixWritableFile>(path, fd);
+  }
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    // O_EXCL fails on any existing name, a symbolic link included (POSIX:
+    // "regardless of the contents of the symbolic link"); O_NOFOLLOW says the
+    // same for a reader who does not know that. The umask can only clear
+    // bits, so the file is at most 0600 whatever it is.
+    int fd;
+    do {
+      fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return ErrnoError(errno, "create (new, owner only)", path);
     return std::make_unique<PosixWritableFile>(path, fd);
   }
 

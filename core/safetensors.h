@@ -77,6 +77,12 @@ class SafetensorsWriter {
   static absl::StatusOr<std::unique_ptr<SafetensorsWriter>> Create(
       const std::string& path, const std::vector<TensorHeader>& tensors,
       const std::map<std::string, std::string>& metadata, FileSystem& fs = DefaultFileSystem());
+  // As above, on `file`, which the caller opened (for instance new and
+  // private, FileSystem::CreatePrivate) and which is at its start; `path`
+  // names it in messages.
+  static absl::StatusOr<std::unique_ptr<SafetensorsWriter>> Create(
+      std::unique_ptr<WritableFile> file, const std::string& path,
+      const std::vector<TensorHeader>& tensors, const std::map<std::string, std::string>& metadata);
 
   // Appends raw little-endian bytes of the current tensor(s). The total must
   // equal the sum of the declared tensors' sizes by Finish().
@@ -86,6 +92,13 @@ class SafetensorsWriter {
 
  private:
   SafetensorsWriter() = default;
+  // The header for `tensors` and `metadata`, checked and padded; sets
+  // expected_bytes_.
+  absl::StatusOr<std::string> EncodeHeader(const std::vector<TensorHeader>& tensors,
+                                           const std::map<std::string, std::string>& metadata);
+  // Writes the length prefix and `header` to `file`, which becomes file_.
+  absl::Status Start(std::unique_ptr<WritableFile> file, const std::string& header);
+
   std::unique_ptr<WritableFile> file_;
   std::string path_;
   uint64_t expected_bytes_ = 0;

@@ -1,17 +1,22 @@
 #include "server/auth_file.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/secret_file.h"
+#include "core/status_macros.h"
 
 namespace layercast::server {
 
 absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, const std::string& flag,
-                                               uint64_t max_bytes, FileSystem& fs) {
+                                               uint64_t max_bytes, CredentialKind kind,
+                                               FileSystem& fs) {
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> file = fs.OpenForRead(path);
   if (!file.ok()) {
     return absl::Status(
         file.status().code(),
         absl::StrCat("--", flag, " ", path, " cannot be read: ", file.status().message()));
   }
+  // Before reading: a secret others can read is refused, not used.
+  if (kind == CredentialKind::kSecret) RETURN_IF_ERROR(CheckSecretFilePermissions(**file, flag));
   const uint64_t size = (*file)->size();
   if (size == 0 || size > max_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, " is ", size,

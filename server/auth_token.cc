@@ -23,8 +23,8 @@ std::array<uint8_t, 32> Digest(absl::string_view text) {
 
 absl::StatusOr<AdminToken> AdminToken::FromFile(const std::string& path, FileSystem& fs) {
   // Room for a kMaxLength token and a generous amount of surrounding space.
-  ASSIGN_OR_RETURN(std::string content,
-                   ReadCredentialFile(path, "admin-token-file", 2 * kMaxLength, fs));
+  ASSIGN_OR_RETURN(std::string content, ReadCredentialFile(path, "admin-token-file", 2 * kMaxLength,
+                                                           CredentialKind::kSecret, fs));
   return FromString(absl::StripAsciiWhitespace(content), absl::StrCat("--admin-token-file ", path));
 }
 

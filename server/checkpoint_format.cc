@@ -22,8 +22,9 @@ std::string CheckpointPath(const std::string& dir, uint32_t shard_index, uint32_
 }
 
 std::string TempCheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards,
-                               int64_t pid) {
-  return absl::StrCat(dir, "/.", CheckpointFileName(shard_index, num_shards), ".tmp-", pid);
+                               int64_t pid, uint64_t nonce) {
+  return absl::StrCat(dir, "/.", CheckpointFileName(shard_index, num_shards), ".tmp-", pid, "-",
+                      absl::Hex(nonce, absl::kZeroPad16));
 }
 
 std::optional<uint32_t> CheckpointShardCount(const std::string& file_name, uint32_t shard_index) {

@@ -37,9 +37,10 @@ namespace layercast::server {
 //   checksum        "sha256:" + 64 lowercase hex digits: SHA-256 of the data
 //                   section, i.e. every byte after the header, in file order
 //
-// It is written under `.shard-<i>-of-<N>.safetensors.tmp-<pid>` in the same
-// directory and renamed into place, so a file with the final name is always
-// complete.
+// It is written under `.shard-<i>-of-<N>.safetensors.tmp-<pid>-<nonce>` in
+// the same directory, created new and private (FileSystem::CreatePrivate),
+// and renamed into place, so a file with the final name is always complete
+// and only its owner may read it.
 
 inline constexpr char kCheckpointFormat[] = "layercast-shard-checkpoint";
 inline constexpr char kCheckpointFormatVersion[] = "1";
@@ -48,9 +49,12 @@ inline constexpr char kCheckpointFormatVersion[] = "1";
 std::string CheckpointFileName(uint32_t shard_index, uint32_t num_shards);
 // `dir` + "/" + CheckpointFileName(...).
 std::string CheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards);
-// `dir` + "/.shard-<i>-of-<N>.safetensors.tmp-<pid>".
+// `dir` + "/.shard-<i>-of-<N>.safetensors.tmp-<pid>-<nonce>", `nonce` as 16
+// lowercase hex digits. The pid says whose write it was (for
+// CheckpointManager::RemoveStaleTemporaries); a random nonce makes the name
+// one nobody can plant a file or link at in advance.
 std::string TempCheckpointPath(const std::string& dir, uint32_t shard_index, uint32_t num_shards,
-                               int64_t pid);
+                               int64_t pid, uint64_t nonce);
 
 // The shard count of a checkpoint file name "shard-<i>-of-<M>.safetensors"
 // whose index is `shard_index`, or nullopt for any other name.

@@ -3,10 +3,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <filesystem>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/checkpoint_format.h"
@@ -66,11 +68,20 @@ int CheckpointManager::RemoveStaleTemporaries() {
   for (const auto& entry : std::filesystem::directory_iterator(dir_, error)) {
     const std::string name = entry.path().filename().string();
     if (!absl::StartsWith(name, prefix)) continue;
+    // "<pid>-<nonce>" (TempCheckpointPath), or "<pid>" alone as versions
+    // before the nonce named them.
     int64_t pid = 0;
     const char* begin = name.data() + prefix.size();
     const char* end = name.data() + name.size();
-    auto [parsed_end, ec] = std::from_chars(begin, end, pid);
-    if (begin == end || ec != std::errc() || parsed_end != end || pid <= 0) continue;
+    auto [pid_end, ec] = std::from_chars(begin, end, pid);
+    if (pid_end == begin || ec != std::errc() || pid <= 0) continue;
+    if (pid_end != end) {
+      const absl::string_view nonce(pid_end + 1, static_cast<size_t>(end - pid_end) - 1);
+      if (*pid_end != '-' || nonce.empty() ||
+          !std::all_of(nonce.begin(), nonce.end(), absl::ascii_isxdigit)) {
+        continue;
+      }
+    }
     // Our own id (a restarted container is often pid 1 again), or a process
     // that no longer runs: no write is in progress there.
     const bool gone = pid == getpid() || (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);

@@ -39,7 +39,8 @@ class CheckpointManager {
 
   // Removes this shard's temporary files left by writes that a crash
   // interrupted (those of this process id, or of processes no longer
-  // running); returns how many. Nothing ever reads them.
+  // running; a symbolic link at such a name is removed, never followed);
+  // returns how many. Nothing ever reads them.
   int RemoveStaleTemporaries();
 
   // Records that path() holds `version` (it was just loaded from it).

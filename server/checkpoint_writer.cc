@@ -1,5 +1,6 @@
 #include "server/checkpoint_writer.h"
 
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -38,14 +39,30 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
   };
 }
 
+// A nonce for the temporary file's name that nobody can predict, so that
+// nobody can plant a file or link there first (CreatePrivate would refuse
+// it, but the checkpoint would then fail). From the kernel (getrandom(2),
+// which cannot throw as std::random_device may); should it fail, the clock
+// still makes the name unique, and CreatePrivate keeps it safe.
+uint64_t RandomNonce() {
+  uint64_t nonce = 0;
+  if (getrandom(&nonce, sizeof(nonce), 0) != static_cast<ssize_t>(sizeof(nonce))) {
+    nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }
+  return nonce;
+}
+
 // Steps 2 and 3 of WriteCheckpoint: the temporary file, whole and synced,
-// renamed into place. Returns the file's size.
+// renamed into place. Returns the file's size. Sets `*created` once `tmp`
+// exists because of this call (and so is this call's to remove).
 absl::StatusOr<uint64_t> WriteAndRename(const ParameterStore& store,
                                         const std::vector<SafetensorsWriter::TensorHeader>& headers,
                                         const std::map<std::string, std::string>& metadata,
                                         const std::string& tmp, const std::string& path,
-                                        FileSystem& fs) {
-  ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::Create(tmp, headers, metadata, fs));
+                                        FileSystem& fs, bool* created) {
+  ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs.CreatePrivate(tmp));
+  *created = true;
+  ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::Create(std::move(file), tmp, headers, metadata));
   const std::vector<LayerSpec>& layers = store.model().layers;
   for (uint32_t l = 0; l < layers.size(); ++l) {
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
@@ -86,12 +103,14 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint
   info.checksum = sha.Finish();
   info.path = CheckpointPath(dir, store.shard_index(), store.num_shards());
   const std::string tmp =
-      TempCheckpointPath(dir, store.shard_index(), store.num_shards(), getpid());
+      TempCheckpointPath(dir, store.shard_index(), store.num_shards(), getpid(), RandomNonce());
 
-  absl::StatusOr<uint64_t> size =
-      WriteAndRename(store, headers, Metadata(store, version, info.checksum), tmp, info.path, fs);
+  bool created = false;
+  absl::StatusOr<uint64_t> size = WriteAndRename(
+      store, headers, Metadata(store, version, info.checksum), tmp, info.path, fs, &created);
   if (!size.ok()) {
-    if (fs.Exists(tmp)) (void)fs.Remove(tmp);
+    // Never what someone else put at the name: CreatePrivate refused it.
+    if (created && fs.Exists(tmp)) (void)fs.Remove(tmp);
     return absl::Status(
         size.status().code(),
         absl::StrCat("writing checkpoint ", info.path, " failed (", size.status().message(),

@@ -24,14 +24,17 @@ struct CheckpointInfo {
 //
 //   1. compute the SHA-256 of the data (it goes in the header, which comes
 //      first);
-//   2. write `.shard-<i>-of-<N>.safetensors.tmp-<pid>` and fsync it;
-//   3. rename it to `shard-<i>-of-<N>.safetensors`;
+//   2. create `.shard-<i>-of-<N>.safetensors.tmp-<pid>-<random nonce>` new and
+//      private (0600; FileSystem::CreatePrivate, which never follows or
+//      reuses what is already there), write it and fsync it;
+//   3. rename it to `shard-<i>-of-<N>.safetensors`, which so is 0600 too;
 //   4. fsync `dir`.
 //
 // A failure before step 3 leaves the previous checkpoint untouched and
-// removes the temporary file (best effort: a crash leaves it, and nothing
-// reads it). A failure in step 4 is reported, though the new checkpoint is in
-// place and complete: it may not survive a power loss.
+// removes the temporary file if this call created it (best effort: a crash
+// leaves it, and nothing reads it). A failure in step 4 is reported, though
+// the new checkpoint is in place and complete: it may not survive a power
+// loss.
 //
 // REQUIRES: `store` does not change during the call (the data is read twice);
 // `dir` exists. Thread-compatible: one write per (dir, shard) at a time.

@@ -79,9 +79,11 @@ absl::StatusOr<ServerSecurity> ServerSecurityFor(const layercast::v1::ShardConfi
   }
 
   ASSIGN_OR_RETURN(std::string cert_pem,
-                   ReadCredentialFile(config.tls_cert_file(), "tls-cert-file", kMaxPemBytes, fs));
+                   ReadCredentialFile(config.tls_cert_file(), "tls-cert-file", kMaxPemBytes,
+                                      CredentialKind::kPublic, fs));
   ASSIGN_OR_RETURN(std::string key_pem,
-                   ReadCredentialFile(config.tls_key_file(), "tls-key-file", kMaxPemBytes, fs));
+                   ReadCredentialFile(config.tls_key_file(), "tls-key-file", kMaxPemBytes,
+                                      CredentialKind::kSecret, fs));
   ASSIGN_OR_RETURN(Cert leaf, ParseCertificate(cert_pem, "tls-cert-file", config.tls_cert_file(),
                                                /*check_expiry=*/true));
   Bio key_bio = MemoryBio(key_pem);
@@ -101,9 +103,9 @@ absl::StatusOr<ServerSecurity> ServerSecurityFor(const layercast::v1::ShardConfi
   options.pem_key_cert_pairs.push_back({key_pem, cert_pem});
   security.tls = true;
   if (!config.tls_client_ca_file().empty()) {
-    ASSIGN_OR_RETURN(
-        std::string ca_pem,
-        ReadCredentialFile(config.tls_client_ca_file(), "tls-client-ca-file", kMaxPemBytes, fs));
+    ASSIGN_OR_RETURN(std::string ca_pem,
+                     ReadCredentialFile(config.tls_client_ca_file(), "tls-client-ca-file",
+                                        kMaxPemBytes, CredentialKind::kPublic, fs));
     ASSIGN_OR_RETURN(Cert ca,
                      ParseCertificate(ca_pem, "tls-client-ca-file", config.tls_client_ca_file(),
                                       /*check_expiry=*/false));

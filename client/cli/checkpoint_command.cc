@@ -9,6 +9,7 @@
 #include "client/cli/connect.h"
 #include "core/byte_size.h"
 #include "core/file_system.h"
+#include "core/secret_file.h"
 #include "core/status_macros.h"
 #include "layercast/v1/admin.grpc.pb.h"
 
@@ -20,6 +21,7 @@ constexpr uint64_t kMaxTokenFileBytes = 8192;
 
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
   ASSIGN_OR_RETURN(auto file, DefaultFileSystem().OpenForRead(path));
+  RETURN_IF_ERROR(CheckSecretFilePermissions(*file, "token-file"));
   if (file->size() == 0 || file->size() > kMaxTokenFileBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("--token-file ", path, " is ", file->size(), " bytes; expected one token"));
@@ -64,7 +66,8 @@ absl::StatusOr<layercast::v1::CheckpointResponse> CheckpointOne(
 
 absl::Status RunCheckpoint(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(CliFlags flags,
-                   CliFlags::Parse(args, WithShardSetFlags({"token-file", "timeout-seconds"})));
+                   CliFlags::Parse(args, WithShardSetFlags({"token-file", "timeout-seconds"}),
+                                   /*switches=*/{"insecure"}));
   if (!flags.Has("token-file")) {
     return absl::InvalidArgumentError(
         "--token-file FILE is required: the file holding the shards' admin token (their "
@@ -75,7 +78,17 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(uint64_t timeout_s, flags.GetUint("timeout-seconds", 3600));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentialsFromFlags(flags));
-  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
+  if (credentials == nullptr) {
+    // Whoever reads the token off the wire can write checkpoints, and later
+    // push parameters: plaintext is for loopback, and must be asked for.
+    if (!flags.Has("insecure")) {
+      return absl::InvalidArgumentError(
+          "the admin token would cross the network in clear text; use --tls-ca-file CA.pem (the "
+          "CA of the shards' --tls-cert-file) to reach them over TLS, or pass --insecure for "
+          "loopback testing");
+    }
+    credentials = grpc::InsecureChannelCredentials();
+  }
   ASSIGN_OR_RETURN(std::string token, ReadToken(flags.Get("token-file")));
 
   std::vector<Target> targets;

@@ -9,13 +9,18 @@
 namespace layercast::cli {
 
 absl::StatusOr<CliFlags> CliFlags::Parse(const std::vector<std::string>& args,
-                                         const std::set<std::string>& known) {
+                                         const std::set<std::string>& known,
+                                         const std::set<std::string>& switches) {
   CliFlags flags;
   for (size_t i = 0; i < args.size(); ++i) {
     if (!absl::StartsWith(args[i], "--")) {
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", args[i], "'"));
     }
     std::string name = args[i].substr(2), value;
+    if (switches.count(name) > 0) {
+      flags.values_[name] = "";
+      continue;
+    }
     if (const size_t eq = name.find('='); eq != std::string::npos) {
       value = name.substr(eq + 1);
       name.resize(eq);
@@ -24,9 +29,15 @@ absl::StatusOr<CliFlags> CliFlags::Parse(const std::vector<std::string>& args,
     } else {
       return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
     }
+    if (switches.count(name) > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " takes no value; give it alone, not --", name, "=", value));
+    }
     if (known.count(name) == 0) {
+      std::set<std::string> all = known;
+      all.insert(switches.begin(), switches.end());
       return absl::InvalidArgumentError(absl::StrCat(
-          "unknown flag --", name, "; this command takes --", absl::StrJoin(known, ", --")));
+          "unknown flag --", name, "; this command takes --", absl::StrJoin(all, ", --")));
     }
     flags.values_[name] = value;
   }

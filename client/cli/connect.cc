@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/file_system.h"
+#include "core/secret_file.h"
 #include "core/status_macros.h"
 
 namespace layercast::cli {
@@ -10,13 +11,15 @@ namespace {
 // PEM files are a few KiB; a CA bundle a few hundred KiB.
 constexpr uint64_t kMaxPemBytes = 4 << 20;
 
-absl::StatusOr<std::string> ReadPem(const CliFlags& flags, const std::string& flag) {
+// `secret`: a private key, refused when other users may read it.
+absl::StatusOr<std::string> ReadPem(const CliFlags& flags, const std::string& flag, bool secret) {
   const std::string path = flags.Get(flag);
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> file = DefaultFileSystem().OpenForRead(path);
   if (!file.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--", flag, " ", path, " cannot be read: ", file.status().message()));
   }
+  if (secret) RETURN_IF_ERROR(CheckSecretFilePermissions(**file, flag));
   if ((*file)->size() == 0 || (*file)->size() > kMaxPemBytes) {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, " is ", (*file)->size(),
                                                    " bytes; expected a PEM file of 1 to ",
@@ -63,11 +66,11 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFrom
   if (!ca && !cert) return std::shared_ptr<grpc::ChannelCredentials>();
   grpc::SslCredentialsOptions options;
   if (ca) {
-    ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem(flags, "tls-ca-file"));
+    ASSIGN_OR_RETURN(options.pem_root_certs, ReadPem(flags, "tls-ca-file", /*secret=*/false));
   }
   if (cert) {
-    ASSIGN_OR_RETURN(options.pem_cert_chain, ReadPem(flags, "tls-cert-file"));
-    ASSIGN_OR_RETURN(options.pem_private_key, ReadPem(flags, "tls-key-file"));
+    ASSIGN_OR_RETURN(options.pem_cert_chain, ReadPem(flags, "tls-cert-file", /*secret=*/false));
+    ASSIGN_OR_RETURN(options.pem_private_key, ReadPem(flags, "tls-key-file", /*secret=*/true));
   }
   return grpc::SslCredentials(options);
 }

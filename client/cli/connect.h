@@ -30,7 +30,8 @@ absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags&
 // system's roots when absent) when any is given; mutual TLS, presenting
 // --tls-cert-file with its --tls-key-file (both or neither), for shards that
 // require client certificates. INVALID_ARGUMENT naming the flag when a file
-// is unreadable or a half pair is given.
+// is unreadable or a half pair is given; FAILED_PRECONDITION when other users
+// may read --tls-key-file (CheckSecretFilePermissions).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromFlags(
     const CliFlags& flags);
 

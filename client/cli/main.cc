@@ -15,8 +15,11 @@ constexpr char kUsage[] =
     "  fetch --shards A,B,... --layer L --out F       gather layer L into a safetensors file\n"
     "  bench --shards A,B,... [--rounds R] [--budget-layers K]\n"
     "                                                 gather every layer R times, report GB/s\n"
-    "  checkpoint --shards A,B,... --token-file F [--timeout-seconds S]\n"
-    "                                                 have every shard write its checkpoint\n"
+    "  checkpoint --shards A,B,... --token-file F [--timeout-seconds S] [--insecure]\n"
+    "                                                 have every shard write its checkpoint;\n"
+    "                                                 needs TLS (--tls-ca-file) for the token,\n"
+    "                                                 or --insecure to send it in plaintext\n"
+    "                                                 (loopback testing only)\n"
     "  demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P] [--steps S]\n"
     "       [--budget-layers K]\n"
     "                                                 start N local shards and walk every layer\n"
@@ -25,7 +28,8 @@ constexpr char kUsage[] =
     "Name shards with --shards host:port,... in shard order, or with\n"
     "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n"
     "TLS: --tls-ca-file CA.pem verifies the shards; --tls-cert-file and --tls-key-file\n"
-    "present a client certificate to shards that require one (mutual TLS).\n";
+    "present a client certificate to shards that require one (mutual TLS).\n"
+    "Secrets (--token-file, --tls-key-file) must be their owner's alone (chmod 600).\n";
 
 }  // namespace
 

@@ -58,7 +58,8 @@ export function checkCrossObject(docs, { repoRoot }) {
   const configMaps = new Map(byKind("ConfigMap").map((c) => [c.metadata.name, c]));
   const ns = (o) => o.metadata?.namespace ?? "";
 
-  for (const kind of ["StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget", "PodMonitor"]) {
+  for (const kind of ["StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget", "PodMonitor",
+    "NetworkPolicy"]) {
     if (byKind(kind).length === 0) errors.push(`no ${kind} in the rendered manifests`);
   }
 
@@ -182,6 +183,28 @@ export function checkCrossObject(docs, { repoRoot }) {
       fail(sts, "the server's config must set exactly one of model and synthetic");
     }
 
+    // Native gRPC probes speak plaintext: with TLS on `listen` they must go
+    // to the plaintext health-only port (health_listen), which then must be
+    // a container port named health on all interfaces.
+    const tls = !!effective.tls_cert_file;
+    let probePort = portsByName.get("grpc");
+    let probePortName = "the gRPC port";
+    if (effective.health_listen) {
+      const address = splitHostPort(effective.health_listen);
+      if (!address || !["0.0.0.0", "[::]"].includes(address.host)) {
+        fail(sts, `the server's health_listen is ${effective.health_listen}: listen on all ` +
+          "interfaces (0.0.0.0), the kubelet dials the pod IP");
+      } else if (portsByName.get("health") !== address.port) {
+        fail(sts, `the server's health_listen port ${address.port} is not container port ` +
+          `'health' (${portsByName.get("health")})`);
+      }
+      probePort = address?.port;
+      probePortName = "the health_listen port";
+    } else if (tls) {
+      fail(sts, "the server serves TLS on listen, which native gRPC probes cannot speak: set " +
+        "health_listen to 0.0.0.0:<port> (a container port named health) and probe that port");
+    }
+
     // Native gRPC probes: numeric container ports; liveness on service "",
     // readiness on the ShardService (NOT_SERVING until loaded and when draining).
     for (const [probeName, service] of [["livenessProbe", ""], ["readinessProbe", READINESS_SERVICE]]) {
@@ -194,8 +217,8 @@ export function checkCrossObject(docs, { repoRoot }) {
         fail(sts, `${probeName}.grpc.port must be numeric, not '${grpc.port}'`);
       } else if (!containerPorts.has(grpc.port)) {
         fail(sts, `${probeName}.grpc.port ${grpc.port} is not a container port`);
-      } else if (grpc.port !== portsByName.get("grpc")) {
-        fail(sts, `${probeName}.grpc.port ${grpc.port} is not the gRPC port ${portsByName.get("grpc")}`);
+      } else if (grpc.port !== probePort) {
+        fail(sts, `${probeName}.grpc.port ${grpc.port} is not ${probePortName} ${probePort}`);
       }
       if ((grpc.service ?? "") !== service) {
         fail(sts, `${probeName}.grpc.service must be '${service}', not '${grpc.service ?? ""}'`);
@@ -279,6 +302,96 @@ export function checkCrossObject(docs, { repoRoot }) {
         }
       }
       if (!(monitor.spec.podMetricsEndpoints ?? []).length) fail(monitor, "no podMetricsEndpoints");
+    }
+
+    // Credential files: each path under a volume mounted in the container;
+    // secrets (the key, the token) from a Secret whose mode the shard accepts
+    // (it refuses a file others may read, or whose group may do more than
+    // read) and can read as a non-root user (Secret files are root's: only
+    // fsGroup gives the shard's group access).
+    const podSecurity = pod.securityContext ?? {};
+    const runAsUser = shard.securityContext?.runAsUser ?? podSecurity.runAsUser;
+    for (const [field, secret] of [["tls_cert_file", false], ["tls_key_file", true],
+      ["tls_client_ca_file", false], ["admin_token_file", true]]) {
+      const file = effective[field];
+      if (!file) continue;
+      const fileMount = (shard.volumeMounts ?? []).find((m) => file.startsWith(m.mountPath.replace(/\/?$/, "/")));
+      const fileVolume = (pod.volumes ?? []).find((v) => v.name === fileMount?.name);
+      if (!fileVolume) {
+        fail(sts, `the server's ${field} ${file} is under no volume mounted in container ${shard.name}`);
+        continue;
+      }
+      if (!secret) continue;
+      if (!fileVolume.secret) {
+        fail(sts, `the server's ${field} ${file} must come from a Secret volume, not ` +
+          `${Object.keys(fileVolume).filter((k) => k !== "name").join(", ")} (volume ${fileVolume.name})`);
+        continue;
+      }
+      const key = path.posix.relative(fileMount.mountPath, file);
+      const item = (fileVolume.secret.items ?? []).find((i) => i.path === key);
+      const mode = item?.mode ?? fileVolume.secret.defaultMode ?? 0o644;
+      if ((mode & 0o037) !== 0) {
+        fail(sts, `volume ${fileVolume.name} gives ${file} mode ${mode.toString(8).padStart(4, "0")}: ` +
+          "the shard refuses a private key or token that other users may read; set defaultMode: 0400");
+      }
+      if (runAsUser !== 0 && podSecurity.fsGroup === undefined) {
+        fail(sts, `Secret files belong to root, so the non-root shard cannot read ${file} of mode ` +
+          `${mode.toString(8).padStart(4, "0")}: set the pod's securityContext.fsGroup (to its runAsGroup)`);
+      }
+    }
+
+    // The NetworkPolicy: it must select exactly the shards, name only their
+    // ports, admit every worker on the gRPC port and Prometheus on metrics,
+    // and never admit everyone (no `from`) or every port (no `ports`).
+    const podTemplateLabels = (w) => w.spec.template.metadata?.labels;
+    const workers = workloads.filter((w) => w !== sts &&
+      w.spec.template.spec.containers.some((c) => (c.command ?? [])[0] === "layercast"));
+    const portOf = (p) => (typeof p.port === "number" ? p.port : portsByName.get(p.port));
+    for (const policy of byKind("NetworkPolicy").filter((p) => ns(p) === ns(sts))) {
+      checkSelector(policy, policy.spec.podSelector?.matchLabels, "spec.podSelector");
+      if (policy.spec.policyTypes && !policy.spec.policyTypes.includes("Ingress")) {
+        fail(policy, "policyTypes must include Ingress");
+      }
+      const rules = policy.spec.ingress ?? [];
+      rules.forEach((rule, r) => {
+        if (!(rule.from ?? []).length) {
+          fail(policy, `ingress rule ${r} has no from: it admits every source; name the peers`);
+        }
+        if (!(rule.ports ?? []).length) {
+          fail(policy, `ingress rule ${r} has no ports: it admits every port; name them`);
+        }
+        for (const p of rule.ports ?? []) {
+          if (portOf(p) === undefined || !containerPorts.has(portOf(p))) {
+            fail(policy, `ingress rule ${r} port '${p.port}' is not a container port of ${id(sts)}`);
+          }
+        }
+      });
+      const admits = (portName, peerMatches) => rules.some((rule) =>
+        (rule.ports ?? []).some((p) => portOf(p) === portsByName.get(portName)) &&
+        (rule.from ?? []).some(peerMatches));
+      for (const w of workers.filter((w) => ns(w) === ns(policy))) {
+        const same = (peer) => !peer.namespaceSelector && !peer.ipBlock &&
+          selects(peer.podSelector?.matchLabels, podTemplateLabels(w));
+        if (!admits("grpc", same)) {
+          fail(w, `${id(policy)} admits its pods to no shard's gRPC port: give the pod template a ` +
+            "label that an ingress rule for port grpc selects (layercast.io/role: worker)");
+        }
+      }
+      if (byKind("PodMonitor").length && !admits("metrics", (peer) => !!peer.namespaceSelector)) {
+        fail(policy, "no ingress rule admits Prometheus (a namespaceSelector peer) to port metrics, " +
+          "which the PodMonitor scrapes");
+      }
+    }
+
+    // Workers of TLS shards must verify them: without --tls-ca-file the
+    // layercast tool speaks plaintext, and the handshake never completes.
+    for (const w of workers) {
+      for (const c of w.spec.template.spec.containers) {
+        if ((c.command ?? [])[0] === "layercast" && tls && flag(c.args ?? [], "tls-ca-file") === undefined) {
+          fail(w, `container ${c.name}: the shards serve TLS; pass --tls-ca-file (their CA) or it ` +
+            "connects in plaintext and fails");
+        }
+      }
     }
 
     // Workers: the layercast tool names the shards by pattern and count.

@@ -85,6 +85,9 @@ class CountingFileSystem : public FileSystem {
   absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override {
     return DefaultFileSystem().OpenForWrite(path);
   }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    return DefaultFileSystem().CreatePrivate(path);
+  }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     return DefaultFileSystem().Rename(from, to);
   }
@@ -99,6 +102,7 @@ class CountingFileSystem : public FileSystem {
         : inner_(std::move(inner)), counter_(counter) {}
     uint64_t size() const override { return inner_->size(); }
     const std::string& path() const override { return inner_->path(); }
+    FilePermissions permissions() const override { return inner_->permissions(); }
     absl::Status ReadAt(uint64_t offset, std::span<uint8_t> out) const override {
       *counter_ += out.size();
       return inner_->ReadAt(offset, out);
@@ -127,6 +131,7 @@ class HugeHeaderFileSystem : public CountingFileSystem {
     explicit HugeFile(std::string path) : path_(std::move(path)) {}
     uint64_t size() const override { return uint64_t{1} << 40; }
     const std::string& path() const override { return path_; }
+    FilePermissions permissions() const override { return {.mode = 0644, .owner_uid = 0}; }
     absl::Status ReadAt(uint64_t offset, std::span<uint8_t> out) const override {
       EXPECT_EQ(offset, 0u);
       EXPECT_EQ(out.size(), 8u);

@@ -20,6 +20,9 @@ const find = (docs, kind) => docs.find((d) => d.kind === kind);
 const shard = (docs) => find(docs, "StatefulSet").spec.template.spec.containers[0];
 const worker = (docs) => find(docs, "Job").spec.template.spec.containers[0];
 const configMap = (docs) => find(docs, "ConfigMap");
+const policy = (docs) => find(docs, "NetworkPolicy");
+const podSpec = (docs) => find(docs, "StatefulSet").spec.template.spec;
+const volume = (docs, name) => podSpec(docs).volumes.find((v) => v.name === name);
 const editConfig = (docs, edit) => {
   const cm = configMap(docs);
   const config = JSON.parse(cm.data["config.json"]);
@@ -56,8 +59,8 @@ const mutations = [
     (d) => { find(d, "Service").spec.selector["app.kubernetes.io/component"] = "shards"; }],
   ["Service also selects the worker Job", /also selects the pods of Job/,
     (d) => { delete find(d, "Service").spec.selector["app.kubernetes.io/component"]; }],
-  ["readiness probe on a port the container lacks", /readinessProbe\.grpc\.port 7071 is not a container port/,
-    (d) => { shard(d).readinessProbe.grpc.port = 7071; }],
+  ["readiness probe on a port the container lacks", /readinessProbe\.grpc\.port 7072 is not a container port/,
+    (d) => { shard(d).readinessProbe.grpc.port = 7072; }],
   ["liveness probe on a named port", /livenessProbe\.grpc\.port must be numeric/,
     (d) => { shard(d).livenessProbe.grpc.port = "grpc"; }],
   ["readiness probe on the process-wide service", /readinessProbe\.grpc\.service must be/,
@@ -88,6 +91,34 @@ const mutations = [
     (d) => { worker(d).args[2] = "--num-shards=4"; }],
   ["ConfigMap reference outside the render", /refers to ConfigMap layercast-config,/,
     (d) => { shard(d).env[1].valueFrom.configMapKeyRef.name = "layercast-config"; }],
+  ["misspelled NetworkPolicy field policyType", /'"policyType"' does not exist/,
+    (d) => rename(policy(d).spec, "policyTypes", "policyType")],
+  ["NetworkPolicy selects no shard", /NetworkPolicy\/layercast: spec\.podSelector selects no pod/,
+    (d) => { policy(d).spec.podSelector.matchLabels["app.kubernetes.io/component"] = "shards"; }],
+  ["NetworkPolicy port that no container has", /ingress rule 0 port 'grcp' is not a container port/,
+    (d) => { policy(d).spec.ingress[0].ports[0].port = "grcp"; }],
+  ["NetworkPolicy rule without from", /ingress rule 0 has no from: it admits every source/,
+    (d) => { delete policy(d).spec.ingress[0].from; }],
+  ["NetworkPolicy rule without ports", /ingress rule 1 has no ports: it admits every port/,
+    (d) => { delete policy(d).spec.ingress[1].ports; }],
+  ["worker pods without the label the policy admits",
+    /Job\/layercast-worker: NetworkPolicy\/layercast admits its pods to no/,
+    (d) => { delete find(d, "Job").spec.template.metadata.labels["layercast.io/role"]; }],
+  ["metrics port closed to Prometheus", /no ingress rule admits Prometheus/,
+    (d) => { policy(d).spec.ingress.pop(); }],
+  ["TLS with probes on the TLS port", /serves TLS on listen, which native gRPC probes cannot speak/,
+    (d) => editConfig(d, (c) => { delete c.health_listen; })],
+  ["probes not on the health port", /readinessProbe\.grpc\.port 7070 is not the health_listen port 7071/,
+    (d) => { shard(d).readinessProbe.grpc.port = 7070; }],
+  ["token Secret others can read", /gives \/etc\/layercast-admin\/token mode 0644/,
+    (d) => { volume(d, "admin-token").secret.defaultMode = 0o644; }],
+  ["Secret files without fsGroup", /set the pod's securityContext\.fsGroup/,
+    (d) => { delete podSpec(d).securityContext.fsGroup; }],
+  ["private key not from a Secret",
+    /tls_key_file \/etc\/layercast\/config\.json must come from a Secret volume/,
+    (d) => editConfig(d, (c) => { c.tls_key_file = "/etc/layercast/config.json"; })],
+  ["worker without --tls-ca-file against TLS shards", /the shards serve TLS; pass --tls-ca-file/,
+    (d) => { worker(d).args = worker(d).args.filter((a) => !a.startsWith("--tls-ca-file")); }],
   ["unpinned image", /image 'layercast' has no pinned tag/,
     (d) => { shard(d).image = "layercast"; }],
 ];

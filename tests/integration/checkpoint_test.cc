@@ -33,6 +33,9 @@ constexpr char kToken[] = "checkpoint-test-token-0123456789";
 std::string WriteToken(const std::string& dir) {
   const std::string path = dir + "/token";
   std::ofstream(path) << kToken << "\n";
+  // The shard and the CLI refuse a token file that other users may read.
+  std::filesystem::permissions(
+      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   return path;
 }
 
@@ -95,10 +98,10 @@ TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
     ASSERT_NE(set, nullptr);
     before = GatherAll(*set);
     std::string output;
-    ASSERT_EQ(RunCommand(
-                  absl::StrCat(CliBinary(), " checkpoint --shards ",
-                               absl::StrJoin(processes->addresses(), ","), " --token-file ", token),
-                  &output),
+    ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards ",
+                                      absl::StrJoin(processes->addresses(), ","), " --token-file ",
+                                      token, " --insecure"),
+                         &output),
               0)
         << output;
     EXPECT_THAT(output, AllOf(HasSubstr("shard 0/3  version 0"), HasSubstr("shard 2/3  version 0"),
@@ -267,13 +270,18 @@ TEST(CheckpointTest, SigkillDuringALargeWriteLeavesThePreviousCheckpointWhole) {
   ASSERT_GT(size, uint64_t{300} << 20);
   const std::string sha = Sha256Sum(file);
 
-  // The second write is killed as soon as its temporary file has data.
-  const std::string temporary =
-      absl::StrCat(dir, "/.shard-0-of-1.safetensors.tmp-", processes->pid(0));
+  // The second write is killed as soon as its temporary file has data. Its
+  // name ends in a random nonce: find it by the shard's pid.
+  const std::string prefix = absl::StrCat(".shard-0-of-1.safetensors.tmp-", processes->pid(0), "-");
+  std::string temporary;
   grpc::Status second;
   std::thread writer([&] { second = checkpoint(); });
-  const auto written = [&] {
+  const auto written = [&]() -> uint64_t {
     std::error_code error;  // none yet: file_size fails and says so
+    for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+      if (entry.path().filename().string().rfind(prefix, 0) == 0) temporary = entry.path();
+    }
+    if (temporary.empty()) return 0;
     const uint64_t bytes = std::filesystem::file_size(temporary, error);
     return error ? 0 : bytes;
   };

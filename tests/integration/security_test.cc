@@ -70,9 +70,33 @@ Certs MakeCerts(const std::string& dir) {
   make_leaf("client", "ca", "extendedKeyUsage=clientAuth");
   make_leaf("other-client", "other-ca", "extendedKeyUsage=clientAuth");
   const auto path = [&](const std::string& name) { return dir + "/" + name; };
+  // Private keys must be the owner's alone or the shard and the CLI refuse
+  // them; openssl writes them 0600 today, this keeps the tests independent
+  // of that.
+  for (const char* key :
+       {"ca.key", "other-ca.key", "server.key", "client.key", "other-client.key"}) {
+    std::filesystem::permissions(
+        path(key), std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  }
   return Certs{path("ca.pem"),           path("server.pem"),      path("server.key"),
                path("client.pem"),       path("client.key"),      path("other-ca.pem"),
                path("other-client.pem"), path("other-client.key")};
+}
+
+// Writes `content` to `path` with exactly the permissions `mode` (not
+// whatever the umask leaves).
+void WriteFileWithMode(const std::string& path, const std::string& content,
+                       std::filesystem::perms mode) {
+  std::ofstream(path) << content;
+  std::filesystem::permissions(path, mode);
+}
+
+// A token file only its owner may read, as the shard and the CLI require.
+std::string WriteToken(const std::string& content) {
+  const std::string path = MakeTempDir("secret") + "/token";
+  WriteFileWithMode(path, content,
+                    std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  return path;
 }
 
 std::string ReadText(const std::string& path) {
@@ -281,8 +305,7 @@ grpc::Status Checkpoint(const std::string& address,
 
 TEST_F(SecurityTest, CheckpointNeedsTheRightBearerToken) {
   const std::string dir = MakeTempDir("checkpoints");
-  const std::string token = MakeTempDir("secret") + "/token";
-  std::ofstream(token) << "  " << kToken << "\n\n";  // trimmed when read
+  const std::string token = WriteToken(absl::StrCat("  ", kToken, "\n\n"));  // trimmed when read
   std::vector<std::string> flags = TlsFlags();
   flags.insert(flags.end(), {"--checkpoint-dir", dir, "--admin-token-file", token});
   auto processes = StartProcesses(1, flags);
@@ -339,8 +362,7 @@ TEST_F(SecurityTest, WithoutATokenEveryAdminCallIsRefused) {
 }
 
 TEST_F(SecurityTest, ShortTokenFilesStopTheShard) {
-  const std::string token = MakeTempDir("secret") + "/token";
-  std::ofstream(token) << "short\n";
+  const std::string token = WriteToken("short\n");
   std::string output;
   EXPECT_EQ(RunCommand(ShardBinary() +
                            " --listen 127.0.0.1:0 --num-shards 1 --synthetic "
@@ -349,6 +371,77 @@ TEST_F(SecurityTest, ShortTokenFilesStopTheShard) {
                        &output),
             2);
   EXPECT_THAT(output, HasSubstr("--admin-token-file " + token + " holds a token of 5 characters"));
+}
+
+TEST_F(SecurityTest, SecretFilesOtherUsersCanReadStopTheShardAndTheCli) {
+  using std::filesystem::perms;
+  const std::string dir = MakeTempDir("loose");
+  const std::string token = dir + "/token";
+  WriteFileWithMode(
+      token, absl::StrCat(kToken, "\n"),
+      perms::owner_read | perms::owner_write | perms::group_read | perms::others_read);
+  const std::string key = dir + "/server.key";
+  WriteFileWithMode(key, ReadText(certs_.server_key),
+                    perms::owner_read | perms::owner_write | perms::others_read);
+  std::string output;
+  // `timeout`: a shard that accepted the file would serve until killed.
+  const std::string base = "timeout 60 " + ShardBinary() +
+                           " --listen 127.0.0.1:0 --num-shards 1 --synthetic llama:layers=1 ";
+
+  EXPECT_EQ(RunCommand(base + "--admin-token-file " + token, &output), 2);
+  EXPECT_THAT(output, AllOf(HasSubstr("--admin-token-file " + token + " has mode 0644"),
+                            HasSubstr("chmod 600 " + token)));
+  EXPECT_EQ(RunCommand(base + "--tls-cert-file " + certs_.server_cert + " --tls-key-file " + key,
+                       &output),
+            2);
+  EXPECT_THAT(output, AllOf(HasSubstr("--tls-key-file " + key + " has mode 0604"),
+                            HasSubstr("chmod 600 " + key)));
+
+  // The CLI refuses its copy of the token before it connects to anything.
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(),
+                                    " checkpoint --connect-timeout-ms 2000 --shards 127.0.0.1:1",
+                                    " --tls-ca-file ", certs_.ca, " --token-file ", token),
+                       &output),
+            1);
+  EXPECT_THAT(output, AllOf(HasSubstr("--token-file " + token + " has mode 0644"),
+                            HasSubstr("chmod 600 " + token)));
+
+  // Certificates are public: 0644 is fine (MakeCerts leaves them so), and a
+  // private key of 0600 next to it starts the shard.
+  WriteFileWithMode(key, ReadText(certs_.server_key), perms::owner_read | perms::owner_write);
+  auto processes = StartProcesses(
+      1, {"--synthetic", kSpec, "--tls-cert-file", certs_.server_cert, "--tls-key-file", key});
+  ASSERT_NE(processes, nullptr);
+  EXPECT_TRUE(Connect(*processes, Tls(certs_.ca)).ok());
+  EXPECT_TRUE(processes->Stop().ok());
+}
+
+TEST_F(SecurityTest, CheckpointCommandRefusesToSendTheTokenInClearText) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string token = WriteToken(absl::StrCat(kToken, "\n"));
+  auto processes = StartProcesses(
+      1, {"--synthetic", kSpec, "--checkpoint-dir", dir, "--admin-token-file", token});
+  ASSERT_NE(processes, nullptr);
+  ASSERT_TRUE(Connect(*processes, grpc::InsecureChannelCredentials()).ok());
+  const std::string address = processes->addresses()[0];
+
+  std::string output;
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards ", address, " --token-file ",
+                                    token),
+                       &output),
+            2);
+  EXPECT_THAT(output, AllOf(HasSubstr("the admin token would cross the network in clear text"),
+                            HasSubstr("--tls-ca-file"), HasSubstr("--insecure")));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors")) << "nothing was sent";
+
+  // --insecure takes no value: the flag after it is still read as a flag.
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --insecure --shards ", address,
+                                    " --token-file ", token),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("shard 0/1  version 0"));
+  EXPECT_TRUE(processes->Stop().ok());
 }
 
 // A unary call of `bytes` zero bytes to GetManifest: what the shard says

@@ -133,6 +133,15 @@ absl::StatusOr<std::unique_ptr<WritableFile>> FaultyFileSystem::OpenForWrite(
       std::make_unique<FaultyWritableFile>(*std::move(file), *this));
 }
 
+absl::StatusOr<std::unique_ptr<WritableFile>> FaultyFileSystem::CreatePrivate(
+    const std::string& path) {
+  if (absl::Status step = Step("create private"); !step.ok()) return step;
+  absl::StatusOr<std::unique_ptr<WritableFile>> file = real_.CreatePrivate(path);
+  if (!file.ok()) return file.status();
+  return std::unique_ptr<WritableFile>(
+      std::make_unique<FaultyWritableFile>(*std::move(file), *this));
+}
+
 absl::Status FaultyFileSystem::Rename(const std::string& from, const std::string& to) {
   if (absl::Status step = Step("rename"); !step.ok()) return step;
   absl::Status renamed = real_.Rename(from, to);

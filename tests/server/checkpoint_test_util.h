@@ -52,7 +52,8 @@ std::string ReadFileBytes(const std::string& path);
 std::string FreshDir(const std::string& name);
 
 // Wraps the real file system. Counts the operations a checkpoint write makes
-// (OpenForWrite, OpenForRead, every Append, Sync, Close, Rename, SyncDir) and
+// (CreatePrivate, OpenForRead, every Append, Sync, Close, Rename, SyncDir;
+// OpenForWrite too) and
 // makes operation number `fail_at` (0-based) fail. kError: that one fails,
 // the rest work (the writer can clean up). kCrash: that one and everything
 // after fails, as if the process died there; a crashing Append writes half
@@ -70,6 +71,7 @@ class FaultyFileSystem final : public FileSystem {
 
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override;
   absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override;
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override;
   absl::Status Rename(const std::string& from, const std::string& to) override;
   absl::Status SyncDir(const std::string& dir) override;
   absl::Status Remove(const std::string& path) override;

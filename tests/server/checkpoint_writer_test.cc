@@ -1,15 +1,19 @@
 // Checkpoint writes through a file system that fails, or "crashes", at every
 // operation in turn: afterwards the previous checkpoint is still there, bit
 // for bit, and loads; no partial file ever has the checkpoint's name; and a
-// later write succeeds.
+// later write succeeds. Checkpoints are private (0600) and a symbolic link
+// planted where the temporary file goes is never followed.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "server/checkpoint_format.h"
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
@@ -35,6 +39,18 @@ void ExpectLoads(const std::string& dir, const ShiftedSource& expected, uint64_t
   ASSERT_NE(store, nullptr);
   ASSERT_TRUE((*source)->VerifyChecksum().ok());
   EXPECT_TRUE(SameValues(*store, expected));
+}
+
+// The temporary files of shard kShard's writes in `dir`, whatever their
+// nonce.
+std::vector<std::string> Temporaries(const std::string& dir) {
+  const std::string prefix = absl::StrCat(".", CheckpointFileName(kShard, kNumShards), ".tmp-");
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) names.push_back(name);
+  }
+  return names;
 }
 
 // The names in `dir` that look like a checkpoint (not hidden temporaries).
@@ -96,6 +112,92 @@ TEST(CheckpointWriterTest, MetadataNamesTheShardModelAndFormat) {
   EXPECT_EQ(norm->num_elements, 0u) << "shard 1 of 3 owns none of a 1-element tensor";
 }
 
+// The permission bits of `path` (not following a symbolic link there).
+std::filesystem::perms Permissions(const std::string& path) {
+  return std::filesystem::symlink_status(path).permissions();
+}
+
+TEST(CheckpointWriterTest, APlantedSymlinkIsNotFollowedAndTheCheckpointIsPrivate) {
+  const ShiftedSource values(0.5f);
+  const std::string dir = FreshDir("symlink");
+  const std::string victim = FreshDir("victim") + "/precious";
+  std::ofstream(victim) << "not a checkpoint";
+  // Where older versions wrote, predictably: the directory's writer pid.
+  const std::string predicted =
+      absl::StrCat(dir, "/.", CheckpointFileName(kShard, kNumShards), ".tmp-", getpid());
+  std::filesystem::create_symlink(victim, predicted);
+
+  // Even with nothing masked, the checkpoint is the owner's alone.
+  const mode_t old_umask = umask(0);
+  auto info = WriteCheckpoint(*LoadStore(values, kShard, kNumShards), 4, dir);
+  umask(old_umask);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(ReadFileBytes(victim) == "not a checkpoint") << "the write followed the symlink";
+  EXPECT_TRUE(std::filesystem::is_symlink(predicted));
+  ExpectLoads(dir, values, 4);
+  using std::filesystem::perms;
+  EXPECT_EQ(Permissions(info->path) & (perms::group_all | perms::others_all), perms::none)
+      << "mode " << std::oct << static_cast<int>(Permissions(info->path));
+
+  // The planted link looks like one of our temporaries: a restart removes
+  // the link itself, never what it points to.
+  auto manager = CheckpointManager::Create(dir, kShard, kNumShards);
+  ASSERT_TRUE(manager.ok()) << manager.status();
+  EXPECT_EQ((*manager)->RemoveStaleTemporaries(), 1);
+  EXPECT_FALSE(std::filesystem::is_symlink(predicted));
+  EXPECT_TRUE(ReadFileBytes(victim) == "not a checkpoint");
+}
+
+// The real file system, except that it plants a symbolic link to `target` at
+// whatever name a private file is about to be created: the race an attacker
+// would have to win against an unpredictable name.
+class PlantingFileSystem final : public FileSystem {
+ public:
+  explicit PlantingFileSystem(std::string target) : target_(std::move(target)) {}
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override {
+    return real_.OpenForRead(path);
+  }
+  absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override {
+    return real_.OpenForWrite(path);
+  }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    std::filesystem::create_symlink(target_, path);
+    planted_ = path;
+    return real_.CreatePrivate(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    return real_.Rename(from, to);
+  }
+  absl::Status SyncDir(const std::string& dir) override { return real_.SyncDir(dir); }
+  absl::Status Remove(const std::string& path) override { return real_.Remove(path); }
+  bool Exists(const std::string& path) override { return real_.Exists(path); }
+
+  const std::string& planted() const { return planted_; }
+
+ private:
+  FileSystem& real_ = DefaultFileSystem();
+  const std::string target_;
+  std::string planted_;
+};
+
+TEST(CheckpointWriterTest, ALinkAtTheChosenNameFailsTheWriteAndIsLeftAlone) {
+  const ShiftedSource old_values(0), new_values(2.0f);
+  const std::string dir = FreshDir("planted");
+  ASSERT_TRUE(WriteCheckpoint(*LoadStore(old_values, kShard, kNumShards), 1, dir).ok());
+  const std::string previous = ReadFileBytes(CheckpointPath(dir, kShard, kNumShards));
+  const std::string victim = FreshDir("victim") + "/precious";
+  std::ofstream(victim) << "not a checkpoint";
+
+  PlantingFileSystem fs(victim);
+  auto info = WriteCheckpoint(*LoadStore(new_values, kShard, kNumShards), 2, dir, fs);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kAlreadyExists) << info.status();
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("is unchanged"));
+  EXPECT_TRUE(ReadFileBytes(victim) == "not a checkpoint") << "the write followed the symlink";
+  EXPECT_TRUE(std::filesystem::is_symlink(fs.planted())) << "someone else's link was removed";
+  EXPECT_TRUE(ReadFileBytes(CheckpointPath(dir, kShard, kNumShards)) == previous);
+  ExpectLoads(dir, old_values, 1);
+}
+
 struct FaultCase {
   FaultyFileSystem::Mode mode;
   bool with_previous;
@@ -150,8 +252,8 @@ TEST_P(CheckpointFaultTest, EveryFailurePointKeepsThePreviousCheckpoint) {
     // torn temporary removed, and the next write succeeds.
     auto manager = CheckpointManager::Create(dir, kShard, kNumShards);
     ASSERT_TRUE(manager.ok()) << manager.status();
-    const bool left_temporary =
-        std::filesystem::exists(TempCheckpointPath(dir, kShard, kNumShards, getpid()));
+    const bool left_temporary = !Temporaries(dir).empty();
+    EXPECT_LE(Temporaries(dir).size(), 1u);
     if (fault.mode == FaultyFileSystem::Mode::kError) {
       EXPECT_FALSE(left_temporary) << "the writer removes its temporary file after an error";
     }
