@@ -98,18 +98,22 @@ void LayerGather::CancelAll() {
 void LayerGather::Settle(uint32_t shard) {
   ShardState& s = state_[shard];
   --active_;
-  const std::optional<uint64_t> version = s.stream->version();
-  if (version && s.version && *version != *s.version) {
-    if (failure_.ok()) {
-      failure_ = absl::AbortedError(absl::StrCat(
-          shards_[shard].describe, " came back at parameter version ", *version,
-          " after sending version ", *s.version, "; gather the layer again with min_version ",
-          std::max(*version, *s.version)));
+  // One place decides that a gather never mixes versions: every stream of
+  // every shard and attempt must match the first version any stream sent.
+  if (const std::optional<uint64_t> version = s.stream->version(); version) {
+    if (version_ && *version != *version_) {
+      if (failure_.ok()) {
+        failure_ = absl::AbortedError(absl::StrCat(
+            shards_[shard].describe, " sent parameter version ", *version,
+            " where the rest of the layer is version ", *version_,
+            " (the shards' versions moved during the gather); gather it again with min_version ",
+            std::max(*version, *version_)));
+      }
+      CancelAll();
+      return;
     }
-    CancelAll();
-    return;
+    version_ = version;
   }
-  if (version) s.version = version;
   s.runs = s.stream->RemainingRuns();
   // Settled by what it delivered: a stream that ended badly after its last
   // chunk owes nothing, and asking again would ask for the whole range.
@@ -199,19 +203,7 @@ absl::StatusOr<uint64_t> LayerGather::Run() {
     return absl::Status(failure_.code(),
                         absl::StrCat("gathering layer ", layer_, ": ", failure_.message()));
   }
-  std::optional<uint64_t> version;
-  for (uint32_t shard = 0; shard < state_.size(); ++shard) {
-    const std::optional<uint64_t>& v = state_[shard].version;
-    if (!v) continue;
-    if (version && *version != *v) {
-      return absl::AbortedError(
-          absl::StrCat("gathering layer ", layer_, ": shards sent different parameter versions (",
-                       *version, " and ", *v, " from ", shards_[shard].describe,
-                       "); gather it again with min_version set to the newer one"));
-    }
-    version = v;
-  }
-  return version.value_or(default_version_);
+  return version_.value_or(default_version_);
 }
 
 }  // namespace layercast::client

@@ -57,7 +57,6 @@ class LayerGather {
     std::vector<ShardStream::Run> runs;  // what this shard still owes
     std::unique_ptr<ShardStream> stream;
     int attempts = 0;
-    std::optional<uint64_t> version;
     std::optional<std::chrono::steady_clock::time_point> retry_at;
     absl::Status last_error;
   };
@@ -91,6 +90,8 @@ class LayerGather {
   std::deque<uint32_t> finished_ ABSL_GUARDED_BY(mu_);  // streams whose on_done ran
   uint32_t active_ ABSL_GUARDED_BY(mu_) = 0;            // streams started, not settled
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  // The version of the first chunks any stream delivered.
+  std::optional<uint64_t> version_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -53,9 +53,18 @@ class ShardSet final : public LayerSource {
 
   // Gathers layer `layer` into `buffer`, which must hold at least the layer's
   // assembled bytes; returns the parameter version. Errors name the shard:
-  // UNAVAILABLE when one dies mid-stream, DEADLINE_EXCEEDED when the timeout
-  // passes, DATA_LOSS when a shard sends elements it does not own, twice, or
-  // not at all, or versions disagree.
+  // - UNAVAILABLE: a shard stayed unreachable (dead, draining, restarting)
+  //   until the deadline; DEADLINE_EXCEEDED: the timeout passed mid-stream;
+  // - DATA_LOSS: a shard kept sending elements it does not own, twice, out of
+  //   order, or with a bad CRC-32C, until the deadline;
+  // - ABORTED: the shards' parameter versions moved during the gather (it
+  //   never mixes two); gather again with the newer min_version;
+  // - FAILED_PRECONDITION: a shard now serves other values than the set was
+  //   connected to, or refuses the request's dtype;
+  // - NOT_FOUND / INVALID_ARGUMENT / OUT_OF_RANGE: no such layer, a bad byte
+  //   range or buffer, a min_version too far ahead;
+  // - RESOURCE_EXHAUSTED: a shard had no budget or stream slot in time;
+  // - CANCELLED: options.cancellation fired.
   absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
                                       std::span<uint8_t> buffer) const override;
 

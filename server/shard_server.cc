@@ -2,14 +2,16 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <prometheus/exposer.h>
+#include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/content_fingerprint.h"
+#include "core/file_system.h"
 #include "core/safetensors_source.h"
 #include "core/status_macros.h"
 #include "core/synthetic_model.h"
@@ -195,6 +197,20 @@ absl::Status ShardServer::StartHealth() {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &health_port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(settings_.config.max_receive_message_bytes()));
+  // The health port is plaintext and open to whatever reaches the pod, and a
+  // Watch stream lives until its client leaves: bound what clients can pile
+  // up here. Probes make one call per connection.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 4);
+  // All connections together: 4 MiB of gRPC buffers, and 2 threads for the
+  // synchronous reflection service (health is callback-based and holds none).
+  grpc::ResourceQuota quota("layercast-health");
+  quota.Resize(4 << 20).SetMaxThreads(2);
+  builder.SetResourceQuota(quota);
+  // Idle connections close after 30 s, any connection after 5 min (10 s to
+  // finish), ending the Watch streams it carried.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 30'000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, 300'000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 10'000);
   health_server_ = builder.BuildAndStart();
   if (health_server_ == nullptr || health_port_ == 0) {
     health_server_.reset();
@@ -256,14 +272,30 @@ absl::Status ShardServer::Start() {
                security_.mutual ? "mutual TLS"
                : security_.tls  ? "TLS"
                                 : "plaintext");
-  if (!settings_.config.port_file().empty()) {
-    // Written to a temporary name and renamed, so a reader never sees half.
-    const std::string tmp = settings_.config.port_file() + ".tmp";
-    std::ofstream(tmp) << port_ << "\n";
-    if (std::rename(tmp.c_str(), settings_.config.port_file().c_str()) != 0) {
-      return absl::InternalError(
-          absl::StrCat("cannot write --port-file ", settings_.config.port_file()));
-    }
+  if (!settings_.config.port_file().empty()) RETURN_IF_ERROR(WritePortFile());
+  return absl::OkStatus();
+}
+
+absl::Status ShardServer::WritePortFile() {
+  // Written to a fresh private file (never through a link planted at its
+  // name) and renamed, so a reader never sees half.
+  const std::string& path = settings_.config.port_file();
+  const std::string tmp = absl::StrCat(path, ".tmp-", getpid());
+  FileSystem& fs = DefaultFileSystem();
+  (void)fs.Remove(tmp);  // a leftover of a crashed start with this pid
+  const std::string text = absl::StrCat(port_, "\n");
+  absl::StatusOr<std::unique_ptr<WritableFile>> file = fs.CreatePrivate(tmp);
+  absl::Status written = file.status();
+  if (written.ok()) {
+    written = (*file)->Append(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  }
+  if (written.ok()) written = (*file)->Close();
+  if (written.ok()) written = fs.Rename(tmp, path);
+  if (!written.ok()) {
+    (void)fs.Remove(tmp);
+    return absl::InternalError(
+        absl::StrCat("cannot write --port-file ", path, ": ", written.message()));
   }
   return absl::OkStatus();
 }

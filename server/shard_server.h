@@ -93,6 +93,8 @@ class ShardServer {
   void SetReadiness(bool serving);
   // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
   absl::Status UseCheckpoint();
+  // Writes the bound port to --port-file.
+  absl::Status WritePortFile();
 
   ShardSettings settings_;
   // Runs every grant (a version reached, budget granted, a shared chunk
