@@ -24,13 +24,16 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   store->policy_ = std::move(policy);
   store->shard_index_ = shard_index;
   store->num_shards_ = num_shards;
-  store->layout_digest_ = LayoutDigest(store->model_, store->policy_);
+  const std::vector<LayerSpec>& layers = store->model_.layers;
+  for (const LayerSpec& layer : layers) {
+    ASSIGN_OR_RETURN(AssembledLayout layout, AssembledLayout::Build(layer, store->policy_));
+    store->layouts_.push_back(std::move(layout));
+  }
+  ASSIGN_OR_RETURN(store->layout_digest_, LayoutDigest(store->model_, store->policy_));
   store->master_bytes_ = MasterBytes(store->model_, shard_index, num_shards);
 
-  const std::vector<LayerSpec>& layers = store->model_.layers;
   store->slices_.resize(layers.size());
   for (uint32_t l = 0; l < layers.size(); ++l) {
-    store->layouts_.push_back(AssembledLayout::Build(layers[l], store->policy_));
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
       if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
         return absl::CancelledError("loading was cancelled: the server is stopping");
