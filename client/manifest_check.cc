@@ -20,6 +20,18 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
                             manifest.num_shards()));
   }
   view.num_shards = manifest.num_shards();
+  // Counted before anything is built from them (the message size bounds the
+  // sum well below 2^64).
+  uint64_t num_tensors = 0;
+  for (const layercast::v1::Layer& layer : manifest.layers()) num_tensors += layer.tensors_size();
+  if (static_cast<uint64_t>(manifest.layers_size()) > kMaxManifestLayers) {
+    return Bad(absl::StrCat("it lists ", manifest.layers_size(), " layers, more than a worker ",
+                            "accepts (", kMaxManifestLayers, ")"));
+  }
+  if (num_tensors > kMaxManifestTensors) {
+    return Bad(absl::StrCat("it lists ", num_tensors, " tensors, more than a worker accepts (",
+                            kMaxManifestTensors, ")"));
+  }
   absl::StatusOr<Policy> policy = Policy::Parse(manifest.policy());
   if (!policy.ok()) return Bad(policy.status().message());
   view.policy = *policy;
