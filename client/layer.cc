@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "core/byte_size.h"
 
 namespace layercast::client {
 
@@ -16,16 +18,26 @@ namespace {
 // worker's largest cost.
 constexpr uint64_t kHugePage = 2 << 20;
 
+// REQUIRES: bytes <= kMaxAssembledLayerBytes, so the rounding cannot wrap.
 uint64_t MappedSize(uint64_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+
+absl::Status CannotAllocate(uint64_t bytes) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("cannot allocate ", bytes, " bytes (", FormatBytes(bytes),
+                   ") of host memory for a layer: gather it in byte ranges, or on a host with "
+                   "more memory"));
+}
 
 }  // namespace
 
-LayerBuffer LayerBuffer::Allocate(uint64_t bytes, std::function<void()> on_release) {
+absl::StatusOr<LayerBuffer> LayerBuffer::Allocate(uint64_t bytes,
+                                                  std::function<void()> on_release) {
+  if (bytes > kMaxAssembledLayerBytes) return CannotAllocate(bytes);
   LayerBuffer buffer;
   if (bytes >= kHugePage) {
     void* memory = mmap(nullptr, MappedSize(bytes), PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (memory == MAP_FAILED) throw std::bad_alloc();
+    if (memory == MAP_FAILED) return CannotAllocate(bytes);
     madvise(memory, MappedSize(bytes), MADV_HUGEPAGE);  // advice only: ignore failure
     buffer.data_ = static_cast<uint8_t*>(memory);
     buffer.mapped_ = true;
@@ -36,7 +48,7 @@ LayerBuffer LayerBuffer::Allocate(uint64_t bytes, std::function<void()> on_relea
         std::max<uint64_t>(1, (bytes + kAssembledAlignment - 1) / kAssembledAlignment) *
         kAssembledAlignment;
     buffer.data_ = static_cast<uint8_t*>(std::aligned_alloc(kAssembledAlignment, rounded));
-    if (buffer.data_ == nullptr) throw std::bad_alloc();
+    if (buffer.data_ == nullptr) return CannotAllocate(bytes);
   }
   buffer.size_ = bytes;
   buffer.on_release_ = std::move(on_release);

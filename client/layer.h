@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "core/dtype.h"
 #include "core/layout.h"
@@ -21,8 +22,11 @@ namespace layercast::client {
 // Move-only; not thread-safe.
 class LayerBuffer {
  public:
-  // Allocates `bytes` (uninitialised). `on_release` may be empty.
-  static LayerBuffer Allocate(uint64_t bytes, std::function<void()> on_release = {});
+  // Allocates `bytes` (uninitialised). `on_release` may be empty; it runs
+  // only for a buffer that was made. RESOURCE_EXHAUSTED naming the size when
+  // the memory cannot be had: a size a peer claimed is no reason to throw.
+  static absl::StatusOr<LayerBuffer> Allocate(uint64_t bytes,
+                                              std::function<void()> on_release = {});
 
   LayerBuffer() = default;
   LayerBuffer(LayerBuffer&&) noexcept;

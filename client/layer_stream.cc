@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/byte_size.h"
+#include "core/status_macros.h"
 
 namespace layercast::client {
 
@@ -44,7 +45,8 @@ struct LayerStream::State : std::enable_shared_from_this<LayerStream::State> {
         static_cast<uint64_t>(options.max_lookahead) + (caller_waiting ? 1 : 0);
     if (next_to_fetch >= next_to_return + allowed_ahead) return;
     const uint64_t bytes = Bytes(next_to_fetch);
-    if (in_use + bytes > options.budget_bytes) return;
+    // in_use never exceeds the budget; written so that no sum can wrap.
+    if (bytes > options.budget_bytes - in_use) return;
     in_use += bytes;
     peak = std::max(peak, in_use);
     fetching = true;
@@ -54,18 +56,22 @@ struct LayerStream::State : std::enable_shared_from_this<LayerStream::State> {
 
   void Fetch(size_t step, uint64_t bytes) {
     const uint32_t layer = options.order[step];
-    LayerBuffer buffer = LayerBuffer::Allocate(bytes, [weak = weak_from_this(), bytes] {
-      if (auto self = weak.lock()) self->Release(bytes);
-    });
-    GatherOptions gather = options.gather;
-    gather.cancellation = &cancellation;
-    absl::StatusOr<uint64_t> version =
-        set.GatherInto(layer, gather, std::span<uint8_t>(buffer.data(), buffer.size()));
-    absl::StatusOr<Layer> result =
-        version.ok() ? absl::StatusOr<Layer>(set.MakeLayer(layer, *version, std::move(buffer)))
-                     : absl::StatusOr<Layer>(version.status());
+    absl::StatusOr<LayerBuffer> buffer =
+        LayerBuffer::Allocate(bytes, [weak = weak_from_this(), bytes] {
+          if (auto self = weak.lock()) self->Release(bytes);
+        });
+    absl::StatusOr<Layer> result = [&]() -> absl::StatusOr<Layer> {
+      if (!buffer.ok()) return buffer.status();
+      GatherOptions gather = options.gather;
+      gather.cancellation = &cancellation;
+      ASSIGN_OR_RETURN(
+          uint64_t version,
+          set.GatherInto(layer, gather, std::span<uint8_t>(buffer->data(), buffer->size())));
+      return set.MakeLayer(layer, version, *std::move(buffer));
+    }();
     // A failed gather's buffer is freed here, returning its bytes.
     absl::MutexLock lock(&mu);
+    if (!buffer.ok()) in_use -= bytes;  // no buffer, so no release hook to return them
     ready.emplace(step, std::move(result));
     fetching = false;
     MaybeFetchLocked();
@@ -155,7 +161,7 @@ absl::StatusOr<Layer> LayerStream::Next() {
     if (s.ready.count(step) > 0) return true;
     // Nothing in flight and no room for it: only the caller can free bytes.
     return !s.fetching && s.next_to_fetch == step &&
-           s.in_use + s.Bytes(step) > s.options.budget_bytes;
+           s.Bytes(step) > s.options.budget_bytes - s.in_use;
   };
   s.mu.Await(absl::Condition(&arrived_or_stuck));
   s.caller_waiting = false;

@@ -20,6 +20,18 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
                             manifest.num_shards()));
   }
   view.num_shards = manifest.num_shards();
+  // Counted before anything is built from them (the message size bounds the
+  // sum well below 2^64).
+  uint64_t num_tensors = 0;
+  for (const layercast::v1::Layer& layer : manifest.layers()) num_tensors += layer.tensors_size();
+  if (static_cast<uint64_t>(manifest.layers_size()) > kMaxManifestLayers) {
+    return Bad(absl::StrCat("it lists ", manifest.layers_size(), " layers, more than a worker ",
+                            "accepts (", kMaxManifestLayers, ")"));
+  }
+  if (num_tensors > kMaxManifestTensors) {
+    return Bad(absl::StrCat("it lists ", num_tensors, " tensors, more than a worker accepts (",
+                            kMaxManifestTensors, ")"));
+  }
   absl::StatusOr<Policy> policy = Policy::Parse(manifest.policy());
   if (!policy.ok()) return Bad(policy.status().message());
   view.policy = *policy;
@@ -39,7 +51,8 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
           return Bad(absl::StrCat("tensor ", tensor.name(), " has an impossible shape"));
         }
       }
-      if (n != tensor.num_elements() || n > (uint64_t{1} << 48)) {
+      // The size is capped with the layer's, by the layout below.
+      if (n != tensor.num_elements()) {
         return Bad(absl::StrCat("tensor ", tensor.name(), " has ", tensor.num_elements(),
                                 " elements but its shape gives ", n));
       }
@@ -58,7 +71,13 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
       dtypes.push_back(dtype);
       counts.push_back(n);
     }
-    AssembledLayout layout = AssembledLayout::FromDTypes(dtypes, counts);
+    // The checked layout, not the manifest's own figures: a forger can make
+    // offsets, sizes and digest agree with arithmetic that wrapped.
+    absl::StatusOr<AssembledLayout> checked = AssembledLayout::FromDTypes(dtypes, counts);
+    if (!checked.ok()) {
+      return Bad(absl::StrCat("layer ", l, " (", layer.name(), "): ", checked.status().message()));
+    }
+    AssembledLayout layout = *std::move(checked);
     if (layout.total_bytes() != layer.assembled_bytes()) {
       return Bad(absl::StrCat("layer ", l, " says ", layer.assembled_bytes(),
                               " assembled bytes, the layout gives ", layout.total_bytes()));
@@ -73,8 +92,9 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
     view.model.layers.push_back(std::move(spec));
     view.layouts.push_back(std::move(layout));
   }
-  const std::array<uint8_t, 32> digest = LayoutDigest(view.model, view.policy);
-  if (manifest.layout_digest() != std::string(digest.begin(), digest.end())) {
+  const absl::StatusOr<std::array<uint8_t, 32>> digest = LayoutDigest(view.model, view.policy);
+  if (!digest.ok()) return Bad(digest.status().message());  // the layouts above were built
+  if (manifest.layout_digest() != std::string(digest->begin(), digest->end())) {
     return Bad("its layout_digest does not match its layers");
   }
   return view;

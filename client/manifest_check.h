@@ -11,6 +11,16 @@
 
 namespace layercast::client {
 
+// The most layers a manifest may list. The deepest models have a few hundred;
+// the cap bounds what a forged manifest makes a worker hold (a LayerSpec and a
+// layout per layer) before anything else about it is known to be true.
+inline constexpr uint64_t kMaxManifestLayers = uint64_t{1} << 16;
+
+// The most tensors a manifest may list, all layers together. The largest
+// mixture-of-experts checkpoints hold around a hundred thousand; the cap
+// bounds the worker's copy of the model the same way.
+inline constexpr uint64_t kMaxManifestTensors = uint64_t{1} << 20;
+
 // What a worker knows of a shard set once every manifest agrees: the model,
 // the policy, and each layer's assembled layout, recomputed locally.
 struct ShardSetView {
@@ -23,8 +33,12 @@ struct ShardSetView {
 // Checks one manifest on its own: every field a worker relies on is
 // consistent (shard index below the count, layer indices in order, shapes
 // matching element counts, offsets and sizes equal to the layout the worker
-// derives, the digest equal to the one it computes). Untrusted input: never
-// crashes, allocates nothing beyond the manifest's own size.
+// derives, the digest equal to the one it computes), and within the caps: at
+// most kMaxManifestLayers layers and kMaxManifestTensors tensors, no layer
+// over kMaxAssembledLayerBytes (checked before the worker allocates any layer
+// buffer). FAILED_PRECONDITION "inconsistent manifest: ..." naming the figure
+// and what it should be. Untrusted input: never crashes, allocates nothing
+// beyond the manifest's own size.
 absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manifest);
 
 // Checks that the manifests of the shards at `addresses` (in shard order)

@@ -126,7 +126,9 @@ absl::Status ShardSet::CheckLayerIndex(uint32_t layer) const {
 
 absl::StatusOr<Layer> ShardSet::Gather(uint32_t layer, const GatherOptions& options) const {
   RETURN_IF_ERROR(CheckLayerIndex(layer));
-  LayerBuffer buffer = LayerBuffer::Allocate(view_.layouts[layer].total_bytes());
+  // No budget here: the size was capped by CheckManifest, and what the host
+  // cannot give is RESOURCE_EXHAUSTED.
+  ASSIGN_OR_RETURN(LayerBuffer buffer, LayerBuffer::Allocate(view_.layouts[layer].total_bytes()));
   ASSIGN_OR_RETURN(uint64_t version,
                    GatherInto(layer, options, std::span<uint8_t>(buffer.data(), buffer.size())));
   return MakeLayer(layer, version, std::move(buffer));

@@ -48,7 +48,8 @@ class ShardSet final : public LayerSource {
   // The manifests as fetched, in shard order.
   const std::vector<layercast::v1::Manifest>& manifests() const { return manifests_; }
 
-  // Gathers layer `layer` into a newly allocated buffer.
+  // Gathers layer `layer` into a newly allocated buffer: RESOURCE_EXHAUSTED
+  // when the host cannot give that much (a LayerStream bounds it by budget).
   absl::StatusOr<Layer> Gather(uint32_t layer, const GatherOptions& options = {}) const;
 
   // Gathers layer `layer` into `buffer`, which must hold at least the layer's

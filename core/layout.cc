@@ -5,12 +5,21 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/byte_size.h"
+#include "core/status_macros.h"
 
 namespace layercast {
 namespace {
 
-uint64_t AlignUp(uint64_t value) {
-  return (value + kAssembledAlignment - 1) / kAssembledAlignment * kAssembledAlignment;
+// "N bytes (X TiB)", or "more than 2^64 bytes" when the figure wrapped.
+std::string DescribeBytes(uint64_t bytes, bool overflowed) {
+  if (overflowed) return "more than 2^64 bytes";
+  return absl::StrCat(bytes, " bytes (", FormatBytes(bytes), ")");
+}
+
+std::string DescribeCap() {
+  return absl::StrCat("the most one layer may assemble to, ", kMaxAssembledLayerBytes, " bytes (",
+                      FormatBytes(kMaxAssembledLayerBytes), ")");
 }
 
 }  // namespace
@@ -29,23 +38,58 @@ ElementRange Intersect(ElementRange a, ElementRange b) {
   return end > begin ? ElementRange{begin, end} : ElementRange{begin, begin};
 }
 
-AssembledLayout AssembledLayout::Build(const LayerSpec& layer, const Policy& policy) {
+absl::StatusOr<AssembledLayout> AssembledLayout::Build(const LayerSpec& layer,
+                                                       const Policy& policy) {
   std::vector<DType> dtypes;
   std::vector<uint64_t> counts;
   for (const TensorSpec& tensor : layer.tensors) {
     dtypes.push_back(policy.ComputeDTypeFor(tensor.name));
     counts.push_back(tensor.num_elements);
   }
-  return FromDTypes(dtypes, counts);
+  absl::StatusOr<AssembledLayout> layout = FromDTypes(dtypes, counts);
+  if (!layout.ok()) {
+    return absl::Status(layout.status().code(),
+                        absl::StrCat("layer ", layer.name, ": ", layout.status().message()));
+  }
+  return layout;
 }
 
-AssembledLayout AssembledLayout::FromDTypes(const std::vector<DType>& dtypes,
-                                            const std::vector<uint64_t>& num_elements) {
+absl::StatusOr<AssembledLayout> AssembledLayout::FromDTypes(
+    const std::vector<DType>& dtypes, const std::vector<uint64_t>& num_elements) {
+  if (dtypes.size() != num_elements.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a layout needs one dtype per element count: ", dtypes.size(), " dtypes for ",
+                     num_elements.size(), " element counts"));
+  }
+  // The counts may come from a forged manifest: a product or sum that wraps
+  // would give a small buffer with tensors pointing far outside it. Every
+  // step is checked against 2^64 and then against the cap, so the running
+  // offset stays at most kMaxAssembledLayerBytes.
   AssembledLayout layout;
   uint64_t offset = 0;
   for (size_t i = 0; i < dtypes.size(); ++i) {
-    AssembledTensor tensor{dtypes[i], offset, num_elements[i]};
-    offset = AlignUp(offset + tensor.num_bytes());
+    const AssembledTensor tensor{dtypes[i], offset, num_elements[i]};
+    uint64_t bytes = 0;
+    const bool bytes_wrapped = __builtin_mul_overflow(
+        tensor.num_elements, static_cast<uint64_t>(DTypeSize(tensor.compute_dtype)), &bytes);
+    if (bytes_wrapped || bytes > kMaxAssembledLayerBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", i, " of ", dtypes.size(), " has ", tensor.num_elements, " ",
+                       DTypeName(tensor.compute_dtype), " elements, ",
+                       DescribeBytes(bytes, bytes_wrapped), ", more than ", DescribeCap()));
+    }
+    // AlignUp(offset + bytes), each step checked.
+    uint64_t end = 0;
+    const bool end_wrapped = __builtin_add_overflow(offset, bytes, &end) ||
+                             __builtin_add_overflow(end, kAssembledAlignment - 1, &end);
+    end = end / kAssembledAlignment * kAssembledAlignment;
+    if (end_wrapped || end > kMaxAssembledLayerBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensors 0-", i, " of ", dtypes.size(), " take ",
+                       DescribeBytes(end, end_wrapped), " (tensor ", i, " adds ", bytes,
+                       " bytes at offset ", offset, "), more than ", DescribeCap()));
+    }
+    offset = end;
     layout.tensors_.push_back(tensor);
   }
   layout.total_bytes_ = offset;
@@ -63,6 +107,8 @@ absl::StatusOr<std::vector<TensorElementRange>> AssembledLayout::MapByteRange(ui
   for (uint32_t t = 0; t < tensors_.size(); ++t) {
     const AssembledTensor& tensor = tensors_[t];
     const uint64_t size = DTypeSize(tensor.compute_dtype);
+    // Cannot wrap: FromDTypes kept every tensor's end within
+    // kMaxAssembledLayerBytes.
     const uint64_t tensor_end = tensor.byte_offset + tensor.num_bytes();
     const uint64_t lo = std::max(begin, tensor.byte_offset);
     const uint64_t hi = std::min(end, tensor_end);
@@ -91,7 +137,7 @@ std::vector<std::pair<uint64_t, uint64_t>> AssembledLayout::SplitBytes(uint32_t 
   return out;
 }
 
-std::array<uint8_t, 32> LayoutDigest(const ModelSpec& model, const Policy& policy) {
+absl::StatusOr<std::array<uint8_t, 32>> LayoutDigest(const ModelSpec& model, const Policy& policy) {
   // A length-prefixed serialisation, so no two different layouts hash the
   // same bytes.
   std::string bytes;
@@ -105,7 +151,7 @@ std::array<uint8_t, 32> LayoutDigest(const ModelSpec& model, const Policy& polic
   append_u64(model.layers.size());
   for (const LayerSpec& layer : model.layers) {
     append_str(layer.name);
-    const AssembledLayout layout = AssembledLayout::Build(layer, policy);
+    ASSIGN_OR_RETURN(const AssembledLayout layout, AssembledLayout::Build(layer, policy));
     append_u64(layer.tensors.size());
     append_u64(layout.total_bytes());
     for (size_t t = 0; t < layer.tensors.size(); ++t) {

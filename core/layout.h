@@ -15,6 +15,14 @@ namespace layercast {
 // Byte alignment of every tensor in an assembled layer buffer.
 inline constexpr uint64_t kAssembledAlignment = 256;
 
+// The most bytes one assembled layer may take: 2^48 = 256 TiB. Layouts come
+// from manifests a worker does not trust, and a layer's size decides what it
+// allocates. This is beyond any host's or device's memory (twice what an
+// x86-64 Linux process can map), so no real layer is refused; and it keeps
+// every offset, tensor end and aligned size of a built layout far below 2^64,
+// so arithmetic on a built layout cannot wrap.
+inline constexpr uint64_t kMaxAssembledLayerBytes = uint64_t{1} << 48;
+
 // A half-open range [begin, end) of flat elements within one tensor.
 struct ElementRange {
   uint64_t begin = 0;
@@ -32,7 +40,9 @@ ElementRange ShardElementRange(uint64_t n, uint32_t shard, uint32_t num_shards);
 // Intersection of two element ranges (empty when they do not meet).
 ElementRange Intersect(ElementRange a, ElementRange b);
 
-// Where one tensor sits in an assembled layer buffer.
+// Where one tensor sits in an assembled layer buffer. In an AssembledLayout,
+// byte_offset + num_bytes() is at most kMaxAssembledLayerBytes, so neither
+// the product nor the sum can wrap (the layout refused anything larger).
 struct AssembledTensor {
   DType compute_dtype = DType::kFloat32;
   uint64_t byte_offset = 0;  // multiple of kAssembledAlignment
@@ -47,15 +57,21 @@ struct TensorElementRange {
 };
 
 // The assembled layout of one layer: tensors in manifest order, each in its
-// compute dtype, each at a 256-byte aligned offset, no overlaps. Both sides
-// derive it from the manifest. Immutable and thread-safe once built.
+// compute dtype, each at a 256-byte aligned offset, no overlaps, the whole at
+// most kMaxAssembledLayerBytes. Both sides derive it from the manifest.
+// Immutable and thread-safe once built.
 class AssembledLayout {
  public:
-  // Lays out `layer` with each tensor's compute dtype from `policy`.
-  static AssembledLayout Build(const LayerSpec& layer, const Policy& policy);
-  // Lays out tensors with explicit compute dtypes and element counts.
-  static AssembledLayout FromDTypes(const std::vector<DType>& dtypes,
-                                    const std::vector<uint64_t>& num_elements);
+  // Lays out `layer` with each tensor's compute dtype from `policy`. Errors
+  // as FromDTypes, prefixed with the layer's name.
+  static absl::StatusOr<AssembledLayout> Build(const LayerSpec& layer, const Policy& policy);
+  // Lays out tensors with explicit compute dtypes and element counts, which
+  // may come from an untrusted peer: every product and sum is checked.
+  // INVALID_ARGUMENT naming the tensor and the figures when the layer would
+  // exceed kMaxAssembledLayerBytes (or 2^64 on the way there), or when the
+  // two vectors differ in length.
+  static absl::StatusOr<AssembledLayout> FromDTypes(const std::vector<DType>& dtypes,
+                                                    const std::vector<uint64_t>& num_elements);
 
   const std::vector<AssembledTensor>& tensors() const { return tensors_; }
   // Size of the assembled buffer in bytes: the end of the last tensor,
@@ -81,7 +97,8 @@ class AssembledLayout {
 
 // SHA-256 over every layer's assembled layout: tensor names, shapes, compute
 // dtypes, offsets and sizes, in order. Two peers agree on how to assemble every
-// layer iff their digests are equal.
-std::array<uint8_t, 32> LayoutDigest(const ModelSpec& model, const Policy& policy);
+// layer iff their digests are equal. A layer that cannot be laid out has no
+// digest: Build's error.
+absl::StatusOr<std::array<uint8_t, 32>> LayoutDigest(const ModelSpec& model, const Policy& policy);
 
 }  // namespace layercast

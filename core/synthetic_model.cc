@@ -1,11 +1,13 @@
 #include "core/synthetic_model.h"
 
 #include <charconv>
+#include <initializer_list>
 #include <map>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/status_macros.h"
 
 namespace layercast {
 namespace {
@@ -47,6 +49,40 @@ float ElementValue(uint64_t name_seed, bool norm, uint64_t index) {
   return norm ? 1.0f + 0.1f * unit : 0.05f * unit;
 }
 
+// Refuses a spec whose fp32 master does not fit in a 64-bit byte count,
+// before its layers (hundreds of thousands, by then) are built. With every value at most
+// 2^20, no tensor exceeds 2^40 elements and no layer 7*2^40 + 2^21 (28 TiB of
+// fp32, under kMaxAssembledLayerBytes), so only the sum over layers can
+// overflow; the products are checked all the same.
+absl::Status CheckSize(absl::string_view spec, uint64_t layers, uint64_t hidden, uint64_t ffn,
+                       uint64_t vocab) {
+  bool wrapped = false;
+  // sum += the product of `factors`.
+  const auto add = [&wrapped](uint64_t& sum, std::initializer_list<uint64_t> factors) {
+    uint64_t product = 1;
+    for (uint64_t factor : factors) wrapped |= __builtin_mul_overflow(product, factor, &product);
+    wrapped |= __builtin_add_overflow(sum, product, &sum);
+  };
+  uint64_t decoder = 0, total = 0, bytes = 0;
+  add(decoder, {4, hidden, hidden});  // q, k, v, o projections
+  add(decoder, {3, hidden, ffn});     // gate, up, down
+  add(decoder, {2, hidden});          // the two norms
+  add(total, {layers, decoder});
+  add(total, {2, vocab, hidden});  // embedding and lm_head
+  add(total, {hidden});            // final norm
+  add(bytes, {total, sizeof(float)});
+  if (!wrapped) return absl::OkStatus();
+  const double h = static_cast<double>(hidden),
+               approximate_elements = static_cast<double>(layers) *
+                                          (4 * h * h + 3 * h * static_cast<double>(ffn) + 2 * h) +
+                                      2 * static_cast<double>(vocab) * h + h;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "synthetic spec '", spec, "' describes about ", absl::SixDigits(approximate_elements),
+      " elements, ", absl::SixDigits(approximate_elements * sizeof(float)),
+      " bytes of fp32 master, more than a 64-bit size can count (", UINT64_MAX,
+      "): use fewer layers or a smaller hidden or ffn"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::string_view spec) {
@@ -81,6 +117,8 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
       it->second = v;
     }
   }
+  RETURN_IF_ERROR(
+      CheckSize(spec, values["layers"], values["hidden"], values["ffn"], values["vocab"]));
   const int64_t hidden = static_cast<int64_t>(values["hidden"]);
   const int64_t ffn = static_cast<int64_t>(values["ffn"]);
   const int64_t vocab = static_cast<int64_t>(values["vocab"]);

@@ -27,7 +27,9 @@ namespace layercast {
 // check it. Thread-safe.
 class SyntheticModel : public ParameterSource {
  public:
-  // INVALID_ARGUMENT naming the bad key or value.
+  // INVALID_ARGUMENT naming the bad key or value (each of layers, hidden,
+  // ffn and vocab is 1..2^20), or the model's size when its fp32 master would
+  // not fit in a 64-bit byte count.
   static absl::StatusOr<std::unique_ptr<SyntheticModel>> Create(absl::string_view spec);
 
   const ModelSpec& model() const override { return model_; }

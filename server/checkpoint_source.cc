@@ -91,7 +91,8 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
                     absl::StrCat("it is shard ", field("shard_index"), " of ", field("num_shards"),
                                  " and this is shard ", shard_index_, " of ", num_shards_));
   }
-  const std::string digest = HexString(LayoutDigest(model_, policy));
+  ASSIGN_OR_RETURN(const auto layout_digest, LayoutDigest(model_, policy));
+  const std::string digest = HexString(layout_digest);
   if (field("layout_digest") != digest) {
     return Mismatch(path_, absl::StrCat("its layout digest is ", field("layout_digest"),
                                         " (policy '", field("policy"), "') and this shard's is ",

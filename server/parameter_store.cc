@@ -1,19 +1,29 @@
 #include "server/parameter_store.h"
 
+#include <new>
+
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
 namespace layercast::server {
 
-uint64_t ParameterStore::MasterBytes(const ModelSpec& model, uint32_t shard_index,
-                                     uint32_t num_shards) {
-  uint64_t elements = 0;
+absl::StatusOr<uint64_t> ParameterStore::MasterBytes(const ModelSpec& model, uint32_t shard_index,
+                                                     uint32_t num_shards) {
+  uint64_t elements = 0, bytes = 0;
+  double approximate = 0;  // for the message, when the exact figure does not fit
+  bool wrapped = false;
   for (const LayerSpec& layer : model.layers) {
     for (const TensorSpec& tensor : layer.tensors) {
-      elements += ShardElementRange(tensor.num_elements, shard_index, num_shards).size();
+      const uint64_t owned = ShardElementRange(tensor.num_elements, shard_index, num_shards).size();
+      wrapped |= __builtin_add_overflow(elements, owned, &elements);
+      approximate += static_cast<double>(owned);
     }
   }
-  return elements * sizeof(float);
+  if (!wrapped && !__builtin_mul_overflow(elements, sizeof(float), &bytes)) return bytes;
+  return absl::InvalidArgumentError(
+      absl::StrCat("model '", model.model_id, "' is too large: shard ", shard_index, " of ",
+                   num_shards, " would hold about ", absl::SixDigits(approximate * sizeof(float)),
+                   " bytes of fp32 master, more than a 64-bit size can count (", UINT64_MAX, ")"));
 }
 
 absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
@@ -24,16 +34,17 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   store->policy_ = std::move(policy);
   store->shard_index_ = shard_index;
   store->num_shards_ = num_shards;
-  store->layout_digest_ = LayoutDigest(store->model_, store->policy_);
-  store->master_bytes_ = MasterBytes(store->model_, shard_index, num_shards);
-  absl::StatusOr<ContentFingerprint> fingerprint = source.Fingerprint();
-  if (!fingerprint.ok()) return fingerprint.status();
-  store->content_fingerprint_ = *fingerprint;
-
   const std::vector<LayerSpec>& layers = store->model_.layers;
+  for (const LayerSpec& layer : layers) {
+    ASSIGN_OR_RETURN(AssembledLayout layout, AssembledLayout::Build(layer, store->policy_));
+    store->layouts_.push_back(std::move(layout));
+  }
+  ASSIGN_OR_RETURN(store->layout_digest_, LayoutDigest(store->model_, store->policy_));
+  ASSIGN_OR_RETURN(store->master_bytes_, MasterBytes(store->model_, shard_index, num_shards));
+  ASSIGN_OR_RETURN(store->content_fingerprint_, source.Fingerprint());
+
   store->slices_.resize(layers.size());
   for (uint32_t l = 0; l < layers.size(); ++l) {
-    store->layouts_.push_back(AssembledLayout::Build(layers[l], store->policy_));
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
       if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {
         return absl::CancelledError("loading was cancelled: the server is stopping");
@@ -42,7 +53,13 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
       slice.owned = ShardElementRange(layers[l].tensors[t].num_elements, shard_index, num_shards);
       // Not value-initialised: Read() writes every element, and untouched
       // pages would otherwise be zero-filled once here and again there.
-      slice.values.reset(new float[slice.owned.size()]);
+      slice.values.reset(new (std::nothrow) float[slice.owned.size()]);
+      if (slice.values == nullptr) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cannot allocate ", slice.owned.size() * sizeof(float),
+                         " bytes for the fp32 master of tensor ", layers[l].tensors[t].name,
+                         ": use more shards, or a host with more memory"));
+      }
       absl::Status read =
           source.Read(l, t, slice.owned, std::span<float>(slice.values.get(), slice.owned.size()));
       if (!read.ok()) {

@@ -24,12 +24,16 @@ namespace layercast::server {
 class ParameterStore {
  public:
   // Bytes of fp32 master that shard `shard_index` of `num_shards` holds for
-  // `model`: what Load() will allocate.
-  static uint64_t MasterBytes(const ModelSpec& model, uint32_t shard_index, uint32_t num_shards);
+  // `model`: what Load() will allocate. INVALID_ARGUMENT, with the figure, when
+  // it would not fit in 64 bits. REQUIRES: shard_index < num_shards.
+  static absl::StatusOr<uint64_t> MasterBytes(const ModelSpec& model, uint32_t shard_index,
+                                              uint32_t num_shards);
 
   // Reads this shard's ranges from `source`. Returns CANCELLED as soon as
   // `*cancel` becomes true (checked between tensors), so a server told to stop
-  // while loading exits promptly. REQUIRES: shard_index < num_shards.
+  // while loading exits promptly; INVALID_ARGUMENT for a model whose sizes do
+  // not fit (see MasterBytes, AssembledLayout::Build); RESOURCE_EXHAUSTED when
+  // a tensor's master cannot be allocated. REQUIRES: shard_index < num_shards.
   static absl::StatusOr<std::unique_ptr<ParameterStore>> Load(
       const ParameterSource& source, uint32_t shard_index, uint32_t num_shards, Policy policy,
       const std::atomic<bool>* cancel = nullptr);

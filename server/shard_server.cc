@@ -68,8 +68,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   if (model.layers.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, " has no layers"));
   }
-  const uint64_t master =
-      ParameterStore::MasterBytes(model, config.shard_index(), config.num_shards());
+  ASSIGN_OR_RETURN(const uint64_t master,
+                   ParameterStore::MasterBytes(model, config.shard_index(), config.num_shards()));
   const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes;
   if (budget && master > *budget) {
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -24,7 +24,7 @@ class InMemoryLayerSource final : public LayerSource {
     view_.policy = *Policy::Parse("c=bf16;*norm*=f32");
     view_.num_shards = 1;
     for (const LayerSpec& layer : view_.model.layers) {
-      view_.layouts.push_back(AssembledLayout::Build(layer, view_.policy));
+      view_.layouts.push_back(*AssembledLayout::Build(layer, view_.policy));
     }
   }
 

@@ -92,7 +92,7 @@ absl::StatusOr<uint64_t> GatherFrom(FailsAfterLastChunk& service, int* retries) 
   grpc::GenericStub stub(
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
 
-  const AssembledLayout layout = AssembledLayout::FromDTypes({DType::kBFloat16}, {kElements});
+  const AssembledLayout layout = *AssembledLayout::FromDTypes({DType::kBFloat16}, {kElements});
   std::vector<uint8_t> buffer(layout.total_bytes());
   GatherOptions options;
   options.timeout = std::chrono::seconds(20);

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
 
 #include "tests/client/in_memory_layer_source.h"
@@ -94,6 +95,64 @@ TEST(LayerStreamTest, RefusesALayerLargerThanTheBudgetUpFront) {
   options.order = {0, 99};
   options.budget_bytes = 100 * LargestLayer(source);
   EXPECT_EQ(LayerStream::Create(source, options).status().code(), absl::StatusCode::kNotFound);
+}
+
+// One layer of kMaxAssembledLayerBytes, as a manifest may claim and
+// CheckManifest accepts; gathering it is never attempted.
+class HugeLayerSource final : public LayerSource {
+ public:
+  HugeLayerSource() {
+    const uint64_t n = kMaxAssembledLayerBytes / 2;
+    view_.model.layers.push_back(
+        LayerSpec{"huge", {TensorSpec{"w", {static_cast<int64_t>(n)}, n}}});
+    view_.layouts.push_back(*AssembledLayout::FromDTypes({DType::kBFloat16}, {n}));
+    view_.num_shards = 1;
+  }
+  const ShardSetView& view() const override { return view_; }
+  ClientMetrics* metrics() const override { return nullptr; }
+  absl::StatusOr<uint64_t> GatherInto(uint32_t, const GatherOptions&,
+                                      std::span<uint8_t>) const override {
+    ++gathers_;
+    return absl::InternalError("a layer that cannot be allocated was gathered");
+  }
+  int gathers() const { return gathers_.load(); }
+
+ private:
+  ShardSetView view_;
+  mutable std::atomic<int> gathers_{0};
+};
+
+TEST(LayerStreamTest, ALayerLargerThanTheBudgetIsRefusedBeforeAnythingIsAllocated) {
+  HugeLayerSource source;
+  LayerStreamOptions options;
+  options.order = {0};
+  options.budget_bytes = uint64_t{1} << 30;
+  auto stream = LayerStream::Create(source, options);
+  EXPECT_EQ(stream.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(stream.status().message()),
+              HasSubstr("layer 0 (huge) assembles to 256.00 TiB, more than the stream's budget "
+                        "of 1.00 GiB"));
+  EXPECT_EQ(source.gathers(), 0);
+}
+
+TEST(LayerStreamTest, ALayerTheHostCannotHoldIsAnErrorNotAnException) {
+  // No budget to speak of: the allocation itself fails (256 TiB is
+  // more than a process can map), and Next says so.
+  HugeLayerSource source;
+  LayerStreamOptions options;
+  options.order = {0, 0};
+  options.budget_bytes = UINT64_MAX;
+  auto stream = LayerStream::Create(source, options);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  for (int i = 0; i < 2; ++i) {  // the failed allocation gave its budget back
+    absl::StatusOr<Layer> layer = (*stream)->Next();
+    EXPECT_EQ(layer.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(std::string(layer.status().message()),
+                HasSubstr("cannot allocate 281474976710656 bytes (256.00 TiB)"));
+  }
+  EXPECT_EQ(source.gathers(), 0);
+  EXPECT_EQ(LayerBuffer::Allocate(kMaxAssembledLayerBytes + 1).status().code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 TEST(LayerStreamTest, ACallerHoldingTheWholeBudgetGetsAnErrorNotAHang) {

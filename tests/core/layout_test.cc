@@ -39,7 +39,7 @@ TEST(ShardElementRangeTest, NoOverflowOnHugeTensors) {
 }
 
 AssembledLayout MixedLayout() {
-  return AssembledLayout::FromDTypes(
+  return *AssembledLayout::FromDTypes(
       {DType::kBFloat16, DType::kFloat32, DType::kFloat16, DType::kBFloat16}, {1000, 3, 128, 1});
 }
 
@@ -53,7 +53,7 @@ TEST(AssembledLayoutTest, TensorsAlignedAndNonOverlapping) {
       dtypes.push_back(static_cast<DType>(1 + rng() % 3));
       counts.push_back(rng() % 5000);
     }
-    const AssembledLayout layout = AssembledLayout::FromDTypes(dtypes, counts);
+    const AssembledLayout layout = *AssembledLayout::FromDTypes(dtypes, counts);
     uint64_t previous_end = 0;
     for (const AssembledTensor& t : layout.tensors()) {
       EXPECT_EQ(t.byte_offset % kAssembledAlignment, 0u);
@@ -79,7 +79,7 @@ TEST(AssembledLayoutTest, SplitRangesTileEveryTensorExactlyOnce) {
       dtypes.push_back(static_cast<DType>(1 + rng() % 3));
       counts.push_back(1 + rng() % 3000);
     }
-    const AssembledLayout layout = AssembledLayout::FromDTypes(dtypes, counts);
+    const AssembledLayout layout = *AssembledLayout::FromDTypes(dtypes, counts);
     for (uint32_t parts : {1u, 2u, 3u, 8u, 64u}) {
       std::vector<std::vector<int>> seen(tensors);
       for (int t = 0; t < tensors; ++t) seen[t].assign(counts[t], 0);
@@ -100,6 +100,57 @@ TEST(AssembledLayoutTest, SplitRangesTileEveryTensorExactlyOnce) {
       }
     }
   }
+}
+
+TEST(AssembledLayoutTest, RefusesALayerWhoseSizeWouldWrap) {
+  // 16384 fp32 tensors of 2^48 elements and one more element: 2^64 + 4 bytes,
+  // which unchecked arithmetic wrapped to a 256-byte layer whose tensor 0 was
+  // a 2^50-byte span.
+  std::vector<DType> dtypes(16385, DType::kFloat32);
+  std::vector<uint64_t> counts(16384, uint64_t{1} << 48);
+  counts.push_back(1);
+  const absl::Status status = AssembledLayout::FromDTypes(dtypes, counts).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              HasSubstr("tensor 0 of 16385 has 281474976710656 float32 elements, "
+                        "1125899906842624 bytes (1.00 PiB), more than the most one layer may "
+                        "assemble to, 281474976710656 bytes (256.00 TiB)"));
+  // A product past 2^64 on its own.
+  EXPECT_THAT(
+      AssembledLayout::FromDTypes({DType::kFloat32}, {uint64_t{1} << 62}).status().message(),
+      HasSubstr("more than 2^64 bytes"));
+}
+
+TEST(AssembledLayoutTest, RefusesALayerOverTheCapAndAcceptsOneAtIt) {
+  // bf16 tensors of 2^47 elements are 2^48 bytes each: one is exactly the cap.
+  const uint64_t n = uint64_t{1} << 47;
+  absl::StatusOr<AssembledLayout> at_cap = AssembledLayout::FromDTypes({DType::kBFloat16}, {n});
+  ASSERT_TRUE(at_cap.ok()) << at_cap.status();
+  EXPECT_EQ(at_cap->total_bytes(), kMaxAssembledLayerBytes);
+  // A second tensor, however small, takes the aligned end past it.
+  const absl::Status status =
+      AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat16}, {n, 1}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              HasSubstr("tensors 0-1 of 2 take 281474976710912 bytes (256.00 TiB) (tensor 1 "
+                        "adds 2 bytes at offset 281474976710656), more than the most one layer"));
+  // Unaligned ends near the cap round up to it, not past it.
+  at_cap = AssembledLayout::FromDTypes({DType::kFloat32, DType::kFloat16},
+                                       {(kMaxAssembledLayerBytes - 512) / 4, 3});
+  ASSERT_TRUE(at_cap.ok()) << at_cap.status();
+  EXPECT_EQ(at_cap->total_bytes(), kMaxAssembledLayerBytes - 256);
+  const AssembledTensor& last = at_cap->tensors()[1];
+  EXPECT_LE(last.byte_offset + last.num_bytes(), at_cap->total_bytes());
+  EXPECT_EQ(AssembledLayout::FromDTypes({DType::kFloat32}, {1, 2}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AssembledLayoutTest, BuildNamesTheLayer) {
+  const LayerSpec layer{"model.layers.7", {TensorSpec{"w", {}, uint64_t{1} << 47}}};
+  EXPECT_TRUE(AssembledLayout::Build(layer, *Policy::Parse("c=bf16")).ok());
+  const absl::Status status = AssembledLayout::Build(layer, *Policy::Parse("c=f32")).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("layer model.layers.7: tensor 0 of 1 has"));
 }
 
 TEST(AssembledLayoutTest, MapByteRangeSelectsElements) {
@@ -134,16 +185,24 @@ TEST(LayoutDigestTest, ChangesWithAnythingThatMovesBytes) {
   ModelSpec model{
       "m", {LayerSpec{"l0", {TensorSpec{"a.weight", {4, 8}, 32}, TensorSpec{"a.norm", {8}, 8}}}}};
   const Policy bf16 = *Policy::Parse("c=bf16");
-  const auto base = LayoutDigest(model, bf16);
-  EXPECT_EQ(base, LayoutDigest(model, bf16));
-  EXPECT_NE(base, LayoutDigest(model, *Policy::Parse("c=bf16;*norm=f32")));
-  EXPECT_NE(base, LayoutDigest(model, *Policy::Parse("c=f32")));
+  const auto base = *LayoutDigest(model, bf16);
+  EXPECT_EQ(base, *LayoutDigest(model, bf16));
+  EXPECT_NE(base, *LayoutDigest(model, *Policy::Parse("c=bf16;*norm=f32")));
+  EXPECT_NE(base, *LayoutDigest(model, *Policy::Parse("c=f32")));
   ModelSpec reshaped = model;
   reshaped.layers[0].tensors[0].shape = {8, 4};
-  EXPECT_NE(base, LayoutDigest(reshaped, bf16));
+  EXPECT_NE(base, *LayoutDigest(reshaped, bf16));
   ModelSpec renamed = model;
   renamed.layers[0].tensors[1].name = "a.norm2";
-  EXPECT_NE(base, LayoutDigest(renamed, bf16));
+  EXPECT_NE(base, *LayoutDigest(renamed, bf16));
+}
+
+TEST(LayoutDigestTest, ALayerThatCannotBeLaidOutHasNoDigest) {
+  const ModelSpec model{"m", {LayerSpec{"huge", {TensorSpec{"w", {}, uint64_t{1} << 62}}}}};
+  const absl::Status status = LayoutDigest(model, *Policy::Parse("c=f32")).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("layer huge: tensor 0 of 1 has 4611686018427387904 "
+                                          "float32 elements, more than 2^64 bytes"));
 }
 
 }  // namespace

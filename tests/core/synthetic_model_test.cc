@@ -56,5 +56,21 @@ TEST(SyntheticModelTest, RefusesBadSpecs) {
   EXPECT_TRUE(SyntheticModel::Create("llama:").ok());
 }
 
+TEST(SyntheticModelTest, RefusesAModelTooLargeToCount) {
+  // Every value within 1..2^20, but about 3.2e19 bytes of fp32 in all: refused
+  // with the figure, before a million layers are built.
+  const char* spec = "llama:layers=1048576,hidden=1048576,ffn=1048576";
+  auto model = SyntheticModel::Create(spec);
+  ASSERT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(model.status().message(),
+              HasSubstr("synthetic spec 'llama:layers=1048576,hidden=1048576,ffn=1048576' "
+                        "describes about 8.07045e+18 elements, 3.22818e+19 bytes of fp32 master, "
+                        "more than a 64-bit size can count"));
+  // A single value past the cap names that value.
+  model = SyntheticModel::Create("llama:hidden=1099511627776");
+  ASSERT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(model.status().message(), HasSubstr("not '1099511627776'"));
+}
+
 }  // namespace
 }  // namespace layercast

@@ -184,6 +184,15 @@ void ManifestSeeds(const fs::path& dir) {
   broken("invalid_shard", [](auto& m) { m.set_shard_index(2); });
   broken("invalid_policy", [](auto& m) { m.set_policy("c=bf8"); });
   broken("invalid_size", [](auto& m) { m.mutable_layers(1)->set_assembled_bytes(1); });
+  // 2^50 bf16 elements: past kMaxAssembledLayerBytes on its own (the fuzzer's
+  // repaired copy makes every other figure agree with it).
+  broken("invalid_layer_cap", [](auto& m) {
+    layercast::v1::Tensor* tensor = m.mutable_layers(1)->mutable_tensors(0);
+    tensor->clear_shape();
+    tensor->add_shape(int64_t{1} << 20);
+    tensor->add_shape(int64_t{1} << 30);
+    tensor->set_num_elements(uint64_t{1} << 50);
+  });
 }
 
 void FetchPlanSeeds(const fs::path& dir) {

@@ -223,7 +223,7 @@ TEST(HostileStreamsTest, ParkingIsBoundedInCountAndInTime) {
 TEST(HostileStreamsTest, StalledReadersLoseTheirBudgetToARealWorker) {
   auto source = SyntheticModel::Create(kBigModel);
   ASSERT_TRUE(source.ok());
-  const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);
+  const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config = Config(kBigModel);
   // Room for exactly two streams' chunk buffers beside the master.
   config.set_memory_budget(std::to_string(master + 4 * kChunkBytes));

@@ -24,7 +24,7 @@ std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::strin
                                          std::optional<uint64_t> shared_chunk_bytes = {},
                                          uint32_t shared_chunk_max_idle_ms = 0) {
   auto source = SyntheticModel::Create(model);
-  const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);
+  const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config;
   config.set_listen("127.0.0.1:0");
   config.set_num_shards(1);
@@ -93,7 +93,7 @@ TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
   EXPECT_GT(server->budget()->peak(), server->budget()->in_use()) << "chunk buffers were counted";
   // A reclaimer posted during the run may still be dropping kept chunks on
   // the budget's thread: wait for the two counts to settle.
-  const uint64_t master = ParameterStore::MasterBytes((*set)->model(), 0, 1);
+  const uint64_t master = *ParameterStore::MasterBytes((*set)->model(), 0, 1);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (server->budget()->in_use() != master + server->shared_chunks()->kept_bytes() &&
          std::chrono::steady_clock::now() < give_up) {
@@ -176,7 +176,7 @@ TEST(ShardServerBudgetTest, StreamsBeyondMaxStreamsAreRefused) {
 
 TEST(ShardServerBudgetTest, ABudgetThatCannotServeOneStreamFailsAtStart) {
   auto source = SyntheticModel::Create(kModel);
-  const uint64_t master = ParameterStore::MasterBytes((*source)->model(), 0, 1);
+  const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config;
   config.set_num_shards(1);
   config.set_synthetic(kModel);

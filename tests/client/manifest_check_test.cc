@@ -1,0 +1,164 @@
+// CheckManifest against manifests forged to pass every check a shard's own
+// code would make: offsets and sizes laid out with the wrapping arithmetic a
+// forger may use, and a layout digest recomputed to match them.
+
+#include "client/manifest_check.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <openssl/evp.h>
+
+#include <string>
+#include <vector>
+
+namespace layercast::client {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+struct ForgedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t num_elements = 0;
+  layercast::v1::DType dtype = layercast::v1::FLOAT32;
+};
+
+uint64_t Size(layercast::v1::DType dtype) { return dtype == layercast::v1::FLOAT32 ? 4 : 2; }
+
+// LayoutDigest's serialisation, written out again so a test can sign a layout
+// the library refuses to build (ForgerDigestMatchesLayoutDigest keeps the two
+// in step).
+class ForgerDigest {
+ public:
+  void U64(uint64_t v) {
+    for (int i = 0; i < 8; ++i) bytes_.push_back(static_cast<char>(v >> (8 * i)));
+  }
+  void Str(const std::string& s) {
+    U64(s.size());
+    bytes_ += s;
+  }
+  std::string Finish() const {
+    unsigned char digest[32];
+    unsigned int length = 0;
+    EVP_Digest(bytes_.data(), bytes_.size(), digest, &length, EVP_sha256(), nullptr);
+    return std::string(reinterpret_cast<char*>(digest), length);
+  }
+
+ private:
+  std::string bytes_;
+};
+
+// A one-shard f32 manifest whose offsets, assembled sizes and digest follow
+// from `layers` with unchecked uint64 arithmetic, as a forger computes them.
+layercast::v1::Manifest Forge(const std::vector<std::vector<ForgedTensor>>& layers) {
+  layercast::v1::Manifest manifest;
+  manifest.set_model_id("forged");
+  manifest.set_num_shards(1);
+  manifest.set_shard_index(0);
+  manifest.set_policy("c=f32");
+  ForgerDigest digest;
+  digest.U64(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    layercast::v1::Layer* layer = manifest.add_layers();
+    layer->set_index(static_cast<uint32_t>(l));
+    layer->set_name("layer" + std::to_string(l));
+    std::vector<uint64_t> offsets;
+    uint64_t offset = 0;
+    for (const ForgedTensor& tensor : layers[l]) {
+      offsets.push_back(offset);
+      offset = (offset + tensor.num_elements * Size(tensor.dtype) + 255) / 256 * 256;
+    }
+    layer->set_assembled_bytes(offset);
+    digest.Str(layer->name());
+    digest.U64(layers[l].size());
+    digest.U64(offset);
+    for (size_t t = 0; t < layers[l].size(); ++t) {
+      const ForgedTensor& spec = layers[l][t];
+      layercast::v1::Tensor* tensor = layer->add_tensors();
+      tensor->set_name(spec.name);
+      for (int64_t dim : spec.shape) tensor->add_shape(dim);
+      tensor->set_param_dtype(layercast::v1::FLOAT32);
+      tensor->set_compute_dtype(spec.dtype);
+      tensor->set_byte_offset(offsets[t]);
+      tensor->set_num_elements(spec.num_elements);
+      digest.Str(spec.name);
+      digest.U64(spec.shape.size());
+      for (int64_t dim : spec.shape) digest.U64(static_cast<uint64_t>(dim));
+      digest.U64(static_cast<uint64_t>(spec.dtype));
+      digest.U64(offsets[t]);
+      digest.U64(spec.num_elements);
+    }
+  }
+  manifest.set_layout_digest(digest.Finish());
+  return manifest;
+}
+
+ForgedTensor F32(std::string name, uint64_t n) {
+  return ForgedTensor{std::move(name), {static_cast<int64_t>(n)}, n, layercast::v1::FLOAT32};
+}
+
+TEST(ManifestCheckTest, ForgerDigestMatchesLayoutDigest) {
+  // An honest layout: the forger's digest is the library's, so the refusals
+  // below are not digest mismatches.
+  const layercast::v1::Manifest manifest =
+      Forge({{F32("a", 1000), F32("b", 3)}, {}, {F32("c", 1)}});
+  absl::StatusOr<ShardSetView> view = CheckManifest(manifest);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->layouts[0].total_bytes(), 4096u + 256);
+}
+
+TEST(ManifestCheckTest, RefusesALayerWhoseSizeWrapsPast2To64) {
+  // 16384 tensors of 2^48 fp32 elements take 2^64 bytes: with wrapping
+  // arithmetic the layer is 256 bytes (the last tensor's), its digest
+  // matches, and tensor 0 would be a 2^50-byte span of a 256-byte buffer.
+  std::vector<ForgedTensor> tensors;
+  for (int i = 0; i < 16384; ++i)
+    tensors.push_back(F32("t" + std::to_string(i), uint64_t{1} << 48));
+  tensors.push_back(F32("bias", 1));
+  const layercast::v1::Manifest manifest = Forge({tensors});
+  ASSERT_EQ(manifest.layers(0).assembled_bytes(), 256u);
+  const absl::Status status = CheckManifest(manifest).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("inconsistent manifest: layer 0 (layer0): tensor 0 of "
+                                          "16385 has 281474976710656 float32 elements"));
+  EXPECT_THAT(status.message(), HasSubstr("281474976710656 bytes (256.00 TiB)"));
+  EXPECT_THAT(status.message(), Not(HasSubstr("layout_digest")));
+}
+
+TEST(ManifestCheckTest, RefusesALayerLargerThanTheCapWithoutWrapping) {
+  // Three tensors of 2^47 bytes: each fits, the layer of 384 TiB does not.
+  const uint64_t n = uint64_t{1} << 45;
+  const absl::Status status =
+      CheckManifest(Forge({{F32("a", n), F32("b", n), F32("c", n)}})).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("tensors 0-2 of 3 take 422212465065984 bytes"));
+  EXPECT_THAT(status.message(), HasSubstr("281474976710656 bytes (256.00 TiB)"));
+  // Exactly the cap is a layer like any other.
+  absl::StatusOr<ShardSetView> at_cap = CheckManifest(Forge({{F32("a", n), F32("b", n)}}));
+  ASSERT_TRUE(at_cap.ok()) << at_cap.status();
+  EXPECT_EQ(at_cap->layouts[0].total_bytes(), uint64_t{1} << 48);
+}
+
+TEST(ManifestCheckTest, RefusesMoreLayersThanTheCap) {
+  const layercast::v1::Manifest manifest =
+      Forge(std::vector<std::vector<ForgedTensor>>(kMaxManifestLayers + 1));
+  const absl::Status status = CheckManifest(manifest).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(),
+              HasSubstr("it lists 65537 layers, more than a worker accepts (65536)"));
+  EXPECT_TRUE(
+      CheckManifest(Forge(std::vector<std::vector<ForgedTensor>>(kMaxManifestLayers))).ok());
+}
+
+TEST(ManifestCheckTest, RefusesMoreTensorsThanTheCap) {
+  std::vector<std::vector<ForgedTensor>> layers(2);
+  for (uint64_t i = 0; i <= kMaxManifestTensors; ++i) layers[i % 2].push_back(F32("t", 0));
+  const absl::Status status = CheckManifest(Forge(layers)).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(),
+              HasSubstr("it lists 1048577 tensors, more than a worker accepts (1048576)"));
+}
+
+}  // namespace
+}  // namespace layercast::client
