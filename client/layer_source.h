@@ -30,7 +30,9 @@ struct GatherOptions {
   std::function<void(uint64_t bytes)> on_chunk;
   // If set, told each time a shard's stream is retried: what it failed with
   // (naming the shard, e.g. "shard 1 (host:port): this shard is shutting
-  // down ...") and how long until the retry. On the gathering thread.
+  // down ...") and how long until the retry. On the gathering thread, with
+  // the gather's lock held: it must be quick, and must not cancel the
+  // gather (cancel from another thread instead).
   std::function<void(const absl::Status& why, std::chrono::milliseconds delay)> on_retry;
 };
 

@@ -1,5 +1,7 @@
 #include "server/fetch_layer_reactor.h"
 
+#include <grpc/grpc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -245,11 +247,14 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   StartWrite(&chunk_);
 }
 
-bool FetchLayerReactor::MarkIfStalled(std::chrono::steady_clock::time_point now,
-                                      std::chrono::steady_clock::duration limit) {
+grpc_call* FetchLayerReactor::RefIfStalled(std::chrono::steady_clock::time_point now,
+                                           std::chrono::steady_clock::duration limit) {
   const int64_t started = write_started_.load();
-  if (started == 0 || now.time_since_epoch().count() - started <= limit.count()) return false;
-  return !stalled_.exchange(true);
+  if (started == 0 || now.time_since_epoch().count() - started <= limit.count()) return nullptr;
+  if (stalled_.exchange(true)) return nullptr;
+  grpc_call* call = context_->c_call();
+  grpc_call_ref(call);
+  return call;
 }
 
 void FetchLayerReactor::OnWriteDone(bool ok) {
@@ -295,7 +300,8 @@ void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
 void FetchLayerReactor::OnDone() {
   if (holds_budget_) budget_.Release(buffer_bytes_);
   if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer, peer_);
-  if (!options_.on_done || options_.on_done(this, final_status_)) delete this;
+  if (options_.on_done) options_.on_done(this, final_status_);
+  delete this;
 }
 
 }  // namespace layercast::server

@@ -27,9 +27,10 @@ namespace layercast::server {
 // the next from OnWriteDone. No copy of the layer in its compute dtype ever
 // exists beyond the chunks in flight.
 //
-// Owns itself: deletes itself in OnDone. gRPC serialises its own callbacks;
-// the version gate's, the budget's and SharedChunks' callbacks are posted to
-// the grant executor and may race OnCancel: the phase, the id of the wait in
+// Owns itself: deletes itself in OnDone. gRPC serialises OnWriteDone and
+// OnDone, but OnCancel may run beside them; the version gate's, the
+// budget's and SharedChunks' callbacks are posted to the grant executor and
+// may race OnCancel too: the phase, the id of the wait in
 // progress and whether the call was cancelled are kept under one mutex, so
 // a cancel in any phase (or between two) ends the stream exactly once. The
 // reactor never calls Finish while it holds that mutex (OnDone may delete it
@@ -47,10 +48,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // Where chunks cast by other streams are shared; null: cast every chunk
     // here.
     SharedChunks* shared = nullptr;
-    // Called once from OnDone with the final status, for accounting; the
-    // reactor deletes itself when it returns true, else its owner deletes it
-    // later (it is pinned by a caller of CancelStalled).
-    std::function<bool(FetchLayerReactor*, const grpc::Status&)> on_done;
+    // Called once from OnDone with the final status, for accounting.
+    std::function<void(FetchLayerReactor*, const grpc::Status&)> on_done;
     // Called once when the version has been reached (the stream stops being
     // parked), for accounting.
     std::function<void()> on_unparked;
@@ -67,15 +66,17 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
                               uint64_t chunk_bytes);
 
-  // Whether a write has been in flight for longer than `limit` at `now`;
-  // true once per stream. Thread-safe; the service's watchdog calls it.
-  bool MarkIfStalled(std::chrono::steady_clock::time_point now,
-                     std::chrono::steady_clock::duration limit);
-  // Cancels the call of a stream MarkIfStalled marked: the write in flight
-  // fails, OnWriteDone finishes, and OnDone gives the budget back. gRPC may
-  // run OnCancel (and OnDone) on the calling thread: call it holding no lock
-  // that those take.
-  void CancelStalled() { context_->TryCancel(); }
+  // When a write has been in flight for longer than `limit` at `now`
+  // (once per stream): a new reference to the call, for the caller to cancel
+  // with grpc_call_cancel_with_status and release with grpc_call_unref.
+  // The write in flight then fails, OnWriteDone finishes, and OnDone gives
+  // the budget back. A reference to the call, not to this reactor: gRPC
+  // frees the call's context right after OnDone, which may come first, and
+  // cancelling a finished call does nothing. Null otherwise.
+  // Thread-safe; REQUIRES: OnDone has not run (the service's watchdog calls
+  // it under the lock its on_done takes).
+  grpc_call* RefIfStalled(std::chrono::steady_clock::time_point now,
+                          std::chrono::steady_clock::duration limit);
   // Ends the stream with UNAVAILABLE at its next chunk boundary, so the
   // worker resumes the rest elsewhere (the drain timeout has passed).
   // Thread-safe.

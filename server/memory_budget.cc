@@ -15,6 +15,13 @@ MemoryBudget::MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master
       in_use_(master_bytes),
       peak_(master_bytes) {}
 
+MemoryBudget::~MemoryBudget() {
+  // Before timers_ goes: a waiter's timer must not outlive its io_context.
+  absl::MutexLock lock(&mu_);
+  for (const Waiter& waiter : waiters_) timers_.Cancel(waiter.timer);
+  waiters_.clear();
+}
+
 bool MemoryBudget::FitsLocked(uint64_t bytes) const {
   return !budget_ || (in_use_ <= *budget_ && bytes <= *budget_ - in_use_);
 }

@@ -44,6 +44,8 @@ class MemoryBudget {
   // REQUIRES: master_bytes <= *budget_bytes (checked at start-up).
   MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
                boost::asio::any_io_executor grants, Observer observer = {});
+  // Forgets requests still waiting (their callbacks never run).
+  ~MemoryBudget();
 
   // Posts `granted(true)` once `bytes` are reserved: at once when they fit
   // and nobody waits ahead, else when a Release() makes room; or

@@ -1,5 +1,7 @@
 #include "server/shard_service.h"
 
+#include <grpc/grpc.h>
+
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include "absl/strings/str_cat.h"
@@ -78,29 +80,26 @@ void ShardService::Watchdog() {
   streams_mu_.Lock();
   while (!streams_mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
     const auto now = std::chrono::steady_clock::now();
-    std::vector<FetchLayerReactor*> stalled;
-    for (auto& [stream, pins] : streams_) {
-      if (!pins.done && stream->MarkIfStalled(now, options_.write_progress_timeout)) {
-        ++pins.count;
-        stalled.push_back(stream);
+    std::vector<grpc_call*> stalled;
+    for (FetchLayerReactor* stream : streams_) {
+      if (grpc_call* call = stream->RefIfStalled(now, options_.write_progress_timeout)) {
+        stalled.push_back(call);
       }
     }
     if (stalled.empty()) continue;
     // Cancelled outside the lock: gRPC may run OnCancel and OnDone, which
-    // take it, on this thread.
+    // take it, on this thread. The calls' own references keep them valid
+    // even when their streams finish meanwhile.
     streams_mu_.Unlock();
-    for (FetchLayerReactor* stream : stalled) {
-      stream->CancelStalled();
+    for (grpc_call* call : stalled) {
+      grpc_call_cancel_with_status(call, GRPC_STATUS_CANCELLED,
+                                   "the client did not drain a chunk within the shard's "
+                                   "--write-progress-timeout-ms",
+                                   nullptr);
+      grpc_call_unref(call);
       metrics_.RecordStalledStream();
     }
     streams_mu_.Lock();
-    for (FetchLayerReactor* stream : stalled) {
-      auto it = streams_.find(stream);
-      if (--it->second.count == 0 && it->second.done) {
-        streams_.erase(it);
-        delete stream;
-      }
-    }
   }
   streams_mu_.Unlock();
 }
@@ -112,9 +111,7 @@ void ShardService::StartDraining() {
 
 void ShardService::StopStreams() {
   absl::MutexLock lock(&streams_mu_);
-  for (auto& [stream, pins] : streams_) {
-    if (!pins.done) stream->StopAtNextChunk();
-  }
+  for (FetchLayerReactor* stream : streams_) stream->StopAtNextChunk();
 }
 
 void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget,
@@ -239,20 +236,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
     metrics_.streams_in_flight().Decrement();
     absl::MutexLock lock(&streams_mu_);
     --(still_parked->load() ? parked_ : streaming_);
-    auto it = streams_.find(stream);
-    if (it->second.count > 0) {
-      it->second.done = true;  // its last holder deletes it
-      return false;
-    }
-    streams_.erase(it);
-    return true;
+    streams_.erase(stream);
   };
-  // Registered under the lock its on_done takes: no grant runs before the
-  // constructor returns, and OnDone cannot come before it is registered.
+  // Registered under the lock its on_done takes, so OnDone, which may come
+  // as soon as a posted grant runs (gRPC holds a reactor's calls until
+  // FetchLayer returns it, then replays them), always finds it registered.
   absl::MutexLock lock(&streams_mu_);
   auto* stream = new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
                                        std::move(reactor_options));
-  streams_.emplace(stream, Pins{});
+  streams_.insert(stream);
   return stream;
 }
 

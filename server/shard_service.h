@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
 #include "server/fetch_layer_reactor.h"
@@ -103,14 +103,10 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   mutable absl::Mutex streams_mu_;
   int64_t streaming_ ABSL_GUARDED_BY(streams_mu_) = 0;
   int64_t parked_ ABSL_GUARDED_BY(streams_mu_) = 0;
-  // Every stream not yet done, and how many callers outside the lock hold
-  // it (the watchdog cancelling it). A reactor leaves in OnDone, under the
-  // lock; one still held is deleted by its last holder instead of itself.
-  struct Pins {
-    int count = 0;
-    bool done = false;
-  };
-  absl::flat_hash_map<FetchLayerReactor*, Pins> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Every stream not yet done; a reactor leaves it in OnDone, under the
+  // lock, before it deletes itself, so the watchdog and StopStreams may call
+  // into any reactor they find here while they hold the lock.
+  absl::flat_hash_set<FetchLayerReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   bool stopping_ ABSL_GUARDED_BY(streams_mu_) = false;
   mutable absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -7,6 +7,13 @@ namespace layercast::server {
 VersionGate::VersionGate(boost::asio::any_io_executor executor, uint64_t version)
     : executor_(std::move(executor)), version_(version) {}
 
+VersionGate::~VersionGate() {
+  // Before timers_ goes: a waiter's timer must not outlive its io_context.
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, waiter] : waiters_) timers_.Cancel(waiter.timer);
+  waiters_.clear();
+}
+
 uint64_t VersionGate::version() const {
   absl::MutexLock lock(&mu_);
   return version_;

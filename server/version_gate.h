@@ -31,6 +31,8 @@ class VersionGate {
 
   // `executor` runs every callback; it must outlive the gate's waiters.
   explicit VersionGate(boost::asio::any_io_executor executor, uint64_t version = 0);
+  // Forgets waiters still registered (their callbacks never run).
+  ~VersionGate();
 
   uint64_t version() const;
 
