@@ -17,7 +17,7 @@
 #include "core/dtype.h"
 #include "core/layout.h"
 #include "layercast/v1/shard.grpc.pb.h"
-#include "server/chunk_encoder.h"
+#include "wire/chunk_encoder.h"
 
 namespace layercast::bench {
 namespace {
@@ -99,8 +99,8 @@ class BaselineService final : public layercast::v1::ShardService::WithCallbackMe
           auto* data = const_cast<uint8_t*>(slice.begin());
           for (size_t i = 0; i < slice.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + e);
           starts.push_back(tensor.byte_offset() + e * size);
-          chunks.push_back(server::EncodeLayerChunk(
-              static_cast<uint32_t>(t), e, manifest_.version(), Crc32c(data, slice.size()), slice));
+          chunks.push_back(wire::EncodeLayerChunk(static_cast<uint32_t>(t), e, manifest_.version(),
+                                                  Crc32c(data, slice.size()), slice));
         }
       }
     }

@@ -26,6 +26,7 @@
 #include <barrier>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -35,18 +36,19 @@
 #include "absl/strings/str_cat.h"
 #include "bench/baseline_server.h"
 #include "bench/process_probes.h"
-#include "client/local_shard_set.h"
 #include "client/shard_set.h"
 #include "core/byte_size.h"
 #include "core/heap_tuning.h"
 #include "core/layout.h"
+#include "core/status_macros.h"
+#include "tools/cli_flags.h"
+#include "tools/local_shard_set.h"
 
 namespace layercast {
 namespace {
 
 constexpr const char* kPolicyBf16 = "p=f32,c=bf16";
 constexpr const char* kPolicyF32 = "p=f32,c=f32";
-constexpr const char* kLogDir = "/tmp/gather_bench_logs";
 
 struct Args {
   uint32_t num_shards = 2;
@@ -58,26 +60,39 @@ struct Args {
   std::string shared_chunk_bytes;  // passed to the sharing shards; "" for their default
 };
 
-Args ParseArgs(int argc, char** argv) {
+// A mistyped or unknown flag is an error, not a default silently measured.
+absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
+  ASSIGN_OR_RETURN(tools::CliFlags flags,
+                   tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                                          {"num-shards", "workers", "rounds", "synthetic",
+                                           "shared-chunk-bytes", "table", "sharing"},
+                                          {"table", "sharing"}));
   Args args;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--table" || flag == "--sharing") {
-      (flag == "--table" ? args.table : args.sharing) = true;
-      continue;
+  const auto count = [&](const char* name, uint32_t fallback) -> absl::StatusOr<uint32_t> {
+    ASSIGN_OR_RETURN(uint64_t value, flags.GetUint(name, fallback));
+    if (value == 0 || value > 1024) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " must be in 1..1024"));
     }
-    if (i + 1 >= argc) break;
-    const std::string value = argv[++i];
-    if (flag == "--num-shards") args.num_shards = static_cast<uint32_t>(std::stoul(value));
-    if (flag == "--workers") args.workers = static_cast<uint32_t>(std::stoul(value));
-    if (flag == "--rounds") args.rounds = static_cast<uint32_t>(std::stoul(value));
-    if (flag == "--synthetic") args.synthetic = value;
-    if (flag == "--shared-chunk-bytes") args.shared_chunk_bytes = value;
+    return static_cast<uint32_t>(value);
+  };
+  ASSIGN_OR_RETURN(args.num_shards, count("num-shards", args.num_shards));
+  ASSIGN_OR_RETURN(args.workers, count("workers", args.workers));
+  ASSIGN_OR_RETURN(args.rounds, count("rounds", args.rounds));
+  args.synthetic = flags.Get("synthetic", args.synthetic);
+  args.shared_chunk_bytes = flags.Get("shared-chunk-bytes");
+  args.table = flags.Has("table");
+  args.sharing = flags.Has("sharing");
+  if (args.table && args.sharing) {
+    return absl::InvalidArgumentError("--table and --sharing are two runs: give one");
   }
-  args.num_shards = std::max(1u, args.num_shards);
-  args.workers = std::max(1u, args.workers);
-  args.rounds = std::max(1u, args.rounds);
   return args;
+}
+
+// Shard logs (where the sharing run finds the metrics ports), under the
+// system's temporary directory.
+std::string LogDir() {
+  std::error_code error;
+  return (std::filesystem::temp_directory_path(error) / "gather_bench_logs").string();
 }
 
 struct Result {
@@ -214,21 +229,21 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   return total;
 }
 
-absl::StatusOr<std::unique_ptr<client::LocalShardSet>> StartShards(
+absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(
     uint32_t n, const std::string& synthetic, const std::string& policy,
-    std::vector<std::string> more_flags = {}, const std::string& log_dir = kLogDir) {
-  client::LocalShardSet::Options options;
+    std::vector<std::string> more_flags = {}, const std::string& log_dir = LogDir()) {
+  tools::LocalShardSet::Options options;
   options.shard_binary = LAYERCAST_SHARD_BINARY;
   options.num_shards = n;
   options.extra_flags = {"--synthetic", synthetic, "--policy", policy};
   options.extra_flags.insert(options.extra_flags.end(), more_flags.begin(), more_flags.end());
-  mkdir(kLogDir, 0755);
-  mkdir(log_dir.c_str(), 0755);
+  std::error_code ignored;
+  std::filesystem::create_directories(log_dir, ignored);
   options.log_dir = log_dir;
-  return client::LocalShardSet::Start(options);
+  return tools::LocalShardSet::Start(options);
 }
 
-std::vector<pid_t> Pids(const client::LocalShardSet& shards, uint32_t n) {
+std::vector<pid_t> Pids(const tools::LocalShardSet& shards, uint32_t n) {
   std::vector<pid_t> pids;
   for (uint32_t i = 0; i < n; ++i) pids.push_back(shards.pid(i));
   return pids;
@@ -350,8 +365,8 @@ int RunSharing(const Args& args) {
   const std::chrono::milliseconds limit = std::chrono::seconds(8);
   std::vector<bench::BaselineProcess> baselines = bench::ForkBaselines(args.num_shards);
   if (baselines.size() != args.num_shards) return 1;
-  const std::string shared_logs = absl::StrCat(kLogDir, "/shared");
-  const std::string unshared_logs = absl::StrCat(kLogDir, "/unshared");
+  const std::string shared_logs = absl::StrCat(LogDir(), "/shared");
+  const std::string unshared_logs = absl::StrCat(LogDir(), "/unshared");
   std::vector<std::string> shared_flags = {"--metrics-listen", "127.0.0.1:0"};
   if (!args.shared_chunk_bytes.empty()) {
     shared_flags.insert(shared_flags.end(), {"--shared-chunk-bytes", args.shared_chunk_bytes});
@@ -367,7 +382,7 @@ int RunSharing(const Args& args) {
   const std::vector<int> shared_ports = bench::MetricsPorts(shared_logs, args.num_shards);
   const std::vector<int> unshared_ports = bench::MetricsPorts(unshared_logs, args.num_shards);
   if (shared_ports.size() != args.num_shards || unshared_ports.size() != args.num_shards) {
-    std::fprintf(stderr, "no metrics port in the shard logs under %s\n", kLogDir);
+    std::fprintf(stderr, "no metrics port in the shard logs under %s\n", LogDir().c_str());
     return 1;
   }
 
@@ -416,7 +431,13 @@ int RunSharing(const Args& args) {
 
 int main(int argc, char** argv) {
   layercast::KeepChunkBuffersInHeap();  // as in layercast and layercast-shard
-  const layercast::Args args = layercast::ParseArgs(argc, argv);
+  const absl::StatusOr<layercast::Args> parsed = layercast::ParseArgs(argc, argv);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "gather_bench: %s\nusage: see the top of bench/gather_bench.cc\n",
+                 std::string(parsed.status().message()).c_str());
+    return 2;
+  }
+  const layercast::Args& args = *parsed;
   if (args.sharing) return layercast::RunSharing(args);
   return args.table ? layercast::RunTable(args) : layercast::RunDefault(args);
 }

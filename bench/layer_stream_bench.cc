@@ -14,9 +14,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/layer_stream.h"
-#include "client/local_shard_set.h"
 #include "client/shard_set.h"
 #include "core/byte_size.h"
+#include "core/status_macros.h"
+#include "tools/cli_flags.h"
+#include "tools/local_shard_set.h"
 
 namespace layercast {
 namespace {
@@ -28,15 +30,22 @@ struct Args {
   uint64_t budget_layers = 3;
 };
 
-Args ParseArgs(int argc, char** argv) {
+absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
+  ASSIGN_OR_RETURN(
+      tools::CliFlags flags,
+      tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                             {"num-shards", "synthetic", "compute-ms", "budget-layers"}));
   Args args;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--num-shards") args.num_shards = static_cast<uint32_t>(std::stoul(value));
-    if (flag == "--synthetic") args.synthetic = value;
-    if (flag == "--compute-ms") args.compute_ms = std::stoi(value);
-    if (flag == "--budget-layers") args.budget_layers = std::stoull(value);
+  ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", args.num_shards));
+  ASSIGN_OR_RETURN(uint64_t compute_ms, flags.GetUint("compute-ms", args.compute_ms));
+  ASSIGN_OR_RETURN(args.budget_layers, flags.GetUint("budget-layers", args.budget_layers));
+  if (num_shards == 0 || num_shards > 1024 || compute_ms > 60000 || args.budget_layers == 0) {
+    return absl::InvalidArgumentError(
+        "--num-shards must be in 1..1024, --compute-ms at most 60000, --budget-layers at least 1");
   }
+  args.num_shards = static_cast<uint32_t>(num_shards);
+  args.compute_ms = static_cast<int>(compute_ms);
+  args.synthetic = flags.Get("synthetic", args.synthetic);
   return args;
 }
 
@@ -74,7 +83,7 @@ absl::StatusOr<Walk> StreamWalk(const client::ShardSet& set, uint64_t budget, ui
   walk.hits = stats.hits;
   walk.misses = stats.misses;
   walk.peak_tracked = stats.peak_bytes;
-  walk.peak_rss = client::PeakRssBytes();
+  walk.peak_rss = tools::PeakRssBytes();
   return walk;
 }
 
@@ -93,17 +102,17 @@ absl::StatusOr<Walk> NaiveWalk(const client::ShardSet& set, int compute_ms) {
   walk.waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::this_thread::sleep_for(std::chrono::milliseconds(compute_ms) * 2 * all.size());
   walk.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  walk.peak_rss = client::PeakRssBytes();
+  walk.peak_rss = tools::PeakRssBytes();
   return walk;
 }
 
 int Run(const Args& args) {
-  client::LocalShardSet::Options options;
+  tools::LocalShardSet::Options options;
   options.shard_binary = LAYERCAST_SHARD_BINARY;
   options.num_shards = args.num_shards;
   options.extra_flags = {"--synthetic", args.synthetic};
   options.log_dir = "/tmp";
-  auto shards = client::LocalShardSet::Start(options);
+  auto shards = tools::LocalShardSet::Start(options);
   if (!shards.ok()) {
     std::fprintf(stderr, "%s\n", std::string(shards.status().message()).c_str());
     return 1;
@@ -170,4 +179,11 @@ int Run(const Args& args) {
 }  // namespace
 }  // namespace layercast
 
-int main(int argc, char** argv) { return layercast::Run(layercast::ParseArgs(argc, argv)); }
+int main(int argc, char** argv) {
+  const absl::StatusOr<layercast::Args> args = layercast::ParseArgs(argc, argv);
+  if (!args.ok()) {
+    std::fprintf(stderr, "layer_stream_bench: %s\n", std::string(args.status().message()).c_str());
+    return 2;
+  }
+  return layercast::Run(*args);
+}

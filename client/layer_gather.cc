@@ -3,7 +3,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "core/status_macros.h"
+#include "wire/owned_runs.h"
 
 namespace layercast::client {
 namespace {
@@ -37,12 +39,9 @@ LayerGather::LayerGather(std::vector<Shard> shards, const AssembledLayout& layou
 std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
   std::vector<ShardStream::Run> runs;
   const uint32_t n = static_cast<uint32_t>(shards_.size());
-  for (const TensorElementRange& selection : selected_) {
-    const AssembledTensor& placed = layout_.tensors()[selection.tensor];
-    const ElementRange owned =
-        Intersect(selection.elements, ShardElementRange(placed.num_elements, shard, n));
-    if (owned.empty()) continue;
-    runs.push_back(ShardStream::Run{selection.tensor, owned, placed.byte_offset,
+  for (const TensorElementRange& owned : wire::OwnedRuns(layout_, selected_, shard, n)) {
+    const AssembledTensor& placed = layout_.tensors()[owned.tensor];
+    runs.push_back(ShardStream::Run{owned.tensor, owned.elements, placed.byte_offset,
                                     DTypeSize(placed.compute_dtype)});
   }
   return runs;
@@ -127,6 +126,8 @@ void LayerGather::Settle(uint32_t shard) {
   const bool time_left = std::chrono::system_clock::now() + delay < deadline_;
   if (Retryable(status) && time_left) {
     s.retry_at = now + delay;
+    Log()->warn("gathering layer {}: {}; retrying in {} ms", layer_, status.message(),
+                delay.count());
     if (options_.on_retry) options_.on_retry(status, delay);
     return;
   }

@@ -7,7 +7,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/layer_gather.h"
+#include "core/log.h"
 #include "core/status_macros.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::client {
 namespace {
@@ -40,9 +42,7 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
-  return absl::Status(
-      static_cast<absl::StatusCode>(status.error_code()),
-      absl::StrCat(describe, " did not answer GetManifest: ", status.error_message()));
+  return wire::FromGrpcStatus(status, absl::StrCat(describe, " did not answer GetManifest"));
 }
 
 }  // namespace
@@ -114,6 +114,9 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   }
   ASSIGN_OR_RETURN(set->view_, CheckShardSet(set->manifests_, set->addresses_));
   if (options.registry) set->metrics_ = std::make_unique<ClientMetrics>(*options.registry);
+  Log()->info("connected to {} shard(s) serving {} ({} layers, policy {})", n,
+              set->view_.model.model_id, set->view_.model.layers.size(),
+              set->view_.policy.ToString());
   return set;
 }
 

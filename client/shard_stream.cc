@@ -1,6 +1,7 @@
 #include "client/shard_stream.h"
 
 #include "absl/strings/str_cat.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::client {
 namespace {
@@ -50,9 +51,8 @@ void ShardStream::OnDone(const grpc::Status& status) {
     status_ = absl::Status(protocol_error_.code(),
                            absl::StrCat(describe_, " ", protocol_error_.message()));
   } else if (!status.ok()) {
-    status_ = absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                           absl::StrCat(describe_, ": ", status.error_message()));
-  } else if (const ChunkDecoder::Run* run = decoder_.next_run(); run != nullptr) {
+    status_ = wire::FromGrpcStatus(status, describe_);
+  } else if (const wire::ChunkDecoder::Run* run = decoder_.next_run(); run != nullptr) {
     status_ = absl::DataLossError(absl::StrCat(
         describe_, " ended its stream early: tensor ", run->tensor, " stopped at element ",
         decoder_.next_element(), " of its owned range ending at ", run->elements.end));

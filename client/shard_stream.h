@@ -12,9 +12,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
-#include "client/chunk_decoder.h"
 #include "core/layout.h"
 #include "layercast/v1/shard.pb.h"
+#include "wire/chunk_decoder.h"
 
 namespace layercast::client {
 
@@ -26,7 +26,7 @@ namespace layercast::client {
 // from any thread.
 class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  using Run = ChunkDecoder::Run;
+  using Run = wire::ChunkDecoder::Run;
 
   // `describe` names the shard in messages, e.g. "shard 1 (host:port)".
   // `on_chunk` (optional) runs on a gRPC thread for each chunk placed.
@@ -50,7 +50,7 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
 
  private:
   const std::string describe_;
-  ChunkDecoder decoder_;
+  wire::ChunkDecoder decoder_;
   const std::function<void()> on_done_;
   const std::function<void(uint64_t bytes)> on_chunk_;
 

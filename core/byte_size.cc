@@ -16,9 +16,26 @@ struct Suffix {
   double scale;
 };
 
+// Longest first where one ends another ("MiB" before "B"). The Kubernetes
+// quantity suffixes (Ki, Mi, Gi, Ti; k, M, G, T) are here because the same
+// budget is written next to a container's memory limit in a manifest.
 constexpr Suffix kSuffixes[] = {
-    {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-    {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
+    {"KiB", 1024.0},
+    {"MiB", 1048576.0},
+    {"GiB", 1073741824.0},
+    {"TiB", 1099511627776.0},
+    {"KB", 1e3},
+    {"MB", 1e6},
+    {"GB", 1e9},
+    {"TB", 1e12},
+    {"Ki", 1024.0},
+    {"Mi", 1048576.0},
+    {"Gi", 1073741824.0},
+    {"Ti", 1099511627776.0},
+    {"k", 1e3},
+    {"M", 1e6},
+    {"G", 1e9},
+    {"T", 1e12},
     {"B", 1.0},
 };
 
@@ -28,7 +45,8 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   const auto invalid = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "'", text, "' is not a byte size: write a number with an optional suffix B, KiB, MiB, ",
-        "GiB, TiB, KB, MB, GB or TB, e.g. 16GiB"));
+        "GiB, TiB, KB, MB, GB or TB, or a Kubernetes quantity suffix Ki, Mi, Gi, Ti, k, M, G ",
+        "or T, e.g. 16GiB or 16Gi"));
   };
   double scale = 1.0;
   absl::string_view number = text;

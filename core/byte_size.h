@@ -9,8 +9,9 @@
 namespace layercast {
 
 // Parses a byte count: a decimal number with an optional suffix, binary
-// (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB, and B). "1.5GiB" is
-// accepted; the result is rounded down to whole bytes. INVALID_ARGUMENT
+// (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB, and B), or a Kubernetes
+// quantity's (Ki, Mi, Gi, Ti; k, M, G, T). "1.5GiB" is accepted; the result
+// is rounded down to whole bytes. INVALID_ARGUMENT
 // naming the text and the accepted forms; OUT_OF_RANGE above 2^64-1.
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
 

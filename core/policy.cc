@@ -1,12 +1,11 @@
 #include "core/policy.h"
 
-#include <fnmatch.h>
-
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/glob.h"
 #include "core/status_macros.h"
 
 namespace layercast {
@@ -126,10 +125,8 @@ absl::StatusOr<Policy> Policy::Parse(absl::string_view text) {
 }
 
 DType Policy::ComputeDTypeFor(absl::string_view tensor_name) const {
-  if (overrides_.empty()) return compute_;
-  const std::string name(tensor_name);
   for (const Override& override : overrides_) {
-    if (fnmatch(override.glob.c_str(), name.c_str(), 0) == 0) return override.compute;
+    if (GlobMatches(override.glob, tensor_name)) return override.compute;
   }
   return compute_;
 }

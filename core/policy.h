@@ -23,7 +23,7 @@ namespace layercast {
 // last value. `overflow` (error | saturate | inf, default error) is
 // layercast's extension: what narrowing to float16 does with finite values
 // beyond 65504. Overrides match whole tensor names with fnmatch(3) globs
-// (`*` also matches dots) and the first match wins.
+// (core/glob.h: `*` also matches dots) and the first match wins.
 //
 // Immutable value type; thread-safe for concurrent reads.
 class Policy {

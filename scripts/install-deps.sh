@@ -8,7 +8,7 @@ packages=(
   libclang-rt-14-dev  # libFuzzer and the sanitizer runtimes for clang (tests/fuzz)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   prometheus-cpp-dev libboost-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libeigen3-dev libssl-dev
+  nlohmann-json3-dev libeigen3-dev libssl-dev libspdlog-dev
   openssl  # the command: tests/integration/security_test makes its certificates with it
   python3 python3-torch python3-numpy
   prometheus  # promtool and the server for tests/observability, which runs its own instance

@@ -10,8 +10,8 @@
 #include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/crc32c.h"
-#include "server/chunk_encoder.h"
-#include "server/grpc_status.h"
+#include "wire/chunk_encoder.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::server {
 namespace {
@@ -233,11 +233,11 @@ void FetchLayerReactor::WriteNext() {
 
 void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   if (!chunk.ok()) {
-    FinishOnce(ToGrpcStatus(chunk.status()));
+    FinishOnce(wire::ToGrpcStatus(chunk.status()));
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
-  chunk_ = EncodeLayerChunk(run.tensor, next_element_, version_, chunk->crc32c, chunk->data);
+  chunk_ = wire::EncodeLayerChunk(run.tensor, next_element_, version_, chunk->crc32c, chunk->data);
   next_element_ += pending_elements_;
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;

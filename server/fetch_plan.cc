@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/content_fingerprint.h"
 #include "core/status_macros.h"
+#include "wire/owned_runs.h"
 
 namespace layercast::server {
 
@@ -61,12 +62,9 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   plan.layer = request.layer();
   if (end == 0) return plan;  // a layer with no tensors
   ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
-  for (const TensorElementRange& selection : selected) {
-    const ElementRange run =
-        Intersect(selection.elements, store.owned(plan.layer, selection.tensor));
-    if (run.empty()) continue;
-    plan.runs.push_back(TensorElementRange{selection.tensor, run});
-    plan.bytes += run.size() * DTypeSize(layout.tensors()[selection.tensor].compute_dtype);
+  plan.runs = wire::OwnedRuns(layout, selected, store.shard_index(), store.num_shards());
+  for (const TensorElementRange& run : plan.runs) {
+    plan.bytes += run.elements.size() * DTypeSize(layout.tensors()[run.tensor].compute_dtype);
   }
   return plan;
 }

@@ -17,14 +17,17 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "core/build_info.h"
 #include "core/heap_tuning.h"
+#include "core/log.h"
 #include "server/shard_config.h"
 #include "server/shard_server.h"
 
 namespace {
 
 int Fail(const absl::Status& status, int code) {
-  std::fprintf(stderr, "layercast-shard: %s\n", std::string(status.message()).c_str());
+  layercast::Log()->error("{}", status.message());
   return code;
 }
 
@@ -32,6 +35,7 @@ int Fail(const absl::Status& status, int code) {
 
 int main(int argc, char** argv) {
   layercast::KeepChunkBuffersInHeap();
+  layercast::ConfigureLogging("layercast-shard", layercast::LogFormat::kText);
   using layercast::server::ShardServer;
   const std::vector<std::string> args(argv + 1, argv + argc);
   for (const std::string& arg : args) {
@@ -39,11 +43,19 @@ int main(int argc, char** argv) {
       std::fputs(layercast::server::ShardFlagsHelp().c_str(), stdout);
       return 0;
     }
+    if (arg == "--version") {
+      std::puts(layercast::VersionLine("layercast-shard").c_str());
+      return 0;
+    }
   }
   auto config = layercast::server::ParseShardFlags(args);
   if (!config.ok()) return Fail(config.status(), 2);
   auto settings = layercast::server::ResolveShardConfig(*std::move(config));
   if (!settings.ok()) return Fail(settings.status(), 2);
+  const layercast::v1::ShardConfig& resolved = settings->config;
+  layercast::ConfigureLogging(
+      "layercast-shard", settings->log_format, settings->log_level,
+      {{"shard", absl::StrCat(resolved.shard_index(), "/", resolved.num_shards())}});
   auto server = ShardServer::Create(*std::move(settings));
   if (!server.ok()) return Fail(server.status(), 2);
   if (absl::Status started = (*server)->Start(); !started.ok()) return Fail(started, 1);
@@ -57,8 +69,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   signals.async_wait([&](const boost::system::error_code& error, int signal) {
     if (error) return;
-    std::fprintf(stderr, "layercast-shard: received %s, draining\n",
-                 signal == SIGTERM ? "SIGTERM" : "SIGINT");
+    layercast::Log()->info("received {}, draining", signal == SIGTERM ? "SIGTERM" : "SIGINT");
     stopping.store(true);
     io.stop();
   });
@@ -79,6 +90,6 @@ int main(int argc, char** argv) {
   if (stopping.load()) {
     if (absl::Status saved = (*server)->CheckpointOnExit(); !saved.ok()) exit_code = Fail(saved, 1);
   }
-  std::fprintf(stderr, "layercast-shard: stopped\n");
+  layercast::Log()->info("stopped");
   return exit_code;
 }

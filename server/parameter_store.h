@@ -19,8 +19,9 @@ namespace layercast::server {
 // per-layer assembled layouts and the layout digest derived from the model and
 // policy, computed once.
 //
-// Thread-safety: immutable after Load(); reads may run concurrently from any
-// thread. (The parameter version lives in VersionGate.)
+// Thread-safety: reads may run concurrently from any thread. After Load()
+// only a LayerTrainer changes the master, one layer at a time, while no
+// reader casts it. (The parameter version lives in VersionGate.)
 class ParameterStore {
  public:
   // Bytes of fp32 master that shard `shard_index` of `num_shards` holds for
@@ -54,6 +55,11 @@ class ParameterStore {
   ElementRange owned(uint32_t layer, uint32_t tensor) const { return slices_[layer][tensor].owned; }
   // The master values of owned(layer, tensor); element owned().begin first.
   const float* master(uint32_t layer, uint32_t tensor) const {
+    return slices_[layer][tensor].values.get();
+  }
+  // The same values, for the optimizer (LayerTrainer), which alone changes
+  // them, and only while no reader casts that layer.
+  float* mutable_master(uint32_t layer, uint32_t tensor) {
     return slices_[layer][tensor].values.get();
   }
 

@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "core/build_info.h"
+
 namespace layercast::server {
 namespace {
 
@@ -96,11 +98,14 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                      .Help("Always 1; labels describe the shard and its model")
                      .Register(r);
   layers_ = Gauge(r, "layercast_layers", "Layers in the model");
+  const BuildInfo build = GetBuildInfo();
   BuildGauge()
       .Name("layercast_build_info")
-      .Help("Always 1; the version label is the layercast release")
+      .Help("Always 1; the labels say what was built and which cast kernel this CPU runs")
       .Register(r)
-      .Add({{"version", LAYERCAST_VERSION}})
+      .Add({{"version", build.version},
+            {"commit", build.git_commit},
+            {"cast_kernel", build.cast_kernel}})
       .Set(1);
 }
 

@@ -1,18 +1,10 @@
 #include "server/shard_admin_service.h"
 
-#include <cstdio>
-
 #include "absl/strings/str_cat.h"
-#include "server/grpc_status.h"
+#include "core/log.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::server {
-namespace {
-
-std::string CodeName(grpc::StatusCode code) {
-  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
-}
-
-}  // namespace
 
 ShardAdminService::ShardAdminService(Options options, const VersionGate& gate,
                                      ServerMetrics& metrics)
@@ -42,12 +34,12 @@ grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& con
   const auto entry = metadata.find("authorization");
   std::optional<std::string> authorization;
   if (entry != metadata.end()) authorization.emplace(entry->second.data(), entry->second.size());
-  return ToGrpcStatus(options_.token->Check(authorization ? &*authorization : nullptr));
+  return wire::ToGrpcStatus(options_.token->Check(authorization ? &*authorization : nullptr));
 }
 
 grpc::ServerUnaryReactor* ShardAdminService::Finish(grpc::ServerUnaryReactor* reactor,
                                                     const grpc::Status& status) {
-  metrics_.RecordRpc("Checkpoint", CodeName(status.error_code()));
+  metrics_.RecordRpc("Checkpoint", wire::StatusCodeName(status.error_code()));
   reactor->Finish(status);
   return reactor;
 }
@@ -97,14 +89,11 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
       response->set_shard_index(store->shard_index());
       response->set_num_shards(store->num_shards());
       response->set_checksum(info->checksum);
-      std::fprintf(
-          stderr, "layercast-shard %u/%u: checkpoint version %llu written to %s in %.2f s\n",
-          store->shard_index(), store->num_shards(), static_cast<unsigned long long>(info->version),
-          info->path.c_str(), info->seconds);
+      Log()->info("checkpoint version {} written to {} in {:.2f} s", info->version, info->path,
+                  info->seconds);
     } else {
-      status = ToGrpcStatus(info.status());
-      std::fprintf(stderr, "layercast-shard %u/%u: %s\n", store->shard_index(), store->num_shards(),
-                   std::string(info.status().message()).c_str());
+      status = wire::ToGrpcStatus(info.status());
+      Log()->error("{}", info.status().message());
     }
     {
       absl::MutexLock lock(&mu_);

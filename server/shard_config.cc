@@ -93,6 +93,31 @@ absl::Status MergeJsonFile(const std::string& path, layercast::v1::ShardConfig& 
   return absl::OkStatus();
 }
 
+// HOST:PORT as gRPC and the exposer take it, checked here because gRPC
+// takes a port beyond 65535 modulo 65536 and logs its own complaint about
+// a missing port before failing.
+absl::Status CheckListenAddress(const char* flag, const std::string& address) {
+  const size_t colon = address.rfind(':');
+  const auto invalid = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, " '", address, "' ", why,
+        ": write HOST:PORT, e.g. 127.0.0.1:7070, 0.0.0.0:7070 (every interface) or [::1]:7070, "
+        "with a port in 0-65535 (0: any free port)"));
+  };
+  if (colon == std::string::npos) return invalid("has no port");
+  const std::string host = address.substr(0, colon), port = address.substr(colon + 1);
+  if (host.empty()) return invalid("has no host");
+  if (host.find(':') != std::string::npos && (host.front() != '[' || host.back() != ']')) {
+    return invalid("has an IPv6 host without brackets");
+  }
+  uint32_t number = 0;
+  auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), number);
+  if (port.empty() || ec != std::errc() || end != port.data() + port.size() || number > 65535) {
+    return invalid("has no port in 0-65535");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<layercast::v1::ShardConfig> ParseShardFlags(const std::vector<std::string>& args) {
@@ -151,6 +176,13 @@ std::string ShardFlagsHelp() {
 absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig config) {
   ShardSettings settings;
   if (config.listen().empty()) config.set_listen("127.0.0.1:7070");
+  RETURN_IF_ERROR(CheckListenAddress("listen", config.listen()));
+  if (!config.metrics_listen().empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("metrics-listen", config.metrics_listen()));
+  }
+  if (!config.health_listen().empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("health-listen", config.health_listen()));
+  }
   if (config.num_shards() == 0) {
     return absl::InvalidArgumentError("--num-shards must be at least 1");
   }
@@ -168,6 +200,10 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(
         "--model-id names a checkpoint; a synthetic model's id is its canonical spec");
   }
+  if (config.log_format().empty()) config.set_log_format("text");
+  if (config.log_level().empty()) config.set_log_level("info");
+  ASSIGN_OR_RETURN(settings.log_format, ParseLogFormat(config.log_format()));
+  ASSIGN_OR_RETURN(settings.log_level, ParseLogLevel(config.log_level()));
   if (config.policy().empty()) config.set_policy("params=float32,compute=bfloat16,output=float32");
   ASSIGN_OR_RETURN(settings.policy, Policy::Parse(config.policy()));
   if (settings.policy.params() != DType::kFloat32) {

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/layer_grouping.h"
+#include "core/log.h"
 #include "core/policy.h"
 #include "layercast/v1/config.pb.h"
 
@@ -28,6 +29,8 @@ struct ShardSettings {
   Policy policy;
   LayerGroupingRule grouping;
   std::optional<uint64_t> memory_budget_bytes;  // nullopt: unlimited
+  LogFormat log_format = LogFormat::kText;
+  spdlog::level::level_enum log_level = spdlog::level::info;
 };
 
 // Applies defaults and checks everything that can be checked without

@@ -6,12 +6,11 @@
 #include <prometheus/exposer.h>
 #include <unistd.h>
 
-#include <cstdio>
-
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/content_fingerprint.h"
 #include "core/file_system.h"
+#include "core/log.h"
 #include "core/safetensors_source.h"
 #include "core/status_macros.h"
 #include "core/synthetic_model.h"
@@ -91,11 +90,9 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   if (!config.admin_token_file().empty()) {
     ASSIGN_OR_RETURN(admin.token, AdminToken::FromFile(config.admin_token_file()));
     if (!server->security_.tls) {
-      std::fprintf(stderr,
-                   "layercast-shard %u/%u: warning: --admin-token-file without TLS: the token "
-                   "crosses the network in clear text; use --tls-cert-file and --tls-key-file "
-                   "beyond loopback\n",
-                   config.shard_index(), config.num_shards());
+      Log()->warn(
+          "--admin-token-file without TLS: the token crosses the network in clear text; use "
+          "--tls-cert-file and --tls-key-file beyond loopback");
     }
   }
   RETURN_IF_ERROR(server->UseCheckpoint());
@@ -124,10 +121,8 @@ absl::Status ShardServer::UseCheckpoint() {
                    CheckpointManager::Create(config.checkpoint_dir(), config.shard_index(),
                                              config.num_shards()));
   if (const int removed = checkpoints_->RemoveStaleTemporaries(); removed > 0) {
-    std::fprintf(stderr,
-                 "layercast-shard %u/%u: removed %d temporary file(s) of interrupted checkpoint "
-                 "writes from %s\n",
-                 config.shard_index(), config.num_shards(), removed, checkpoints_->dir().c_str());
+    Log()->info("removed {} temporary file(s) of interrupted checkpoint writes from {}", removed,
+                checkpoints_->dir());
   }
   ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
   if (!existing) return absl::OkStatus();
@@ -151,14 +146,10 @@ absl::Status ShardServer::UseCheckpoint() {
                        "elsewhere) to serve the new model, or pass --checkpoint-over-changed-model "
                        "true to keep serving the checkpoint"));
     }
-    std::fprintf(stderr, "layercast-shard %u/%u: %s; serving the checkpoint as told\n",
-                 config.shard_index(), config.num_shards(), what.c_str());
+    Log()->warn("{}; serving the checkpoint as told", what);
   }
-  std::fprintf(stderr,
-               "layercast-shard %u/%u: loading checkpoint %s (version %llu) instead of %s\n",
-               config.shard_index(), config.num_shards(), existing->c_str(),
-               static_cast<unsigned long long>(checkpoint->version()),
-               config.synthetic().empty() ? "--model's values" : "--synthetic's values");
+  Log()->info("loading checkpoint {} (version {}) instead of {}", *existing, checkpoint->version(),
+              config.synthetic().empty() ? "--model's values" : "--synthetic's values");
   checkpoint_source_ = checkpoint.get();
   source_ = std::move(checkpoint);
   return absl::OkStatus();
@@ -177,9 +168,7 @@ absl::Status ShardServer::StartMetrics() {
   exposer_->RegisterCollectable(metrics_.registry());
   const std::vector<int> ports = exposer_->GetListeningPorts();
   metrics_port_ = ports.empty() ? 0 : ports[0];
-  std::fprintf(stderr, "layercast-shard %u/%u: metrics on %s/metrics\n",
-               settings_.config.shard_index(), settings_.config.num_shards(),
-               BoundAddress(listen, metrics_port_).c_str());
+  Log()->info("metrics on {}/metrics", BoundAddress(listen, metrics_port_));
   return absl::OkStatus();
 }
 
@@ -219,9 +208,7 @@ absl::Status ShardServer::StartHealth() {
                                                "another --health-listen"));
   }
   health_server_->GetHealthCheckService()->SetServingStatus(kReadinessService, false);
-  std::fprintf(stderr, "layercast-shard %u/%u: health on %s (plaintext)\n",
-               settings_.config.shard_index(), settings_.config.num_shards(),
-               BoundAddress(listen, health_port_).c_str());
+  Log()->info("health on {} (plaintext)", BoundAddress(listen, health_port_));
   return absl::OkStatus();
 }
 
@@ -267,11 +254,10 @@ absl::Status ShardServer::Start() {
   }
   SetReadiness(false);
   const std::string address = BoundAddress(settings_.config.listen(), port_);
-  std::fprintf(stderr, "layercast-shard %u/%u: listening on %s (%s)\n",
-               settings_.config.shard_index(), settings_.config.num_shards(), address.c_str(),
-               security_.mutual ? "mutual TLS"
-               : security_.tls  ? "TLS"
-                                : "plaintext");
+  Log()->info("listening on {} ({})", address,
+              security_.mutual ? "mutual TLS"
+              : security_.tls  ? "TLS"
+                               : "plaintext");
   if (!settings_.config.port_file().empty()) RETURN_IF_ERROR(WritePortFile());
   return absl::OkStatus();
 }
@@ -338,11 +324,9 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   metrics_.ready().Set(1);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  std::fprintf(
-      stderr,
-      "layercast-shard %u/%u: loaded %s of fp32 master for %s (%zu layers) in %.2f s; ready\n",
-      config.shard_index(), config.num_shards(), FormatBytes(store_->master_bytes()).c_str(),
-      store_->model().model_id.c_str(), store_->model().layers.size(), seconds);
+  Log()->info("loaded {} of fp32 master for {} ({} layers) in {:.2f} s; ready",
+              FormatBytes(store_->master_bytes()), store_->model().model_id,
+              store_->model().layers.size(), seconds);
   return absl::OkStatus();
 }
 
@@ -357,11 +341,10 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   SetReadiness(false);
   const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
   if (!drained) {
-    std::fprintf(stderr,
-                 "layercast-shard: drain timeout of %lld ms passed; ending %lld stream(s) with "
-                 "UNAVAILABLE at their next chunk\n",
-                 static_cast<long long>(drain.count()),
-                 static_cast<long long>(service_->streams_in_flight()));
+    Log()->warn(
+        "drain timeout of {} ms passed; ending {} stream(s) with UNAVAILABLE at their next "
+        "chunk",
+        drain.count(), service_->streams_in_flight());
     // Workers resume what is left elsewhere; a reader that does not drain
     // its chunk within a second is cancelled by gRPC's shutdown below.
     service_->StopStreams();
@@ -382,23 +365,17 @@ absl::Status ShardServer::CheckpointOnExit() {
   const auto& config = settings_.config;
   if (checkpoints_ == nullptr || !config.checkpoint_on_sigterm()) return absl::OkStatus();
   if (store_ == nullptr) {
-    std::fprintf(stderr,
-                 "layercast-shard %u/%u: parameters were not loaded; no checkpoint written\n",
-                 config.shard_index(), config.num_shards());
+    Log()->warn("parameters were not loaded; no checkpoint written");
     return absl::OkStatus();
   }
   const uint64_t version = service_->version_gate().version();
   if (checkpoints_->HoldsVersion(version)) {
-    std::fprintf(stderr, "layercast-shard %u/%u: checkpoint %s already holds version %llu\n",
-                 config.shard_index(), config.num_shards(), checkpoints_->path().c_str(),
-                 static_cast<unsigned long long>(version));
+    Log()->info("checkpoint {} already holds version {}", checkpoints_->path(), version);
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(CheckpointInfo info, checkpoints_->Write(*store_, version));
-  std::fprintf(
-      stderr, "layercast-shard %u/%u: checkpoint version %llu written to %s (%s) in %.2f s\n",
-      config.shard_index(), config.num_shards(), static_cast<unsigned long long>(info.version),
-      info.path.c_str(), FormatBytes(info.bytes).c_str(), info.seconds);
+  Log()->info("checkpoint version {} written to {} ({}) in {:.2f} s", info.version, info.path,
+              FormatBytes(info.bytes), info.seconds);
   return absl::OkStatus();
 }
 

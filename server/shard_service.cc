@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
-#include "server/grpc_status.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::server {
 namespace {
@@ -23,9 +23,12 @@ class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnDone() override { delete this; }
 };
 
-std::string CodeName(grpc::StatusCode code) {
-  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
-}
+// A PushGradients call refused before reading anything.
+class RefusedPush final : public grpc::ServerReadReactor<layercast::v1::GradientChunk> {
+ public:
+  explicit RefusedPush(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
 
 }  // namespace
 
@@ -152,7 +155,7 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
   {
     absl::MutexLock lock(&mu_);
     if (manifest_ == nullptr) {
-      metrics_.RecordRpc("GetManifest", CodeName(kLoading.error_code()));
+      metrics_.RecordRpc("GetManifest", wire::StatusCodeName(kLoading.error_code()));
       reactor->Finish(kLoading);
       return reactor;
     }
@@ -165,7 +168,7 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(const grpc::Status& status) {
-  metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
+  metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
   return new RefusedStream(status);
 }
 
@@ -187,7 +190,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   auto [store, budget, shared] = loaded();
   if (store == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
-  if (!plan.ok()) return Refuse(ToGrpcStatus(plan.status()));
+  if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
 
   // A stream that must wait for its version is parked: it holds no budget
   // and no streaming slot, but it may not ask for a version that cannot
@@ -228,7 +231,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   };
   reactor_options.on_done = [this, still_parked, start = std::chrono::steady_clock::now()](
                                 FetchLayerReactor* stream, const grpc::Status& status) {
-    metrics_.RecordRpc("FetchLayer", CodeName(status.error_code()));
+    metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
     if (status.ok()) {
       metrics_.RecordFetchDuration(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -269,6 +272,15 @@ grpc::Status ShardService::Admit(bool parked) {
                       absl::StrCat("this shard already serves ", options_.max_streams,
                                    " FetchLayer streams (--max-streams); retry with backoff, or "
                                    "raise --max-streams"));
+}
+
+grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradients(
+    grpc::CallbackServerContext*, layercast::v1::PushGradientsResponse*) {
+  const grpc::Status status(
+      grpc::StatusCode::FAILED_PRECONDITION,
+      "this shard has no optimizer: it serves its parameters read-only and takes no gradients");
+  metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
+  return new RefusedPush(status);
 }
 
 }  // namespace layercast::server

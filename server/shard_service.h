@@ -36,7 +36,8 @@ namespace layercast::server {
 // Thread-safe: gRPC calls its handlers from many threads.
 class ShardService final : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
                                layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
-                                   layercast::v1::ShardService::Service>> {
+                                   layercast::v1::ShardService::WithCallbackMethod_PushGradients<
+                                       layercast::v1::ShardService::Service>>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
@@ -81,6 +82,11 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   // built around the cast bytes (see EncodeLayerChunk).
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchLayer(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request) override;
+  // Refused with FAILED_PRECONDITION: this shard has no optimizer, so it
+  // serves its parameters read-only.
+  grpc::ServerReadReactor<layercast::v1::GradientChunk>* PushGradients(
+      grpc::CallbackServerContext* context,
+      layercast::v1::PushGradientsResponse* response) override;
 
  private:
   struct Loaded {

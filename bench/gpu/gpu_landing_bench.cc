@@ -31,10 +31,10 @@
 #include "client/gpu/device_gatherer.h"
 #include "client/gpu/device_layer_stream.h"
 #include "client/layer_stream.h"
-#include "client/local_shard_set.h"
 #include "client/shard_set.h"
 #include "core/byte_size.h"
 #include "core/status_macros.h"
+#include "tools/local_shard_set.h"
 
 namespace layercast {
 namespace {
@@ -234,13 +234,13 @@ absl::Status Run(const Args& args) {
   CUDA_RETURN_IF_ERROR(cudaSetDevice(0), "cudaSetDevice(0)");
   CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
 
-  client::LocalShardSet::Options shard_options;
+  tools::LocalShardSet::Options shard_options;
   shard_options.shard_binary = LAYERCAST_SHARD_BINARY;
   shard_options.num_shards = args.num_shards;
   shard_options.extra_flags = {"--synthetic", args.synthetic};
   shard_options.log_dir = "/tmp";
-  ASSIGN_OR_RETURN(std::unique_ptr<client::LocalShardSet> shards,
-                   client::LocalShardSet::Start(shard_options));
+  ASSIGN_OR_RETURN(std::unique_ptr<tools::LocalShardSet> shards,
+                   tools::LocalShardSet::Start(shard_options));
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::minutes(3);
   ASSIGN_OR_RETURN(std::unique_ptr<client::ShardSet> set,

@@ -9,8 +9,8 @@
 namespace layercast::cli {
 
 absl::Status RunBench(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags,
-                   CliFlags::Parse(args, WithShardSetFlags({"rounds", "budget-layers"})));
+  ASSIGN_OR_RETURN(tools::CliFlags flags,
+                   tools::CliFlags::Parse(args, WithShardSetFlags({"rounds", "budget-layers"})));
   ASSIGN_OR_RETURN(uint64_t rounds, flags.GetUint("rounds", 3));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   std::vector<uint32_t> order;

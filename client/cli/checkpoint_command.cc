@@ -12,6 +12,7 @@
 #include "core/secret_file.h"
 #include "core/status_macros.h"
 #include "layercast/v1/admin.grpc.pb.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::cli {
 namespace {
@@ -55,19 +56,17 @@ absl::StatusOr<layercast::v1::CheckpointResponse> CheckpointOne(
   context.set_deadline(std::chrono::system_clock::now() + timeout);
   layercast::v1::CheckpointResponse response;
   const grpc::Status status = stub->Checkpoint(&context, {}, &response);
-  if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat(target.describe, ": ", status.error_message()));
-  }
+  if (!status.ok()) return wire::FromGrpcStatus(status, target.describe);
   return response;
 }
 
 }  // namespace
 
 absl::Status RunCheckpoint(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags,
-                   CliFlags::Parse(args, WithShardSetFlags({"token-file", "timeout-seconds"}),
-                                   /*switches=*/{"insecure"}));
+  ASSIGN_OR_RETURN(
+      tools::CliFlags flags,
+      tools::CliFlags::Parse(args, WithShardSetFlags({"token-file", "timeout-seconds"}),
+                             /*switches=*/{"insecure"}));
   if (!flags.Has("token-file")) {
     return absl::InvalidArgumentError(
         "--token-file FILE is required: the file holding the shards' admin token (their "

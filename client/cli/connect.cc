@@ -12,7 +12,8 @@ namespace {
 constexpr uint64_t kMaxPemBytes = 4 << 20;
 
 // `secret`: a private key, refused when other users may read it.
-absl::StatusOr<std::string> ReadPem(const CliFlags& flags, const std::string& flag, bool secret) {
+absl::StatusOr<std::string> ReadPem(const tools::CliFlags& flags, const std::string& flag,
+                                    bool secret) {
   const std::string path = flags.Get(flag);
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> file = DefaultFileSystem().OpenForRead(path);
   if (!file.ok()) {
@@ -42,7 +43,7 @@ std::set<std::string> WithShardSetFlags(std::set<std::string> own) {
   return own;
 }
 
-absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags& flags) {
+absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const tools::CliFlags& flags) {
   if (flags.Has("shards") == flags.Has("shards-pattern")) {
     return absl::InvalidArgumentError(
         "name the shards with --shards host:port,host:port,... (in shard order) or with "
@@ -54,7 +55,7 @@ absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags&
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromFlags(
-    const CliFlags& flags) {
+    const tools::CliFlags& flags) {
   const bool ca = flags.Has("tls-ca-file");
   const bool cert = flags.Has("tls-cert-file");
   const bool key = flags.Has("tls-key-file");
@@ -75,7 +76,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFrom
   return grpc::SslCredentials(options);
 }
 
-absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlags& flags) {
+absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const tools::CliFlags& flags) {
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ShardAddressesFromFlags(flags));
   ASSIGN_OR_RETURN(uint64_t timeout_ms, flags.GetUint("connect-timeout-ms", 30000));
   client::ShardSetOptions options;

@@ -8,8 +8,8 @@
 #include <grpcpp/security/credentials.h>
 
 #include "absl/status/statusor.h"
-#include "client/cli/cli_flags.h"
 #include "client/shard_set.h"
+#include "tools/cli_flags.h"
 
 namespace layercast::cli {
 
@@ -23,7 +23,7 @@ inline const std::set<std::string> kShardSetFlags = {
 std::set<std::string> WithShardSetFlags(std::set<std::string> own);
 
 // Addresses from --shards A,B,... or --shards-pattern P --num-shards N.
-absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags& flags);
+absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const tools::CliFlags& flags);
 
 // Channel credentials from the TLS flags: plaintext (null) without any;
 // TLS verifying the shards' certificates against --tls-ca-file (PEM; the
@@ -33,10 +33,10 @@ absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const CliFlags&
 // is unreadable or a half pair is given; FAILED_PRECONDITION when other users
 // may read --tls-key-file (CheckSecretFilePermissions).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFromFlags(
-    const CliFlags& flags);
+    const tools::CliFlags& flags);
 
 // Connects to the shard set named by the flags above (and waits up to
 // --connect-timeout-ms for it to be ready).
-absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const CliFlags& flags);
+absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const tools::CliFlags& flags);
 
 }  // namespace layercast::cli

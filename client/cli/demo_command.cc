@@ -6,12 +6,12 @@
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
 #include "client/cli/layer_walk.h"
-#include "client/local_shard_set.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/safetensors_source.h"
 #include "core/status_macros.h"
 #include "core/synthetic_model.h"
+#include "tools/local_shard_set.h"
 
 namespace layercast::cli {
 namespace {
@@ -49,9 +49,9 @@ absl::Status VerifySamples(const ParameterSource& source, const Policy& policy,
 }  // namespace
 
 absl::Status RunDemo(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags,
-                   CliFlags::Parse(args, {"num-shards", "synthetic", "model", "policy", "steps",
-                                          "shard-binary", "budget-layers"}));
+  ASSIGN_OR_RETURN(tools::CliFlags flags,
+                   tools::CliFlags::Parse(args, {"num-shards", "synthetic", "model", "policy",
+                                                 "steps", "shard-binary", "budget-layers"}));
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", 2));
   ASSIGN_OR_RETURN(uint64_t steps, flags.GetUint("steps", 1));
   if (num_shards == 0 || num_shards > 64) {
@@ -73,14 +73,14 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
     model_flags = {"--synthetic", flags.Get("synthetic", kDefaultModel)};
   }
 
-  client::LocalShardSet::Options options;
-  options.shard_binary = flags.Get("shard-binary", client::DefaultShardBinary());
+  tools::LocalShardSet::Options options;
+  options.shard_binary = flags.Get("shard-binary", tools::DefaultShardBinary());
   options.num_shards = static_cast<uint32_t>(num_shards);
   options.extra_flags = model_flags;
   options.extra_flags.insert(options.extra_flags.end(), {"--policy", policy_text});
   std::fprintf(stderr, "layercast demo: starting %llu shard servers on 127.0.0.1 (%s)\n",
                static_cast<unsigned long long>(num_shards), options.shard_binary.c_str());
-  ASSIGN_OR_RETURN(auto shards, client::LocalShardSet::Start(options));
+  ASSIGN_OR_RETURN(auto shards, tools::LocalShardSet::Start(options));
   std::string shard_list;
   for (const std::string& address : shards->addresses()) {
     absl::StrAppend(&shard_list, shard_list.empty() ? "" : ",", address);
@@ -152,7 +152,7 @@ absl::Status RunDemo(const std::vector<std::string>& args) {
                 FormatBytes(shard_peaks[i]).c_str(), FormatBytes(master).c_str());
   }
   std::printf("  worker peak RSS   %s (largest assembled layer: %s)\n",
-              FormatBytes(client::PeakRssBytes()).c_str(), FormatBytes(largest_layer).c_str());
+              FormatBytes(tools::PeakRssBytes()).c_str(), FormatBytes(largest_layer).c_str());
   std::printf("  shards stopped    %s\n",
               stopped.ok() ? "cleanly (exit 0)" : std::string(stopped.message()).c_str());
   return stopped;

@@ -1,3 +1,4 @@
+#include <charconv>
 #include <cstdio>
 #include <map>
 
@@ -9,30 +10,43 @@
 #include "core/status_macros.h"
 
 namespace layercast::cli {
+namespace {
+
+// A layer named by its index ("3") or its name ("model.layers.3").
+absl::StatusOr<uint32_t> FindLayer(const ModelSpec& model, const std::string& text) {
+  const uint64_t n = model.layers.size();
+  uint64_t index = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), index);
+  if (!text.empty() && error == std::errc() && end == text.data() + text.size()) {
+    if (index < n) return static_cast<uint32_t>(index);
+    return absl::NotFoundError(absl::StrCat("layer ", index, " does not exist: the model has ", n,
+                                            " layers (0-", n - 1, ")"));
+  }
+  for (uint32_t l = 0; l < n; ++l) {
+    if (model.layers[l].name == text) return l;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "the model has no layer named '", text, "': give an index 0-", n - 1, " or a name such as ",
+      n > 0 ? absl::StrCat("'", model.layers[0].name, "'") : std::string("..."),
+      " (layercast manifest lists them)"));
+}
+
+}  // namespace
 
 absl::Status RunFetch(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags,
-                   CliFlags::Parse(args, WithShardSetFlags({"layer", "out", "timeout-ms"})));
+  ASSIGN_OR_RETURN(tools::CliFlags flags,
+                   tools::CliFlags::Parse(args, WithShardSetFlags({"layer", "out", "timeout-ms"})));
   if (!flags.Has("layer") || !flags.Has("out")) {
     return absl::InvalidArgumentError("--layer L and --out FILE.safetensors are required");
   }
-  ASSIGN_OR_RETURN(uint64_t layer_index, flags.GetUint("layer", 0));
   ASSIGN_OR_RETURN(uint64_t timeout_ms, flags.GetUint("timeout-ms", 60000));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
-  if (layer_index >= set->model().layers.size()) {
-    return absl::NotFoundError(absl::StrCat(
-        "layer ", layer_index, " does not exist: the model has ", set->model().layers.size(),
-        " layers (0-", set->model().layers.size() - 1, ")"));
-  }
+  ASSIGN_OR_RETURN(const uint32_t layer_index, FindLayer(set->model(), flags.Get("layer")));
   client::GatherOptions options;
   options.timeout = std::chrono::milliseconds(timeout_ms);
   // A shard restarting (a rolling update) is waited out until --timeout-ms;
-  // say what the fetch waits for meanwhile.
-  options.on_retry = [](const absl::Status& why, std::chrono::milliseconds delay) {
-    std::fprintf(stderr, "layercast fetch: %s; retrying in %.1f s\n",
-                 std::string(why.message()).c_str(), static_cast<double>(delay.count()) / 1000);
-  };
-  ASSIGN_OR_RETURN(client::Layer layer, set->Gather(static_cast<uint32_t>(layer_index), options));
+  // the worker library logs each retry, saying what the fetch waits for.
+  ASSIGN_OR_RETURN(client::Layer layer, set->Gather(layer_index, options));
 
   std::vector<SafetensorsWriter::TensorHeader> headers;
   for (size_t t = 0; t < layer.num_tensors(); ++t) {

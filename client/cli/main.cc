@@ -5,61 +5,149 @@
 #include <vector>
 
 #include "client/cli/commands.h"
+#include "core/build_info.h"
 #include "core/heap_tuning.h"
+#include "core/log.h"
 
 namespace {
 
-constexpr char kUsage[] =
-    "usage: layercast COMMAND [FLAGS]\n"
-    "  manifest --shards A,B,...                      print the model, policy and layers\n"
-    "  fetch --shards A,B,... --layer L --out F       gather layer L into a safetensors file\n"
-    "  bench --shards A,B,... [--rounds R] [--budget-layers K]\n"
-    "                                                 gather every layer R times, report GB/s\n"
-    "  checkpoint --shards A,B,... --token-file F [--timeout-seconds S] [--insecure]\n"
-    "                                                 have every shard write its checkpoint;\n"
-    "                                                 needs TLS (--tls-ca-file) for the token,\n"
-    "                                                 or --insecure to send it in plaintext\n"
-    "                                                 (loopback testing only)\n"
-    "  demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P] [--steps S]\n"
-    "       [--budget-layers K]\n"
-    "                                                 start N local shards and walk every layer\n"
-    "                                                 forward then backward, as a training step\n"
-    "--budget-layers K: prefetch into at most K x the largest layer of host memory (default 3).\n"
-    "Name shards with --shards host:port,... in shard order, or with\n"
-    "--shards-pattern 'layercast-{i}.layercast:7070' --num-shards N (i = 0..N-1).\n"
-    "TLS: --tls-ca-file CA.pem verifies the shards; --tls-cert-file and --tls-key-file\n"
-    "present a client certificate to shards that require one (mutual TLS).\n"
-    "Secrets (--token-file, --tls-key-file) must be their owner's alone (chmod 600).\n";
+// Flags every command that reaches a shard set takes (client/cli/connect.h).
+constexpr char kShardSetUsage[] =
+    "Shards:\n"
+    "  --shards A,B,...            host:port of every shard, in shard order\n"
+    "  --shards-pattern P --num-shards N\n"
+    "                              or a pattern, e.g. 'layercast-{i}.layercast:7070', i = 0..N-1\n"
+    "  --connect-timeout-ms MS     how long to wait for every shard to answer (default 30000)\n"
+    "  --tls-ca-file CA.pem        verify the shards' TLS certificates against this CA\n"
+    "  --tls-cert-file F --tls-key-file F\n"
+    "                              present a client certificate (mutual TLS); the key must be\n"
+    "                              its owner's alone (chmod 600)\n";
+
+struct Command {
+  const char* name;
+  absl::Status (*run)(const std::vector<std::string>&);
+  const char* summary;
+  const char* usage;  // flags, each with its type and default
+  bool reaches_shards;
+};
+
+const Command kCommands[] = {
+    {"manifest", layercast::cli::RunManifest, "print the model, policy and layers of a shard set",
+     "layercast manifest SHARDS\n", true},
+    {"fetch", layercast::cli::RunFetch, "gather one layer into a safetensors file",
+     "layercast fetch SHARDS --layer L --out FILE.safetensors [--timeout-ms MS]\n"
+     "  --layer L                   the layer's index or its name (e.g. model.layers.3)\n"
+     "  --out FILE                  where to write the layer (safetensors)\n"
+     "  --timeout-ms MS             the gather's deadline, retries of restarting shards\n"
+     "                              included (default 60000)\n",
+     true},
+    {"bench", layercast::cli::RunBench, "gather every layer R times and report GB/s",
+     "layercast bench SHARDS [--rounds R] [--budget-layers K]\n"
+     "  --rounds R                  walks over every layer (default 3)\n"
+     "  --budget-layers K           prefetch into at most K x the largest layer of host memory\n"
+     "                              (default 3)\n",
+     true},
+    {"checkpoint", layercast::cli::RunCheckpoint, "have every shard write its checkpoint",
+     "layercast checkpoint SHARDS --token-file F [--timeout-seconds S] [--insecure]\n"
+     "  --token-file F              the admin token (chmod 600)\n"
+     "  --timeout-seconds S         how long the shards may take to write (default 3600)\n"
+     "  --insecure                  send the token without TLS (loopback testing only);\n"
+     "                              otherwise --tls-ca-file is required\n",
+     true},
+    {"demo", layercast::cli::RunDemo,
+     "start N local shards and walk every layer forward then backward",
+     "layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P]\n"
+     "               [--steps S] [--budget-layers K] [--shard-binary PATH]\n"
+     "  --num-shards N              shard processes on 127.0.0.1 (default 2)\n"
+     "  --synthetic SPEC            a built-in model (default a 1.6 GiB llama-like model)\n"
+     "  --model PATH                a safetensors file or model.safetensors.index.json\n"
+     "  --policy P                  the precision policy (default bf16 compute, norms in f32)\n"
+     "  --steps S                   training steps to walk (default 1)\n"
+     "  --budget-layers K           prefetch into at most K x the largest layer (default 3)\n"
+     "  --shard-binary PATH         layercast-shard (default: the one beside this program)\n",
+     false},
+};
+
+void PrintUsage(FILE* out) {
+  std::fputs("usage: layercast COMMAND [FLAGS]\n\nCommands:\n", out);
+  for (const Command& command : kCommands) {
+    std::fprintf(out, "  %-12s %s\n", command.name, command.summary);
+  }
+  std::fputs(
+      "  help [COMMAND]  this text, or a command's flags and defaults\n\n"
+      "layercast COMMAND --help shows a command's flags; layercast --version the build.\n\n",
+      out);
+  std::fputs(kShardSetUsage, out);
+}
+
+void PrintCommandUsage(const Command& command, FILE* out) {
+  std::fprintf(out, "%s: %s\n\nusage: %s", command.name, command.summary, command.usage);
+  if (command.reaches_shards) std::fprintf(out, "\nSHARDS is:\n%s", kShardSetUsage);
+}
+
+const Command* Find(const std::string& name) {
+  for (const Command& command : kCommands) {
+    if (name == command.name) return &command;
+  }
+  return nullptr;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   layercast::KeepChunkBuffersInHeap();
-  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
-  }
-  const std::string command = argv[1];
-  const std::vector<std::string> args(argv + 2, argv + argc);
-  absl::Status status;
-  if (command == "manifest") {
-    status = layercast::cli::RunManifest(args);
-  } else if (command == "fetch") {
-    status = layercast::cli::RunFetch(args);
-  } else if (command == "bench") {
-    status = layercast::cli::RunBench(args);
-  } else if (command == "checkpoint") {
-    status = layercast::cli::RunCheckpoint(args);
-  } else if (command == "demo") {
-    status = layercast::cli::RunDemo(args);
-  } else {
-    std::fprintf(stderr, "layercast: unknown command '%s'\n%s", command.c_str(), kUsage);
+  // The worker library's messages (connections, retries): warnings and
+  // worse, so they do not crowd the command's own output.
+  layercast::ConfigureLogging("layercast", layercast::LogFormat::kText, spdlog::level::warn);
+  const std::vector<std::string> words(argv + 1, argv + argc);
+  if (words.empty()) {
+    PrintUsage(stderr);
     return 2;
   }
+  const std::string& first = words[0];
+  if (first == "--help" || first == "-h") {
+    PrintUsage(stdout);
+    return 0;
+  }
+  if (first == "--version") {
+    std::puts(layercast::VersionLine("layercast").c_str());
+    return 0;
+  }
+  if (first == "help") {
+    if (words.size() == 1) {
+      PrintUsage(stdout);
+      return 0;
+    }
+    if (const Command* command = Find(words[1])) {
+      PrintCommandUsage(*command, stdout);
+      return 0;
+    }
+    std::fprintf(stderr, "layercast help: unknown command '%s'\n\n", words[1].c_str());
+    PrintUsage(stderr);
+    return 2;
+  }
+  const Command* command = Find(first);
+  if (command == nullptr) {
+    std::fprintf(stderr, "layercast: unknown command '%s'\n\n", first.c_str());
+    PrintUsage(stderr);
+    return 2;
+  }
+  const std::vector<std::string> args(words.begin() + 1, words.end());
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") {
+      PrintCommandUsage(*command, stdout);
+      return 0;
+    }
+  }
+  const absl::Status status = command->run(args);
   if (!status.ok()) {
-    std::fprintf(stderr, "layercast %s: %s\n", command.c_str(),
+    std::fprintf(stderr, "layercast %s: %s\n", command->name,
                  std::string(status.message()).c_str());
-    return absl::IsInvalidArgument(status) ? 2 : 1;
+    if (absl::IsInvalidArgument(status)) {
+      std::fprintf(stderr, "(layercast %s --help lists its flags)\n", command->name);
+      return 2;
+    }
+    return 1;
   }
   return 0;
 }

@@ -9,7 +9,7 @@
 namespace layercast::cli {
 
 absl::Status RunManifest(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(CliFlags flags, CliFlags::Parse(args, kShardSetFlags));
+  ASSIGN_OR_RETURN(tools::CliFlags flags, tools::CliFlags::Parse(args, kShardSetFlags));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   const layercast::v1::Manifest& manifest = set->manifests()[0];
   uint64_t elements = 0, assembled = 0;

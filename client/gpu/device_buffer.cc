@@ -105,9 +105,12 @@ absl::StatusOr<DeviceBuffer> DeviceMemoryPool::Allocate(uint64_t bytes, cudaStre
   CUDA_RETURN_IF_ERROR(
       cudaMallocFromPoolAsync(&data, bytes == 0 ? 1 : bytes, pool_, stream),
       absl::StrCat("cudaMallocFromPoolAsync of ", FormatBytes(bytes), " on device ", device_));
-  DeviceBuffer buffer(data, bytes, device_, free_stream_, std::move(on_release));
+  DeviceBuffer buffer(data, bytes, device_, free_stream_, {});
   // The free must come after the allocation in stream order too.
   RETURN_IF_ERROR(buffer.RecordUse(stream));
+  // Only now: a buffer that fails above is freed without its hook, so a caller
+  // who sees the error gives its budget back once, not twice.
+  buffer.on_release_ = std::move(on_release);
   return buffer;
 }
 

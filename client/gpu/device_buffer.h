@@ -77,7 +77,8 @@ class DeviceMemoryPool {
   // now on; other streams must wait for it). The allocation itself is
   // recorded as a use of `stream`; whoever then writes or reads the buffer,
   // on `stream` or elsewhere, calls RecordUse after enqueuing that work.
-  // RESOURCE_EXHAUSTED when the device is out of memory.
+  // RESOURCE_EXHAUSTED when the device is out of memory. `on_release` is
+  // attached only to a buffer returned: after an error it never runs.
   absl::StatusOr<DeviceBuffer> Allocate(uint64_t bytes, cudaStream_t stream,
                                         DeviceBuffer::ReleaseHook on_release = {});
 

@@ -8,31 +8,20 @@
 #include "client/gpu/device_lander.h"
 #include "client/gpu/device_layer.h"
 #include "client/layer_source.h"
+#include "client/prefetch_options.h"
+
+namespace layercast::client {
+template <typename LayerT>
+class PrefetchScheduler;
+}  // namespace layercast::client
 
 namespace layercast::gpu {
 
-struct DeviceLayerStreamOptions {
-  // The layers the caller will use, in order (client::ForwardOrder and
-  // friends build the usual ones); repeats allowed.
-  std::vector<uint32_t> order;
-  // Device bytes of layers the stream may hold at once: layers landed ahead
-  // plus layers handed out whose memory is not yet free on the device.
-  uint64_t budget_bytes = 0;
-  // How many layers may be landed before the caller asks for them; 0 lands
-  // on demand. Unlimited by default: the budget decides.
-  uint32_t max_lookahead = UINT32_MAX;
-  // Per-landing options (timeout, min_version); `cancellation` is the
-  // stream's own.
-  client::GatherOptions gather;
-};
+// `budget_bytes` counts device bytes: layers landed ahead plus layers handed
+// out whose memory is not yet free on the device.
+using DeviceLayerStreamOptions = client::PrefetchOptions;
 
-struct DeviceLayerStreamStats {
-  uint64_t layers = 0;      // handed out by Next()
-  uint64_t hits = 0;        // Next() found the layer already landed (enqueued)
-  uint64_t misses = 0;      // Next() had to wait for it
-  double wait_seconds = 0;  // host time callers spent blocked in Next()
-  uint64_t peak_bytes = 0;  // most budgeted device bytes held at once
-  uint64_t budget_bytes = 0;
+struct DeviceLayerStreamStats : client::PrefetchStats {
   // Device memory the stream's pool has mapped at most (cudaMemPool
   // ReservedMemHigh): what the budget costs the device in fact.
   uint64_t pool_reserved_high_bytes = 0;
@@ -41,8 +30,10 @@ struct DeviceLayerStreamStats {
 // The device counterpart of client::LayerStream: hands the caller the layers
 // of a declared order one by one, landing ahead on a background thread (a
 // Boost.Asio thread) as far as the device byte budget and the look-ahead
-// allow, never beyond, strictly in order. Device memory comes from a pool of
-// the stream's own (cudaMallocFromPoolAsync on the lander's stream).
+// allow, never beyond, strictly in order (the scheduling is
+// client::PrefetchScheduler's, shared with client::LayerStream). Device
+// memory comes from a pool of the stream's own (cudaMallocFromPoolAsync on
+// the lander's stream).
 //
 // A handed-out DeviceLayer is an RAII handle: the caller makes its compute
 // stream wait with WaitOn (a GPU-side wait), records its use with RecordUse,
@@ -69,11 +60,11 @@ class DeviceLayerStream {
 
   DeviceLayerStreamStats stats() const;
 
-  struct State;  // shared with the background work and handed-out layers
-
  private:
-  explicit DeviceLayerStream(std::shared_ptr<State> state);
-  std::shared_ptr<State> state_;
+  DeviceLayerStream(std::shared_ptr<client::PrefetchScheduler<DeviceLayer>> scheduler,
+                    const DeviceMemoryPool& memory);
+  std::shared_ptr<client::PrefetchScheduler<DeviceLayer>> scheduler_;
+  const DeviceMemoryPool& memory_;  // owned by the scheduler's landing
 };
 
 }  // namespace layercast::gpu

@@ -1,4 +1,7 @@
-// LayerStream against an in-process LayerSource: order, budget, look-ahead,
+// The prefetch scheduler against both landings: LayerStream's host landing,
+// and a device landing whose frees complete later, as a GPU's stream-ordered
+// frees do (tests/client/fake_device_landing.h), so the GPU path's scheduling
+// is tested without a GPU. Order, budget, look-ahead, stuck detection,
 // cancellation on destruction. Runs under ThreadSanitizer in CI.
 
 #include "client/layer_stream.h"
@@ -9,6 +12,7 @@
 #include <atomic>
 #include <thread>
 
+#include "tests/client/fake_device_landing.h"
 #include "tests/client/in_memory_layer_source.h"
 
 namespace layercast::client {
@@ -26,53 +30,76 @@ uint64_t LargestLayer(const LayerSource& source) {
   return largest;
 }
 
-TEST(LayerStreamTest, HandsOutTheDeclaredOrderWithinTheBudget) {
+// The host landing, as a worker gets it.
+struct HostLandingStreams {
+  using LayerT = Layer;
+  static absl::StatusOr<std::unique_ptr<LayerStream>> Create(const LayerSource& source,
+                                                             PrefetchOptions options) {
+    return LayerStream::Create(source, std::move(options));
+  }
+};
+
+// The device landing's scheduling: frees that complete 3 ms after the drop.
+struct DeviceLandingStreams {
+  using LayerT = FakeDeviceLayer;
+  static absl::StatusOr<std::unique_ptr<FakeDeviceStream>> Create(const LayerSource& source,
+                                                                  PrefetchOptions options) {
+    return FakeDeviceStream::Create(source, std::move(options), std::chrono::milliseconds(3));
+  }
+};
+
+template <typename Streams>
+class PrefetchSchedulerTest : public ::testing::Test {};
+using Landings = ::testing::Types<HostLandingStreams, DeviceLandingStreams>;
+TYPED_TEST_SUITE(PrefetchSchedulerTest, Landings);
+
+TYPED_TEST(PrefetchSchedulerTest, HandsOutTheDeclaredOrderWithinTheBudget) {
   InMemoryLayerSource source(kSpec, std::chrono::milliseconds(2));
   const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
   for (uint64_t budget_layers : {1, 2, 3, 100}) {
-    LayerStreamOptions options;
+    PrefetchOptions options;
     options.order = ForwardBackwardOrder(n);
     options.budget_bytes = budget_layers * LargestLayer(source);
-    auto stream = LayerStream::Create(source, options);
+    auto stream = TypeParam::Create(source, options);
     ASSERT_TRUE(stream.ok()) << stream.status();
     for (uint32_t expected : options.order) {
-      absl::StatusOr<Layer> layer = (*stream)->Next();
+      auto layer = (*stream)->Next();
       ASSERT_TRUE(layer.ok()) << layer.status();
       EXPECT_EQ(layer->index(), expected);
       EXPECT_EQ(layer->bytes().size(), source.view().layouts[expected].total_bytes());
     }
     EXPECT_EQ((*stream)->Next().status().code(), absl::StatusCode::kOutOfRange);
-    const LayerStreamStats stats = (*stream)->stats();
+    const PrefetchStats stats = (*stream)->stats();
     EXPECT_EQ(stats.layers, options.order.size());
     EXPECT_LE(stats.peak_bytes, options.budget_bytes) << budget_layers << " layers of budget";
   }
 }
 
-TEST(LayerStreamTest, PrefetchesWhileTheCallerComputes) {
+TYPED_TEST(PrefetchSchedulerTest, PrefetchesWhileTheCallerComputes) {
   InMemoryLayerSource source(kSpec, std::chrono::milliseconds(5));
   const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
-  LayerStreamOptions options;
+  PrefetchOptions options;
   options.order = ForwardOrder(n);
   options.budget_bytes = 3 * LargestLayer(source);
-  auto stream = LayerStream::Create(source, options);
+  auto stream = TypeParam::Create(source, options);
   ASSERT_TRUE(stream.ok());
   for (uint32_t i = 0; i < n; ++i) {
-    absl::StatusOr<Layer> layer = (*stream)->Next();
+    auto layer = (*stream)->Next();
     ASSERT_TRUE(layer.ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(30));  // "compute"
   }
-  const LayerStreamStats stats = (*stream)->stats();
+  const PrefetchStats stats = (*stream)->stats();
   EXPECT_GE(stats.hits, n - 1) << "every layer after the first was ready in time";
 }
 
-TEST(LayerStreamTest, ZeroLookaheadFetchesOnlyOnDemand) {
+TYPED_TEST(PrefetchSchedulerTest, ZeroLookaheadFetchesOnlyOnDemand) {
   InMemoryLayerSource source(kSpec, std::chrono::milliseconds(5));
   const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
-  LayerStreamOptions options;
+  PrefetchOptions options;
   options.order = ForwardOrder(n);
   options.budget_bytes = 100 * LargestLayer(source);
   options.max_lookahead = 0;
-  auto stream = LayerStream::Create(source, options);
+  auto stream = TypeParam::Create(source, options);
   ASSERT_TRUE(stream.ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   EXPECT_EQ(source.gathers(), 0) << "nothing fetched before it was asked for";
@@ -84,17 +111,56 @@ TEST(LayerStreamTest, ZeroLookaheadFetchesOnlyOnDemand) {
   EXPECT_EQ((*stream)->stats().misses, n);
 }
 
-TEST(LayerStreamTest, RefusesALayerLargerThanTheBudgetUpFront) {
+TYPED_TEST(PrefetchSchedulerTest, RefusesALayerLargerThanTheBudgetUpFront) {
   InMemoryLayerSource source(kSpec, std::chrono::milliseconds(0));
-  LayerStreamOptions options;
+  PrefetchOptions options;
   options.order = {0, 1};
   options.budget_bytes = LargestLayer(source) - 1;
-  auto stream = LayerStream::Create(source, options);
+  auto stream = TypeParam::Create(source, options);
   EXPECT_EQ(stream.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(stream.status().message()), HasSubstr("more than the stream's budget"));
   options.order = {0, 99};
   options.budget_bytes = 100 * LargestLayer(source);
-  EXPECT_EQ(LayerStream::Create(source, options).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(TypeParam::Create(source, options).status().code(), absl::StatusCode::kNotFound);
+}
+
+TYPED_TEST(PrefetchSchedulerTest, ACallerHoldingTheWholeBudgetGetsAnErrorNotAHang) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(0));
+  PrefetchOptions options;
+  options.order = {1, 2, 3};
+  options.budget_bytes = source.view().layouts[1].total_bytes() + 10;
+  auto stream = TypeParam::Create(source, options);
+  ASSERT_TRUE(stream.ok());
+  auto held = (*stream)->Next();
+  ASSERT_TRUE(held.ok());
+  auto next = (*stream)->Next();
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(next.status().message()), HasSubstr("drop a layer"));
+  held = absl::CancelledError("dropped");  // returns its bytes
+  auto after = (*stream)->Next();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->index(), 2u);
+}
+
+TYPED_TEST(PrefetchSchedulerTest, DestroyingMidwayCancelsAndKeepsHandedOutLayers) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(200));
+  PrefetchOptions options;
+  options.order = ForwardBackwardOrder(static_cast<uint32_t>(source.view().layouts.size()));
+  options.budget_bytes = 100 * LargestLayer(source);
+  absl::StatusOr<typename TypeParam::LayerT> kept = absl::UnknownError("unset");
+  const auto start = std::chrono::steady_clock::now();
+  {
+    auto stream = TypeParam::Create(source, options);
+    ASSERT_TRUE(stream.ok());
+    kept = (*stream)->Next();
+    ASSERT_TRUE(kept.ok());
+  }  // a 200 ms gather is in flight: cancelled, not waited out
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(390));
+  // The handed-out layer outlives the stream.
+  EXPECT_EQ(kept->index(), 0u);
+  uint64_t sum = 0;
+  for (uint8_t byte : kept->bytes()) sum += byte;
+  EXPECT_GT(sum, 0u);
 }
 
 // One layer of kMaxAssembledLayerBytes, as a manifest may claim and
@@ -155,43 +221,28 @@ TEST(LayerStreamTest, ALayerTheHostCannotHoldIsAnErrorNotAnException) {
             absl::StatusCode::kResourceExhausted);
 }
 
-TEST(LayerStreamTest, ACallerHoldingTheWholeBudgetGetsAnErrorNotAHang) {
-  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(0));
-  LayerStreamOptions options;
-  options.order = {1, 2, 3};
-  options.budget_bytes = source.view().layouts[1].total_bytes() + 10;
-  auto stream = LayerStream::Create(source, options);
-  ASSERT_TRUE(stream.ok());
-  absl::StatusOr<Layer> held = (*stream)->Next();
-  ASSERT_TRUE(held.ok());
-  absl::StatusOr<Layer> next = (*stream)->Next();
-  EXPECT_EQ(next.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(next.status().message()), HasSubstr("drop a layer"));
-  held = absl::CancelledError("dropped");  // returns its bytes
-  absl::StatusOr<Layer> after = (*stream)->Next();
-  ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_EQ(after->index(), 2u);
-}
-
-TEST(LayerStreamTest, DestroyingMidwayCancelsAndKeepsHandedOutLayers) {
-  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(200));
-  LayerStreamOptions options;
-  options.order = ForwardBackwardOrder(static_cast<uint32_t>(source.view().layouts.size()));
-  options.budget_bytes = 100 * LargestLayer(source);
-  absl::StatusOr<Layer> kept = absl::UnknownError("unset");
-  const auto start = std::chrono::steady_clock::now();
-  {
-    auto stream = LayerStream::Create(source, options);
-    ASSERT_TRUE(stream.ok());
-    kept = (*stream)->Next();
-    ASSERT_TRUE(kept.ok());
-  }  // a 200 ms gather is in flight: cancelled, not waited out
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(390));
-  // The handed-out layer outlives the stream.
-  EXPECT_EQ(kept->index(), 0u);
-  uint64_t sum = 0;
-  for (uint8_t byte : kept->bytes()) sum += byte;
-  EXPECT_GT(sum, 0u);
+// What only the device landing has: a dropped layer's memory is free only
+// when the device reaches its free. The scheduler must count it as held
+// until then, so the device never holds more than the budget, and must wait
+// for the free itself when nothing else can make room.
+TEST(DeviceLandingTest, PendingFreesHoldTheBudgetUntilTheDeviceReachesThem) {
+  InMemoryLayerSource source(kSpec, std::chrono::milliseconds(1));
+  const uint32_t n = static_cast<uint32_t>(source.view().layouts.size());
+  for (uint64_t budget_layers : {1, 2, 3}) {
+    PrefetchOptions options;
+    options.order = ForwardBackwardOrder(n);
+    options.budget_bytes = budget_layers * LargestLayer(source);
+    auto stream = FakeDeviceStream::Create(source, options, std::chrono::milliseconds(20));
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    for (uint32_t expected : options.order) {
+      absl::StatusOr<FakeDeviceLayer> layer = (*stream)->Next();
+      ASSERT_TRUE(layer.ok()) << layer.status();
+      EXPECT_EQ(layer->index(), expected);
+    }  // each layer dropped at once: its free completes 20 ms later
+    EXPECT_LE((*stream)->device().peak_bytes(), options.budget_bytes)
+        << "the device held more than the budget with " << budget_layers << " layers of budget";
+    EXPECT_EQ((*stream)->stats().layers, options.order.size());
+  }
 }
 
 }  // namespace

@@ -16,11 +16,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
+#include "tests/core/torch_check.h"
 
 namespace layercast {
 namespace {
 
-constexpr char kPython[] = "/usr/bin/python3";
+using torch_check::kPython;
+using torch_check::Write;
 
 // Zeros, subnormals, a tie and its neighbours at every bf16 and fp16
 // exponent, the largest finite values and those just past them, infinities,
@@ -50,14 +52,8 @@ std::vector<float> Inputs() {
   return inputs;
 }
 
-template <typename T>
-void Write(std::ofstream& out, const std::vector<T>& values) {
-  out.write(reinterpret_cast<const char*>(values.data()),
-            static_cast<std::streamsize>(values.size() * sizeof(T)));
-}
-
 TEST(CastTorchTest, EveryVariantMatchesPyTorchBits) {
-  if (std::system(absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+  if (!torch_check::TorchAvailable()) {
     GTEST_SKIP() << kPython << " cannot import torch (apt install python3-torch); "
                  << "this check against PyTorch's conversions did not run";
   }
@@ -79,17 +75,7 @@ TEST(CastTorchTest, EveryVariantMatchesPyTorchBits) {
     }
     ASSERT_TRUE(out.good()) << path;
   }
-  const std::string command = absl::StrCat(kPython, " ", LAYERCAST_SOURCE_DIR,
-                                           "/tests/core/cast_torch_test.py ", path, " 2>&1");
-  FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr) << command;
-  std::string output;
-  char chunk[4096];
-  while (size_t n = fread(chunk, 1, sizeof(chunk), pipe)) output.append(chunk, n);
-  const int status = pclose(pipe);
-  std::remove(path.c_str());
-  EXPECT_EQ(status, 0) << command << "\n" << output;
-  std::printf("%s", output.c_str());
+  torch_check::RunScript("cast_torch_test.py", path);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Fuzzes the worker's chunk decoder (ChunkDecoder, which ShardStream feeds
+// Fuzzes the wire module's chunk decoder (ChunkDecoder, which ShardStream feeds
 // every frame a shard sends) with a plan and a stream of frames drawn from
 // the input. Properties: whatever the bytes, it writes only inside the
 // buffer (AddressSanitizer, with the buffer exactly its size) and only inside
@@ -14,8 +14,8 @@
 #include <cstring>
 #include <vector>
 
-#include "client/chunk_decoder.h"
 #include "tests/fuzz/fuzz_check.h"
+#include "wire/chunk_decoder.h"
 
 namespace layercast::fuzz {
 namespace {
@@ -27,8 +27,8 @@ constexpr uint8_t kCanary = 0xA5;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using layercast::ElementRange;
-  using layercast::client::ChunkDecoder;
   using layercast::fuzz::kCanary;
+  using layercast::wire::ChunkDecoder;
   if (size < 1) return 0;
   size_t at = 0;
   const size_t num_runs = 1 + data[at++] % 4;

@@ -16,10 +16,11 @@
 #include "core/crc32c.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
-#include "server/chunk_encoder.h"
 #include "server/parameter_store.h"
 #include "server/shard_service.h"
 #include "tests/fuzz/safetensors_input.h"
+#include "wire/chunk_encoder.h"
+#include "wire/gradient_chunks.h"
 
 namespace layercast::fuzz {
 namespace {
@@ -230,7 +231,7 @@ void ChunkDecoderSeeds(const fs::path& dir) {
     const grpc::Slice slice(data);
     const uint32_t crc =
         Crc32c(reinterpret_cast<const uint8_t*>(data.data()), bytes) ^ (good_crc ? 0u : 1u);
-    grpc::ByteBuffer encoded = server::EncodeLayerChunk(tensor, element, 3, crc, slice);
+    grpc::ByteBuffer encoded = wire::EncodeLayerChunk(tensor, element, 3, crc, slice);
     std::vector<grpc::Slice> slices;
     (void)encoded.Dump(&slices);
     std::string out;
@@ -251,6 +252,34 @@ void ChunkDecoderSeeds(const fs::path& dir) {
   Write(dir, "invalid_garbage", plan + std::string("\x05\x00\xff\xff\xff\xff\xff", 7));
 }
 
+// Inputs of gradient_decoder_fuzzer (see there): a layout, then chunks cut
+// by the worker's own chunker.
+void GradientDecoderSeeds(const fs::path& dir) {
+  // 2 shards, this is shard 1; bf16 x 300, f32 x 17, f16 x 40.
+  const std::string header = {static_cast<char>(1 | 1 << 2), 1, 1, 44, 0, 0, 17, 2, 0, 40};
+  const auto layout = *AssembledLayout::FromDTypes(
+      {DType::kBFloat16, DType::kFloat32, DType::kFloat16}, {300, 17, 40});
+  std::vector<uint8_t> gradient(layout.total_bytes());
+  for (size_t i = 0; i < gradient.size(); ++i) gradient[i] = static_cast<uint8_t>(i * 13 % 251);
+  wire::GradientChunker chunker(layout, gradient, {4, 0, 2, 1, 2}, 96);
+  std::vector<std::string> frames;
+  layercast::v1::GradientChunk chunk;
+  while (chunker.Next(&chunk)) {
+    const std::string bytes = chunk.SerializeAsString();
+    frames.push_back(
+        std::string{static_cast<char>(bytes.size() & 0xff), static_cast<char>(bytes.size() >> 8)} +
+        bytes);
+  }
+  std::string all = header;
+  for (const std::string& frame : frames) all += frame;
+  Write(dir, "valid_whole_part", all);
+  Write(dir, "invalid_out_of_order", header + frames[1] + frames[0]);
+  Write(dir, "invalid_repeat", header + frames[0] + frames[0]);
+  std::string corrupt = frames[0];
+  corrupt[corrupt.size() / 2] ^= 0x40;
+  Write(dir, "invalid_corrupt", header + corrupt);
+}
+
 }  // namespace
 }  // namespace layercast::fuzz
 
@@ -268,6 +297,7 @@ int main(int argc, char** argv) {
   layercast::fuzz::ManifestSeeds(out / "manifest");
   layercast::fuzz::FetchPlanSeeds(out / "fetch_plan");
   layercast::fuzz::ChunkDecoderSeeds(out / "chunk_decoder");
+  layercast::fuzz::GradientDecoderSeeds(out / "gradient_decoder");
   fs::remove_all(scratch);
   return 0;
 }

@@ -5,14 +5,14 @@
 # fails the run; the input that caused it is kept under
 # build-fuzz/fuzz-artifacts/<target>/ with the command that reproduces it.
 #
-#   tests/fuzz/run_fuzzers.sh [SECONDS] [TARGET...]    (targets: safetensors policy manifest chunk_decoder fetch_plan)
+#   tests/fuzz/run_fuzzers.sh [SECONDS] [TARGET...]    (targets: safetensors policy manifest chunk_decoder gradient_decoder fetch_plan)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 seconds=${1:-60}
 shift || true
 targets=("$@")
-if [ "${#targets[@]}" -eq 0 ]; then targets=(safetensors policy manifest chunk_decoder fetch_plan); fi
+if [ "${#targets[@]}" -eq 0 ]; then targets=(safetensors policy manifest chunk_decoder gradient_decoder fetch_plan); fi
 build="build-fuzz"
 jobs=$(nproc)
 

@@ -1,7 +1,7 @@
 #pragma once
 
-// In-process shard servers on 127.0.0.1 for the GPU tests, as in
-// tests/client/layer_stream_server_test.cc.
+// Real layercast-shard processes on 127.0.0.1 for the GPU tests, as the
+// integration tests run them.
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "server/shard_server.h"
+#include "tools/local_shard_set.h"
 
 namespace layercast::gpu {
 
@@ -18,32 +18,23 @@ inline constexpr char kTestPolicy[] = "c=bf16;*norm*=f32";
 class TestShards {
  public:
   TestShards(uint32_t n, const std::string& model) {
-    for (uint32_t i = 0; i < n; ++i) {
-      layercast::v1::ShardConfig config;
-      config.set_listen("127.0.0.1:0");
-      config.set_shard_index(i);
-      config.set_num_shards(n);
-      config.set_synthetic(model);
-      config.set_policy(kTestPolicy);
-      auto settings = server::ResolveShardConfig(config);
-      EXPECT_TRUE(settings.ok()) << settings.status();
-      auto server = server::ShardServer::Create(*std::move(settings));
-      EXPECT_TRUE(server.ok()) << server.status();
-      EXPECT_TRUE((*server)->Start().ok());
-      EXPECT_TRUE((*server)->Load(nullptr).ok());
-      addresses_.push_back("127.0.0.1:" + std::to_string((*server)->port()));
-      servers_.push_back(*std::move(server));
-    }
-  }
-  ~TestShards() {
-    for (auto& server : servers_) server->Shutdown(std::chrono::seconds(5));
+    tools::LocalShardSet::Options options;
+    options.shard_binary = LAYERCAST_SHARD_BINARY;
+    options.num_shards = n;
+    options.extra_flags = {"--synthetic", model, "--policy", kTestPolicy};
+    auto shards = tools::LocalShardSet::Start(options);
+    EXPECT_TRUE(shards.ok()) << shards.status();
+    if (shards.ok()) shards_ = *std::move(shards);
   }
 
-  const std::vector<std::string>& addresses() const { return addresses_; }
+  // Empty if the shards did not start (the test has failed already).
+  const std::vector<std::string>& addresses() const {
+    static const std::vector<std::string> kNone;
+    return shards_ != nullptr ? shards_->addresses() : kNone;
+  }
 
  private:
-  std::vector<std::unique_ptr<server::ShardServer>> servers_;
-  std::vector<std::string> addresses_;
+  std::unique_ptr<tools::LocalShardSet> shards_;
 };
 
 }  // namespace layercast::gpu

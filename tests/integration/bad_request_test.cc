@@ -127,7 +127,7 @@ TEST_F(BadRequestTest, ShardKilledMidStreamFailsTheGatherWithUnavailable) {
   options.timeout = std::chrono::seconds(4);
   std::thread killer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    shards_.processes->Kill(1);
+    shards_.processes->KillForTest(1);
   });
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<client::Layer> layer = shards_.set->Gather(1, options);
@@ -204,6 +204,26 @@ TEST(ShardConfigTest, ImpossibleConfigsExitBeforeBinding) {
     EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << "one line: " << output;
     EXPECT_FALSE(std::filesystem::exists(port_file)) << "bound a port for: " << c.flags;
   }
+}
+
+// A shard without an optimizer takes no gradients: the push is refused at
+// once, saying so, and the shard serves on.
+TEST_F(BadRequestTest, AReadOnlyShardRefusesGradients) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  layercast::v1::PushGradientsResponse response;
+  auto writer = stub_->PushGradients(&context, &response);
+  layercast::v1::GradientChunk chunk;
+  chunk.set_layer(1);
+  chunk.set_data(std::string(4, '\0'));
+  chunk.set_dtype(layercast::v1::FLOAT32);
+  writer->Write(chunk);  // may fail: the shard may have answered already
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("no optimizer: it serves its parameters read-only"));
+  EXPECT_TRUE(Fetch(Request(1)).ok());
 }
 
 }  // namespace

@@ -39,7 +39,7 @@ std::string WriteToken(const std::string& dir) {
   return path;
 }
 
-std::unique_ptr<client::ShardSet> Connect(const client::LocalShardSet& processes) {
+std::unique_ptr<client::ShardSet> Connect(const tools::LocalShardSet& processes) {
   client::ShardSetOptions options;
   options.connect_timeout = std::chrono::seconds(120);
   auto set = client::ShardSet::Connect(processes.addresses(), options);
@@ -289,7 +289,7 @@ TEST(CheckpointTest, SigkillDuringALargeWriteLeavesThePreviousCheckpointWhole) {
   while (std::chrono::steady_clock::now() < deadline && written() < (uint64_t{32} << 20)) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
-  processes->Kill(0);
+  processes->KillForTest(0);
   writer.join();
   EXPECT_EQ(second.error_code(), grpc::StatusCode::UNAVAILABLE) << second.error_message();
   ASSERT_TRUE(std::filesystem::exists(temporary)) << "the kill came before the rename";

@@ -15,7 +15,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-std::unique_ptr<client::LocalShardSet> StartSet(const std::string& model_path) {
+std::unique_ptr<tools::LocalShardSet> StartSet(const std::string& model_path) {
   return StartProcesses(2, {"--model", model_path});
 }
 
@@ -51,9 +51,9 @@ TEST(IdentityTest, AShardRestartedWithOtherValuesIsRefusedMidGather) {
 
   // The same layout, other values, under the same name; shard 1 restarts
   // on it at version 0, like the shard it replaces.
-  processes->Kill(1);
+  processes->KillForTest(1);
   WriteTestModel(path, 2, 32);
-  ASSERT_TRUE(processes->Restart(1).ok());
+  ASSERT_TRUE(processes->RestartForTest(1).ok());
   client::GatherOptions gather;
   gather.timeout = std::chrono::seconds(30);
   absl::StatusOr<client::Layer> layer = (*set)->Gather(1, gather);

@@ -36,10 +36,10 @@ TEST(RecoveryTest, KilledShardRestartsAndTheGatherResumes) {
     // Throttled so the kill lands while shard 1 still owes most of its part.
     std::this_thread::sleep_for(std::chrono::microseconds(500));
     if (received.fetch_add(bytes) + bytes >= tensor_bytes / 4 && !killed.exchange(true)) {
-      shards.processes->Kill(1);
+      shards.processes->KillForTest(1);
       restarter = std::thread([&] {
         std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        EXPECT_TRUE(shards.processes->Restart(1).ok());
+        EXPECT_TRUE(shards.processes->RestartForTest(1).ok());
       });
     }
   };
@@ -70,12 +70,12 @@ TEST(RecoveryTest, KilledShardRestartsAndTheGatherResumes) {
 TEST(RecoveryTest, TheGatherWaitsOutARestartingShard) {
   RunningShards shards = StartShards(2, {"--synthetic", "llama:layers=1,hidden=64,seed=3"});
   ASSERT_NE(shards.set, nullptr);
-  shards.processes->Signal(1, SIGTERM);
-  absl::StatusOr<int> code = shards.processes->WaitForExit(1, std::chrono::seconds(10));
+  shards.processes->SignalForTest(1, SIGTERM);
+  absl::StatusOr<int> code = shards.processes->WaitForExitForTest(1, std::chrono::seconds(10));
   ASSERT_TRUE(code.ok()) << code.status();
   std::thread restarter([&] {
     std::this_thread::sleep_for(std::chrono::seconds(7));
-    EXPECT_TRUE(shards.processes->Restart(1).ok());
+    EXPECT_TRUE(shards.processes->RestartForTest(1).ok());
   });
   std::atomic<int> retries{0};
   client::GatherOptions options;
@@ -97,7 +97,7 @@ TEST(RecoveryTest, TheGatherWaitsOutARestartingShard) {
 TEST(RecoveryTest, WithoutARestartTheGatherFailsNamingTheShard) {
   RunningShards shards = StartShards(2, {"--synthetic", "llama:layers=1,hidden=64"});
   ASSERT_NE(shards.set, nullptr);
-  shards.processes->Kill(0);
+  shards.processes->KillForTest(0);
   client::GatherOptions options;
   options.timeout = std::chrono::seconds(3);
   const auto start = std::chrono::steady_clock::now();

@@ -127,7 +127,7 @@ grpc::Status GetManifest(const std::string& address,
 }
 
 absl::StatusOr<std::unique_ptr<client::ShardSet>> Connect(
-    const client::LocalShardSet& processes, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    const tools::LocalShardSet& processes, std::shared_ptr<grpc::ChannelCredentials> credentials) {
   client::ShardSetOptions options;
   options.connect_timeout = std::chrono::seconds(60);
   options.credentials = std::move(credentials);

@@ -17,14 +17,14 @@ std::string MakeTempDir(const std::string& name) {
   return dir.string();
 }
 
-std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
-                                                      const std::string& log_dir) {
-  client::LocalShardSet::Options options;
+std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
+                                                     const std::string& log_dir) {
+  tools::LocalShardSet::Options options;
   options.shard_binary = ShardBinary();
   options.num_shards = n;
   options.extra_flags = std::move(flags);
   options.log_dir = log_dir;
-  auto set = client::LocalShardSet::Start(options);
+  auto set = tools::LocalShardSet::Start(options);
   EXPECT_TRUE(set.ok()) << set.status();
   return set.ok() ? *std::move(set) : nullptr;
 }

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "client/local_shard_set.h"
 #include "client/shard_set.h"
+#include "tools/local_shard_set.h"
 
 namespace layercast::testing {
 
@@ -21,13 +21,13 @@ std::string MakeTempDir(const std::string& name);
 // Starts `n` real layercast-shard processes with `flags` (stderr to
 // `log_dir`/shard-<i>.log when given); fails the test and returns nullptr
 // on error.
-std::unique_ptr<client::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
-                                                      const std::string& log_dir = "");
+std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
+                                                     const std::string& log_dir = "");
 
 // Starts `num_shards` real layercast-shard processes with `flags` and
 // connects a ShardSet to them; fails the test on error.
 struct RunningShards {
-  std::unique_ptr<client::LocalShardSet> processes;
+  std::unique_ptr<tools::LocalShardSet> processes;
   std::unique_ptr<client::ShardSet> set;
 };
 RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);

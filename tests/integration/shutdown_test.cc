@@ -51,8 +51,8 @@ TEST(ShutdownTest, ReadinessNotServingWhileLoadingAndSigtermExitsPromptly) {
   EXPECT_THAT(loading.error_message(), ::testing::HasSubstr("still loading"));
 
   const auto start = std::chrono::steady_clock::now();
-  shards->Signal(0, SIGTERM);
-  absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(10));
+  shards->SignalForTest(0, SIGTERM);
+  absl::StatusOr<int> code = shards->WaitForExitForTest(0, std::chrono::seconds(10));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
@@ -83,7 +83,7 @@ TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {
   ASSERT_TRUE(reader->Read(&chunk));
   bytes += chunk.data().size();
 
-  shards->Signal(0, SIGTERM);
+  shards->SignalForTest(0, SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // A new stream is refused while the old one drains.
   {
@@ -104,7 +104,7 @@ TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {
   const grpc::Status finished = reader->Finish();
   EXPECT_TRUE(finished.ok()) << finished.error_message();
   EXPECT_EQ(bytes, uint64_t{32768} * 1024 * 2) << "the stream in flight was delivered in full";
-  absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(30));
+  absl::StatusOr<int> code = shards->WaitForExitForTest(0, std::chrono::seconds(30));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
 }
@@ -131,8 +131,8 @@ TEST(ShutdownTest, SigtermEndsParkedStreamsAtOnceAndTheWorkerWaitsForTheShard) {
   std::thread gather([&] { parked = (*set)->Gather(0, options); });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const auto start = std::chrono::steady_clock::now();
-  shards->Signal(0, SIGTERM);
-  absl::StatusOr<int> code = shards->WaitForExit(0, std::chrono::seconds(10));
+  shards->SignalForTest(0, SIGTERM);
+  absl::StatusOr<int> code = shards->WaitForExitForTest(0, std::chrono::seconds(10));
   // Well within the 20 s drain timeout: a parked stream holds no drain.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
   ASSERT_TRUE(code.ok()) << code.status();

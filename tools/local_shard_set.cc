@@ -1,4 +1,4 @@
-#include "client/local_shard_set.h"
+#include "tools/local_shard_set.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -18,7 +18,7 @@
 
 extern char** environ;
 
-namespace layercast::client {
+namespace layercast::tools {
 namespace {
 
 std::string DescribeExit(int wait_status) {
@@ -123,8 +123,16 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
   }
   auto set = std::unique_ptr<LocalShardSet>(new LocalShardSet());
   set->options_ = std::move(options);
-  char dir_template[] = "/tmp/layercast-shards-XXXXXX";
-  if (mkdtemp(dir_template) == nullptr) return absl::InternalError("cannot create a temp dir");
+  // The system's temporary directory ($TMPDIR, else /tmp), as mkdtemp(3)
+  // callers are expected to honour.
+  std::error_code error;
+  std::string dir_template =
+      (std::filesystem::temp_directory_path(error) / "layercast-shards-XXXXXX").string();
+  if (error || mkdtemp(dir_template.data()) == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot create a directory for the shards' port files from ", dir_template, ": ",
+        error ? error.message() : std::strerror(errno), "; set TMPDIR to a writable directory"));
+  }
   set->temp_dir_ = dir_template;
   const uint32_t n = set->options_.num_shards;
   set->addresses_.resize(n);
@@ -137,7 +145,7 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
   return set;
 }
 
-absl::Status LocalShardSet::Restart(size_t shard, std::chrono::milliseconds timeout) {
+absl::Status LocalShardSet::RestartForTest(size_t shard, std::chrono::milliseconds timeout) {
   if (pids_[shard] > 0) {
     return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " is still running"));
   }
@@ -152,10 +160,10 @@ LocalShardSet::~LocalShardSet() {
 }
 
 uint64_t LocalShardSet::PeakRssBytes(size_t shard) const {
-  return pids_[shard] > 0 ? client::PeakRssBytes(pids_[shard]) : 0;
+  return pids_[shard] > 0 ? tools::PeakRssBytes(pids_[shard]) : 0;
 }
 
-void LocalShardSet::Kill(size_t shard) {
+void LocalShardSet::KillForTest(size_t shard) {
   if (pids_[shard] <= 0) return;
   kill(pids_[shard], SIGKILL);
   int wait_status = 0;
@@ -163,11 +171,12 @@ void LocalShardSet::Kill(size_t shard) {
   pids_[shard] = 0;
 }
 
-void LocalShardSet::Signal(size_t shard, int signal) {
+void LocalShardSet::SignalForTest(size_t shard, int signal) {
   if (pids_[shard] > 0) kill(pids_[shard], signal);
 }
 
-absl::StatusOr<int> LocalShardSet::WaitForExit(size_t shard, std::chrono::milliseconds timeout) {
+absl::StatusOr<int> LocalShardSet::WaitForExitForTest(size_t shard,
+                                                      std::chrono::milliseconds timeout) {
   if (pids_[shard] <= 0) return absl::FailedPreconditionError("that shard was already reaped");
   int wait_status = 0;
   if (!WaitUntil(pids_[shard], std::chrono::steady_clock::now() + timeout, &wait_status)) {
@@ -203,4 +212,4 @@ absl::Status LocalShardSet::Stop(std::chrono::milliseconds grace) {
   return result;
 }
 
-}  // namespace layercast::client
+}  // namespace layercast::tools

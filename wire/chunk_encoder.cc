@@ -1,9 +1,9 @@
-#include "server/chunk_encoder.h"
+#include "wire/chunk_encoder.h"
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/wire_format_lite.h>
 
-namespace layercast::server {
+namespace layercast::wire {
 namespace {
 
 using google::protobuf::internal::WireFormatLite;
@@ -44,4 +44,4 @@ grpc::ByteBuffer EncodeLayerChunk(uint32_t tensor, uint64_t element_offset, uint
   return grpc::ByteBuffer(slices, 3);
 }
 
-}  // namespace layercast::server
+}  // namespace layercast::wire

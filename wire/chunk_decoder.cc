@@ -1,4 +1,4 @@
-#include "client/chunk_decoder.h"
+#include "wire/chunk_decoder.h"
 
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/wire_format_lite.h>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
 
-namespace layercast::client {
+namespace layercast::wire {
 namespace {
 
 using google::protobuf::internal::WireFormatLite;
@@ -124,4 +124,4 @@ std::vector<ChunkDecoder::Run> ChunkDecoder::RemainingRuns() const {
   return remaining;
 }
 
-}  // namespace layercast::client
+}  // namespace layercast::wire

@@ -5,7 +5,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/slice.h>
 
-namespace layercast::server {
+namespace layercast::wire {
 
 // Frames a layercast.v1.LayerChunk around bytes that are already in a gRPC
 // slice, without copying them: a few header bytes (tensor, element_offset,
@@ -20,4 +20,4 @@ namespace layercast::server {
 grpc::ByteBuffer EncodeLayerChunk(uint32_t tensor, uint64_t element_offset, uint64_t version,
                                   uint32_t crc32c, const grpc::Slice& data);
 
-}  // namespace layercast::server
+}  // namespace layercast::wire

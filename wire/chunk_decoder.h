@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "core/layout.h"
 
-namespace layercast::client {
+namespace layercast::wire {
 
 // Decodes the LayerChunk frames of one shard's FetchLayer stream straight
 // from gRPC's receive buffer into their place in the assembled buffer (one
@@ -65,4 +65,4 @@ class ChunkDecoder {
   std::optional<uint64_t> version_;
 };
 
-}  // namespace layercast::client
+}  // namespace layercast::wire

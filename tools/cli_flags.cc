@@ -1,4 +1,4 @@
-#include "client/cli/cli_flags.h"
+#include "tools/cli_flags.h"
 
 #include <charconv>
 
@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace layercast::cli {
+namespace layercast::tools {
 
 absl::StatusOr<CliFlags> CliFlags::Parse(const std::vector<std::string>& args,
                                          const std::set<std::string>& known,
@@ -62,4 +62,4 @@ absl::StatusOr<uint64_t> CliFlags::GetUint(const std::string& name, uint64_t fal
   return value;
 }
 
-}  // namespace layercast::cli
+}  // namespace layercast::tools

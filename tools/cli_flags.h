@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace layercast::cli {
+namespace layercast::tools {
 
 // The flags of one `layercast` subcommand: `--name VALUE` or `--name=VALUE`,
 // each name from the subcommand's known set, and switches, `--name` alone.
@@ -32,4 +32,4 @@ class CliFlags {
   std::map<std::string, std::string> values_;
 };
 
-}  // namespace layercast::cli
+}  // namespace layercast::tools

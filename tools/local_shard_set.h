@@ -9,12 +9,18 @@
 
 #include "absl/status/statusor.h"
 
-namespace layercast::client {
+namespace layercast::tools {
 
 // N real `layercast-shard` processes on 127.0.0.1, each on a port of its own
-// choosing: what `layercast demo` and the integration tests run against.
-// Stop() (or the destructor) sends SIGTERM and waits; a shard that does not
-// exit within the grace period is killed.
+// choosing: what `layercast demo`, the benchmarks and the integration tests
+// run against. Not part of the worker library: a worker connects to shards
+// someone else runs. Stop() (or the destructor) sends SIGTERM and waits; a
+// shard that does not exit within the grace period is killed. The shards'
+// port files go in a fresh directory under the system's temporary directory
+// ($TMPDIR or /tmp), removed with the set.
+//
+// The methods ending in ForTest break or restart shards on purpose, for the
+// fault tests; nothing else should call them.
 //
 // Not thread-safe.
 class LocalShardSet {
@@ -44,20 +50,21 @@ class LocalShardSet {
   uint64_t PeakRssBytes(size_t shard) const;
 
   // Sends SIGKILL to one shard, as a crash would, and reaps it.
-  void Kill(size_t shard);
+  void KillForTest(size_t shard);
 
   // Starts shard `shard` again (after Kill or exit) with the same flags on
   // the same port, as a restarted pod would come back; returns once it
   // listens. The old process must have been reaped.
-  absl::Status Restart(size_t shard, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  absl::Status RestartForTest(size_t shard,
+                              std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
   // Sends `signal` to one shard without waiting.
-  void Signal(size_t shard, int signal);
+  void SignalForTest(size_t shard, int signal);
 
   // Waits up to `timeout` for one shard to exit and reaps it: its exit code,
   // or 128 + the signal that ended it. DEADLINE_EXCEEDED if it is still
   // running (it is left running).
-  absl::StatusOr<int> WaitForExit(size_t shard, std::chrono::milliseconds timeout);
+  absl::StatusOr<int> WaitForExitForTest(size_t shard, std::chrono::milliseconds timeout);
 
   // SIGTERM to every live shard, then waits up to `grace` for each. OK if
   // every shard exited 0; otherwise an error naming the first that did not.
@@ -82,4 +89,4 @@ uint64_t PeakRssBytes(pid_t pid = 0);
 // The layercast-shard binary next to the running executable, if there is one.
 std::string DefaultShardBinary();
 
-}  // namespace layercast::client
+}  // namespace layercast::tools

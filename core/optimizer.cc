@@ -1,0 +1,132 @@
+#include "core/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+// How torch 1.13.1 computes each op on CPU float32 (AVX2 kernels, read in
+// ATen and confirmed bit for bit against Debian's python3-torch, in both the
+// vectorized body and the scalar tail of each loop, at 1 and 2 threads):
+//
+//   a.add(b, alpha=s)        fma(b, float(s), a)   (ufunc::add is vec::fmadd;
+//                                                   its scalar tail is fused too)
+//   a.mul(s), a * s          a * float(s)
+//   a.addcmul(b, c, value=s) fma(float(s) * b, c, a)  (written a + s*b*c, fused)
+//   a.addcdiv(b, c, value=s) a + (float(s) * b) / c   (nothing to fuse)
+//   a / s                    a / float(s)          (a true division, not a
+//                                                   multiply by 1/s)
+//   a.sqrt()                 sqrtf(a)              (correctly rounded)
+//   a + s                    a + float(s)
+//
+// Python scalars are doubles; the kernels round them to float once. So this
+// file computes scalars in double exactly as torch's Python code does and
+// uses std::fma exactly where torch fuses. core/CMakeLists.txt compiles it
+// with -ffp-contract=off so the compiler fuses nothing else (GCC's default,
+// -ffp-contract=fast, would fuse `a * b + c` wherever FMA instructions are
+// enabled).
+
+namespace layercast {
+
+uint64_t StateFloatsPerElement(OptimizerKind kind, const OptimizerHyper& hyper) {
+  if (kind == OptimizerKind::kAdamW) return 2;
+  return hyper.momentum != 0 ? 1 : 0;
+}
+
+float ClipScale(double total_norm, double max_norm) {
+  // Python's `max_norm / tensor` is Tensor.__rtruediv__, i.e.
+  // tensor.reciprocal() * max_norm.
+  const float denominator = static_cast<float>(total_norm) + static_cast<float>(1e-6);
+  const float coefficient = (1.0f / denominator) * static_cast<float>(max_norm);
+  // With the NaN first, std::min returns it, as torch.clamp propagates NaN.
+  return std::min(coefficient, 1.0f);
+}
+
+TensorOptimizer::TensorOptimizer(OptimizerKind kind, const OptimizerHyper& hyper, size_t size)
+    : kind_(kind), hyper_(hyper), size_(size) {
+  const uint64_t floats = StateFloatsPerElement(kind, hyper);
+  if (floats >= 1) first_.assign(size, 0.0f);
+  if (floats >= 2) second_.assign(size, 0.0f);
+}
+
+std::span<const float> TensorOptimizer::momentum_buffer() const {
+  return kind_ == OptimizerKind::kSgd ? std::span<const float>(first_) : std::span<const float>();
+}
+
+std::span<const float> TensorOptimizer::exp_avg() const {
+  return kind_ == OptimizerKind::kAdamW ? std::span<const float>(first_) : std::span<const float>();
+}
+
+std::span<const float> TensorOptimizer::exp_avg_sq() const { return second_; }
+
+absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<const float> grad) {
+  if (param.size() != size_ || grad.size() != size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer step: param has ", param.size(), " elements and grad ", grad.size(),
+                     ", but this tensor's optimizer state holds ", size_));
+  }
+  if (!std::isfinite(lr) || lr < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer step: lr ", lr, " is not a finite number >= 0"));
+  }
+  if (kind_ == OptimizerKind::kSgd) {
+    SgdStep(lr, param, grad);
+  } else {
+    AdamWStep(lr, param, grad);
+  }
+  ++steps_;
+  return absl::OkStatus();
+}
+
+// torch.optim.sgd._single_tensor_sgd, dampening 0.
+void TensorOptimizer::SgdStep(double lr, std::span<float> param, std::span<const float> grad) {
+  const bool decay = hyper_.weight_decay != 0;
+  const bool momentum = hyper_.momentum != 0;
+  const bool first_step = steps_ == 0;
+  const float weight_decay = static_cast<float>(hyper_.weight_decay);
+  const float momentum_f = static_cast<float>(hyper_.momentum);
+  const float minus_lr = static_cast<float>(-lr);
+  for (size_t i = 0; i < size_; ++i) {
+    float d_p = grad[i];
+    if (decay) d_p = std::fma(param[i], weight_decay, d_p);  // d_p.add(param, alpha=wd)
+    if (momentum) {
+      float& buf = first_[i];
+      // buf.mul_(momentum).add_(d_p, alpha=1 - dampening): with alpha 1 the
+      // fused add rounds once, like a plain add.
+      buf = first_step ? d_p : buf * momentum_f + d_p;
+      d_p = hyper_.nesterov ? std::fma(buf, momentum_f, d_p) : buf;
+    }
+    param[i] = std::fma(d_p, minus_lr, param[i]);  // param.add_(d_p, alpha=-lr)
+  }
+}
+
+// torch.optim.adamw._single_tensor_adamw, amsgrad off.
+void TensorOptimizer::AdamWStep(double lr, std::span<float> param, std::span<const float> grad) {
+  // As in Python: `step` is state['step'].item(), a float, and `**` is C's pow.
+  const double step = static_cast<double>(steps_ + 1);
+  const double bias_correction1 = 1 - std::pow(hyper_.beta1, step);
+  const double bias_correction2 = 1 - std::pow(hyper_.beta2, step);
+  const double step_size = lr / bias_correction1;
+  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+
+  const float decay = static_cast<float>(1 - lr * hyper_.weight_decay);
+  const float beta1 = static_cast<float>(hyper_.beta1);
+  const float one_minus_beta1 = static_cast<float>(1 - hyper_.beta1);
+  const float beta2 = static_cast<float>(hyper_.beta2);
+  const float one_minus_beta2 = static_cast<float>(1 - hyper_.beta2);
+  const float minus_step_size = static_cast<float>(-step_size);
+  const float bias_correction2_sqrt_f = static_cast<float>(bias_correction2_sqrt);
+  const float eps = static_cast<float>(hyper_.eps);
+  for (size_t i = 0; i < size_; ++i) {
+    const float g = grad[i];
+    const float p = param[i] * decay;                                 // param.mul_(1 - lr * wd)
+    const float m = std::fma(g, one_minus_beta1, first_[i] * beta1);  // .add_(grad, alpha=1-b1)
+    const float v = std::fma(one_minus_beta2 * g, g, second_[i] * beta2);  // .addcmul_(g, g, 1-b2)
+    const float denom = std::sqrt(v) / bias_correction2_sqrt_f + eps;
+    param[i] = p + (minus_step_size * m) / denom;  // param.addcdiv_(m, denom, value=-step_size)
+    first_[i] = m;
+    second_[i] = v;
+  }
+}
+
+}  // namespace layercast

@@ -1,0 +1,153 @@
+#include "server/layer_trainer.h"
+
+#include <cmath>
+#include <new>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+
+uint64_t LayerTrainer::StateBytes(const ParameterStore& store, const OptimizerSpec& spec) {
+  uint64_t floats = 0;
+  const ModelSpec& model = store.model();
+  for (uint32_t l = 0; l < model.layers.size(); ++l) {
+    for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) {
+      const OptimizerHyper hyper = spec.HyperFor(model.layers[l].tensors[t].name);
+      floats += StateFloatsPerElement(spec.kind(), hyper) * store.owned(l, t).size();
+    }
+  }
+  return floats * sizeof(float);
+}
+
+absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStore& store,
+                                                                   OptimizerSpec spec,
+                                                                   uint32_t workers) {
+  if (workers == 0) {
+    return absl::InvalidArgumentError("--data-parallel-workers must be at least 1");
+  }
+  if (spec.clip().has_value()) {
+    return absl::FailedPreconditionError(
+        "the optimizer spec asks for clip=, global gradient-norm clipping, which needs every "
+        "shard's partial norm before any layer is updated; shards cannot agree on that yet: "
+        "drop clip= from the spec");
+  }
+  auto trainer = std::unique_ptr<LayerTrainer>(new LayerTrainer(store, std::move(spec), workers));
+  const ModelSpec& model = store.model();
+  try {
+    for (uint32_t l = 0; l < model.layers.size(); ++l) {
+      auto state = std::make_unique<LayerState>();
+      absl::MutexLock lock(&state->mu);
+      state->pushed.resize(workers);
+      for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) {
+        const uint64_t owned = store.owned(l, t).size();
+        state->owned_elements += owned;
+        state->optimizers.emplace_back(
+            trainer->spec_.kind(), trainer->spec_.HyperFor(model.layers[l].tensors[t].name), owned);
+      }
+      trainer->layers_.push_back(std::move(state));
+    }
+  } catch (const std::bad_alloc&) {
+    // TensorOptimizer keeps its state in std::vector; a start-up budget check
+    // (StateBytes) should have refused this first.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate ", StateBytes(store, trainer->spec_),
+        " bytes of optimizer state: lower --memory-budget's other uses or add shards"));
+  }
+  return trainer;
+}
+
+uint64_t LayerTrainer::version(uint32_t layer) const {
+  absl::MutexLock lock(&layers_[layer]->mu);
+  return layers_[layer]->version;
+}
+
+uint32_t LayerTrainer::missing_workers(uint32_t layer) const {
+  const LayerState& state = *layers_[layer];
+  absl::MutexLock lock(&state.mu);
+  uint32_t missing = 0;
+  for (const auto& pushed : state.pushed) missing += pushed.has_value() ? 0 : 1;
+  return missing;
+}
+
+absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t worker,
+                                                        uint64_t step,
+                                                        std::vector<float> gradient) {
+  if (layer >= layers_.size()) {
+    return absl::NotFoundError(absl::StrCat("layer ", layer, " does not exist: this model has ",
+                                            layers_.size(), " layers"));
+  }
+  if (worker >= workers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", worker, " is out of range: this ", "shard set trains with ",
+                     workers_, " data-parallel workers (0-", workers_ - 1, ")"));
+  }
+  LayerState& state = *layers_[layer];
+  if (gradient.size() != state.owned_elements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a gradient of ", gradient.size(), " values for layer ", layer,
+                     ", of which this shard owns ", state.owned_elements, " elements"));
+  }
+  absl::MutexLock lock(&state.mu);
+  if (step < state.version) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("step ", step, " of layer ", layer,
+                     " was applied already (the layer is at version ", state.version, "): worker ",
+                     worker, "'s push for it counted once; go on from version ", state.version));
+  }
+  if (step > state.version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a gradient for step ", step, " of layer ", layer, ", which is at version ", state.version,
+        ": compute gradients on the layer as gathered at its current version"));
+  }
+  if (state.pushed[worker].has_value()) {
+    return absl::AlreadyExistsError(absl::StrCat("worker ", worker, " pushed layer ", layer,
+                                                 " for step ", step, " already; it counts once"));
+  }
+  state.pushed[worker] = std::move(gradient);
+  for (const auto& pushed : state.pushed) {
+    if (!pushed.has_value()) return Pushed{state.version, false};
+  }
+  RETURN_IF_ERROR(ApplyLocked(layer, state));
+  return Pushed{state.version, true};
+}
+
+absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
+  // All or nothing: every tensor's learning rate is checked before any
+  // tensor steps, so a step either applies whole or leaves the layer as it
+  // was, its pushes still staged.
+  const uint64_t step = state.version + 1;  // 1-based, as torch counts
+  std::vector<double> lrs;
+  for (const TensorOptimizer& optimizer : state.optimizers) {
+    const double lr = spec_.LearningRate(optimizer.hyper(), step);
+    if (!std::isfinite(lr) || lr < 0) {
+      return absl::InternalError(absl::StrCat("the schedule gives learning rate ", lr, " at step ",
+                                              step, " of layer ", layer));
+    }
+    lrs.push_back(lr);
+  }
+  // Left to right in worker order: the same bits whatever order pushes came in.
+  std::vector<float> mean = *state.pushed[0];
+  for (uint32_t w = 1; w < workers_; ++w) {
+    const std::vector<float>& g = *state.pushed[w];
+    for (size_t i = 0; i < mean.size(); ++i) mean[i] += g[i];
+  }
+  const float divisor = static_cast<float>(workers_);
+  for (float& value : mean) value /= divisor;
+
+  uint64_t at = 0;
+  for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
+    TensorOptimizer& optimizer = state.optimizers[t];
+    const std::span<float> master(store_.mutable_master(layer, t), optimizer.size());
+    // Cannot fail: sizes match by construction and the lr was checked above.
+    RETURN_IF_ERROR(
+        optimizer.Step(lrs[t], master, std::span<const float>(mean.data() + at, optimizer.size())));
+    at += optimizer.size();
+  }
+  for (auto& pushed : state.pushed) pushed.reset();
+  ++state.version;
+  return absl::OkStatus();
+}
+
+}  // namespace layercast::server

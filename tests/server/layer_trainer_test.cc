@@ -1,0 +1,219 @@
+// The shard's training state without gRPC: the mean of W workers' gradients
+// applied by the optimizer exactly once per step, the same bits whatever
+// order the pushes arrive in, and every bad push refused changing nothing.
+// In server_concurrency_test: runs under ThreadSanitizer (label concurrency).
+
+#include "server/layer_trainer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "core/synthetic_model.h"
+
+namespace layercast::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kModel[] = "llama:layers=2,hidden=32,ffn=48,vocab=40,seed=3";
+
+std::unique_ptr<ParameterStore> Store(uint32_t shard, uint32_t num_shards) {
+  auto model = SyntheticModel::Create(kModel);
+  EXPECT_TRUE(model.ok()) << model.status();
+  auto store = ParameterStore::Load(**model, shard, num_shards, *Policy::Parse("c=bf16"));
+  EXPECT_TRUE(store.ok()) << store.status();
+  return *std::move(store);
+}
+
+// Worker `worker`'s gradient of `layer` at `step`: deterministic, varied.
+std::vector<float> Gradient(const LayerTrainer& trainer, uint32_t layer, uint32_t worker,
+                            uint64_t step) {
+  std::mt19937 random(static_cast<uint32_t>(layer * 1000 + worker * 100 + step));
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  std::vector<float> g(trainer.owned_elements(layer));
+  for (float& v : g) v = normal(random);
+  return g;
+}
+
+// Every master bit of the store, layer by layer.
+std::vector<uint32_t> MasterBits(const ParameterStore& store) {
+  std::vector<uint32_t> bits;
+  for (uint32_t l = 0; l < store.model().layers.size(); ++l) {
+    for (uint32_t t = 0; t < store.model().layers[l].tensors.size(); ++t) {
+      const float* master = store.master(l, t);
+      for (uint64_t i = 0; i < store.owned(l, t).size(); ++i) {
+        bits.push_back(std::bit_cast<uint32_t>(master[i]));
+      }
+    }
+  }
+  return bits;
+}
+
+constexpr char kAdamW[] =
+    "adamw:lr=1e-2,weight_decay=0.1,beta2=0.95,warmup_steps=2;*norm*:weight_decay=0";
+
+TEST(LayerTrainerTest, ArrivalOrderChangesNoBit) {
+  auto in_order = Store(1, 2), shuffled = Store(1, 2);
+  auto a = LayerTrainer::Create(*in_order, *OptimizerSpec::Parse(kAdamW), 3);
+  auto b = LayerTrainer::Create(*shuffled, *OptimizerSpec::Parse(kAdamW), 3);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  const std::vector<uint32_t> before = MasterBits(*in_order);
+  const uint32_t layers = static_cast<uint32_t>(in_order->model().layers.size());
+  for (uint64_t step = 0; step < 3; ++step) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      for (uint32_t w : {0u, 1u, 2u}) {
+        auto pushed = (*a)->Push(l, w, step, Gradient(**a, l, w, step));
+        ASSERT_TRUE(pushed.ok()) << pushed.status();
+        EXPECT_EQ(pushed->applied, w == 2);
+        EXPECT_EQ(pushed->layer_version, w == 2 ? step + 1 : step);
+      }
+      for (uint32_t w : {2u, 0u, 1u}) {
+        auto pushed = (*b)->Push(l, w, step, Gradient(**b, l, w, step));
+        ASSERT_TRUE(pushed.ok()) << pushed.status();
+        EXPECT_EQ(pushed->applied, w == 1);
+      }
+      EXPECT_EQ((*b)->version(l), step + 1);
+      EXPECT_EQ((*b)->missing_workers(l), 3u);
+    }
+    ASSERT_EQ(MasterBits(*in_order), MasterBits(*shuffled)) << "after step " << step;
+  }
+  EXPECT_NE(MasterBits(*in_order), before) << "three steps changed nothing";
+}
+
+// The trainer's wiring (owned order, the mean, the 1-based step of the
+// schedule) against the optimizer driven directly.
+TEST(LayerTrainerTest, AppliesTheMeanWithTheStepsLearningRate) {
+  auto store = Store(0, 3);
+  auto reference = Store(0, 3);
+  const OptimizerSpec spec =
+      *OptimizerSpec::Parse("sgd:lr=0.5,momentum=0.9,nesterov=1,warmup_steps=3");
+  auto trainer = LayerTrainer::Create(*store, spec, 2);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  const uint32_t layer = 1;
+  const uint32_t tensors = static_cast<uint32_t>(store->model().layers[layer].tensors.size());
+  std::vector<TensorOptimizer> optimizers;
+  for (uint32_t t = 0; t < tensors; ++t) {
+    optimizers.emplace_back(spec.kind(),
+                            spec.HyperFor(store->model().layers[layer].tensors[t].name),
+                            store->owned(layer, t).size());
+  }
+  for (uint64_t step = 0; step < 4; ++step) {
+    const std::vector<float> g0 = Gradient(**trainer, layer, 0, step);
+    const std::vector<float> g1 = Gradient(**trainer, layer, 1, step);
+    ASSERT_TRUE((*trainer)->Push(layer, 1, step, g1).ok());
+    ASSERT_TRUE((*trainer)->Push(layer, 0, step, g0).ok());
+    uint64_t at = 0;
+    for (uint32_t t = 0; t < tensors; ++t) {
+      const uint64_t n = store->owned(layer, t).size();
+      std::vector<float> mean(n);
+      for (uint64_t i = 0; i < n; ++i) mean[i] = (g0[at + i] + g1[at + i]) / 2.0f;
+      const double lr = spec.LearningRate(optimizers[t].hyper(), step + 1);
+      ASSERT_TRUE(optimizers[t]
+                      .Step(lr, std::span<float>(reference->mutable_master(layer, t), n), mean)
+                      .ok());
+      ASSERT_EQ(std::memcmp(reference->master(layer, t), store->master(layer, t), n * 4), 0)
+          << "tensor " << t << " after step " << step;
+      at += n;
+    }
+  }
+}
+
+TEST(LayerTrainerTest, EveryBadPushIsRefusedAndChangesNothing) {
+  auto store = Store(0, 2);
+  auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  LayerTrainer& t = **trainer;
+  ASSERT_TRUE(t.Push(0, 0, 0, Gradient(t, 0, 0, 0)).ok());
+  ASSERT_TRUE(t.Push(0, 1, 0, Gradient(t, 0, 1, 0)).ok());  // layer 0 at version 1
+  ASSERT_TRUE(t.Push(0, 1, 1, Gradient(t, 0, 1, 1)).ok());  // worker 1 staged for step 1
+  const std::vector<uint32_t> before = MasterBits(*store);
+  struct Case {
+    const char* what;
+    uint32_t layer, worker;
+    uint64_t step;
+    size_t size;
+    absl::StatusCode code;
+    const char* says;
+  };
+  const uint64_t n = t.owned_elements(0);
+  for (const Case& c : {
+           Case{"retry of an applied step", 0, 0, 0, n, absl::StatusCode::kAlreadyExists,
+                "was applied already"},
+           Case{"duplicate in the open step", 0, 1, 1, n, absl::StatusCode::kAlreadyExists,
+                "counts once"},
+           Case{"a step ahead", 0, 0, 5, n, absl::StatusCode::kFailedPrecondition,
+                "a gradient for step 5 of layer 0, which is at version 1"},
+           Case{"no such worker", 0, 2, 1, n, absl::StatusCode::kInvalidArgument,
+                "worker 2 is out of range"},
+           Case{"wrong size", 0, 0, 1, n - 1, absl::StatusCode::kInvalidArgument,
+                "of which this shard owns"},
+           Case{"no such layer", 99, 0, 0, n, absl::StatusCode::kNotFound, "does not exist"},
+       }) {
+    auto pushed = t.Push(c.layer, c.worker, c.step, std::vector<float>(c.size, 1.0f));
+    EXPECT_EQ(pushed.status().code(), c.code) << c.what << ": " << pushed.status();
+    EXPECT_THAT(std::string(pushed.status().message()), HasSubstr(c.says)) << c.what;
+  }
+  EXPECT_EQ(MasterBits(*store), before);
+  EXPECT_EQ(t.version(0), 1u);
+  EXPECT_EQ(t.missing_workers(0), 1u) << "worker 1's staged push survived the refusals";
+}
+
+TEST(LayerTrainerTest, RefusesWhatItCannotDo) {
+  auto store = Store(0, 1);
+  EXPECT_EQ(LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=1"), 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const auto clipped = LayerTrainer::Create(*store, *OptimizerSpec::Parse("adamw:lr=1,clip=1"), 2);
+  EXPECT_EQ(clipped.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(clipped.status().message()), HasSubstr("drop clip= from the spec"));
+  // AdamW keeps two floats of state per owned element, SGD with momentum one.
+  EXPECT_EQ(LayerTrainer::StateBytes(*store, *OptimizerSpec::Parse("adamw:lr=1")),
+            2 * store->master_bytes());
+  EXPECT_EQ(LayerTrainer::StateBytes(*store, *OptimizerSpec::Parse("sgd:lr=1,momentum=0.9")),
+            store->master_bytes());
+  EXPECT_EQ(LayerTrainer::StateBytes(*store, *OptimizerSpec::Parse("sgd:lr=1")), 0u);
+}
+
+// W workers pushing every layer at once from their own threads, as gRPC
+// would: the same master as pushing one by one.
+TEST(LayerTrainerConcurrencyTest, ConcurrentPushesGiveTheSequentialResult) {
+  constexpr uint32_t kWorkers = 4;
+  constexpr uint64_t kSteps = 3;
+  auto sequential = Store(0, 2), concurrent = Store(0, 2);
+  auto a = LayerTrainer::Create(*sequential, *OptimizerSpec::Parse(kAdamW), kWorkers);
+  auto b = LayerTrainer::Create(*concurrent, *OptimizerSpec::Parse(kAdamW), kWorkers);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const uint32_t layers = static_cast<uint32_t>(sequential->model().layers.size());
+  for (uint64_t step = 0; step < kSteps; ++step) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      for (uint32_t w = 0; w < kWorkers; ++w) {
+        ASSERT_TRUE((*a)->Push(l, w, step, Gradient(**a, l, w, step)).ok());
+      }
+    }
+  }
+  std::vector<std::thread> workers;
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] {
+      for (uint64_t step = 0; step < kSteps; ++step) {
+        for (uint32_t l = 0; l < layers; ++l) {
+          // A worker's next step starts when the layer has applied this one.
+          const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while ((*b)->version(l) < step && std::chrono::steady_clock::now() < give_up) {
+            std::this_thread::yield();
+          }
+          EXPECT_TRUE((*b)->Push(l, w, step, Gradient(**b, l, w, step)).ok());
+        }
+      }
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  EXPECT_EQ(MasterBits(*sequential), MasterBits(*concurrent));
+  for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ((*b)->version(l), kSteps);
+}
+
+}  // namespace
+}  // namespace layercast::server

@@ -1,0 +1,65 @@
+#include "server/shard_config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+absl::StatusOr<ShardSettings> Resolve(std::vector<std::string> flags) {
+  std::vector<std::string> args = {"--num-shards", "1", "--synthetic", "llama:layers=1"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  ASSIGN_OR_RETURN(layercast::v1::ShardConfig config, ParseShardFlags(args));
+  return ResolveShardConfig(std::move(config));
+}
+
+// Checked before gRPC sees them: gRPC would bind 99999 modulo 65536.
+TEST(ShardConfigTest, ListenAddressesAreHostColonPort) {
+  for (const char* good : {"127.0.0.1:0", "0.0.0.0:7070", "[::1]:65535", "localhost:7070"}) {
+    EXPECT_TRUE(Resolve({"--listen", good}).ok()) << good;
+    EXPECT_TRUE(Resolve({"--metrics-listen", good}).ok()) << good;
+  }
+  struct Case {
+    const char* flag;
+    const char* value;
+    const char* says;
+  };
+  for (const Case& c :
+       {Case{"--listen", "127.0.0.1:99999", "no port in 0-65535"},
+        Case{"--listen", "7180", "has no port"}, Case{"--listen", ":7070", "has no host"},
+        Case{"--listen", "::1:7070", "IPv6 host without brackets"},
+        Case{"--listen", "host:", "no port in 0-65535"},
+        Case{"--metrics-listen", "127.0.0.1:http", "no port in 0-65535"},
+        Case{"--health-listen", "127.0.0.1:-1", "no port in 0-65535"}}) {
+    const absl::StatusOr<ShardSettings> settings = Resolve({c.flag, c.value});
+    EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument) << c.value;
+    EXPECT_THAT(std::string(settings.status().message()), HasSubstr(c.says)) << c.value;
+    EXPECT_THAT(std::string(settings.status().message()),
+                HasSubstr(absl::StrCat(c.flag, " '", c.value, "'")));
+  }
+}
+
+TEST(ShardConfigTest, MemoryBudgetTakesKubernetesQuantities) {
+  const absl::StatusOr<ShardSettings> settings = Resolve({"--memory-budget", "4Gi"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->memory_budget_bytes, 4ull << 30);
+}
+
+TEST(ShardConfigTest, LogFormatAndLevel) {
+  absl::StatusOr<ShardSettings> settings = Resolve({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->log_format, LogFormat::kText);
+  EXPECT_EQ(settings->log_level, spdlog::level::info);
+  settings = Resolve({"--log-format", "json", "--log-level", "warn"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->log_format, LogFormat::kJson);
+  EXPECT_EQ(settings->log_level, spdlog::level::warn);
+}
+
+}  // namespace
+}  // namespace layercast::server

@@ -1,0 +1,135 @@
+#include "wire/gradient_chunks.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/cast.h"
+#include "core/crc32c.h"
+#include "wire/owned_runs.h"
+
+namespace layercast::wire {
+namespace {
+
+std::vector<TensorElementRange> WholeLayerRuns(const AssembledLayout& layout, uint32_t shard,
+                                               uint32_t num_shards) {
+  std::vector<TensorElementRange> whole;
+  for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
+    whole.push_back(TensorElementRange{t, ElementRange{0, layout.tensors()[t].num_elements}});
+  }
+  return OwnedRuns(layout, whole, shard, num_shards);
+}
+
+}  // namespace
+
+GradientChunker::GradientChunker(const AssembledLayout& layout, std::span<const uint8_t> gradient,
+                                 Stream stream, uint64_t chunk_bytes)
+    : layout_(layout),
+      gradient_(gradient),
+      stream_(stream),
+      chunk_bytes_(chunk_bytes),
+      runs_(WholeLayerRuns(layout, stream.shard, stream.num_shards)) {
+  for (const TensorElementRange& run : runs_) {
+    total_bytes_ += run.elements.size() * DTypeSize(layout_.tensors()[run.tensor].compute_dtype);
+  }
+  if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
+}
+
+bool GradientChunker::Next(layercast::v1::GradientChunk* chunk) {
+  if (run_ == runs_.size()) return false;
+  const TensorElementRange& run = runs_[run_];
+  const AssembledTensor& placed = layout_.tensors()[run.tensor];
+  const uint64_t element_size = DTypeSize(placed.compute_dtype);
+  const uint64_t count = std::min(run.elements.end - next_element_,
+                                  std::max<uint64_t>(1, chunk_bytes_ / element_size));
+  const uint8_t* data = gradient_.data() + placed.byte_offset + next_element_ * element_size;
+  chunk->Clear();
+  chunk->set_step(stream_.step);
+  chunk->set_worker(stream_.worker);
+  chunk->set_layer(stream_.layer);
+  chunk->set_tensor(run.tensor);
+  chunk->set_element_offset(next_element_);
+  chunk->set_data(data, count * element_size);
+  chunk->set_dtype(static_cast<layercast::v1::DType>(placed.compute_dtype));
+  chunk->set_crc32c(Crc32c(data, count * element_size));
+  next_element_ += count;
+  if (next_element_ == run.elements.end && ++run_ < runs_.size()) {
+    next_element_ = runs_[run_].elements.begin;
+  }
+  return true;
+}
+
+GradientDecoder::GradientDecoder(const AssembledLayout& layout,
+                                 std::vector<TensorElementRange> owned, std::span<float> staging)
+    : layout_(layout), runs_(std::move(owned)), staging_(staging) {
+  if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
+}
+
+std::string GradientDecoder::Due() const {
+  if (done()) return "nothing more";
+  return absl::StrCat("tensor ", runs_[run_].tensor, " from element ", next_element_);
+}
+
+absl::Status GradientDecoder::Accept(const layercast::v1::GradientChunk& chunk) {
+  if (!started_) {
+    started_ = true;
+    step_ = chunk.step();
+    worker_ = chunk.worker();
+    layer_ = chunk.layer();
+  } else if (chunk.step() != step_ || chunk.worker() != worker_ || chunk.layer() != layer_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a chunk for step ", chunk.step(), ", worker ", chunk.worker(), ", layer ", chunk.layer(),
+        " in a stream for step ", step_, ", worker ", worker_, ", layer ", layer_,
+        ": one PushGradients stream carries one (step, worker, layer); open another"));
+  }
+  if (done()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a chunk of tensor ", chunk.tensor(), " from element ", chunk.element_offset(),
+                     " after every element this shard owns had arrived"));
+  }
+  const TensorElementRange& run = runs_[run_];
+  if (chunk.tensor() != run.tensor || chunk.element_offset() != next_element_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a chunk of tensor ", chunk.tensor(), " from element ", chunk.element_offset(), " where ",
+        Due(), " was due: send this shard's elements of each tensor once, in tensor and element ",
+        "order (elements [n*i/N, n*(i+1)/N) of an n-element tensor for shard i of N)"));
+  }
+  const DType compute = layout_.tensors()[run.tensor].compute_dtype;
+  // proto3 enums are open: check the wire value before narrowing it to DType.
+  const int wire_dtype = chunk.dtype();
+  const bool known =
+      layercast::v1::DType_IsValid(wire_dtype) && wire_dtype != layercast::v1::DTYPE_UNSPECIFIED;
+  const auto dtype = static_cast<DType>(known ? wire_dtype : 0);
+  if (!known || (dtype != compute && dtype != DType::kFloat32)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tensor ", run.tensor, "'s gradient came as ",
+        layercast::v1::DType_IsValid(wire_dtype) ? layercast::v1::DType_Name(chunk.dtype())
+                                                 : absl::StrCat("dtype ", wire_dtype),
+        "; send it in the tensor's compute dtype ", DTypeName(compute), " or in FLOAT32"));
+  }
+  const uint64_t element_size = DTypeSize(dtype);
+  const uint64_t bytes = chunk.data().size();
+  const uint64_t remaining = run.elements.end - next_element_;
+  if (bytes == 0 || bytes % element_size != 0 || bytes / element_size > remaining) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a chunk of ", bytes, " bytes for tensor ", run.tensor, " where at most ", remaining,
+        " elements of ", element_size, " bytes remain of what this shard owns"));
+  }
+  if (chunk.has_crc32c() && Crc32c(chunk.data().data(), bytes) != chunk.crc32c()) {
+    return absl::DataLossError(absl::StrCat("the chunk of tensor ", run.tensor, " from element ",
+                                            next_element_,
+                                            " does not match its CRC-32C: send it again"));
+  }
+  const uint64_t count = bytes / element_size;
+  if (count > staging_.size() - staged_) {  // only if the caller broke the REQUIRES
+    return absl::InternalError("the staging slice is smaller than the owned elements");
+  }
+  CastToF32(chunk.data().data(), dtype, staging_.data() + staged_, count);
+  staged_ += count;
+  next_element_ += count;
+  if (next_element_ == run.elements.end && ++run_ < runs_.size()) {
+    next_element_ = runs_[run_].elements.begin;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace layercast::wire

@@ -1,0 +1,98 @@
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/layout.h"
+#include "layercast/v1/shard.pb.h"
+
+namespace layercast::wire {
+
+// Cuts one worker's gradient of one layer, given in the assembled layout
+// (the buffer shape a gather returns, each tensor in its compute dtype),
+// into the GradientChunks one shard must receive: exactly the elements it
+// owns of every tensor, in tensor and element order, each chunk at most
+// `chunk_bytes` of data with its CRC-32C. Copies each chunk's bytes once,
+// when Next() makes it, so a sender holds one chunk at a time.
+//
+// Not thread-safe.
+class GradientChunker {
+ public:
+  struct Stream {
+    uint64_t step;
+    uint32_t worker;
+    uint32_t layer;
+    uint32_t shard;
+    uint32_t num_shards;
+  };
+
+  // REQUIRES: `gradient` holds layout.total_bytes(); shard < num_shards;
+  // chunk_bytes >= 4. Both must outlive the chunker.
+  GradientChunker(const AssembledLayout& layout, std::span<const uint8_t> gradient, Stream stream,
+                  uint64_t chunk_bytes);
+
+  // The next chunk, or false when the shard's part has been cut entirely.
+  bool Next(layercast::v1::GradientChunk* chunk);
+
+  // Bytes of data the shard receives in all.
+  uint64_t total_bytes() const { return total_bytes_; }
+
+ private:
+  const AssembledLayout& layout_;
+  const std::span<const uint8_t> gradient_;
+  const Stream stream_;
+  const uint64_t chunk_bytes_;
+  const std::vector<TensorElementRange> runs_;
+  uint64_t total_bytes_ = 0;
+  size_t run_ = 0;
+  uint64_t next_element_ = 0;
+};
+
+// Checks the GradientChunks of one PushGradients stream against what the
+// shard owns of the layer and widens each, exactly, to fp32 in place in the
+// shard's staging slice (one float per owned element; the owned runs of the
+// layer back to back in tensor order). Untrusted input: whatever the
+// chunks say, it writes only inside `staging`, and each element at most once.
+//
+// Not thread-safe: one stream's reads are serialised by gRPC.
+class GradientDecoder {
+ public:
+  // `owned`: OwnedRuns of the whole layer for this shard. REQUIRES:
+  // staging.size() == the sum of the runs' sizes.
+  GradientDecoder(const AssembledLayout& layout, std::vector<TensorElementRange> owned,
+                  std::span<float> staging);
+
+  // Takes the next chunk of the stream.
+  //   INVALID_ARGUMENT  step, worker or layer differ from the stream's first
+  //                     chunk; a tensor or element that is not the next one
+  //                     this shard owns (a gap, an overlap, a repeat, out of
+  //                     order); data that is not whole elements or runs past
+  //                     the owned range; no data;
+  //   FAILED_PRECONDITION  a dtype that is neither the tensor's compute
+  //                     dtype nor FLOAT32;
+  //   DATA_LOSS         the data does not match its CRC-32C.
+  // Every message says what was due. After an error the stream is over.
+  absl::Status Accept(const layercast::v1::GradientChunk& chunk);
+
+  // Whether every owned element has arrived.
+  bool done() const { return run_ == runs_.size(); }
+  // What the stream still owes, for messages: "tensor 2 from element 17".
+  std::string Due() const;
+
+ private:
+  const AssembledLayout& layout_;
+  const std::vector<TensorElementRange> runs_;
+  const std::span<float> staging_;
+  size_t run_ = 0;
+  uint64_t next_element_ = 0;
+  uint64_t staged_ = 0;  // floats of staging filled
+  bool started_ = false;
+  uint64_t step_ = 0;
+  uint32_t worker_ = 0;
+  uint32_t layer_ = 0;
+};
+
+}  // namespace layercast::wire
