@@ -69,6 +69,10 @@ class ShardSet final : public LayerSource {
   absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
                                       std::span<uint8_t> buffer) const override;
 
+  // The typed stub of shard `shard` (for PushGradients). REQUIRES: shard <
+  // the number of shards.
+  layercast::v1::ShardService::Stub& stub(uint32_t shard) const { return *stubs_[shard]; }
+
   // The worker library's metrics; nullptr without a registry.
   ClientMetrics* metrics() const override { return metrics_.get(); }
 

@@ -72,7 +72,7 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
   absl::MutexLock lock(&mu_);
   // Posted, never run here: this constructor has not returned to gRPC yet.
   wait_id_ = gate_.Wait(
-      options_.min_version, options_.version_give_up_at,
+      plan_.layer, options_.min_version, options_.version_give_up_at,
       [this](VersionGate::Outcome outcome, uint64_t version) { OnVersion(outcome, version); });
 }
 
@@ -153,6 +153,14 @@ void FetchLayerReactor::OnBudget(bool granted) {
 }
 
 absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
+  // Shared with other readers, exclusive of an optimizer step: the chunk is
+  // cast from one version, and it is the stream's.
+  absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
+  if (const uint64_t now = gate_.version(key.layer); now != key.version) {
+    return absl::AbortedError(absl::StrCat(
+        "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
+        " while this stream sent it; gather the layer again with min_version ", now));
+  }
   const ElementRange owned = store_.owned(key.layer, key.tensor);
   const float* source = store_.master(key.layer, key.tensor) + (key.element_begin - owned.begin);
   const size_t element_bytes = DTypeSize(key.dtype);
@@ -283,7 +291,7 @@ void FetchLayerReactor::OnCancel() {
       metrics_.streams_waiting_for_version().Decrement();
       finish =
           CancelledWhileWaiting(absl::StrCat("waiting for parameter version ", options_.min_version,
-                                             " (current ", gate_.version(), ")"));
+                                             " (current ", gate_.version(plan_.layer), ")"));
     } else if (phase_ == Phase::kWaitingForBudget && wait_id_ != 0 && budget_.Cancel(wait_id_)) {
       finish = CancelledWhileWaiting("waiting for memory budget");
     }

@@ -1,9 +1,12 @@
 #include "server/layer_trainer.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <new>
 #include <span>
 
+#include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 
@@ -21,9 +24,30 @@ uint64_t LayerTrainer::StateBytes(const ParameterStore& store, const OptimizerSp
   return floats * sizeof(float);
 }
 
+LayerTrainer::Memory LayerTrainer::MemoryFor(const ModelSpec& model, uint32_t shard_index,
+                                             uint32_t num_shards, const OptimizerSpec& spec,
+                                             uint32_t workers) {
+  // In 128 bits: a model whose master fits may still have twice as much state.
+  absl::uint128 state = 0, largest_layer = 0;
+  for (const LayerSpec& layer : model.layers) {
+    absl::uint128 layer_floats = 0;
+    for (const TensorSpec& tensor : layer.tensors) {
+      const uint64_t owned = ShardElementRange(tensor.num_elements, shard_index, num_shards).size();
+      state += absl::uint128(StateFloatsPerElement(spec.kind(), spec.HyperFor(tensor.name))) *
+               owned * sizeof(float);
+      layer_floats += owned;
+    }
+    largest_layer = std::max(largest_layer, layer_floats);
+  }
+  const auto saturate = [](absl::uint128 value) {
+    return value > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(value);
+  };
+  return Memory{saturate(state), saturate(largest_layer * sizeof(float) * workers)};
+}
+
 absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStore& store,
                                                                    OptimizerSpec spec,
-                                                                   uint32_t workers) {
+                                                                   uint32_t workers, Links links) {
   if (workers == 0) {
     return absl::InvalidArgumentError("--data-parallel-workers must be at least 1");
   }
@@ -33,13 +57,15 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
         "shard's partial norm before any layer is updated; shards cannot agree on that yet: "
         "drop clip= from the spec");
   }
-  auto trainer = std::unique_ptr<LayerTrainer>(new LayerTrainer(store, std::move(spec), workers));
+  auto trainer =
+      std::unique_ptr<LayerTrainer>(new LayerTrainer(store, std::move(spec), workers, links));
   const ModelSpec& model = store.model();
   try {
     for (uint32_t l = 0; l < model.layers.size(); ++l) {
       auto state = std::make_unique<LayerState>();
       absl::MutexLock lock(&state->mu);
       state->pushed.resize(workers);
+      if (links.gate != nullptr) state->version = links.gate->version(l);
       for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) {
         const uint64_t owned = store.owned(l, t).size();
         state->owned_elements += owned;
@@ -71,25 +97,22 @@ uint32_t LayerTrainer::missing_workers(uint32_t layer) const {
   return missing;
 }
 
-absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t worker,
-                                                        uint64_t step,
-                                                        std::vector<float> gradient) {
+absl::Status LayerTrainer::CheckIndices(uint32_t layer, uint32_t worker) const {
   if (layer >= layers_.size()) {
     return absl::NotFoundError(absl::StrCat("layer ", layer, " does not exist: this model has ",
                                             layers_.size(), " layers"));
   }
   if (worker >= workers_) {
     return absl::InvalidArgumentError(
-        absl::StrCat("worker ", worker, " is out of range: this ", "shard set trains with ",
-                     workers_, " data-parallel workers (0-", workers_ - 1, ")"));
+        absl::StrCat("worker ", worker, " is out of range: this shard set trains with ", workers_,
+                     " data-parallel workers (0-", workers_ - 1,
+                     "); give each worker its own index below --data-parallel-workers"));
   }
-  LayerState& state = *layers_[layer];
-  if (gradient.size() != state.owned_elements) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a gradient of ", gradient.size(), " values for layer ", layer,
-                     ", of which this shard owns ", state.owned_elements, " elements"));
-  }
-  absl::MutexLock lock(&state.mu);
+  return absl::OkStatus();
+}
+
+absl::Status LayerTrainer::CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
+                                           const LayerState& state) const {
   if (step < state.version) {
     return absl::AlreadyExistsError(
         absl::StrCat("step ", step, " of layer ", layer,
@@ -105,12 +128,64 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
     return absl::AlreadyExistsError(absl::StrCat("worker ", worker, " pushed layer ", layer,
                                                  " for step ", step, " already; it counts once"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LayerTrainer::CheckPush(uint32_t layer, uint32_t worker, uint64_t step) const {
+  RETURN_IF_ERROR(CheckIndices(layer, worker));
+  const LayerState& state = *layers_[layer];
+  absl::MutexLock lock(&state.mu);
+  return CheckStepLocked(layer, worker, step, state);
+}
+
+LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {
+  const auto now = std::chrono::steady_clock::now();
+  OpenStep oldest;
+  for (const auto& layer : layers_) {
+    absl::MutexLock lock(&layer->mu);
+    if (!layer->opened) continue;
+    const double waited = std::chrono::duration<double>(now - *layer->opened).count();
+    if (oldest.missing_workers > 0 && waited <= oldest.waited_seconds) continue;
+    oldest.waited_seconds = waited;
+    oldest.missing_workers = static_cast<uint32_t>(
+        std::count_if(layer->pushed.begin(), layer->pushed.end(),
+                      [](const auto& pushed) { return !pushed.has_value(); }));
+  }
+  return oldest;
+}
+
+absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t worker,
+                                                        uint64_t step,
+                                                        std::vector<float> gradient) {
+  RETURN_IF_ERROR(CheckIndices(layer, worker));
+  LayerState& state = *layers_[layer];
+  if (gradient.size() != state.owned_elements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a gradient of ", gradient.size(), " values for layer ", layer,
+                     ", of which this shard owns ", state.owned_elements, " elements"));
+  }
+  absl::MutexLock lock(&state.mu);
+  RETURN_IF_ERROR(CheckStepLocked(layer, worker, step, state));
+  const auto start = std::chrono::steady_clock::now();
   state.pushed[worker] = std::move(gradient);
+  if (!state.opened) state.opened = start;
   for (const auto& pushed : state.pushed) {
     if (!pushed.has_value()) return Pushed{state.version, false};
   }
-  RETURN_IF_ERROR(ApplyLocked(layer, state));
-  return Pushed{state.version, true};
+  const auto opened = *state.opened;
+  if (absl::Status applied = ApplyLocked(layer, state); !applied.ok()) {
+    // The caller keeps its charge, so the staged copy goes with it.
+    state.pushed[worker].reset();
+    if (std::none_of(state.pushed.begin(), state.pushed.end(),
+                     [](const auto& pushed) { return pushed.has_value(); })) {
+      state.opened.reset();
+    }
+    return applied;
+  }
+  state.opened.reset();
+  const auto end = std::chrono::steady_clock::now();
+  return Pushed{state.version, true, std::chrono::duration<double>(end - start).count(),
+                std::chrono::duration<double>(end - opened).count()};
 }
 
 absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
@@ -127,8 +202,9 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
     }
     lrs.push_back(lr);
   }
-  // Left to right in worker order: the same bits whatever order pushes came in.
-  std::vector<float> mean = *state.pushed[0];
+  // Left to right in worker order: the same bits whatever order pushes came
+  // in. Summed into worker 0's staging, which the step consumes anyway.
+  std::vector<float>& mean = *state.pushed[0];
   for (uint32_t w = 1; w < workers_; ++w) {
     const std::vector<float>& g = *state.pushed[w];
     for (size_t i = 0; i < mean.size(); ++i) mean[i] += g[i];
@@ -136,6 +212,7 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
   const float divisor = static_cast<float>(workers_);
   for (float& value : mean) value /= divisor;
 
+  absl::WriterMutexLock master_lock(&store_.layer_mutex(layer));
   uint64_t at = 0;
   for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
     TensorOptimizer& optimizer = state.optimizers[t];
@@ -147,6 +224,8 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
   }
   for (auto& pushed : state.pushed) pushed.reset();
   ++state.version;
+  if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
+  if (links_.budget != nullptr) links_.budget->Release(workers_ * StagingBytes(layer));
   return absl::OkStatus();
 }
 

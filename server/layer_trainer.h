@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -10,7 +11,9 @@
 #include "absl/synchronization/mutex.h"
 #include "core/optimizer.h"
 #include "core/optimizer_spec.h"
+#include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/version_gate.h"
 
 namespace layercast::server {
 
@@ -33,32 +36,60 @@ namespace layercast::server {
 // ALREADY_EXISTS, whether its step is still open or already applied, so a
 // worker retrying after an ambiguous failure changes nothing.
 //
-// Thread-safe; pushes to different layers proceed in parallel. Not yet
-// wired to PushGradients (shards refuse it); the wiring must:
-//   - keep readers of the master (FetchLayer streams) off a layer while
-//     Push applies its step, and make this trainer's per-layer versions
-//     the ones the VersionGate serves, so there is one source of truth;
-//   - charge the staged pushes to the memory budget: up to W fp32 copies of
-//     a layer's owned elements are held until its step applies (StateBytes
-//     counts only the optimizer state).
+// A step holds the layer's ParameterStore::layer_mutex exclusively while
+// it changes the master and advances the layer in the VersionGate, so a
+// reader holding it shared sees the master and the version agree.
+//
+// Memory: a push arrives with its staging (one float per owned element)
+// already charged to the budget by whoever decoded it; Push takes that
+// charge over and returns it when the step applies.
+//
+// Thread-safe; pushes to different layers proceed in parallel.
+// What a LayerTrainer keeps in step with; both must outlive it. Either may
+// be null (in unit tests).
+struct TrainerLinks {
+  VersionGate* gate = nullptr;     // each layer starts at its version here
+  MemoryBudget* budget = nullptr;  // where staged pushes are charged
+};
+
 class LayerTrainer {
  public:
+  using Links = TrainerLinks;
+
   // `store` must outlive the trainer; its master is what the steps update.
   // INVALID_ARGUMENT for workers == 0; FAILED_PRECONDITION for a spec with
   // `clip`, which needs every shard's partial gradient norm before any
   // layer is updated (a step barrier across shards, not built yet);
   // RESOURCE_EXHAUSTED when the optimizer state cannot be allocated.
   static absl::StatusOr<std::unique_ptr<LayerTrainer>> Create(ParameterStore& store,
-                                                              OptimizerSpec spec, uint32_t workers);
+                                                              OptimizerSpec spec, uint32_t workers,
+                                                              Links links = {});
 
   // Bytes of optimizer state held for the whole model on this shard
   // (AdamW: twice the master; SGD with momentum: once; plain SGD: none).
   static uint64_t StateBytes(const ParameterStore& store, const OptimizerSpec& spec);
 
-  struct Pushed {
-    uint64_t layer_version;  // after this push
-    bool applied;            // this push completed the layer's step
+  // What training adds to shard `shard_index` of `num_shards`'s memory,
+  // known before its parameters load (the start-up check): the optimizer
+  // state, and the staging of one step of its largest layer, one push per
+  // worker. Saturates at UINT64_MAX rather than wrapping.
+  struct Memory {
+    uint64_t state_bytes = 0;
+    uint64_t step_staging_bytes = 0;
   };
+  static Memory MemoryFor(const ModelSpec& model, uint32_t shard_index, uint32_t num_shards,
+                          const OptimizerSpec& spec, uint32_t workers);
+
+  struct Pushed {
+    uint64_t layer_version;         // after this push
+    bool applied;                   // this push completed the layer's step
+    double optimizer_seconds = 0;   // the step's, when applied
+    double step_seconds = 0;        // since the step's first push, when applied
+  };
+
+  // The error Push would return for this (layer, worker, step) now, before
+  // anything is staged; OK if it would be taken.
+  absl::Status CheckPush(uint32_t layer, uint32_t worker, uint64_t step) const;
   // Takes worker `worker`'s gradient of `layer` computed at version `step`:
   // the shard's owned elements of every tensor, back to back in tensor
   // order, widened to fp32 (as wire::GradientDecoder stages them).
@@ -66,16 +97,29 @@ class LayerTrainer {
   //   INVALID_ARGUMENT     worker >= workers, or the wrong number of values;
   //   FAILED_PRECONDITION  step is ahead of the layer's version (naming both);
   //   ALREADY_EXISTS       this (step, worker, layer) was pushed already.
+  // On success the gradient's budget charge (StagingBytes) is the
+  // trainer's; on error it stays the caller's.
   absl::StatusOr<Pushed> Push(uint32_t layer, uint32_t worker, uint64_t step,
                               std::vector<float> gradient);
 
   // REQUIRES for the three below: layer < the model's layers.
   // Elements of `layer` this shard owns: the size a push must have.
   uint64_t owned_elements(uint32_t layer) const { return layers_[layer]->owned_elements; }
+  // Bytes of one staged push of `layer`.
+  uint64_t StagingBytes(uint32_t layer) const { return owned_elements(layer) * sizeof(float); }
   uint64_t version(uint32_t layer) const;
   // Workers whose push for `layer`'s current step has not arrived.
   uint32_t missing_workers(uint32_t layer) const;
   uint32_t workers() const { return workers_; }
+
+  // The layer step that has waited longest for its last push: its missing
+  // workers and the seconds since its first push; {0, 0} when every layer's
+  // step is either complete or not yet begun.
+  struct OpenStep {
+    uint32_t missing_workers = 0;
+    double waited_seconds = 0;
+  };
+  OpenStep OldestOpenStep() const;
 
  private:
   struct LayerState {
@@ -84,11 +128,20 @@ class LayerTrainer {
     uint64_t version ABSL_GUARDED_BY(mu) = 0;
     // Per worker, its gradient for step `version`, until the step applies.
     std::vector<std::optional<std::vector<float>>> pushed ABSL_GUARDED_BY(mu);
+    // When the current step's first push arrived; nullopt before it.
+    std::optional<std::chrono::steady_clock::time_point> opened ABSL_GUARDED_BY(mu);
     std::vector<TensorOptimizer> optimizers ABSL_GUARDED_BY(mu);  // per tensor
   };
 
-  LayerTrainer(ParameterStore& store, OptimizerSpec spec, uint32_t workers)
-      : store_(store), spec_(std::move(spec)), workers_(workers) {}
+  LayerTrainer(ParameterStore& store, OptimizerSpec spec, uint32_t workers, Links links)
+      : store_(store), spec_(std::move(spec)), workers_(workers), links_(links) {}
+
+  // CheckPush's checks. REQUIRES: layer < layers, worker < workers.
+  absl::Status CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
+                               const LayerState& state) const
+      ABSL_SHARED_LOCKS_REQUIRED(state.mu);
+  // NOT_FOUND / INVALID_ARGUMENT for a layer or worker out of range.
+  absl::Status CheckIndices(uint32_t layer, uint32_t worker) const;
 
   // Averages the staged gradients and steps the optimizer on the master.
   absl::Status ApplyLocked(uint32_t layer, LayerState& state)
@@ -97,6 +150,7 @@ class LayerTrainer {
   ParameterStore& store_;
   const OptimizerSpec spec_;
   const uint32_t workers_;
+  const Links links_;
   std::vector<std::unique_ptr<LayerState>> layers_;
 };
 

@@ -44,6 +44,9 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   ASSIGN_OR_RETURN(store->content_fingerprint_, source.Fingerprint());
 
   store->slices_.resize(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    store->layer_mutexes_.push_back(std::make_unique<absl::Mutex>());
+  }
   for (uint32_t l = 0; l < layers.size(); ++l) {
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
       if (cancel != nullptr && cancel->load(std::memory_order_relaxed)) {

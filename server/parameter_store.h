@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "core/layout.h"
 #include "core/model.h"
 #include "core/parameter_source.h"
@@ -20,8 +21,9 @@ namespace layercast::server {
 // policy, computed once.
 //
 // Thread-safety: reads may run concurrently from any thread. After Load()
-// only a LayerTrainer changes the master, one layer at a time, while no
-// reader casts it. (The parameter version lives in VersionGate.)
+// only a LayerTrainer changes the master, one layer at a time, holding that
+// layer's layer_mutex() exclusively; whoever reads a layer that may be
+// trained holds it shared. (The versions live in VersionGate.)
 class ParameterStore {
  public:
   // Bytes of fp32 master that shard `shard_index` of `num_shards` holds for
@@ -62,6 +64,10 @@ class ParameterStore {
   float* mutable_master(uint32_t layer, uint32_t tensor) {
     return slices_[layer][tensor].values.get();
   }
+  // Held shared while a layer's master is read (cast, checkpointed) and
+  // exclusively while an optimizer step changes it, so a reader never sees
+  // half a step.
+  absl::Mutex& layer_mutex(uint32_t layer) const { return *layer_mutexes_[layer]; }
 
  private:
   struct Slice {
@@ -80,6 +86,7 @@ class ParameterStore {
   uint64_t master_bytes_ = 0;
   std::vector<AssembledLayout> layouts_;
   std::vector<std::vector<Slice>> slices_;
+  std::vector<std::unique_ptr<absl::Mutex>> layer_mutexes_;
 };
 
 }  // namespace layercast::server

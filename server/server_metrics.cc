@@ -93,6 +93,35 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   parameter_version_ =
       Gauge(r, "layercast_parameter_version", "Optimizer steps applied to the master parameters");
   ready_ = Gauge(r, "layercast_ready", "1 when parameters are loaded and the shard serves");
+  gradient_bytes_ = &BuildCounter()
+                         .Name("layercast_gradient_bytes_received_total")
+                         .Help("Bytes of gradient data received by PushGradients, taken or not")
+                         .Register(r)
+                         .Add({});
+  auto& pushes = BuildCounter()
+                     .Name("layercast_gradient_pushes_total")
+                     .Help(
+                         "PushGradients streams taken, by result: staged (waiting for other "
+                         "workers) or applied (completed the layer's optimizer step); refused "
+                         "ones are in layercast_rpcs_total by code")
+                     .Register(r);
+  pushes_staged_ = &pushes.Add({{"result", "staged"}});
+  pushes_applied_ = &pushes.Add({{"result", "applied"}});
+  optimizer_seconds_ = &BuildHistogram()
+                            .Name("layercast_optimizer_step_seconds")
+                            .Help("Time to average a layer's gradients and step its optimizer")
+                            .Register(r)
+                            .Add({}, FetchBuckets());
+  step_seconds_ = &BuildHistogram()
+                       .Name("layercast_layer_step_seconds")
+                       .Help("From a layer step's first gradient push to the step applied")
+                       .Register(r)
+                       .Add({}, FetchBuckets());
+  step_missing_workers_ =
+      Gauge(r, "layercast_step_missing_workers",
+            "Workers whose push the oldest open layer step still waits for (0: none open)");
+  step_wait_seconds_ = Gauge(r, "layercast_step_wait_seconds",
+                             "How long the oldest open layer step has waited for its last push");
   shard_info_ = &BuildGauge()
                      .Name("layercast_shard_info")
                      .Help("Always 1; labels describe the shard and its model")
@@ -122,6 +151,19 @@ void ServerMetrics::RecordChunkSent(DType dtype, uint64_t elements) {
 void ServerMetrics::RecordCast(uint64_t elements, double seconds) {
   cast_seconds_->Increment(seconds);
   cast_input_bytes_->Increment(static_cast<double>(elements * sizeof(float)));
+}
+
+void ServerMetrics::RecordPushStaged(uint64_t bytes) {
+  gradient_bytes_->Increment(static_cast<double>(bytes));
+  pushes_staged_->Increment();
+}
+
+void ServerMetrics::RecordPushApplied(uint64_t bytes, double optimizer_seconds,
+                                      double step_seconds) {
+  gradient_bytes_->Increment(static_cast<double>(bytes));
+  pushes_applied_->Increment();
+  optimizer_seconds_->Observe(optimizer_seconds);
+  step_seconds_->Observe(step_seconds);
 }
 
 void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_index,

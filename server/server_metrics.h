@@ -54,6 +54,19 @@ class ServerMetrics {
   prometheus::Gauge& parameter_version() { return *parameter_version_; }
   prometheus::Gauge& ready() { return *ready_; }
 
+  // Training (a shard with an optimizer). A PushGradients stream brought
+  // `bytes` of gradient and was taken: staged, or it completed its layer's
+  // step, which took `optimizer_seconds` and `step_seconds` since the step's
+  // first push arrived.
+  void RecordPushStaged(uint64_t bytes);
+  void RecordPushApplied(uint64_t bytes, double optimizer_seconds, double step_seconds);
+  // Bytes of gradient that arrived on a push that was not taken.
+  void RecordPushRefused(uint64_t bytes) { gradient_bytes_->Increment(static_cast<double>(bytes)); }
+  // The oldest open step (some workers pushed, some not): its missing
+  // workers and how long it has waited (both 0 when none is open).
+  prometheus::Gauge& step_missing_workers() { return *step_missing_workers_; }
+  prometheus::Gauge& step_wait_seconds() { return *step_wait_seconds_; }
+
   // Sets layercast_shard_info and layercast_layers once the model is known.
   void SetShardInfo(const std::string& model_id, uint32_t shard_index, uint32_t num_shards,
                     const std::string& policy, uint64_t layers);
@@ -78,6 +91,13 @@ class ServerMetrics {
   prometheus::Gauge* memory_in_use_bytes_;
   prometheus::Gauge* parameter_version_;
   prometheus::Gauge* ready_;
+  prometheus::Counter* gradient_bytes_;
+  prometheus::Counter* pushes_staged_;
+  prometheus::Counter* pushes_applied_;
+  prometheus::Histogram* optimizer_seconds_;
+  prometheus::Histogram* step_seconds_;
+  prometheus::Gauge* step_missing_workers_;
+  prometheus::Gauge* step_wait_seconds_;
   prometheus::Family<prometheus::Gauge>* shard_info_;
   prometheus::Gauge* layers_;
 };

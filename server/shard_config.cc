@@ -19,6 +19,10 @@ using google::protobuf::FieldDescriptor;
 
 constexpr uint64_t kDefaultChunkBytes = 1 << 20;
 constexpr uint32_t kDefaultMaxReceiveMessageBytes = 64 << 10;
+// A training shard receives gradient chunks, which the worker library cuts
+// at 1 MiB of data (GradientSinkOptions::chunk_bytes), framing included.
+constexpr uint32_t kDefaultTrainingMaxReceiveMessageBytes = 2 << 20;
+constexpr uint32_t kMaxDataParallelWorkers = 4096;
 constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
 constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
 constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
@@ -236,7 +240,9 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--checkpoint-on-sigterm true needs --checkpoint-dir DIR to write to");
   }
   if (config.max_receive_message_bytes() == 0) {
-    config.set_max_receive_message_bytes(kDefaultMaxReceiveMessageBytes);
+    config.set_max_receive_message_bytes(config.optimizer().empty()
+                                              ? kDefaultMaxReceiveMessageBytes
+                                              : kDefaultTrainingMaxReceiveMessageBytes);
   }
   if (config.max_receive_message_bytes() < kMinReceiveMessageBytes ||
       config.max_receive_message_bytes() > kMaxReceiveMessageBytes) {
@@ -270,6 +276,23 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
       return absl::InvalidArgumentError(
           absl::StrCat("--", flag, " ", value, " is out of range: use 1-", INT32_MAX));
     }
+  }
+  if (!config.optimizer().empty()) {
+    absl::StatusOr<OptimizerSpec> spec = OptimizerSpec::Parse(config.optimizer());
+    if (!spec.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--optimizer: ", spec.status().message()));
+    }
+    settings.optimizer = *std::move(spec);
+    if (config.data_parallel_workers() == 0) config.set_data_parallel_workers(1);
+  } else if (config.data_parallel_workers() != 0) {
+    return absl::InvalidArgumentError(
+        "--data-parallel-workers needs --optimizer SPEC: a shard without an optimizer takes no "
+        "gradients");
+  }
+  if (config.data_parallel_workers() > kMaxDataParallelWorkers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data-parallel-workers ", config.data_parallel_workers(),
+                     " is out of range: use 1-", kMaxDataParallelWorkers));
   }
   settings.config = std::move(config);
   return settings;

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "core/layer_grouping.h"
 #include "core/log.h"
+#include "core/optimizer_spec.h"
 #include "core/policy.h"
 #include "layercast/v1/config.pb.h"
 
@@ -31,6 +32,7 @@ struct ShardSettings {
   std::optional<uint64_t> memory_budget_bytes;  // nullopt: unlimited
   LogFormat log_format = LogFormat::kText;
   spdlog::level::level_enum log_level = spdlog::level::info;
+  std::optional<OptimizerSpec> optimizer;  // nullopt: read-only
 };
 
 // Applies defaults and checks everything that can be checked without

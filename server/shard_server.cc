@@ -6,6 +6,7 @@
 #include <prometheus/exposer.h>
 #include <unistd.h>
 
+#include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/content_fingerprint.h"
@@ -57,6 +58,27 @@ std::string BoundAddress(const std::string& listen, int port) {
   return absl::StrCat(listen.substr(0, colon), ":", port);
 }
 
+// The start-up check of a training shard: master, optimizer state, one
+// step's staging of its largest layer and one stream's buffers must fit the
+// budget together, or it refuses with the arithmetic.
+absl::Status CheckTrainingFits(const ModelSpec& model, const layercast::v1::ShardConfig& config,
+                               const OptimizerSpec& optimizer, uint64_t master, uint64_t budget) {
+  const LayerTrainer::Memory training =
+      LayerTrainer::MemoryFor(model, config.shard_index(), config.num_shards(), optimizer,
+                              config.data_parallel_workers());
+  const uint64_t one_stream = 2 * config.chunk_bytes();
+  const absl::uint128 needed = absl::uint128(master) + training.state_bytes +
+                              training.step_staging_bytes + one_stream;
+  if (needed <= budget) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "shard ", config.shard_index(), " of ", config.num_shards(), " cannot train in --memory-budget ",
+      FormatBytes(budget), ": it needs ", FormatBytes(master), " of fp32 master + ",
+      FormatBytes(training.state_bytes), " of ", OptimizerKindName(optimizer.kind()),
+      " state + ", FormatBytes(training.step_staging_bytes), " to stage one step of its largest ",
+      "layer (", config.data_parallel_workers(), " workers' pushes in fp32) + ",
+      FormatBytes(one_stream), " for one stream's chunks: raise the budget or use more shards"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings settings) {
@@ -84,6 +106,9 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
         " beside shard ", config.shard_index(), "'s fp32 master of ", FormatBytes(master),
         ", but one stream needs ", FormatBytes(one_stream), " (twice --chunk-bytes): raise the ",
         "budget or lower --chunk-bytes"));
+  }
+  if (const auto& optimizer = server->settings_.optimizer; optimizer && budget) {
+    RETURN_IF_ERROR(CheckTrainingFits(model, config, *optimizer, master, *budget));
   }
   ASSIGN_OR_RETURN(server->security_, ServerSecurityFor(config));
   ShardAdminService::Options admin;
@@ -299,9 +324,19 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     service_->version_gate().Advance(checkpoint_source_->version());
     checkpoints_->NoteOnDisk(checkpoint_source_->version());
   }
+  if (settings_.optimizer && checkpoint_source_ != nullptr && checkpoint_source_->version() > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint in --checkpoint-dir holds parameter version ",
+        checkpoint_source_->version(), " but no optimizer state (checkpoints do not carry it "
+        "yet): resuming would restart ", OptimizerKindName(settings_.optimizer->kind()),
+        " from zero state and diverge from an uninterrupted run; start from a fresh "
+        "--checkpoint-dir, or serve this checkpoint read-only without --optimizer"));
+  }
   store_ = std::move(store);
+  const uint64_t state_bytes =
+      settings_.optimizer ? LayerTrainer::StateBytes(*store_, *settings_.optimizer) : 0;
   budget_ = std::make_unique<MemoryBudget>(
-      settings_.memory_budget_bytes, store_->master_bytes(), grants_.get_executor(),
+      settings_.memory_budget_bytes, store_->master_bytes() + state_bytes, grants_.get_executor(),
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
@@ -318,7 +353,16 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
       if (auto shared = weak.lock()) shared->DropAll();
     });
   }
-  service_->AttachStore(store_.get(), budget_.get(), shared_.get());
+  if (settings_.optimizer) {
+    service_->version_gate().SetLayers(static_cast<uint32_t>(store_->model().layers.size()));
+    ASSIGN_OR_RETURN(trainer_, LayerTrainer::Create(*store_, *settings_.optimizer,
+                                                    config.data_parallel_workers(),
+                                                    {&service_->version_gate(), budget_.get()}));
+    Log()->info("training: {} with {} data-parallel worker(s), {} of optimizer state",
+                settings_.optimizer->ToString(), config.data_parallel_workers(),
+                FormatBytes(state_bytes));
+  }
+  service_->AttachStore(store_.get(), budget_.get(), shared_.get(), trainer_.get());
   admin_->AttachStore(store_.get());
   SetReadiness(true);
   metrics_.ready().Set(1);

@@ -16,6 +16,7 @@
 #include "server/shard_admin_service.h"
 #include "server/shard_config.h"
 #include "server/shard_service.h"
+#include "server/layer_trainer.h"
 #include "server/shared_chunks.h"
 #include "server/tls_credentials.h"
 
@@ -120,6 +121,9 @@ class ShardServer {
   // After budget_: destroyed first, giving its bytes back. Shared with the
   // budget's reclaimer, which holds it weakly.
   std::shared_ptr<SharedChunks> shared_;
+  // After budget_ and store_: gives staged pushes' bytes back to the one and
+  // steps the other. Null without --optimizer.
+  std::unique_ptr<LayerTrainer> trainer_;
   int port_ = 0;
 };
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
+#include "server/push_gradients_reactor.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -82,6 +83,9 @@ void ShardService::Watchdog() {
       std::max(absl::Milliseconds(50), absl::FromChrono(options_.write_progress_timeout) / 4);
   streams_mu_.Lock();
   while (!streams_mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
+    streams_mu_.Unlock();
+    UpdateStepGauges();
+    streams_mu_.Lock();
     const auto now = std::chrono::steady_clock::now();
     std::vector<grpc_call*> stalled;
     for (FetchLayerReactor* stream : streams_) {
@@ -118,7 +122,8 @@ void ShardService::StopStreams() {
 }
 
 void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget,
-                               SharedChunks* shared) {
+                               SharedChunks* shared, LayerTrainer* trainer) {
+  gate_.SetLayers(static_cast<uint32_t>(store->model().layers.size()));
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size());
@@ -127,6 +132,7 @@ void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget
   store_ = store;
   budget_ = budget;
   shared_ = shared;
+  trainer_ = trainer;
   manifest_ = std::move(manifest);
 }
 
@@ -145,7 +151,7 @@ bool ShardService::WaitForStreams(absl::Time deadline) const {
 
 ShardService::Loaded ShardService::loaded() const {
   absl::MutexLock lock(&mu_);
-  return {store_, budget_, shared_};
+  return {store_, budget_, shared_, trainer_};
 }
 
 grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext* context,
@@ -187,7 +193,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
-  auto [store, budget, shared] = loaded();
+  auto [store, budget, shared, trainer] = loaded();
   if (store == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
@@ -195,13 +201,14 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // A stream that must wait for its version is parked: it holds no budget
   // and no streaming slot, but it may not ask for a version that cannot
   // come, and it takes a slot of its own kind.
-  const uint64_t current = gate_.version();
+  const uint64_t current = gate_.version(request->layer());
   if (request->min_version() > current &&
       request->min_version() - current > options_.max_version_lead) {
     return Refuse(grpc::Status(
         grpc::StatusCode::OUT_OF_RANGE,
         absl::StrCat("min_version ", request->min_version(), " is more than ",
-                     options_.max_version_lead, " versions ahead of this shard's version ", current,
+                     options_.max_version_lead, " versions ahead of layer ", request->layer(),
+                     "'s version ", current,
                      " (--max-version-lead): it cannot come soon. If this shard ",
                      "restarted from older parameters, restart the job from its checkpoint")));
   }
@@ -274,13 +281,50 @@ grpc::Status ShardService::Admit(bool parked) {
                                    "raise --max-streams"));
 }
 
+void ShardService::UpdateStepGauges() {
+  LayerTrainer* trainer = loaded().trainer;
+  if (trainer == nullptr) return;
+  const LayerTrainer::OpenStep oldest = trainer->OldestOpenStep();
+  metrics_.step_missing_workers().Set(oldest.missing_workers);
+  metrics_.step_wait_seconds().Set(oldest.waited_seconds);
+}
+
 grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradients(
-    grpc::CallbackServerContext*, layercast::v1::PushGradientsResponse*) {
-  const grpc::Status status(
-      grpc::StatusCode::FAILED_PRECONDITION,
-      "this shard has no optimizer: it serves its parameters read-only and takes no gradients");
-  metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
-  return new RefusedPush(status);
+    grpc::CallbackServerContext* context, layercast::v1::PushGradientsResponse* response) {
+  const auto refuse = [this](const grpc::Status& status) {
+    metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
+    return new RefusedPush(status);
+  };
+  if (draining_.load()) {
+    return refuse(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                               "this shard is shutting down and takes no new pushes; nothing of "
+                               "this one was staged: push it again to the shard's replacement"));
+  }
+  auto [store, budget, shared, trainer] = loaded();
+  if (store == nullptr) return refuse(kLoading);
+  if (trainer == nullptr) {
+    return refuse(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                               "this shard has no optimizer: it serves its parameters read-only "
+                               "and takes no gradients (start it with --optimizer to train)"));
+  }
+  PushGradientsReactor::Options options;
+  // As long as a parked stream may wait for a version: a push waiting for
+  // budget waits for other workers' pushes to complete a step.
+  options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
+  options.on_done = [this](const grpc::Status& status, uint64_t bytes,
+                        const std::optional<LayerTrainer::Pushed>& pushed) {
+    metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
+    if (!pushed) {
+      metrics_.RecordPushRefused(bytes);
+    } else if (pushed->applied) {
+      metrics_.RecordPushApplied(bytes, pushed->optimizer_seconds, pushed->step_seconds);
+      metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
+    } else {
+      metrics_.RecordPushStaged(bytes);
+    }
+  };
+  return new PushGradientsReactor(context, *store, *trainer, *budget, response,
+                                  std::move(options));
 }
 
 }  // namespace layercast::server

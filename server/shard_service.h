@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
 #include "server/fetch_layer_reactor.h"
+#include "server/layer_trainer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
@@ -60,8 +61,10 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   ~ShardService();
 
   // Makes the loaded parameters available; called once. All must outlive
-  // the service; `shared` may be null (every stream casts its own chunks).
-  void AttachStore(const ParameterStore* store, MemoryBudget* budget, SharedChunks* shared);
+  // the service; `shared` may be null (every stream casts its own chunks),
+  // and so may `trainer` (the shard serves read-only and refuses gradients).
+  void AttachStore(const ParameterStore* store, MemoryBudget* budget, SharedChunks* shared,
+                   LayerTrainer* trainer = nullptr);
   // Refuses new streams and ends parked ones, both with UNAVAILABLE.
   void StartDraining();
   // Ends every stream in flight with UNAVAILABLE at its next chunk boundary
@@ -82,8 +85,9 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   // built around the cast bytes (see EncodeLayerChunk).
   grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchLayer(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request) override;
-  // Refused with FAILED_PRECONDITION: this shard has no optimizer, so it
-  // serves its parameters read-only.
+  // Takes one worker's gradient of one layer (see PushGradientsReactor);
+  // FAILED_PRECONDITION on a shard without an optimizer, which serves its
+  // parameters read-only.
   grpc::ServerReadReactor<layercast::v1::GradientChunk>* PushGradients(
       grpc::CallbackServerContext* context,
       layercast::v1::PushGradientsResponse* response) override;
@@ -93,14 +97,18 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
     const ParameterStore* store = nullptr;  // null while loading
     MemoryBudget* budget = nullptr;
     SharedChunks* shared = nullptr;
+    LayerTrainer* trainer = nullptr;
   };
   Loaded loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
   // Takes a streaming (or parked) slot; an error when none is free.
   grpc::Status Admit(bool parked);
-  // Cancels streams whose reader stopped, until the service is destroyed.
+  // Cancels streams whose reader stopped, and keeps the training gauges
+  // current, until the service is destroyed.
   void Watchdog();
+  // Sets the gauges of the oldest open layer step.
+  void UpdateStepGauges();
 
   const Options options_;
   ServerMetrics& metrics_;
@@ -118,6 +126,7 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   MemoryBudget* budget_ ABSL_GUARDED_BY(mu_) = nullptr;
   SharedChunks* shared_ ABSL_GUARDED_BY(mu_) = nullptr;
+  LayerTrainer* trainer_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
   std::thread watchdog_;  // last: starts once everything above is set

@@ -8,26 +8,13 @@
 #include "wire/owned_runs.h"
 
 namespace layercast::wire {
-namespace {
-
-std::vector<TensorElementRange> WholeLayerRuns(const AssembledLayout& layout, uint32_t shard,
-                                               uint32_t num_shards) {
-  std::vector<TensorElementRange> whole;
-  for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-    whole.push_back(TensorElementRange{t, ElementRange{0, layout.tensors()[t].num_elements}});
-  }
-  return OwnedRuns(layout, whole, shard, num_shards);
-}
-
-}  // namespace
-
 GradientChunker::GradientChunker(const AssembledLayout& layout, std::span<const uint8_t> gradient,
                                  Stream stream, uint64_t chunk_bytes)
     : layout_(layout),
       gradient_(gradient),
       stream_(stream),
       chunk_bytes_(chunk_bytes),
-      runs_(WholeLayerRuns(layout, stream.shard, stream.num_shards)) {
+      runs_(OwnedLayerRuns(layout, stream.shard, stream.num_shards)) {
   for (const TensorElementRange& run : runs_) {
     total_bytes_ += run.elements.size() * DTypeSize(layout_.tensors()[run.tensor].compute_dtype);
   }

@@ -15,4 +15,13 @@ std::vector<TensorElementRange> OwnedRuns(const AssembledLayout& layout,
   return runs;
 }
 
+std::vector<TensorElementRange> OwnedLayerRuns(const AssembledLayout& layout, uint32_t shard,
+                                               uint32_t num_shards) {
+  std::vector<TensorElementRange> whole;
+  for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
+    whole.push_back(TensorElementRange{t, ElementRange{0, layout.tensors()[t].num_elements}});
+  }
+  return OwnedRuns(layout, whole, shard, num_shards);
+}
+
 }  // namespace layercast::wire

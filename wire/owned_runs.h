@@ -17,4 +17,9 @@ std::vector<TensorElementRange> OwnedRuns(const AssembledLayout& layout,
                                           const std::vector<TensorElementRange>& selected,
                                           uint32_t shard, uint32_t num_shards);
 
+// OwnedRuns of the whole layer: every element shard `shard` owns, which is
+// what a PushGradients stream to it carries.
+std::vector<TensorElementRange> OwnedLayerRuns(const AssembledLayout& layout, uint32_t shard,
+                                               uint32_t num_shards);
+
 }  // namespace layercast::wire

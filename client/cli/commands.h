@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "tools/cli_flags.h"
 
 namespace layercast::cli {
 
@@ -22,5 +23,8 @@ absl::Status RunBench(const std::vector<std::string>& args);
 absl::Status RunCheckpoint(const std::vector<std::string>& args);
 // layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] ...
 absl::Status RunDemo(const std::vector<std::string>& args);
+// layercast demo --train ...: the training steps (forward gather, backward
+// gather, gradient push) against N local training shards.
+absl::Status RunTrainDemo(const tools::CliFlags& flags);
 
 }  // namespace layercast::cli

@@ -58,13 +58,18 @@ const Command kCommands[] = {
      "start N local shards and walk every layer forward then backward",
      "layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P]\n"
      "               [--steps S] [--budget-layers K] [--shard-binary PATH]\n"
+     "               [--train [--optimizer SPEC]]\n"
      "  --num-shards N              shard processes on 127.0.0.1 (default 2)\n"
      "  --synthetic SPEC            a built-in model (default a 1.6 GiB llama-like model)\n"
      "  --model PATH                a safetensors file or model.safetensors.index.json\n"
      "  --policy P                  the precision policy (default bf16 compute, norms in f32)\n"
-     "  --steps S                   training steps to walk (default 1)\n"
+     "  --steps S                   training steps to walk (default 1; 5 with --train)\n"
      "  --budget-layers K           prefetch into at most K x the largest layer (default 3)\n"
-     "  --shard-binary PATH         layercast-shard (default: the one beside this program)\n",
+     "  --shard-binary PATH         layercast-shard (default: the one beside this program)\n"
+     "  --train                     train: each step gathers forward and backward and pushes\n"
+     "                              a synthetic gradient per layer; the shards run the optimizer\n"
+     "                              (default model: a 4-layer llama-like one)\n"
+     "  --optimizer SPEC            with --train (default adamw, lr 1e-4, 2 warm-up steps)\n",
      false},
 };
 

@@ -1,0 +1,211 @@
+#include "client/gradient_sink.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "wire/gradient_chunks.h"
+#include "wire/grpc_status.h"
+
+namespace layercast::client {
+namespace {
+
+// Codes a whole push is sent again for: the shard went away, was busy, or
+// the attempt ran out of time; none of them staged anything.
+bool Retryable(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kDeadlineExceeded:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+struct GradientSink::Task {
+  uint32_t layer = 0;
+  uint64_t step = 0;
+  LayerBuffer gradient;
+  std::chrono::steady_clock::time_point deadline;
+  std::promise<absl::StatusOr<PushResult>> promise;
+  // Under the sink's mutex: shards still pushing, and what they said.
+  uint32_t remaining = 0;
+  absl::Status failure;
+  PushResult result;
+};
+
+absl::StatusOr<std::unique_ptr<GradientSink>> GradientSink::Create(const ShardSet& shards,
+                                                                   GradientSinkOptions options) {
+  if (options.chunk_bytes < 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", options.chunk_bytes, " cannot hold one element: use >= 4"));
+  }
+  return std::unique_ptr<GradientSink>(new GradientSink(shards, options));
+}
+
+GradientSink::GradientSink(const ShardSet& shards, GradientSinkOptions options)
+    : shards_(shards), options_(options) {
+  const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
+  {
+    absl::MutexLock lock(&mu_);
+    queues_.resize(num_shards);
+  }
+  for (uint32_t s = 0; s < num_shards; ++s) threads_.emplace_back([this, s] { RunShard(s); });
+}
+
+GradientSink::~GradientSink() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& thread : threads_) thread.join();
+}
+
+uint64_t GradientSink::bytes_pushed() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_pushed_;
+}
+
+absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Push(
+    uint32_t layer, uint64_t step, LayerBuffer gradient) {
+  const ShardSetView& view = shards_.view();
+  if (layer >= view.layouts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " does not exist: this model has ",
+                                                   view.layouts.size(), " layers"));
+  }
+  if (gradient.size() != view.layouts[layer].total_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the gradient of layer ", layer, " is ", gradient.size(),
+                     " bytes; it must be the layer's assembled layout, ",
+                     view.layouts[layer].total_bytes(), " bytes (the shape a gather returns)"));
+  }
+  auto task = std::make_shared<Task>();
+  task->layer = layer;
+  task->step = step;
+  task->gradient = std::move(gradient);
+  task->deadline = std::chrono::steady_clock::now() + options_.timeout;
+  task->result = PushResult{layer, step, UINT64_MAX, true};
+  std::shared_future<absl::StatusOr<PushResult>> done = task->promise.get_future().share();
+  const uint64_t bytes = task->gradient.size();
+  absl::MutexLock lock(&mu_);
+  const auto room = [this, bytes]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return bytes_in_flight_ == 0 || bytes_in_flight_ + bytes <= options_.max_bytes_in_flight;
+  };
+  mu_.Await(absl::Condition(&room));
+  bytes_in_flight_ += bytes;
+  task->remaining = static_cast<uint32_t>(queues_.size());
+  for (auto& queue : queues_) queue.push_back(task);
+  unflushed_.push_back(done);
+  return done;
+}
+
+absl::Status GradientSink::Flush() {
+  std::vector<std::shared_future<absl::StatusOr<PushResult>>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    pending.swap(unflushed_);
+  }
+  absl::Status first;
+  for (auto& done : pending) {
+    const absl::StatusOr<PushResult>& result = done.get();
+    if (!result.ok() && first.ok()) first = result.status();
+  }
+  return first;
+}
+
+void GradientSink::RunShard(uint32_t shard) {
+  for (;;) {
+    std::shared_ptr<Task> task;
+    {
+      absl::MutexLock lock(&mu_);
+      const auto ready = [this, shard]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !queues_[shard].empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (queues_[shard].empty()) return;  // stopping, and nothing is left
+      task = queues_[shard].front();
+      queues_[shard].pop_front();
+    }
+    Settle(*task, shard, PushToShard(shard, *task));
+  }
+}
+
+absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(
+    uint32_t shard, const Task& task) {
+  const ShardSetView& view = shards_.view();
+  const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
+  const std::string describe =
+      absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+  std::chrono::milliseconds backoff(50);
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         (task.deadline - std::chrono::steady_clock::now()));
+    layercast::v1::PushGradientsResponse response;
+    std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>> writer =
+        shards_.stub(shard).PushGradients(&context, &response);
+    wire::GradientChunker chunker(
+        view.layouts[task.layer],
+        std::span<const uint8_t>(task.gradient.data(), task.gradient.size()),
+        {task.step, options_.worker, task.layer, shard, num_shards}, options_.chunk_bytes);
+    layercast::v1::GradientChunk chunk;
+    uint64_t sent = 0;
+    while (chunker.Next(&chunk)) {
+      if (!writer->Write(chunk)) break;  // the shard ended the call: Finish says why
+      sent += chunk.data().size();
+    }
+    writer->WritesDone();
+    const absl::Status status = wire::FromGrpcStatus(writer->Finish(), describe);
+    {
+      absl::MutexLock lock(&mu_);
+      bytes_pushed_ += sent;
+    }
+    if (status.ok()) return response;
+    // An earlier attempt that failed on its way back did arrive: the push
+    // counted once, which is what was asked.
+    if (attempt > 0 && status.code() == absl::StatusCode::kAlreadyExists) {
+      response.set_layer_version(task.step);
+      response.set_applied(false);
+      return response;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (!Retryable(status.code()) || now + backoff >= task.deadline) {
+      return absl::Status(status.code(),
+                          absl::StrCat("pushing the gradient of layer ", task.layer, " (step ",
+                                       task.step, ") to ", status.message(),
+                                       attempt > 0 ? absl::StrCat(" (after ", attempt + 1,
+                                                                  " attempts)")
+                                                   : ""));
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+  }
+}
+
+void GradientSink::Settle(Task& task, uint32_t,
+                          absl::StatusOr<layercast::v1::PushGradientsResponse> result) {
+  bool last = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!result.ok()) {
+      if (task.failure.ok()) task.failure = result.status();
+    } else {
+      task.result.layer_version = std::min(task.result.layer_version, result->layer_version());
+      task.result.applied = task.result.applied && result->applied();
+    }
+    last = --task.remaining == 0;
+    if (last) bytes_in_flight_ -= task.gradient.size();
+  }
+  if (!last) return;
+  if (task.failure.ok()) {
+    task.promise.set_value(task.result);
+  } else {
+    task.promise.set_value(task.failure);
+  }
+}
+
+}  // namespace layercast::client

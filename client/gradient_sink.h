@@ -1,0 +1,102 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <future>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "client/layer.h"
+#include "client/shard_set.h"
+
+namespace layercast::client {
+
+struct GradientSinkOptions {
+  // This worker's index among the shard set's --data-parallel-workers.
+  uint32_t worker = 0;
+  // Gradient data per GradientChunk. A training shard accepts messages up
+  // to 2 MiB by default (--max-receive-message-bytes).
+  uint64_t chunk_bytes = 1 << 20;
+  // Gradient bytes handed over and not yet pushed to every shard; Push
+  // blocks while one more layer would exceed it (a layer larger than the
+  // whole budget is taken when nothing else is queued).
+  uint64_t max_bytes_in_flight = 512ull << 20;
+  // A layer's push to one shard, retries included, ends by then.
+  std::chrono::milliseconds timeout{120000};
+};
+
+// What a shard set said to one layer's push.
+struct PushResult {
+  uint32_t layer = 0;
+  uint64_t step = 0;
+  // The layer's version after the push, the lowest any shard reported:
+  // step + 1 once every shard has applied the step.
+  uint64_t layer_version = 0;
+  // This push completed the step on every shard (the last worker's push).
+  bool applied = false;
+};
+
+// Sends a worker's gradients to the shards, layer by layer, beside the
+// LayerStream that gathers the weights: hand it each layer's gradient as
+// soon as its backward pass is done, in the assembled layout (the buffer
+// shape a gather returns, each tensor in its compute dtype), and go on with
+// the next layer. In the background it cuts the buffer by ownership
+// (wire::GradientChunker) and streams every shard its part, one thread per
+// shard, layers in the order given.
+//
+// Retries: a stream that fails UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED,
+// CANCELLED or DEADLINE_EXCEEDED is pushed again whole after a backoff,
+// until `timeout`. A shard stages a push only when its stream completes, so
+// a retry never counts twice; when a retry is told ALREADY_EXISTS the first
+// attempt did arrive, and the push succeeded.
+//
+// Thread-safe.
+class GradientSink {
+ public:
+  // `shards` must outlive the sink. INVALID_ARGUMENT for chunk_bytes < 4.
+  static absl::StatusOr<std::unique_ptr<GradientSink>> Create(const ShardSet& shards,
+                                                              GradientSinkOptions options);
+  // Finishes every push handed over, then stops.
+  ~GradientSink();
+
+  // Hands over `gradient` of `layer`, computed at version `step` of it; the
+  // future is ready when every shard has taken it (or one failed). Blocks
+  // while max_bytes_in_flight is in use. INVALID_ARGUMENT at once for a
+  // layer out of range or a buffer of the wrong size.
+  absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> Push(uint32_t layer,
+                                                                      uint64_t step,
+                                                                      LayerBuffer gradient);
+
+  // Waits for every push handed over so far; the first error, if any.
+  absl::Status Flush();
+
+  uint64_t bytes_pushed() const;  // gradient data sent, retries included
+
+ private:
+  struct Task;
+  GradientSink(const ShardSet& shards, GradientSinkOptions options);
+  void RunShard(uint32_t shard);
+  // One layer to one shard, retries included.
+  absl::StatusOr<layercast::v1::PushGradientsResponse> PushToShard(uint32_t shard,
+                                                                   const Task& task);
+  void Settle(Task& task, uint32_t shard,
+              absl::StatusOr<layercast::v1::PushGradientsResponse> result);
+
+  const ShardSet& shards_;
+  const GradientSinkOptions options_;
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t bytes_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t bytes_pushed_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per shard, the layers it still has to push, in order.
+  std::vector<std::deque<std::shared_ptr<Task>>> queues_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_future<absl::StatusOr<PushResult>>> unflushed_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;  // last: started once the rest is set
+};
+
+}  // namespace layercast::client
