@@ -100,6 +100,7 @@ void LayerGather::Settle(uint32_t shard) {
   // One place decides that a gather never mixes versions: every stream of
   // every shard and attempt must match the first version any stream sent.
   if (const std::optional<uint64_t> version = s.stream->version(); version) {
+    newest_version_ = std::max(newest_version_, *version);
     if (version_ && *version != *version_) {
       if (failure_.ok()) {
         failure_ = absl::AbortedError(absl::StrCat(
@@ -140,6 +141,11 @@ void LayerGather::Settle(uint32_t shard) {
                                       " ms came; raise it to wait longer for a restarting shard)")
                        : ""));
   CancelAll();
+}
+
+uint64_t LayerGather::newest_version() const {
+  absl::MutexLock lock(&mu_);
+  return newest_version_;
 }
 
 absl::StatusOr<uint64_t> LayerGather::Run() {

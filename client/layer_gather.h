@@ -52,6 +52,10 @@ class LayerGather {
   // The parameter version the layer was cast from.
   absl::StatusOr<uint64_t> Run();
 
+  // The newest version any stream sent (0 if none): after Run() failed with
+  // ABORTED because versions moved, the min_version to gather again with.
+  uint64_t newest_version() const;
+
  private:
   struct ShardState {
     std::vector<ShardStream::Run> runs;  // what this shard still owes
@@ -85,12 +89,13 @@ class LayerGather {
   std::chrono::system_clock::time_point deadline_;
   std::mt19937_64 jitter_;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::vector<ShardState> state_ ABSL_GUARDED_BY(mu_);
   std::deque<uint32_t> finished_ ABSL_GUARDED_BY(mu_);  // streams whose on_done ran
   uint32_t active_ ABSL_GUARDED_BY(mu_) = 0;            // streams started, not settled
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
   // The version of the first chunks any stream delivered.
+  uint64_t newest_version_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<uint64_t> version_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };

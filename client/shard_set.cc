@@ -166,8 +166,27 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     shards.push_back(LayerGather::Shard{generic_stubs_[i].get(), Describe(addresses_, i),
                                         manifests_[i].content_fingerprint()});
   }
-  LayerGather gather(std::move(shards), layout, layer, options, buffer, manifests_[0].version());
-  return gather.Run();
+  // A gather never mixes versions; when the layer moved on under it (an
+  // optimizer step applied mid-gather), it is gathered again at the newest
+  // version any shard sent, a few times at most, within the same timeout.
+  constexpr int kVersionRetries = 3;
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  GatherOptions attempt = options;
+  for (int tries = 0;; ++tries) {
+    LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
+    absl::StatusOr<uint64_t> version = gather.Run();
+    const bool cancelled = options.cancellation != nullptr && options.cancellation->cancelled();
+    if (version.ok() || version.status().code() != absl::StatusCode::kAborted ||
+        tries == kVersionRetries || cancelled ||
+        std::chrono::steady_clock::now() >= deadline) {
+      return version;
+    }
+    Log()->info("gathering layer {} again at version {} or newer: {}", layer,
+                std::max(attempt.min_version, gather.newest_version()), version.status().message());
+    attempt.min_version = std::max(attempt.min_version, gather.newest_version());
+    attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+  }
 }
 
 }  // namespace layercast::client

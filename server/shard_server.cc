@@ -98,6 +98,9 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
         " (", master, " bytes) for its fp32 master parameters, but ", "--memory-budget is ",
         FormatBytes(*budget), " (", *budget, " bytes): raise the budget or use more shards"));
   }
+  if (const auto& optimizer = server->settings_.optimizer; optimizer && budget) {
+    RETURN_IF_ERROR(CheckTrainingFits(model, config, *optimizer, master, *budget));
+  }
   // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
   const uint64_t one_stream = 2 * config.chunk_bytes();
   if (budget && *budget - master < one_stream) {
@@ -106,9 +109,6 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
         " beside shard ", config.shard_index(), "'s fp32 master of ", FormatBytes(master),
         ", but one stream needs ", FormatBytes(one_stream), " (twice --chunk-bytes): raise the ",
         "budget or lower --chunk-bytes"));
-  }
-  if (const auto& optimizer = server->settings_.optimizer; optimizer && budget) {
-    RETURN_IF_ERROR(CheckTrainingFits(model, config, *optimizer, master, *budget));
   }
   ASSIGN_OR_RETURN(server->security_, ServerSecurityFor(config));
   ShardAdminService::Options admin;

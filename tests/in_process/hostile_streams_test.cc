@@ -285,8 +285,11 @@ TEST(HostileStreamsTest, CancelsRacingVersionAdvancesEndEveryStreamOnce) {
     for (auto& stream : streams) {
       std::optional<grpc::Status> status = stream->Wait(absl::Seconds(20));
       ASSERT_TRUE(status.has_value()) << "a stream never ended in round " << round;
+      // ABORTED: the stream woke at one version and the layer moved on
+      // while it streamed (the worker gathers again at the newer one).
       ASSERT_THAT(status->error_code(),
-                  ::testing::AnyOf(grpc::StatusCode::OK, grpc::StatusCode::CANCELLED))
+                  ::testing::AnyOf(grpc::StatusCode::OK, grpc::StatusCode::CANCELLED,
+                                   grpc::StatusCode::ABORTED))
           << status->error_message();
       (status->ok() ? ok : cancelled) += 1;
     }

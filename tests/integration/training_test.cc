@@ -1,0 +1,283 @@
+// Training shards as real processes: pushes count exactly once, hostile
+// pushes change nothing and give their budget back, a layer's version
+// advances when every worker has pushed it, and reads never mix versions.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/gradient_sink.h"
+#include "core/layout.h"
+#include "layercast/v1/shard.grpc.pb.h"
+#include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
+#include "tools/synthetic_gradient.h"
+#include "wire/gradient_chunks.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kPolicy[] = "p=f32,c=bf16;*norm*=f32";
+constexpr char kOptimizer[] = "sgd:lr=0.5";
+constexpr uint64_t kChunkBytes = 4096;
+
+// One worker's gradient of one layer for one shard, as GradientChunks.
+std::vector<layercast::v1::GradientChunk> Chunks(const client::ShardSet& set, uint32_t layer,
+                                                 uint32_t worker, uint64_t step, uint32_t shard) {
+  const AssembledLayout& layout = set.view().layouts[layer];
+  std::vector<uint8_t> gradient(layout.total_bytes());
+  EXPECT_TRUE(tools::FillSyntheticGradient(layout, worker, step, layer, gradient).ok());
+  wire::GradientChunker chunker(layout, gradient,
+                                {step, worker, layer, shard,
+                                 static_cast<uint32_t>(set.addresses().size())},
+                                kChunkBytes);
+  std::vector<layercast::v1::GradientChunk> chunks;
+  layercast::v1::GradientChunk chunk;
+  while (chunker.Next(&chunk)) chunks.push_back(chunk);
+  return chunks;
+}
+
+struct PushOutcome {
+  grpc::Status status;
+  layercast::v1::PushGradientsResponse response;
+};
+
+// Sends `chunks` on one PushGradients stream to shard `shard` and
+// half-closes it.
+PushOutcome Push(const client::ShardSet& set, uint32_t shard,
+                 const std::vector<layercast::v1::GradientChunk>& chunks) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  PushOutcome outcome;
+  auto writer = set.stub(shard).PushGradients(&context, &outcome.response);
+  for (const auto& chunk : chunks) {
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  outcome.status = writer->Finish();
+  return outcome;
+}
+
+uint64_t LayerVersion(const client::ShardSet& set, uint32_t layer) {
+  absl::StatusOr<client::Layer> gathered = set.Gather(layer);
+  EXPECT_TRUE(gathered.ok()) << gathered.status();
+  return gathered.ok() ? gathered->version() : UINT64_MAX;
+}
+
+class TrainingTest : public ::testing::Test {
+ protected:
+  void Start(uint32_t num_shards, uint32_t workers, std::vector<std::string> extra = {}) {
+    model_ = WriteTestModel(MakeTempDir("training") + "/model.safetensors", 2, 5);
+    std::vector<std::string> flags = {"--model",
+                                      model_.path,
+                                      "--policy",
+                                      kPolicy,
+                                      "--optimizer",
+                                      kOptimizer,
+                                      "--data-parallel-workers",
+                                      std::to_string(workers),
+                                      "--chunk-bytes",
+                                      std::to_string(kChunkBytes)};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    shards_ = StartShards(num_shards, flags);
+    ASSERT_NE(shards_.set, nullptr);
+  }
+
+  TestModel model_;
+  RunningShards shards_;
+};
+
+TEST_F(TrainingTest, HostilePushesAreRefusedAndChangeNothing) {
+  ASSERT_NO_FATAL_FAILURE(Start(2, 2));
+  const client::ShardSet& set = *shards_.set;
+  const std::vector<layercast::v1::GradientChunk> good = Chunks(set, 1, 0, 0, 0);
+  ASSERT_GE(good.size(), 3u);
+
+  // Wrong step: the layer is at version 0.
+  PushOutcome outcome = Push(set, 0, Chunks(set, 1, 0, 1, 0));
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("step 1 of layer 1, which is at version 0"));
+
+  // A worker the shard set does not train with.
+  outcome = Push(set, 0, Chunks(set, 1, 2, 0, 0));
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("worker 2 is out of range"));
+
+  // No such layer.
+  std::vector<layercast::v1::GradientChunk> bad = good;
+  for (auto& chunk : bad) chunk.set_layer(99);
+  EXPECT_EQ(Push(set, 0, bad).status.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Short stream: it ends before every owned element arrived.
+  outcome = Push(set, 0, {good.begin(), good.end() - 1});
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("ended before every element"));
+
+  // Overlapping ranges: a chunk sent twice.
+  bad = good;
+  bad.insert(bad.begin() + 1, good[0]);
+  EXPECT_EQ(Push(set, 0, bad).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A corrupted chunk.
+  bad = good;
+  bad[1].mutable_data()->at(0) ^= 1;
+  EXPECT_EQ(Push(set, 0, bad).status.error_code(), grpc::StatusCode::DATA_LOSS);
+
+  // An empty stream.
+  EXPECT_EQ(Push(set, 0, {}).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // None of that staged anything: worker 0's real push is its first, and
+  // the step waits for worker 1.
+  outcome = Push(set, 0, good);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_FALSE(outcome.response.applied());
+  EXPECT_EQ(outcome.response.layer_version(), 0u);
+
+  // The same push again counts once.
+  outcome = Push(set, 0, good);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("it counts once"));
+
+  // Worker 1 completes shard 0's step; shard 1 still has none, so the
+  // model stays at version 0 while shard 0's layer 1 is at 1.
+  outcome = Push(set, 0, Chunks(set, 1, 1, 0, 0));
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_TRUE(outcome.response.applied());
+  EXPECT_EQ(outcome.response.layer_version(), 1u);
+
+  // A gather of layer 1 now would mix versions; it waits for the newer one
+  // and times out rather than mixing them.
+  client::GatherOptions options;
+  options.timeout = std::chrono::milliseconds(1500);
+  options.min_version = 1;
+  absl::StatusOr<client::Layer> mixed = set.Gather(1, options);
+  EXPECT_FALSE(mixed.ok());
+
+  // Shard 1 catches up; the layer is whole again at version 1.
+  for (uint32_t worker : {1u, 0u}) {
+    outcome = Push(set, 1, Chunks(set, 1, worker, 0, 1));
+    ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  }
+  EXPECT_TRUE(outcome.response.applied());
+  EXPECT_EQ(LayerVersion(set, 1), 1u);
+  EXPECT_EQ(LayerVersion(set, 0), 0u);
+  // An old step's push is one that counted already.
+  EXPECT_EQ(Push(set, 0, good).status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+}
+
+// A worker that dies mid-push leaves nothing behind; its push again counts
+// once. Unfinished streams waiting for budget give it back when cancelled.
+TEST_F(TrainingTest, AnInterruptedPushLeavesNothingAndAFloodGivesItsBudgetBack) {
+  // A budget with room for the master, two pushes of the largest layer and
+  // one stream: if the flood below kept any staging, the real pushes after
+  // it could not be staged.
+  ASSERT_NO_FATAL_FAILURE(Start(1, 2));
+  uint64_t master = 0, largest = 0;
+  for (const LayerSpec& layer : shards_.set->model().layers) {
+    uint64_t elements = 0;
+    for (const TensorSpec& tensor : layer.tensors) elements += tensor.num_elements;
+    master += 4 * elements;
+    largest = std::max(largest, 4 * elements);
+  }
+  ASSERT_TRUE(shards_.processes->Stop().ok());
+  ASSERT_NO_FATAL_FAILURE(Start(
+      1, 2, {"--memory-budget", std::to_string(master + 2 * largest + 3 * kChunkBytes)}));
+  const client::ShardSet& set = *shards_.set;
+  const std::vector<layercast::v1::GradientChunk> good = Chunks(set, 1, 0, 0, 0);
+
+  // A flood of streams that send their first chunk and stop.
+  constexpr int kFlood = 24;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<layercast::v1::PushGradientsResponse> responses(kFlood);
+  std::vector<std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>>> writers;
+  for (int i = 0; i < kFlood; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    writers.push_back(set.stub(0).PushGradients(contexts.back().get(), &responses[i]));
+    writers.back()->Write(good[0]);
+  }
+  for (auto& context : contexts) context->TryCancel();
+  for (auto& writer : writers) {
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+
+  // Worker 0's push then counts, and worker 1's applies the step.
+  PushOutcome outcome = Push(set, 0, good);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_FALSE(outcome.response.applied());
+  outcome = Push(set, 0, Chunks(set, 1, 1, 0, 0));
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_TRUE(outcome.response.applied());
+  EXPECT_EQ(LayerVersion(set, 1), 1u);
+}
+
+// The worker library's sink: W workers' pushes advance every layer once per
+// step, and a gather at min_version = step + 1 waits for the update.
+TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
+  ASSERT_NO_FATAL_FAILURE(Start(3, 2));
+  const client::ShardSet& set = *shards_.set;
+  const auto layers = static_cast<uint32_t>(set.model().layers.size());
+  std::vector<std::unique_ptr<client::GradientSink>> sinks;
+  for (uint32_t w = 0; w < 2; ++w) {
+    auto sink = client::GradientSink::Create(set, {.worker = w, .chunk_bytes = kChunkBytes});
+    ASSERT_TRUE(sink.ok()) << sink.status();
+    sinks.push_back(*std::move(sink));
+  }
+  for (uint64_t step = 0; step < 3; ++step) {
+    std::vector<std::shared_future<absl::StatusOr<client::PushResult>>> results;
+    for (uint32_t l = layers; l-- > 0;) {
+      for (uint32_t w = 0; w < 2; ++w) {
+        client::GatherOptions options;
+        options.min_version = step;
+        absl::StatusOr<client::Layer> layer = set.Gather(l, options);
+        ASSERT_TRUE(layer.ok()) << layer.status();
+        ASSERT_EQ(layer->version(), step);
+        auto gradient = client::LayerBuffer::Allocate(layer->bytes().size());
+        ASSERT_TRUE(gradient.ok());
+        ASSERT_TRUE(tools::FillSyntheticGradient(set.view().layouts[l], w, step, l,
+                                                 {gradient->data(), gradient->size()})
+                        .ok());
+        auto pushed = sinks[w]->Push(l, step, *std::move(gradient));
+        ASSERT_TRUE(pushed.ok()) << pushed.status();
+        results.push_back(*pushed);
+      }
+    }
+    for (auto& sink : sinks) ASSERT_TRUE(sink->Flush().ok());
+    int applied = 0;
+    for (auto& result : results) {
+      ASSERT_TRUE(result.get().ok()) << result.get().status();
+      applied += result.get()->applied ? 1 : 0;
+    }
+    EXPECT_EQ(applied, static_cast<int>(layers));  // one push per layer completes its step
+    for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ(LayerVersion(set, l), step + 1);
+  }
+  // A push of a step the layer is past is refused, not applied again.
+  auto gradient = client::LayerBuffer::Allocate(set.view().layouts[0].total_bytes());
+  ASSERT_TRUE(gradient.ok());
+  auto pushed = sinks[0]->Push(0, 1, *std::move(gradient));
+  ASSERT_TRUE(pushed.ok());
+  EXPECT_EQ(pushed->get().status().code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(TrainingTest, TheStartUpCheckCountsOptimizerStateAndStaging) {
+  const TestModel model = WriteTestModel(MakeTempDir("training-budget") + "/model.safetensors", 2, 5);
+  uint64_t master = 0;
+  for (const auto& [name, values] : model.values) master += 4 * values.size();
+  std::string output;
+  // Room for the master and a stream, not for AdamW's state beside it.
+  const int status = RunCommand(
+      absl::StrCat(ShardBinary(), " --model ", model.path,
+                   " --optimizer adamw:lr=1e-3 --data-parallel-workers 4 --memory-budget ",
+                   2 * master, " --num-shards 1 --shard-index 0 --listen 127.0.0.1:0"),
+      &output);
+  EXPECT_NE(status, 0);
+  EXPECT_THAT(output, HasSubstr("cannot train in --memory-budget"));
+  EXPECT_THAT(output, HasSubstr("of adamw state"));
+  EXPECT_THAT(output, HasSubstr("4 workers' pushes in fp32"));
+}
+
+}  // namespace
+}  // namespace layercast::testing
