@@ -8,6 +8,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <boost/asio/io_context.hpp>
+
 #include <bit>
 #include <cstring>
 #include <random>
@@ -121,6 +123,40 @@ TEST(LayerTrainerTest, AppliesTheMeanWithTheStepsLearningRate) {
       at += n;
     }
   }
+}
+
+// A step advances its layer in the gate, and gives the staged pushes'
+// budget back; a push the trainer refuses leaves its charge with the caller.
+TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsTheStagingBudget) {
+  auto store = Store(1, 2);
+  boost::asio::io_context io;
+  VersionGate gate(io.get_executor(), 4);
+  gate.SetLayers(static_cast<uint32_t>(store->model().layers.size()));
+  MemoryBudget budget(std::nullopt, 0, io.get_executor());
+  auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=0.1"), 2,
+                                      {.gate = &gate, .budget = &budget});
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  const uint32_t layer = 1;
+  EXPECT_EQ((*trainer)->version(layer), 4u) << "layers start at the gate's versions";
+  const uint64_t staging = (*trainer)->StagingBytes(layer);
+  ASSERT_TRUE(budget.TryAcquire(staging));
+  auto pushed = (*trainer)->Push(layer, 0, 4, Gradient(**trainer, layer, 0, 4));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_FALSE(pushed->applied);
+  EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 1u);
+  EXPECT_EQ(budget.in_use(), staging) << "staged: the trainer holds it";
+  ASSERT_TRUE(budget.TryAcquire(staging));
+  EXPECT_EQ((*trainer)->Push(layer, 0, 4, Gradient(**trainer, layer, 0, 4)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(budget.in_use(), 2 * staging) << "refused: the caller still holds its charge";
+  pushed = (*trainer)->Push(layer, 1, 4, Gradient(**trainer, layer, 1, 4));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_TRUE(pushed->applied);
+  EXPECT_EQ(pushed->layer_version, 5u);
+  EXPECT_EQ(budget.in_use(), 0u) << "applied: both workers' staging returned";
+  EXPECT_EQ(gate.version(layer), 5u);
+  EXPECT_EQ(gate.version(0), 4u);
+  EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 0u);
 }
 
 TEST(LayerTrainerTest, EveryBadPushIsRefusedAndChangesNothing) {

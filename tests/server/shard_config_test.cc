@@ -50,6 +50,28 @@ TEST(ShardConfigTest, MemoryBudgetTakesKubernetesQuantities) {
   EXPECT_EQ(settings->memory_budget_bytes, 4ull << 30);
 }
 
+TEST(ShardConfigTest, TrainingNeedsAnOptimizerAndAValidWorkerCount) {
+  absl::StatusOr<ShardSettings> settings = Resolve({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_FALSE(settings->optimizer.has_value()) << "read-only unless asked";
+  EXPECT_EQ(settings->config.max_receive_message_bytes(), 64u << 10);
+
+  settings = Resolve({"--optimizer", "adamw:lr=3e-4;*norm*:weight_decay=0"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  ASSERT_TRUE(settings->optimizer.has_value());
+  EXPECT_EQ(settings->config.data_parallel_workers(), 1u);
+  EXPECT_EQ(settings->config.max_receive_message_bytes(), 2u << 20)
+      << "room for the worker library's 1 MiB gradient chunks";
+
+  settings = Resolve({"--optimizer", "adam:lr=1"});
+  EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(settings.status().message(), HasSubstr("--optimizer: "));
+  settings = Resolve({"--data-parallel-workers", "2"});
+  EXPECT_THAT(settings.status().message(), HasSubstr("needs --optimizer"));
+  settings = Resolve({"--optimizer", "sgd:lr=1", "--data-parallel-workers", "5000"});
+  EXPECT_THAT(settings.status().message(), HasSubstr("use 1-4096"));
+}
+
 TEST(ShardConfigTest, LogFormatAndLevel) {
   absl::StatusOr<ShardSettings> settings = Resolve({});
   ASSERT_TRUE(settings.ok()) << settings.status();

@@ -55,6 +55,42 @@ TEST(VersionGateTest, PostsWaitersWhenTheirVersionArrives) {
   EXPECT_EQ(g.gate.version(), 9u);
 }
 
+TEST(VersionGateTest, LayersAdvanceOnTheirOwnAndTheModelIsTheLowest) {
+  Gate g(2);
+  g.gate.SetLayers(3);
+  EXPECT_EQ(g.gate.versions(), (std::vector<uint64_t>{2, 2, 2}));
+  std::vector<std::pair<uint32_t, uint64_t>> reached;
+  for (uint32_t layer : {0u, 1u}) {
+    g.gate.Wait(layer, 3, kNever, [&, layer](Outcome outcome, uint64_t version) {
+      EXPECT_EQ(outcome, Outcome::kReached);
+      reached.emplace_back(layer, version);
+    });
+  }
+  int model_reached = 0;
+  g.gate.Wait(3, kNever, [&](Outcome, uint64_t version) {
+    EXPECT_EQ(version, 3u);
+    ++model_reached;
+  });
+  g.gate.Advance(1, 3);
+  g.RunPosted();
+  EXPECT_EQ(reached, (std::vector<std::pair<uint32_t, uint64_t>>{{1, 3}}))
+      << "only layer 1's waiter: layer 0 is still at 2";
+  EXPECT_EQ(g.gate.version(), 2u);
+  EXPECT_EQ(g.gate.version(1), 3u);
+  g.gate.Advance(0, 3);
+  g.gate.Advance(2, 4);
+  g.RunPosted();
+  EXPECT_EQ(reached.size(), 2u);
+  EXPECT_EQ(model_reached, 1) << "the model reaches 3 with its lowest layer";
+  EXPECT_EQ(g.gate.version(), 3u);
+  g.gate.Advance(1, 2);  // never lowers
+  EXPECT_EQ(g.gate.versions(), (std::vector<uint64_t>{3, 3, 4}));
+  g.gate.Advance(5);  // every layer, as a checkpoint's load does
+  EXPECT_EQ(g.gate.versions(), (std::vector<uint64_t>{5, 5, 5}));
+  g.gate.SetLayers(3);  // nothing changes
+  EXPECT_EQ(g.gate.version(2), 5u);
+}
+
 TEST(VersionGateTest, CloseEndsEveryWaiterAndEveryLaterOne) {
   Gate g(0);
   std::vector<Outcome> outcomes;
