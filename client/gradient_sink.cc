@@ -74,8 +74,8 @@ absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Pus
     uint32_t layer, uint64_t step, LayerBuffer gradient) {
   const ShardSetView& view = shards_.view();
   if (layer >= view.layouts.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " does not exist: this model has ",
-                                                   view.layouts.size(), " layers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer ", layer, " does not exist: this model has ", view.layouts.size(), " layers"));
   }
   if (gradient.size() != view.layouts[layer].total_bytes()) {
     return absl::InvalidArgumentError(
@@ -134,12 +134,11 @@ void GradientSink::RunShard(uint32_t shard) {
   }
 }
 
-absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(
-    uint32_t shard, const Task& task) {
+absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(uint32_t shard,
+                                                                               const Task& task) {
   const ShardSetView& view = shards_.view();
   const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
-  const std::string describe =
-      absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+  const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
   std::chrono::milliseconds backoff(50);
   for (int attempt = 0;; ++attempt) {
     grpc::ClientContext context;
@@ -174,12 +173,11 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(
     }
     const auto now = std::chrono::steady_clock::now();
     if (!Retryable(status.code()) || now + backoff >= task.deadline) {
-      return absl::Status(status.code(),
-                          absl::StrCat("pushing the gradient of layer ", task.layer, " (step ",
-                                       task.step, ") to ", status.message(),
-                                       attempt > 0 ? absl::StrCat(" (after ", attempt + 1,
-                                                                  " attempts)")
-                                                   : ""));
+      return absl::Status(
+          status.code(),
+          absl::StrCat("pushing the gradient of layer ", task.layer, " (step ", task.step, ") to ",
+                       status.message(),
+                       attempt > 0 ? absl::StrCat(" (after ", attempt + 1, " attempts)") : ""));
     }
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));

@@ -68,8 +68,7 @@ class GradientSink {
   // future is ready when every shard has taken it (or one failed). Blocks
   // while max_bytes_in_flight is in use. INVALID_ARGUMENT at once for a
   // layer out of range or a buffer of the wrong size.
-  absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> Push(uint32_t layer,
-                                                                      uint64_t step,
+  absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> Push(uint32_t layer, uint64_t step,
                                                                       LayerBuffer gradient);
 
   // Waits for every push handed over so far; the first error, if any.

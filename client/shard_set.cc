@@ -177,8 +177,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     absl::StatusOr<uint64_t> version = gather.Run();
     const bool cancelled = options.cancellation != nullptr && options.cancellation->cancelled();
     if (version.ok() || version.status().code() != absl::StatusCode::kAborted ||
-        tries == kVersionRetries || cancelled ||
-        std::chrono::steady_clock::now() >= deadline) {
+        tries == kVersionRetries || cancelled || std::chrono::steady_clock::now() >= deadline) {
       return version;
     }
     Log()->info("gathering layer {} again at version {} or newer: {}", layer,

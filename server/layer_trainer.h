@@ -81,10 +81,10 @@ class LayerTrainer {
                           const OptimizerSpec& spec, uint32_t workers);
 
   struct Pushed {
-    uint64_t layer_version;         // after this push
-    bool applied;                   // this push completed the layer's step
-    double optimizer_seconds = 0;   // the step's, when applied
-    double step_seconds = 0;        // since the step's first push, when applied
+    uint64_t layer_version;        // after this push
+    bool applied;                  // this push completed the layer's step
+    double optimizer_seconds = 0;  // the step's, when applied
+    double step_seconds = 0;       // since the step's first push, when applied
   };
 
   // The error Push would return for this (layer, worker, step) now, before
@@ -138,8 +138,7 @@ class LayerTrainer {
 
   // CheckPush's checks. REQUIRES: layer < layers, worker < workers.
   absl::Status CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
-                               const LayerState& state) const
-      ABSL_SHARED_LOCKS_REQUIRED(state.mu);
+                               const LayerState& state) const ABSL_SHARED_LOCKS_REQUIRED(state.mu);
   // NOT_FOUND / INVALID_ARGUMENT for a layer or worker out of range.
   absl::Status CheckIndices(uint32_t layer, uint32_t worker) const;
 

@@ -41,8 +41,7 @@ void PushGradientsReactor::Begin() {
   layer_ = chunk_.layer();
   worker_ = chunk_.worker();
   step_ = chunk_.step();
-  if (absl::Status check = trainer_.CheckPush(layer_, worker_, step_);
-      !check.ok()) {
+  if (absl::Status check = trainer_.CheckPush(layer_, worker_, step_); !check.ok()) {
     FinishOnce(wire::ToGrpcStatus(check));
     return;
   }
@@ -51,8 +50,8 @@ void PushGradientsReactor::Begin() {
     const std::optional<uint64_t> budget = budget_.budget();
     FinishOnce(grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("staging this push of layer ", layer_, " takes ",
-                     FormatBytes(staging_bytes_), ", more than the shard's budget of ",
+        absl::StrCat("staging this push of layer ", layer_, " takes ", FormatBytes(staging_bytes_),
+                     ", more than the shard's budget of ",
                      budget ? FormatBytes(*budget) : "unlimited",
                      " leaves beside its master and optimizer state; raise --memory-budget")));
     return;
@@ -94,10 +93,10 @@ void PushGradientsReactor::OnBudget(bool granted) {
                                          " of gradient staging; retry later")));
     return;
   }
-  decoder_.emplace(store_.layout(layer_),
-                   wire::OwnedLayerRuns(store_.layout(layer_), store_.shard_index(),
-                                        store_.num_shards()),
-                   std::span<float>(staging_));
+  decoder_.emplace(
+      store_.layout(layer_),
+      wire::OwnedLayerRuns(store_.layout(layer_), store_.shard_index(), store_.num_shards()),
+      std::span<float>(staging_));
   Take();
 }
 
@@ -122,11 +121,11 @@ void PushGradientsReactor::Complete() {
     return;
   }
   if (!decoder_->done()) {
-    FinishOnce(grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("the push ended before every element this shard owns of layer ", layer_,
-                     " arrived (due: ", decoder_->Due(),
-                     "); nothing of it was staged: push the whole layer again")));
+    FinishOnce(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat("the push ended before every element this shard owns of layer ",
+                                  layer_, " arrived (due: ", decoder_->Due(),
+                                  "); nothing of it was staged: push the whole layer again")));
     return;
   }
   absl::StatusOr<LayerTrainer::Pushed> pushed =

@@ -34,8 +34,7 @@ namespace layercast::server {
 // never overlap (no read is in flight while the stream waits for budget);
 // OnCancel may race either, so the wait in progress and the cancellation
 // are kept under one mutex, as in FetchLayerReactor.
-class PushGradientsReactor final
-    : public grpc::ServerReadReactor<layercast::v1::GradientChunk> {
+class PushGradientsReactor final : public grpc::ServerReadReactor<layercast::v1::GradientChunk> {
  public:
   struct Options {
     // When a stream waiting for budget gives up (RESOURCE_EXHAUSTED).

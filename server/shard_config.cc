@@ -241,8 +241,8 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
   }
   if (config.max_receive_message_bytes() == 0) {
     config.set_max_receive_message_bytes(config.optimizer().empty()
-                                              ? kDefaultMaxReceiveMessageBytes
-                                              : kDefaultTrainingMaxReceiveMessageBytes);
+                                             ? kDefaultMaxReceiveMessageBytes
+                                             : kDefaultTrainingMaxReceiveMessageBytes);
   }
   if (config.max_receive_message_bytes() < kMinReceiveMessageBytes ||
       config.max_receive_message_bytes() > kMaxReceiveMessageBytes) {

@@ -63,20 +63,20 @@ std::string BoundAddress(const std::string& listen, int port) {
 // budget together, or it refuses with the arithmetic.
 absl::Status CheckTrainingFits(const ModelSpec& model, const layercast::v1::ShardConfig& config,
                                const OptimizerSpec& optimizer, uint64_t master, uint64_t budget) {
-  const LayerTrainer::Memory training =
-      LayerTrainer::MemoryFor(model, config.shard_index(), config.num_shards(), optimizer,
-                              config.data_parallel_workers());
+  const LayerTrainer::Memory training = LayerTrainer::MemoryFor(
+      model, config.shard_index(), config.num_shards(), optimizer, config.data_parallel_workers());
   const uint64_t one_stream = 2 * config.chunk_bytes();
-  const absl::uint128 needed = absl::uint128(master) + training.state_bytes +
-                              training.step_staging_bytes + one_stream;
+  const absl::uint128 needed =
+      absl::uint128(master) + training.state_bytes + training.step_staging_bytes + one_stream;
   if (needed <= budget) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "shard ", config.shard_index(), " of ", config.num_shards(), " cannot train in --memory-budget ",
-      FormatBytes(budget), ": it needs ", FormatBytes(master), " of fp32 master + ",
-      FormatBytes(training.state_bytes), " of ", OptimizerKindName(optimizer.kind()),
-      " state + ", FormatBytes(training.step_staging_bytes), " to stage one step of its largest ",
-      "layer (", config.data_parallel_workers(), " workers' pushes in fp32) + ",
-      FormatBytes(one_stream), " for one stream's chunks: raise the budget or use more shards"));
+      "shard ", config.shard_index(), " of ", config.num_shards(),
+      " cannot train in --memory-budget ", FormatBytes(budget), ": it needs ", FormatBytes(master),
+      " of fp32 master + ", FormatBytes(training.state_bytes), " of ",
+      OptimizerKindName(optimizer.kind()), " state + ", FormatBytes(training.step_staging_bytes),
+      " to stage one step of its largest ", "layer (", config.data_parallel_workers(),
+      " workers' pushes in fp32) + ", FormatBytes(one_stream),
+      " for one stream's chunks: raise the budget or use more shards"));
 }
 
 }  // namespace
@@ -325,12 +325,14 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     checkpoints_->NoteOnDisk(checkpoint_source_->version());
   }
   if (settings_.optimizer && checkpoint_source_ != nullptr && checkpoint_source_->version() > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the checkpoint in --checkpoint-dir holds parameter version ",
-        checkpoint_source_->version(), " but no optimizer state (checkpoints do not carry it "
-        "yet): resuming would restart ", OptimizerKindName(settings_.optimizer->kind()),
-        " from zero state and diverge from an uninterrupted run; start from a fresh "
-        "--checkpoint-dir, or serve this checkpoint read-only without --optimizer"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint in --checkpoint-dir holds parameter version ",
+                     checkpoint_source_->version(),
+                     " but no optimizer state (checkpoints do not carry it "
+                     "yet): resuming would restart ",
+                     OptimizerKindName(settings_.optimizer->kind()),
+                     " from zero state and diverge from an uninterrupted run; start from a fresh "
+                     "--checkpoint-dir, or serve this checkpoint read-only without --optimizer"));
   }
   store_ = std::move(store);
   const uint64_t state_bytes =

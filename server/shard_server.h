@@ -11,12 +11,12 @@
 #include "core/parameter_source.h"
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
+#include "server/layer_trainer.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
 #include "server/shard_admin_service.h"
 #include "server/shard_config.h"
 #include "server/shard_service.h"
-#include "server/layer_trainer.h"
 #include "server/shared_chunks.h"
 #include "server/tls_credentials.h"
 

@@ -312,7 +312,7 @@ grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradien
   // budget waits for other workers' pushes to complete a step.
   options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   options.on_done = [this](const grpc::Status& status, uint64_t bytes,
-                        const std::optional<LayerTrainer::Pushed>& pushed) {
+                           const std::optional<LayerTrainer::Pushed>& pushed) {
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
     if (!pushed) {
       metrics_.RecordPushRefused(bytes);
@@ -323,8 +323,7 @@ grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradien
       metrics_.RecordPushStaged(bytes);
     }
   };
-  return new PushGradientsReactor(context, *store, *trainer, *budget, response,
-                                  std::move(options));
+  return new PushGradientsReactor(context, *store, *trainer, *budget, response, std::move(options));
 }
 
 }  // namespace layercast::server

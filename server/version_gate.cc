@@ -95,8 +95,7 @@ uint64_t VersionGate::WaitLocked(uint32_t layer, uint64_t min_version,
   const uint64_t id = next_id_++;
   const uint64_t version = VersionLocked(layer);
   if (min_version <= version || closed_) {
-    Post(std::move(ready), min_version <= version ? Outcome::kReached : Outcome::kClosed,
-         version);
+    Post(std::move(ready), min_version <= version ? Outcome::kReached : Outcome::kClosed, version);
     return id;
   }
   DeadlineTimers::Handle timer = timers_.Schedule(give_up_at, [this, id] {

@@ -15,10 +15,10 @@ namespace layercast::server {
 
 // The parameter version of every layer of the shard (optimizer steps
 // applied to it), and the streams waiting for a layer to reach a
-// `min_version`. The model's version is its lowest layer's. Reactors never block on it: they register a callback, which
-// is always posted to `executor`, never run on the thread that calls Wait,
-// Advance, Cancel or Close. So a reactor's constructor never starts
-// writing, and a waiter's callback never runs inside another stream's code.
+// `min_version`. The model's version is its lowest layer's. Reactors never block on it: they
+// register a callback, which is always posted to `executor`, never run on the thread that calls
+// Wait, Advance, Cancel or Close. So a reactor's constructor never starts writing, and a waiter's
+// callback never runs inside another stream's code.
 //
 // Thread-safe.
 class VersionGate {

@@ -49,12 +49,11 @@ absl::Status VerifySamples(const ParameterSource& source, const Policy& policy,
 }  // namespace
 
 absl::Status RunDemo(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(
-      tools::CliFlags flags,
-      tools::CliFlags::Parse(args,
-                             {"num-shards", "synthetic", "model", "policy", "steps", "shard-binary",
-                              "budget-layers", "optimizer"},
-                             {"train"}));
+  ASSIGN_OR_RETURN(tools::CliFlags flags,
+                   tools::CliFlags::Parse(args,
+                                          {"num-shards", "synthetic", "model", "policy", "steps",
+                                           "shard-binary", "budget-layers", "optimizer"},
+                                          {"train"}));
   if (flags.Has("train")) return RunTrainDemo(flags);
   if (flags.Has("optimizer")) return absl::InvalidArgumentError("--optimizer needs --train");
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", 2));

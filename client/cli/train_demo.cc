@@ -75,8 +75,9 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
       gathered += layer.bytes().size();
       ASSIGN_OR_RETURN(client::LayerBuffer gradient,
                        client::LayerBuffer::Allocate(layer.bytes().size()));
-      RETURN_IF_ERROR(tools::FillSyntheticGradient(
-          set->view().layouts[l], 0, step, l, std::span<uint8_t>(gradient.data(), gradient.size())));
+      RETURN_IF_ERROR(
+          tools::FillSyntheticGradient(set->view().layouts[l], 0, step, l,
+                                       std::span<uint8_t>(gradient.data(), gradient.size())));
       ASSIGN_OR_RETURN(auto pushed, sink->Push(l, step, std::move(gradient)));
       pushes.push_back(std::move(pushed));
     }
@@ -86,11 +87,12 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
     const uint64_t pushed = sink->bytes_pushed() - pushed_before;
     total_in += gathered;
     total_out += pushed;
-    std::printf("  step %3llu  %6.2f s  gathered %10s  pushed %10s  version %llu -> %llu\n",
-                static_cast<unsigned long long>(step),
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count(),
-                FormatBytes(gathered).c_str(), FormatBytes(pushed).c_str(),
-                static_cast<unsigned long long>(step), static_cast<unsigned long long>(version));
+    std::printf(
+        "  step %3llu  %6.2f s  gathered %10s  pushed %10s  version %llu -> %llu\n",
+        static_cast<unsigned long long>(step),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count(),
+        FormatBytes(gathered).c_str(), FormatBytes(pushed).c_str(),
+        static_cast<unsigned long long>(step), static_cast<unsigned long long>(version));
     std::fflush(stdout);
     if (version != step + 1) {
       return absl::InternalError(absl::StrCat("after step ", step, " the model is at version ",

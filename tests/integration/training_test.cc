@@ -31,10 +31,9 @@ std::vector<layercast::v1::GradientChunk> Chunks(const client::ShardSet& set, ui
   const AssembledLayout& layout = set.view().layouts[layer];
   std::vector<uint8_t> gradient(layout.total_bytes());
   EXPECT_TRUE(tools::FillSyntheticGradient(layout, worker, step, layer, gradient).ok());
-  wire::GradientChunker chunker(layout, gradient,
-                                {step, worker, layer, shard,
-                                 static_cast<uint32_t>(set.addresses().size())},
-                                kChunkBytes);
+  wire::GradientChunker chunker(
+      layout, gradient, {step, worker, layer, shard, static_cast<uint32_t>(set.addresses().size())},
+      kChunkBytes);
   std::vector<layercast::v1::GradientChunk> chunks;
   layercast::v1::GradientChunk chunk;
   while (chunker.Next(&chunk)) chunks.push_back(chunk);
@@ -100,7 +99,8 @@ TEST_F(TrainingTest, HostilePushesAreRefusedAndChangeNothing) {
   // Wrong step: the layer is at version 0.
   PushOutcome outcome = Push(set, 0, Chunks(set, 1, 0, 1, 0));
   EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(outcome.status.error_message(), HasSubstr("step 1 of layer 1, which is at version 0"));
+  EXPECT_THAT(outcome.status.error_message(),
+              HasSubstr("step 1 of layer 1, which is at version 0"));
 
   // A worker the shard set does not train with.
   outcome = Push(set, 0, Chunks(set, 1, 2, 0, 0));
@@ -184,8 +184,8 @@ TEST_F(TrainingTest, AnInterruptedPushLeavesNothingAndAFloodGivesItsBudgetBack) 
     largest = std::max(largest, 4 * elements);
   }
   ASSERT_TRUE(shards_.processes->Stop().ok());
-  ASSERT_NO_FATAL_FAILURE(Start(
-      1, 2, {"--memory-budget", std::to_string(master + 2 * largest + 3 * kChunkBytes)}));
+  ASSERT_NO_FATAL_FAILURE(
+      Start(1, 2, {"--memory-budget", std::to_string(master + 2 * largest + 3 * kChunkBytes)}));
   const client::ShardSet& set = *shards_.set;
   const std::vector<layercast::v1::GradientChunk> good = Chunks(set, 1, 0, 0, 0);
 
@@ -263,7 +263,8 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
 }
 
 TEST_F(TrainingTest, TheStartUpCheckCountsOptimizerStateAndStaging) {
-  const TestModel model = WriteTestModel(MakeTempDir("training-budget") + "/model.safetensors", 2, 5);
+  const TestModel model =
+      WriteTestModel(MakeTempDir("training-budget") + "/model.safetensors", 2, 5);
   uint64_t master = 0;
   for (const auto& [name, values] : model.values) master += 4 * values.size();
   std::string output;

@@ -44,10 +44,10 @@ struct Recipe {
 // Trains through a fresh shard set; returns the checkpoint directory.
 std::string Train(const Recipe& recipe, const TestModel& model) {
   const std::string checkpoints = MakeTempDir("training-torch-" + recipe.name);
-  RunningShards shards = StartShards(
-      kShards, {"--model", model.path, "--policy", kPolicy, "--optimizer", recipe.optimizer,
-                "--data-parallel-workers", std::to_string(kWorkers), "--checkpoint-dir",
-                checkpoints, "--chunk-bytes", "8192"});
+  RunningShards shards =
+      StartShards(kShards, {"--model", model.path, "--policy", kPolicy, "--optimizer",
+                            recipe.optimizer, "--data-parallel-workers", std::to_string(kWorkers),
+                            "--checkpoint-dir", checkpoints, "--chunk-bytes", "8192"});
   EXPECT_NE(shards.set, nullptr);
   if (shards.set == nullptr) return "";
   const client::ShardSet& set = *shards.set;
