@@ -59,6 +59,36 @@ std::span<const float> TensorOptimizer::exp_avg() const {
 
 std::span<const float> TensorOptimizer::exp_avg_sq() const { return second_; }
 
+std::vector<std::pair<const char*, std::span<const float>>> TensorOptimizer::StateBuffers() const {
+  std::vector<std::pair<const char*, std::span<const float>>> buffers;
+  if (kind_ == OptimizerKind::kSgd) {
+    if (StateFloatsPerElement(kind_, hyper_) == 1) buffers.emplace_back("momentum_buffer", first_);
+  } else {
+    buffers.emplace_back("exp_avg", first_);
+    buffers.emplace_back("exp_avg_sq", second_);
+  }
+  return buffers;
+}
+
+absl::Status TensorOptimizer::Restore(uint64_t steps,
+                                      const std::vector<std::vector<float>>& buffers) {
+  std::vector<std::vector<float>*> mine = {&first_, &second_};
+  mine.resize(StateFloatsPerElement(kind_, hyper_));
+  if (buffers.size() != mine.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the optimizer keeps ", mine.size(), " state buffer(s); ", buffers.size(), " were given"));
+  }
+  for (const std::vector<float>& buffer : buffers) {
+    if (buffer.size() != size_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a state buffer of ", buffer.size(), " values for a tensor of ", size_));
+    }
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) *mine[i] = buffers[i];
+  steps_ = steps;
+  return absl::OkStatus();
+}
+
 absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<const float> grad) {
   if (param.size() != size_ || grad.size() != size_) {
     return absl::InvalidArgumentError(

@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -61,6 +62,16 @@ class TensorOptimizer {
   // AdamW's running averages of the gradient and of its square; empty for SGD.
   std::span<const float> exp_avg() const;
   std::span<const float> exp_avg_sq() const;
+
+  // Every state buffer, named as torch's state_dict names it:
+  // "momentum_buffer" (SGD with momentum), "exp_avg" and "exp_avg_sq"
+  // (AdamW); none for plain SGD. What a checkpoint saves.
+  std::vector<std::pair<const char*, std::span<const float>>> StateBuffers() const;
+  // Takes back what StateBuffers() gave, in its order, and the step count:
+  // the optimizer then continues bit for bit as the one that was saved.
+  // INVALID_ARGUMENT, changing nothing, for the wrong number or size of
+  // buffers.
+  absl::Status Restore(uint64_t steps, const std::vector<std::vector<float>>& buffers);
 
  private:
   void SgdStep(double lr, std::span<float> param, std::span<const float> grad);

@@ -72,4 +72,8 @@ std::span<const uint8_t> FloatBytes(std::span<const float> values) {
                                   values.size_bytes());
 }
 
+std::string OptimizerStateName(const std::string& buffer, const std::string& tensor) {
+  return absl::StrCat(kOptimizerStatePrefix, buffer, "/", tensor);
+}
+
 }  // namespace layercast::server

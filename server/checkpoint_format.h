@@ -37,6 +37,21 @@ namespace layercast::server {
 //   checksum        "sha256:" + 64 lowercase hex digits: SHA-256 of the data
 //                   section, i.e. every byte after the header, in file order
 //
+// A training shard (--optimizer) adds its optimizer state, so that a shard
+// restarted from the file continues bit for bit: after the master's
+// tensors, one F32 tensor per state buffer of each tensor it trains, named
+// OptimizerStateName(buffer, tensor) ("__optimizer__/exp_avg/<tensor>";
+// buffers as torch names them: momentum_buffer, or exp_avg and exp_avg_sq),
+// of the same 1-D shape as the tensor's slice, and these fields:
+//
+//   optimizer        the canonical optimizer spec it trained with
+//   layer_versions   every layer's version (steps applied), comma-separated
+//   optimizer_steps  every layer's optimizer step count (torch's
+//                    state['step']), comma-separated
+//
+// `version` is then the model's: its lowest layer's. Pushes staged for a
+// step not yet applied are not saved.
+//
 // It is written under `.shard-<i>-of-<N>.safetensors.tmp-<pid>-<nonce>` in
 // the same directory, created new and private (FileSystem::CreatePrivate),
 // and renamed into place, so a file with the final name is always complete
@@ -44,6 +59,10 @@ namespace layercast::server {
 
 inline constexpr char kCheckpointFormat[] = "layercast-shard-checkpoint";
 inline constexpr char kCheckpointFormatVersion[] = "1";
+inline constexpr char kOptimizerStatePrefix[] = "__optimizer__/";
+
+// "__optimizer__/<buffer>/<tensor>".
+std::string OptimizerStateName(const std::string& buffer, const std::string& tensor);
 
 // "shard-<i>-of-<N>.safetensors".
 std::string CheckpointFileName(uint32_t shard_index, uint32_t num_shards);

@@ -104,30 +104,33 @@ bool CheckpointManager::HoldsVersion(uint64_t version) const {
 }
 
 absl::StatusOr<CheckpointInfo> CheckpointManager::Write(const ParameterStore& store,
-                                                        uint64_t version) {
+                                                        uint64_t version,
+                                                        const CheckpointExtras& extras) {
   absl::MutexLock lock(&write_mu_);
-  return WriteLocked(store, version);
+  return WriteLocked(store, version, extras);
 }
 
 absl::StatusOr<CheckpointInfo> CheckpointManager::TryWrite(const ParameterStore& store,
-                                                           uint64_t version) {
+                                                           uint64_t version,
+                                                           const CheckpointExtras& extras) {
   if (!write_mu_.TryLock()) {
     return absl::AbortedError(absl::StrCat("a checkpoint of this shard is being written to ", path_,
                                            "; wait for it to finish and retry"));
   }
-  absl::StatusOr<CheckpointInfo> info = WriteLocked(store, version);
+  absl::StatusOr<CheckpointInfo> info = WriteLocked(store, version, extras);
   write_mu_.Unlock();
   return info;
 }
 
 absl::StatusOr<CheckpointInfo> CheckpointManager::WriteLocked(const ParameterStore& store,
-                                                              uint64_t version) {
+                                                              uint64_t version,
+                                                              const CheckpointExtras& extras) {
   {
     // Whatever happens next, the file may no longer hold the old version.
     absl::MutexLock lock(&mu_);
     on_disk_version_.reset();
   }
-  absl::StatusOr<CheckpointInfo> info = WriteCheckpoint(store, version, dir_, fs_);
+  absl::StatusOr<CheckpointInfo> info = WriteCheckpoint(store, version, dir_, fs_, extras);
   if (info.ok()) {
     absl::MutexLock lock(&mu_);
     on_disk_version_ = version;

@@ -50,13 +50,16 @@ class CheckpointManager {
 
   // Writes `store` at `version` (WriteCheckpoint), after any write in
   // progress.
-  absl::StatusOr<CheckpointInfo> Write(const ParameterStore& store, uint64_t version);
+  absl::StatusOr<CheckpointInfo> Write(const ParameterStore& store, uint64_t version,
+                                       const CheckpointExtras& extras = {});
   // As Write, but ABORTED at once while another write is in progress.
-  absl::StatusOr<CheckpointInfo> TryWrite(const ParameterStore& store, uint64_t version);
+  absl::StatusOr<CheckpointInfo> TryWrite(const ParameterStore& store, uint64_t version,
+                                          const CheckpointExtras& extras = {});
 
  private:
   CheckpointManager(std::string dir, uint32_t shard_index, uint32_t num_shards, FileSystem& fs);
-  absl::StatusOr<CheckpointInfo> WriteLocked(const ParameterStore& store, uint64_t version)
+  absl::StatusOr<CheckpointInfo> WriteLocked(const ParameterStore& store, uint64_t version,
+                                             const CheckpointExtras& extras)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
 
   const std::string dir_;

@@ -6,8 +6,10 @@
 #include <charconv>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "core/layout.h"
 #include "core/status_macros.h"
+#include "server/checkpoint_format.h"
 
 namespace layercast::server {
 namespace {
@@ -116,6 +118,7 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
                                             field("version"), "', not a number", kWhatToDo));
   }
 
+  RETURN_IF_ERROR(ParseTraining());
   size_t expected_tensors = 0;
   entries_.resize(model_.layers.size());
   for (uint32_t l = 0; l < model_.layers.size(); ++l) {
@@ -137,15 +140,82 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
       file_order_.push_back(entry);
     }
   }
+  for (const SafetensorsTensor& entry : reader_->tensors()) {
+    if (entry.name.rfind(kOptimizerStatePrefix, 0) != 0) continue;
+    if (!training_ || entry.dtype != DType::kFloat32 || entry.shape.size() != 1) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has optimizer state tensor ",
+                                              entry.name,
+                                              " that is not 1-D F32 of a training "
+                                              "checkpoint",
+                                              kWhatToDo));
+    }
+    ++expected_tensors;
+    file_order_.push_back(&entry);
+  }
   if (reader_->tensors().size() != expected_tensors) {
     return Mismatch(path_, absl::StrCat("it has ", reader_->tensors().size(),
-                                        " tensors and the model has ", expected_tensors));
+                                        " tensors and the model and its optimizer state have ",
+                                        expected_tensors));
   }
   std::stable_sort(file_order_.begin(), file_order_.end(),
                    [](const SafetensorsTensor* a, const SafetensorsTensor* b) {
                      return a->data_begin < b->data_begin;
                    });
   return absl::OkStatus();
+}
+
+absl::Status CheckpointSource::ParseTraining() {
+  const auto& metadata = reader_->metadata();
+  if (!metadata.contains("layer_versions")) return absl::OkStatus();
+  Training training;
+  training.optimizer = MetadataValue(metadata, "optimizer");
+  for (const auto& [key, out] : {std::pair{"layer_versions", &training.layer_versions},
+                                 std::pair{"optimizer_steps", &training.optimizer_steps}}) {
+    for (absl::string_view part : absl::StrSplit(MetadataValue(metadata, key), ',')) {
+      uint64_t value = 0;
+      if (!ParseDecimal(std::string(part), &value)) {
+        return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records ", key, " '",
+                                                MetadataValue(metadata, key),
+                                                "', not one number per layer", kWhatToDo));
+      }
+      out->push_back(value);
+    }
+    if (out->size() != model_.layers.size()) {
+      return Mismatch(path_, absl::StrCat("it records ", key, " of ", out->size(),
+                                          " layers and the model has ", model_.layers.size()));
+    }
+  }
+  if (*std::min_element(training.layer_versions.begin(), training.layer_versions.end()) !=
+      version_) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records version ", version_,
+                                            " but its lowest layer is at another", kWhatToDo));
+  }
+  training_ = std::move(training);
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointSource::ReadState(const std::string& name,
+                                         std::vector<float>& values) const {
+  const SafetensorsTensor* entry = reader_->Find(name);
+  if (entry == nullptr || name.rfind(kOptimizerStatePrefix, 0) != 0) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", path_, " has no tensor ", name));
+  }
+  values.resize(entry->num_elements);
+  RETURN_IF_ERROR(reader_->ReadF32(*entry, ElementRange{0, entry->num_elements}, values));
+  Hash(*entry, true, values);
+  return absl::OkStatus();
+}
+
+void CheckpointSource::Hash(const SafetensorsTensor& entry, bool whole,
+                            std::span<const float> values) const {
+  absl::MutexLock lock(&mu_);
+  if (!out_of_order_ && whole && entry.data_begin == next_offset_) {
+    sha_->Update(FloatBytes(values));
+    next_offset_ += values.size_bytes();
+    ++hashed_tensors_;
+  } else {
+    out_of_order_ = true;
+  }
 }
 
 absl::Status CheckpointSource::Read(uint32_t layer, uint32_t tensor, ElementRange range,
@@ -160,14 +230,7 @@ absl::Status CheckpointSource::Read(uint32_t layer, uint32_t tensor, ElementRang
   }
   RETURN_IF_ERROR(reader_->ReadF32(
       entry, ElementRange{range.begin - owned.begin, range.end - owned.begin}, dst));
-  absl::MutexLock lock(&mu_);
-  if (!out_of_order_ && range == owned && entry.data_begin == next_offset_) {
-    sha_->Update(FloatBytes(dst));
-    next_offset_ += dst.size_bytes();
-    ++hashed_tensors_;
-  } else {
-    out_of_order_ = true;
-  }
+  Hash(entry, range == owned, dst);
   return absl::OkStatus();
 }
 

@@ -57,6 +57,18 @@ class CheckpointSource final : public ParameterSource {
   // "sha256:<hex>" as the header records it.
   const std::string& checksum() const { return checksum_; }
 
+  // What a training shard saved beside its master (checkpoint_format.h);
+  // nullopt for a checkpoint of a read-only shard.
+  struct Training {
+    std::string optimizer;                  // the canonical spec
+    std::vector<uint64_t> layer_versions;   // per layer
+    std::vector<uint64_t> optimizer_steps;  // per layer
+  };
+  const std::optional<Training>& training() const { return training_; }
+  // Reads optimizer state tensor `name` (OptimizerStateName) whole into
+  // `values`. NOT_FOUND when the file has none of that name.
+  absl::Status ReadState(const std::string& name, std::vector<float>& values) const;
+
   // DATA_LOSS naming the file unless the SHA-256 of its data equals the
   // recorded checksum. Hashes what Read() returned when that was every
   // tensor, whole, in file order (as ParameterStore::Load reads); otherwise
@@ -66,6 +78,10 @@ class CheckpointSource final : public ParameterSource {
  private:
   CheckpointSource() = default;
   absl::Status CheckHeader(const Policy& policy);
+  absl::Status ParseTraining();
+  // Feeds what a read returned to the running hash when it is the next
+  // whole tensor in file order.
+  void Hash(const SafetensorsTensor& entry, bool whole, std::span<const float> values) const;
 
   std::string path_;
   ModelSpec model_;
@@ -80,6 +96,7 @@ class CheckpointSource final : public ParameterSource {
   std::vector<std::vector<const SafetensorsTensor*>> entries_;
   // Every entry, by position in the file.
   std::vector<const SafetensorsTensor*> file_order_;
+  std::optional<Training> training_;
 
   // The running hash of whole tensors read in file order.
   mutable absl::Mutex mu_;

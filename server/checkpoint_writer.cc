@@ -24,8 +24,10 @@ std::span<const float> Owned(const ParameterStore& store, uint32_t layer, uint32
 }
 
 std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_t version,
-                                            const std::string& checksum) {
-  return {
+                                            const std::string& checksum,
+                                            const CheckpointExtras& extras) {
+  std::map<std::string, std::string> metadata = extras.metadata;
+  metadata.merge(std::map<std::string, std::string>{
       {"format", kCheckpointFormat},
       {"format_version", kCheckpointFormatVersion},
       {"model_id", store.model().model_id},
@@ -36,7 +38,18 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
       {"layout_digest", HexString(store.layout_digest())},
       {"content_fingerprint", HexString(store.content_fingerprint())},
       {"checksum", checksum},
-  };
+  });
+  return metadata;
+}
+
+absl::Status AppendFloats(SafetensorsWriter& writer, std::span<const float> values) {
+  std::span<const uint8_t> bytes = FloatBytes(values);
+  while (!bytes.empty()) {
+    const size_t n = std::min(bytes.size(), kAppendBytes);
+    RETURN_IF_ERROR(writer.Append(bytes.first(n)));
+    bytes = bytes.subspan(n);
+  }
+  return absl::OkStatus();
 }
 
 // A nonce for the temporary file's name that nobody can predict, so that
@@ -58,22 +71,18 @@ uint64_t RandomNonce() {
 absl::StatusOr<uint64_t> WriteAndRename(const ParameterStore& store,
                                         const std::vector<SafetensorsWriter::TensorHeader>& headers,
                                         const std::map<std::string, std::string>& metadata,
-                                        const std::string& tmp, const std::string& path,
-                                        FileSystem& fs, bool* created) {
+                                        const CheckpointExtras& extras, const std::string& tmp,
+                                        const std::string& path, FileSystem& fs, bool* created) {
   ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs.CreatePrivate(tmp));
   *created = true;
   ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::Create(std::move(file), tmp, headers, metadata));
   const std::vector<LayerSpec>& layers = store.model().layers;
   for (uint32_t l = 0; l < layers.size(); ++l) {
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
-      std::span<const uint8_t> bytes = FloatBytes(Owned(store, l, t));
-      while (!bytes.empty()) {
-        const size_t n = std::min(bytes.size(), kAppendBytes);
-        RETURN_IF_ERROR(writer->Append(bytes.first(n)));
-        bytes = bytes.subspan(n);
-      }
+      RETURN_IF_ERROR(AppendFloats(*writer, Owned(store, l, t)));
     }
   }
+  for (const auto& [name, values] : extras.tensors) RETURN_IF_ERROR(AppendFloats(*writer, values));
   RETURN_IF_ERROR(writer->Finish());
   ASSIGN_OR_RETURN(auto written, fs.OpenForRead(tmp));
   const uint64_t size = written->size();
@@ -84,7 +93,8 @@ absl::StatusOr<uint64_t> WriteAndRename(const ParameterStore& store,
 }  // namespace
 
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint64_t version,
-                                               const std::string& dir, FileSystem& fs) {
+                                               const std::string& dir, FileSystem& fs,
+                                               const CheckpointExtras& extras) {
   const auto started = std::chrono::steady_clock::now();
   std::vector<SafetensorsWriter::TensorHeader> headers;
   Sha256 sha;
@@ -98,6 +108,11 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint
       sha.Update(FloatBytes(owned));
     }
   }
+  for (const auto& [name, values] : extras.tensors) {
+    headers.push_back(
+        {.name = name, .dtype = DType::kFloat32, .shape = {static_cast<int64_t>(values.size())}});
+    sha.Update(FloatBytes(values));
+  }
   CheckpointInfo info;
   info.version = version;
   info.checksum = sha.Finish();
@@ -106,8 +121,9 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint
       TempCheckpointPath(dir, store.shard_index(), store.num_shards(), getpid(), RandomNonce());
 
   bool created = false;
-  absl::StatusOr<uint64_t> size = WriteAndRename(
-      store, headers, Metadata(store, version, info.checksum), tmp, info.path, fs, &created);
+  absl::StatusOr<uint64_t> size =
+      WriteAndRename(store, headers, Metadata(store, version, info.checksum, extras), extras, tmp,
+                     info.path, fs, &created);
   if (!size.ok()) {
     // Never what someone else put at the name: CreatePrivate refused it.
     if (created && fs.Exists(tmp)) (void)fs.Remove(tmp);

@@ -1,5 +1,10 @@
 #pragma once
 
+#include <map>
+#include <span>
+#include <utility>
+#include <vector>
+
 #include <cstdint>
 #include <string>
 
@@ -16,6 +21,15 @@ struct CheckpointInfo {
   uint64_t version = 0;  // parameter version it holds
   double seconds = 0;    // wall-clock time of the write, fsyncs included
   std::string checksum;  // "sha256:<hex>" of the data section
+};
+
+// What a training shard saves beside its master: metadata fields added to
+// the header, and fp32 tensors written after the master's, in this order
+// (the optimizer state: see checkpoint_format.h). The spans must stay valid
+// and unchanged for the whole write.
+struct CheckpointExtras {
+  std::map<std::string, std::string> metadata;
+  std::vector<std::pair<std::string, std::span<const float>>> tensors;
 };
 
 // Writes `store`'s fp32 master at parameter `version` as the checkpoint of
@@ -40,6 +54,7 @@ struct CheckpointInfo {
 // `dir` exists. Thread-compatible: one write per (dir, shard) at a time.
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint64_t version,
                                                const std::string& dir,
-                                               FileSystem& fs = DefaultFileSystem());
+                                               FileSystem& fs = DefaultFileSystem(),
+                                               const CheckpointExtras& extras = {});
 
 }  // namespace layercast::server

@@ -8,7 +8,9 @@
 
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
+#include "server/checkpoint_format.h"
 
 namespace layercast::server {
 
@@ -136,6 +138,65 @@ absl::Status LayerTrainer::CheckPush(uint32_t layer, uint32_t worker, uint64_t s
   const LayerState& state = *layers_[layer];
   absl::MutexLock lock(&state.mu);
   return CheckStepLocked(layer, worker, step, state);
+}
+
+absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite write)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // holds every layer's lock, which the analysis cannot follow
+  for (auto& layer : layers_) layer->mu.Lock();
+  CheckpointExtras extras;
+  std::vector<std::string> versions, steps;
+  uint64_t version = UINT64_MAX;
+  const ModelSpec& model = store_.model();
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const LayerState& state = *layers_[l];
+    version = std::min(version, state.version);
+    versions.push_back(absl::StrCat(state.version));
+    steps.push_back(absl::StrCat(state.optimizers.empty() ? 0 : state.optimizers[0].steps()));
+    for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
+      for (const auto& [buffer, values] : state.optimizers[t].StateBuffers()) {
+        extras.tensors.emplace_back(OptimizerStateName(buffer, model.layers[l].tensors[t].name),
+                                    values);
+      }
+    }
+  }
+  extras.metadata = {{"optimizer", spec_.ToString()},
+                     {"layer_versions", absl::StrJoin(versions, ",")},
+                     {"optimizer_steps", absl::StrJoin(steps, ",")}};
+  absl::StatusOr<CheckpointInfo> info = write(version, extras);
+  for (auto& layer : layers_) layer->mu.Unlock();
+  return info;
+}
+
+absl::Status LayerTrainer::Restore(const CheckpointSource& source) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const std::optional<CheckpointSource::Training>& saved = source.training();
+  if (!saved) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const OptimizerSpec saved_spec, OptimizerSpec::Parse(saved->optimizer));
+  const ModelSpec& model = store_.model();
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    LayerState& state = *layers_[l];
+    absl::MutexLock lock(&state.mu);
+    for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
+      TensorOptimizer& optimizer = state.optimizers[t];
+      const std::string& name = model.layers[l].tensors[t].name;
+      if (saved_spec.kind() != spec_.kind() ||
+          StateFloatsPerElement(saved_spec.kind(), saved_spec.HyperFor(name)) !=
+              optimizer.StateBuffers().size()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint ", source.path(), " was trained with --optimizer ", saved->optimizer,
+            ", whose state for tensor ", name, " this shard's --optimizer ", spec_.ToString(),
+            " does not keep: resume with the checkpoint's optimizer (the learning rate and "
+            "schedule may change), or start from a fresh --checkpoint-dir"));
+      }
+      std::vector<std::vector<float>> buffers;
+      for (const auto& [buffer, values] : optimizer.StateBuffers()) {
+        RETURN_IF_ERROR(source.ReadState(OptimizerStateName(buffer, name), buffers.emplace_back()));
+      }
+      RETURN_IF_ERROR(optimizer.Restore(saved->optimizer_steps[l], buffers));
+    }
+    state.version = saved->layer_versions[l];
+    if (links_.gate != nullptr) links_.gate->Advance(l, state.version);
+  }
+  return absl::OkStatus();
 }
 
 LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {

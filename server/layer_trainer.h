@@ -7,10 +7,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/optimizer.h"
 #include "core/optimizer_spec.h"
+#include "server/checkpoint_source.h"
+#include "server/checkpoint_writer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/version_gate.h"
@@ -111,6 +114,21 @@ class LayerTrainer {
   // Workers whose push for `layer`'s current step has not arrived.
   uint32_t missing_workers(uint32_t layer) const;
   uint32_t workers() const { return workers_; }
+
+  // Runs `write` with every layer's steps paused (a push arriving meanwhile
+  // waits) and this trainer's state as CheckpointExtras: the spec, every
+  // layer's version and step count, and every optimizer state buffer
+  // (checkpoint_format.h). `version` is the model's, its lowest layer's.
+  // What checkpoints of a training shard are written through.
+  using CheckpointWrite = absl::FunctionRef<absl::StatusOr<CheckpointInfo>(
+      uint64_t version, const CheckpointExtras& extras)>;
+  absl::StatusOr<CheckpointInfo> WriteWithState(CheckpointWrite write);
+
+  // Takes back what a checkpoint saved: every layer's version and step
+  // count and every state buffer, read from `source`. Before any push.
+  // FAILED_PRECONDITION when the checkpoint was trained with another kind
+  // of optimizer, or with state this spec does not keep.
+  absl::Status Restore(const CheckpointSource& source);
 
   // The layer step that has waited longest for its last push: its missing
   // workers and the seconds since its first push; {0, 0} when every layer's

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "server/shard_checkpoint.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -19,9 +20,10 @@ ShardAdminService::~ShardAdminService() {
   if (writer.joinable()) writer.join();
 }
 
-void ShardAdminService::AttachStore(const ParameterStore* store) {
+void ShardAdminService::AttachStore(const ParameterStore* store, LayerTrainer* trainer) {
   absl::MutexLock lock(&mu_);
   store_ = store;
+  trainer_ = trainer;
 }
 
 grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& context) const {
@@ -78,8 +80,9 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
   // The previous writer has finished (writing_ is false); reap it.
   if (writer_.joinable()) writer_.join();
   writing_ = true;
-  writer_ = std::thread([this, reactor, response, store = store_] {
-    absl::StatusOr<CheckpointInfo> info = options_.checkpoints->TryWrite(*store, gate_.version());
+  writer_ = std::thread([this, reactor, response, store = store_, trainer = trainer_] {
+    absl::StatusOr<CheckpointInfo> info =
+        WriteShardCheckpoint(*options_.checkpoints, *store, trainer, gate_.version(), true);
     grpc::Status status;
     if (info.ok()) {
       response->set_path(info->path);

@@ -9,6 +9,7 @@
 #include "layercast/v1/admin.grpc.pb.h"
 #include "server/auth_token.h"
 #include "server/checkpoint_manager.h"
+#include "server/layer_trainer.h"
 #include "server/parameter_store.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
@@ -38,7 +39,7 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
 
   // Makes the loaded parameters available; called once. `store` must
   // outlive the service.
-  void AttachStore(const ParameterStore* store);
+  void AttachStore(const ParameterStore* store, LayerTrainer* trainer = nullptr);
   // New calls are refused with UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true); }
 
@@ -56,6 +57,7 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   std::atomic<bool> draining_{false};
   absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
+  LayerTrainer* trainer_ ABSL_GUARDED_BY(mu_) = nullptr;  // null: read-only
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   // The thread of the last checkpoint written for a call.
   std::thread writer_ ABSL_GUARDED_BY(mu_);

@@ -16,6 +16,7 @@
 #include "core/status_macros.h"
 #include "core/synthetic_model.h"
 #include "server/auth_token.h"
+#include "server/shard_checkpoint.h"
 
 namespace layercast::server {
 namespace {
@@ -318,31 +319,48 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                    ParameterStore::Load(*source_, config.shard_index(), config.num_shards(),
                                         settings_.policy, cancel));
   if (checkpoint_source_ != nullptr) {
-    // Before store_ is set: parameters that fail their checksum are never
-    // served, nor written back as a checkpoint on exit.
-    RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
+    if (settings_.optimizer && checkpoint_source_->version() > 0 &&
+        !checkpoint_source_->training()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint in --checkpoint-dir holds parameter version ",
+          checkpoint_source_->version(), " written by a shard without --optimizer, so no ",
+          "optimizer state: training on would restart ",
+          OptimizerKindName(settings_.optimizer->kind()),
+          " from zero state and diverge from an uninterrupted run; start from a fresh "
+          "--checkpoint-dir, or serve this checkpoint read-only without --optimizer"));
+    }
     service_->version_gate().Advance(checkpoint_source_->version());
-    checkpoints_->NoteOnDisk(checkpoint_source_->version());
   }
-  if (settings_.optimizer && checkpoint_source_ != nullptr && checkpoint_source_->version() > 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the checkpoint in --checkpoint-dir holds parameter version ",
-                     checkpoint_source_->version(),
-                     " but no optimizer state (checkpoints do not carry it "
-                     "yet): resuming would restart ",
-                     OptimizerKindName(settings_.optimizer->kind()),
-                     " from zero state and diverge from an uninterrupted run; start from a fresh "
-                     "--checkpoint-dir, or serve this checkpoint read-only without --optimizer"));
-  }
-  store_ = std::move(store);
   const uint64_t state_bytes =
-      settings_.optimizer ? LayerTrainer::StateBytes(*store_, *settings_.optimizer) : 0;
+      settings_.optimizer ? LayerTrainer::StateBytes(*store, *settings_.optimizer) : 0;
   budget_ = std::make_unique<MemoryBudget>(
-      settings_.memory_budget_bytes, store_->master_bytes() + state_bytes, grants_.get_executor(),
+      settings_.memory_budget_bytes, store->master_bytes() + state_bytes, grants_.get_executor(),
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
+  std::unique_ptr<LayerTrainer> trainer;
+  if (settings_.optimizer) {
+    service_->version_gate().SetLayers(static_cast<uint32_t>(store->model().layers.size()));
+    ASSIGN_OR_RETURN(
+        trainer, LayerTrainer::Create(*store, *settings_.optimizer, config.data_parallel_workers(),
+                                      {&service_->version_gate(), budget_.get()}));
+    if (checkpoint_source_ != nullptr) RETURN_IF_ERROR(trainer->Restore(*checkpoint_source_));
+    Log()->info(
+        "training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
+        settings_.optimizer->ToString(), config.data_parallel_workers(), FormatBytes(state_bytes),
+        checkpoint_source_ != nullptr && checkpoint_source_->training()
+            ? absl::StrCat("the checkpoint's state at version ", checkpoint_source_->version())
+            : std::string("zero state"));
+  }
+  if (checkpoint_source_ != nullptr) {
+    // Before store_ is set: parameters (and optimizer state) that fail their
+    // checksum are never served, nor written back as a checkpoint on exit.
+    RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
+    checkpoints_->NoteOnDisk(checkpoint_source_->version());
+  }
+  store_ = std::move(store);
+  trainer_ = std::move(trainer);
   const uint64_t shared_bytes = config.has_shared_chunk_bytes()
                                     ? config.shared_chunk_bytes()
                                     : std::max(kMinSharedChunks * config.chunk_bytes(),
@@ -355,17 +373,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
       if (auto shared = weak.lock()) shared->DropAll();
     });
   }
-  if (settings_.optimizer) {
-    service_->version_gate().SetLayers(static_cast<uint32_t>(store_->model().layers.size()));
-    ASSIGN_OR_RETURN(trainer_, LayerTrainer::Create(*store_, *settings_.optimizer,
-                                                    config.data_parallel_workers(),
-                                                    {&service_->version_gate(), budget_.get()}));
-    Log()->info("training: {} with {} data-parallel worker(s), {} of optimizer state",
-                settings_.optimizer->ToString(), config.data_parallel_workers(),
-                FormatBytes(state_bytes));
-  }
   service_->AttachStore(store_.get(), budget_.get(), shared_.get(), trainer_.get());
-  admin_->AttachStore(store_.get());
+  admin_->AttachStore(store_.get(), trainer_.get());
   SetReadiness(true);
   metrics_.ready().Set(1);
   const double seconds =
@@ -415,11 +424,14 @@ absl::Status ShardServer::CheckpointOnExit() {
     return absl::OkStatus();
   }
   const uint64_t version = service_->version_gate().version();
-  if (checkpoints_->HoldsVersion(version)) {
+  // A training shard's layers may have moved past the model's version, and
+  // its optimizer state with them: it always writes.
+  if (trainer_ == nullptr && checkpoints_->HoldsVersion(version)) {
     Log()->info("checkpoint {} already holds version {}", checkpoints_->path(), version);
     return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(CheckpointInfo info, checkpoints_->Write(*store_, version));
+  ASSIGN_OR_RETURN(CheckpointInfo info,
+                   WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), version, false));
   Log()->info("checkpoint version {} written to {} ({}) in {:.2f} s", info.version, info.path,
               FormatBytes(info.bytes), info.seconds);
   return absl::OkStatus();

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 namespace layercast {
@@ -79,6 +81,42 @@ TEST(OptimizerTest, SlicesUpdateLikeTheWholeTensor) {
                       .ok());
     }
     EXPECT_EQ(sliced, whole) << text;
+  }
+}
+
+// What a checkpoint saves and restores: an optimizer rebuilt from its state
+// buffers and step count continues with the same bits as the original.
+TEST(OptimizerTest, RestoredStateContinuesBitForBit) {
+  for (const auto& [kind, hyper] :
+       {std::pair{OptimizerKind::kAdamW,
+                  OptimizerHyper{.lr = 1e-2, .weight_decay = 0.1, .beta2 = 0.95}},
+        std::pair{OptimizerKind::kSgd,
+                  OptimizerHyper{.lr = 0.1, .momentum = 0.9, .nesterov = true}},
+        std::pair{OptimizerKind::kSgd, OptimizerHyper{.lr = 0.1}}}) {
+    constexpr size_t kSize = 97;
+    std::vector<float> param(kSize), grad(kSize);
+    for (size_t i = 0; i < kSize; ++i) param[i] = std::sin(static_cast<float>(i));
+    TensorOptimizer original(kind, hyper, kSize);
+    const auto step = [&](TensorOptimizer& optimizer, std::vector<float>& p, int k) {
+      for (size_t i = 0; i < kSize; ++i) grad[i] = std::cos(static_cast<float>(i * 3 + k));
+      ASSERT_TRUE(optimizer.Step(hyper.lr, p, grad).ok());
+    };
+    for (int k = 0; k < 3; ++k) step(original, param, k);
+    std::vector<std::vector<float>> saved;
+    for (const auto& [name, values] : original.StateBuffers()) {
+      saved.emplace_back(values.begin(), values.end());
+    }
+    EXPECT_EQ(saved.size(), StateFloatsPerElement(kind, hyper));
+    TensorOptimizer restored(kind, hyper, kSize);
+    EXPECT_EQ(restored.Restore(3, {{1.0f}}).code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(restored.Restore(3, saved).ok());
+    EXPECT_EQ(restored.steps(), 3u);
+    std::vector<float> copy = param;
+    for (int k = 3; k < 6; ++k) {
+      step(original, param, k);
+      step(restored, copy, k);
+    }
+    EXPECT_EQ(std::memcmp(param.data(), copy.data(), kSize * sizeof(float)), 0);
   }
 }
 

@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +25,7 @@ using ::testing::HasSubstr;
 
 constexpr char kPolicy[] = "p=f32,c=bf16;*norm*=f32";
 constexpr char kOptimizer[] = "sgd:lr=0.5";
+constexpr char kMomentum[] = "sgd:lr=0.5,momentum=0.9";
 constexpr uint64_t kChunkBytes = 4096;
 
 // One worker's gradient of one layer for one shard, as GradientChunks.
@@ -69,14 +72,15 @@ uint64_t LayerVersion(const client::ShardSet& set, uint32_t layer) {
 
 class TrainingTest : public ::testing::Test {
  protected:
-  void Start(uint32_t num_shards, uint32_t workers, std::vector<std::string> extra = {}) {
+  void Start(uint32_t num_shards, uint32_t workers, std::vector<std::string> extra = {},
+             const std::string& optimizer = kOptimizer) {
     model_ = WriteTestModel(MakeTempDir("training") + "/model.safetensors", 2, 5);
     std::vector<std::string> flags = {"--model",
                                       model_.path,
                                       "--policy",
                                       kPolicy,
                                       "--optimizer",
-                                      kOptimizer,
+                                      optimizer,
                                       "--data-parallel-workers",
                                       std::to_string(workers),
                                       "--chunk-bytes",
@@ -260,6 +264,43 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
   auto pushed = sinks[0]->Push(0, 1, *std::move(gradient));
   ASSERT_TRUE(pushed.ok());
   EXPECT_EQ(pushed->get().status().code(), absl::StatusCode::kAlreadyExists);
+}
+
+// A training shard's checkpoint carries its optimizer state under the same
+// checksum as its master: a flipped bit in the state stops the restart; and
+// a read-only shard's checkpoint past version 0 has no state to train on.
+TEST_F(TrainingTest, CheckpointedOptimizerStateIsCheckedAndRequired) {
+  const std::string checkpoints = MakeTempDir("training-state");
+  ASSERT_NO_FATAL_FAILURE(Start(1, 1, {"--checkpoint-dir", checkpoints}, kMomentum));
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    ASSERT_TRUE(Push(*shards_.set, 0, Chunks(*shards_.set, l, 0, 0, 0)).status.ok());
+  }
+  ASSERT_TRUE(shards_.processes->Stop().ok());  // SIGTERM: writes the checkpoint
+  const std::string file = checkpoints + "/shard-0-of-1.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  ASSERT_NE(bytes.find("__optimizer__/momentum_buffer/"), std::string::npos);
+  ASSERT_NE(bytes.find("\"layer_versions\":\"1,1,1,1\""), std::string::npos)
+      << bytes.substr(0, 600);
+  const std::string start = absl::StrCat(ShardBinary(), " --model ", model_.path, " --policy '",
+                                         kPolicy, "' --checkpoint-dir ", checkpoints,
+                                         " --listen 127.0.0.1:0 --num-shards 1 --shard-index 0 ");
+  bytes[bytes.size() - 3] ^= 0x10;  // the last state tensor's data
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  std::string output;
+  EXPECT_NE(RunCommand(start + "--optimizer " + kMomentum, &output), 0);
+  EXPECT_THAT(output, HasSubstr("is corrupt"));
+
+  // Restored, it resumes only with an optimizer that keeps the same state.
+  bytes[bytes.size() - 3] ^= 0x10;
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_NE(RunCommand(start + "--optimizer adamw:lr=1", &output), 0);
+  EXPECT_THAT(output, HasSubstr("whose state for tensor"));
+  EXPECT_NE(RunCommand(start + "--optimizer sgd:lr=1", &output), 0);
+  EXPECT_THAT(output, HasSubstr("whose state for tensor"));
 }
 
 TEST_F(TrainingTest, TheStartUpCheckCountsOptimizerStateAndStaging) {

@@ -6,16 +6,21 @@
 // shards write to their checkpoints on SIGTERM is compared with
 // torch.optim's by training_torch_test.py, which recomputes everything from
 // the initial values. Pushing the workers in reverse order gives the same
-// bits.
+// bits, and so does a run in which a shard is SIGKILLed between two steps
+// and restarted from the checkpoint it wrote just before, optimizer state
+// included.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <future>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/gradient_sink.h"
 #include "core/optimizer_spec.h"
 #include "tests/integration/shard_fixture.h"
@@ -39,15 +44,30 @@ struct Recipe {
   std::string name;
   std::string optimizer;
   bool reverse_workers = false;  // worker 1's push of each layer lands first
+  // Between this step and the next, every shard checkpoints (layercast
+  // checkpoint), then shard 1 is SIGKILLed and restarted from its
+  // checkpoint; 0: never.
+  uint64_t kill_after_step = 0;
 };
+
+constexpr char kToken[] = "training-torch-test-token-0123456789";
+
+std::string WriteToken(const std::string& dir) {
+  const std::string path = dir + "/token";
+  std::ofstream(path) << kToken << "\n";
+  std::filesystem::permissions(
+      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  return path;
+}
 
 // Trains through a fresh shard set; returns the checkpoint directory.
 std::string Train(const Recipe& recipe, const TestModel& model) {
   const std::string checkpoints = MakeTempDir("training-torch-" + recipe.name);
-  RunningShards shards =
-      StartShards(kShards, {"--model", model.path, "--policy", kPolicy, "--optimizer",
-                            recipe.optimizer, "--data-parallel-workers", std::to_string(kWorkers),
-                            "--checkpoint-dir", checkpoints, "--chunk-bytes", "8192"});
+  const std::string token = WriteToken(MakeTempDir("training-torch-token-" + recipe.name));
+  RunningShards shards = StartShards(
+      kShards, {"--model", model.path, "--policy", kPolicy, "--optimizer", recipe.optimizer,
+                "--data-parallel-workers", std::to_string(kWorkers), "--checkpoint-dir",
+                checkpoints, "--chunk-bytes", "8192", "--admin-token-file", token});
   EXPECT_NE(shards.set, nullptr);
   if (shards.set == nullptr) return "";
   const client::ShardSet& set = *shards.set;
@@ -81,6 +101,20 @@ std::string Train(const Recipe& recipe, const TestModel& model) {
         if (!result.ok()) return "";
         EXPECT_EQ(result->applied, i == kWorkers - 1);
       }
+    }
+    if (step + 1 == recipe.kill_after_step) {
+      std::string output;
+      EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards ",
+                                        absl::StrJoin(set.addresses(), ","), " --token-file ",
+                                        token, " --insecure"),
+                           &output),
+                0)
+          << output;
+      EXPECT_THAT(output, ::testing::HasSubstr(absl::StrCat("version ", step + 1)));
+      // A crash: no checkpoint on the way out. The restarted shard resumes
+      // from the one just written, optimizer state included.
+      shards.processes->KillForTest(1);
+      EXPECT_TRUE(shards.processes->RestartForTest(1).ok());
     }
   }
   // SIGTERM: every shard writes its fp32 master to its checkpoint.
@@ -147,6 +181,7 @@ TEST(TrainingTorchTest, ThreeShardsTwoWorkersMatchTorchBitForBit) {
       {"adamw", adamw, false},
       {"adamw-reversed", adamw, true},
       {"sgd", "sgd:lr=0.05,momentum=0.9,nesterov=true,weight_decay=0.01;*norm*:weight_decay=0"},
+      {"adamw-shard-1-killed-after-step-10", adamw, false, 10},
   };
   std::vector<std::string> checkpoint_dirs;
   for (const Recipe& recipe : recipes) {
