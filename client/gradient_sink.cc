@@ -1,8 +1,13 @@
 #include "client/gradient_sink.h"
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/optimizer.h"
+#include "core/status_macros.h"
 #include "wire/gradient_chunks.h"
 #include "wire/grpc_status.h"
 
@@ -115,6 +120,89 @@ absl::Status GradientSink::Flush() {
     if (!result.ok() && first.ok()) first = result.status();
   }
   return first;
+}
+
+namespace {
+
+// Calls `rpc` (one attempt: a gRPC status) until it succeeds, fails with a
+// code no retry helps, or `deadline` passes.
+absl::Status WithRetries(const std::string& who, std::chrono::steady_clock::time_point deadline,
+                         const std::function<grpc::Status(grpc::ClientContext&)>& rpc) {
+  std::chrono::milliseconds backoff(20);
+  for (;;) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         (deadline - std::chrono::steady_clock::now()));
+    const absl::Status status = wire::FromGrpcStatus(rpc(context), who);
+    if (status.ok() || !Retryable(status.code()) ||
+        std::chrono::steady_clock::now() + backoff >= deadline) {
+      return status;
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<GradientSink::StepEnd> GradientSink::FinishStep(uint64_t step) {
+  RETURN_IF_ERROR(Flush());
+  StepEnd end;
+  if (options_.worker != 0) return end;
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
+  double sum_of_squares = 0, max_norm = 0;
+  std::optional<float> applied;
+  for (uint32_t shard = 0; shard < num_shards && !applied; ++shard) {
+    const std::string who = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+    std::chrono::milliseconds poll(2);
+    for (;;) {
+      layercast::v1::GetGradientNormRequest request;
+      request.set_step(step);
+      layercast::v1::GetGradientNormResponse response;
+      RETURN_IF_ERROR(WithRetries(who, deadline, [&](grpc::ClientContext& context) {
+        return shards_.stub(shard).GetGradientNorm(&context, request, &response);
+      }));
+      if (response.clip_max_norm() == 0) {
+        if (shard == 0) return end;  // the shards do not clip: steps applied with their pushes
+        return absl::FailedPreconditionError(absl::StrCat(
+            who,
+            " does not clip gradients but shard 0 does: start every shard with the same "
+            "--optimizer"));
+      }
+      max_norm = response.clip_max_norm();
+      if (response.has_applied_scale()) {
+        applied = response.applied_scale();
+        break;
+      }
+      if (response.ready()) {
+        sum_of_squares += response.sum_of_squares();
+        break;
+      }
+      if (std::chrono::steady_clock::now() + poll >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat(who, " still waits for pushes of step ", step, " to layers ",
+                         absl::StrJoin(response.waiting_layers(), ","),
+                         " after the sink's timeout: a data-parallel worker is missing or stuck"));
+      }
+      std::this_thread::sleep_for(poll);
+      poll = std::min(poll * 2, std::chrono::milliseconds(50));
+    }
+  }
+  end.clipped = true;
+  end.total_norm = std::sqrt(sum_of_squares);
+  end.scale = applied ? *applied : ClipScale(end.total_norm, max_norm);
+  for (uint32_t shard = 0; shard < num_shards; ++shard) {
+    const std::string who = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+    layercast::v1::ApplyClippedStepRequest request;
+    request.set_step(step);
+    request.set_scale(end.scale);
+    layercast::v1::ApplyClippedStepResponse response;
+    RETURN_IF_ERROR(WithRetries(who, deadline, [&](grpc::ClientContext& context) {
+      return shards_.stub(shard).ApplyClippedStep(&context, request, &response);
+    }));
+  }
+  return end;
 }
 
 void GradientSink::RunShard(uint32_t shard) {

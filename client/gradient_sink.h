@@ -74,6 +74,22 @@ class GradientSink {
   // Waits for every push handed over so far; the first error, if any.
   absl::Status Flush();
 
+  struct StepEnd {
+    bool clipped = false;   // the shards clip, and this worker sent the scale
+    double total_norm = 0;  // the model's mean-gradient norm, when clipped
+    float scale = 1;        // what every mean gradient was multiplied by
+  };
+  // Ends this worker's part of step `step`: Flush(). On worker 0, when the
+  // shards clip gradients (clip= in their --optimizer), it then completes
+  // the step for every worker, the step barrier clipping needs: it asks
+  // every shard, until all workers' pushes are in, for its partial sum of
+  // squares of the mean gradient (fp64), adds them in shard order, takes
+  // the square root and ClipScale of it, and sends that scale to every
+  // shard, which then steps every layer. Retries as pushes do, until
+  // `timeout`; a scale some shard applied already is reused, so a worker 0
+  // restarted mid-step finishes it consistently.
+  absl::StatusOr<StepEnd> FinishStep(uint64_t step);
+
   uint64_t bytes_pushed() const;  // gradient data sent, retries included
 
  private:

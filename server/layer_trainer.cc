@@ -53,12 +53,6 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
   if (workers == 0) {
     return absl::InvalidArgumentError("--data-parallel-workers must be at least 1");
   }
-  if (spec.clip().has_value()) {
-    return absl::FailedPreconditionError(
-        "the optimizer spec asks for clip=, global gradient-norm clipping, which needs every "
-        "shard's partial norm before any layer is updated; shards cannot agree on that yet: "
-        "drop clip= from the spec");
-  }
   auto trainer =
       std::unique_ptr<LayerTrainer>(new LayerTrainer(store, std::move(spec), workers, links));
   const ModelSpec& model = store.model();
@@ -126,7 +120,7 @@ absl::Status LayerTrainer::CheckStepLocked(uint32_t layer, uint32_t worker, uint
         "a gradient for step ", step, " of layer ", layer, ", which is at version ", state.version,
         ": compute gradients on the layer as gathered at its current version"));
   }
-  if (state.pushed[worker].has_value()) {
+  if (state.reduced || state.pushed[worker].has_value()) {
     return absl::AlreadyExistsError(absl::StrCat("worker ", worker, " pushed layer ", layer,
                                                  " for step ", step, " already; it counts once"));
   }
@@ -233,8 +227,13 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
   for (const auto& pushed : state.pushed) {
     if (!pushed.has_value()) return Pushed{state.version, false};
   }
+  if (spec_.clip()) {
+    // The step waits for the clip scale, which needs every layer's norm.
+    ReduceLocked(layer, state);
+    return Pushed{state.version, false};
+  }
   const auto opened = *state.opened;
-  if (absl::Status applied = ApplyLocked(layer, state); !applied.ok()) {
+  if (absl::Status applied = ApplyLocked(layer, state, std::nullopt); !applied.ok()) {
     // The caller keeps its charge, so the staged copy goes with it.
     state.pushed[worker].reset();
     if (std::none_of(state.pushed.begin(), state.pushed.end(),
@@ -243,13 +242,33 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
     }
     return applied;
   }
-  state.opened.reset();
   const auto end = std::chrono::steady_clock::now();
   return Pushed{state.version, true, std::chrono::duration<double>(end - start).count(),
                 std::chrono::duration<double>(end - opened).count()};
 }
 
-absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
+void LayerTrainer::ReduceLocked(uint32_t layer, LayerState& state) {
+  // Left to right in worker order: the same bits whatever order pushes came
+  // in. Summed into worker 0's staging, which the step consumes anyway.
+  std::vector<float>& mean = *state.pushed[0];
+  for (uint32_t w = 1; w < workers_; ++w) {
+    const std::vector<float>& g = *state.pushed[w];
+    for (size_t i = 0; i < mean.size(); ++i) mean[i] += g[i];
+    state.pushed[w].reset();
+  }
+  const float divisor = static_cast<float>(workers_);
+  for (float& value : mean) value /= divisor;
+  if (spec_.clip()) {
+    double sum = 0;
+    for (const float value : mean) sum += static_cast<double>(value) * value;
+    state.sum_of_squares = sum;
+  }
+  state.reduced = true;
+  if (links_.budget != nullptr) links_.budget->Release((workers_ - 1) * StagingBytes(layer));
+}
+
+absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
+                                       std::optional<float> clip_scale) {
   // All or nothing: every tensor's learning rate is checked before any
   // tensor steps, so a step either applies whole or leaves the layer as it
   // was, its pushes still staged.
@@ -263,15 +282,12 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
     }
     lrs.push_back(lr);
   }
-  // Left to right in worker order: the same bits whatever order pushes came
-  // in. Summed into worker 0's staging, which the step consumes anyway.
+  if (!state.reduced) ReduceLocked(layer, state);
   std::vector<float>& mean = *state.pushed[0];
-  for (uint32_t w = 1; w < workers_; ++w) {
-    const std::vector<float>& g = *state.pushed[w];
-    for (size_t i = 0; i < mean.size(); ++i) mean[i] += g[i];
+  // As torch's clip_grad_norm_ does to p.grad: one float multiply each.
+  if (clip_scale) {
+    for (float& value : mean) value *= *clip_scale;
   }
-  const float divisor = static_cast<float>(workers_);
-  for (float& value : mean) value /= divisor;
 
   absl::WriterMutexLock master_lock(&store_.layer_mutex(layer));
   uint64_t at = 0;
@@ -283,11 +299,65 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state) {
         optimizer.Step(lrs[t], master, std::span<const float>(mean.data() + at, optimizer.size())));
     at += optimizer.size();
   }
-  for (auto& pushed : state.pushed) pushed.reset();
+  state.pushed[0].reset();
+  state.reduced = false;
+  state.opened.reset();
   ++state.version;
   if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
-  if (links_.budget != nullptr) links_.budget->Release(workers_ * StagingBytes(layer));
+  if (links_.budget != nullptr) links_.budget->Release(StagingBytes(layer));
   return absl::OkStatus();
+}
+
+LayerTrainer::StepNorm LayerTrainer::NormOfStep(uint64_t step) const {
+  StepNorm norm;
+  norm.max_norm = spec_.clip().value_or(0);
+  {
+    absl::MutexLock lock(&clip_mu_);
+    if (last_clip_ && last_clip_->first == step) norm.applied_scale = last_clip_->second;
+  }
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const LayerState& state = *layers_[l];
+    absl::MutexLock lock(&state.mu);
+    if (state.version == step && state.reduced) {
+      norm.sum_of_squares += state.sum_of_squares;
+    } else if (state.version <= step) {
+      norm.waiting_layers.push_back(l);
+    }
+  }
+  norm.ready = norm.waiting_layers.empty();
+  return norm;
+}
+
+absl::StatusOr<uint64_t> LayerTrainer::ApplyClippedStep(uint64_t step, float scale) {
+  if (!spec_.clip()) {
+    return absl::FailedPreconditionError(
+        "this shard's optimizer does not clip (no clip= in --optimizer): its steps apply as "
+        "their pushes complete");
+  }
+  if (!std::isfinite(scale) || scale < 0 || scale > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("clip scale ", scale,
+                     " is not in [0, 1]: the model's gradient norm is not finite; "
+                     "nothing was applied (find the worker whose gradients overflowed)"));
+  }
+  absl::MutexLock clip_lock(&clip_mu_);
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const LayerState& state = *layers_[l];
+    absl::MutexLock lock(&state.mu);
+    if (state.version == step + 1 || (state.version == step && state.reduced)) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", l, " is at version ", state.version, " and ",
+        state.version == step ? "still waits for pushes" : "not at this step", ": a clipped step ",
+        step, " applies once every layer has every worker's push"));
+  }
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    LayerState& state = *layers_[l];
+    absl::MutexLock lock(&state.mu);
+    if (state.version == step + 1) continue;  // applied by an earlier call
+    RETURN_IF_ERROR(ApplyLocked(l, state, scale));
+  }
+  last_clip_ = std::make_pair(step, scale);
+  return step + 1;
 }
 
 }  // namespace layercast::server

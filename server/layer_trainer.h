@@ -60,10 +60,8 @@ class LayerTrainer {
   using Links = TrainerLinks;
 
   // `store` must outlive the trainer; its master is what the steps update.
-  // INVALID_ARGUMENT for workers == 0; FAILED_PRECONDITION for a spec with
-  // `clip`, which needs every shard's partial gradient norm before any
-  // layer is updated (a step barrier across shards, not built yet);
-  // RESOURCE_EXHAUSTED when the optimizer state cannot be allocated.
+  // INVALID_ARGUMENT for workers == 0; RESOURCE_EXHAUSTED when the
+  // optimizer state cannot be allocated.
   static absl::StatusOr<std::unique_ptr<LayerTrainer>> Create(ParameterStore& store,
                                                               OptimizerSpec spec, uint32_t workers,
                                                               Links links = {});
@@ -130,6 +128,25 @@ class LayerTrainer {
   // of optimizer, or with state this spec does not keep.
   absl::Status Restore(const CheckpointSource& source);
 
+  // Global gradient-norm clipping (a spec with clip=). A layer whose W
+  // pushes are in is reduced to its mean, which is held (one fp32 value per
+  // owned element, the gradient accumulator) until ApplyClippedStep: every
+  // layer of a step must be reduced on every shard before the norm is known.
+  struct StepNorm {
+    bool ready = false;                    // every layer of the step is reduced
+    double sum_of_squares = 0;             // of this shard's mean gradient, fp64
+    std::vector<uint32_t> waiting_layers;  // still missing pushes
+    double max_norm = 0;                   // the spec's clip=, 0 without clipping
+    std::optional<float> applied_scale;    // the step was applied with it
+  };
+  StepNorm NormOfStep(uint64_t step) const;
+  // Multiplies every layer's held mean by `scale` (ClipScale of the global
+  // norm) and steps its optimizer; returns the model's new version. A step
+  // applied already answers the same. FAILED_PRECONDITION without clipping
+  // or while a layer still waits for pushes; INVALID_ARGUMENT for a scale
+  // outside [0, 1] (a NaN norm), changing nothing.
+  absl::StatusOr<uint64_t> ApplyClippedStep(uint64_t step, float scale);
+
   // The layer step that has waited longest for its last push: its missing
   // workers and the seconds since its first push; {0, 0} when every layer's
   // step is either complete or not yet begun.
@@ -146,6 +163,10 @@ class LayerTrainer {
     uint64_t version ABSL_GUARDED_BY(mu) = 0;
     // Per worker, its gradient for step `version`, until the step applies.
     std::vector<std::optional<std::vector<float>>> pushed ABSL_GUARDED_BY(mu);
+    // Every worker pushed and pushed[0] holds the mean (clipping: it waits
+    // for the scale), with the sum of its squares.
+    bool reduced ABSL_GUARDED_BY(mu) = false;
+    double sum_of_squares ABSL_GUARDED_BY(mu) = 0;
     // When the current step's first push arrived; nullopt before it.
     std::optional<std::chrono::steady_clock::time_point> opened ABSL_GUARDED_BY(mu);
     std::vector<TensorOptimizer> optimizers ABSL_GUARDED_BY(mu);  // per tensor
@@ -160,8 +181,12 @@ class LayerTrainer {
   // NOT_FOUND / INVALID_ARGUMENT for a layer or worker out of range.
   absl::Status CheckIndices(uint32_t layer, uint32_t worker) const;
 
-  // Averages the staged gradients and steps the optimizer on the master.
-  absl::Status ApplyLocked(uint32_t layer, LayerState& state)
+  // Averages the staged gradients into pushed[0], in worker order, and
+  // returns the other workers' staging to the budget.
+  void ReduceLocked(uint32_t layer, LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  // Reduces (if not yet), scales the mean by `clip_scale` if given, and
+  // steps the optimizer on the master.
+  absl::Status ApplyLocked(uint32_t layer, LayerState& state, std::optional<float> clip_scale)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 
   ParameterStore& store_;
@@ -169,6 +194,9 @@ class LayerTrainer {
   const uint32_t workers_;
   const Links links_;
   std::vector<std::unique_ptr<LayerState>> layers_;
+  // Serialises clipped steps; the last one applied and its scale.
+  mutable absl::Mutex clip_mu_;
+  std::optional<std::pair<uint64_t, float>> last_clip_ ABSL_GUARDED_BY(clip_mu_);
 };
 
 }  // namespace layercast::server

@@ -300,13 +300,9 @@ grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradien
                                "this shard is shutting down and takes no new pushes; nothing of "
                                "this one was staged: push it again to the shard's replacement"));
   }
-  auto [store, budget, shared, trainer] = loaded();
-  if (store == nullptr) return refuse(kLoading);
-  if (trainer == nullptr) {
-    return refuse(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                               "this shard has no optimizer: it serves its parameters read-only "
-                               "and takes no gradients (start it with --optimizer to train)"));
-  }
+  absl::StatusOr<LayerTrainer*> trainer = Trainer();
+  if (!trainer.ok()) return refuse(wire::ToGrpcStatus(trainer.status()));
+  const Loaded now = loaded();
   PushGradientsReactor::Options options;
   // As long as a parked stream may wait for a version: a push waiting for
   // budget waits for other workers' pushes to complete a step.
@@ -323,7 +319,63 @@ grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradien
       metrics_.RecordPushStaged(bytes);
     }
   };
-  return new PushGradientsReactor(context, *store, *trainer, *budget, response, std::move(options));
+  return new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
+                                  std::move(options));
+}
+
+absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
+  const Loaded now = loaded();
+  if (now.store == nullptr) return absl::UnavailableError(kLoading.error_message());
+  if (now.trainer == nullptr) {
+    return absl::FailedPreconditionError(
+        "this shard has no optimizer: it serves its parameters read-only and takes no gradients "
+        "(start it with --optimizer to train)");
+  }
+  return now.trainer;
+}
+
+grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext* context,
+                                                    const char* method,
+                                                    const grpc::Status& status) {
+  metrics_.RecordRpc(method, wire::StatusCodeName(status.error_code()));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(status);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardService::GetGradientNorm(
+    grpc::CallbackServerContext* context, const layercast::v1::GetGradientNormRequest* request,
+    layercast::v1::GetGradientNormResponse* response) {
+  absl::StatusOr<LayerTrainer*> trainer = Trainer();
+  if (!trainer.ok()) {
+    return FinishUnary(context, "GetGradientNorm", wire::ToGrpcStatus(trainer.status()));
+  }
+  const LayerTrainer::StepNorm norm = (*trainer)->NormOfStep(request->step());
+  response->set_ready(norm.ready);
+  if (norm.ready) response->set_sum_of_squares(norm.sum_of_squares);
+  for (uint32_t layer : norm.waiting_layers) response->add_waiting_layers(layer);
+  response->set_clip_max_norm(norm.max_norm);
+  if (norm.applied_scale) response->set_applied_scale(*norm.applied_scale);
+  return FinishUnary(context, "GetGradientNorm", grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* ShardService::ApplyClippedStep(
+    grpc::CallbackServerContext* context, const layercast::v1::ApplyClippedStepRequest* request,
+    layercast::v1::ApplyClippedStepResponse* response) {
+  absl::StatusOr<LayerTrainer*> trainer = Trainer();
+  if (!trainer.ok()) {
+    return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(trainer.status()));
+  }
+  // Every layer's optimizer step runs here, on this gRPC thread: the
+  // workers wait for this version anyway.
+  absl::StatusOr<uint64_t> version =
+      (*trainer)->ApplyClippedStep(request->step(), request->scale());
+  if (!version.ok()) {
+    return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(version.status()));
+  }
+  response->set_version(*version);
+  metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
+  return FinishUnary(context, "ApplyClippedStep", grpc::Status::OK);
 }
 
 }  // namespace layercast::server

@@ -35,10 +35,13 @@ namespace layercast::server {
 // chunk within --write-progress-timeout-ms (a watchdog thread checks).
 //
 // Thread-safe: gRPC calls its handlers from many threads.
-class ShardService final : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
-                               layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
-                                   layercast::v1::ShardService::WithCallbackMethod_PushGradients<
-                                       layercast::v1::ShardService::Service>>> {
+class ShardService final
+    : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
+          layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
+              layercast::v1::ShardService::WithCallbackMethod_PushGradients<
+                  layercast::v1::ShardService::WithCallbackMethod_GetGradientNorm<
+                      layercast::v1::ShardService::WithCallbackMethod_ApplyClippedStep<
+                          layercast::v1::ShardService::Service>>>>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
@@ -91,6 +94,14 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   grpc::ServerReadReactor<layercast::v1::GradientChunk>* PushGradients(
       grpc::CallbackServerContext* context,
       layercast::v1::PushGradientsResponse* response) override;
+  // Global-norm clipping (LayerTrainer::NormOfStep, ApplyClippedStep);
+  // FAILED_PRECONDITION on a shard without an optimizer.
+  grpc::ServerUnaryReactor* GetGradientNorm(
+      grpc::CallbackServerContext* context, const layercast::v1::GetGradientNormRequest* request,
+      layercast::v1::GetGradientNormResponse* response) override;
+  grpc::ServerUnaryReactor* ApplyClippedStep(
+      grpc::CallbackServerContext* context, const layercast::v1::ApplyClippedStepRequest* request,
+      layercast::v1::ApplyClippedStepResponse* response) override;
 
  private:
   struct Loaded {
@@ -107,6 +118,11 @@ class ShardService final : public layercast::v1::ShardService::WithCallbackMetho
   // Cancels streams whose reader stopped, and keeps the training gauges
   // current, until the service is destroyed.
   void Watchdog();
+  // The trainer, or the status a training RPC is refused with: loading,
+  // or no optimizer.
+  absl::StatusOr<LayerTrainer*> Trainer() const;
+  grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, const char* method,
+                                        const grpc::Status& status);
   // Sets the gauges of the oldest open layer step.
   void UpdateStepGauges();
 

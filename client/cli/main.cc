@@ -69,7 +69,8 @@ const Command kCommands[] = {
      "  --train                     train: each step gathers forward and backward and pushes\n"
      "                              a synthetic gradient per layer; the shards run the optimizer\n"
      "                              (default model: a 4-layer llama-like one)\n"
-     "  --optimizer SPEC            with --train (default adamw, lr 1e-4, 2 warm-up steps)\n",
+     "  --optimizer SPEC            with --train (default adamw, lr 1e-4, 2 warm-up steps,\n"
+     "                              gradients clipped to norm 1)\n",
      false},
 };
 

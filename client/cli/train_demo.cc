@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/cli/commands.h"
 #include "client/gradient_sink.h"
 #include "core/byte_size.h"
@@ -17,7 +18,7 @@ namespace {
 // Small enough to step in a second or two on two cores.
 constexpr char kDefaultTrainModel[] = "llama:layers=4,hidden=1024,ffn=2816,vocab=8000,seed=1";
 constexpr char kDefaultOptimizer[] =
-    "adamw:lr=1e-4,beta1=0.9,beta2=0.95,eps=1e-8,weight_decay=0.1,warmup_steps=2;"
+    "adamw:lr=1e-4,beta1=0.9,beta2=0.95,eps=1e-8,weight_decay=0.1,warmup_steps=2,clip=1.0;"
     "*norm*:weight_decay=0";
 
 }  // namespace
@@ -81,18 +82,24 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
       ASSIGN_OR_RETURN(auto pushed, sink->Push(l, step, std::move(gradient)));
       pushes.push_back(std::move(pushed));
     }
-    RETURN_IF_ERROR(sink->Flush());
+    // The only worker is worker 0: with clip= it completes the step.
+    ASSIGN_OR_RETURN(const client::GradientSink::StepEnd end, sink->FinishStep(step));
     uint64_t version = UINT64_MAX;
     for (auto& pushed : pushes) version = std::min(version, pushed.get()->layer_version);
+    if (end.clipped) version = step + 1;
     const uint64_t pushed = sink->bytes_pushed() - pushed_before;
     total_in += gathered;
     total_out += pushed;
+    const std::string clip = end.clipped ? absl::StrFormat("  grad norm %.3g, clip scale %.3g",
+                                                           end.total_norm, end.scale)
+                                         : "";
     std::printf(
-        "  step %3llu  %6.2f s  gathered %10s  pushed %10s  version %llu -> %llu\n",
+        "  step %3llu  %6.2f s  gathered %10s  pushed %10s  version %llu -> %llu%s\n",
         static_cast<unsigned long long>(step),
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count(),
         FormatBytes(gathered).c_str(), FormatBytes(pushed).c_str(),
-        static_cast<unsigned long long>(step), static_cast<unsigned long long>(version));
+        static_cast<unsigned long long>(step), static_cast<unsigned long long>(version),
+        clip.c_str());
     std::fflush(stdout);
     if (version != step + 1) {
       return absl::InternalError(absl::StrCat("after step ", step, " the model is at version ",

@@ -48,6 +48,7 @@ struct Recipe {
   // checkpoint), then shard 1 is SIGKILLed and restarted from its
   // checkpoint; 0: never.
   uint64_t kill_after_step = 0;
+  bool clipped = false;  // the spec has clip=
 };
 
 constexpr char kToken[] = "training-torch-test-token-0123456789";
@@ -99,7 +100,18 @@ std::string Train(const Recipe& recipe, const TestModel& model) {
         const absl::StatusOr<client::PushResult>& result = pushed->get();
         EXPECT_TRUE(result.ok()) << result.status();
         if (!result.ok()) return "";
-        EXPECT_EQ(result->applied, i == kWorkers - 1);
+        // A clipped step applies only once worker 0 sends the scale.
+        EXPECT_EQ(result->applied, !recipe.clipped && i == kWorkers - 1);
+      }
+    }
+    // Worker 0 last: with clipping it completes the step for everyone.
+    for (uint32_t w = kWorkers; w-- > 0;) {
+      absl::StatusOr<client::GradientSink::StepEnd> end = sinks[w]->FinishStep(step);
+      EXPECT_TRUE(end.ok()) << end.status();
+      if (!end.ok()) return "";
+      EXPECT_EQ(end->clipped, recipe.clipped && w == 0);
+      if (end->clipped) {
+        EXPECT_LT(end->scale, 1.0f) << "the recipe's gradients must be clipped";
       }
     }
     if (step + 1 == recipe.kill_after_step) {
@@ -177,11 +189,17 @@ TEST(TrainingTorchTest, ThreeShardsTwoWorkersMatchTorchBitForBit) {
   const std::string adamw =
       "adamw:lr=1e-3,beta1=0.9,beta2=0.95,eps=1e-8,weight_decay=0.1,warmup_steps=5,"
       "decay_steps=12,min_lr=1e-4;*norm*:weight_decay=0";
+  const std::string adamw_clipped =
+      "adamw:lr=1e-3,beta1=0.9,beta2=0.95,eps=1e-8,weight_decay=0.1,warmup_steps=5,"
+      "decay_steps=12,min_lr=1e-4,clip=1.0;*norm*:weight_decay=0";
   const std::vector<Recipe> recipes = {
       {"adamw", adamw, false},
       {"adamw-reversed", adamw, true},
       {"sgd", "sgd:lr=0.05,momentum=0.9,nesterov=true,weight_decay=0.01;*norm*:weight_decay=0"},
       {"adamw-shard-1-killed-after-step-10", adamw, false, 10},
+      {"adamw-clipped", adamw_clipped, false, 0, true},
+      {"sgd-clipped-reversed",
+       "sgd:lr=0.05,momentum=0.9,weight_decay=0.01,clip=0.5;*norm*:weight_decay=0", true, 0, true},
   };
   std::vector<std::string> checkpoint_dirs;
   for (const Recipe& recipe : recipes) {

@@ -8,7 +8,9 @@ that tensor's hyper-parameters; every step sets each group's lr from the
 schedule in the spec (linear warm-up, then cosine decay to min_lr), sets
 p.grad to the mean of the workers' synthetic gradients, each rounded to the
 tensor's compute dtype and widened back, summed in worker order and divided
-by the worker count, and steps. The result must have the same bits as the
+by the worker count; with clip= in the spec, scales them as
+torch.nn.utils.clip_grad_norm_ does, given the global norm accumulated in
+fp64; and steps. The result must have the same bits as the
 fp32 master the shards wrote to their checkpoints (shard-<i>-of-<N>
 .safetensors, each tensor's owned slice, concatenated in shard order).
 Exits 1 naming the first mismatches.
@@ -57,6 +59,12 @@ def schedule(spec):
     return lr_at
 
 
+def clip_of(spec):
+    """The spec's clip= (max_norm), or None."""
+    fields = dict(kv.split("=") for kv in spec.split(";")[0].split(":", 1)[1].split(","))
+    return float(fields["clip"]) if "clip" in fields else None
+
+
 def read_safetensors(path):
     data = open(path, "rb").read()
     (header_len,) = struct.unpack_from("<Q", data, 0)
@@ -94,6 +102,7 @@ def run(description, recipe, initial):
     else:
         optimizer = torch.optim.SGD(groups, lr=recipe["hyper"][0]["lr"], foreach=False)
     lr_at = schedule(recipe["spec"])
+    max_norm = clip_of(recipe["spec"])
     for step in range(description["steps"]):
         for group, hyper in zip(optimizer.param_groups, recipe["hyper"]):
             group["lr"] = lr_at(hyper["lr"], step + 1)
@@ -105,6 +114,17 @@ def run(description, recipe, initial):
                 g = g.to(DTYPES[tensor["compute_dtype"]]).to(torch.float32)
                 mean = g.clone() if mean is None else mean.add_(g)
             p.grad = mean.div_(workers)
+        if max_norm is not None:
+            # torch 1.13.1's clip_grad_norm_ from its total_norm on, with the
+            # norm accumulated in fp64 as the shards do (torch's own fp32
+            # reduction order cannot be reproduced across shards).
+            total = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in params))
+            total_norm = torch.tensor(total, dtype=torch.float32)
+            clip_coef = max_norm / (total_norm + 1e-6)
+            clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+            assert clip_coef_clamped < 1, "the recipe's gradients must be clipped"
+            for p in params:
+                p.grad.detach().mul_(clip_coef_clamped)
         optimizer.step()
     return [p.detach() for p in params]
 

@@ -159,6 +159,62 @@ TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsTheStagingBudget) {
   EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 0u);
 }
 
+// With clip=, a layer whose pushes are in waits, reduced to its mean, for
+// the scale; the scale is applied to every layer once, as torch's
+// clip_grad_norm_ multiplies every gradient before the optimizer steps.
+TEST(LayerTrainerTest, AClippedStepWaitsForEveryLayerAndItsScale) {
+  auto store = Store(0, 2);
+  auto reference = Store(0, 2);
+  const OptimizerSpec spec = *OptimizerSpec::Parse("sgd:lr=0.5,clip=1");
+  auto trainer = LayerTrainer::Create(*store, spec, 2);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  const auto layers = static_cast<uint32_t>(store->model().layers.size());
+  double expected_sum = 0;
+  std::vector<std::vector<float>> means;
+  for (uint32_t l = 0; l < layers; ++l) {
+    const std::vector<float> g0 = Gradient(**trainer, l, 0, 0), g1 = Gradient(**trainer, l, 1, 0);
+    ASSERT_TRUE((*trainer)->Push(l, 1, 0, g1).ok());
+    EXPECT_FALSE((*trainer)->NormOfStep(0).ready);
+    auto pushed = (*trainer)->Push(l, 0, 0, g0);
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    EXPECT_FALSE(pushed->applied) << "a clipped step waits for the scale";
+    EXPECT_EQ((*trainer)->Push(l, 1, 0, g1).status().code(), absl::StatusCode::kAlreadyExists);
+    std::vector<float> mean(g0.size());
+    for (size_t i = 0; i < mean.size(); ++i) {
+      mean[i] = (g0[i] + g1[i]) / 2.0f;
+      expected_sum += static_cast<double>(mean[i]) * mean[i];
+    }
+    means.push_back(mean);
+  }
+  const LayerTrainer::StepNorm norm = (*trainer)->NormOfStep(0);
+  ASSERT_TRUE(norm.ready);
+  EXPECT_DOUBLE_EQ(norm.max_norm, 1.0);
+  EXPECT_NEAR(norm.sum_of_squares, expected_sum, 1e-9 * expected_sum);
+  EXPECT_EQ(MasterBits(*store), MasterBits(*reference)) << "nothing applied before the scale";
+  EXPECT_EQ((*trainer)->ApplyClippedStep(0, std::nanf("")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*trainer)->ApplyClippedStep(1, 0.5f).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const float scale = 0.25f;
+  ASSERT_EQ((*trainer)->ApplyClippedStep(0, scale).value_or(0), 1u);
+  ASSERT_EQ((*trainer)->ApplyClippedStep(0, scale).value_or(0), 1u) << "applied once";
+  EXPECT_EQ((*trainer)->NormOfStep(0).applied_scale.value_or(0), scale);
+  for (uint32_t l = 0; l < layers; ++l) {
+    EXPECT_EQ((*trainer)->version(l), 1u);
+    uint64_t at = 0;
+    for (uint32_t t = 0; t < store->model().layers[l].tensors.size(); ++t) {
+      const uint64_t n = store->owned(l, t).size();
+      TensorOptimizer optimizer(spec.kind(),
+                                spec.HyperFor(store->model().layers[l].tensors[t].name), n);
+      std::vector<float> clipped(means[l].begin() + at, means[l].begin() + at + n);
+      for (float& value : clipped) value *= scale;
+      ASSERT_TRUE(optimizer.Step(0.5, {reference->mutable_master(l, t), n}, clipped).ok());
+      EXPECT_EQ(std::memcmp(reference->master(l, t), store->master(l, t), n * 4), 0);
+      at += n;
+    }
+  }
+}
+
 TEST(LayerTrainerTest, EveryBadPushIsRefusedAndChangesNothing) {
   auto store = Store(0, 2);
   auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
@@ -203,9 +259,11 @@ TEST(LayerTrainerTest, RefusesWhatItCannotDo) {
   auto store = Store(0, 1);
   EXPECT_EQ(LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=1"), 0).status().code(),
             absl::StatusCode::kInvalidArgument);
-  const auto clipped = LayerTrainer::Create(*store, *OptimizerSpec::Parse("adamw:lr=1,clip=1"), 2);
-  EXPECT_EQ(clipped.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(clipped.status().message()), HasSubstr("drop clip= from the spec"));
+  auto unclipped = LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=1"), 1);
+  ASSERT_TRUE(unclipped.ok());
+  EXPECT_EQ((*unclipped)->ApplyClippedStep(0, 0.5f).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*unclipped)->NormOfStep(0).max_norm, 0.0);
   // AdamW keeps two floats of state per owned element, SGD with momentum one.
   EXPECT_EQ(LayerTrainer::StateBytes(*store, *OptimizerSpec::Parse("adamw:lr=1")),
             2 * store->master_bytes());
