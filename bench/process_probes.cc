@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/asio/ip/tcp.hpp>
 #include <chrono>
 #include <fstream>
@@ -68,6 +69,8 @@ ShardCounters ScrapeShards(const std::vector<int>& ports) {
     total.cast_seconds += Sample(text, "layercast_cast_seconds_total");
     total.chunks_cast += Sample(text, R"(layercast_chunks_total{source="cast"})");
     total.chunks_shared += Sample(text, R"(layercast_chunks_total{source="shared"})");
+    total.optimizer_seconds_max =
+        std::max(total.optimizer_seconds_max, Sample(text, "layercast_optimizer_step_seconds_sum"));
   }
   return total;
 }

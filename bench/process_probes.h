@@ -20,6 +20,9 @@ struct ShardCounters {
   double cast_seconds = 0;
   double chunks_cast = 0;
   double chunks_shared = 0;
+  // Seconds the optimizer ran (layercast_optimizer_step_seconds_sum): the
+  // largest of any one shard, since shards step in parallel.
+  double optimizer_seconds_max = 0;
 };
 
 // Scrapes http://127.0.0.1:PORT/metrics of each port; a shard that does not

@@ -45,6 +45,10 @@ struct GradientSink::Task {
 
 absl::StatusOr<std::unique_ptr<GradientSink>> GradientSink::Create(const ShardSet& shards,
                                                                    GradientSinkOptions options) {
+  if (options.streams_per_shard == 0 || options.streams_per_shard > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("streams_per_shard ", options.streams_per_shard,
+                                                   " is out of range: use 1-64"));
+  }
   if (options.chunk_bytes < 4) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_bytes ", options.chunk_bytes, " cannot hold one element: use >= 4"));
@@ -59,7 +63,11 @@ GradientSink::GradientSink(const ShardSet& shards, GradientSinkOptions options)
     absl::MutexLock lock(&mu_);
     queues_.resize(num_shards);
   }
-  for (uint32_t s = 0; s < num_shards; ++s) threads_.emplace_back([this, s] { RunShard(s); });
+  for (uint32_t s = 0; s < num_shards; ++s) {
+    for (uint32_t k = 0; k < options_.streams_per_shard; ++k) {
+      threads_.emplace_back([this, s] { RunShard(s); });
+    }
+  }
 }
 
 GradientSink::~GradientSink() {

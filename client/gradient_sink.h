@@ -28,6 +28,11 @@ struct GradientSinkOptions {
   uint64_t max_bytes_in_flight = 512ull << 20;
   // A layer's push to one shard, retries included, ends by then.
   std::chrono::milliseconds timeout{120000};
+  // Pushes of different layers in flight to one shard at once: with two,
+  // the next layer's gradient streams while the shard runs the optimizer on
+  // the one before (a push's answer waits for its step when it is the last
+  // worker's).
+  uint32_t streams_per_shard = 2;
 };
 
 // What a shard set said to one layer's push.
@@ -46,8 +51,8 @@ struct PushResult {
 // soon as its backward pass is done, in the assembled layout (the buffer
 // shape a gather returns, each tensor in its compute dtype), and go on with
 // the next layer. In the background it cuts the buffer by ownership
-// (wire::GradientChunker) and streams every shard its part, one thread per
-// shard, layers in the order given.
+// (wire::GradientChunker) and streams every shard its part, layers taken in
+// the order given, `streams_per_shard` threads per shard.
 //
 // Retries: a stream that fails UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED,
 // CANCELLED or DEADLINE_EXCEEDED is pushed again whole after a backoff,

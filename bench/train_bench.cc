@@ -1,0 +1,226 @@
+// A training step through real training shards on 127.0.0.1, against a
+// gather-only step measured in the same run (one worker, W = 1, so each
+// layer's update applies as soon as its gradient is in):
+//   (a) gather-only step: every layer gathered forward, then backward;
+//   (b) training step: the same gathers, and each layer's gradient pushed
+//       as soon as its backward gather is done, the shards averaging and
+//       stepping the optimizer while the worker gathers the layers below;
+//   (c) the pushes alone, against (f) one forward pass of gathers: the same
+//       bytes each way (gradients go in the compute dtype).
+// It reports time per parameter of (b) against (a), the push against the
+// gather of the same bytes (goal: no more), and how much of the pushes and
+// the optimizer's time (the shards' own layercast_optimizer_step_seconds)
+// the training step hides behind its gathers:
+//   hidden = ((a) + (c) + update - (b)) / ((c) + update)
+//
+// Usage: train_bench [--num-shards N] [--synthetic SPEC] [--rounds R]
+//                    [--optimizer SPEC]
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "bench/process_probes.h"
+#include "client/gradient_sink.h"
+#include "client/shard_set.h"
+#include "core/byte_size.h"
+#include "core/status_macros.h"
+#include "tools/cli_flags.h"
+#include "tools/local_shard_set.h"
+#include "tools/synthetic_gradient.h"
+
+namespace layercast {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  uint32_t num_shards = 2;
+  std::string synthetic = "llama:layers=4,hidden=1024,ffn=2816,vocab=8000,seed=3";
+  uint64_t rounds = 4;
+  std::string optimizer = "adamw:lr=1e-4,weight_decay=0.1;*norm*:weight_decay=0";
+};
+
+absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
+  ASSIGN_OR_RETURN(tools::CliFlags flags,
+                   tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                                          {"num-shards", "synthetic", "rounds", "optimizer"}));
+  Args args;
+  ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", args.num_shards));
+  ASSIGN_OR_RETURN(args.rounds, flags.GetUint("rounds", args.rounds));
+  if (num_shards == 0 || num_shards > 16 || args.rounds == 0 || args.rounds > 1000) {
+    return absl::InvalidArgumentError("--num-shards must be 1-16 and --rounds 1-1000");
+  }
+  args.num_shards = static_cast<uint32_t>(num_shards);
+  args.synthetic = flags.Get("synthetic", args.synthetic);
+  args.optimizer = flags.Get("optimizer", args.optimizer);
+  return args;
+}
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+// Every layer's synthetic gradient for `step`, ready to hand over: made
+// before the timed part, as a backward pass would have made it.
+absl::StatusOr<std::vector<client::LayerBuffer>> Gradients(const client::ShardSet& set,
+                                                           uint64_t step) {
+  std::vector<client::LayerBuffer> gradients;
+  for (uint32_t l = 0; l < set.view().layouts.size(); ++l) {
+    ASSIGN_OR_RETURN(client::LayerBuffer buffer,
+                     client::LayerBuffer::Allocate(set.view().layouts[l].total_bytes()));
+    RETURN_IF_ERROR(tools::FillSyntheticGradient(set.view().layouts[l], 0, step, l,
+                                                 {buffer.data(), buffer.size()}));
+    gradients.push_back(std::move(buffer));
+  }
+  return gradients;
+}
+
+class Worker {
+ public:
+  Worker(const client::ShardSet& set, client::GradientSink& sink) : set_(set), sink_(sink) {}
+
+  uint64_t version() const { return version_; }
+
+  absl::Status GatherPass(bool backward) {
+    client::GatherOptions options;
+    options.min_version = version_;
+    const auto layers = static_cast<uint32_t>(set_.view().layouts.size());
+    for (uint32_t i = 0; i < layers; ++i) {
+      ASSIGN_OR_RETURN(client::Layer layer, set_.Gather(backward ? layers - 1 - i : i, options));
+    }
+    return absl::OkStatus();
+  }
+
+  // Backward gathers with each layer's push right after it, or (gather =
+  // false) the pushes alone; then the step is finished.
+  absl::Status BackwardPushes(std::vector<client::LayerBuffer> gradients, bool gather) {
+    client::GatherOptions options;
+    options.min_version = version_;
+    const auto layers = static_cast<uint32_t>(set_.view().layouts.size());
+    for (uint32_t l = layers; l-- > 0;) {
+      if (gather) {
+        ASSIGN_OR_RETURN(client::Layer layer, set_.Gather(l, options));
+      }
+      ASSIGN_OR_RETURN(auto pushed, sink_.Push(l, version_, std::move(gradients[l])));
+    }
+    RETURN_IF_ERROR(sink_.FinishStep(version_).status());
+    ++version_;
+    return absl::OkStatus();
+  }
+
+ private:
+  const client::ShardSet& set_;
+  client::GradientSink& sink_;
+  uint64_t version_ = 0;
+};
+
+int Run(const Args& args) {
+  std::error_code ignored;
+  const std::string logs =
+      (std::filesystem::temp_directory_path(ignored) / "train_bench_logs").string();
+  std::filesystem::create_directories(logs, ignored);
+  tools::LocalShardSet::Options options;
+  options.shard_binary = LAYERCAST_SHARD_BINARY;
+  options.num_shards = args.num_shards;
+  options.log_dir = logs;
+  options.extra_flags = {"--synthetic",  args.synthetic,           "--optimizer",
+                         args.optimizer, "--metrics-listen",       "127.0.0.1:0",
+                         "--policy",     "p=f32,c=bf16;*norm*=f32"};
+  auto shards = tools::LocalShardSet::Start(options);
+  if (!shards.ok()) {
+    std::fprintf(stderr, "starting shards: %s\n", shards.status().ToString().c_str());
+    return 1;
+  }
+  const std::vector<int> ports = bench::MetricsPorts(logs, args.num_shards);
+  auto set = client::ShardSet::Connect((*shards)->addresses());
+  if (!set.ok()) {
+    std::fprintf(stderr, "connecting: %s\n", set.status().ToString().c_str());
+    return 1;
+  }
+  auto sink = client::GradientSink::Create(**set, {});
+  if (!sink.ok()) return 1;
+  Worker worker(**set, **sink);
+  uint64_t params = 0, bytes = 0;
+  for (const LayerSpec& layer : (*set)->model().layers) {
+    for (const TensorSpec& tensor : layer.tensors) params += tensor.num_elements;
+  }
+  for (const AssembledLayout& layout : (*set)->view().layouts) bytes += layout.total_bytes();
+
+  double gather_step = 0, train_step = 0, pushes = 0, forward = 0, update = 0;
+  const auto fail = [](const absl::Status& status) {
+    std::fprintf(stderr, "train_bench: %s\n", status.ToString().c_str());
+    return 1;
+  };
+  // A warm-up round first (connections, page faults), not counted.
+  for (uint64_t round = 0; round <= args.rounds; ++round) {
+    const bool counted = round > 0;
+    auto start = Clock::now();
+    if (absl::Status s = worker.GatherPass(false); !s.ok()) return fail(s);
+    if (absl::Status s = worker.GatherPass(true); !s.ok()) return fail(s);
+    if (counted) gather_step += Seconds(start);
+
+    auto gradients = Gradients(**set, worker.version());
+    if (!gradients.ok()) return fail(gradients.status());
+    const double optimizer_before = bench::ScrapeShards(ports).optimizer_seconds_max;
+    start = Clock::now();
+    if (absl::Status s = worker.GatherPass(false); !s.ok()) return fail(s);
+    if (absl::Status s = worker.BackwardPushes(*std::move(gradients), true); !s.ok()) {
+      return fail(s);
+    }
+    if (counted) train_step += Seconds(start);
+    const double optimizer_after = bench::ScrapeShards(ports).optimizer_seconds_max;
+    if (counted) update += optimizer_after - optimizer_before;
+
+    start = Clock::now();
+    if (absl::Status s = worker.GatherPass(false); !s.ok()) return fail(s);
+    if (counted) forward += Seconds(start);
+    gradients = Gradients(**set, worker.version());
+    if (!gradients.ok()) return fail(gradients.status());
+    start = Clock::now();
+    if (absl::Status s = worker.BackwardPushes(*std::move(gradients), false); !s.ok()) {
+      return fail(s);
+    }
+    if (counted) pushes += Seconds(start);
+  }
+  const double n = static_cast<double>(args.rounds);
+  gather_step /= n, train_step /= n, pushes /= n, forward /= n, update /= n;
+  const double hidden = (gather_step + pushes + update - train_step) / (pushes + update);
+  std::printf(
+      "train_bench: %s, %u shards, optimizer %s, %llu rounds after a warm-up\n"
+      "machine: 2 cores shared by shards and worker: compare within this run\n\n",
+      args.synthetic.c_str(), args.num_shards, args.optimizer.c_str(),
+      static_cast<unsigned long long>(args.rounds));
+  std::printf("model: %.1f M parameters, %s per pass in compute dtypes\n", params / 1e6,
+              FormatBytes(bytes).c_str());
+  std::printf("(a) gather-only step (forward + backward)  %8.3f s  %6.2f ns/param\n", gather_step,
+              gather_step / params * 1e9);
+  std::printf("(b) training step (+ push, update)         %8.3f s  %6.2f ns/param\n", train_step,
+              train_step / params * 1e9);
+  std::printf("(f) one forward pass of gathers            %8.3f s  %6.2f GB/s\n", forward,
+              bytes / forward / 1e9);
+  std::printf("(c) the pushes alone (same bytes)          %8.3f s  %6.2f GB/s\n", pushes,
+              bytes / pushes / 1e9);
+  std::printf("    optimizer on the slowest shard         %8.3f s per step\n", update);
+  std::printf("\nb/a %.3f (training step per parameter against a gather-only step)\n",
+              train_step / gather_step);
+  std::printf("c/f %.3f (a push against the gather of the same bytes; goal <= 1)\n",
+              pushes / forward);
+  std::printf("hidden %.0f%% of push + update time overlapped with the gathers\n",
+              100 * std::clamp(hidden, 0.0, 1.0));
+  return (*shards)->Stop().ok() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace layercast
+
+int main(int argc, char** argv) {
+  absl::StatusOr<layercast::Args> args = layercast::ParseArgs(argc, argv);
+  if (!args.ok()) {
+    std::fprintf(stderr, "train_bench: %s\n", std::string(args.status().message()).c_str());
+    return 2;
+  }
+  return layercast::Run(*args);
+}
