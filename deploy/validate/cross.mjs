@@ -10,6 +10,9 @@ const HEADROOM_ANNOTATION = "layercast/memory-headroom";
 const DEFAULT_DRAIN_SECONDS = 20; // server/shard_config.cc
 const DEFAULT_GRACE_SECONDS = 30; // Kubernetes' default
 const EXIT_MARGIN_SECONDS = 5; // time to exit after the drain ends
+// Time to write the checkpoint on SIGTERM (checkpoint_dir set, and
+// checkpoint_on_sigterm not false): a few GB to a network volume.
+const CHECKPOINT_MARGIN_SECONDS = 30;
 
 // Field names of layercast.v1.ShardConfig, read from the proto so that they
 // cannot drift: proto3 JSON accepts each as snake_case or lowerCamelCase.
@@ -236,9 +239,13 @@ export function checkCrossObject(docs, { repoRoot }) {
     // SIGKILL must not cut the drain short.
     const drain = Number(effective.drain_timeout_seconds || DEFAULT_DRAIN_SECONDS);
     const grace = pod.terminationGracePeriodSeconds ?? DEFAULT_GRACE_SECONDS;
-    if (grace < drain + EXIT_MARGIN_SECONDS) {
+    const checkpointsOnExit = Boolean(effective.checkpoint_dir) &&
+      String(effective.checkpoint_on_sigterm ?? "true") !== "false";
+    const writeMargin = checkpointsOnExit ? CHECKPOINT_MARGIN_SECONDS : 0;
+    if (grace < drain + EXIT_MARGIN_SECONDS + writeMargin) {
       fail(sts, `terminationGracePeriodSeconds ${grace} must be at least drain_timeout_seconds ` +
-        `${drain} + ${EXIT_MARGIN_SECONDS}`);
+        `${drain} + ${EXIT_MARGIN_SECONDS}` +
+        (writeMargin ? ` + ${writeMargin} to write the checkpoint on SIGTERM` : ""));
     }
 
     // Memory: request = limit >= budget + stated headroom.
@@ -337,6 +344,28 @@ export function checkCrossObject(docs, { repoRoot }) {
       if (runAsUser !== 0 && podSecurity.fsGroup === undefined) {
         fail(sts, `Secret files belong to root, so the non-root shard cannot read ${file} of mode ` +
           `${mode.toString(8).padStart(4, "0")}: set the pod's securityContext.fsGroup (to its runAsGroup)`);
+      }
+    }
+
+    // Checkpoints must outlive the pod: checkpoint_dir on a volume from the
+    // StatefulSet's volumeClaimTemplates (or an existing claim), never on an
+    // emptyDir or the container's own filesystem, which die with the pod.
+    const checkpointDir = effective.checkpoint_dir;
+    if (checkpointDir) {
+      const dirMount = (shard.volumeMounts ?? [])
+        .filter((m) => (checkpointDir + "/").startsWith(m.mountPath.replace(/\/?$/, "/")))
+        .sort((a, b) => b.mountPath.length - a.mountPath.length)[0];
+      const claims = (sts.spec.volumeClaimTemplates ?? []).map((t) => t.metadata?.name);
+      const podVolume = (pod.volumes ?? []).find((v) => v.name === dirMount?.name);
+      if (!dirMount) {
+        fail(sts, `the server's checkpoint_dir ${checkpointDir} is under no volume mounted in ` +
+          `container ${shard.name}: checkpoints would die with the pod; mount a volumeClaimTemplate there`);
+      } else if (!claims.includes(dirMount.name) && !podVolume?.persistentVolumeClaim) {
+        fail(sts, `the server's checkpoint_dir ${checkpointDir} is on volume ${dirMount.name}, ` +
+          "which is not a volumeClaimTemplate or persistentVolumeClaim: checkpoints would die with " +
+          "the pod and a restarted shard could not resume");
+      } else if (dirMount.readOnly) {
+        fail(sts, `the server's checkpoint_dir ${checkpointDir} is mounted read-only`);
       }
     }
 
