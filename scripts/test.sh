@@ -24,15 +24,18 @@ run_suite() {
   else
     cmake --build "$dir" -j"$jobs"
   fi
-  echo "== test $dir"
+  echo "== test $dir (built at ${SECONDS}s)"
   # shellcheck disable=SC2086
   ctest --test-dir "$dir" --output-on-failure --timeout 600 -j"$jobs" $ctest_args
+  echo "== $dir done at ${SECONDS}s"
 }
 
 run_suite build "" "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 if [ "${LAYERCAST_SKIP_SANITIZERS:-0}" != 1 ]; then
+  # Without CUDA: the plain build compiles the GPU code, and its tests skip
+  # without a GPU under any build.
   run_suite build-asan "" "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DLAYERCAST_SANITIZE=address,undefined -DLAYERCAST_BUILD_BENCH=OFF
+    -DLAYERCAST_SANITIZE=address,undefined -DLAYERCAST_BUILD_BENCH=OFF -DLAYERCAST_WITH_CUDA=OFF
   # No ThreadSanitizer stage: Debian's abseil is not built with TSan, so TSan
   # cannot see absl::Mutex and reports every absl::Mutex-guarded field as a
   # race (tried: 139 such reports in the concurrency tests). The label
