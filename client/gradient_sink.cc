@@ -105,6 +105,9 @@ absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Pus
   std::shared_future<absl::StatusOr<PushResult>> done = task->promise.get_future().share();
   const uint64_t bytes = task->gradient.size();
   absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    return absl::FailedPreconditionError("the gradient sink is being destroyed: push before");
+  }
   const auto room = [this, bytes]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return bytes_in_flight_ == 0 || bytes_in_flight_ + bytes <= options_.max_bytes_in_flight;
   };
@@ -290,6 +293,7 @@ void GradientSink::Settle(Task& task, uint32_t,
     } else {
       task.result.layer_version = std::min(task.result.layer_version, result->layer_version());
       task.result.applied = task.result.applied && result->applied();
+      task.result.shards_applied += result->applied() ? 1 : 0;
     }
     last = --task.remaining == 0;
     if (last) bytes_in_flight_ -= task.gradient.size();

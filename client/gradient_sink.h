@@ -44,6 +44,9 @@ struct PushResult {
   uint64_t layer_version = 0;
   // This push completed the step on every shard (the last worker's push).
   bool applied = false;
+  // The shards on which this push completed the step: workers' pushes race,
+  // so the last to arrive may be another worker's on each shard.
+  uint32_t shards_applied = 0;
 };
 
 // Sends a worker's gradients to the shards, layer by layer, beside the

@@ -95,8 +95,9 @@ class LayerGather {
   uint32_t active_ ABSL_GUARDED_BY(mu_) = 0;            // streams started, not settled
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
   // The version of the first chunks any stream delivered.
-  uint64_t newest_version_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<uint64_t> version_ ABSL_GUARDED_BY(mu_);
+  // The newest version any stream sent.
+  uint64_t newest_version_ ABSL_GUARDED_BY(mu_) = 0;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 

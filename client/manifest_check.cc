@@ -2,6 +2,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 
 namespace layercast::client {
@@ -114,6 +115,39 @@ absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Mani
         absl::StrCat(name(i), " does not belong to this shard set: ", what,
                      ". List every shard of one set, in shard order, in --shards"));
   };
+  // The shard count and the order first: each is one mistake of the whole
+  // list, said once, with what to do.
+  std::vector<std::string> counts;
+  bool counts_differ = false;
+  for (size_t i = 0; i < manifests.size(); ++i) {
+    counts.push_back(absl::StrCat(addresses[i], " says ", manifests[i].num_shards()));
+    counts_differ |= manifests[i].num_shards() != first.num_shards();
+  }
+  if (counts_differ) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the shards disagree on how many shards the set has (",
+                     absl::StrJoin(counts, ", "), "): restart them all with one --num-shards"));
+  }
+  if (first.num_shards() != addresses.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "every shard says the set has ", first.num_shards(), " shards, but --shards lists ",
+        addresses.size(), ": list all ", first.num_shards(), ", in shard order"));
+  }
+  std::vector<std::string> in_order(addresses.size());
+  bool permuted = true;
+  for (size_t i = 0; i < manifests.size(); ++i) {
+    const uint32_t index = manifests[i].shard_index();
+    if (index >= in_order.size() || !in_order[index].empty()) {
+      permuted = false;
+      break;
+    }
+    in_order[index] = addresses[i];
+  }
+  if (permuted && in_order != addresses) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--shards lists the shards out of order (each reports its index); in shard order: ",
+        absl::StrJoin(in_order, ",")));
+  }
   ShardSetView view;
   for (size_t i = 0; i < manifests.size(); ++i) {
     const layercast::v1::Manifest& m = manifests[i];

@@ -2,6 +2,7 @@
 
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -21,26 +22,71 @@ std::string Describe(const std::vector<std::string>& addresses, size_t i) {
   return absl::StrCat("shard ", i, " (", addresses[i], ")");
 }
 
+// Why a shard could not be reached, in words, from gRPC's UNAVAILABLE
+// message (which names the transport's last error); empty when the message
+// names no cause this knows.
+std::string KnownCause(const std::string& message, const std::string& address) {
+  if (absl::StrContains(message, "Connection refused")) {
+    return absl::StrCat("connection refused: nothing listens at ", address,
+                        " (is the shard running, on that port?)");
+  }
+  if (absl::StrContains(message, "DNS resolution failed") ||
+      absl::StrContains(message, "Name or service not known") ||
+      absl::StrContains(message, "not resolve")) {
+    return absl::StrCat("no such host: the name in ", address, " does not resolve");
+  }
+  if (absl::StrContains(message, "still loading")) return message;
+  return "";
+}
+
 // Asks one shard for its manifest until it answers or `deadline` passes,
-// retrying while it is unreachable or still loading.
-absl::StatusOr<layercast::v1::Manifest> FetchManifest(
-    layercast::v1::ShardService::Stub& stub, const std::string& describe,
-    std::chrono::system_clock::time_point deadline) {
+// retrying while it is unreachable or still loading, and saying once, after
+// a second, what it waits for.
+absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardService::Stub& stub,
+                                                      const std::string& describe,
+                                                      const std::string& address,
+                                                      std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::system_clock::now();
+  const auto deadline = start + timeout;
   std::chrono::milliseconds backoff(50);
   grpc::Status status;
-  for (int attempt = 0; attempt < 1000; ++attempt) {
+  // The clearest cause seen: the last attempt may have been cut short by
+  // the deadline, which says nothing of why.
+  std::string cause;
+  const auto why = [&] {
+    return cause.empty() ? absl::StrCat("unreachable (", status.error_message(), ")") : cause;
+  };
+  bool said = false;
+  for (int attempt = 0; attempt < 100000; ++attempt) {
     grpc::ClientContext context;
-    context.set_deadline(deadline);
-    context.set_wait_for_ready(true);
+    // Not wait_for_ready: a shard that cannot be reached fails at once,
+    // with the reason, instead of in silence at the deadline.
+    context.set_deadline(
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(10)));
     layercast::v1::Manifest manifest;
     status = stub.GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
     if (status.ok()) return manifest;
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
-        std::chrono::system_clock::now() + backoff >= deadline) {
-      break;
+    if (std::string known = KnownCause(status.error_message(), address); !known.empty()) {
+      cause = std::move(known);
+    }
+    const auto now = std::chrono::system_clock::now();
+    const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (!retry || now + backoff >= deadline) break;
+    if (!said && now - start >= std::chrono::seconds(1)) {
+      Log()->warn("waiting for {}: {}; retrying for up to {} ms (--connect-timeout-ms)", describe,
+                  why(), timeout.count());
+      said = true;
     }
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(status.error_code()),
+        absl::StrCat(describe, " did not answer within ", timeout.count(), " ms: ", why(),
+                     ". Start it, fix --shards, or wait longer (--connect-timeout-ms)"));
   }
   return wire::FromGrpcStatus(status, absl::StrCat(describe, " did not answer GetManifest"));
 }
@@ -97,14 +143,14 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
     set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
   }
 
-  const auto deadline = std::chrono::system_clock::now() + options.connect_timeout;
   const size_t n = set->addresses_.size();
   std::vector<absl::StatusOr<layercast::v1::Manifest>> answers(n);
   {
     std::vector<std::jthread> askers;
     for (size_t i = 0; i < n; ++i) {
       askers.emplace_back([&, i] {
-        answers[i] = FetchManifest(*set->stubs_[i], Describe(set->addresses_, i), deadline);
+        answers[i] = FetchManifest(*set->stubs_[i], Describe(set->addresses_, i),
+                                   set->addresses_[i], options.connect_timeout);
       });
     }
   }

@@ -89,31 +89,12 @@ absl::Status TensorOptimizer::Restore(uint64_t steps,
   return absl::OkStatus();
 }
 
-absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<const float> grad) {
-  if (param.size() != size_ || grad.size() != size_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer step: param has ", param.size(), " elements and grad ", grad.size(),
-                     ", but this tensor's optimizer state holds ", size_));
-  }
-  if (!std::isfinite(lr) || lr < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer step: lr ", lr, " is not a finite number >= 0"));
-  }
-  if (kind_ == OptimizerKind::kSgd) {
-    SgdStep(lr, param, grad);
-  } else {
-    AdamWStep(lr, param, grad);
-  }
-  ++steps_;
-  return absl::OkStatus();
-}
-
-// torch.optim.sgd._single_tensor_sgd, dampening 0.
 // Both steps are cloned for x86-64-v3 (AVX2 and FMA), picked at load time
 // on CPUs that have it: std::fma becomes one instruction instead of a libm
 // call, and the loops vectorise. The bits are the same either way: an FMA
 // rounds once whether the hardware or libm computes it, and -ffp-contract=off
-// keeps the compiler from fusing anything else.
+// keeps the compiler from fusing anything else. Defined before Step, their
+// first use, as clang requires of multiversioned functions.
 #define LAYERCAST_OPTIMIZER_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 
 LAYERCAST_OPTIMIZER_CLONES
@@ -167,5 +148,26 @@ void TensorOptimizer::AdamWStep(double lr, std::span<float> param, std::span<con
     second_[i] = v;
   }
 }
+
+absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<const float> grad) {
+  if (param.size() != size_ || grad.size() != size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer step: param has ", param.size(), " elements and grad ", grad.size(),
+                     ", but this tensor's optimizer state holds ", size_));
+  }
+  if (!std::isfinite(lr) || lr < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer step: lr ", lr, " is not a finite number >= 0"));
+  }
+  if (kind_ == OptimizerKind::kSgd) {
+    SgdStep(lr, param, grad);
+  } else {
+    AdamWStep(lr, param, grad);
+  }
+  ++steps_;
+  return absl::OkStatus();
+}
+
+// torch.optim.sgd._single_tensor_sgd, dampening 0.
 
 }  // namespace layercast

@@ -27,6 +27,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsSource>> SafetensorsSource::Open(
   return source;
 }
 
+std::map<DType, uint64_t> SafetensorsSource::StoredElements() const {
+  std::map<DType, uint64_t> elements;
+  for (const auto& layer : entries_) {
+    for (const SafetensorsTensor* entry : layer) elements[entry->dtype] += entry->num_elements;
+  }
+  return elements;
+}
+
 absl::Status SafetensorsSource::Read(uint32_t layer, uint32_t tensor, ElementRange range,
                                      std::span<float> dst) const {
   return reader_->ReadF32(*entries_[layer][tensor], range, dst);

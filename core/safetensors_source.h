@@ -1,5 +1,6 @@
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,9 @@ class SafetensorsSource : public ParameterSource {
       FileSystem& fs = DefaultFileSystem());
 
   const ModelSpec& model() const override { return model_; }
+  // Elements of the model per dtype they are stored in: those not F32 are
+  // widened, exactly, to the fp32 master (which is then larger than the file).
+  std::map<DType, uint64_t> StoredElements() const;
   absl::Status Read(uint32_t layer, uint32_t tensor, ElementRange range,
                     std::span<float> dst) const override;
 

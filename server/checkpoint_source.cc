@@ -187,8 +187,10 @@ absl::Status CheckpointSource::ParseTraining() {
   }
   if (*std::min_element(training.layer_versions.begin(), training.layer_versions.end()) !=
       version_) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records version ", version_,
-                                            " but its lowest layer is at another", kWhatToDo));
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path_, " records version ", version_, " but its lowest layer is at ",
+        *std::min_element(training.layer_versions.begin(), training.layer_versions.end()),
+        kWhatToDo));
   }
   training_ = std::move(training);
   return absl::OkStatus();

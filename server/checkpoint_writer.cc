@@ -26,8 +26,7 @@ std::span<const float> Owned(const ParameterStore& store, uint32_t layer, uint32
 std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_t version,
                                             const std::string& checksum,
                                             const CheckpointExtras& extras) {
-  std::map<std::string, std::string> metadata = extras.metadata;
-  metadata.merge(std::map<std::string, std::string>{
+  std::map<std::string, std::string> metadata{
       {"format", kCheckpointFormat},
       {"format_version", kCheckpointFormatVersion},
       {"model_id", store.model().model_id},
@@ -38,7 +37,12 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
       {"layout_digest", HexString(store.layout_digest())},
       {"content_fingerprint", HexString(store.content_fingerprint())},
       {"checksum", checksum},
-  });
+  };
+  for (const auto& [key, value] : extras.metadata) {
+    // The format's own fields are never overridden (CheckpointExtras keys
+    // are the trainer's: optimizer, layer_versions, optimizer_steps).
+    metadata.emplace(key, value);
+  }
   return metadata;
 }
 

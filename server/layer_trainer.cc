@@ -30,7 +30,7 @@ LayerTrainer::Memory LayerTrainer::MemoryFor(const ModelSpec& model, uint32_t sh
                                              uint32_t num_shards, const OptimizerSpec& spec,
                                              uint32_t workers) {
   // In 128 bits: a model whose master fits may still have twice as much state.
-  absl::uint128 state = 0, largest_layer = 0;
+  absl::uint128 state = 0, largest_layer = 0, master_floats = 0;
   for (const LayerSpec& layer : model.layers) {
     absl::uint128 layer_floats = 0;
     for (const TensorSpec& tensor : layer.tensors) {
@@ -40,11 +40,14 @@ LayerTrainer::Memory LayerTrainer::MemoryFor(const ModelSpec& model, uint32_t sh
       layer_floats += owned;
     }
     largest_layer = std::max(largest_layer, layer_floats);
+    master_floats += layer_floats;
   }
   const auto saturate = [](absl::uint128 value) {
     return value > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(value);
   };
-  return Memory{saturate(state), saturate(largest_layer * sizeof(float) * workers)};
+  absl::uint128 staging = largest_layer * sizeof(float) * workers;
+  if (spec.clip()) staging += master_floats * sizeof(float);
+  return Memory{saturate(state), saturate(staging)};
 }
 
 absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStore& store,
@@ -121,10 +124,61 @@ absl::Status LayerTrainer::CheckStepLocked(uint32_t layer, uint32_t worker, uint
         ": compute gradients on the layer as gathered at its current version"));
   }
   if (state.reduced || state.pushed[worker].has_value()) {
-    return absl::AlreadyExistsError(absl::StrCat("worker ", worker, " pushed layer ", layer,
-                                                 " for step ", step, " already; it counts once"));
+    return absl::AlreadyExistsError(absl::StrCat(
+        "worker ", worker, " pushed layer ", layer, " for step ", step,
+        " already; it counts once (if that worker did not push it, two workers share index ",
+        worker, ")"));
   }
   return absl::OkStatus();
+}
+
+uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
+                                   std::chrono::steady_clock::time_point give_up_at,
+                                   ReservationReady ready) {
+  LayerState& state = *layers_[layer];
+  {
+    absl::MutexLock lock(&state.mu);
+    if (state.version == step && !state.reserved) {
+      if (links_.budget == nullptr) {
+        state.reserved = true;
+      } else {
+        const uint64_t id = next_wait_id_++;
+        state.waiting.emplace(id, std::move(ready));
+        if (state.budget_wait == 0) {
+          // Posted, never run here: the lock is held.
+          state.budget_wait = links_.budget->Acquire(
+              StepBytes(layer), give_up_at,
+              [this, layer](bool granted) { OnReservation(layer, granted); });
+        }
+        return id;
+      }
+    }
+  }
+  ready(true);
+  return 0;
+}
+
+void LayerTrainer::OnReservation(uint32_t layer, bool granted) {
+  LayerState& state = *layers_[layer];
+  std::map<uint64_t, ReservationReady> waiting;
+  {
+    absl::MutexLock lock(&state.mu);
+    state.budget_wait = 0;
+    state.reserved = granted;
+    waiting.swap(state.waiting);
+  }
+  // Outside the lock: each push goes on to read its chunks.
+  for (auto& [id, ready] : waiting) ready(granted);
+}
+
+bool LayerTrainer::CancelReservationWait(uint32_t layer, uint64_t id) {
+  LayerState& state = *layers_[layer];
+  absl::MutexLock lock(&state.mu);
+  if (state.waiting.erase(id) == 0) return false;
+  if (state.waiting.empty() && state.budget_wait != 0 && links_.budget->Cancel(state.budget_wait)) {
+    state.budget_wait = 0;
+  }
+  return true;
 }
 
 absl::Status LayerTrainer::CheckPush(uint32_t layer, uint32_t worker, uint64_t step) const {
@@ -136,7 +190,8 @@ absl::Status LayerTrainer::CheckPush(uint32_t layer, uint32_t worker, uint64_t s
 
 absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite write)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {  // holds every layer's lock, which the analysis cannot follow
-  for (auto& layer : layers_) layer->mu.Lock();
+  std::vector<std::unique_ptr<absl::MutexLock>> locks;
+  for (auto& layer : layers_) locks.push_back(std::make_unique<absl::MutexLock>(&layer->mu));
   CheckpointExtras extras;
   std::vector<std::string> versions, steps;
   uint64_t version = UINT64_MAX;
@@ -156,12 +211,10 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
   extras.metadata = {{"optimizer", spec_.ToString()},
                      {"layer_versions", absl::StrJoin(versions, ",")},
                      {"optimizer_steps", absl::StrJoin(steps, ",")}};
-  absl::StatusOr<CheckpointInfo> info = write(version, extras);
-  for (auto& layer : layers_) layer->mu.Unlock();
-  return info;
+  return write(version, extras);
 }
 
-absl::Status LayerTrainer::Restore(const CheckpointSource& source) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
   const std::optional<CheckpointSource::Training>& saved = source.training();
   if (!saved) return absl::OkStatus();
   ASSIGN_OR_RETURN(const OptimizerSpec saved_spec, OptimizerSpec::Parse(saved->optimizer));
@@ -185,7 +238,12 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) ABSL_NO_THREA
       for (const auto& [buffer, values] : optimizer.StateBuffers()) {
         RETURN_IF_ERROR(source.ReadState(OptimizerStateName(buffer, name), buffers.emplace_back()));
       }
-      RETURN_IF_ERROR(optimizer.Restore(saved->optimizer_steps[l], buffers));
+      if (absl::Status restored = optimizer.Restore(saved->optimizer_steps[l], buffers);
+          !restored.ok()) {
+        return absl::DataLossError(absl::StrCat(
+            "checkpoint ", source.path(), ": the optimizer state of tensor ", name, " is damaged (",
+            restored.message(), "); start from a fresh --checkpoint-dir or restore the file"));
+      }
     }
     state.version = saved->layer_versions[l];
     if (links_.gate != nullptr) links_.gate->Advance(l, state.version);
@@ -196,15 +254,21 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) ABSL_NO_THREA
 LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {
   const auto now = std::chrono::steady_clock::now();
   OpenStep oldest;
+  std::optional<std::chrono::steady_clock::time_point> oldest_opened;
   for (const auto& layer : layers_) {
-    absl::MutexLock lock(&layer->mu);
-    if (!layer->opened) continue;
-    const double waited = std::chrono::duration<double>(now - *layer->opened).count();
-    if (oldest.missing_workers > 0 && waited <= oldest.waited_seconds) continue;
-    oldest.waited_seconds = waited;
-    oldest.missing_workers = static_cast<uint32_t>(
-        std::count_if(layer->pushed.begin(), layer->pushed.end(),
-                      [](const auto& pushed) { return !pushed.has_value(); }));
+    // Skipped while a step or a checkpoint holds it: a gauge can wait.
+    if (!layer->mu.TryLock()) continue;
+    if (layer->opened && (!oldest_opened || *layer->opened < *oldest_opened)) {
+      oldest_opened = layer->opened;
+      oldest.waited_seconds = std::chrono::duration<double>(now - *layer->opened).count();
+      // A reduced step (clipping) waits for its scale, not for workers.
+      oldest.missing_workers = layer->reduced
+                                   ? 0
+                                   : static_cast<uint32_t>(std::count_if(
+                                         layer->pushed.begin(), layer->pushed.end(),
+                                         [](const auto& pushed) { return !pushed.has_value(); }));
+    }
+    layer->mu.Unlock();
   }
   return oldest;
 }
@@ -234,7 +298,7 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
   }
   const auto opened = *state.opened;
   if (absl::Status applied = ApplyLocked(layer, state, std::nullopt); !applied.ok()) {
-    // The caller keeps its charge, so the staged copy goes with it.
+    // Nothing was reduced or stepped: the push is not taken.
     state.pushed[worker].reset();
     if (std::none_of(state.pushed.begin(), state.pushed.end(),
                      [](const auto& pushed) { return pushed.has_value(); })) {
@@ -264,7 +328,10 @@ void LayerTrainer::ReduceLocked(uint32_t layer, LayerState& state) {
     state.sum_of_squares = sum;
   }
   state.reduced = true;
-  if (links_.budget != nullptr) links_.budget->Release((workers_ - 1) * StagingBytes(layer));
+  // The other workers' share of the step's reservation.
+  if (links_.budget != nullptr && state.reserved) {
+    links_.budget->Release((workers_ - 1) * StagingBytes(layer));
+  }
 }
 
 absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
@@ -277,8 +344,10 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   for (const TensorOptimizer& optimizer : state.optimizers) {
     const double lr = spec_.LearningRate(optimizer.hyper(), step);
     if (!std::isfinite(lr) || lr < 0) {
-      return absl::InternalError(absl::StrCat("the schedule gives learning rate ", lr, " at step ",
-                                              step, " of layer ", layer));
+      return absl::InternalError(
+          absl::StrCat("--optimizer ", spec_.ToString(), " gives learning rate ", lr, " at step ",
+                       step, " for tensor ", store_.model().layers[layer].tensors[lrs.size()].name,
+                       ": check its lr, warmup_steps, decay_steps and min_lr"));
     }
     lrs.push_back(lr);
   }
@@ -304,7 +373,8 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.opened.reset();
   ++state.version;
   if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
-  if (links_.budget != nullptr) links_.budget->Release(StagingBytes(layer));
+  if (links_.budget != nullptr && state.reserved) links_.budget->Release(StagingBytes(layer));
+  state.reserved = false;
   return absl::OkStatus();
 }
 
@@ -350,13 +420,15 @@ absl::StatusOr<uint64_t> LayerTrainer::ApplyClippedStep(uint64_t step, float sca
         state.version == step ? "still waits for pushes" : "not at this step", ": a clipped step ",
         step, " applies once every layer has every worker's push"));
   }
+  // Before any layer applies: should one fail, a retry still learns the
+  // scale the others used.
+  last_clip_ = std::make_pair(step, scale);
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     LayerState& state = *layers_[l];
     absl::MutexLock lock(&state.mu);
     if (state.version == step + 1) continue;  // applied by an earlier call
     RETURN_IF_ERROR(ApplyLocked(l, state, scale));
   }
-  last_clip_ = std::make_pair(step, scale);
   return step + 1;
 }
 

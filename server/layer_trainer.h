@@ -1,7 +1,10 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -19,6 +22,13 @@
 #include "server/version_gate.h"
 
 namespace layercast::server {
+
+// What a LayerTrainer keeps in step with; both must outlive it. Either may
+// be null (in unit tests).
+struct TrainerLinks {
+  VersionGate* gate = nullptr;     // each layer starts at its version here
+  MemoryBudget* budget = nullptr;  // where staged pushes are charged
+};
 
 // One shard's training state: for every layer, its version (steps applied
 // to it), the gradients pushed for its current step, one per data-parallel
@@ -43,18 +53,14 @@ namespace layercast::server {
 // it changes the master and advances the layer in the VersionGate, so a
 // reader holding it shared sees the master and the version agree.
 //
-// Memory: a push arrives with its staging (one float per owned element)
-// already charged to the budget by whoever decoded it; Push takes that
-// charge over and returns it when the step applies.
+// Memory: a layer step's staging (one float per owned element for each of
+// the W pushes) is reserved from the budget whole, once, for the step
+// (ReserveStep): every push of the step waits for that one reservation, so
+// a step that has begun can always complete, however many pushes of other
+// steps wait for budget. The step returns it as it applies (with clipping,
+// the mean's share when the scale arrives).
 //
 // Thread-safe; pushes to different layers proceed in parallel.
-// What a LayerTrainer keeps in step with; both must outlive it. Either may
-// be null (in unit tests).
-struct TrainerLinks {
-  VersionGate* gate = nullptr;     // each layer starts at its version here
-  MemoryBudget* budget = nullptr;  // where staged pushes are charged
-};
-
 class LayerTrainer {
  public:
   using Links = TrainerLinks;
@@ -78,6 +84,8 @@ class LayerTrainer {
     uint64_t state_bytes = 0;
     uint64_t step_staging_bytes = 0;
   };
+  // With clip=, every layer's mean is held until the scale arrives: one
+  // more fp32 copy of the slice, counted in step_staging_bytes.
   static Memory MemoryFor(const ModelSpec& model, uint32_t shard_index, uint32_t num_shards,
                           const OptimizerSpec& spec, uint32_t workers);
 
@@ -98,16 +106,28 @@ class LayerTrainer {
   //   INVALID_ARGUMENT     worker >= workers, or the wrong number of values;
   //   FAILED_PRECONDITION  step is ahead of the layer's version (naming both);
   //   ALREADY_EXISTS       this (step, worker, layer) was pushed already.
-  // On success the gradient's budget charge (StagingBytes) is the
-  // trainer's; on error it stays the caller's.
   absl::StatusOr<Pushed> Push(uint32_t layer, uint32_t worker, uint64_t step,
                               std::vector<float> gradient);
 
   // REQUIRES for the three below: layer < the model's layers.
   // Elements of `layer` this shard owns: the size a push must have.
   uint64_t owned_elements(uint32_t layer) const { return layers_[layer]->owned_elements; }
-  // Bytes of one staged push of `layer`.
+  // Bytes of one staged push of `layer`, and of a whole step's (W pushes).
   uint64_t StagingBytes(uint32_t layer) const { return owned_elements(layer) * sizeof(float); }
+  uint64_t StepBytes(uint32_t layer) const { return workers_ * StagingBytes(layer); }
+  // Calls `ready(true)` once `step` of `layer` has its staging reserved:
+  // inline, on this thread, when it has already (or `step` is not the
+  // layer's current step: the push will be refused), and returns 0; else
+  // the first caller asks the budget for StepBytes and every caller of the
+  // step waits for that one grant, which calls each `ready` on the budget's
+  // grant executor, or `ready(false)` at the first caller's `give_up_at`.
+  // Returns an id for CancelReservationWait. REQUIRES: layer < layers.
+  using ReservationReady = std::function<void(bool granted)>;
+  uint64_t ReserveStep(uint32_t layer, uint64_t step,
+                       std::chrono::steady_clock::time_point give_up_at, ReservationReady ready);
+  // Withdraws wait `id`: true if it was still waiting (its `ready` will never
+  // run); the last waiter withdrawn withdraws the budget request too.
+  bool CancelReservationWait(uint32_t layer, uint64_t id);
   uint64_t version(uint32_t layer) const;
   // Workers whose push for `layer`'s current step has not arrived.
   uint32_t missing_workers(uint32_t layer) const;
@@ -166,6 +186,11 @@ class LayerTrainer {
     // Every worker pushed and pushed[0] holds the mean (clipping: it waits
     // for the scale), with the sum of its squares.
     bool reduced ABSL_GUARDED_BY(mu) = false;
+    // The current step's staging: reserved (StepBytes, from the budget),
+    // being asked for (budget_wait, with the pushes waiting for it), or not.
+    bool reserved ABSL_GUARDED_BY(mu) = false;
+    uint64_t budget_wait ABSL_GUARDED_BY(mu) = 0;
+    std::map<uint64_t, ReservationReady> waiting ABSL_GUARDED_BY(mu);
     double sum_of_squares ABSL_GUARDED_BY(mu) = 0;
     // When the current step's first push arrived; nullopt before it.
     std::optional<std::chrono::steady_clock::time_point> opened ABSL_GUARDED_BY(mu);
@@ -194,6 +219,10 @@ class LayerTrainer {
   const uint32_t workers_;
   const Links links_;
   std::vector<std::unique_ptr<LayerState>> layers_;
+  // The budget's answer to layer `layer`'s reservation request.
+  void OnReservation(uint32_t layer, bool granted);
+
+  std::atomic<uint64_t> next_wait_id_{1};
   // Serialises clipped steps; the last one applied and its scale.
   mutable absl::Mutex clip_mu_;
   std::optional<std::pair<uint64_t, float>> last_clip_ ABSL_GUARDED_BY(clip_mu_);

@@ -1,5 +1,9 @@
 #include "server/push_gradients_reactor.h"
 
+#include <grpc/grpc.h>
+
+#include <algorithm>
+
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -20,10 +24,26 @@ PushGradientsReactor::PushGradientsReactor(grpc::CallbackServerContext* context,
       budget_(budget),
       response_(response),
       options_(std::move(options)) {
+  ReadNext();
+}
+
+void PushGradientsReactor::ReadNext() {
+  read_started_ = std::max<int64_t>(1, std::chrono::steady_clock::now().time_since_epoch().count());
   StartRead(&chunk_);
 }
 
+grpc_call* PushGradientsReactor::RefIfIdle(std::chrono::steady_clock::time_point now,
+                                           std::chrono::steady_clock::duration limit) {
+  const int64_t started = read_started_.load();
+  if (started == 0 || now.time_since_epoch().count() - started <= limit.count()) return nullptr;
+  if (idle_.exchange(true)) return nullptr;
+  grpc_call* call = context_->c_call();
+  grpc_call_ref(call);
+  return call;
+}
+
 void PushGradientsReactor::OnReadDone(bool ok) {
+  read_started_ = 0;
   if (!ok) {
     Complete();
     return;
@@ -45,29 +65,58 @@ void PushGradientsReactor::Begin() {
     FinishOnce(wire::ToGrpcStatus(check));
     return;
   }
-  staging_bytes_ = trainer_.StagingBytes(layer_);
-  if (!budget_.Grantable(staging_bytes_)) {
+  // The step's staging, for every worker's push, is reserved once; this
+  // push waits for it (without blocking a thread) unless it is there.
+  const uint64_t step_bytes = trainer_.StepBytes(layer_);
+  if (!budget_.Grantable(step_bytes)) {
     const std::optional<uint64_t> budget = budget_.budget();
     FinishOnce(grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("staging this push of layer ", layer_, " takes ", FormatBytes(staging_bytes_),
-                     ", more than the shard's budget of ",
+        absl::StrCat("staging a step of layer ", layer_, " takes ", FormatBytes(step_bytes),
+                     " (every worker's push in fp32), more than the shard's budget of ",
                      budget ? FormatBytes(*budget) : "unlimited",
                      " leaves beside its master and optimizer state; raise --memory-budget")));
     return;
   }
-  absl::MutexLock lock(&mu_);
-  // Posted, never run here: no read is in flight until it runs.
-  wait_id_ = budget_.Acquire(staging_bytes_, options_.budget_give_up_at,
-                             [this](bool granted) { OnBudget(granted); });
+  const grpc::Status cancelled(grpc::StatusCode::CANCELLED,
+                               "the push was cancelled before it was staged; nothing of it was "
+                               "kept");
+  bool was_cancelled = false;
+  {
+    absl::MutexLock lock(&mu_);
+    was_cancelled = cancelled_;
+    waiting_ = !cancelled_;
+  }
+  if (was_cancelled) {
+    FinishOnce(cancelled);
+    return;
+  }
+  const uint64_t id = trainer_.ReserveStep(layer_, step_, options_.budget_give_up_at,
+                                           [this](bool granted) { OnReserved(granted); });
+  bool withdrawn = false;
+  {
+    absl::MutexLock lock(&mu_);
+    // Still waiting: the id lets OnCancel withdraw it; a cancel that came
+    // before the id did is honoured here. (Once OnReserved has run, waiting_
+    // is false and the id stale.)
+    if (waiting_) {
+      withdrawn = cancelled_ && trainer_.CancelReservationWait(layer_, id);
+      if (withdrawn) {
+        waiting_ = false;
+      } else {
+        wait_id_ = id;
+      }
+    }
+  }
+  if (withdrawn) FinishOnce(cancelled);
 }
 
-void PushGradientsReactor::OnBudget(bool granted) {
+void PushGradientsReactor::OnReserved(bool granted) {
   std::optional<grpc::Status> finish;
   {
     absl::MutexLock lock(&mu_);
+    waiting_ = false;
     wait_id_ = 0;
-    holds_budget_ = granted;
     if (cancelled_) {
       finish = grpc::Status(grpc::StatusCode::CANCELLED,
                             "the push was cancelled while it waited for memory budget; nothing "
@@ -75,22 +124,28 @@ void PushGradientsReactor::OnBudget(bool granted) {
     } else if (!granted) {
       finish = grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("no memory budget became free to stage this push of layer ", layer_, " (",
-                       FormatBytes(staging_bytes_), ") in time: ", FormatBytes(budget_.in_use()),
-                       " is in use, much of it pushes waiting for other workers; retry the "
-                       "push, or raise --memory-budget"));
+          absl::StrCat("no memory budget became free to stage a step of layer ", layer_, " (",
+                       FormatBytes(trainer_.StepBytes(layer_)),
+                       ") in time: ", FormatBytes(budget_.in_use()),
+                       " is in use, much of it steps waiting for other workers' pushes; retry "
+                       "the push, or raise --memory-budget"));
     }
   }
   if (finish) {
     FinishOnce(*finish);
     return;
   }
+  Stage();
+}
+
+void PushGradientsReactor::Stage() {
   try {
     staging_.resize(trainer_.owned_elements(layer_));
   } catch (const std::bad_alloc&) {
-    FinishOnce(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            absl::StrCat("out of memory for ", FormatBytes(staging_bytes_),
-                                         " of gradient staging; retry later")));
+    FinishOnce(
+        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     absl::StrCat("out of memory for ", FormatBytes(trainer_.StagingBytes(layer_)),
+                                  " of gradient staging; retry later")));
     return;
   }
   decoder_.emplace(
@@ -105,13 +160,17 @@ void PushGradientsReactor::Take() {
     FinishOnce(wire::ToGrpcStatus(accepted));
     return;
   }
-  StartRead(&chunk_);
+  ReadNext();
 }
 
 void PushGradientsReactor::Complete() {
   if (context_->IsCancelled()) {
     FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
-                            "the push was cancelled before it ended; nothing of it was staged"));
+                            idle_ ? "the worker sent no chunk within the shard's "
+                                    "--write-progress-timeout-ms; nothing of the push was staged: "
+                                    "push it again"
+                                  : "the push was cancelled before it ended; nothing of it was "
+                                    "staged"));
     return;
   }
   if (!begun_) {
@@ -134,7 +193,6 @@ void PushGradientsReactor::Complete() {
     FinishOnce(wire::ToGrpcStatus(pushed.status()));
     return;
   }
-  holds_budget_ = false;  // the trainer's now
   pushed_ = *pushed;
   response_->set_layer_version(pushed->layer_version);
   response_->set_applied(pushed->applied);
@@ -148,7 +206,7 @@ void PushGradientsReactor::OnCancel() {
     cancelled_ = true;
     // A wait still registered is withdrawn here and this side finishes; a
     // grant already posted sees `cancelled_`; a read in flight fails.
-    withdrawn = wait_id_ != 0 && budget_.Cancel(wait_id_);
+    withdrawn = wait_id_ != 0 && trainer_.CancelReservationWait(layer_, wait_id_);
     if (withdrawn) wait_id_ = 0;
   }
   if (withdrawn) {
@@ -164,8 +222,7 @@ void PushGradientsReactor::FinishOnce(const grpc::Status& status) {
 }
 
 void PushGradientsReactor::OnDone() {
-  if (holds_budget_) budget_.Release(staging_bytes_);
-  if (options_.on_done) options_.on_done(final_status_, received_bytes_, pushed_);
+  if (options_.on_done) options_.on_done(this, final_status_, received_bytes_, pushed_);
   delete this;
 }
 

@@ -34,6 +34,13 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                .Name("layercast_rpcs_total")
                .Help("RPCs ended, by method and gRPC status code")
                .Register(r);
+  // Every method's OK series from the start, so rates and ratios have a
+  // series to work on before the first call (other codes appear as they
+  // happen: gRPC has 17).
+  for (const char* method : {"GetManifest", "FetchLayer", "PushGradients", "GetGradientNorm",
+                             "ApplyClippedStep", "Checkpoint"}) {
+    rpcs_->Add({{"method", method}, {"code", "OK"}});
+  }
   sent_bytes_ = &BuildCounter()
                      .Name("layercast_sent_bytes_total")
                      .Help("Tensor bytes delivered to clients, by compute dtype")
@@ -79,7 +86,8 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                           .Name("layercast_streams_stalled_total")
                           .Help(
                               "Streams cancelled because the client did not drain a chunk "
-                              "within --write-progress-timeout-ms")
+                              "(FetchLayer) or send one (PushGradients) within "
+                              "--write-progress-timeout-ms")
                           .Register(r)
                           .Add({});
   streams_waiting_budget_ = Gauge(r, "layercast_streams_waiting_for_budget",

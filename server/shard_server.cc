@@ -6,11 +6,14 @@
 #include <prometheus/exposer.h>
 #include <unistd.h>
 
+#include <filesystem>
+
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/content_fingerprint.h"
 #include "core/file_system.h"
+#include "core/glob.h"
 #include "core/log.h"
 #include "core/safetensors_source.h"
 #include "core/status_macros.h"
@@ -48,8 +51,51 @@ absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings&
     ASSIGN_OR_RETURN(auto synthetic, SyntheticModel::Create(config.synthetic()));
     return std::unique_ptr<ParameterSource>(std::move(synthetic));
   }
-  ASSIGN_OR_RETURN(auto file,
-                   SafetensorsSource::Open(config.model(), config.model_id(), settings.grouping));
+  // A Hugging Face folder, as transformers and vLLM take it: its index if
+  // it has one, else its single file; the model id is the folder's name.
+  std::string path = config.model();
+  std::string model_id = config.model_id();
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    const std::filesystem::path dir(path);
+    std::string found;
+    for (const char* name : {"model.safetensors.index.json", "model.safetensors"}) {
+      if (std::filesystem::exists(dir / name, error)) {
+        found = (dir / name).string();
+        break;
+      }
+    }
+    if (found.empty()) {
+      return absl::NotFoundError(
+          absl::StrCat("--model ", path,
+                       " is a folder with neither model.safetensors.index.json nor "
+                       "model.safetensors in it: name the .safetensors file or the index"));
+    }
+    if (model_id.empty())
+      model_id = std::filesystem::absolute(dir).lexically_normal().filename().string();
+    if (model_id.empty())
+      model_id = std::filesystem::absolute(dir).parent_path().filename().string();
+    Log()->info("--model {}: serving {} as model '{}'", path, found, model_id);
+    path = found;
+  }
+  ASSIGN_OR_RETURN(auto file, SafetensorsSource::Open(path, model_id, settings.grouping));
+  const ModelSpec& model = file->model();
+  for (const auto& [dtype, elements] : file->StoredElements()) {
+    if (dtype == DType::kFloat32) continue;
+    Log()->info(
+        "{} elements of {} are stored as {}: widened exactly to the fp32 master, which "
+        "holds them in {}x their bytes in the file",
+        elements, model.model_id, DTypeSafetensorsName(dtype), 4 / DTypeSize(dtype));
+  }
+  if (model.layers.size() == 1 && model.layers[0].name == settings.grouping.last_name &&
+      model.layers[0].tensors.size() > 1) {
+    Log()->warn(
+        "no tensor name of {} matched the layer rules (first prefix '{}', --layer-regex '{}'): "
+        "the whole model is one layer '{}', gathered at once. Set --layer-regex for its naming, "
+        "e.g. '^transformer\\.h\\.(\\d+)\\.' for GPT-2 (docs/models.md)",
+        model.model_id, settings.grouping.first_prefix, settings.grouping.layer_regex,
+        settings.grouping.last_name);
+  }
   return std::unique_ptr<ParameterSource>(std::move(file));
 }
 
@@ -57,6 +103,41 @@ absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings&
 std::string BoundAddress(const std::string& listen, int port) {
   const size_t colon = listen.rfind(':');
   return absl::StrCat(listen.substr(0, colon), ":", port);
+}
+
+// A per-tensor rule that matches no tensor of the model is most often a typo
+// in its glob: said at start-up, naming the rule and a real tensor name.
+void WarnUnmatchedRules(const ModelSpec& model, const Policy& policy,
+                        const std::optional<OptimizerSpec>& optimizer) {
+  const auto matches_any = [&](const std::string& glob) {
+    for (const LayerSpec& layer : model.layers) {
+      for (const TensorSpec& tensor : layer.tensors) {
+        if (GlobMatches(glob, tensor.name)) return true;
+      }
+    }
+    return false;
+  };
+  std::string example;
+  if (!model.layers.empty() && !model.layers.back().tensors.empty()) {
+    example = model.layers.back().tensors.front().name;
+  }
+  for (const Policy::Override& rule : policy.overrides()) {
+    if (!matches_any(rule.glob)) {
+      Log()->warn(
+          "--policy override '{}={}' matches no tensor of {}: check its glob (tensor "
+          "names look like '{}')",
+          rule.glob, DTypeName(rule.compute), model.model_id, example);
+    }
+  }
+  if (!optimizer) return;
+  for (const OptimizerSpec::Override& rule : optimizer->overrides()) {
+    if (!matches_any(rule.glob)) {
+      Log()->warn(
+          "--optimizer override '{}' matches no tensor of {}: check its glob (tensor "
+          "names look like '{}')",
+          rule.glob, model.model_id, example);
+    }
+  }
 }
 
 // The start-up check of a training shard: master, optimizer state, one
@@ -192,6 +273,7 @@ absl::Status ShardServer::StartMetrics() {
                                                error.what(), "; choose another --metrics-listen"));
   }
   exposer_->RegisterCollectable(metrics_.registry());
+  exposer_->RegisterCollectable(process_metrics_);
   const std::vector<int> ports = exposer_->GetListeningPorts();
   metrics_port_ = ports.empty() ? 0 : ports[0];
   Log()->info("metrics on {}/metrics", BoundAddress(listen, metrics_port_));
@@ -330,7 +412,17 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
           "--checkpoint-dir, or serve this checkpoint read-only without --optimizer"));
     }
     service_->version_gate().Advance(checkpoint_source_->version());
+    // A training shard's layers may be ahead of the model's version: each
+    // is served at its own, with or without --optimizer now.
+    if (const auto& training = checkpoint_source_->training(); training) {
+      const auto layers = static_cast<uint32_t>(training->layer_versions.size());
+      service_->version_gate().SetLayers(layers);
+      for (uint32_t l = 0; l < layers; ++l) {
+        service_->version_gate().Advance(l, training->layer_versions[l]);
+      }
+    }
   }
+  WarnUnmatchedRules(store->model(), settings_.policy, settings_.optimizer);
   const uint64_t state_bytes =
       settings_.optimizer ? LayerTrainer::StateBytes(*store, *settings_.optimizer) : 0;
   budget_ = std::make_unique<MemoryBudget>(
@@ -345,7 +437,13 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     ASSIGN_OR_RETURN(
         trainer, LayerTrainer::Create(*store, *settings_.optimizer, config.data_parallel_workers(),
                                       {&service_->version_gate(), budget_.get()}));
-    if (checkpoint_source_ != nullptr) RETURN_IF_ERROR(trainer->Restore(*checkpoint_source_));
+    if (checkpoint_source_ != nullptr) {
+      if (absl::Status restored = trainer->Restore(*checkpoint_source_); !restored.ok()) {
+        // A damaged file says so first (DATA_LOSS, exit status 2).
+        RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
+        return restored;
+      }
+    }
     Log()->info(
         "training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
         settings_.optimizer->ToString(), config.data_parallel_workers(), FormatBytes(state_bytes),
@@ -394,7 +492,14 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   admin_->StartDraining();
   metrics_.ready().Set(0);
   SetReadiness(false);
+  const int64_t in_flight = service_->streams_in_flight();
+  const auto drain_start = std::chrono::steady_clock::now();
   const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
+  if (drained && in_flight > 0) {
+    Log()->info(
+        "drained {} stream(s) in {:.1f} s", in_flight,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - drain_start).count());
+  }
   if (!drained) {
     Log()->warn(
         "drain timeout of {} ms passed; ending {} stream(s) with UNAVAILABLE at their next "
@@ -406,9 +511,18 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
     service_->WaitForStreams(absl::Now() + absl::Seconds(1));
   }
   // Waits for a checkpoint being written for a ShardAdmin call to finish.
+  const auto grpc_start = std::chrono::steady_clock::now();
   server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
   server_.reset();
+  if (const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - grpc_start).count();
+      seconds > 1) {
+    Log()->info(
+        "gRPC's shutdown took {:.1f} s (a checkpoint being written for `layercast "
+        "checkpoint`, or calls it cancelled)",
+        seconds);
+  }
   if (health_server_ != nullptr) {
     health_server_->Shutdown(std::chrono::system_clock::now());
     health_server_->Wait();

@@ -13,6 +13,7 @@
 #include "server/checkpoint_source.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
+#include "server/process_metrics.h"
 #include "server/server_metrics.h"
 #include "server/shard_admin_service.h"
 #include "server/shard_config.h"
@@ -121,6 +122,7 @@ class ShardServer {
   // After budget_: destroyed first, giving its bytes back. Shared with the
   // budget's reclaimer, which holds it weakly.
   std::shared_ptr<SharedChunks> shared_;
+  std::shared_ptr<ProcessMetrics> process_metrics_ = std::make_shared<ProcessMetrics>();
   // After budget_ and store_: gives staged pushes' bytes back to the one and
   // steps the other. Null without --optimizer.
   std::unique_ptr<LayerTrainer> trainer_;

@@ -87,10 +87,21 @@ void ShardService::Watchdog() {
     UpdateStepGauges();
     streams_mu_.Lock();
     const auto now = std::chrono::steady_clock::now();
-    std::vector<grpc_call*> stalled;
+    // (call, why): readers that stopped draining, pushers that stopped
+    // sending.
+    std::vector<std::pair<grpc_call*, const char*>> stalled;
     for (FetchLayerReactor* stream : streams_) {
       if (grpc_call* call = stream->RefIfStalled(now, options_.write_progress_timeout)) {
-        stalled.push_back(call);
+        stalled.emplace_back(call,
+                             "the client did not drain a chunk within the shard's "
+                             "--write-progress-timeout-ms");
+      }
+    }
+    for (PushGradientsReactor* push : pushes_) {
+      if (grpc_call* call = push->RefIfIdle(now, options_.write_progress_timeout)) {
+        stalled.emplace_back(call,
+                             "the worker sent no chunk within the shard's "
+                             "--write-progress-timeout-ms; nothing of the push was staged");
       }
     }
     if (stalled.empty()) continue;
@@ -98,11 +109,8 @@ void ShardService::Watchdog() {
     // take it, on this thread. The calls' own references keep them valid
     // even when their streams finish meanwhile.
     streams_mu_.Unlock();
-    for (grpc_call* call : stalled) {
-      grpc_call_cancel_with_status(call, GRPC_STATUS_CANCELLED,
-                                   "the client did not drain a chunk within the shard's "
-                                   "--write-progress-timeout-ms",
-                                   nullptr);
+    for (const auto& [call, why] : stalled) {
+      grpc_call_cancel_with_status(call, GRPC_STATUS_CANCELLED, why, nullptr);
       grpc_call_unref(call);
       metrics_.RecordStalledStream();
     }
@@ -307,8 +315,12 @@ grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradien
   // As long as a parked stream may wait for a version: a push waiting for
   // budget waits for other workers' pushes to complete a step.
   options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
-  options.on_done = [this](const grpc::Status& status, uint64_t bytes,
+  options.on_done = [this](PushGradientsReactor* push, const grpc::Status& status, uint64_t bytes,
                            const std::optional<LayerTrainer::Pushed>& pushed) {
+    {
+      absl::MutexLock lock(&streams_mu_);
+      pushes_.erase(push);
+    }
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
     if (!pushed) {
       metrics_.RecordPushRefused(bytes);
@@ -319,8 +331,12 @@ grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradien
       metrics_.RecordPushStaged(bytes);
     }
   };
-  return new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
-                                  std::move(options));
+  // Registered under the lock its on_done takes, as FetchLayer streams are.
+  absl::MutexLock lock(&streams_mu_);
+  auto* push = new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
+                                        std::move(options));
+  pushes_.insert(push);
+  return push;
 }
 
 absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {

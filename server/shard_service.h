@@ -15,6 +15,7 @@
 #include "server/layer_trainer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/push_gradients_reactor.h"
 #include "server/server_metrics.h"
 #include "server/shared_chunks.h"
 #include "server/version_gate.h"
@@ -32,7 +33,9 @@ namespace layercast::server {
 // most --max-version-wait-ms, and only for a version at most
 // --max-version-lead ahead; a streaming one holds a --max-streams slot and
 // two chunks of budget, and loses both when its reader does not drain a
-// chunk within --write-progress-timeout-ms (a watchdog thread checks).
+// chunk within --write-progress-timeout-ms (a watchdog thread checks). A
+// PushGradients stream holds its staging, and loses it when its worker sends
+// no chunk within the same timeout.
 //
 // Thread-safe: gRPC calls its handlers from many threads.
 class ShardService final
@@ -137,6 +140,8 @@ class ShardService final
   // lock, before it deletes itself, so the watchdog and StopStreams may call
   // into any reactor they find here while they hold the lock.
   absl::flat_hash_set<FetchLayerReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
+  // Every PushGradients stream not yet done, likewise.
+  absl::flat_hash_set<PushGradientsReactor*> pushes_ ABSL_GUARDED_BY(streams_mu_);
   bool stopping_ ABSL_GUARDED_BY(streams_mu_) = false;
   mutable absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -4,6 +4,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <thread>
 
@@ -161,13 +166,19 @@ TEST(ShardSetTest, RefusesSetsThatDoNotAgree) {
   };
   const std::vector<Case> cases = {
       {"duplicated index", {A[0], A[0]}, "like " + A[0] + " (each index must appear exactly once)"},
-      {"wrong order", {A[1], A[0]}, "it has shard index 1, not 0"},
+      {"wrong order",
+       {A[1], A[0]},
+       "--shards lists the shards out of order (each reports its index); in shard order: " + A[0] +
+           "," + A[1]},
       {"different shard count",
        {A[0], b.processes->addresses()[1]},
-       "it is one of 3 shards, but 2 addresses were given"},
+       "the shards disagree on how many shards the set has (" + A[0] + " says 2, " +
+           b.processes->addresses()[1] + " says 3): restart them all with one --num-shards"},
       {"different model", {A[0], other_model.processes->addresses()[1]}, "serves model"},
       {"different policy", {A[0], other_policy.processes->addresses()[1]}, "its policy is"},
-      {"too few shards", {A[0]}, "it is one of 2 shards, but 1 addresses were given"},
+      {"too few shards",
+       {A[0]},
+       "every shard says the set has 2 shards, but --shards lists 1: list all 2, in shard order"},
   };
   for (const Case& c : cases) {
     const absl::Status status = connect(c.addresses);
@@ -175,6 +186,38 @@ TEST(ShardSetTest, RefusesSetsThatDoNotAgree) {
     EXPECT_THAT(std::string(status.message()), HasSubstr(c.message)) << c.what;
   }
   EXPECT_TRUE(connect({A[0], A[1]}).ok());
+}
+
+// An unreachable shard is reported with its cause, not as a bare deadline.
+TEST(ShardSetTest, AnUnreachableShardIsNamedWithItsCause) {
+  // A port nobody listens on: bound, then closed.
+  int port = 0;
+  {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    socklen_t length = sizeof(address);
+    ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+    port = ntohs(address.sin_port);
+    close(fd);
+  }
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::milliseconds(1500);
+  const std::string refused = "127.0.0.1:" + std::to_string(port);
+  absl::Status status = client::ShardSet::Connect({refused}, options).status();
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("shard 0 (" + refused +
+                        ") did not answer within 1500 ms: connection "
+                        "refused: nothing listens at " +
+                        refused))
+      << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("--connect-timeout-ms"));
+  status = client::ShardSet::Connect({"no-such-host.invalid:7070"}, options).status();
+  EXPECT_THAT(std::string(status.message()),
+              HasSubstr("no such host: the name in no-such-host.invalid:7070 does not resolve"))
+      << status;
 }
 
 TEST(ShardConfigTest, ImpossibleConfigsExitBeforeBinding) {

@@ -30,14 +30,7 @@ using ::testing::HasSubstr;
 constexpr char kPolicy[] = "p=f32,c=bf16;*norm*=f32";
 constexpr char kToken[] = "checkpoint-test-token-0123456789";
 
-std::string WriteToken(const std::string& dir) {
-  const std::string path = dir + "/token";
-  std::ofstream(path) << kToken << "\n";
-  // The shard and the CLI refuse a token file that other users may read.
-  std::filesystem::permissions(
-      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  return path;
-}
+std::string WriteToken(const std::string& dir) { return WriteAdminToken(dir, kToken); }
 
 std::unique_ptr<client::ShardSet> Connect(const tools::LocalShardSet& processes) {
   client::ShardSetOptions options;

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -15,7 +17,9 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "core/log.h"
+#include "core/safetensors.h"
 #include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
 
 namespace layercast::testing {
 namespace {
@@ -54,6 +58,81 @@ TEST(LoggingTest, JsonLogIsOneObjectALineFromStartToStop) {
   EXPECT_THAT(messages, ::testing::Contains(HasSubstr("ready")));
   EXPECT_THAT(messages, ::testing::Contains("received SIGTERM, draining"));
   EXPECT_EQ(messages.back(), "stopped");
+}
+
+// A per-tensor rule whose glob matches nothing is most often a typo: the
+// shard says so at start, and serves on.
+TEST(LoggingTest, RulesThatMatchNoTensorAreWarnedAbout) {
+  const std::string logs = MakeTempDir("logging_rules");
+  auto shards = StartProcesses(1,
+                               {"--synthetic", kModel, "--policy", "c=bf16;*nrom*=f32;*norm*=f32",
+                                "--optimizer", "sgd:lr=1;*baises*:lr=0"},
+                               logs);
+  ASSERT_NE(shards, nullptr);
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::seconds(60);
+  ASSERT_TRUE(client::ShardSet::Connect(shards->addresses(), connect).ok());
+  ASSERT_TRUE(shards->Stop().ok());
+  std::ifstream in(logs + "/shard-0.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(log, HasSubstr("--policy override '*nrom*=float32' matches no tensor of"));
+  EXPECT_THAT(log, HasSubstr("--optimizer override '*baises*' matches no tensor of"));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("override '*norm*")));
+}
+
+// --model takes a Hugging Face folder (its model.safetensors), names the
+// model after the folder, and says what it widens; names that match no
+// layer rule (GPT-2's) are warned about, naming --layer-regex.
+TEST(LoggingTest, AModelFolderIsServedAndWhatItWidensOrCannotGroupIsSaid) {
+  const std::string dir = MakeTempDir("models") + "/tiny-llama";
+  std::filesystem::create_directories(dir);
+  WriteTestModel(dir + "/model.safetensors", 2, 7);  // F32, BF16 and F16 tensors
+  const std::string gpt2 = MakeTempDir("gpt2") + "/gpt2.safetensors";
+  {
+    auto writer =
+        SafetensorsWriter::Create(gpt2,
+                                  {{"transformer.h.0.attn.c_attn.weight", DType::kFloat32, {4, 4}},
+                                   {"transformer.h.1.attn.c_attn.weight", DType::kFloat32, {4, 4}}},
+                                  {});
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    const std::vector<float> values(32, 0.5f);
+    ASSERT_TRUE((*writer)
+                    ->Append({reinterpret_cast<const uint8_t*>(values.data()), values.size() * 4})
+                    .ok());
+    ASSERT_TRUE((*writer)->Finish().ok());
+  }
+  const std::string logs = MakeTempDir("logging_models");
+  auto folder = StartProcesses(1, {"--model", dir}, logs);
+  ASSERT_NE(folder, nullptr);
+  client::ShardSetOptions connect;
+  connect.connect_timeout = std::chrono::seconds(60);
+  auto set = client::ShardSet::Connect(folder->addresses(), connect);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ((*set)->model().model_id, "tiny-llama");
+  ASSERT_TRUE(folder->Stop().ok());
+  std::ifstream in(logs + "/shard-0.log");
+  std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(log, HasSubstr("serving " + dir + "/model.safetensors as model 'tiny-llama'"));
+  EXPECT_THAT(log, HasSubstr("are stored as BF16: widened exactly to the fp32 master"));
+  EXPECT_THAT(log, HasSubstr("are stored as F16"));
+
+  std::string output;
+  EXPECT_NE(RunCommand(ShardBinary() +
+                           " --num-shards 1 --shard-index 0 --listen 127.0.0.1:0 "
+                           "--model " +
+                           MakeTempDir("empty-model-folder"),
+                       &output),
+            0);
+  EXPECT_THAT(output, HasSubstr("is a folder with neither model.safetensors.index.json nor"));
+
+  const std::string gpt2_logs = MakeTempDir("logging_gpt2");
+  auto flat = StartProcesses(1, {"--model", gpt2}, gpt2_logs);
+  ASSERT_NE(flat, nullptr);
+  ASSERT_TRUE(flat->Stop().ok());
+  std::ifstream gpt2_in(gpt2_logs + "/shard-0.log");
+  log.assign(std::istreambuf_iterator<char>(gpt2_in), std::istreambuf_iterator<char>());
+  EXPECT_THAT(log, HasSubstr("matched the layer rules"));
+  EXPECT_THAT(log, HasSubstr("Set --layer-regex"));
 }
 
 TEST(LoggingTest, AnUnknownLogFormatIsRefusedNamingTheChoices) {

@@ -1,5 +1,7 @@
 #include "tests/integration/shard_fixture.h"
 
+#include <fstream>
+
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -39,6 +41,14 @@ RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
   EXPECT_TRUE(set.ok()) << set.status();
   if (set.ok()) running.set = *std::move(set);
   return running;
+}
+
+std::string WriteAdminToken(const std::string& dir, const std::string& token) {
+  const std::string path = dir + "/token";
+  std::ofstream(path) << token << "\n";
+  std::filesystem::permissions(
+      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  return path;
 }
 
 int RunCommand(const std::string& command, std::string* output) {

@@ -32,6 +32,10 @@ struct RunningShards {
 };
 RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);
 
+// Writes `token` to DIR/token, readable by its owner only (the shard and the
+// CLI refuse a token file others may read); returns the path.
+std::string WriteAdminToken(const std::string& dir, const std::string& token);
+
 // Runs `command` through the shell; returns its exit status and fills
 // `output` with stdout and stderr together.
 int RunCommand(const std::string& command, std::string* output);

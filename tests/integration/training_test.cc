@@ -90,8 +90,28 @@ class TrainingTest : public ::testing::Test {
     ASSERT_NE(shards_.set, nullptr);
   }
 
+  // One shard, W workers, and a budget with room for the master, one step
+  // of the largest layer (W pushes) and one stream, no more.
+  void StartWithRoomForOneStep(uint32_t workers, std::vector<std::string> extra = {}) {
+    ASSERT_NO_FATAL_FAILURE(Start(1, workers));
+    uint64_t master = 0, largest = 0;
+    for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+      uint64_t elements = 0;
+      for (const TensorSpec& tensor : shards_.set->model().layers[l].tensors) {
+        elements += tensor.num_elements;
+      }
+      master += 4 * elements;
+      if (4 * elements > largest) largest = 4 * elements, largest_layer_ = l;
+    }
+    ASSERT_TRUE(shards_.processes->Stop().ok());
+    extra.insert(extra.end(),
+                 {"--memory-budget", std::to_string(master + workers * largest + 3 * kChunkBytes)});
+    ASSERT_NO_FATAL_FAILURE(Start(1, workers, extra));
+  }
+
   TestModel model_;
   RunningShards shards_;
+  uint32_t largest_layer_ = 0;
 };
 
 TEST_F(TrainingTest, HostilePushesAreRefusedAndChangeNothing) {
@@ -176,20 +196,10 @@ TEST_F(TrainingTest, HostilePushesAreRefusedAndChangeNothing) {
 // A worker that dies mid-push leaves nothing behind; its push again counts
 // once. Unfinished streams waiting for budget give it back when cancelled.
 TEST_F(TrainingTest, AnInterruptedPushLeavesNothingAndAFloodGivesItsBudgetBack) {
-  // A budget with room for the master, two pushes of the largest layer and
-  // one stream: if the flood below kept any staging, the real pushes after
-  // it could not be staged.
-  ASSERT_NO_FATAL_FAILURE(Start(1, 2));
-  uint64_t master = 0, largest = 0;
-  for (const LayerSpec& layer : shards_.set->model().layers) {
-    uint64_t elements = 0;
-    for (const TensorSpec& tensor : layer.tensors) elements += tensor.num_elements;
-    master += 4 * elements;
-    largest = std::max(largest, 4 * elements);
-  }
-  ASSERT_TRUE(shards_.processes->Stop().ok());
-  ASSERT_NO_FATAL_FAILURE(
-      Start(1, 2, {"--memory-budget", std::to_string(master + 2 * largest + 3 * kChunkBytes)}));
+  // A budget with room for one step of the largest layer: if the flood
+  // below kept what it waited for, the real pushes after it could not be
+  // staged.
+  ASSERT_NO_FATAL_FAILURE(StartWithRoomForOneStep(2));
   const client::ShardSet& set = *shards_.set;
   const std::vector<layercast::v1::GradientChunk> good = Chunks(set, 1, 0, 0, 0);
 
@@ -216,6 +226,64 @@ TEST_F(TrainingTest, AnInterruptedPushLeavesNothingAndAFloodGivesItsBudgetBack) 
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
   EXPECT_TRUE(outcome.response.applied());
   EXPECT_EQ(LayerVersion(set, 1), 1u);
+}
+
+// A worker that runs a whole backward pass ahead of the other cannot starve
+// it: the push that opens a layer step reserves the staging of every
+// worker's, so with room for one step of the largest layer, worker 0's
+// pushes of later layers wait for budget while worker 1's complete the
+// steps already open.
+TEST_F(TrainingTest, AWorkerRunningAheadCannotStarveTheOthersOfBudget) {
+  ASSERT_NO_FATAL_FAILURE(StartWithRoomForOneStep(2));
+  const client::ShardSet& set = *shards_.set;
+  const auto layers = static_cast<uint32_t>(set.model().layers.size());
+  std::vector<std::unique_ptr<client::GradientSink>> sinks;
+  for (uint32_t w = 0; w < 2; ++w) {
+    auto sink = client::GradientSink::Create(
+        set, {.worker = w, .chunk_bytes = kChunkBytes, .timeout = std::chrono::seconds(20)});
+    ASSERT_TRUE(sink.ok()) << sink.status();
+    sinks.push_back(*std::move(sink));
+  }
+  for (uint32_t w = 0; w < 2; ++w) {  // worker 0's whole backward pass, then worker 1's
+    for (uint32_t l = layers; l-- > 0;) {
+      auto gradient = client::LayerBuffer::Allocate(set.view().layouts[l].total_bytes());
+      ASSERT_TRUE(gradient.ok());
+      ASSERT_TRUE(tools::FillSyntheticGradient(set.view().layouts[l], w, 0, l,
+                                               {gradient->data(), gradient->size()})
+                      .ok());
+      ASSERT_TRUE(sinks[w]->Push(l, 0, *std::move(gradient)).ok());
+    }
+  }
+  for (auto& sink : sinks) {
+    const absl::Status flushed = sink->Flush();
+    EXPECT_TRUE(flushed.ok()) << flushed;
+  }
+  for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ(LayerVersion(set, l), 1u) << "layer " << l;
+}
+
+// A worker that opens a push and stops sending is cut off after
+// --write-progress-timeout-ms; nothing of it is staged, and the step it
+// opened (and reserved budget for) completes with the real pushes.
+TEST_F(TrainingTest, APushThatStopsSendingIsCutOffAndLeavesNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartWithRoomForOneStep(2, {"--write-progress-timeout-ms", "300"}));
+  const client::ShardSet& set = *shards_.set;
+  const uint32_t layer = largest_layer_;  // one step of it fills the budget
+  const std::vector<layercast::v1::GradientChunk> good = Chunks(set, layer, 0, 0, 0);
+  for (int round = 0; round < 3; ++round) {  // more stalled pushes than the budget holds
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    layercast::v1::PushGradientsResponse response;
+    auto writer = set.stub(0).PushGradients(&context, &response);
+    ASSERT_TRUE(writer->Write(good[0]));
+    const grpc::Status status = writer->Finish();  // no WritesDone: the worker hangs
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_THAT(status.error_message(), HasSubstr("sent no chunk within"));
+  }
+  PushOutcome outcome = Push(set, 0, good);
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  outcome = Push(set, 0, Chunks(set, layer, 1, 0, 0));
+  ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
+  EXPECT_TRUE(outcome.response.applied());
 }
 
 // The worker library's sink: W workers' pushes advance every layer once per
@@ -250,12 +318,13 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
       }
     }
     for (auto& sink : sinks) ASSERT_TRUE(sink->Flush().ok());
-    int applied = 0;
+    uint32_t applied = 0;
     for (auto& result : results) {
       ASSERT_TRUE(result.get().ok()) << result.get().status();
-      applied += result.get()->applied ? 1 : 0;
+      applied += result.get()->shards_applied;
     }
-    EXPECT_EQ(applied, static_cast<int>(layers));  // one push per layer completes its step
+    // On each shard, one of the two pushes of each layer completes its step.
+    EXPECT_EQ(applied, layers * set.addresses().size());
     for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ(LayerVersion(set, l), step + 1);
   }
   // A push of a step the layer is past is refused, not applied again.

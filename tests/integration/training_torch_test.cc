@@ -53,13 +53,7 @@ struct Recipe {
 
 constexpr char kToken[] = "training-torch-test-token-0123456789";
 
-std::string WriteToken(const std::string& dir) {
-  const std::string path = dir + "/token";
-  std::ofstream(path) << kToken << "\n";
-  std::filesystem::permissions(
-      path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  return path;
-}
+std::string WriteToken(const std::string& dir) { return WriteAdminToken(dir, kToken); }
 
 // Trains through a fresh shard set; returns the checkpoint directory.
 std::string Train(const Recipe& recipe, const TestModel& model) {

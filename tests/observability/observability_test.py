@@ -394,6 +394,19 @@ def check_shards(checks, args, tmp, shards):
                      str(info))
         checks.check(f"shard {s.index} layercast_memory_budget_bytes",
                      total(samples, "layercast_memory_budget_bytes") == BUDGET_BYTES)
+        # The process metrics: this shard's own RSS, from /proc, above its
+        # fp32 master (which it holds) and below the machine's memory.
+        rss = total(samples, "process_resident_memory_bytes")
+        master = total(samples, "layercast_master_bytes")
+        checks.check(f"shard {s.index} process_resident_memory_bytes holds its master",
+                     master < rss < 64 * 2**30, f"rss {rss}, master {master}")
+        checks.check(f"shard {s.index} process metrics", total(samples, "process_open_fds") > 0
+                     and total(samples, "process_start_time_seconds") > time.time() - 3600
+                     and any(n == "process_cpu_seconds_total" for n, _, _ in samples), "")
+        # Series that exist before any call of their kind.
+        checks.check(f"shard {s.index} PushGradients OK series at zero from start-up",
+                     any(n == "layercast_rpcs_total" and l == {"method": "PushGradients", "code": "OK"}
+                         and v == 0 for n, l, v in samples))
 
     # One round: gather every layer with `layercast fetch`, so the expected
     # byte count comes from the files' safetensors headers, not from the

@@ -125,9 +125,10 @@ TEST(LayerTrainerTest, AppliesTheMeanWithTheStepsLearningRate) {
   }
 }
 
-// A step advances its layer in the gate, and gives the staged pushes'
-// budget back; a push the trainer refuses leaves its charge with the caller.
-TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsTheStagingBudget) {
+// A step advances its layer in the gate, and gives the step's reservation
+// back to the budget as it applies: one reservation per step, taken by
+// whoever opens it, covering every worker's push.
+TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsItsReservation) {
   auto store = Store(1, 2);
   boost::asio::io_context io;
   VersionGate gate(io.get_executor(), 4);
@@ -138,24 +139,35 @@ TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsTheStagingBudget) {
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   const uint32_t layer = 1;
   EXPECT_EQ((*trainer)->version(layer), 4u) << "layers start at the gate's versions";
-  const uint64_t staging = (*trainer)->StagingBytes(layer);
-  ASSERT_TRUE(budget.TryAcquire(staging));
+  const uint64_t step_bytes = (*trainer)->StepBytes(layer);
+  EXPECT_EQ(step_bytes, 2 * (*trainer)->StagingBytes(layer));
+  constexpr auto kNever = std::chrono::steady_clock::time_point::max();
+  int ready = 0;
+  const auto count = [&ready](bool granted) { ready += granted ? 1 : 100; };
+  EXPECT_NE((*trainer)->ReserveStep(layer, 4, kNever, count), 0u) << "the budget answers later";
+  EXPECT_NE((*trainer)->ReserveStep(layer, 4, kNever, count), 0u) << "waits for the same grant";
+  EXPECT_EQ(ready, 0);
+  io.restart();
+  io.poll();
+  EXPECT_EQ(ready, 2) << "one grant serves every push of the step";
+  EXPECT_EQ(budget.in_use(), step_bytes) << "reserved once, for both workers";
+  EXPECT_EQ((*trainer)->ReserveStep(layer, 4, kNever, count), 0u) << "reserved: at once";
+  EXPECT_EQ(ready, 3);
   auto pushed = (*trainer)->Push(layer, 0, 4, Gradient(**trainer, layer, 0, 4));
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_FALSE(pushed->applied);
   EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 1u);
-  EXPECT_EQ(budget.in_use(), staging) << "staged: the trainer holds it";
-  ASSERT_TRUE(budget.TryAcquire(staging));
   EXPECT_EQ((*trainer)->Push(layer, 0, 4, Gradient(**trainer, layer, 0, 4)).status().code(),
             absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(budget.in_use(), 2 * staging) << "refused: the caller still holds its charge";
+  EXPECT_EQ(budget.in_use(), step_bytes);
   pushed = (*trainer)->Push(layer, 1, 4, Gradient(**trainer, layer, 1, 4));
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_TRUE(pushed->applied);
   EXPECT_EQ(pushed->layer_version, 5u);
-  EXPECT_EQ(budget.in_use(), 0u) << "applied: both workers' staging returned";
+  EXPECT_EQ(budget.in_use(), 0u) << "applied: the reservation returned";
   EXPECT_EQ(gate.version(layer), 5u);
   EXPECT_EQ(gate.version(0), 4u);
+  EXPECT_NE((*trainer)->ReserveStep(layer, 5, kNever, count), 0u) << "the next step reserves anew";
   EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 0u);
 }
 
