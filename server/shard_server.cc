@@ -6,19 +6,17 @@
 #include <prometheus/exposer.h>
 #include <unistd.h>
 
-#include <filesystem>
+#include <thread>
 
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/content_fingerprint.h"
 #include "core/file_system.h"
-#include "core/glob.h"
 #include "core/log.h"
-#include "core/safetensors_source.h"
 #include "core/status_macros.h"
-#include "core/synthetic_model.h"
 #include "server/auth_token.h"
+#include "server/model_source.h"
 #include "server/shard_checkpoint.h"
 
 namespace layercast::server {
@@ -45,99 +43,10 @@ uint64_t LargestLayerShareBytes(const ParameterStore& store) {
   return largest;
 }
 
-absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings& settings) {
-  const auto& config = settings.config;
-  if (!config.synthetic().empty()) {
-    ASSIGN_OR_RETURN(auto synthetic, SyntheticModel::Create(config.synthetic()));
-    return std::unique_ptr<ParameterSource>(std::move(synthetic));
-  }
-  // A Hugging Face folder, as transformers and vLLM take it: its index if
-  // it has one, else its single file; the model id is the folder's name.
-  std::string path = config.model();
-  std::string model_id = config.model_id();
-  std::error_code error;
-  if (std::filesystem::is_directory(path, error)) {
-    const std::filesystem::path dir(path);
-    std::string found;
-    for (const char* name : {"model.safetensors.index.json", "model.safetensors"}) {
-      if (std::filesystem::exists(dir / name, error)) {
-        found = (dir / name).string();
-        break;
-      }
-    }
-    if (found.empty()) {
-      return absl::NotFoundError(
-          absl::StrCat("--model ", path,
-                       " is a folder with neither model.safetensors.index.json nor "
-                       "model.safetensors in it: name the .safetensors file or the index"));
-    }
-    if (model_id.empty())
-      model_id = std::filesystem::absolute(dir).lexically_normal().filename().string();
-    if (model_id.empty())
-      model_id = std::filesystem::absolute(dir).parent_path().filename().string();
-    Log()->info("--model {}: serving {} as model '{}'", path, found, model_id);
-    path = found;
-  }
-  ASSIGN_OR_RETURN(auto file, SafetensorsSource::Open(path, model_id, settings.grouping));
-  const ModelSpec& model = file->model();
-  for (const auto& [dtype, elements] : file->StoredElements()) {
-    if (dtype == DType::kFloat32) continue;
-    Log()->info(
-        "{} elements of {} are stored as {}: widened exactly to the fp32 master, which "
-        "holds them in {}x their bytes in the file",
-        elements, model.model_id, DTypeSafetensorsName(dtype), 4 / DTypeSize(dtype));
-  }
-  if (model.layers.size() == 1 && model.layers[0].name == settings.grouping.last_name &&
-      model.layers[0].tensors.size() > 1) {
-    Log()->warn(
-        "no tensor name of {} matched the layer rules (first prefix '{}', --layer-regex '{}'): "
-        "the whole model is one layer '{}', gathered at once. Set --layer-regex for its naming, "
-        "e.g. '^transformer\\.h\\.(\\d+)\\.' for GPT-2 (docs/models.md)",
-        model.model_id, settings.grouping.first_prefix, settings.grouping.layer_regex,
-        settings.grouping.last_name);
-  }
-  return std::unique_ptr<ParameterSource>(std::move(file));
-}
-
 // Keeps the "host:port" the user wrote, with the port gRPC picked for ":0".
 std::string BoundAddress(const std::string& listen, int port) {
   const size_t colon = listen.rfind(':');
   return absl::StrCat(listen.substr(0, colon), ":", port);
-}
-
-// A per-tensor rule that matches no tensor of the model is most often a typo
-// in its glob: said at start-up, naming the rule and a real tensor name.
-void WarnUnmatchedRules(const ModelSpec& model, const Policy& policy,
-                        const std::optional<OptimizerSpec>& optimizer) {
-  const auto matches_any = [&](const std::string& glob) {
-    for (const LayerSpec& layer : model.layers) {
-      for (const TensorSpec& tensor : layer.tensors) {
-        if (GlobMatches(glob, tensor.name)) return true;
-      }
-    }
-    return false;
-  };
-  std::string example;
-  if (!model.layers.empty() && !model.layers.back().tensors.empty()) {
-    example = model.layers.back().tensors.front().name;
-  }
-  for (const Policy::Override& rule : policy.overrides()) {
-    if (!matches_any(rule.glob)) {
-      Log()->warn(
-          "--policy override '{}={}' matches no tensor of {}: check its glob (tensor "
-          "names look like '{}')",
-          rule.glob, DTypeName(rule.compute), model.model_id, example);
-    }
-  }
-  if (!optimizer) return;
-  for (const OptimizerSpec::Override& rule : optimizer->overrides()) {
-    if (!matches_any(rule.glob)) {
-      Log()->warn(
-          "--optimizer override '{}' matches no tensor of {}: check its glob (tensor "
-          "names look like '{}')",
-          rule.glob, model.model_id, example);
-    }
-  }
 }
 
 // The start-up check of a training shard: master, optimizer state, one
@@ -493,12 +402,23 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   metrics_.ready().Set(0);
   SetReadiness(false);
   const int64_t in_flight = service_->streams_in_flight();
+  const bool streaming = service_->streams_streaming() > 0;
   const auto drain_start = std::chrono::steady_clock::now();
   const bool drained = service_->WaitForStreams(absl::Now() + absl::FromChrono(drain));
   if (drained && in_flight > 0) {
     Log()->info(
         "drained {} stream(s) in {:.1f} s", in_flight,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - drain_start).count());
+    // A stream is done once its last chunk is in the transport, up to a flow
+    // control window ahead of its reader. Exiting at once would close the
+    // socket with the reader's window updates unread, and the kernel then
+    // resets the connection, discarding what the reader had not read yet.
+    // Linger while the drain allows, a second at most, for it to read them.
+    const auto lingered = std::min<std::chrono::steady_clock::duration>(
+        std::chrono::seconds(1), drain - (std::chrono::steady_clock::now() - drain_start));
+    if (streaming && lingered > std::chrono::steady_clock::duration::zero()) {
+      std::this_thread::sleep_for(lingered);
+    }
   }
   if (!drained) {
     Log()->warn(

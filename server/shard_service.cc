@@ -149,6 +149,11 @@ int64_t ShardService::streams_in_flight() const {
   return streaming_ + parked_;
 }
 
+int64_t ShardService::streams_streaming() const {
+  absl::MutexLock lock(&streams_mu_);
+  return streaming_;
+}
+
 bool ShardService::WaitForStreams(absl::Time deadline) const {
   absl::MutexLock lock(&streams_mu_);
   const auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(streams_mu_) {

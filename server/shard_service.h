@@ -81,6 +81,8 @@ class ShardService final
   VersionGate& version_gate() { return gate_; }
   // FetchLayer streams started and not yet done, parked ones included.
   int64_t streams_in_flight() const;
+  // Of those, the ones streaming (not parked for a version).
+  int64_t streams_streaming() const;
   // Waits until no stream is in flight or `deadline` passes; true if none is.
   bool WaitForStreams(absl::Time deadline) const;
 

@@ -1,0 +1,104 @@
+#include "server/model_source.h"
+
+#include <filesystem>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "core/glob.h"
+#include "core/log.h"
+#include "core/safetensors_source.h"
+#include "core/status_macros.h"
+#include "core/synthetic_model.h"
+
+namespace layercast::server {
+
+absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings& settings) {
+  const auto& config = settings.config;
+  if (!config.synthetic().empty()) {
+    ASSIGN_OR_RETURN(auto synthetic, SyntheticModel::Create(config.synthetic()));
+    return std::unique_ptr<ParameterSource>(std::move(synthetic));
+  }
+  // A Hugging Face folder, as transformers and vLLM take it: its index if
+  // it has one, else its single file; the model id is the folder's name.
+  std::string path = config.model();
+  std::string model_id = config.model_id();
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    const std::filesystem::path dir(path);
+    std::string found;
+    for (const char* name : {"model.safetensors.index.json", "model.safetensors"}) {
+      if (std::filesystem::exists(dir / name, error)) {
+        found = (dir / name).string();
+        break;
+      }
+    }
+    if (found.empty()) {
+      return absl::NotFoundError(
+          absl::StrCat("--model ", path,
+                       " is a folder with neither model.safetensors.index.json nor "
+                       "model.safetensors in it: name the .safetensors file or the index"));
+    }
+    if (model_id.empty())
+      model_id = std::filesystem::absolute(dir).lexically_normal().filename().string();
+    if (model_id.empty())
+      model_id = std::filesystem::absolute(dir).parent_path().filename().string();
+    Log()->info("--model {}: serving {} as model '{}'", path, found, model_id);
+    path = found;
+  }
+  ASSIGN_OR_RETURN(auto file, SafetensorsSource::Open(path, model_id, settings.grouping));
+  const ModelSpec& model = file->model();
+  for (const auto& [dtype, elements] : file->StoredElements()) {
+    if (dtype == DType::kFloat32) continue;
+    Log()->info(
+        "{} elements of {} are stored as {}: widened exactly to the fp32 master, which "
+        "holds them in {}x their bytes in the file",
+        elements, model.model_id, DTypeSafetensorsName(dtype), 4 / DTypeSize(dtype));
+  }
+  if (model.layers.size() == 1 && model.layers[0].name == settings.grouping.last_name &&
+      model.layers[0].tensors.size() > 1) {
+    Log()->warn(
+        "no tensor name of {} matched the layer rules (first prefix '{}', --layer-regex '{}'): "
+        "the whole model is one layer '{}', gathered at once. Set --layer-regex for its naming, "
+        "e.g. '^transformer\\.h\\.(\\d+)\\.' for GPT-2 (docs/models.md)",
+        model.model_id, settings.grouping.first_prefix, settings.grouping.layer_regex,
+        settings.grouping.last_name);
+  }
+  return std::unique_ptr<ParameterSource>(std::move(file));
+}
+
+// A per-tensor rule that matches no tensor of the model is most often a typo
+// in its glob: said at start-up, naming the rule and a real tensor name.
+void WarnUnmatchedRules(const ModelSpec& model, const Policy& policy,
+                        const std::optional<OptimizerSpec>& optimizer) {
+  const auto matches_any = [&](const std::string& glob) {
+    for (const LayerSpec& layer : model.layers) {
+      for (const TensorSpec& tensor : layer.tensors) {
+        if (GlobMatches(glob, tensor.name)) return true;
+      }
+    }
+    return false;
+  };
+  std::string example;
+  if (!model.layers.empty() && !model.layers.back().tensors.empty()) {
+    example = model.layers.back().tensors.front().name;
+  }
+  for (const Policy::Override& rule : policy.overrides()) {
+    if (!matches_any(rule.glob)) {
+      Log()->warn(
+          "--policy override '{}={}' matches no tensor of {}: check its glob (tensor "
+          "names look like '{}')",
+          rule.glob, DTypeName(rule.compute), model.model_id, example);
+    }
+  }
+  if (!optimizer) return;
+  for (const OptimizerSpec::Override& rule : optimizer->overrides()) {
+    if (!matches_any(rule.glob)) {
+      Log()->warn(
+          "--optimizer override '{}' matches no tensor of {}: check its glob (tensor "
+          "names look like '{}')",
+          rule.glob, model.model_id, example);
+    }
+  }
+}
+
+}  // namespace layercast::server
