@@ -88,12 +88,18 @@ uint64_t LayerTrainer::version(uint32_t layer) const {
   return layers_[layer]->version;
 }
 
+uint32_t LayerTrainer::MissingLocked(const LayerState& state) {
+  // A reduced step (clipping) has every push; it waits for its scale.
+  if (state.reduced) return 0;
+  return static_cast<uint32_t>(
+      std::count_if(state.pushed.begin(), state.pushed.end(),
+                    [](const auto& pushed) { return !pushed.has_value(); }));
+}
+
 uint32_t LayerTrainer::missing_workers(uint32_t layer) const {
   const LayerState& state = *layers_[layer];
   absl::MutexLock lock(&state.mu);
-  uint32_t missing = 0;
-  for (const auto& pushed : state.pushed) missing += pushed.has_value() ? 0 : 1;
-  return missing;
+  return MissingLocked(state);
 }
 
 absl::Status LayerTrainer::CheckIndices(uint32_t layer, uint32_t worker) const {
@@ -261,12 +267,7 @@ LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {
     if (layer->opened && (!oldest_opened || *layer->opened < *oldest_opened)) {
       oldest_opened = layer->opened;
       oldest.waited_seconds = std::chrono::duration<double>(now - *layer->opened).count();
-      // A reduced step (clipping) waits for its scale, not for workers.
-      oldest.missing_workers = layer->reduced
-                                   ? 0
-                                   : static_cast<uint32_t>(std::count_if(
-                                         layer->pushed.begin(), layer->pushed.end(),
-                                         [](const auto& pushed) { return !pushed.has_value(); }));
+      oldest.missing_workers = MissingLocked(*layer);
     }
     layer->mu.Unlock();
   }

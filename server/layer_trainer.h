@@ -200,6 +200,8 @@ class LayerTrainer {
   LayerTrainer(ParameterStore& store, OptimizerSpec spec, uint32_t workers, Links links)
       : store_(store), spec_(std::move(spec)), workers_(workers), links_(links) {}
 
+  // Workers whose push the layer's current step still waits for.
+  static uint32_t MissingLocked(const LayerState& state) ABSL_SHARED_LOCKS_REQUIRED(state.mu);
   // CheckPush's checks. REQUIRES: layer < layers, worker < workers.
   absl::Status CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
                                const LayerState& state) const ABSL_SHARED_LOCKS_REQUIRED(state.mu);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "core/byte_size.h"
+#include "core/flag_value.h"
 #include "core/status_macros.h"
 
 namespace layercast::server {
@@ -133,16 +134,8 @@ absl::StatusOr<layercast::v1::ShardConfig> ParseShardFlags(const std::vector<std
       return absl::InvalidArgumentError(
           absl::StrCat("unexpected argument '", arg, "': flags are --name VALUE; see --help"));
     }
-    std::string name = arg.substr(2), value;
-    if (const size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name.resize(eq);
-    } else if (i + 1 < args.size()) {
-      value = args[++i];
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
-    }
-    flags.emplace_back(std::move(name), std::move(value));
+    ASSIGN_OR_RETURN(auto flag, TakeFlag(args, &i));
+    flags.push_back(std::move(flag));
   }
   for (const auto& [name, value] : flags) {
     if (name == "config") RETURN_IF_ERROR(MergeJsonFile(value, config));

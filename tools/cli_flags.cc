@@ -5,6 +5,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/flag_value.h"
+#include "core/status_macros.h"
 
 namespace layercast::tools {
 
@@ -16,19 +18,12 @@ absl::StatusOr<CliFlags> CliFlags::Parse(const std::vector<std::string>& args,
     if (!absl::StartsWith(args[i], "--")) {
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", args[i], "'"));
     }
-    std::string name = args[i].substr(2), value;
-    if (switches.count(name) > 0) {
-      flags.values_[name] = "";
+    if (switches.count(args[i].substr(2)) > 0) {
+      flags.values_[args[i].substr(2)] = "";
       continue;
     }
-    if (const size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name.resize(eq);
-    } else if (i + 1 < args.size()) {
-      value = args[++i];
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
-    }
+    ASSIGN_OR_RETURN(auto flag, TakeFlag(args, &i));
+    auto& [name, value] = flag;
     if (switches.count(name) > 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("--", name, " takes no value; give it alone, not --", name, "=", value));

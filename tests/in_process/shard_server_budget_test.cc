@@ -20,6 +20,34 @@ namespace {
 constexpr char kModel[] = "llama:layers=2,hidden=256,ffn=512,vocab=4096,seed=4";
 constexpr uint64_t kChunkBytes = 16 << 10;
 
+// A FetchLayer stream of layer 0 whose reader stops after one chunk: with
+// the embedding far larger than flow control lets through (32 MiB of bf16
+// in these tests), the stream keeps its buffers and its slot until Release.
+class HeldStream {
+ public:
+  explicit HeldStream(layercast::v1::ShardService::Stub& stub) {
+    layercast::v1::FetchLayerRequest request;
+    request.set_layer(0);
+    reader_ = stub.FetchLayer(&context_, request);
+  }
+  ~HeldStream() { Release(); }
+  bool ReadOne() { return reader_->Read(&chunk_); }
+  void Release() {
+    if (released_) return;
+    released_ = true;
+    context_.TryCancel();
+    while (reader_->Read(&chunk_)) {
+    }
+    reader_->Finish();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<layercast::v1::LayerChunk>> reader_;
+  layercast::v1::LayerChunk chunk_;
+  bool released_ = false;
+};
+
 std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::string& model = kModel,
                                          std::optional<uint64_t> shared_chunk_bytes = {},
                                          uint32_t shared_chunk_max_idle_ms = 0) {
@@ -111,16 +139,12 @@ TEST(ShardServerBudgetTest, AStreamThatCannotStartBeforeItsDeadlineIsRefused) {
                                      grpc::InsecureChannelCredentials());
   auto stub = layercast::v1::ShardService::NewStub(channel);
 
-  // A stream whose reader stops after one chunk keeps its buffers: the
-  // embedding is 32 MiB of bf16, far more than flow control lets through.
-  grpc::ClientContext holder_context;
-  layercast::v1::FetchLayerRequest request;
-  request.set_layer(0);
-  auto holder = stub->FetchLayer(&holder_context, request);
-  layercast::v1::LayerChunk chunk;
-  ASSERT_TRUE(holder->Read(&chunk));
+  HeldStream holder(*stub);
+  ASSERT_TRUE(holder.ReadOne());
 
   grpc::ClientContext context;
+  layercast::v1::FetchLayerRequest request;
+  layercast::v1::LayerChunk chunk;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(800));
   request.set_layer(1);
   auto refused = stub->FetchLayer(&context, request);
@@ -131,10 +155,7 @@ TEST(ShardServerBudgetTest, AStreamThatCannotStartBeforeItsDeadlineIsRefused) {
   EXPECT_THAT(status.error_message(), ::testing::HasSubstr("no memory budget became free"));
   EXPECT_THAT(status.error_message(), ::testing::HasSubstr("raise --memory-budget"));
 
-  holder_context.TryCancel();
-  while (holder->Read(&chunk)) {
-  }
-  holder->Finish();
+  holder.Release();
   EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
   server->Shutdown(std::chrono::seconds(5));
 }
@@ -151,15 +172,12 @@ TEST(ShardServerBudgetTest, StreamsBeyondMaxStreamsAreRefused) {
   ASSERT_TRUE((*server)->Load(nullptr).ok());
   auto stub = layercast::v1::ShardService::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
-  // Held open: 32 MiB of bf16 that this reader does not drain.
-  grpc::ClientContext holder_context;
-  layercast::v1::FetchLayerRequest request;
-  request.set_layer(0);
-  auto holder = stub->FetchLayer(&holder_context, request);
-  layercast::v1::LayerChunk chunk;
-  ASSERT_TRUE(holder->Read(&chunk));
+  HeldStream holder(*stub);
+  ASSERT_TRUE(holder.ReadOne());
 
   grpc::ClientContext context;
+  layercast::v1::FetchLayerRequest request;
+  layercast::v1::LayerChunk chunk;
   request.set_layer(1);
   auto refused = stub->FetchLayer(&context, request);
   while (refused->Read(&chunk)) {
@@ -167,10 +185,7 @@ TEST(ShardServerBudgetTest, StreamsBeyondMaxStreamsAreRefused) {
   const grpc::Status status = refused->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(), ::testing::HasSubstr("already serves 1 FetchLayer"));
-  holder_context.TryCancel();
-  while (holder->Read(&chunk)) {
-  }
-  holder->Finish();
+  holder.Release();
   (*server)->Shutdown(std::chrono::seconds(5));
 }
 
