@@ -137,15 +137,20 @@ void TensorOptimizer::AdamWStep(double lr, std::span<float> param, std::span<con
   const float minus_step_size = static_cast<float>(-step_size);
   const float bias_correction2_sqrt_f = static_cast<float>(bias_correction2_sqrt);
   const float eps = static_cast<float>(hyper_.eps);
+  // Distinct buffers: __restrict lets the loop vectorise without alias checks.
+  float* __restrict const param_p = param.data();
+  const float* __restrict const grad_p = grad.data();
+  float* __restrict const first_p = first_.data();
+  float* __restrict const second_p = second_.data();
   for (size_t i = 0; i < size_; ++i) {
-    const float g = grad[i];
-    const float p = param[i] * decay;                                 // param.mul_(1 - lr * wd)
-    const float m = std::fma(g, one_minus_beta1, first_[i] * beta1);  // .add_(grad, alpha=1-b1)
-    const float v = std::fma(one_minus_beta2 * g, g, second_[i] * beta2);  // .addcmul_(g, g, 1-b2)
+    const float g = grad_p[i];
+    const float p = param_p[i] * decay;                                // param.mul_(1 - lr * wd)
+    const float m = std::fma(g, one_minus_beta1, first_p[i] * beta1);  // .add_(grad, alpha=1-b1)
+    const float v = std::fma(one_minus_beta2 * g, g, second_p[i] * beta2);  // .addcmul_(g, g, 1-b2)
     const float denom = std::sqrt(v) / bias_correction2_sqrt_f + eps;
-    param[i] = p + (minus_step_size * m) / denom;  // param.addcdiv_(m, denom, value=-step_size)
-    first_[i] = m;
-    second_[i] = v;
+    param_p[i] = p + (minus_step_size * m) / denom;  // param.addcdiv_(m, denom, value=-step_size)
+    first_p[i] = m;
+    second_p[i] = v;
   }
 }
 
