@@ -56,9 +56,17 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
   if (workers == 0) {
     return absl::InvalidArgumentError("--data-parallel-workers must be at least 1");
   }
-  auto trainer =
-      std::unique_ptr<LayerTrainer>(new LayerTrainer(store, std::move(spec), workers, links));
   const ModelSpec& model = store.model();
+  uint64_t largest_layer = 0;
+  for (uint32_t l = 0; l < model.layers.size(); ++l) {
+    uint64_t owned = 0;
+    for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) owned += store.owned(l, t).size();
+    largest_layer = std::max(largest_layer, owned);
+  }
+  // The pool keeps one step of the largest layer: the staging the start-up
+  // check counts (MemoryFor).
+  auto trainer = std::unique_ptr<LayerTrainer>(new LayerTrainer(
+      store, std::move(spec), workers, links, uint64_t{workers} * largest_layer * sizeof(float)));
   try {
     for (uint32_t l = 0; l < model.layers.size(); ++l) {
       auto state = std::make_unique<LayerState>();
@@ -145,7 +153,14 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
   {
     absl::MutexLock lock(&state.mu);
     if (state.version == step && !state.reserved) {
-      if (links_.budget == nullptr) {
+      uint64_t needed = 0;
+      if (state.budget_wait == 0) {
+        // Pooled buffers of this size, already charged, count towards the
+        // reservation; the budget is asked for the rest.
+        state.spare = pool_->Claim(state.owned_elements, workers_);
+        needed = StepBytes(layer) - state.spare.size() * StagingBytes(layer);
+      }
+      if (links_.budget == nullptr || (state.budget_wait == 0 && needed == 0)) {
         state.reserved = true;
       } else {
         const uint64_t id = next_wait_id_++;
@@ -153,8 +168,7 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
         if (state.budget_wait == 0) {
           // Posted, never run here: the lock is held.
           state.budget_wait = links_.budget->Acquire(
-              StepBytes(layer), give_up_at,
-              [this, layer](bool granted) { OnReservation(layer, granted); });
+              needed, give_up_at, [this, layer](bool granted) { OnReservation(layer, granted); });
         }
         return id;
       }
@@ -162,6 +176,24 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
   }
   ready(true);
   return 0;
+}
+
+std::vector<float> LayerTrainer::TakeStaging(uint32_t layer) {
+  LayerState& state = *layers_[layer];
+  {
+    absl::MutexLock lock(&state.mu);
+    if (!state.spare.empty()) {
+      std::vector<float> buffer = std::move(state.spare.back());
+      state.spare.pop_back();
+      return buffer;
+    }
+  }
+  return std::vector<float>(state.owned_elements);
+}
+
+void LayerTrainer::RecycleLocked(LayerState& state, std::vector<float> buffer) {
+  if (links_.budget != nullptr && !state.reserved) return;  // not charged: freed here
+  pool_->Give(std::move(buffer));
 }
 
 void LayerTrainer::OnReservation(uint32_t layer, bool granted) {
@@ -172,6 +204,10 @@ void LayerTrainer::OnReservation(uint32_t layer, bool granted) {
     state.budget_wait = 0;
     state.reserved = granted;
     waiting.swap(state.waiting);
+    if (!granted) {
+      for (std::vector<float>& buffer : state.spare) pool_->Give(std::move(buffer));
+      state.spare.clear();
+    }
   }
   // Outside the lock: each push goes on to read its chunks.
   for (auto& [id, ready] : waiting) ready(granted);
@@ -183,6 +219,8 @@ bool LayerTrainer::CancelReservationWait(uint32_t layer, uint64_t id) {
   if (state.waiting.erase(id) == 0) return false;
   if (state.waiting.empty() && state.budget_wait != 0 && links_.budget->Cancel(state.budget_wait)) {
     state.budget_wait = 0;
+    for (std::vector<float>& buffer : state.spare) pool_->Give(std::move(buffer));
+    state.spare.clear();
   }
   return true;
 }
@@ -294,7 +332,7 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
   }
   if (spec_.clip()) {
     // The step waits for the clip scale, which needs every layer's norm.
-    ReduceLocked(layer, state);
+    ReduceLocked(state);
     return Pushed{state.version, false};
   }
   const auto opened = *state.opened;
@@ -312,27 +350,28 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
                 std::chrono::duration<double>(end - opened).count()};
 }
 
-void LayerTrainer::ReduceLocked(uint32_t layer, LayerState& state) {
+void LayerTrainer::ReduceLocked(LayerState& state) {
   // Left to right in worker order: the same bits whatever order pushes came
   // in. Summed into worker 0's staging, which the step consumes anyway.
-  std::vector<float>& mean = *state.pushed[0];
+  float* __restrict const mean = state.pushed[0]->data();
+  const size_t size = state.pushed[0]->size();
   for (uint32_t w = 1; w < workers_; ++w) {
-    const std::vector<float>& g = *state.pushed[w];
-    for (size_t i = 0; i < mean.size(); ++i) mean[i] += g[i];
+    const float* __restrict const g = state.pushed[w]->data();
+    for (size_t i = 0; i < size; ++i) mean[i] += g[i];
+    RecycleLocked(state, *std::move(state.pushed[w]));
     state.pushed[w].reset();
   }
-  const float divisor = static_cast<float>(workers_);
-  for (float& value : mean) value /= divisor;
+  // x / 1 is x, bit for bit: one worker's gradient is its own mean.
+  if (workers_ > 1) {
+    const float divisor = static_cast<float>(workers_);
+    for (size_t i = 0; i < size; ++i) mean[i] /= divisor;
+  }
   if (spec_.clip()) {
     double sum = 0;
-    for (const float value : mean) sum += static_cast<double>(value) * value;
+    for (size_t i = 0; i < size; ++i) sum += static_cast<double>(mean[i]) * mean[i];
     state.sum_of_squares = sum;
   }
   state.reduced = true;
-  // The other workers' share of the step's reservation.
-  if (links_.budget != nullptr && state.reserved) {
-    links_.budget->Release((workers_ - 1) * StagingBytes(layer));
-  }
 }
 
 absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
@@ -352,7 +391,7 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
     }
     lrs.push_back(lr);
   }
-  if (!state.reduced) ReduceLocked(layer, state);
+  if (!state.reduced) ReduceLocked(state);
   std::vector<float>& mean = *state.pushed[0];
   // As torch's clip_grad_norm_ does to p.grad: one float multiply each.
   if (clip_scale) {
@@ -369,12 +408,15 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
         optimizer.Step(lrs[t], master, std::span<const float>(mean.data() + at, optimizer.size())));
     at += optimizer.size();
   }
+  RecycleLocked(state, *std::move(state.pushed[0]));
   state.pushed[0].reset();
+  // Left only by pushes that brought their own buffers (Push called
+  // directly): the step's charge went with the W recycled above.
+  state.spare.clear();
   state.reduced = false;
   state.opened.reset();
   ++state.version;
   if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
-  if (links_.budget != nullptr && state.reserved) links_.budget->Release(StagingBytes(layer));
   state.reserved = false;
   return absl::OkStatus();
 }

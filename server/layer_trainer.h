@@ -19,6 +19,7 @@
 #include "server/checkpoint_writer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/staging_pool.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
@@ -58,7 +59,9 @@ struct TrainerLinks {
 // (ReserveStep): every push of the step waits for that one reservation, so
 // a step that has begun can always complete, however many pushes of other
 // steps wait for budget. The step returns it as it applies (with clipping,
-// the mean's share when the scale arrives).
+// the mean's share when the scale arrives) to a StagingPool, which keeps
+// the buffers, still charged, for the next step of a layer of that size
+// (spare_staging(): drained when the budget needs room).
 //
 // Thread-safe; pushes to different layers proceed in parallel.
 class LayerTrainer {
@@ -115,6 +118,13 @@ class LayerTrainer {
   // Bytes of one staged push of `layer`, and of a whole step's (W pushes).
   uint64_t StagingBytes(uint32_t layer) const { return owned_elements(layer) * sizeof(float); }
   uint64_t StepBytes(uint32_t layer) const { return workers_ * StagingBytes(layer); }
+  // A buffer for one push of `layer`'s current step: one the step's
+  // reservation claimed from the pool, else a new one. Contents
+  // unspecified. Throws std::bad_alloc when memory runs out.
+  std::vector<float> TakeStaging(uint32_t layer);
+  // The pooled staging of applied steps, for the budget's reclaimer to
+  // drain (held weakly: the reclaimer may outlive the trainer).
+  std::weak_ptr<StagingPool> spare_staging() const { return pool_; }
   // Calls `ready(true)` once `step` of `layer` has its staging reserved:
   // inline, on this thread, when it has already (or `step` is not the
   // layer's current step: the push will be refused), and returns 0; else
@@ -191,14 +201,21 @@ class LayerTrainer {
     bool reserved ABSL_GUARDED_BY(mu) = false;
     uint64_t budget_wait ABSL_GUARDED_BY(mu) = 0;
     std::map<uint64_t, ReservationReady> waiting ABSL_GUARDED_BY(mu);
+    // Pooled buffers the step's reservation claimed, for its pushes.
+    std::vector<std::vector<float>> spare ABSL_GUARDED_BY(mu);
     double sum_of_squares ABSL_GUARDED_BY(mu) = 0;
     // When the current step's first push arrived; nullopt before it.
     std::optional<std::chrono::steady_clock::time_point> opened ABSL_GUARDED_BY(mu);
     std::vector<TensorOptimizer> optimizers ABSL_GUARDED_BY(mu);  // per tensor
   };
 
-  LayerTrainer(ParameterStore& store, OptimizerSpec spec, uint32_t workers, Links links)
-      : store_(store), spec_(std::move(spec)), workers_(workers), links_(links) {}
+  LayerTrainer(ParameterStore& store, OptimizerSpec spec, uint32_t workers, Links links,
+               uint64_t pool_bytes)
+      : store_(store),
+        spec_(std::move(spec)),
+        workers_(workers),
+        links_(links),
+        pool_(std::make_shared<StagingPool>(pool_bytes, links.budget)) {}
 
   // Workers whose push the layer's current step still waits for.
   static uint32_t MissingLocked(const LayerState& state) ABSL_SHARED_LOCKS_REQUIRED(state.mu);
@@ -208,9 +225,13 @@ class LayerTrainer {
   // NOT_FOUND / INVALID_ARGUMENT for a layer or worker out of range.
   absl::Status CheckIndices(uint32_t layer, uint32_t worker) const;
 
+  // A staging buffer charged to the step's reservation goes to the pool
+  // with its charge; one that is not (no reservation: unit tests) is freed.
+  void RecycleLocked(LayerState& state, std::vector<float> buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Averages the staged gradients into pushed[0], in worker order, and
-  // returns the other workers' staging to the budget.
-  void ReduceLocked(uint32_t layer, LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  // recycles the other workers' staging.
+  void ReduceLocked(LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Reduces (if not yet), scales the mean by `clip_scale` if given, and
   // steps the optimizer on the master.
   absl::Status ApplyLocked(uint32_t layer, LayerState& state, std::optional<float> clip_scale)
@@ -221,6 +242,7 @@ class LayerTrainer {
   const uint32_t workers_;
   const Links links_;
   std::vector<std::unique_ptr<LayerState>> layers_;
+  const std::shared_ptr<StagingPool> pool_;
   // The budget's answer to layer `layer`'s reservation request.
   void OnReservation(uint32_t layer, bool granted);
 

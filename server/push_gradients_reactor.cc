@@ -140,7 +140,7 @@ void PushGradientsReactor::OnReserved(bool granted) {
 
 void PushGradientsReactor::Stage() {
   try {
-    staging_.resize(trainer_.owned_elements(layer_));
+    staging_ = trainer_.TakeStaging(layer_);
   } catch (const std::bad_alloc&) {
     FinishOnce(
         grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,

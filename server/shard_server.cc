@@ -376,10 +376,15 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     shared_ = std::make_shared<SharedChunks>(
         shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *budget_,
         metrics_, grants_.get_executor());
-    budget_->SetReclaimer([weak = std::weak_ptr<SharedChunks>(shared_)] {
-      if (auto shared = weak.lock()) shared->DropAll();
-    });
   }
+  // A request that has to wait for budget first gets what is only kept for
+  // speed: cast chunks kept for other streams, pooled gradient staging.
+  budget_->SetReclaimer(
+      [shared = std::weak_ptr<SharedChunks>(shared_),
+       staging = trainer_ ? trainer_->spare_staging() : std::weak_ptr<StagingPool>()] {
+        if (auto chunks = shared.lock()) chunks->DropAll();
+        if (auto pool = staging.lock()) pool->Drain();
+      });
   service_->AttachStore(store_.get(), budget_.get(), shared_.get(), trainer_.get());
   admin_->AttachStore(store_.get(), trainer_.get());
   SetReadiness(true);

@@ -164,11 +164,33 @@ TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsItsReservation) {
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_TRUE(pushed->applied);
   EXPECT_EQ(pushed->layer_version, 5u);
-  EXPECT_EQ(budget.in_use(), 0u) << "applied: the reservation returned";
+  EXPECT_EQ(budget.in_use(), step_bytes) << "applied: the staging is pooled, still charged";
   EXPECT_EQ(gate.version(layer), 5u);
   EXPECT_EQ(gate.version(0), 4u);
-  EXPECT_NE((*trainer)->ReserveStep(layer, 5, kNever, count), 0u) << "the next step reserves anew";
+  EXPECT_EQ((*trainer)->ReserveStep(layer, 5, kNever, count), 0u)
+      << "the next step's reservation is the pooled staging, at once";
+  EXPECT_EQ(ready, 4);
+  EXPECT_EQ(budget.in_use(), step_bytes);
+  EXPECT_EQ((*trainer)->TakeStaging(layer).size(), (*trainer)->owned_elements(layer));
   EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 0u);
+  // A step of the other layer, another size, asks the budget; draining the
+  // pool (the budget's reclaimer) returns what it holds.
+  ASSERT_NE((*trainer)->StagingBytes(0), (*trainer)->StagingBytes(layer));
+  EXPECT_NE((*trainer)->ReserveStep(0, 4, kNever, count), 0u);
+  io.restart();
+  io.poll();
+  EXPECT_EQ(ready, 5);
+  EXPECT_EQ(budget.in_use(), step_bytes + (*trainer)->StepBytes(0));
+  const std::shared_ptr<StagingPool> pool = (*trainer)->spare_staging().lock();
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->bytes(), 0u) << "layer 1's step claimed what was pooled";
+  pushed = (*trainer)->Push(layer, 0, 5, Gradient(**trainer, layer, 0, 5));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  pushed = (*trainer)->Push(layer, 1, 5, Gradient(**trainer, layer, 1, 5));
+  ASSERT_TRUE(pushed.ok() && pushed->applied) << pushed.status();
+  EXPECT_EQ(pool->bytes(), step_bytes);
+  pool->Drain();
+  EXPECT_EQ(budget.in_use(), (*trainer)->StepBytes(0)) << "drained: only layer 0's step holds any";
 }
 
 // With clip=, a layer whose pushes are in waits, reduced to its mean, for
