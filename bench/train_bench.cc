@@ -6,12 +6,19 @@
 //       as soon as its backward gather is done, the shards averaging and
 //       stepping the optimizer while the worker gathers the layers below;
 //   (c) the pushes alone, against (f) one forward pass of gathers: the same
-//       bytes each way (gradients go in the compute dtype).
+//       bytes each way (gradients go in the compute dtype). Measured on a
+//       second shard set with two data-parallel workers, where (c) is one
+//       worker's pushes, taken and staged, with no step applying: the
+//       push's own cost, not the optimizer's (the other worker's pushes
+//       then complete the step, untimed).
+//   (u) the pushes with their update: (c) on the first set, where each
+//       push completes its layer's step (the optimizer is on the shards'
+//       cores too, on this machine the worker's).
 // It reports time per parameter of (b) against (a), the push against the
 // gather of the same bytes (goal: no more), and how much of the pushes and
 // the optimizer's time (the shards' own layercast_optimizer_step_seconds)
 // the training step hides behind its gathers:
-//   hidden = ((a) + (c) + update - (b)) / ((c) + update)
+//   hidden = ((a) + (u) + update - (b)) / ((u) + update)
 //
 // Usage: train_bench [--num-shards N] [--synthetic SPEC] [--rounds R]
 //                    [--optimizer SPEC]
@@ -117,19 +124,74 @@ class Worker {
   uint64_t version_ = 0;
 };
 
+absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(const Args& args,
+                                                                  const std::string& logs,
+                                                                  uint32_t workers) {
+  tools::LocalShardSet::Options options;
+  options.shard_binary = LAYERCAST_SHARD_BINARY;
+  options.num_shards = args.num_shards;
+  options.log_dir = logs;
+  options.extra_flags = {"--synthetic",
+                         args.synthetic,
+                         "--optimizer",
+                         args.optimizer,
+                         "--metrics-listen",
+                         "127.0.0.1:0",
+                         "--policy",
+                         "p=f32,c=bf16;*norm*=f32",
+                         "--data-parallel-workers",
+                         std::to_string(workers)};
+  return tools::LocalShardSet::Start(options);
+}
+
+// (f) and (c) on a shard set with two workers: seconds per round of a
+// forward pass of gathers, and of worker 0's pushes of every layer until
+// every shard has staged them.
+struct StagedPushes {
+  double forward = 0;
+  double pushes = 0;
+};
+absl::StatusOr<StagedPushes> MeasureStagedPushes(const Args& args, const std::string& logs) {
+  ASSIGN_OR_RETURN(std::unique_ptr<tools::LocalShardSet> shards, StartShards(args, logs, 2));
+  ASSIGN_OR_RETURN(std::unique_ptr<client::ShardSet> set,
+                   client::ShardSet::Connect(shards->addresses()));
+  std::vector<std::unique_ptr<client::GradientSink>> sinks;
+  for (uint32_t w = 0; w < 2; ++w) {
+    ASSIGN_OR_RETURN(auto sink, client::GradientSink::Create(*set, {.worker = w}));
+    sinks.push_back(std::move(sink));
+  }
+  const auto layers = static_cast<uint32_t>(set->view().layouts.size());
+  StagedPushes measured;
+  for (uint64_t round = 0; round <= args.rounds; ++round) {  // round 0: a warm-up
+    auto start = Clock::now();
+    client::GatherOptions options;
+    options.min_version = round;
+    for (uint32_t l = 0; l < layers; ++l) {
+      ASSIGN_OR_RETURN(client::Layer layer, set->Gather(l, options));
+    }
+    if (round > 0) measured.forward += Seconds(start);
+    for (uint32_t w = 0; w < 2; ++w) {
+      ASSIGN_OR_RETURN(std::vector<client::LayerBuffer> gradients, Gradients(*set, round));
+      start = Clock::now();
+      for (uint32_t l = layers; l-- > 0;) {
+        ASSIGN_OR_RETURN(auto pushed, sinks[w]->Push(l, round, std::move(gradients[l])));
+      }
+      RETURN_IF_ERROR(sinks[w]->Flush());
+      if (w == 0 && round > 0) measured.pushes += Seconds(start);
+    }
+  }
+  measured.forward /= static_cast<double>(args.rounds);
+  measured.pushes /= static_cast<double>(args.rounds);
+  RETURN_IF_ERROR(shards->Stop());
+  return measured;
+}
+
 int Run(const Args& args) {
   std::error_code ignored;
   const std::string logs =
       (std::filesystem::temp_directory_path(ignored) / "train_bench_logs").string();
   std::filesystem::create_directories(logs, ignored);
-  tools::LocalShardSet::Options options;
-  options.shard_binary = LAYERCAST_SHARD_BINARY;
-  options.num_shards = args.num_shards;
-  options.log_dir = logs;
-  options.extra_flags = {"--synthetic",  args.synthetic,           "--optimizer",
-                         args.optimizer, "--metrics-listen",       "127.0.0.1:0",
-                         "--policy",     "p=f32,c=bf16;*norm*=f32"};
-  auto shards = tools::LocalShardSet::Start(options);
+  auto shards = StartShards(args, logs, 1);
   if (!shards.ok()) {
     std::fprintf(stderr, "starting shards: %s\n", shards.status().ToString().c_str());
     return 1;
@@ -149,7 +211,7 @@ int Run(const Args& args) {
   }
   for (const AssembledLayout& layout : (*set)->view().layouts) bytes += layout.total_bytes();
 
-  double gather_step = 0, train_step = 0, pushes = 0, forward = 0, update = 0;
+  double gather_step = 0, train_step = 0, pushes = 0, update = 0;
   const auto fail = [](const absl::Status& status) {
     std::fprintf(stderr, "train_bench: %s\n", status.ToString().c_str());
     return 1;
@@ -174,9 +236,6 @@ int Run(const Args& args) {
     const double optimizer_after = bench::ScrapeShards(ports).optimizer_seconds_max;
     if (counted) update += optimizer_after - optimizer_before;
 
-    start = Clock::now();
-    if (absl::Status s = worker.GatherPass(false); !s.ok()) return fail(s);
-    if (counted) forward += Seconds(start);
     gradients = Gradients(**set, worker.version());
     if (!gradients.ok()) return fail(gradients.status());
     start = Clock::now();
@@ -186,8 +245,12 @@ int Run(const Args& args) {
     if (counted) pushes += Seconds(start);
   }
   const double n = static_cast<double>(args.rounds);
-  gather_step /= n, train_step /= n, pushes /= n, forward /= n, update /= n;
+  gather_step /= n, train_step /= n, pushes /= n, update /= n;
   const double hidden = (gather_step + pushes + update - train_step) / (pushes + update);
+  if (absl::Status stopped = (*shards)->Stop(); !stopped.ok()) return fail(stopped);
+  const absl::StatusOr<StagedPushes> staged = MeasureStagedPushes(args, logs);
+  if (!staged.ok()) return fail(staged.status());
+  const double forward = staged->forward;
   std::printf(
       "train_bench: %s, %u shards, optimizer %s, %llu rounds after a warm-up\n"
       "machine: 2 cores shared by shards and worker: compare within this run\n\n",
@@ -201,16 +264,20 @@ int Run(const Args& args) {
               train_step / params * 1e9);
   std::printf("(f) one forward pass of gathers            %8.3f s  %6.2f GB/s\n", forward,
               bytes / forward / 1e9);
-  std::printf("(c) the pushes alone (same bytes)          %8.3f s  %6.2f GB/s\n", pushes,
+  std::printf("(c) the pushes alone (same bytes), staged %8.3f s  %6.2f GB/s\n", staged->pushes,
+              bytes / staged->pushes / 1e9);
+  std::printf("(u) the pushes, each completing its step   %8.3f s  %6.2f GB/s\n", pushes,
               bytes / pushes / 1e9);
   std::printf("    optimizer on the slowest shard         %8.3f s per step\n", update);
   std::printf("\nb/a %.3f (training step per parameter against a gather-only step)\n",
               train_step / gather_step);
   std::printf("c/f %.3f (a push against the gather of the same bytes; goal <= 1)\n",
+              staged->pushes / forward);
+  std::printf("u/f %.3f (the same with the optimizer's update, on the same cores)\n",
               pushes / forward);
   std::printf("hidden %.0f%% of push + update time overlapped with the gathers\n",
               100 * std::clamp(hidden, 0.0, 1.0));
-  return (*shards)->Stop().ok() ? 0 : 1;
+  return 0;
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "server/push_gradients_reactor.h"
 
 #include <grpc/grpc.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 
 #include <algorithm>
 
@@ -15,8 +16,7 @@ namespace layercast::server {
 
 PushGradientsReactor::PushGradientsReactor(grpc::CallbackServerContext* context,
                                            const ParameterStore& store, LayerTrainer& trainer,
-                                           MemoryBudget& budget,
-                                           layercast::v1::PushGradientsResponse* response,
+                                           MemoryBudget& budget, grpc::ByteBuffer* response,
                                            Options options)
     : context_(context),
       store_(store),
@@ -48,7 +48,13 @@ void PushGradientsReactor::OnReadDone(bool ok) {
     Complete();
     return;
   }
-  received_bytes_ += chunk_.data().size();
+  absl::StatusOr<wire::GradientChunkView> view = wire::ReadGradientChunk(chunk_);
+  if (!view.ok()) {
+    FinishOnce(wire::ToGrpcStatus(view.status()));
+    return;
+  }
+  view_ = *view;
+  received_bytes_ += view_.data_bytes;
   if (!begun_) {
     begun_ = true;
     Begin();
@@ -58,9 +64,9 @@ void PushGradientsReactor::OnReadDone(bool ok) {
 }
 
 void PushGradientsReactor::Begin() {
-  layer_ = chunk_.layer();
-  worker_ = chunk_.worker();
-  step_ = chunk_.step();
+  layer_ = view_.layer;
+  worker_ = view_.worker;
+  step_ = view_.step;
   if (absl::Status check = trainer_.CheckPush(layer_, worker_, step_); !check.ok()) {
     FinishOnce(wire::ToGrpcStatus(check));
     return;
@@ -156,7 +162,7 @@ void PushGradientsReactor::Stage() {
 }
 
 void PushGradientsReactor::Take() {
-  if (absl::Status accepted = decoder_->Accept(chunk_); !accepted.ok()) {
+  if (absl::Status accepted = decoder_->Accept(view_); !accepted.ok()) {
     FinishOnce(wire::ToGrpcStatus(accepted));
     return;
   }
@@ -194,9 +200,12 @@ void PushGradientsReactor::Complete() {
     return;
   }
   pushed_ = *pushed;
-  response_->set_layer_version(pushed->layer_version);
-  response_->set_applied(pushed->applied);
-  FinishOnce(grpc::Status::OK);
+  layercast::v1::PushGradientsResponse response;
+  response.set_layer_version(pushed->layer_version);
+  response.set_applied(pushed->applied);
+  bool own_buffer = false;
+  FinishOnce(grpc::SerializationTraits<layercast::v1::PushGradientsResponse>::Serialize(
+      response, response_, &own_buffer));
 }
 
 void PushGradientsReactor::OnCancel() {

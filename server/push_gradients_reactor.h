@@ -22,20 +22,20 @@ namespace layercast::server {
 // Takes one PushGradients stream: one worker's gradient of one layer for one
 // step. The first chunk names (step, worker, layer); the trainer checks them
 // before anything is staged, so a wrong step or a repeated push costs one
-// chunk. The push that opens a layer step waits (without blocking a thread)
-// for budget for the whole step's staging (LayerTrainer::StepBytes); the
-// step's later pushes need none. wire::GradientDecoder widens every chunk
-// into the push's staging, one fp32 value per element the shard owns of the
-// layer. Only a stream that half-closes with every owned element covered
-// exactly once reaches the trainer; a stream that fails, is cancelled or
-// ends short leaves nothing behind (a reservation it made stays with its
-// step, which returns it as it applies).
+// chunk. Raw: chunks arrive as gRPC's receive buffers and are read in place
+// (wire::ReadGradientChunk); the response is encoded here. The push that opens a layer step waits
+// (without blocking a thread) for budget for the whole step's staging (LayerTrainer::StepBytes);
+// the step's later pushes need none. wire::GradientDecoder widens every chunk into the push's
+// staging, one fp32 value per element the shard owns of the layer. Only a stream that half-closes
+// with every owned element covered exactly once reaches the trainer; a stream that fails, is
+// cancelled or ends short leaves nothing behind (a reservation it made stays with its step, which
+// returns it as it applies).
 //
 // Owns itself: deletes itself in OnDone. OnReadDone and the budget's grant
 // never overlap (no read is in flight while the stream waits for budget);
 // OnCancel may race either, so the wait in progress and the cancellation
 // are kept under one mutex, as in FetchLayerReactor.
-class PushGradientsReactor final : public grpc::ServerReadReactor<layercast::v1::GradientChunk> {
+class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   struct Options {
     // When a stream waiting for budget gives up (RESOURCE_EXHAUSTED).
@@ -51,8 +51,8 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<layercast::v1:
 
   // Everything referenced must outlive the reactor.
   PushGradientsReactor(grpc::CallbackServerContext* context, const ParameterStore& store,
-                       LayerTrainer& trainer, MemoryBudget& budget,
-                       layercast::v1::PushGradientsResponse* response, Options options);
+                       LayerTrainer& trainer, MemoryBudget& budget, grpc::ByteBuffer* response,
+                       Options options);
 
   // When a read has waited for the worker's next chunk longer than `limit`
   // at `now` (once per stream): a new reference to the call, for the caller
@@ -86,7 +86,7 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<layercast::v1:
   const ParameterStore& store_;
   LayerTrainer& trainer_;
   MemoryBudget& budget_;
-  layercast::v1::PushGradientsResponse* const response_;
+  grpc::ByteBuffer* const response_;
   const Options options_;
 
   absl::Mutex mu_;
@@ -101,7 +101,8 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<layercast::v1:
 
   // Touched only by the one step that runs at a time (OnReadDone or the
   // budget's grant).
-  layercast::v1::GradientChunk chunk_;
+  grpc::ByteBuffer chunk_;
+  wire::GradientChunkView view_;  // of chunk_
   bool begun_ = false;
   uint32_t layer_ = 0;
   uint32_t worker_ = 0;

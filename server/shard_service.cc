@@ -25,7 +25,7 @@ class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 };
 
 // A PushGradients call refused before reading anything.
-class RefusedPush final : public grpc::ServerReadReactor<layercast::v1::GradientChunk> {
+class RefusedPush final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   explicit RefusedPush(const grpc::Status& status) { Finish(status); }
   void OnDone() override { delete this; }
@@ -302,8 +302,8 @@ void ShardService::UpdateStepGauges() {
   metrics_.step_wait_seconds().Set(oldest.waited_seconds);
 }
 
-grpc::ServerReadReactor<layercast::v1::GradientChunk>* ShardService::PushGradients(
-    grpc::CallbackServerContext* context, layercast::v1::PushGradientsResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   const auto refuse = [this](const grpc::Status& status) {
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
     return new RefusedPush(status);

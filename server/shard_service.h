@@ -41,7 +41,7 @@ namespace layercast::server {
 class ShardService final
     : public layercast::v1::ShardService::WithCallbackMethod_GetManifest<
           layercast::v1::ShardService::WithRawCallbackMethod_FetchLayer<
-              layercast::v1::ShardService::WithCallbackMethod_PushGradients<
+              layercast::v1::ShardService::WithRawCallbackMethod_PushGradients<
                   layercast::v1::ShardService::WithCallbackMethod_GetGradientNorm<
                       layercast::v1::ShardService::WithCallbackMethod_ApplyClippedStep<
                           layercast::v1::ShardService::Service>>>>> {
@@ -95,10 +95,10 @@ class ShardService final
                                                          const grpc::ByteBuffer* request) override;
   // Takes one worker's gradient of one layer (see PushGradientsReactor);
   // FAILED_PRECONDITION on a shard without an optimizer, which serves its
-  // parameters read-only.
-  grpc::ServerReadReactor<layercast::v1::GradientChunk>* PushGradients(
-      grpc::CallbackServerContext* context,
-      layercast::v1::PushGradientsResponse* response) override;
+  // parameters read-only. Raw: each chunk's data is widened straight from
+  // gRPC's receive buffer (wire::ReadGradientChunk).
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PushGradients(grpc::CallbackServerContext* context,
+                                                           grpc::ByteBuffer* response) override;
   // Global-norm clipping (LayerTrainer::NormOfStep, ApplyClippedStep);
   // FAILED_PRECONDITION on a shard without an optimizer.
   grpc::ServerUnaryReactor* GetGradientNorm(

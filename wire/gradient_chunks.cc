@@ -1,6 +1,11 @@
 #include "wire/gradient_chunks.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
@@ -8,6 +13,69 @@
 #include "wire/owned_runs.h"
 
 namespace layercast::wire {
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+
+// Calls `piece(data, size)` for the chunk's data, slice by slice as gRPC
+// received it. REQUIRES: the view came from ReadGradientChunk.
+template <typename Piece>
+void ForEachPiece(const GradientChunkView& chunk, Piece piece) {
+  grpc::ProtoBufferReader reader(chunk.encoded);
+  reader.Skip(static_cast<int>(chunk.data_at));
+  const void* data = nullptr;
+  int size = 0;
+  for (uint32_t left = chunk.data_bytes; left > 0 && reader.Next(&data, &size);) {
+    const uint32_t take = std::min(left, static_cast<uint32_t>(size));
+    piece(static_cast<const uint8_t*>(data), take);
+    left -= take;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<GradientChunkView> ReadGradientChunk(grpc::ByteBuffer& encoded) {
+  GradientChunkView chunk;
+  chunk.encoded = &encoded;
+  grpc::ProtoBufferReader reader(&encoded);
+  google::protobuf::io::CodedInputStream in(&reader);
+  bool has_data = false;
+  while (const uint32_t tag = in.ReadTag()) {
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const auto type = WireFormatLite::GetTagWireType(tag);
+    uint32_t value32 = 0;
+    bool ok = true;
+    if (type == WireFormatLite::WIRETYPE_VARINT && (field == 1 || field == 5)) {
+      ok = in.ReadVarint64(field == 1 ? &chunk.step : &chunk.element_offset);
+    } else if (type == WireFormatLite::WIRETYPE_VARINT && field >= 2 && field <= 4) {
+      ok = in.ReadVarint32(field == 2 ? &chunk.worker : field == 3 ? &chunk.layer : &chunk.tensor);
+    } else if (type == WireFormatLite::WIRETYPE_VARINT && field == 7) {
+      ok = in.ReadVarint32(&value32);  // an enum is an int32: a negative one reads truncated
+      chunk.dtype = static_cast<int32_t>(value32);
+    } else if (type == WireFormatLite::WIRETYPE_FIXED32 && field == 8) {
+      ok = in.ReadLittleEndian32(&value32);
+      chunk.crc32c = value32;
+    } else if (type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && field == 6) {
+      // As a parser would, the last occurrence wins.
+      ok = in.ReadVarint32(&chunk.data_bytes);
+      chunk.data_at = static_cast<uint32_t>(in.CurrentPosition());
+      ok = ok && in.Skip(static_cast<int>(chunk.data_bytes));
+      has_data = ok;
+    } else {
+      ok = WireFormatLite::SkipField(&in, tag);
+    }
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          "a chunk that is not a valid GradientChunk: send chunks encoded from shard.proto");
+    }
+  }
+  if (!in.ConsumedEntireMessage()) {
+    return absl::InvalidArgumentError("a chunk that is not a valid GradientChunk (a zero tag)");
+  }
+  if (!has_data) chunk.data_bytes = 0;
+  return chunk;
+}
+
 GradientChunker::GradientChunker(const AssembledLayout& layout, std::span<const uint8_t> gradient,
                                  Stream stream, uint64_t chunk_bytes)
     : layout_(layout),
@@ -56,61 +124,88 @@ std::string GradientDecoder::Due() const {
   return absl::StrCat("tensor ", runs_[run_].tensor, " from element ", next_element_);
 }
 
-absl::Status GradientDecoder::Accept(const layercast::v1::GradientChunk& chunk) {
+absl::Status GradientDecoder::Accept(const GradientChunkView& chunk) {
   if (!started_) {
     started_ = true;
-    step_ = chunk.step();
-    worker_ = chunk.worker();
-    layer_ = chunk.layer();
-  } else if (chunk.step() != step_ || chunk.worker() != worker_ || chunk.layer() != layer_) {
+    step_ = chunk.step;
+    worker_ = chunk.worker;
+    layer_ = chunk.layer;
+  } else if (chunk.step != step_ || chunk.worker != worker_ || chunk.layer != layer_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a chunk for step ", chunk.step(), ", worker ", chunk.worker(), ", layer ", chunk.layer(),
+        "a chunk for step ", chunk.step, ", worker ", chunk.worker, ", layer ", chunk.layer,
         " in a stream for step ", step_, ", worker ", worker_, ", layer ", layer_,
         ": one PushGradients stream carries one (step, worker, layer); open another"));
   }
   if (done()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("a chunk of tensor ", chunk.tensor(), " from element ", chunk.element_offset(),
+        absl::StrCat("a chunk of tensor ", chunk.tensor, " from element ", chunk.element_offset,
                      " after every element this shard owns had arrived"));
   }
   const TensorElementRange& run = runs_[run_];
-  if (chunk.tensor() != run.tensor || chunk.element_offset() != next_element_) {
+  if (chunk.tensor != run.tensor || chunk.element_offset != next_element_) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a chunk of tensor ", chunk.tensor(), " from element ", chunk.element_offset(), " where ",
+        "a chunk of tensor ", chunk.tensor, " from element ", chunk.element_offset, " where ",
         Due(), " was due: send this shard's elements of each tensor once, in tensor and element ",
         "order (elements [n*i/N, n*(i+1)/N) of an n-element tensor for shard i of N)"));
   }
   const DType compute = layout_.tensors()[run.tensor].compute_dtype;
-  // proto3 enums are open: check the wire value before narrowing it to DType.
-  const int wire_dtype = chunk.dtype();
+  const int wire_dtype = chunk.dtype;
   const bool known =
       layercast::v1::DType_IsValid(wire_dtype) && wire_dtype != layercast::v1::DTYPE_UNSPECIFIED;
   const auto dtype = static_cast<DType>(known ? wire_dtype : 0);
   if (!known || (dtype != compute && dtype != DType::kFloat32)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tensor ", run.tensor, "'s gradient came as ",
-        layercast::v1::DType_IsValid(wire_dtype) ? layercast::v1::DType_Name(chunk.dtype())
-                                                 : absl::StrCat("dtype ", wire_dtype),
+        layercast::v1::DType_IsValid(wire_dtype)
+            ? layercast::v1::DType_Name(static_cast<layercast::v1::DType>(wire_dtype))
+            : absl::StrCat("dtype ", wire_dtype),
         "; send it in the tensor's compute dtype ", DTypeName(compute), " or in FLOAT32"));
   }
   const uint64_t element_size = DTypeSize(dtype);
-  const uint64_t bytes = chunk.data().size();
+  const uint64_t bytes = chunk.data_bytes;
   const uint64_t remaining = run.elements.end - next_element_;
   if (bytes == 0 || bytes % element_size != 0 || bytes / element_size > remaining) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a chunk of ", bytes, " bytes for tensor ", run.tensor, " where at most ", remaining,
         " elements of ", element_size, " bytes remain of what this shard owns"));
   }
-  if (chunk.has_crc32c() && Crc32c(chunk.data().data(), bytes) != chunk.crc32c()) {
-    return absl::DataLossError(absl::StrCat("the chunk of tensor ", run.tensor, " from element ",
-                                            next_element_,
-                                            " does not match its CRC-32C: send it again"));
-  }
   const uint64_t count = bytes / element_size;
   if (count > staging_.size() - staged_) {  // only if the caller broke the REQUIRES
     return absl::InternalError("the staging slice is smaller than the owned elements");
   }
-  CastToF32(chunk.data().data(), dtype, staging_.data() + staged_, count);
+  // The checksum first, so that nothing is written from data that fails it;
+  // then the data is widened from the receive buffer's slices as they lie.
+  if (chunk.crc32c.has_value()) {
+    uint32_t crc = 0;
+    ForEachPiece(chunk,
+                 [&crc](const uint8_t* piece, size_t size) { crc = Crc32c(piece, size, crc); });
+    if (crc != *chunk.crc32c) {
+      return absl::DataLossError(absl::StrCat("the chunk of tensor ", run.tensor, " from element ",
+                                              next_element_,
+                                              " does not match its CRC-32C: send it again"));
+    }
+  }
+  float* out = staging_.data() + staged_;
+  uint8_t carry[sizeof(float)];  // an element split between two slices
+  size_t carried = 0;
+  ForEachPiece(chunk, [&](const uint8_t* piece, size_t size) {
+    if (carried > 0) {
+      const size_t take = std::min(element_size - carried, size);
+      std::memcpy(carry + carried, piece, take);
+      carried += take;
+      piece += take;
+      size -= take;
+      if (carried == element_size) {
+        CastToF32(carry, dtype, out++, 1);
+        carried = 0;
+      }
+    }
+    const size_t whole = size / element_size;
+    CastToF32(piece, dtype, out, whole);
+    out += whole;
+    carried = size - whole * element_size;
+    std::memcpy(carry, piece + whole * element_size, carried);
+  });
   staged_ += count;
   next_element_ += count;
   if (next_element_ == run.elements.end && ++run_ < runs_.size()) {

@@ -1,11 +1,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include <grpcpp/support/byte_buffer.h>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/layout.h"
 #include "layercast/v1/shard.pb.h"
 
@@ -51,11 +55,33 @@ class GradientChunker {
   uint64_t next_element_ = 0;
 };
 
+// One GradientChunk as gRPC received it, its fields read and its data left
+// where it lies in the receive buffer (`data_at` bytes into the encoding).
+struct GradientChunkView {
+  uint64_t step = 0;
+  uint32_t worker = 0;
+  uint32_t layer = 0;
+  uint32_t tensor = 0;
+  uint64_t element_offset = 0;
+  int dtype = 0;  // the wire value: proto3 enums are open
+  std::optional<uint32_t> crc32c;
+  uint32_t data_at = 0;
+  uint32_t data_bytes = 0;
+  grpc::ByteBuffer* encoded = nullptr;  // must outlive the view
+};
+
+// Reads the fields of an encoded GradientChunk without copying its data.
+// Why by hand: a parsed GradientChunk would allocate and copy every chunk's
+// data once more before it was widened (ChunkDecoder, for LayerChunks, says
+// the same). INVALID_ARGUMENT for bytes that are not a GradientChunk.
+absl::StatusOr<GradientChunkView> ReadGradientChunk(grpc::ByteBuffer& encoded);
+
 // Checks the GradientChunks of one PushGradients stream against what the
 // shard owns of the layer and widens each, exactly, to fp32 in place in the
 // shard's staging slice (one float per owned element; the owned runs of the
-// layer back to back in tensor order). Untrusted input: whatever the
-// chunks say, it writes only inside `staging`, and each element at most once.
+// layer back to back in tensor order), straight from gRPC's receive buffer.
+// Untrusted input: whatever the chunks say, it writes only inside
+// `staging`, each element at most once, and only data whose CRC-32C holds.
 //
 // Not thread-safe: one stream's reads are serialised by gRPC.
 class GradientDecoder {
@@ -75,7 +101,7 @@ class GradientDecoder {
   //                     dtype nor FLOAT32;
   //   DATA_LOSS         the data does not match its CRC-32C.
   // Every message says what was due. After an error the stream is over.
-  absl::Status Accept(const layercast::v1::GradientChunk& chunk);
+  absl::Status Accept(const GradientChunkView& chunk);
 
   // Whether every owned element has arrived.
   bool done() const { return run_ == runs_.size(); }

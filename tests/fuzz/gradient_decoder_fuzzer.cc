@@ -8,7 +8,9 @@
 // Input: byte 0 picks the shard count (1-4) and this shard's index; then
 // three bytes a tensor for 3 tensors (dtype f32/bf16/f16, element count
 // high and low); then frames, each a 2-byte little-endian length and that
-// many bytes of a serialized GradientChunk.
+// many bytes, handed over as gRPC would: a ByteBuffer of two slices, split
+// where the frame's first byte says (so elements straddle slices), read by
+// ReadGradientChunk as the shard reads it.
 
 #include <bit>
 #include <cstdint>
@@ -54,11 +56,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   while (at + 2 <= size) {
     const size_t length = std::min<size_t>(data[at] | (data[at + 1] << 8), size - at - 2);
     at += 2;
-    layercast::v1::GradientChunk chunk;
-    const bool parsed = chunk.ParseFromArray(data + at, static_cast<int>(length));
+    const size_t split = length == 0 ? 0 : data[at] % length;
+    grpc::Slice pieces[] = {grpc::Slice(data + at, split),
+                            grpc::Slice(data + at + split, length - split)};
+    grpc::ByteBuffer encoded(pieces, 2);
     at += length;
-    if (!parsed) continue;
-    const absl::Status status = decoder.Accept(chunk);
+    const absl::StatusOr<wire::GradientChunkView> chunk = wire::ReadGradientChunk(encoded);
+    if (!chunk.ok()) {
+      FUZZ_CHECK(chunk.status().code() == absl::StatusCode::kInvalidArgument,
+                 "an unreadable chunk refused with %s", chunk.status().ToString().c_str());
+      break;  // the server ends the stream
+    }
+    const absl::Status status = decoder.Accept(*chunk);
     if (!status.ok()) {
       FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument ||
                      status.code() == absl::StatusCode::kFailedPrecondition ||
@@ -66,7 +75,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                  "refused with %s", status.ToString().c_str());
       break;  // the server ends the stream at the first error
     }
-    accepted += chunk.data().size() / DTypeSize(static_cast<DType>(chunk.dtype()));
+    accepted += chunk->data_bytes / DTypeSize(static_cast<DType>(chunk->dtype));
   }
   FUZZ_CHECK(accepted <= owned_count, "accepted %llu elements of %llu owned",
              static_cast<unsigned long long>(accepted),

@@ -54,6 +54,21 @@ uint64_t Count(const std::vector<TensorElementRange>& runs) {
   return n;
 }
 
+// Feeds `chunk` to `decoder` as gRPC would hand it over: encoded, in
+// slices, split at odd places so that elements straddle two slices.
+absl::Status Accept(GradientDecoder& decoder, const layercast::v1::GradientChunk& chunk) {
+  const std::string encoded = chunk.SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0, piece = 1; at < encoded.size(); at += piece, piece = piece * 3 + 2) {
+    piece = std::min(piece, encoded.size() - at);
+    slices.emplace_back(encoded.data() + at, piece);
+  }
+  grpc::ByteBuffer buffer(slices.data(), slices.size());
+  absl::StatusOr<GradientChunkView> view = ReadGradientChunk(buffer);
+  if (!view.ok()) return view.status();
+  return decoder.Accept(*view);
+}
+
 std::vector<layercast::v1::GradientChunk> Cut(const AssembledLayout& layout,
                                               const std::vector<uint8_t>& gradient, uint32_t shard,
                                               uint32_t n, uint64_t chunk_bytes) {
@@ -77,7 +92,7 @@ TEST(GradientChunksTest, EveryShardReceivesExactlyItsElementsWidenedExactly) {
         EXPECT_EQ(chunk.step(), 5u);
         EXPECT_EQ(chunk.worker(), 1u);
         EXPECT_EQ(chunk.layer(), 3u);
-        ASSERT_TRUE(decoder.Accept(chunk).ok()) << decoder.Due();
+        ASSERT_TRUE(Accept(decoder, chunk).ok()) << decoder.Due();
       }
       ASSERT_TRUE(decoder.done()) << decoder.Due();
       // What the shard staged is the worker's values, widened exactly.
@@ -105,7 +120,7 @@ TEST(GradientChunksTest, Float32IsAcceptedForAnyTensor) {
   const std::vector<float> values = {0.25f, -3.5f};
   chunk.set_data(values.data(), sizeof(float) * values.size());
   chunk.set_dtype(layercast::v1::FLOAT32);
-  ASSERT_TRUE(decoder.Accept(chunk).ok());
+  ASSERT_TRUE(Accept(decoder, chunk).ok());
   EXPECT_EQ(staging[0], 0.25f);
   EXPECT_EQ(staging[1], -3.5f);
 }
@@ -167,7 +182,7 @@ TEST(GradientChunksTest, BrokenStreamsAreRefusedWithTheirCodes) {
     absl::Status status;
     size_t accepted_floats = 0;
     for (const auto& chunk : c.stream()) {
-      status = decoder.Accept(chunk);
+      status = Accept(decoder, chunk);
       if (!status.ok()) break;
       accepted_floats += chunk.data().size() / DTypeSize(static_cast<DType>(chunk.dtype()));
     }
@@ -180,7 +195,7 @@ TEST(GradientChunksTest, BrokenStreamsAreRefusedWithTheirCodes) {
   // A stream that stops early is simply not done.
   std::vector<float> staging(Count(owned));
   GradientDecoder decoder(layout, owned, staging);
-  ASSERT_TRUE(decoder.Accept(good[0]).ok());
+  ASSERT_TRUE(Accept(decoder, good[0]).ok());
   EXPECT_FALSE(decoder.done());
   EXPECT_THAT(decoder.Due(), HasSubstr("tensor 0 from element"));
 }
