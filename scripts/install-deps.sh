@@ -11,6 +11,7 @@ packages=(
   nlohmann-json3-dev libeigen3-dev libssl-dev libspdlog-dev
   openssl  # the command: tests/integration/security_test makes its certificates with it
   python3 python3-torch python3-numpy
+  python3-dev pybind11-dev libdlpack-dev python3-pytest  # the Python package (python/) and its tests
   prometheus  # promtool and the server for tests/observability, which runs its own instance
   yamllint  # tests/deploy; kubectl, node and npm come with the machine image
 )

@@ -1,0 +1,160 @@
+"""The layercast Python package against real shard processes on 127.0.0.1:
+layers as zero-copy DLPack views, bit for bit torch's casts; the budget; the
+errors of bad use; gradients pushed back and applied by the shards."""
+
+import gc
+import pathlib
+
+import pytest
+import torch
+
+import layercast
+from shards import ShardSet, llama_tensors, write_safetensors
+
+POLICY = "p=f32,c=bf16;*norm*=f32"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("model")
+    tensors = llama_tensors()
+    write_safetensors(directory / "model.safetensors", tensors)
+    return directory, tensors
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    directory, tensors = model
+    with ShardSet(tmp_path_factory.mktemp("shards"), 2,
+                  ["--model", str(directory), "--policy", POLICY]) as shards:
+        yield shards, tensors
+
+
+def expected(tensors, name):
+    source = tensors[name]
+    return source if "norm" in name else source.to(torch.bfloat16)
+
+
+def bits(tensor):
+    return tensor.view(torch.int32 if tensor.dtype == torch.float32 else torch.int16)
+
+
+def test_every_tensor_is_torchs_cast_bit_for_bit(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        manifest = shard_set.manifest
+        assert manifest["num_shards"] == 2
+        order = range(len(manifest["layers"]))
+        seen = set()
+        for layer in shard_set.stream(order, budget_bytes=1 << 20):
+            for name, view in layer.tensors.items():
+                got = torch.from_dlpack(view)
+                want = expected(tensors, name)
+                assert got.dtype == want.dtype, name
+                assert got.shape == want.shape, name
+                assert torch.equal(bits(got), bits(want)), name
+                seen.add(name)
+        assert seen == set(tensors), "every tensor of the model came through"
+
+
+def test_views_are_zero_copy_and_outlive_the_stream(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        stream = shard_set.stream([0, 1, 2], budget_bytes=1 << 20)
+        layer = next(stream)
+        kept = {}
+        for name, view in layer.tensors.items():
+            tensor = torch.from_dlpack(view)
+            start = tensor.data_ptr()
+            assert layer.data_ptr <= start < layer.data_ptr + layer.nbytes, "inside the layer"
+            assert start == view.data_ptr, "no copy"
+            kept[name] = tensor
+        del layer
+        for _ in stream:  # the stream moves on, and ends
+            pass
+        stream.close()
+    gc.collect()
+    for name, tensor in kept.items():  # still the layer's bytes, still right
+        assert torch.equal(bits(tensor), bits(expected(tensors, name))), name
+
+
+def test_a_held_view_holds_its_bytes_and_dropping_it_returns_them(served):
+    shards, _ = served
+    with layercast.connect(shards.addresses) as shard_set:
+        layers = shard_set.manifest["layers"]
+        block = [l["index"] for l in layers if l["name"].startswith("model.layers.")]
+        budget = layers[block[0]]["nbytes"]  # room for one block at a time
+        stream = shard_set.stream(block[:2], budget_bytes=budget, lookahead=0)
+        view = torch.from_dlpack(next(stream).tensors[
+            next(iter(next(iter([layers[block[0]]]))["tensors"]))["name"]])
+        gc.collect()
+        with pytest.raises(layercast.Error) as held:
+            next(stream)
+        assert held.value.code == "RESOURCE_EXHAUSTED"
+        del view
+        gc.collect()
+        layer = next(stream)  # its bytes came back
+        assert layer.index == block[1]
+        assert stream.stats["peak_bytes"] <= budget
+
+
+def test_bad_use_gets_clear_errors_and_never_crashes(served, tmp_path):
+    shards, tensors = served
+    with pytest.raises(layercast.Error) as unreachable:
+        layercast.connect(["127.0.0.1:1"], timeout=1.0)
+    assert unreachable.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+    assert "127.0.0.1:1" in unreachable.value.message
+    with pytest.raises(layercast.Error) as reversed_order:
+        layercast.connect(list(reversed(shards.addresses)), timeout=5.0)
+    assert "order" in reversed_order.value.message
+
+    shard_set = layercast.connect(shards.addresses)
+    with pytest.raises(layercast.Error) as too_small:
+        shard_set.stream([0], budget_bytes=16)
+    assert too_small.value.code == "RESOURCE_EXHAUSTED"
+    with pytest.raises(layercast.Error) as no_layer:
+        shard_set.stream([999], budget_bytes=1 << 20)
+    assert "999" in no_layer.value.message
+
+    layer = next(shard_set.stream([0], budget_bytes=1 << 20))
+    name = layer.tensors and next(iter(layer.tensors))
+    view = layer[name]
+    shard_set.close()
+    assert shard_set.closed
+    with pytest.raises(layercast.Error) as closed:
+        shard_set.stream([0], budget_bytes=1 << 20)
+    assert closed.value.code == "FAILED_PRECONDITION"
+    tensor = torch.from_dlpack(view)  # after close: still the layer's bytes
+    del layer, view
+    gc.collect()
+    assert torch.equal(bits(tensor), bits(expected(tensors, name)))
+    with pytest.raises(KeyError):
+        next(layercast.connect(shards.addresses).stream([0], budget_bytes=1 << 20))["nope"]
+
+
+def test_pushed_gradients_step_the_master_on_the_shards(model, tmp_path):
+    directory, tensors = model
+    with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", POLICY,
+                                "--optimizer", "sgd:lr=1", "--data-parallel-workers", "1"]) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            layer = next(shard_set.stream([1], budget_bytes=1 << 20))
+            gradients, masters = {}, {}
+            g = torch.Generator().manual_seed(11)
+            for name, view in layer.tensors.items():
+                weight = torch.from_dlpack(view)
+                gradients[name] = (torch.randn(weight.shape, generator=g) * 0.01).to(weight.dtype)
+                # SGD with lr=1 on the fp32 master: master - g, g widened exactly.
+                masters[name] = tensors[name] - gradients[name].to(torch.float32)
+            pushed = shard_set.push_gradients(0, 0, 1, gradients).result()
+            assert pushed["applied"] and pushed["layer_version"] == 1
+            after = next(shard_set.stream([1], budget_bytes=1 << 20, min_version=1))
+            assert after.version == 1
+            for name, view in after.tensors.items():
+                want = masters[name] if "norm" in name else masters[name].to(torch.bfloat16)
+                assert torch.equal(bits(torch.from_dlpack(view)), bits(want)), name
+            with pytest.raises(layercast.Error) as again:
+                shard_set.push_gradients(0, 0, 1, gradients).result()
+            assert again.value.code == "ALREADY_EXISTS", "counted once"
+            with pytest.raises(TypeError):
+                shard_set.push_gradients(1, 0, 1, {n: t.to(torch.float16) if t.dtype == torch.bfloat16
+                                                   else t for n, t in gradients.items()})
