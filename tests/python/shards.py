@@ -1,5 +1,5 @@
 """Real layercast-shard processes on 127.0.0.1 for the Python package's tests,
-and a small safetensors writer for the models they serve."""
+and a small model for them to serve."""
 
 from __future__ import annotations
 
@@ -14,25 +14,6 @@ from typing import Dict, List, Sequence
 import torch
 
 SHARD_BINARY = os.environ.get("LAYERCAST_SHARD_BINARY", "")
-
-
-def write_safetensors(path: pathlib.Path, tensors: Dict[str, torch.Tensor]) -> None:
-    """The safetensors format by hand (an 8-byte header length, a JSON header,
-    the raw little-endian bytes): Debian ships no safetensors package."""
-    header, blobs, offset = {}, [], 0
-    for name, tensor in tensors.items():
-        data = tensor.contiguous().numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
 
 
 def llama_tensors(layers: int = 3, hidden: int = 64, ffn: int = 96, vocab: int = 50,
@@ -60,31 +41,44 @@ class ShardSet:
     def __init__(self, directory: pathlib.Path, num_shards: int, flags: Sequence[str]):
         if not SHARD_BINARY:
             raise RuntimeError("set LAYERCAST_SHARD_BINARY to the layercast-shard binary")
-        self.processes: List[subprocess.Popen] = []
-        self.addresses: List[str] = []
         self.directory = directory
-        port_files = []
+        self.num_shards = num_shards
+        self.flags = list(flags)
+        self.processes: List[subprocess.Popen] = []
         for i in range(num_shards):
-            port_file = directory / f"shard-{i}.port"
-            port_file.unlink(missing_ok=True)
-            log = open(directory / f"shard-{i}.log", "wb")
-            self.processes.append(subprocess.Popen(
-                [SHARD_BINARY, "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                 "--shard-index", str(i), "--num-shards", str(num_shards), *flags],
-                stdout=log, stderr=subprocess.STDOUT))
-            port_files.append(port_file)
+            self.processes.append(self._spawn(i, "127.0.0.1:0"))
+        self.addresses = [self._await_port(i) for i in range(num_shards)]
+
+    def _spawn(self, i: int, listen: str) -> subprocess.Popen:
+        port_file = self.directory / f"shard-{i}.port"
+        port_file.unlink(missing_ok=True)
+        log = open(self.directory / f"shard-{i}.log", "ab")
+        return subprocess.Popen(
+            [SHARD_BINARY, "--listen", listen, "--port-file", str(port_file),
+             "--shard-index", str(i), "--num-shards", str(self.num_shards), *self.flags],
+            stdout=log, stderr=subprocess.STDOUT)
+
+    def _await_port(self, i: int) -> str:
+        port_file = self.directory / f"shard-{i}.port"
         deadline = time.monotonic() + 60
-        for i, port_file in enumerate(port_files):
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if self.processes[i].poll() is not None:
-                    self.stop()
-                    log = (directory / f"shard-{i}.log").read_text(errors="replace")
-                    raise RuntimeError(f"shard {i} exited before listening:\n{log}")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"shard {i} did not start listening within 60 s")
-                time.sleep(0.02)
-            self.addresses.append(f"127.0.0.1:{int(port_file.read_text())}")
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.processes[i].poll() is not None:
+                self.stop()
+                log = (self.directory / f"shard-{i}.log").read_text(errors="replace")
+                raise RuntimeError(f"shard {i} exited before listening:\n{log}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"shard {i} did not start listening within 60 s")
+            time.sleep(0.02)
+        return f"127.0.0.1:{int(port_file.read_text())}"
+
+    def restart(self, i: int) -> None:
+        """SIGTERM (the shard drains and checkpoints), then the same shard
+        again on the same port: it resumes from its --checkpoint-dir."""
+        self.processes[i].send_signal(signal.SIGTERM)
+        self.processes[i].wait(timeout=60)
+        self.processes[i] = self._spawn(i, self.addresses[i])
+        assert self._await_port(i) == self.addresses[i]
 
     def stop(self) -> None:
         for p in self.processes:
@@ -102,3 +96,21 @@ class ShardSet:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def read_safetensors(path: pathlib.Path) -> Dict[str, torch.Tensor]:
+    """The fp32 tensors of a safetensors file (a shard's checkpoint holds its
+    slice of each tensor, flattened)."""
+    data = pathlib.Path(path).read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    base = 8 + length
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__" or name.startswith("__optimizer__"):
+            continue
+        begin, end = info["data_offsets"]
+        assert info["dtype"] == "F32", (name, info["dtype"])
+        tensors[name] = (torch.frombuffer(bytearray(data[base + begin:base + end]), dtype=torch.float32)
+                         if end > begin else torch.empty(0))
+    return tensors

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import layercast
-from shards import ShardSet, llama_tensors, write_safetensors
+from layercast.torch import save_safetensors
+from shards import ShardSet, llama_tensors
 
 POLICY = "p=f32,c=bf16;*norm*=f32"
 
@@ -18,7 +19,7 @@ POLICY = "p=f32,c=bf16;*norm*=f32"
 def model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("model")
     tensors = llama_tensors()
-    write_safetensors(directory / "model.safetensors", tensors)
+    save_safetensors(directory / "model.safetensors", tensors)
     return directory, tensors
 
 

@@ -1,0 +1,201 @@
+"""Run a PyTorch model whose parameters live on layercast shards.
+
+The model is built on the `meta` device: the worker holds no weights. It is
+cut into stages, one per layercast layer, each a callable from activations to
+activations that uses the model's modules. Each stage's weights are gathered
+just before it runs, in the compute dtype the shards cast them to (bf16, with
+the policy's exceptions), bound to the model's parameters without a copy
+(DLPack), and dropped after it.
+
+Training (`LayerwiseTrainer.train_step`) runs the forward pass without
+autograd, keeping each stage's input, then walks the stages backwards: it
+gathers each layer again, recomputes the stage with autograd, back-propagates
+the gradient of its output, and pushes the gradient of the layer's weights to
+the shards as soon as that stage is done, while the stages below run. The
+shards average the W workers' gradients in fp32 and step the optimizer on the
+fp32 master. Recomputing a stage repeats the same kernels on the same inputs,
+so on the CPU the result is bit for bit what one autograd graph through the
+whole model gives (the Python package's tests check it against plain
+PyTorch with an fp32 master and a bf16 compute copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import Layer, ShardSet
+
+Stage = Tuple[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+@contextlib.contextmanager
+def bound(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> Iterator[None]:
+    """Binds `weights` ({parameter name: tensor}) in place of the model's
+    parameters of those names for the duration of the block, then puts the
+    (meta) parameters back: what torch.func.functional_call does, for torch
+    versions without it."""
+    saved = []
+    try:
+        for name, tensor in weights.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if leaf not in owner._parameters:
+                raise KeyError(f"the model has no parameter {name}: name the model's modules "
+                               f"as the shards name their tensors")
+            saved.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = tensor
+        yield
+    finally:
+        for owner, leaf, parameter in reversed(saved):
+            owner._parameters[leaf] = parameter
+
+
+def layer_weights(layer: Layer, requires_grad: bool = False) -> Dict[str, torch.Tensor]:
+    """The layer's tensors as torch tensors viewing its buffer (no copy)."""
+    weights = {}
+    for name, view in layer.tensors.items():
+        tensor = torch.from_dlpack(view)
+        weights[name] = tensor.requires_grad_() if requires_grad else tensor
+    return weights
+
+
+class LayerwiseTrainer:
+    """Runs `stages` of `model` with weights gathered from `shard_set`, and
+    trains it through the shards as worker `worker` of their
+    --data-parallel-workers.
+
+    `stages`: [(layer name, fn)], in forward order, one per layercast layer
+    the model uses; fn(activations) -> activations. The last stage's output
+    goes to the loss. `budget_bytes`: host memory for gathered layers
+    (default: the two largest layers, so one gathers while one runs).
+    """
+
+    def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
+                 worker: int = 0, budget_bytes: Optional[int] = None, lookahead: int = 1):
+        self.shard_set = shard_set
+        self.model = model
+        self.worker = worker
+        manifest = shard_set.manifest
+        by_name = {layer["name"]: layer for layer in manifest["layers"]}
+        self.stages: List[Tuple[int, Callable]] = []
+        for name, fn in stages:
+            if name not in by_name:
+                raise KeyError(f"the shards serve no layer {name!r}; they serve "
+                               f"{sorted(by_name)}")
+            self.stages.append((by_name[name]["index"], fn))
+        sizes = sorted((by_name[name]["nbytes"] for name, _ in stages), reverse=True)
+        self.budget_bytes = budget_bytes or sum(sizes[:2])
+        self.lookahead = lookahead
+        self.version = manifest["version"]
+        self.bytes_fetched = 0
+        self.bytes_pushed = 0
+        self.fetch_seconds = 0.0
+        self.push_seconds = 0.0
+
+    def _stream(self, indices: List[int]):
+        return self.shard_set.stream(indices, self.budget_bytes, lookahead=self.lookahead,
+                                     min_version=self.version)
+
+    def _next(self, stream) -> Layer:
+        start = time.perf_counter()
+        layer = next(stream)
+        self.fetch_seconds += time.perf_counter() - start
+        self.bytes_fetched += layer.nbytes
+        return layer
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output for `inputs` at the shards' current version."""
+        x = inputs
+        with self._stream([index for index, _ in self.stages]) as stream:
+            for _, fn in self.stages:
+                layer = self._next(stream)
+                with bound(self.model, layer_weights(layer)):
+                    x = fn(x)
+                del layer
+        return x
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        """One step: forward, backward with each layer's gradient pushed as
+        soon as it is known, and the step finished on the shards (with
+        clipping, worker 0 completes it for every worker). Returns the loss.
+        The next step gathers the layers at the version this one produced."""
+        step = self.version
+        saved: List[torch.Tensor] = []
+        x = inputs
+        with torch.no_grad(), self._stream([index for index, _ in self.stages]) as stream:
+            for _, fn in self.stages:
+                saved.append(x)
+                layer = self._next(stream)
+                with bound(self.model, layer_weights(layer)):
+                    x = fn(x)
+                del layer
+        loss_value = None
+        grad_output: Optional[torch.Tensor] = None
+        pushes = []
+        with self._stream([index for index, _ in reversed(self.stages)]) as stream:
+            for position in reversed(range(len(self.stages))):
+                index, fn = self.stages[position]
+                layer = self._next(stream)
+                weights = layer_weights(layer, requires_grad=True)
+                stage_input = saved[position]
+                if stage_input.is_floating_point():
+                    stage_input = stage_input.detach().requires_grad_()
+                with bound(self.model, weights):
+                    output = fn(stage_input)
+                    if grad_output is None:
+                        output = loss_fn(output, targets)
+                        loss_value = output.item()
+                        output.backward()
+                    else:
+                        output.backward(grad_output)
+                grads = {}
+                for name, tensor in weights.items():
+                    grads[name] = (tensor.grad if tensor.grad is not None
+                                   else torch.zeros_like(tensor))
+                start = time.perf_counter()
+                pushes.append(self.shard_set.push_gradients(step, self.worker, index, grads))
+                self.push_seconds += time.perf_counter() - start
+                self.bytes_pushed += layer.nbytes
+                grad_output = stage_input.grad if stage_input.requires_grad else None
+                # The graph's leaves hold the weights: drop it with them, so
+                # the layer's bytes go back to the stream's budget.
+                del layer, weights, grads, output
+                saved[position] = None
+        start = time.perf_counter()
+        for push in pushes:
+            push.result()
+        self.shard_set.finish_step(step, self.worker)
+        self.push_seconds += time.perf_counter() - start
+        self.version = step + 1
+        return loss_value
+
+
+def save_safetensors(path, tensors: Dict[str, torch.Tensor]) -> None:
+    """Writes fp32 tensors ({name: tensor}) as a safetensors file, a model the
+    shards can serve (--model). By hand, since the format is small (an 8-byte
+    header length, a JSON header, the raw little-endian bytes) and Debian
+    ships no safetensors package."""
+    import json
+
+    header, blobs, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"{name} is {tensor.dtype}; the shards' master is float32")
+        data = tensor.detach().contiguous().cpu().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for blob in blobs:
+            f.write(blob)

@@ -1,0 +1,111 @@
+"""The example's Llama-shaped model trained through layercast (2 shards, 2
+workers, AdamW on the shards) against the same model trained in plain
+PyTorch with an fp32 master, a bf16 compute copy and torch.optim.AdamW: the
+losses and the final fp32 master bit for bit, with one shard restarted from
+its checkpoint halfway."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import layercast
+import layercast.torch
+from shards import ShardSet, read_safetensors
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+import llama_train as example  # noqa: E402
+
+STEPS = 50
+WORKERS = 2
+RESTART_AFTER = 25
+
+
+def reference(initial):
+    """Plain PyTorch: the fp32 master, a bf16 copy (norms fp32, as the
+    policy says) per worker per step, the workers' gradients averaged in fp32
+    in worker order, torch.optim.AdamW(foreach=False) with the shards' spec."""
+    model = example.LlamaForCausalLM(device="meta")
+    masters = {name: tensor.clone() for name, tensor in initial.items()}
+    decay = [t for n, t in masters.items() if "norm" not in n]
+    no_decay = [t for n, t in masters.items() if "norm" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=3e-3, foreach=False)
+    losses = {w: [] for w in range(WORKERS)}
+    for step in range(STEPS):
+        grads = []
+        for worker in range(WORKERS):
+            compute = {n: (m.clone() if "norm" in n else m.to(torch.bfloat16)).requires_grad_()
+                       for n, m in masters.items()}
+            inputs, targets = example.batch(step, worker)
+            with layercast.torch.bound(model, compute):
+                x = inputs
+                for _, fn in model.stages():
+                    x = fn(x)
+                loss = example.loss_fn(x, targets)
+                loss.backward()
+            losses[worker].append(loss.item())
+            grads.append({n: t.grad for n, t in compute.items()})
+        for name, master in masters.items():
+            total = grads[0][name].float()
+            for g in grads[1:]:
+                total = total + g[name].float()
+            master.grad = total / WORKERS
+        optimizer.step()
+    return masters, losses
+
+
+@pytest.fixture(scope="module")
+def initial(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    weights = example.initial_weights(seed=0)
+    layercast.torch.save_safetensors(directory / "model.safetensors", weights)
+    return directory, weights
+
+
+def test_training_through_layercast_is_plain_pytorch_bit_for_bit(initial, tmp_path):
+    directory, weights = initial
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    flags = ["--model", str(directory), "--policy", example.POLICY, "--optimizer",
+             example.OPTIMIZER, "--data-parallel-workers", str(WORKERS),
+             "--checkpoint-dir", str(checkpoints)]
+    losses = {w: [] for w in range(WORKERS)}
+    with ShardSet(tmp_path, 2, flags) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            model = example.LlamaForCausalLM(device="meta")
+            trainers = [layercast.torch.LayerwiseTrainer(shard_set, model, model.stages(), worker=w)
+                        for w in range(WORKERS)]
+            for step in range(STEPS):
+                if step == RESTART_AFTER:
+                    shards.restart(1)  # checkpoints on SIGTERM, resumes from it
+                for worker, trainer in enumerate(trainers):
+                    inputs, targets = example.batch(step, worker)
+                    losses[worker].append(trainer.train_step(inputs, targets, example.loss_fn))
+            assert trainers[0].version == STEPS
+            assert trainers[0].bytes_pushed > 0 and trainers[0].bytes_fetched > 0
+    want, want_losses = reference(weights)
+    assert losses == want_losses, "the loss curve, step by step, bit for bit"
+    parts = [read_safetensors(checkpoints / f"shard-{i}-of-2.safetensors") for i in range(2)]
+    for name, master in want.items():
+        got = torch.cat([part[name] for part in parts])
+        assert got.numel() == master.numel(), name
+        assert torch.equal(got.view(torch.int32), master.detach().flatten().view(torch.int32)), name
+    assert losses[0][-1] < 0.5 * losses[0][0], "the model learns the task"
+
+
+def test_the_example_trains_with_two_worker_processes(initial, tmp_path):
+    directory, _ = initial
+    flags = ["--model", str(directory), "--policy", example.POLICY, "--optimizer",
+             example.OPTIMIZER, "--data-parallel-workers", "2"]
+    with ShardSet(tmp_path, 2, flags) as shards:
+        run = subprocess.run(
+            [sys.executable, str(pathlib.Path(example.__file__)), "train", "--shards",
+             ",".join(shards.addresses), "--workers", "2", "--steps", "3"],
+            capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "step    2  loss" in run.stdout, run.stdout
+    assert "3 steps of 2 workers" in run.stdout
