@@ -13,7 +13,7 @@ x[t+1] = (7 * x[t] + 3) mod vocab from a random start; the model learns to
 predict the next token, and the loss falls.
 
     # 1. the initial weights, as a safetensors file the shards serve
-    python3 examples/llama_train.py init /tmp/llama
+    PYTHONPATH=build/python python3 examples/llama_train.py init /tmp/llama
     # 2. two training shards (in two shells, or with &)
     build/bin/layercast-shard --model /tmp/llama --shard-index 0 --num-shards 2 \\
         --listen 127.0.0.1:7070 --optimizer "adamw:lr=3e-3,weight_decay=0.1;*norm*:weight_decay=0" \\
@@ -178,7 +178,6 @@ def worker_main(shards: List[str], worker: int, steps: int, first_step: int,
 
 
 def init(args) -> int:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
     from layercast.torch import save_safetensors
     directory = pathlib.Path(args.directory)
     directory.mkdir(parents=True, exist_ok=True)

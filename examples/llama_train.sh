@@ -13,6 +13,7 @@ work=$(mktemp -d)
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
+export PYTHONPATH=build/python
 /usr/bin/python3 examples/llama_train.py init "$work/model"
 mkdir -p "$work/checkpoints"
 for i in 0 1; do
@@ -27,6 +28,6 @@ for i in 0 1; do
   [ -s "$work/port-$i" ] || { echo "shard $i did not start: see $work/shard-$i.log" >&2; exit 1; }
 done
 shards="127.0.0.1:$(cat "$work/port-0"),127.0.0.1:$(cat "$work/port-1")"
-PYTHONPATH=build/python /usr/bin/python3 examples/llama_train.py train --shards "$shards" \
+/usr/bin/python3 examples/llama_train.py train --shards "$shards" \
   --workers 2 "$@"
 echo "checkpoints (fp32 master and AdamW state): $work/checkpoints"
