@@ -153,14 +153,8 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
   {
     absl::MutexLock lock(&state.mu);
     if (state.version == step && !state.reserved) {
-      uint64_t needed = 0;
-      if (state.budget_wait == 0) {
-        // Pooled buffers of this size, already charged, count towards the
-        // reservation; the budget is asked for the rest.
-        state.spare = pool_->Claim(state.owned_elements, workers_);
-        needed = StepBytes(layer) - state.spare.size() * StagingBytes(layer);
-      }
-      if (links_.budget == nullptr || (state.budget_wait == 0 && needed == 0)) {
+      if ((state.budget_wait == 0 && ReserveFromPoolLocked(layer, state)) ||
+          links_.budget == nullptr) {
         state.reserved = true;
       } else {
         const uint64_t id = next_wait_id_++;
@@ -168,7 +162,8 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
         if (state.budget_wait == 0) {
           // Posted, never run here: the lock is held.
           state.budget_wait = links_.budget->Acquire(
-              needed, give_up_at, [this, layer](bool granted) { OnReservation(layer, granted); });
+              StepBytes(layer), give_up_at,
+              [this, layer](bool granted) { OnReservation(layer, granted); });
         }
         return id;
       }
@@ -176,6 +171,24 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
   }
   ready(true);
   return 0;
+}
+
+bool LayerTrainer::ReserveFromPoolLocked(uint32_t layer, LayerState& state) {
+  // Never ahead of a request already waiting for budget: the pool's bytes
+  // may be what it waits for (the reclaimer is about to drain the pool).
+  if (links_.budget != nullptr && links_.budget->waiting() > 0) return false;
+  std::vector<std::vector<float>> claimed = pool_->Claim(state.owned_elements, workers_);
+  if (claimed.empty()) return false;
+  const uint64_t rest = StepBytes(layer) - claimed.size() * StagingBytes(layer);
+  // A reservation that has to wait holds nothing: the pooled buffers go
+  // back (to the pool, or to whoever waits) and the budget is asked for the
+  // whole step.
+  if (rest > 0 && links_.budget != nullptr && !links_.budget->TryAcquire(rest)) {
+    for (std::vector<float>& buffer : claimed) pool_->Give(std::move(buffer));
+    return false;
+  }
+  state.spare = std::move(claimed);
+  return true;
 }
 
 std::vector<float> LayerTrainer::TakeStaging(uint32_t layer) {
@@ -204,10 +217,6 @@ void LayerTrainer::OnReservation(uint32_t layer, bool granted) {
     state.budget_wait = 0;
     state.reserved = granted;
     waiting.swap(state.waiting);
-    if (!granted) {
-      for (std::vector<float>& buffer : state.spare) pool_->Give(std::move(buffer));
-      state.spare.clear();
-    }
   }
   // Outside the lock: each push goes on to read its chunks.
   for (auto& [id, ready] : waiting) ready(granted);
@@ -219,8 +228,6 @@ bool LayerTrainer::CancelReservationWait(uint32_t layer, uint64_t id) {
   if (state.waiting.erase(id) == 0) return false;
   if (state.waiting.empty() && state.budget_wait != 0 && links_.budget->Cancel(state.budget_wait)) {
     state.budget_wait = 0;
-    for (std::vector<float>& buffer : state.spare) pool_->Give(std::move(buffer));
-    state.spare.clear();
   }
   return true;
 }

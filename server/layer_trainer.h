@@ -201,7 +201,8 @@ class LayerTrainer {
     bool reserved ABSL_GUARDED_BY(mu) = false;
     uint64_t budget_wait ABSL_GUARDED_BY(mu) = 0;
     std::map<uint64_t, ReservationReady> waiting ABSL_GUARDED_BY(mu);
-    // Pooled buffers the step's reservation claimed, for its pushes.
+    // Pooled buffers the step's reservation claimed, for its pushes; empty
+    // unless `reserved`.
     std::vector<std::vector<float>> spare ABSL_GUARDED_BY(mu);
     double sum_of_squares ABSL_GUARDED_BY(mu) = 0;
     // When the current step's first push arrived; nullopt before it.
@@ -225,6 +226,11 @@ class LayerTrainer {
   // NOT_FOUND / INVALID_ARGUMENT for a layer or worker out of range.
   absl::Status CheckIndices(uint32_t layer, uint32_t worker) const;
 
+  // Reserves `layer`'s current step from pooled buffers of its size, topped
+  // up from the budget if it has the rest free now; false (taking nothing)
+  // otherwise, or while a request waits for budget.
+  bool ReserveFromPoolLocked(uint32_t layer, LayerState& state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // A staging buffer charged to the step's reservation goes to the pool
   // with its charge; one that is not (no reservation: unit tests) is freed.
   void RecycleLocked(LayerState& state, std::vector<float> buffer)

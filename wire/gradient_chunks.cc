@@ -45,7 +45,9 @@ absl::StatusOr<GradientChunkView> ReadGradientChunk(grpc::ByteBuffer& encoded) {
     const auto type = WireFormatLite::GetTagWireType(tag);
     uint32_t value32 = 0;
     bool ok = true;
-    if (type == WireFormatLite::WIRETYPE_VARINT && (field == 1 || field == 5)) {
+    if (field == 0) {
+      ok = false;  // no field is numbered 0: not a protobuf message
+    } else if (type == WireFormatLite::WIRETYPE_VARINT && (field == 1 || field == 5)) {
       ok = in.ReadVarint64(field == 1 ? &chunk.step : &chunk.element_offset);
     } else if (type == WireFormatLite::WIRETYPE_VARINT && field >= 2 && field <= 4) {
       ok = in.ReadVarint32(field == 2 ? &chunk.worker : field == 3 ? &chunk.layer : &chunk.tensor);
@@ -66,11 +68,16 @@ absl::StatusOr<GradientChunkView> ReadGradientChunk(grpc::ByteBuffer& encoded) {
     }
     if (!ok) {
       return absl::InvalidArgumentError(
-          "a chunk that is not a valid GradientChunk: send chunks encoded from shard.proto");
+          absl::StrCat("a chunk that is not a valid GradientChunk (field ", field, " at byte ",
+                       in.CurrentPosition(),
+                       " is cut short or malformed): send chunks encoded from the "
+                       "layercast.v1 GradientChunk message"));
     }
   }
   if (!in.ConsumedEntireMessage()) {
-    return absl::InvalidArgumentError("a chunk that is not a valid GradientChunk (a zero tag)");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a chunk that is not a valid GradientChunk (an invalid tag at byte ", in.CurrentPosition(),
+        "): send chunks encoded from the layercast.v1 GradientChunk message"));
   }
   if (!has_data) chunk.data_bytes = 0;
   return chunk;
@@ -199,6 +206,7 @@ absl::Status GradientDecoder::Accept(const GradientChunkView& chunk) {
         CastToF32(carry, dtype, out++, 1);
         carried = 0;
       }
+      if (size == 0) return;  // the element may go on in the next slice
     }
     const size_t whole = size / element_size;
     CastToF32(piece, dtype, out, whole);

@@ -8,9 +8,9 @@
 // Input: byte 0 picks the shard count (1-4) and this shard's index; then
 // three bytes a tensor for 3 tensors (dtype f32/bf16/f16, element count
 // high and low); then frames, each a 2-byte little-endian length and that
-// many bytes, handed over as gRPC would: a ByteBuffer of two slices, split
-// where the frame's first byte says (so elements straddle slices), read by
-// ReadGradientChunk as the shard reads it.
+// many bytes, handed over as gRPC would: a ByteBuffer of three slices, cut
+// where the frame's first and last bytes say (so elements straddle slices),
+// read by ReadGradientChunk as the shard reads it.
 
 #include <bit>
 #include <cstdint>
@@ -56,10 +56,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   while (at + 2 <= size) {
     const size_t length = std::min<size_t>(data[at] | (data[at + 1] << 8), size - at - 2);
     at += 2;
-    const size_t split = length == 0 ? 0 : data[at] % length;
-    grpc::Slice pieces[] = {grpc::Slice(data + at, split),
-                            grpc::Slice(data + at + split, length - split)};
-    grpc::ByteBuffer encoded(pieces, 2);
+    // Three slices, any of them empty: an element may span all three.
+    const size_t first = length == 0 ? 0 : data[at] % (length + 1);
+    const size_t second = first + (length == 0 ? 0 : data[at + length - 1] % (length - first + 1));
+    // Static (referencing the input): gRPC merges small copied slices.
+    grpc::Slice pieces[] = {
+        grpc::Slice(data + at, first, grpc::Slice::STATIC_SLICE),
+        grpc::Slice(data + at + first, second - first, grpc::Slice::STATIC_SLICE),
+        grpc::Slice(data + at + second, length - second, grpc::Slice::STATIC_SLICE)};
+    grpc::ByteBuffer encoded(pieces, 3);
     at += length;
     const absl::StatusOr<wire::GradientChunkView> chunk = wire::ReadGradientChunk(encoded);
     if (!chunk.ok()) {

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "core/cast.h"
 #include "wire/owned_runs.h"
 
@@ -54,14 +55,23 @@ uint64_t Count(const std::vector<TensorElementRange>& runs) {
   return n;
 }
 
-// Feeds `chunk` to `decoder` as gRPC would hand it over: encoded, in
-// slices, split at odd places so that elements straddle two slices.
-absl::Status Accept(GradientDecoder& decoder, const layercast::v1::GradientChunk& chunk) {
+// How a test hands a chunk's bytes over in slices, as gRPC may: slices of
+// growing odd sizes (elements straddle two slices), or single bytes with an
+// empty slice after each (an fp32 element spans four slices and three empty
+// ones).
+enum class Slicing { kGrowing, kBytes };
+
+// Feeds `chunk` to `decoder` encoded and cut into slices.
+absl::Status Accept(GradientDecoder& decoder, const layercast::v1::GradientChunk& chunk,
+                    Slicing slicing = Slicing::kGrowing) {
   const std::string encoded = chunk.SerializeAsString();
   std::vector<grpc::Slice> slices;
-  for (size_t at = 0, piece = 1; at < encoded.size(); at += piece, piece = piece * 3 + 2) {
-    piece = std::min(piece, encoded.size() - at);
-    slices.emplace_back(encoded.data() + at, piece);
+  for (size_t at = 0, piece = 1; at < encoded.size(); at += piece) {
+    piece = std::min(slicing == Slicing::kBytes ? 1 : piece * 3 + 2, encoded.size() - at);
+    // Static: gRPC merges small copied slices into one, and would hide the
+    // slicing under test.
+    slices.emplace_back(encoded.data() + at, piece, grpc::Slice::STATIC_SLICE);
+    if (slicing == Slicing::kBytes) slices.emplace_back();
   }
   grpc::ByteBuffer buffer(slices.data(), slices.size());
   absl::StatusOr<GradientChunkView> view = ReadGradientChunk(buffer);
@@ -82,7 +92,8 @@ std::vector<layercast::v1::GradientChunk> Cut(const AssembledLayout& layout,
 TEST(GradientChunksTest, EveryShardReceivesExactlyItsElementsWidenedExactly) {
   const AssembledLayout layout = TestLayout();
   const std::vector<uint8_t> gradient = TestGradient(layout);
-  for (uint32_t n : {1u, 3u, 8u}) {
+  for (const auto& [n, slicing] :
+       {std::pair{1u, Slicing::kGrowing}, {3u, Slicing::kBytes}, {8u, Slicing::kGrowing}}) {
     for (uint32_t shard = 0; shard < n; ++shard) {
       const std::vector<TensorElementRange> owned = Owned(layout, shard, n);
       std::vector<float> staging(Count(owned), -1.0f);
@@ -92,7 +103,7 @@ TEST(GradientChunksTest, EveryShardReceivesExactlyItsElementsWidenedExactly) {
         EXPECT_EQ(chunk.step(), 5u);
         EXPECT_EQ(chunk.worker(), 1u);
         EXPECT_EQ(chunk.layer(), 3u);
-        ASSERT_TRUE(Accept(decoder, chunk).ok()) << decoder.Due();
+        ASSERT_TRUE(Accept(decoder, chunk, slicing).ok()) << decoder.Due();
       }
       ASSERT_TRUE(decoder.done()) << decoder.Due();
       // What the shard staged is the worker's values, widened exactly.
@@ -120,9 +131,25 @@ TEST(GradientChunksTest, Float32IsAcceptedForAnyTensor) {
   const std::vector<float> values = {0.25f, -3.5f};
   chunk.set_data(values.data(), sizeof(float) * values.size());
   chunk.set_dtype(layercast::v1::FLOAT32);
-  ASSERT_TRUE(Accept(decoder, chunk).ok());
+  ASSERT_TRUE(Accept(decoder, chunk, Slicing::kBytes).ok());
   EXPECT_EQ(staging[0], 0.25f);
   EXPECT_EQ(staging[1], -3.5f);
+}
+
+// Bytes that are not an encoded GradientChunk are INVALID_ARGUMENT, saying
+// where they broke.
+TEST(GradientChunksTest, BytesThatAreNotAChunkAreRefused) {
+  for (const std::string& bytes : {std::string("\x02\x00", 2),  // field 0
+                                   std::string("\x32\x05"
+                                               "ab"),       // data cut short
+                                   std::string("\x08"),     // a varint cut short
+                                   std::string("\x0c")}) {  // an end-group tag
+    grpc::Slice slice(bytes.data(), bytes.size());
+    grpc::ByteBuffer buffer(&slice, 1);
+    const absl::StatusOr<GradientChunkView> view = ReadGradientChunk(buffer);
+    EXPECT_EQ(view.status().code(), absl::StatusCode::kInvalidArgument) << absl::CHexEscape(bytes);
+    EXPECT_THAT(std::string(view.status().message()), HasSubstr("at byte"));
+  }
 }
 
 // Each broken stream is refused with the code FetchLayer would use, and
