@@ -26,25 +26,12 @@ from . import _layercast
 __all__ = ["connect", "Error", "ShardSet", "LayerStream", "Layer", "Tensor", "PushResult"]
 
 
-class Error(RuntimeError):
-    """An error from the shards or the worker library."""
-
-    @property
-    def message(self) -> str:
-        """What went wrong and what to do about it."""
-        return self.args[0]
-
-    @property
-    def code(self) -> str:
-        """The gRPC status code's name, e.g. 'NOT_FOUND'."""
-        return self.args[1]
-
-
-def _translate(call, *args, **kwargs):
-    try:
-        return call(*args, **kwargs)
-    except _layercast.Error as native:
-        raise Error(*native.args) from None
+Error = _layercast.Error
+Error.__doc__ = """An error from the shards or the worker library: `code` is the gRPC
+status name ('NOT_FOUND', 'RESOURCE_EXHAUSTED', ...), `message` what went
+wrong and what to do about it."""
+Error.message = property(lambda self: self.args[0], doc="What went wrong and what to do.")
+Error.code = property(lambda self: self.args[1], doc="The gRPC status code's name.")
 
 
 Tensor = _layercast.Tensor
@@ -109,7 +96,7 @@ class LayerStream:
         return self
 
     def __next__(self) -> Layer:
-        return Layer(_translate(self._native.__next__))
+        return Layer(self._native.__next__())
 
     @property
     def stats(self) -> Dict[str, float]:
@@ -138,7 +125,7 @@ class PushResult:
         return self._native.done()
 
     def result(self) -> Dict[str, object]:
-        return _translate(self._native.result)
+        return self._native.result()
 
 
 class ShardSet:
@@ -154,9 +141,9 @@ class ShardSet:
     @property
     def manifest(self) -> Dict[str, object]:
         """model_id, num_shards, policy, version (the model's, its lowest
-        layer's) and layers: each {index, name, nbytes, tensors: [{name, shape,
+        layer's, when connecting) and layers: each {index, name, nbytes, tensors: [{name, shape,
         dtype, param_dtype}]}."""
-        return _translate(lambda: self._native.manifest)
+        return self._native.manifest
 
     @property
     def closed(self) -> bool:
@@ -170,8 +157,8 @@ class ShardSet:
         `lookahead` layers ahead (unlimited: the budget decides). Each gather
         waits for the layer's version to reach `min_version` and ends within
         `timeout` seconds. A layer larger than the budget is refused here."""
-        return LayerStream(_translate(self._native.stream, list(order), budget_bytes,
-                                      lookahead, min_version, timeout))
+        return LayerStream(self._native.stream(list(order), budget_bytes, lookahead,
+                                               min_version, timeout))
 
     def push_gradients(self, step: int, worker: int, layer: int,
                        gradients: Mapping[str, object]) -> PushResult:
@@ -180,14 +167,13 @@ class ShardSet:
         layer, each in host memory, contiguous, of the tensor's shape and
         compute dtype (anything with __dlpack__: torch tensors). The bytes are
         copied at once; the push streams to every shard in the background."""
-        return PushResult(_translate(self._native.push_gradients, step, worker, layer,
-                                     dict(gradients)))
+        return PushResult(self._native.push_gradients(step, worker, layer, dict(gradients)))
 
     def finish_step(self, step: int, worker: int) -> Dict[str, object]:
         """Waits for every push of `worker`; on worker 0 with clipping shards,
         completes the step for every worker (the clip barrier). Returns
         {clipped, total_norm, scale}."""
-        return _translate(self._native.finish_step, step, worker)
+        return self._native.finish_step(step, worker)
 
     def close(self) -> None:
         self._native.close()
@@ -207,5 +193,5 @@ def connect(shards: Sequence[str], *, tls: Optional[Mapping[str, str]] = None,
     without. Waits up to `timeout` seconds for shards still starting."""
     if isinstance(shards, str):
         shards = [s.strip() for s in shards.split(",") if s.strip()]
-    return ShardSet(_translate(_layercast.connect, list(shards),
-                               dict(tls) if tls is not None else None, timeout))
+    return ShardSet(_layercast.connect(list(shards), dict(tls) if tls is not None else None,
+                                       timeout))

@@ -148,7 +148,7 @@ class LayerwiseTrainer:
                     stage_input = stage_input.detach().requires_grad_()
                 with bound(self.model, weights):
                     output = fn(stage_input)
-                    if grad_output is None:
+                    if position == len(self.stages) - 1:
                         output = loss_fn(output, targets)
                         loss_value = output.item()
                         output.backward()

@@ -1,0 +1,132 @@
+#include "python/src/dlpack_views.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace layercast::python {
+namespace {
+
+namespace py = pybind11;
+
+DLDataType ToDLDataType(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return {kDLBfloat, 16, 1};
+    case DType::kFloat16:
+      return {kDLFloat, 16, 1};
+    default:
+      return {kDLFloat, 32, 1};
+  }
+}
+
+}  // namespace
+
+std::string DTypeString(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    default:
+      return std::string(DTypeName(dtype));
+  }
+}
+
+std::string TensorView::name() const { return std::string(view().name); }
+
+std::vector<int64_t> TensorView::shape() const {
+  const auto shape = view().shape;
+  return {shape.begin(), shape.end()};
+}
+
+std::string TensorView::dtype() const { return DTypeString(view().dtype); }
+uint64_t TensorView::nbytes() const { return view().bytes.size(); }
+
+uintptr_t TensorView::data_ptr() const { return reinterpret_cast<uintptr_t>(view().bytes.data()); }
+
+py::capsule TensorView::Export() const {
+  struct Context {
+    std::shared_ptr<HeldLayer> held;
+    std::vector<int64_t> shape;
+    DLManagedTensor managed;
+  };
+  auto context = std::make_unique<Context>();
+  context->held = held_;
+  context->shape = shape();
+  const client::Layer::TensorView tensor = view();
+  DLTensor& dl = context->managed.dl_tensor;
+  dl.data = const_cast<uint8_t*>(tensor.bytes.data());
+  dl.device = {kDLCPU, 0};
+  dl.ndim = static_cast<int32_t>(context->shape.size());
+  dl.dtype = ToDLDataType(tensor.dtype);
+  dl.shape = context->shape.data();
+  dl.strides = nullptr;  // compact, row-major
+  dl.byte_offset = 0;
+  context->managed.manager_ctx = context.get();
+  context->managed.deleter = [](DLManagedTensor* self) {
+    delete static_cast<Context*>(self->manager_ctx);
+  };
+  DLManagedTensor* managed = &context.release()->managed;
+  // A capsule never consumed (still named "dltensor") frees its tensor; a
+  // consumer renames it and calls the deleter when its tensor dies.
+  return py::capsule(managed, "dltensor", [](PyObject* capsule) {
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+      auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+      tensor->deleter(tensor);
+    }
+  });
+}
+
+void ImportGradient(const py::handle& tensor, const TensorSpec& spec, const AssembledTensor& placed,
+                    uint8_t* destination) {
+  if (!py::hasattr(tensor, "__dlpack__")) {
+    throw py::type_error(absl::StrCat("the gradient of ", spec.name,
+                                      " is not a tensor: pass a torch.Tensor (or any object with "
+                                      "__dlpack__)"));
+  }
+  py::capsule capsule = tensor.attr("__dlpack__")();
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  if (managed == nullptr) throw py::error_already_set();
+  // Consumed: the deleter is this function's to call, on every path.
+  PyCapsule_SetName(capsule.ptr(), "used_dltensor");
+  std::unique_ptr<DLManagedTensor, void (*)(DLManagedTensor*)> owner(managed,
+                                                                     [](DLManagedTensor* t) {
+                                                                       if (t->deleter != nullptr)
+                                                                         t->deleter(t);
+                                                                     });
+  const DLTensor& dl = managed->dl_tensor;
+  const DLDataType want = ToDLDataType(placed.compute_dtype);
+  if (dl.device.device_type != kDLCPU) {
+    throw py::value_error(
+        absl::StrCat("the gradient of ", spec.name, " is not in host memory: move it with .cpu()"));
+  }
+  if (dl.dtype.code != want.code || dl.dtype.bits != want.bits || dl.dtype.lanes != 1) {
+    throw py::type_error(absl::StrCat("the gradient of ", spec.name, " must be ",
+                                      DTypeString(placed.compute_dtype),
+                                      ", the tensor's compute dtype: convert it with .to()"));
+  }
+  const std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
+  if (shape != spec.shape) {
+    throw py::value_error(absl::StrCat("the gradient of ", spec.name, " has shape [",
+                                       absl::StrJoin(shape, ", "), "], the tensor [",
+                                       absl::StrJoin(spec.shape, ", "), "]"));
+  }
+  if (dl.strides != nullptr) {
+    int64_t expected = 1;
+    for (int32_t d = dl.ndim; d-- > 0;) {
+      if (dl.shape[d] != 1 && dl.strides[d] != expected) {
+        throw py::value_error(
+            absl::StrCat("the gradient of ", spec.name, " is not contiguous: pass .contiguous()"));
+      }
+      expected *= dl.shape[d];
+    }
+  }
+  const uint64_t bytes = placed.num_elements * DTypeSize(placed.compute_dtype);
+  std::memcpy(destination, static_cast<const uint8_t*>(dl.data) + dl.byte_offset, bytes);
+}
+
+}  // namespace layercast::python

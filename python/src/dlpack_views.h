@@ -1,0 +1,52 @@
+#pragma once
+
+#include <dlpack/dlpack.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/layout.h"
+#include "core/model.h"
+#include "python/src/connection.h"
+
+namespace layercast::python {
+
+// The dtype's name as torch and numpy spell it ("bfloat16").
+std::string DTypeString(DType dtype);
+
+// One tensor of a gathered layer, exported through DLPack: Export() hands a
+// consumer (torch.from_dlpack) a tensor that aliases the layer's buffer and
+// keeps the layer alive until the consumer's tensor is freed.
+class TensorView {
+ public:
+  TensorView(std::shared_ptr<HeldLayer> held, size_t index)
+      : held_(std::move(held)), index_(index) {}
+
+  std::string name() const;
+  std::vector<int64_t> shape() const;
+  std::string dtype() const;
+  uint64_t nbytes() const;
+  uintptr_t data_ptr() const;
+  // A "dltensor" capsule: compact, row-major, on the CPU. DLPack has no
+  // read-only flag: a consumer may write, and changes only this worker's copy.
+  pybind11::capsule Export() const;
+
+ private:
+  client::Layer::TensorView view() const { return held_->layer.tensor(index_); }
+
+  std::shared_ptr<HeldLayer> held_;
+  size_t index_;
+};
+
+// Copies `tensor` (anything with __dlpack__: a torch.Tensor), the gradient
+// of `spec`, into `destination`, its place in the assembled layout. It must
+// be on the CPU, contiguous, of the tensor's shape and compute dtype:
+// TypeError or ValueError saying which, and how to convert it.
+void ImportGradient(const pybind11::handle& tensor, const TensorSpec& spec,
+                    const AssembledTensor& placed, uint8_t* destination);
+
+}  // namespace layercast::python

@@ -1,0 +1,96 @@
+// layercast's native module (_layercast): the worker library behind
+// pybind11. layercast/__init__.py documents the Python API; the classes are
+// in shard_set_binding.h, the DLPack exchange in dlpack_views.h.
+//
+// Lifetimes: a tensor view holds its layer, a layer and a stream hold the
+// Connection, so nothing a Python object can still reach is ever freed,
+// whatever the order in which objects are dropped or closed.
+
+#include <malloc.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+
+#include "python/src/dlpack_views.h"
+#include "python/src/errors.h"
+#include "python/src/shard_set_binding.h"
+
+namespace layercast::python {
+namespace {
+
+namespace py = pybind11;
+
+// gRPC reads each message into fresh heap buffers of up to a few MiB. glibc
+// keeps freed buffers of that size for reuse once its adaptive thresholds
+// have risen to them, which they do in a C++ worker but (measured) not in a
+// Python interpreter, where every read then faulted its buffer in page by
+// page: 20x the page faults and 0.77x the C++ worker's gather throughput.
+// Setting the values the thresholds rise to (32 MiB mmap, twice that before
+// trimming) gives the interpreter the worker's behaviour; left alone when
+// the user set either through glibc's environment variables.
+void TuneMalloc() {
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+    return;
+  }
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
+}
+
+}  // namespace
+}  // namespace layercast::python
+
+PYBIND11_MODULE(_layercast, module) {
+  using namespace layercast::python;
+  module.doc() = "layercast's native module; use the layercast package.";
+  TuneMalloc();
+  SetErrorType(PyErr_NewExceptionWithDoc(
+      "layercast.Error",
+      "An error from the shards or the worker library: args (message, code), code the gRPC "
+      "status name, e.g. 'NOT_FOUND'.",
+      PyExc_RuntimeError, nullptr));
+  module.attr("Error") = py::handle(ErrorType());
+
+  py::class_<TensorView>(module, "Tensor")
+      .def_property_readonly("name", &TensorView::name)
+      .def_property_readonly("shape", &TensorView::shape)
+      .def_property_readonly("dtype", &TensorView::dtype)
+      .def_property_readonly("nbytes", &TensorView::nbytes)
+      .def_property_readonly("data_ptr", &TensorView::data_ptr)
+      .def(
+          "__dlpack__", [](const TensorView& self, py::object /*stream*/) { return self.Export(); },
+          py::arg("stream") = py::none())
+      .def("__dlpack_device__",
+           [](const TensorView&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); });
+
+  py::class_<PyLayer>(module, "Layer")
+      .def_property_readonly("index", &PyLayer::index)
+      .def_property_readonly("name", &PyLayer::name)
+      .def_property_readonly("version", &PyLayer::version)
+      .def_property_readonly("nbytes", &PyLayer::nbytes)
+      .def_property_readonly("data_ptr", &PyLayer::data_ptr)
+      .def("names", &PyLayer::names)
+      .def("tensor", &PyLayer::tensor);
+
+  py::class_<PyStream>(module, "Stream")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__", &PyStream::Next)
+      .def_property_readonly("stats", &PyStream::Stats)
+      .def("close", &PyStream::Close);
+
+  py::class_<PyPush>(module, "Push").def("done", &PyPush::done).def("result", &PyPush::Result);
+
+  py::class_<PyShardSet>(module, "ShardSet")
+      .def_property_readonly("manifest", &PyShardSet::Manifest)
+      .def_property_readonly("closed", &PyShardSet::closed)
+      .def("stream", &PyShardSet::Stream, py::arg("order"), py::arg("budget_bytes"),
+           py::arg("lookahead") = py::none(), py::arg("min_version") = 0, py::arg("timeout") = 60.0)
+      .def("push_gradients", &PyShardSet::PushGradients, py::arg("step"), py::arg("worker"),
+           py::arg("layer"), py::arg("gradients"))
+      .def("finish_step", &PyShardSet::FinishStep, py::arg("step"), py::arg("worker"))
+      .def("close", &PyShardSet::Close);
+
+  module.def("connect", &Connect, py::arg("shards"), py::arg("tls") = py::none(),
+             py::arg("timeout") = 30.0);
+}
