@@ -57,16 +57,19 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
     return absl::InvalidArgumentError("--data-parallel-workers must be at least 1");
   }
   const ModelSpec& model = store.model();
-  uint64_t largest_layer = 0;
+  // The pool may keep as much staging as every layer's step can reserve at
+  // once (W pushes of the shard's whole slice): it only ever holds buffers
+  // the steps held at one time, and gives them up to anything that waits
+  // for budget. Measured in bench/train_bench: with W workers every layer's
+  // step is open at once while the last worker catches up, and a pool of
+  // one step of the largest layer left most pushes faulting in fresh
+  // buffers.
+  uint64_t owned = 0;
   for (uint32_t l = 0; l < model.layers.size(); ++l) {
-    uint64_t owned = 0;
     for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) owned += store.owned(l, t).size();
-    largest_layer = std::max(largest_layer, owned);
   }
-  // The pool keeps one step of the largest layer: the staging the start-up
-  // check counts (MemoryFor).
   auto trainer = std::unique_ptr<LayerTrainer>(new LayerTrainer(
-      store, std::move(spec), workers, links, uint64_t{workers} * largest_layer * sizeof(float)));
+      store, std::move(spec), workers, links, uint64_t{workers} * owned * sizeof(float)));
   try {
     for (uint32_t l = 0; l < model.layers.size(); ++l) {
       auto state = std::make_unique<LayerState>();

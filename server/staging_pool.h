@@ -19,11 +19,11 @@ namespace layercast::server {
 //
 // A pooled buffer stays charged to the budget, so the budget keeps counting
 // the memory the shard holds. The pool keeps at most `max_bytes` (the
-// trainer's: the staging of one step of its largest layer, which the
-// start-up check counts), drops the oldest buffer first when it would hold
-// more, and gives way to the budget: a buffer returned while a request waits
-// for budget is released to it, and everything is dropped when a request
-// begins to wait (Drain: the shard's budget reclaimer calls it).
+// trainer's: what every layer's step can reserve at once, so it holds at
+// most the staging the steps held at their peak), drops the oldest buffer
+// first when it would hold more, and gives way to the budget: a buffer returned while a request
+// waits for budget is released to it, and everything is dropped when a request begins to wait
+// (Drain: the shard's budget reclaimer calls it).
 //
 // Thread-safe.
 class StagingPool {
