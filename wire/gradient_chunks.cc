@@ -97,6 +97,18 @@ GradientChunker::GradientChunker(const AssembledLayout& layout, std::span<const 
 }
 
 bool GradientChunker::Next(layercast::v1::GradientChunk* chunk) {
+  if (runs_.empty() && !sent_empty_) {
+    // The shard owns nothing of the layer, yet its step counts this push:
+    // one chunk without data says which (step, worker, layer) it is.
+    sent_empty_ = true;
+    chunk->Clear();
+    chunk->set_step(stream_.step);
+    chunk->set_worker(stream_.worker);
+    chunk->set_layer(stream_.layer);
+    chunk->set_dtype(static_cast<layercast::v1::DType>(
+        layout_.tensors().empty() ? DType::kFloat32 : layout_.tensors()[0].compute_dtype));
+    return true;
+  }
   if (run_ == runs_.size()) return false;
   const TensorElementRange& run = runs_[run_];
   const AssembledTensor& placed = layout_.tensors()[run.tensor];
@@ -143,10 +155,20 @@ absl::Status GradientDecoder::Accept(const GradientChunkView& chunk) {
         " in a stream for step ", step_, ", worker ", worker_, ", layer ", layer_,
         ": one PushGradients stream carries one (step, worker, layer); open another"));
   }
+  if (runs_.empty()) {  // the shard owns nothing of the layer
+    if (!empty_taken_ && chunk.data_bytes == 0) {
+      empty_taken_ = true;
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a chunk of ", chunk.data_bytes, " bytes for a shard that owns no element of layer ",
+        layer_, ": send it one chunk without data, which says (step, worker, layer)"));
+  }
   if (done()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a chunk of tensor ", chunk.tensor, " from element ", chunk.element_offset,
-                     " after every element this shard owns had arrived"));
+                     " after every element this shard owns had arrived (a shard that owns no "
+                     "element of the layer takes one chunk without data)"));
   }
   const TensorElementRange& run = runs_[run_];
   if (chunk.tensor != run.tensor || chunk.element_offset != next_element_) {

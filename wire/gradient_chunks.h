@@ -19,7 +19,9 @@ namespace layercast::wire {
 // (the buffer shape a gather returns, each tensor in its compute dtype),
 // into the GradientChunks one shard must receive: exactly the elements it
 // owns of every tensor, in tensor and element order, each chunk at most
-// `chunk_bytes` of data with its CRC-32C. Copies each chunk's bytes once,
+// `chunk_bytes` of data with its CRC-32C; a shard that owns no element of
+// the layer gets one chunk without data, so that its step still counts the
+// push. Copies each chunk's bytes once,
 // when Next() makes it, so a sender holds one chunk at a time.
 //
 // Not thread-safe.
@@ -53,6 +55,7 @@ class GradientChunker {
   uint64_t total_bytes_ = 0;
   size_t run_ = 0;
   uint64_t next_element_ = 0;
+  bool sent_empty_ = false;
 };
 
 // One GradientChunk as gRPC received it, its fields read and its data left
@@ -104,7 +107,7 @@ class GradientDecoder {
   absl::Status Accept(const GradientChunkView& chunk);
 
   // Whether every owned element has arrived.
-  bool done() const { return run_ == runs_.size(); }
+  bool done() const { return run_ == runs_.size() && (!runs_.empty() || empty_taken_); }
   // What the stream still owes, for messages: "tensor 2 from element 17".
   std::string Due() const;
 
@@ -116,6 +119,7 @@ class GradientDecoder {
   uint64_t next_element_ = 0;
   uint64_t staged_ = 0;  // floats of staging filled
   bool started_ = false;
+  bool empty_taken_ = false;
   uint64_t step_ = 0;
   uint32_t worker_ = 0;
   uint32_t layer_ = 0;

@@ -30,6 +30,8 @@ def llama_tensors(layers: int = 3, hidden: int = 64, ffn: int = 96, vocab: int =
         t[p + "mlp.down_proj.weight"] = torch.randn(hidden, ffn, generator=g) * 0.05
         t[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
         t[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    # A layer of one element: with 2 shards, shard 0 owns none of it.
+    t[f"model.layers.{layers}.layer_scale"] = torch.ones(1)
     t["model.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
     t["lm_head.weight"] = torch.randn(vocab, hidden, generator=g) * 0.05
     return t

@@ -153,6 +153,17 @@ def test_pushed_gradients_step_the_master_on_the_shards(model, tmp_path):
             for name, view in after.tensors.items():
                 want = masters[name] if "norm" in name else masters[name].to(torch.bfloat16)
                 assert torch.equal(bits(torch.from_dlpack(view)), bits(want)), name
+            # A layer of one element: shard 0 owns none of it, and still
+            # counts the push (one chunk without data), so the step applies.
+            tiny = next(l["index"] for l in shard_set.manifest["layers"]
+                        if l["name"] == "model.layers.3")
+            name = "model.layers.3.layer_scale"
+            grad = torch.tensor([0.5], dtype=torch.bfloat16)
+            pushed = shard_set.push_gradients(0, 0, tiny, {name: grad}).result()
+            assert pushed["applied"] and pushed["layer_version"] == 1
+            after = next(shard_set.stream([tiny], budget_bytes=1 << 20, min_version=1))
+            want = (tensors[name] - grad.to(torch.float32)).to(torch.bfloat16)
+            assert torch.equal(bits(torch.from_dlpack(after[name])), bits(want))
             with pytest.raises(layercast.Error) as again:
                 shard_set.push_gradients(0, 0, 1, gradients).result()
             assert again.value.code == "ALREADY_EXISTS", "counted once"

@@ -121,6 +121,30 @@ TEST(GradientChunksTest, EveryShardReceivesExactlyItsElementsWidenedExactly) {
   }
 }
 
+// A shard that owns no element of a layer (a 1-element tensor, 2 shards: shard
+// 0's share is empty) still takes the push, as one chunk without data, so
+// that its step counts it; a second such chunk, or one with data, is refused.
+TEST(GradientChunksTest, AShardOwningNothingTakesOneChunkWithoutData) {
+  const AssembledLayout layout = *AssembledLayout::FromDTypes({DType::kBFloat16}, {1});
+  const std::vector<uint8_t> gradient(layout.total_bytes(), 0);
+  const std::vector<TensorElementRange> owned = Owned(layout, 0, 2);
+  ASSERT_EQ(Count(owned), 0u);
+  const std::vector<layercast::v1::GradientChunk> chunks = Cut(layout, gradient, 0, 2, 64);
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_TRUE(chunks[0].data().empty());
+  EXPECT_EQ(chunks[0].layer(), 3u);
+  std::vector<float> staging;
+  GradientDecoder decoder(layout, owned, staging);
+  EXPECT_FALSE(decoder.done()) << "nothing arrived yet";
+  ASSERT_TRUE(Accept(decoder, chunks[0]).ok());
+  EXPECT_TRUE(decoder.done());
+  EXPECT_EQ(Accept(decoder, chunks[0]).code(), absl::StatusCode::kInvalidArgument);
+  GradientDecoder other(layout, owned, staging);
+  layercast::v1::GradientChunk with_data = chunks[0];
+  with_data.set_data(std::string(2, '\0'));
+  EXPECT_EQ(Accept(other, with_data).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(GradientChunksTest, Float32IsAcceptedForAnyTensor) {
   const AssembledLayout layout = TestLayout();
   const std::vector<TensorElementRange> owned = Owned(layout, 0, 2);
