@@ -28,6 +28,16 @@ struct SafetensorsTensor {
   uint64_t data_begin = 0;  // absolute byte offset of element 0 in that file
 };
 
+// A tensor of a dtype layercast does not serve (integers, booleans, F64,
+// FP8: position ids, masks, quantisation scales): its header entry is checked
+// like any other, then it is left out of the model. docs/decisions.md says
+// why it is skipped rather than served as it is.
+struct SafetensorsSkipped {
+  std::string name;
+  std::string dtype;  // as the file names it, e.g. "I32"
+  std::vector<int64_t> shape;
+};
+
 // Reads a safetensors model: one `.safetensors` file, or a
 // `model.safetensors.index.json` naming several. Every header is validated on
 // Open (length, JSON, dtypes, shapes without overflow, offsets in range and
@@ -39,8 +49,10 @@ class SafetensorsReader {
   static absl::StatusOr<std::unique_ptr<SafetensorsReader>> Open(
       const std::string& path, FileSystem& fs = DefaultFileSystem());
 
-  // All tensors, sorted by name.
+  // All tensors of a dtype layercast serves (F32, BF16, F16), sorted by name.
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
+  // The others, sorted by name.
+  const std::vector<SafetensorsSkipped>& skipped() const { return skipped_; }
   // Paths of the data files, in the order SafetensorsTensor::file indexes.
   const std::vector<std::string>& files() const { return file_paths_; }
   // The `__metadata__` of the (first) file.
@@ -57,6 +69,7 @@ class SafetensorsReader {
  private:
   SafetensorsReader() = default;
   std::vector<SafetensorsTensor> tensors_;
+  std::vector<SafetensorsSkipped> skipped_;
   std::vector<std::string> file_paths_;
   std::vector<std::unique_ptr<RandomAccessFile>> files_;
   std::map<std::string, std::string> metadata_;

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -78,7 +80,27 @@ absl::StatusOr<Json> ParseJsonObject(std::string_view text, const std::string& p
 
 struct ParsedFile {
   std::vector<SafetensorsTensor> tensors;
+  std::vector<SafetensorsSkipped> skipped;
   std::map<std::string, std::string> metadata;
+};
+
+// The element size of a dtype of the safetensors format that layercast does
+// not serve; nullopt for a name the format does not have.
+std::optional<uint64_t> SkippedDTypeSize(const std::string& name) {
+  static const std::map<std::string, uint64_t> kSizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2},
+      {"U16", 2},  {"I32", 4}, {"U32", 4}, {"I64", 8},     {"U64", 8},     {"F64", 8}};
+  const auto found = kSizes.find(name);
+  if (found == kSizes.end()) return std::nullopt;
+  return found->second;
+}
+
+// A header entry as parsed: the tensor, its bytes in the data section, and,
+// for a dtype that is not served, that dtype's name.
+struct ParsedTensor {
+  SafetensorsTensor tensor;
+  uint64_t bytes = 0;
+  std::string skipped_dtype;  // empty: served
 };
 
 absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const Json& json,
@@ -100,9 +122,9 @@ absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const Json& jso
 
 // Validates one tensor entry of a header. `data_bytes` is the size of the byte
 // buffer after the header; offsets are relative to it.
-absl::StatusOr<SafetensorsTensor> ParseTensor(const std::string& name, const Json& entry,
-                                              uint64_t data_start, uint64_t data_bytes,
-                                              uint32_t file_index, const std::string& path) {
+absl::StatusOr<ParsedTensor> ParseTensor(const std::string& name, const Json& entry,
+                                         uint64_t data_start, uint64_t data_bytes,
+                                         uint32_t file_index, const std::string& path) {
   const std::string where = absl::StrCat("tensor '", name, "'");
   if (!entry.is_object()) {
     return Malformed(path, absl::StrCat(where, " is a JSON ", entry.type_name(),
@@ -116,11 +138,16 @@ absl::StatusOr<SafetensorsTensor> ParseTensor(const std::string& name, const Jso
   if (dtype == entry.end() || !dtype->is_string()) {
     return Malformed(path, absl::StrCat(where, ": \"dtype\" must be a string such as \"F32\""));
   }
-  absl::StatusOr<DType> parsed_dtype = DTypeFromSafetensorsName(dtype->get<std::string>());
-  if (!parsed_dtype.ok()) {
-    return Malformed(path, absl::StrCat(where, ": ", std::string(parsed_dtype.status().message())));
+  const std::string dtype_name = dtype->get<std::string>();
+  absl::StatusOr<DType> parsed_dtype = DTypeFromSafetensorsName(dtype_name);
+  const std::optional<uint64_t> skipped_size = SkippedDTypeSize(dtype_name);
+  if (!parsed_dtype.ok() && !skipped_size) {
+    return Malformed(path, absl::StrCat(where, ": '", dtype_name,
+                                        "' is not a safetensors dtype (layercast serves F32, "
+                                        "BF16 and F16, and skips the format's others)"));
   }
-  tensor.dtype = *parsed_dtype;
+  if (parsed_dtype.ok()) tensor.dtype = *parsed_dtype;
+  const uint64_t element_size = parsed_dtype.ok() ? DTypeSize(*parsed_dtype) : *skipped_size;
 
   const auto shape = entry.find("shape");
   if (shape == entry.end() || !shape->is_array()) {
@@ -146,9 +173,8 @@ absl::StatusOr<SafetensorsTensor> ParseTensor(const std::string& name, const Jso
   }
   tensor.num_elements = num_elements;
   uint64_t num_bytes = 0;
-  if (__builtin_mul_overflow(num_elements, DTypeSize(tensor.dtype), &num_bytes)) {
-    return Malformed(path, absl::StrCat(where, ": shape ", shape->dump(), " of ",
-                                        std::string(DTypeSafetensorsName(tensor.dtype)),
+  if (__builtin_mul_overflow(num_elements, element_size, &num_bytes)) {
+    return Malformed(path, absl::StrCat(where, ": shape ", shape->dump(), " of ", dtype_name,
                                         " has more bytes than fit in 64 bits"));
   }
 
@@ -171,28 +197,28 @@ absl::StatusOr<SafetensorsTensor> ParseTensor(const std::string& name, const Jso
                            data_bytes, " data bytes after the header"));
   }
   if (end - begin != num_bytes) {
-    return Malformed(
-        path, absl::StrCat(where, ": shape ", shape->dump(), " of ",
-                           std::string(DTypeSafetensorsName(tensor.dtype)), " needs ", num_bytes,
-                           " bytes but data_offsets [", begin, ", ", end, "] span ", end - begin));
+    return Malformed(path, absl::StrCat(where, ": shape ", shape->dump(), " of ", dtype_name,
+                                        " needs ", num_bytes, " bytes but data_offsets [", begin,
+                                        ", ", end, "] span ", end - begin));
   }
   tensor.data_begin = data_start + begin;
-  return tensor;
+  return ParsedTensor{std::move(tensor), num_bytes, parsed_dtype.ok() ? "" : dtype_name};
 }
 
 // Two tensors claiming the same bytes mean a corrupt or hostile header; the
 // reference implementation refuses them too. Empty tensors claim no bytes.
-absl::Status CheckNoOverlap(const std::vector<SafetensorsTensor>& tensors,
-                            const std::string& path) {
+absl::Status CheckNoOverlap(const std::vector<ParsedTensor>& tensors, const std::string& path) {
   struct Span {
     uint64_t begin, end;
     const std::string* name;
   };
   std::vector<Span> spans;
   spans.reserve(tensors.size());
-  for (const SafetensorsTensor& tensor : tensors) {
-    const uint64_t bytes = tensor.num_elements * DTypeSize(tensor.dtype);
-    if (bytes > 0) spans.push_back({tensor.data_begin, tensor.data_begin + bytes, &tensor.name});
+  for (const ParsedTensor& parsed : tensors) {
+    const SafetensorsTensor& tensor = parsed.tensor;
+    if (parsed.bytes > 0) {
+      spans.push_back({tensor.data_begin, tensor.data_begin + parsed.bytes, &tensor.name});
+    }
   }
   std::sort(spans.begin(), spans.end(),
             [](const Span& a, const Span& b) { return a.begin < b.begin; });
@@ -234,16 +260,27 @@ absl::StatusOr<ParsedFile> ParseFile(const RandomAccessFile& file, uint32_t file
   const uint64_t data_start = kLengthPrefixBytes + header_bytes;
   const uint64_t data_bytes = file.size() - data_start;
   ParsedFile parsed;
+  std::vector<ParsedTensor> entries;
   for (const auto& [name, entry] : json.items()) {
     if (name == "__metadata__") {
       ASSIGN_OR_RETURN(parsed.metadata, ParseMetadata(entry, path));
       continue;
     }
-    ASSIGN_OR_RETURN(SafetensorsTensor tensor,
+    ASSIGN_OR_RETURN(ParsedTensor tensor,
                      ParseTensor(name, entry, data_start, data_bytes, file_index, path));
-    parsed.tensors.push_back(std::move(tensor));
+    entries.push_back(std::move(tensor));
   }
-  RETURN_IF_ERROR(CheckNoOverlap(parsed.tensors, path));
+  // Skipped tensors too: their bytes still may not overlap anyone's.
+  RETURN_IF_ERROR(CheckNoOverlap(entries, path));
+  for (ParsedTensor& entry : entries) {
+    if (entry.skipped_dtype.empty()) {
+      parsed.tensors.push_back(std::move(entry.tensor));
+    } else {
+      parsed.skipped.push_back(SafetensorsSkipped{std::move(entry.tensor.name),
+                                                  std::move(entry.skipped_dtype),
+                                                  std::move(entry.tensor.shape)});
+    }
+  }
   return parsed;
 }
 
@@ -278,6 +315,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(const
     ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, fs.OpenForRead(path));
     ASSIGN_OR_RETURN(ParsedFile parsed, ParseFile(*file, 0));
     reader->tensors_ = std::move(parsed.tensors);
+    reader->skipped_ = std::move(parsed.skipped);
     reader->metadata_ = std::move(parsed.metadata);
     reader->file_paths_.push_back(path);
     reader->files_.push_back(std::move(file));
@@ -330,6 +368,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(const
         }
         reader->tensors_.push_back(std::move(tensor));
       }
+      for (SafetensorsSkipped& skipped : parsed.skipped) {  // placed by the index all the same
+        if (auto [it, inserted] = seen.emplace(skipped.name, file_index); !inserted) {
+          return Malformed(
+              path, absl::StrCat("tensor '", skipped.name, "' is in both '",
+                                 reader->file_paths_[it->second], "' and '", shard_path, "'"));
+        }
+        reader->skipped_.push_back(std::move(skipped));
+      }
       if (file_index == 0) reader->metadata_ = std::move(parsed.metadata);
       reader->file_paths_.push_back(shard_path);
       reader->files_.push_back(std::move(file));
@@ -353,6 +399,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(const
   }
   std::sort(reader->tensors_.begin(), reader->tensors_.end(),
             [](const SafetensorsTensor& a, const SafetensorsTensor& b) { return a.name < b.name; });
+  std::sort(
+      reader->skipped_.begin(), reader->skipped_.end(),
+      [](const SafetensorsSkipped& a, const SafetensorsSkipped& b) { return a.name < b.name; });
   return reader;
 }
 

@@ -28,6 +28,8 @@ class SafetensorsSource : public ParameterSource {
   // Elements of the model per dtype they are stored in: those not F32 are
   // widened, exactly, to the fp32 master (which is then larger than the file).
   std::map<DType, uint64_t> StoredElements() const;
+  // Tensors of dtypes layercast does not serve, left out of the model.
+  const std::vector<SafetensorsSkipped>& Skipped() const { return reader_->skipped(); }
   absl::Status Read(uint32_t layer, uint32_t tensor, ElementRange range,
                     std::span<float> dst) const override;
 

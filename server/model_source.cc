@@ -54,6 +54,13 @@ absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings&
         "holds them in {}x their bytes in the file",
         elements, model.model_id, DTypeSafetensorsName(dtype), 4 / DTypeSize(dtype));
   }
+  for (const SafetensorsSkipped& skipped : file->Skipped()) {
+    Log()->warn(
+        "skipping tensor '{}' of {}: its dtype {} is not a floating-point parameter layercast "
+        "serves (F32, BF16, F16); workers that need it read it from the checkpoint "
+        "(docs/models.md)",
+        skipped.name, model.model_id, skipped.dtype);
+  }
   if (model.layers.size() == 1 && model.layers[0].name == settings.grouping.last_name &&
       model.layers[0].tensors.size() > 1) {
     Log()->warn(

@@ -223,9 +223,35 @@ TEST(SafetensorsReaderTest, RejectsFieldsOfWrongType) {
   }
 }
 
-TEST(SafetensorsReaderTest, RejectsUnsupportedDtypeByName) {
-  ExpectRejected(R"({"t":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'),
-                 "'F64' is not supported");
+TEST(SafetensorsReaderTest, RejectsADtypeTheFormatDoesNotHave) {
+  ExpectRejected(R"({"t":{"dtype":"Q4","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'),
+                 "'Q4' is not a safetensors dtype");
+}
+
+// Tensors of dtypes layercast does not serve (position ids in I32, F64) are
+// checked like the others, then left out of tensors() and listed in
+// skipped(); their bytes still may not overlap another tensor's.
+TEST(SafetensorsReaderTest, SkipsTensorsOfDtypesItDoesNotServe) {
+  const std::string path = MakeTestDir() + "/mixed.safetensors";
+  WriteBytes(path, HandMade(R"({"ids":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},)"
+                            R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
+                            R"("x":{"dtype":"F64","shape":[1],"data_offsets":[16,24]}})",
+                            std::string(24, '\0')));
+  absl::StatusOr<std::unique_ptr<SafetensorsReader>> reader = SafetensorsReader::Open(path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  ASSERT_EQ((*reader)->tensors().size(), 1u);
+  EXPECT_EQ((*reader)->tensors()[0].name, "w");
+  ASSERT_EQ((*reader)->skipped().size(), 2u);
+  EXPECT_EQ((*reader)->skipped()[0].name, "ids");
+  EXPECT_EQ((*reader)->skipped()[0].dtype, "I32");
+  EXPECT_EQ((*reader)->skipped()[0].shape, std::vector<int64_t>{2});
+  EXPECT_EQ((*reader)->skipped()[1].dtype, "F64");
+
+  ExpectRejected(R"({"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]},)"
+                 R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                 std::string(16, '\0'), "overlap");
+  ExpectRejected(R"({"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,8]}})",
+                 std::string(8, '\0'), "of I64 needs 16 bytes");
 }
 
 TEST(SafetensorsReaderTest, RejectsNegativeDimension) {

@@ -133,6 +133,25 @@ TEST(LoggingTest, AModelFolderIsServedAndWhatItWidensOrCannotGroupIsSaid) {
   log.assign(std::istreambuf_iterator<char>(gpt2_in), std::istreambuf_iterator<char>());
   EXPECT_THAT(log, HasSubstr("matched the layer rules"));
   EXPECT_THAT(log, HasSubstr("Set --layer-regex"));
+
+  // An I32 tensor (position ids) is skipped with a warning; the rest serves.
+  const std::string ids = MakeTempDir("position-ids") + "/ids.safetensors";
+  {
+    const std::string header =
+        R"({"model.layers.0.w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+        R"("model.position_ids":{"dtype":"I32","shape":[2],"data_offsets":[8,16]}})";
+    std::string bytes(8, '\0');
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(header.size() >> (8 * i));
+    std::ofstream(ids, std::ios::binary) << bytes << header << std::string(16, '\0');
+  }
+  const std::string ids_logs = MakeTempDir("logging_ids");
+  auto skipping = StartProcesses(1, {"--model", ids}, ids_logs);
+  ASSERT_NE(skipping, nullptr);
+  ASSERT_TRUE(skipping->Stop().ok());
+  std::ifstream ids_in(ids_logs + "/shard-0.log");
+  log.assign(std::istreambuf_iterator<char>(ids_in), std::istreambuf_iterator<char>());
+  EXPECT_THAT(log, HasSubstr("skipping tensor 'model.position_ids'"));
+  EXPECT_THAT(log, HasSubstr("its dtype I32 is not a floating-point parameter"));
 }
 
 TEST(LoggingTest, AnUnknownLogFormatIsRefusedNamingTheChoices) {
