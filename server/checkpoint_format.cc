@@ -76,4 +76,8 @@ std::string OptimizerStateName(const std::string& buffer, const std::string& ten
   return absl::StrCat(kOptimizerStatePrefix, buffer, "/", tensor);
 }
 
+std::string StagedPushName(uint32_t layer, const std::string& part) {
+  return absl::StrCat(kStagedPushPrefix, layer, "/", part);
+}
+
 }  // namespace layercast::server

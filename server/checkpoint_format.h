@@ -50,7 +50,15 @@ namespace layercast::server {
 //                    state['step']), comma-separated
 //
 // `version` is then the model's: its lowest layer's. Pushes staged for a
-// step not yet applied are not saved.
+// layer step not yet applied are saved too, so that a shard stopped in the
+// middle of a step completes it when the other workers' pushes arrive: one
+// F32 tensor per staged push, StagedPushName(layer, worker)
+// ("__staged__/<layer>/<worker>"), of the layer's owned elements widened (or,
+// with clipping, the layer's reduced mean waiting for the scale,
+// "__staged__/<layer>/mean"), and
+//
+//   staged_pushes   those tensors' "<layer>/<worker>" or "<layer>/mean",
+//                   comma-separated; empty when no step was open
 //
 // It is written under `.shard-<i>-of-<N>.safetensors.tmp-<pid>-<nonce>` in
 // the same directory, created new and private (FileSystem::CreatePrivate),
@@ -60,9 +68,15 @@ namespace layercast::server {
 inline constexpr char kCheckpointFormat[] = "layercast-shard-checkpoint";
 inline constexpr char kCheckpointFormatVersion[] = "1";
 inline constexpr char kOptimizerStatePrefix[] = "__optimizer__/";
+inline constexpr char kStagedPushPrefix[] = "__staged__/";
+// What StagedPushName calls a layer's reduced mean.
+inline constexpr char kStagedMean[] = "mean";
 
 // "__optimizer__/<buffer>/<tensor>".
 std::string OptimizerStateName(const std::string& buffer, const std::string& tensor);
+
+// "__staged__/<layer>/<part>": `part` a worker index or kStagedMean.
+std::string StagedPushName(uint32_t layer, const std::string& part);
 
 // "shard-<i>-of-<N>.safetensors".
 std::string CheckpointFileName(uint32_t shard_index, uint32_t num_shards);

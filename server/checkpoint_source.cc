@@ -17,6 +17,12 @@ namespace {
 // Floats per read when the data is hashed a second time.
 constexpr uint64_t kRehashElements = 1 << 20;
 
+// Optimizer state and staged pushes: what a training checkpoint holds
+// beside the master.
+bool IsTrainingState(const std::string& name) {
+  return name.rfind(kOptimizerStatePrefix, 0) == 0 || name.rfind(kStagedPushPrefix, 0) == 0;
+}
+
 constexpr char kWhatToDo[] =
     "; start the shard with the settings the checkpoint was written with, or move the file away "
     "to start from --model/--synthetic";
@@ -141,7 +147,7 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
     }
   }
   for (const SafetensorsTensor& entry : reader_->tensors()) {
-    if (entry.name.rfind(kOptimizerStatePrefix, 0) != 0) continue;
+    if (!IsTrainingState(entry.name)) continue;
     if (!training_ || entry.dtype != DType::kFloat32 || entry.shape.size() != 1) {
       return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has optimizer state tensor ",
                                               entry.name,
@@ -185,6 +191,18 @@ absl::Status CheckpointSource::ParseTraining() {
                                           " layers and the model has ", model_.layers.size()));
     }
   }
+  const std::string staged = MetadataValue(metadata, "staged_pushes");
+  for (absl::string_view part : absl::StrSplit(staged, ',', absl::SkipEmpty())) {
+    const std::vector<std::string> fields = absl::StrSplit(part, '/');
+    uint64_t layer = 0, worker = 0;
+    if (fields.size() != 2 || !ParseDecimal(fields[0], &layer) || layer >= model_.layers.size() ||
+        (fields[1] != kStagedMean && !ParseDecimal(fields[1], &worker)) ||
+        reader_->Find(StagedPushName(static_cast<uint32_t>(layer), fields[1])) == nullptr) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records staged push '", part,
+                                              "', which it does not hold", kWhatToDo));
+    }
+    training.staged.emplace_back(static_cast<uint32_t>(layer), fields[1]);
+  }
   if (*std::min_element(training.layer_versions.begin(), training.layer_versions.end()) !=
       version_) {
     return absl::DataLossError(absl::StrCat(
@@ -199,7 +217,7 @@ absl::Status CheckpointSource::ParseTraining() {
 absl::Status CheckpointSource::ReadState(const std::string& name,
                                          std::vector<float>& values) const {
   const SafetensorsTensor* entry = reader_->Find(name);
-  if (entry == nullptr || name.rfind(kOptimizerStatePrefix, 0) != 0) {
+  if (entry == nullptr || !IsTrainingState(name)) {
     return absl::NotFoundError(absl::StrCat("checkpoint ", path_, " has no tensor ", name));
   }
   values.resize(entry->num_elements);

@@ -63,10 +63,13 @@ class CheckpointSource final : public ParameterSource {
     std::string optimizer;                  // the canonical spec
     std::vector<uint64_t> layer_versions;   // per layer
     std::vector<uint64_t> optimizer_steps;  // per layer
+    // Pushes staged for open steps: (layer, worker index or kStagedMean).
+    std::vector<std::pair<uint32_t, std::string>> staged;
   };
   const std::optional<Training>& training() const { return training_; }
-  // Reads optimizer state tensor `name` (OptimizerStateName) whole into
-  // `values`. NOT_FOUND when the file has none of that name.
+  // Reads optimizer state or staged push tensor `name` (OptimizerStateName,
+  // StagedPushName) whole into `values`. NOT_FOUND when the file has none of
+  // that name.
   absl::Status ReadState(const std::string& name, std::vector<float>& values) const;
 
   // DATA_LOSS naming the file unless the SHA-256 of its data equals the

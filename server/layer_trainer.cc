@@ -7,8 +7,10 @@
 #include <span>
 
 #include "absl/numeric/int128.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/byte_size.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_format.h"
 
@@ -247,7 +249,7 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
   std::vector<std::unique_ptr<absl::MutexLock>> locks;
   for (auto& layer : layers_) locks.push_back(std::make_unique<absl::MutexLock>(&layer->mu));
   CheckpointExtras extras;
-  std::vector<std::string> versions, steps;
+  std::vector<std::string> versions, steps, staged;
   uint64_t version = UINT64_MAX;
   const ModelSpec& model = store_.model();
   for (uint32_t l = 0; l < layers_.size(); ++l) {
@@ -261,10 +263,18 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
                                     values);
       }
     }
+    // The open step's pushes, so that a shard stopped mid-step completes it.
+    for (uint32_t w = 0; w < workers_; ++w) {
+      if (!state.pushed[w]) continue;
+      const std::string part = state.reduced ? kStagedMean : absl::StrCat(w);
+      staged.push_back(absl::StrCat(l, "/", part));
+      extras.tensors.emplace_back(StagedPushName(l, part), *state.pushed[w]);
+    }
   }
   extras.metadata = {{"optimizer", spec_.ToString()},
                      {"layer_versions", absl::StrJoin(versions, ",")},
-                     {"optimizer_steps", absl::StrJoin(steps, ",")}};
+                     {"optimizer_steps", absl::StrJoin(steps, ",")},
+                     {"staged_pushes", absl::StrJoin(staged, ",")}};
   return write(version, extras);
 }
 
@@ -301,6 +311,43 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
     }
     state.version = saved->layer_versions[l];
     if (links_.gate != nullptr) links_.gate->Advance(l, state.version);
+  }
+  return RestoreStaged(source, *saved);
+}
+
+absl::Status LayerTrainer::RestoreStaged(const CheckpointSource& source,
+                                         const CheckpointSource::Training& saved) {
+  for (const auto& [layer, part] : saved.staged) {
+    LayerState& state = *layers_[layer];
+    absl::MutexLock lock(&state.mu);
+    std::vector<float> values;
+    RETURN_IF_ERROR(source.ReadState(StagedPushName(layer, part), values));
+    const bool mean = part == kStagedMean;
+    uint64_t worker = 0;
+    if ((!mean && (!absl::SimpleAtoi(part, &worker) || worker >= workers_)) ||
+        values.size() != state.owned_elements || state.reduced || state.pushed[worker]) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint ", source.path(), ": staged push ", layer, "/", part,
+          " does not fit this shard's layer ", layer, " and ", workers_,
+          " workers (--data-parallel-workers must be the checkpoint's); start from a fresh "
+          "--checkpoint-dir, or resume with the workers it was trained with"));
+    }
+    // Charged as the step's reservation was when it was written.
+    if (!state.reserved) {
+      if (links_.budget != nullptr && !links_.budget->TryAcquire(StepBytes(layer))) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "checkpoint ", source.path(), " holds pushes of an open step of layer ", layer,
+            ", whose staging (", FormatBytes(StepBytes(layer)),
+            ") no longer fits --memory-budget beside what is loaded: raise --memory-budget"));
+      }
+      state.reserved = true;
+      state.opened = std::chrono::steady_clock::now();
+    }
+    state.pushed[worker] = std::move(values);
+    if (mean) {
+      state.reduced = true;
+      state.sum_of_squares = SumOfSquares(*state.pushed[0]);
+    }
   }
   return absl::OkStatus();
 }
@@ -360,6 +407,12 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
                 std::chrono::duration<double>(end - opened).count()};
 }
 
+double LayerTrainer::SumOfSquares(const std::vector<float>& mean) {
+  double sum = 0;
+  for (const float value : mean) sum += static_cast<double>(value) * value;
+  return sum;
+}
+
 void LayerTrainer::ReduceLocked(LayerState& state) {
   // Left to right in worker order: the same bits whatever order pushes came
   // in. Summed into worker 0's staging, which the step consumes anyway.
@@ -376,11 +429,7 @@ void LayerTrainer::ReduceLocked(LayerState& state) {
     const float divisor = static_cast<float>(workers_);
     for (size_t i = 0; i < size; ++i) mean[i] /= divisor;
   }
-  if (spec_.clip()) {
-    double sum = 0;
-    for (size_t i = 0; i < size; ++i) sum += static_cast<double>(mean[i]) * mean[i];
-    state.sum_of_squares = sum;
-  }
+  if (spec_.clip()) state.sum_of_squares = SumOfSquares(*state.pushed[0]);
   state.reduced = true;
 }
 

@@ -153,7 +153,9 @@ class LayerTrainer {
   absl::StatusOr<CheckpointInfo> WriteWithState(CheckpointWrite write);
 
   // Takes back what a checkpoint saved: every layer's version and step
-  // count and every state buffer, read from `source`. Before any push.
+  // count, every state buffer, and the pushes staged for open steps (their
+  // staging charged to the budget again), read from `source`. Before any
+  // push. RESOURCE_EXHAUSTED when the open steps' staging no longer fits.
   // FAILED_PRECONDITION when the checkpoint was trained with another kind
   // of optimizer, or with state this spec does not keep.
   absl::Status Restore(const CheckpointSource& source);
@@ -235,6 +237,11 @@ class LayerTrainer {
   // with its charge; one that is not (no reservation: unit tests) is freed.
   void RecycleLocked(LayerState& state, std::vector<float> buffer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  // The mean's sum of squares in fp64, in element order (clipping's norm).
+  static double SumOfSquares(const std::vector<float>& mean);
+  // Restore's second half: the pushes of open steps, staged again.
+  absl::Status RestoreStaged(const CheckpointSource& source,
+                             const CheckpointSource::Training& saved);
   // Averages the staged gradients into pushed[0], in worker order, and
   // recycles the other workers' staging.
   void ReduceLocked(LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);

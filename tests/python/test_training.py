@@ -2,7 +2,7 @@
 workers, AdamW on the shards) against the same model trained in plain
 PyTorch with an fp32 master, a bf16 compute copy and torch.optim.AdamW: the
 losses and the final fp32 master bit for bit, with one shard restarted from
-its checkpoint halfway."""
+its checkpoint between two steps and another in the middle of one."""
 
 import pathlib
 import subprocess
@@ -20,7 +20,8 @@ import llama_train as example  # noqa: E402
 
 STEPS = 50
 WORKERS = 2
-RESTART_AFTER = 25
+RESTART_AFTER = 25  # shard 1, between two steps
+RESTART_MID_STEP = 37  # shard 0, after worker 0 pushed the step and before worker 1
 
 
 def reference(initial):
@@ -85,6 +86,10 @@ def test_training_through_layercast_is_plain_pytorch_bit_for_bit(initial, tmp_pa
                 for worker, trainer in enumerate(trainers):
                     inputs, targets = example.batch(step, worker)
                     losses[worker].append(trainer.train_step(inputs, targets, example.loss_fn))
+                    if step == RESTART_MID_STEP and worker == 0:
+                        # Worker 0's pushes are staged on the shards, not
+                        # applied: the checkpoint carries them.
+                        shards.restart(0)
             assert trainers[0].version == STEPS
             assert trainers[0].bytes_pushed > 0 and trainers[0].bytes_fetched > 0
     want, want_losses = reference(weights)
