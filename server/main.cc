@@ -1,12 +1,16 @@
 // layercast-shard: serves one shard of a model. See ShardServer for the
 // life cycle and proto/layercast/v1/config.proto for the flags.
 //
+// --dry-run reads only the model's headers and prints what every shard needs
+// in memory (server/dry_run.h); it exits 2 when --memory-budget is too small.
+//
 // Exit status: 0 after a clean stop (SIGTERM/SIGINT, drained, checkpoint
 // written if configured); 2 when it refuses to start (bad flags, a model or
 // budget that cannot work, bad TLS files or token, a mismatched or corrupt
 // checkpoint); 1 for other failures (a port in use, a read error, a failed
 // checkpoint on exit).
 
+#include <algorithm>
 #include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -21,6 +25,7 @@
 #include "core/build_info.h"
 #include "core/heap_tuning.h"
 #include "core/log.h"
+#include "server/dry_run.h"
 #include "server/shard_config.h"
 #include "server/shard_server.h"
 
@@ -37,7 +42,11 @@ int main(int argc, char** argv) {
   layercast::KeepChunkBuffersInHeap();
   layercast::ConfigureLogging("layercast-shard", layercast::LogFormat::kText);
   using layercast::server::ShardServer;
-  const std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // --dry-run is a mode, not a setting: it is no field of the config.
+  const auto dry_run = std::find(args.begin(), args.end(), "--dry-run");
+  const bool dry = dry_run != args.end();
+  if (dry) args.erase(dry_run);
   for (const std::string& arg : args) {
     if (arg == "--help" || arg == "-h") {
       std::fputs(layercast::server::ShardFlagsHelp().c_str(), stdout);
@@ -52,6 +61,12 @@ int main(int argc, char** argv) {
   if (!config.ok()) return Fail(config.status(), 2);
   auto settings = layercast::server::ResolveShardConfig(*std::move(config));
   if (!settings.ok()) return Fail(settings.status(), 2);
+  if (dry) {
+    auto report = layercast::server::DryRun(*settings);
+    if (!report.ok()) return Fail(report.status(), 2);
+    std::fputs(report->text.c_str(), stdout);
+    return report->fits ? 0 : 2;
+  }
   const layercast::v1::ShardConfig& resolved = settings->config;
   layercast::ConfigureLogging(
       "layercast-shard", settings->log_format, settings->log_level,

@@ -166,7 +166,9 @@ std::string ShardFlagsHelp() {
   absl::StrAppend(&help,
                   "See proto/layercast/v1/config.proto for each field's meaning, and\n"
                   "docs/security.md for TLS, admin tokens, limits and checkpoints.\n"
-                  "Boolean flags take true or false (or 1 or 0).\n");
+                  "Boolean flags take true or false (or 1 or 0).\n"
+                  "--dry-run reads only the model's headers, prints what every shard needs in\n"
+                  "memory (and whether --memory-budget holds it), and exits.\n");
   return help;
 }
 

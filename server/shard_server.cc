@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "server/auth_token.h"
+#include "server/memory_plan.h"
 #include "server/model_source.h"
 #include "server/shard_checkpoint.h"
 
@@ -49,27 +50,6 @@ std::string BoundAddress(const std::string& listen, int port) {
   return absl::StrCat(listen.substr(0, colon), ":", port);
 }
 
-// The start-up check of a training shard: master, optimizer state, one
-// step's staging of its largest layer and one stream's buffers must fit the
-// budget together, or it refuses with the arithmetic.
-absl::Status CheckTrainingFits(const ModelSpec& model, const layercast::v1::ShardConfig& config,
-                               const OptimizerSpec& optimizer, uint64_t master, uint64_t budget) {
-  const LayerTrainer::Memory training = LayerTrainer::MemoryFor(
-      model, config.shard_index(), config.num_shards(), optimizer, config.data_parallel_workers());
-  const uint64_t one_stream = 2 * config.chunk_bytes();
-  const absl::uint128 needed =
-      absl::uint128(master) + training.state_bytes + training.step_staging_bytes + one_stream;
-  if (needed <= budget) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "shard ", config.shard_index(), " of ", config.num_shards(),
-      " cannot train in --memory-budget ", FormatBytes(budget), ": it needs ", FormatBytes(master),
-      " of fp32 master + ", FormatBytes(training.state_bytes), " of ",
-      OptimizerKindName(optimizer.kind()), " state + ", FormatBytes(training.step_staging_bytes),
-      " to stage one step of its largest ", "layer (", config.data_parallel_workers(),
-      " workers' pushes in fp32) + ", FormatBytes(one_stream),
-      " for one stream's chunks: raise the budget or use more shards"));
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings settings) {
@@ -80,26 +60,16 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   if (model.layers.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, " has no layers"));
   }
-  ASSIGN_OR_RETURN(const uint64_t master,
-                   ParameterStore::MasterBytes(model, config.shard_index(), config.num_shards()));
-  const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes;
-  if (budget && master > *budget) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shard ", config.shard_index(), " of ", config.num_shards(), " needs ", FormatBytes(master),
-        " (", master, " bytes) for its fp32 master parameters, but ", "--memory-budget is ",
-        FormatBytes(*budget), " (", *budget, " bytes): raise the budget or use more shards"));
+  std::optional<TrainingPlan> training;
+  if (server->settings_.optimizer) {
+    training = TrainingPlan{*server->settings_.optimizer, config.data_parallel_workers()};
   }
-  if (const auto& optimizer = server->settings_.optimizer; optimizer && budget) {
-    RETURN_IF_ERROR(CheckTrainingFits(model, config, *optimizer, master, *budget));
-  }
-  // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
-  const uint64_t one_stream = 2 * config.chunk_bytes();
-  if (budget && *budget - master < one_stream) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "--memory-budget of ", FormatBytes(*budget), " leaves ", FormatBytes(*budget - master),
-        " beside shard ", config.shard_index(), "'s fp32 master of ", FormatBytes(master),
-        ", but one stream needs ", FormatBytes(one_stream), " (twice --chunk-bytes): raise the ",
-        "budget or lower --chunk-bytes"));
+  ASSIGN_OR_RETURN(const MemoryPlan plan,
+                   PlanShardMemory(model, config.shard_index(), config.num_shards(),
+                                   config.chunk_bytes(), training));
+  const uint64_t master = plan.master_bytes;
+  if (const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes) {
+    RETURN_IF_ERROR(CheckPlanFits(plan, training, *budget));
   }
   ASSIGN_OR_RETURN(server->security_, ServerSecurityFor(config));
   ShardAdminService::Options admin;

@@ -2,11 +2,15 @@
 // a schema cannot see but that break a shard set at run time.
 import fs from "node:fs";
 import path from "node:path";
+import { spawnSync } from "node:child_process";
 import { parseBudget, parseQuantity, formatBytes } from "./quantity.mjs";
 
 const POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']";
 const READINESS_SERVICE = "layercast.v1.ShardService";
 const HEADROOM_ANNOTATION = "layercast/memory-headroom";
+// The served model's shapes as a synthetic spec, for a set that serves a
+// file (--model): what the shard's dry run sizes.
+const MODEL_SHAPE_ANNOTATION = "layercast/model-shape";
 const DEFAULT_DRAIN_SECONDS = 20; // server/shard_config.cc
 const DEFAULT_GRACE_SECONDS = 30; // Kubernetes' default
 const EXIT_MARGIN_SECONDS = 5; // time to exit after the drain ends
@@ -54,7 +58,9 @@ function splitHostPort(address) {
   return m ? { host: m[1], port: Number(m[2]) } : null;
 }
 
-export function checkCrossObject(docs, { repoRoot }) {
+// `shardBinary`: a layercast-shard to run --dry-run with, so that the memory
+// check is the shard's own start-up arithmetic; skipped without one.
+export function checkCrossObject(docs, { repoRoot, shardBinary }) {
   const errors = [];
   const fail = (obj, message) => errors.push(`${id(obj)}: ${message}`);
   const byKind = (kind) => docs.filter((d) => d.kind === kind);
@@ -264,6 +270,32 @@ export function checkCrossObject(docs, { repoRoot }) {
       if (parseQuantity(limit) < need) {
         fail(sts, `memory limit ${limit} is below memory_budget ${effective.memory_budget} + ` +
           `headroom ${headroom} = ${formatBytes(need)}`);
+      }
+    }
+
+    // The budget must hold the model: the shard's own dry run says so, with
+    // the arithmetic of its start-up check (headers only, no data).
+    const shape = effective.synthetic || sts.metadata?.annotations?.[MODEL_SHAPE_ANNOTATION];
+    if (effective.model && !sts.metadata?.annotations?.[MODEL_SHAPE_ANNOTATION]) {
+      fail(sts, `annotation ${MODEL_SHAPE_ANNOTATION} must give the shapes of the model at ` +
+        `${effective.model} as a synthetic spec (e.g. llama:layers=80,hidden=8192,ffn=28672,` +
+        "vocab=128256), so that its memory can be checked before it is deployed");
+    } else if (shardBinary && shape && effective.memory_budget && countText) {
+      const dryRun = ["--dry-run", "--synthetic", shape, "--num-shards", String(countText),
+        "--memory-budget", String(effective.memory_budget)];
+      for (const field of ["policy", "chunk_bytes", "optimizer", "data_parallel_workers",
+        "layer_regex"]) {
+        if (effective[field] !== undefined) {
+          dryRun.push(`--${field.replace(/_/g, "-")}`, String(effective[field]));
+        }
+      }
+      const run = spawnSync(shardBinary, dryRun, { encoding: "utf8", timeout: 120000 });
+      const said = `${run.stdout ?? ""}${run.stderr ?? ""}`.trim().split("\n").pop();
+      if (run.status === 2) {
+        fail(sts, `memory_budget ${effective.memory_budget} cannot hold the model ` +
+          `(layercast-shard --dry-run): ${said}`);
+      } else if (run.status !== 0) {
+        fail(sts, `layercast-shard --dry-run failed: ${run.error?.message ?? said}`);
       }
     }
 

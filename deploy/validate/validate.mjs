@@ -2,7 +2,7 @@
 // Validates rendered manifests (the output of `kubectl kustomize`) offline:
 // schemas from the bundled Kubernetes and Prometheus Operator models, strict
 // about unknown field names, plus layercast's cross-object checks.
-//   node validate.mjs --repo ROOT RENDERED.yaml...
+//   node validate.mjs --repo ROOT [--shard-binary layercast-shard] RENDERED.yaml...
 // Exits 1 if any object fails, printing one line per problem.
 import fs from "node:fs";
 import path from "node:path";
@@ -19,10 +19,10 @@ export function parseDocs(text) {
   }).filter((d) => d !== null);
 }
 
-export async function validateDocs(docs, { repoRoot }) {
+export async function validateDocs(docs, { repoRoot, shardBinary }) {
   const errors = await checkSchemas(docs);
   try {
-    errors.push(...checkCrossObject(docs, { repoRoot }));
+    errors.push(...checkCrossObject(docs, { repoRoot, shardBinary }));
   } catch (e) {
     // A malformed object can break a check's assumptions; that is a failure too.
     errors.push(`cross-object checks stopped: ${e.message}`);
@@ -33,14 +33,16 @@ export async function validateDocs(docs, { repoRoot }) {
 async function main(argv) {
   let repoRoot = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
   const files = [];
+  let shardBinary;
   for (let i = 0; i < argv.length; ++i) {
     if (argv[i] === "--repo") repoRoot = argv[++i];
+    else if (argv[i] === "--shard-binary") shardBinary = argv[++i];
     else files.push(argv[i]);
   }
   let failed = 0;
   for (const file of files) {
     const docs = parseDocs(fs.readFileSync(file, "utf8"));
-    const errors = await validateDocs(docs, { repoRoot });
+    const errors = await validateDocs(docs, { repoRoot, shardBinary });
     const kinds = docs.map((d) => `${d.kind}/${d.metadata?.name}`).join(", ");
     console.log(`${file}: ${docs.length} objects (${kinds})`);
     for (const e of errors) console.log(`  FAIL ${e}`);

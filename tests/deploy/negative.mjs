@@ -15,6 +15,7 @@ import { checkDockerfile } from "../../deploy/validate/dockerfile.mjs";
 const repoRoot = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
 const [renderedFile, binDir] = process.argv.slice(2);
 const rendered = parseDocs(fs.readFileSync(renderedFile, "utf8"));
+const shardBinary = binDir ? path.join(binDir, "layercast-shard") : undefined;
 
 const find = (docs, kind) => docs.find((d) => d.kind === kind);
 const shard = (docs) => find(docs, "StatefulSet").spec.template.spec.containers[0];
@@ -159,6 +160,13 @@ const dockerMutations = [
     (t) => t.replace(" /src/build/bin/layercast /usr/local/bin/", " /usr/local/bin/")],
 ];
 if (binDir) {
+  // The shard's own dry run sizes the model against the budget.
+  mutations.push(["budget that cannot hold the model", /cannot hold the model \(layercast-shard --dry-run\): .*too small: shard 0 of 8 needs/,
+    (d) => editConfig(d, (c) => { c.memory_budget = "64MiB"; })]);
+}
+mutations.push(["served file without its shapes", /annotation layercast\/model-shape must give/,
+  (d) => editConfig(d, (c) => { delete c.synthetic; c.model = "/models/llama-70b"; })]);
+if (binDir) {
   dockerMutations.push(["runtime stage missing a library", /loads a library from libprotobuf32/,
     (t) => t.replace("libprotobuf32 ", "")]);
 }
@@ -177,7 +185,7 @@ function expectFailure(name, errors, expected) {
 }
 
 // The controls: unbroken inputs pass, so a failure below is the mutation's.
-const control = await validateDocs(rendered, { repoRoot });
+const control = await validateDocs(rendered, { repoRoot, shardBinary });
 const dockerControl = checkDockerfile(path.join(repoRoot, "deploy/docker/Dockerfile"), { repoRoot, binDir });
 if (control.length || dockerControl.length) {
   console.log(`not ok - controls must pass first: ${[...control, ...dockerControl].join(" | ")}`);
@@ -187,13 +195,13 @@ if (control.length || dockerControl.length) {
 for (const [name, expected, mutate] of mutations) {
   const docs = structuredClone(rendered);
   mutate(docs);
-  expectFailure(name, await validateDocs(docs, { repoRoot }), expected);
+  expectFailure(name, await validateDocs(docs, { repoRoot, shardBinary }), expected);
 }
 
 for (const [name, expected] of fixtures) {
   const dir = path.join(repoRoot, "tests/deploy/fixtures", name.replace("fixture ", ""));
   const yaml = execFileSync("kubectl", ["kustomize", dir], { encoding: "utf8" });
-  expectFailure(name, await validateDocs(parseDocs(yaml), { repoRoot }), expected);
+  expectFailure(name, await validateDocs(parseDocs(yaml), { repoRoot, shardBinary }), expected);
 }
 
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "layercast-dockerfile-"));

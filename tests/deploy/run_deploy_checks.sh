@@ -67,8 +67,9 @@ step "kubectl kustomize deploy/k8s/base" sh -c "kubectl kustomize deploy/k8s/bas
 step "kubectl kustomize deploy/k8s/overlays/example" \
   sh -c "kubectl kustomize deploy/k8s/overlays/example > '$tmp/example.yaml'"
 
-step "validate rendered manifests (schemas, field names, cross-object)" \
-  node deploy/validate/validate.mjs --repo "$root" "$tmp/base.yaml" "$tmp/example.yaml"
+step "validate rendered manifests (schemas, field names, cross-object, memory by dry run)" \
+  node deploy/validate/validate.mjs --repo "$root" \
+  ${bin_dir:+--shard-binary "$bin_dir/layercast-shard"} "$tmp/base.yaml" "$tmp/example.yaml"
 
 step "yamllint deploy/ tests/deploy/ and the rendered manifests" \
   yamllint -c deploy/.yamllint deploy tests/deploy "$tmp/base.yaml" "$tmp/example.yaml"

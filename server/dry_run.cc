@@ -1,0 +1,71 @@
+#include "server/dry_run.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/byte_size.h"
+#include "core/status_macros.h"
+#include "server/memory_plan.h"
+#include "server/model_source.h"
+
+namespace layercast::server {
+
+absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
+  const auto& config = settings.config;
+  ASSIGN_OR_RETURN(std::unique_ptr<ParameterSource> source, OpenSource(settings));
+  const ModelSpec& model = source->model();
+  std::optional<TrainingPlan> training;
+  if (settings.optimizer)
+    training = TrainingPlan{*settings.optimizer, config.data_parallel_workers()};
+
+  DryRunReport report;
+  absl::StrAppend(
+      &report.text, "model ", model.model_id, ": ", model.layers.size(), " layers, ",
+      absl::StrFormat("%.2f", TotalElements(model) / 1e9), " G parameters, on ",
+      config.num_shards(), " shards; policy ", settings.policy.ToString(), "; ",
+      training ? absl::StrCat("training with ", OptimizerKindName(training->optimizer.kind()), ", ",
+                              training->workers, " data-parallel workers")
+               : "read-only",
+      "\n");
+  absl::StrAppend(&report.text, absl::StrFormat("%-8s %14s %16s %14s %14s %22s\n", "shard",
+                                                "fp32 master", "optimizer state", "step staging",
+                                                "stream buffers", "least --memory-budget"));
+  uint64_t most = 0;
+  std::string refusal;
+  for (uint32_t shard = 0; shard < config.num_shards(); ++shard) {
+    ASSIGN_OR_RETURN(const MemoryPlan plan, PlanShardMemory(model, shard, config.num_shards(),
+                                                            config.chunk_bytes(), training));
+    most = std::max(most, plan.MinimumBudget());
+    absl::StrAppend(&report.text,
+                    absl::StrFormat("%-8s %14s %16s %14s %14s %22s\n",
+                                    absl::StrCat(shard, "/", config.num_shards()),
+                                    FormatBytes(plan.master_bytes), FormatBytes(plan.state_bytes),
+                                    FormatBytes(plan.staging_bytes), FormatBytes(plan.stream_bytes),
+                                    FormatBytes(plan.MinimumBudget())));
+    if (settings.memory_budget_bytes && refusal.empty()) {
+      if (absl::Status fits = CheckPlanFits(plan, training, *settings.memory_budget_bytes);
+          !fits.ok()) {
+        refusal = std::string(fits.message());
+      }
+    }
+  }
+  // Whole MiB, rounded up: the Kubernetes quantity a manifest can carry.
+  const auto mebibytes = [](uint64_t bytes) { return (bytes + (1 << 20) - 1) >> 20; };
+  absl::StrAppend(&report.text, "every shard starts with --memory-budget ", mebibytes(most),
+                  "Mi or more (memory_budget in a config file); give its container that plus ",
+                  mebibytes(kContainerHeadroomBytes),
+                  "Mi of headroom (the base StatefulSet's layercast/memory-headroom): a memory "
+                  "request and limit of ",
+                  mebibytes(most) + mebibytes(kContainerHeadroomBytes), "Mi\n");
+  if (settings.memory_budget_bytes) {
+    report.fits = refusal.empty();
+    absl::StrAppend(
+        &report.text, "--memory-budget ", FormatBytes(*settings.memory_budget_bytes),
+        report.fits ? ": every shard fits\n" : absl::StrCat(": too small: ", refusal, "\n"));
+  }
+  return report;
+}
+
+}  // namespace layercast::server

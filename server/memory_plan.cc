@@ -1,0 +1,64 @@
+#include "server/memory_plan.h"
+
+#include "absl/numeric/int128.h"
+#include "absl/strings/str_cat.h"
+#include "core/byte_size.h"
+#include "core/status_macros.h"
+#include "server/layer_trainer.h"
+#include "server/parameter_store.h"
+
+namespace layercast::server {
+
+uint64_t MemoryPlan::MinimumBudget() const {
+  const absl::uint128 sum =
+      absl::uint128(master_bytes) + state_bytes + staging_bytes + stream_bytes;
+  return sum > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(sum);
+}
+
+absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shard_index,
+                                           uint32_t num_shards, uint64_t chunk_bytes,
+                                           const std::optional<TrainingPlan>& training) {
+  MemoryPlan plan;
+  plan.shard_index = shard_index;
+  plan.num_shards = num_shards;
+  ASSIGN_OR_RETURN(plan.master_bytes, ParameterStore::MasterBytes(model, shard_index, num_shards));
+  // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
+  plan.stream_bytes = 2 * chunk_bytes;
+  if (training) {
+    const LayerTrainer::Memory memory = LayerTrainer::MemoryFor(
+        model, shard_index, num_shards, training->optimizer, training->workers);
+    plan.state_bytes = memory.state_bytes;
+    plan.staging_bytes = memory.step_staging_bytes;
+  }
+  return plan;
+}
+
+absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingPlan>& training,
+                           uint64_t budget) {
+  const std::string shard = absl::StrCat("shard ", plan.shard_index, " of ", plan.num_shards);
+  if (plan.master_bytes > budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        shard, " needs ", FormatBytes(plan.master_bytes), " (", plan.master_bytes,
+        " bytes) for its fp32 master parameters, but --memory-budget is ", FormatBytes(budget),
+        " (", budget, " bytes): raise the budget or use more shards"));
+  }
+  if (training && plan.MinimumBudget() > budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        shard, " cannot train in --memory-budget ", FormatBytes(budget), ": it needs ",
+        FormatBytes(plan.master_bytes), " of fp32 master + ", FormatBytes(plan.state_bytes), " of ",
+        OptimizerKindName(training->optimizer.kind()), " state + ", FormatBytes(plan.staging_bytes),
+        " to stage one step of its largest layer (", training->workers,
+        " workers' pushes in fp32) + ", FormatBytes(plan.stream_bytes),
+        " for one stream's chunks: raise the budget or use more shards"));
+  }
+  if (budget - plan.master_bytes < plan.stream_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "--memory-budget of ", FormatBytes(budget), " leaves ",
+        FormatBytes(budget - plan.master_bytes), " beside ", shard, "'s fp32 master of ",
+        FormatBytes(plan.master_bytes), ", but one stream needs ", FormatBytes(plan.stream_bytes),
+        " (twice --chunk-bytes): raise the budget or lower --chunk-bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace layercast::server

@@ -1,0 +1,45 @@
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/model.h"
+#include "core/optimizer_spec.h"
+
+namespace layercast::server {
+
+// What one shard of a model needs in memory, known from the model's shapes
+// alone (headers, not data): the arithmetic of the shard's start-up check,
+// which `layercast-shard --dry-run` prints before anyone deploys.
+struct MemoryPlan {
+  uint32_t shard_index = 0;
+  uint32_t num_shards = 0;
+  uint64_t master_bytes = 0;   // the fp32 master of this shard's slices
+  uint64_t state_bytes = 0;    // optimizer state (training shards)
+  uint64_t staging_bytes = 0;  // one step of the largest layer, W pushes (+ clip means)
+  uint64_t stream_bytes = 0;   // one stream's chunk buffers: twice --chunk-bytes
+  // The least --memory-budget the shard starts with; saturates at UINT64_MAX.
+  uint64_t MinimumBudget() const;
+};
+
+// Training: the optimizer and the data-parallel workers; nullopt for a
+// read-only shard.
+struct TrainingPlan {
+  OptimizerSpec optimizer;
+  uint32_t workers = 1;
+};
+
+// INVALID_ARGUMENT when the master of the shard's slices overflows.
+absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shard_index,
+                                           uint32_t num_shards, uint64_t chunk_bytes,
+                                           const std::optional<TrainingPlan>& training);
+
+// RESOURCE_EXHAUSTED, with the arithmetic and what to change, when `plan`
+// does not fit `budget`.
+absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingPlan>& training,
+                           uint64_t budget);
+
+}  // namespace layercast::server
