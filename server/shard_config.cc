@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "core/byte_size.h"
 #include "core/flag_value.h"
 #include "core/status_macros.h"
@@ -153,22 +154,47 @@ absl::StatusOr<layercast::v1::ShardConfig> ParseShardFlags(const std::vector<std
   return config;
 }
 
+namespace {
+
+// `text` in lines of at most `width` columns, each indented by `indent`.
+std::string Wrap(const std::string& text, size_t indent, size_t width) {
+  std::string out, line;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (!line.empty() && indent + line.size() + 1 + word.size() > width) {
+      absl::StrAppend(&out, std::string(indent, ' '), line, "\n");
+      line.clear();
+    }
+    absl::StrAppend(&line, line.empty() ? "" : " ", word);
+  }
+  if (!line.empty()) absl::StrAppend(&out, std::string(indent, ' '), line, "\n");
+  return out;
+}
+
+}  // namespace
+
 std::string ShardFlagsHelp() {
   std::string help =
-      "usage: layercast-shard [--config FILE.json] [--FLAG VALUE ...]\n"
-      "Serves 1/N of a model's fp32 master parameters, cast just in time.\n"
-      "Flags (each also a field of the JSON config, layercast.v1.ShardConfig):\n";
+      "usage: layercast-shard [--config FILE.json] [--FLAG VALUE ...] [--dry-run]\n"
+      "Serves 1/N of a model's fp32 master parameters, cast just in time.\n\n"
+      "  --dry-run\n" +
+      Wrap(
+          "Reads only the model's headers, prints what every shard of it needs in memory "
+          "under the other flags (and whether --memory-budget holds it), and exits: 2 when "
+          "the budget is too small.",
+          6, 80) +
+      "  --help, --version\n\n"
+      "Flags, each also a field of the JSON config (layercast.v1.ShardConfig; boolean flags "
+      "take\ntrue or false, or 1 or 0):\n";
   const auto* descriptor = layercast::v1::ShardConfig::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {
-    absl::StrAppend(&help, "  --", absl::StrReplaceAll(descriptor->field(i)->name(), {{"_", "-"}}),
-                    "\n");
+    const google::protobuf::FieldDescriptor* field = descriptor->field(i);
+    absl::StrAppend(&help, "  --", absl::StrReplaceAll(field->name(), {{"_", "-"}}), " (",
+                    field->type_name(), ")\n",
+                    Wrap(field->options().GetExtension(layercast::v1::help), 6, 80));
   }
   absl::StrAppend(&help,
-                  "See proto/layercast/v1/config.proto for each field's meaning, and\n"
-                  "docs/security.md for TLS, admin tokens, limits and checkpoints.\n"
-                  "Boolean flags take true or false (or 1 or 0).\n"
-                  "--dry-run reads only the model's headers, prints what every shard needs in\n"
-                  "memory (and whether --memory-budget holds it), and exits.\n");
+                  "\ndocs/security.md says more of TLS, admin tokens, limits and checkpoints;\n"
+                  "docs/training.md of training.\n");
   return help;
 }
 

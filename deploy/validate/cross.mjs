@@ -24,7 +24,8 @@ export function shardConfigFields(repoRoot) {
   const proto = fs.readFileSync(path.join(repoRoot, "proto/layercast/v1/config.proto"), "utf8");
   const body = /message ShardConfig \{([\s\S]*?)\n\}/.exec(proto)[1];
   const fields = new Map(); // json key -> { name, type }
-  for (const [, type, name] of body.matchAll(/^\s*(\w+)\s+(\w+)\s*=\s*\d+;/gm)) {
+  // "[optional] TYPE NAME = N;" or "... = N [(help) = ...];"
+  for (const [, type, name] of body.matchAll(/^\s*(?:optional\s+)?(\w+)\s+(\w+)\s*=\s*\d+\s*[;[]/gm)) {
     const camel = name.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
     fields.set(name, { name, type });
     fields.set(camel, { name, type });
