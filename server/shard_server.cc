@@ -3,7 +3,6 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
-#include <prometheus/exposer.h>
 #include <unistd.h>
 
 #include <thread>
@@ -144,17 +143,10 @@ absl::Status ShardServer::UseCheckpoint() {
 absl::Status ShardServer::StartMetrics() {
   const std::string& listen = settings_.config.metrics_listen();
   if (listen.empty()) return absl::OkStatus();
-  // prometheus-cpp reports a bind failure by throwing; this is its edge.
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
-  } catch (const std::exception& error) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ",
-                                               error.what(), "; choose another --metrics-listen"));
-  }
-  exposer_->RegisterCollectable(metrics_.registry());
-  exposer_->RegisterCollectable(process_metrics_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  metrics_port_ = ports.empty() ? 0 : ports[0];
+  ASSIGN_OR_RETURN(metrics_endpoint_, MetricsEndpoint::Start(listen));
+  metrics_endpoint_->Register(metrics_.registry());
+  metrics_endpoint_->Register(process_metrics_);
+  metrics_port_ = metrics_endpoint_->port();
   Log()->info("metrics on {}/metrics", BoundAddress(listen, metrics_port_));
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
 #include "server/layer_trainer.h"
+#include "server/metrics_endpoint.h"
 #include "server/parameter_store.h"
 #include "server/process_metrics.h"
 #include "server/server_metrics.h"
@@ -104,7 +105,7 @@ class ShardServer {
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
   ServerMetrics metrics_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   int metrics_port_ = 0;
   ServerSecurity security_;
   std::unique_ptr<CheckpointManager> checkpoints_;
