@@ -3,11 +3,15 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "core/cast_kernels.h"
 
 namespace layercast {
@@ -94,9 +98,83 @@ const std::vector<CastIsa>& SupportedCastIsas() {
   return *isas;
 }
 
+namespace {
+
+absl::Mutex g_selection_mu;
+CastIsaSelection* g_selection ABSL_GUARDED_BY(g_selection_mu) = nullptr;
+// The selection's isa, or -1 before it: the casts' fast path reads only this.
+std::atomic<int> g_isa{-1};
+
+CastIsaSelection Measure() {
+  CastIsaSelection selection;
+  std::vector<CastIsa> candidates;
+  for (CastIsa isa : SupportedCastIsas()) {
+    if (isa != CastIsa::kScalar) candidates.push_back(isa);
+  }
+  if (candidates.empty()) return selection;  // scalar: nothing to measure
+  constexpr size_t kElements = 16 << 20;     // 64 MiB of fp32
+  std::vector<float> src(kElements);
+  for (size_t i = 0; i < kElements; ++i) src[i] = static_cast<float>(i) * 1.000001f;
+  std::vector<uint16_t> dst(kElements);
+  double best = 0;
+  for (CastIsa isa : candidates) {
+    double fastest = 0;
+    for (int pass = 0; pass < 3; ++pass) {  // the first warms the caches and the TLB
+      const auto start = std::chrono::steady_clock::now();
+      KernelsFor(isa).f32_to_bf16(src.data(), dst.data(), kElements);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (pass > 0 && seconds > 0) fastest = std::max(fastest, kElements * 4 / seconds / 1e9);
+    }
+    selection.measured.emplace_back(isa, fastest);
+    if (fastest > best) {
+      best = fastest;
+      selection.isa = isa;
+    }
+  }
+  return selection;
+}
+
+const CastIsaSelection& Select() {
+  absl::MutexLock lock(&g_selection_mu);
+  if (g_selection == nullptr) {
+    g_selection = new CastIsaSelection(Measure());  // kept for the process's life
+    g_isa.store(static_cast<int>(g_selection->isa), std::memory_order_release);
+  }
+  return *g_selection;
+}
+
+}  // namespace
+
 CastIsa BestCastIsa() {
-  static const CastIsa best = SupportedCastIsas().back();
-  return best;
+  const int isa = g_isa.load(std::memory_order_acquire);
+  return isa >= 0 ? static_cast<CastIsa>(isa) : Select().isa;
+}
+
+const CastIsaSelection& SelectedCastIsa() { return Select(); }
+
+absl::Status ChooseCastIsa(CastIsa isa) {
+  if (!CpuRuns(isa)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this CPU cannot run the ", CastIsaName(isa), " cast kernels"));
+  }
+  absl::MutexLock lock(&g_selection_mu);
+  if (g_selection != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("the cast kernels were picked already (",
+                                                      CastIsaName(g_selection->isa),
+                                                      "): choose before the first cast"));
+  }
+  g_selection = new CastIsaSelection{isa, true, {}};
+  g_isa.store(static_cast<int>(isa), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CastIsa> CastIsaFromName(absl::string_view name) {
+  for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512}) {
+    if (name == CastIsaName(isa)) return isa;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown cast kernel '", name, "': use scalar, avx2 or avx512"));
 }
 
 void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst) {

@@ -2,10 +2,12 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "core/dtype.h"
 
 namespace layercast {
@@ -33,12 +35,33 @@ enum class CastIsa {
 
 absl::string_view CastIsaName(CastIsa isa);
 
-// Variants this CPU can run, kScalar first, best last.
+// Variants this CPU can run, kScalar first, widest last.
 const std::vector<CastIsa>& SupportedCastIsas();
 
-// The variant the functions without a CastIsa argument use: the best this
-// CPU supports. Passing a variant this CPU lacks runs kScalar (same bits).
+// The variant the functions without a CastIsa argument use: the fastest this
+// CPU runs, measured once, at first use, unless ChooseCastIsa named one
+// before. The widest is not always the fastest: on AMD EPYC (Zen 4) the
+// AVX-512 kernels narrowed at half the AVX2 kernels' speed (bench/cast_bench).
+// Passing a variant this CPU lacks to a function runs kScalar (same bits).
 CastIsa BestCastIsa();
+
+// How BestCastIsa's variant was picked.
+struct CastIsaSelection {
+  CastIsa isa = CastIsa::kScalar;
+  bool chosen = false;  // by ChooseCastIsa, not measured
+  // Each vector variant's speed narrowing fp32 to bf16 from memory, in GB/s
+  // of fp32 read: the best of two passes over 64 MiB, more than a last-level
+  // cache holds (about 30 ms in all, once, and 96 MiB for that time).
+  std::vector<std::pair<CastIsa, double>> measured;
+};
+const CastIsaSelection& SelectedCastIsa();
+
+// Makes `isa` BestCastIsa's variant, for experiments. FAILED_PRECONDITION
+// when this CPU does not run it, or when a variant was picked already (a
+// cast without a CastIsa argument ran).
+absl::Status ChooseCastIsa(CastIsa isa);
+// "scalar", "avx2" or "avx512"; INVALID_ARGUMENT naming them otherwise.
+absl::StatusOr<CastIsa> CastIsaFromName(absl::string_view name);
 
 // What narrowing to fp16 does with a finite fp32 whose rounded value lies
 // beyond fp16's largest finite value (65504).

@@ -11,6 +11,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "core/byte_size.h"
+#include "core/cast.h"
 #include "core/flag_value.h"
 #include "core/status_macros.h"
 
@@ -314,6 +315,12 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(
         absl::StrCat("--data-parallel-workers ", config.data_parallel_workers(),
                      " is out of range: use 1-", kMaxDataParallelWorkers));
+  }
+  if (!config.cast_isa().empty()) {
+    absl::StatusOr<CastIsa> isa = CastIsaFromName(config.cast_isa());
+    if (!isa.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--cast-isa: ", isa.status().message()));
+    settings.cast_isa = *isa;
   }
   settings.config = std::move(config);
   return settings;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/cast.h"
 #include "core/layer_grouping.h"
 #include "core/log.h"
 #include "core/optimizer_spec.h"
@@ -33,6 +34,7 @@ struct ShardSettings {
   LogFormat log_format = LogFormat::kText;
   spdlog::level::level_enum log_level = spdlog::level::info;
   std::optional<OptimizerSpec> optimizer;  // nullopt: read-only
+  std::optional<CastIsa> cast_isa;         // nullopt: measured (BestCastIsa)
 };
 
 // Applies defaults and checks everything that can be checked without

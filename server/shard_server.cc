@@ -9,7 +9,10 @@
 
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/byte_size.h"
+#include "core/cast.h"
 #include "core/content_fingerprint.h"
 #include "core/file_system.h"
 #include "core/log.h"
@@ -49,9 +52,38 @@ std::string BoundAddress(const std::string& listen, int port) {
   return absl::StrCat(listen.substr(0, colon), ":", port);
 }
 
+// Picks the cast kernels before anything casts: --cast-isa, or measured.
+absl::Status PickCastKernels(const std::optional<CastIsa>& chosen) {
+  if (chosen) {
+    if (absl::Status status = ChooseCastIsa(*chosen); !status.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("--cast-isa: ", status.message()));
+    }
+  }
+  SelectedCastIsa();  // measures, unless chosen
+  return absl::OkStatus();
+}
+
+// Which cast kernels run, and why.
+void LogCastKernels() {
+  const CastIsaSelection& selection = SelectedCastIsa();
+  if (selection.chosen) {
+    Log()->info("cast kernels: {} (--cast-isa)", CastIsaName(selection.isa));
+    return;
+  }
+  std::vector<std::string> measured;
+  for (const auto& [isa, gbps] : selection.measured) {
+    measured.push_back(absl::StrFormat("%s %.1f GB/s", CastIsaName(isa), gbps));
+  }
+  Log()->info("cast kernels: {}, the fastest of this CPU's (narrowing to bf16: {})",
+              CastIsaName(selection.isa),
+              measured.empty() ? "scalar only" : absl::StrJoin(measured, ", "));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings settings) {
+  // First: the metrics' build info names the kernels.
+  RETURN_IF_ERROR(PickCastKernels(settings.cast_isa));
   auto server = std::unique_ptr<ShardServer>(new ShardServer(std::move(settings)));
   ASSIGN_OR_RETURN(server->source_, OpenSource(server->settings_));
   const auto& config = server->settings_.config;
@@ -237,6 +269,7 @@ absl::Status ShardServer::Start() {
               security_.mutual ? "mutual TLS"
               : security_.tls  ? "TLS"
                                : "plaintext");
+  LogCastKernels();
   if (!settings_.config.port_file().empty()) RETURN_IF_ERROR(WritePortFile());
   return absl::OkStatus();
 }

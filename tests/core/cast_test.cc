@@ -79,13 +79,34 @@ class CastIsaTest : public ::testing::TestWithParam<CastIsa> {};
 INSTANTIATE_TEST_SUITE_P(CastIsas, CastIsaTest, ::testing::ValuesIn(SupportedCastIsas()),
                          [](const auto& info) { return std::string(CastIsaName(info.param)); });
 
-TEST(CastTest, VariantsAreListedScalarFirstAndBestLast) {
+TEST(CastTest, VariantsAreListedScalarFirstAndTheFastestIsUsed) {
   EXPECT_EQ(CastIsaName(CastIsa::kScalar), "scalar");
   EXPECT_EQ(CastIsaName(CastIsa::kAvx2), "avx2");
   EXPECT_EQ(CastIsaName(CastIsa::kAvx512), "avx512");
+  for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512}) {
+    EXPECT_EQ(*CastIsaFromName(CastIsaName(isa)), isa);
+  }
+  EXPECT_EQ(CastIsaFromName("avx1024").status().code(), absl::StatusCode::kInvalidArgument);
   ASSERT_FALSE(SupportedCastIsas().empty());
   EXPECT_EQ(SupportedCastIsas().front(), CastIsa::kScalar);
-  EXPECT_EQ(SupportedCastIsas().back(), BestCastIsa());
+  // Every vector variant was measured, and the fastest is the one used.
+  const CastIsaSelection& selection = SelectedCastIsa();
+  EXPECT_FALSE(selection.chosen);
+  EXPECT_EQ(selection.measured.size(), SupportedCastIsas().size() - 1);
+  double fastest = 0;
+  for (const auto& [isa, gbps] : selection.measured) {
+    EXPECT_GT(gbps, 0) << CastIsaName(isa);
+    fastest = std::max(fastest, gbps);
+  }
+  if (!selection.measured.empty()) {
+    const auto used = std::find_if(selection.measured.begin(), selection.measured.end(),
+                                   [&](const auto& m) { return m.first == selection.isa; });
+    ASSERT_NE(used, selection.measured.end());
+    EXPECT_EQ(used->second, fastest);
+  }
+  EXPECT_EQ(BestCastIsa(), selection.isa);
+  EXPECT_EQ(ChooseCastIsa(CastIsa::kScalar).code(), absl::StatusCode::kFailedPrecondition)
+      << "picked already: too late to choose";
 }
 
 TEST_P(CastIsaTest, BF16KeepsZerosAndSubnormals) {

@@ -230,6 +230,7 @@ TEST(ShardConfigTest, ImpossibleConfigsExitBeforeBinding) {
       {"--shard-index 3 --num-shards 2 --synthetic llama:", "--shard-index 3 is out of range"},
       {"--num-shards 1 --model " + dir + "/missing.safetensors", "No such file"},
       {"--num-shards 1 --synthetic llama: --policy c=bf8", "unknown dtype 'bf8'"},
+      {"--num-shards 1 --synthetic llama: --cast-isa avx1024", "unknown cast kernel 'avx1024'"},
       {"--num-shards 1 --synthetic llama: --policy p=bf16", "shard servers hold float32 masters"},
       {"--num-shards 1 --synthetic llama:layers=4 --memory-budget 1MiB",
        "shard 0 of 1 needs 14.07 MiB (14754816 bytes) for its fp32 master parameters, but "
