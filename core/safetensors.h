@@ -28,8 +28,8 @@ struct SafetensorsTensor {
   uint64_t data_begin = 0;  // absolute byte offset of element 0 in that file
 };
 
-// A tensor of a dtype layercast does not serve (integers, booleans, F64,
-// FP8: position ids, masks, quantisation scales): its header entry is checked
+// A tensor of an integer or boolean dtype (position ids, masks), which
+// layercast does not serve: its header entry is checked
 // like any other, then it is left out of the model. docs/decisions.md says
 // why it is skipped rather than served as it is.
 struct SafetensorsSkipped {

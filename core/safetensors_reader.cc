@@ -84,12 +84,14 @@ struct ParsedFile {
   std::map<std::string, std::string> metadata;
 };
 
-// The element size of a dtype of the safetensors format that layercast does
-// not serve; nullopt for a name the format does not have.
+// The element size of an integer or boolean dtype of the safetensors format,
+// which layercast skips (position ids, masks: no parameter); nullopt for any
+// other name. Floating-point dtypes it cannot serve (F64, FP8 weights, whose
+// model would lose its linear layers) are refused instead.
 std::optional<uint64_t> SkippedDTypeSize(const std::string& name) {
-  static const std::map<std::string, uint64_t> kSizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2},
-      {"U16", 2},  {"I32", 4}, {"U32", 4}, {"I64", 8},     {"U64", 8},     {"F64", 8}};
+  static const std::map<std::string, uint64_t> kSizes = {{"BOOL", 1}, {"U8", 1},  {"I8", 1},
+                                                         {"I16", 2},  {"U16", 2}, {"I32", 4},
+                                                         {"U32", 4},  {"I64", 8}, {"U64", 8}};
   const auto found = kSizes.find(name);
   if (found == kSizes.end()) return std::nullopt;
   return found->second;
@@ -142,9 +144,9 @@ absl::StatusOr<ParsedTensor> ParseTensor(const std::string& name, const Json& en
   absl::StatusOr<DType> parsed_dtype = DTypeFromSafetensorsName(dtype_name);
   const std::optional<uint64_t> skipped_size = SkippedDTypeSize(dtype_name);
   if (!parsed_dtype.ok() && !skipped_size) {
-    return Malformed(path, absl::StrCat(where, ": '", dtype_name,
-                                        "' is not a safetensors dtype (layercast serves F32, "
-                                        "BF16 and F16, and skips the format's others)"));
+    return Malformed(path, absl::StrCat(where, ": dtype '", dtype_name,
+                                        "' is not supported: layercast serves F32, BF16 and F16 "
+                                        "tensors and skips integer and boolean ones"));
   }
   if (parsed_dtype.ok()) tensor.dtype = *parsed_dtype;
   const uint64_t element_size = parsed_dtype.ok() ? DTypeSize(*parsed_dtype) : *skipped_size;

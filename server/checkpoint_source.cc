@@ -146,14 +146,24 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
       file_order_.push_back(entry);
     }
   }
+  if (!reader_->skipped().empty()) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint ", path_, " holds tensor ", reader_->skipped().front().name, " of ",
+        reader_->skipped().front().dtype, ", which no layercast checkpoint has", kWhatToDo));
+  }
   for (const SafetensorsTensor& entry : reader_->tensors()) {
     if (!IsTrainingState(entry.name)) continue;
-    if (!training_ || entry.dtype != DType::kFloat32 || entry.shape.size() != 1) {
-      return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has optimizer state tensor ",
-                                              entry.name,
-                                              " that is not 1-D F32 of a training "
-                                              "checkpoint",
-                                              kWhatToDo));
+    const bool listed =
+        entry.name.rfind(kStagedPushPrefix, 0) != 0 ||
+        (training_ &&
+         std::any_of(training_->staged.begin(), training_->staged.end(), [&](const auto& staged) {
+           return StagedPushName(staged.first, staged.second) == entry.name;
+         }));
+    if (!training_ || !listed || entry.dtype != DType::kFloat32 || entry.shape.size() != 1) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint ", path_, " has training state tensor ", entry.name,
+          " that is not 1-D F32 of a training checkpoint, or a staged push it does not list",
+          kWhatToDo));
     }
     ++expected_tensors;
     file_order_.push_back(&entry);
@@ -191,7 +201,18 @@ absl::Status CheckpointSource::ParseTraining() {
                                           " layers and the model has ", model_.layers.size()));
     }
   }
-  const std::string staged = MetadataValue(metadata, "staged_pushes");
+  // Absent from checkpoints written before staged pushes were saved.
+  const auto staged_entry = metadata.find("staged_pushes");
+  const std::string staged = staged_entry == metadata.end() ? "" : staged_entry->second;
+  if (const auto workers = metadata.find("data_parallel_workers"); workers != metadata.end()) {
+    uint64_t value = 0;
+    if (!ParseDecimal(workers->second, &value) || value == 0) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", path_,
+                                              " records data_parallel_workers '", workers->second,
+                                              "', not a positive number", kWhatToDo));
+    }
+    training.workers = value;
+  }
   for (absl::string_view part : absl::StrSplit(staged, ',', absl::SkipEmpty())) {
     const std::vector<std::string> fields = absl::StrSplit(part, '/');
     uint64_t layer = 0, worker = 0;

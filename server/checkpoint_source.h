@@ -65,6 +65,8 @@ class CheckpointSource final : public ParameterSource {
     std::vector<uint64_t> optimizer_steps;  // per layer
     // Pushes staged for open steps: (layer, worker index or kStagedMean).
     std::vector<std::pair<uint32_t, std::string>> staged;
+    // The --data-parallel-workers it trained with; 0 when not recorded.
+    uint64_t workers = 0;
   };
   const std::optional<Training>& training() const { return training_; }
   // Reads optimizer state or staged push tensor `name` (OptimizerStateName,

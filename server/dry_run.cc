@@ -16,9 +16,13 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
   const auto& config = settings.config;
   ASSIGN_OR_RETURN(std::unique_ptr<ParameterSource> source, OpenSource(settings));
   const ModelSpec& model = source->model();
+  if (model.layers.empty()) {  // as the shard itself refuses it
+    return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, " has no layers"));
+  }
   std::optional<TrainingPlan> training;
-  if (settings.optimizer)
+  if (settings.optimizer) {
     training = TrainingPlan{*settings.optimizer, config.data_parallel_workers()};
+  }
 
   DryRunReport report;
   absl::StrAppend(

@@ -246,6 +246,9 @@ absl::Status LayerTrainer::CheckPush(uint32_t layer, uint32_t worker, uint64_t s
 
 absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite write)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {  // holds every layer's lock, which the analysis cannot follow
+  // Not in the middle of a clipped step, which moves every layer: the same
+  // order as ApplyClippedStep's, clip_mu_ first.
+  absl::MutexLock clip_lock(&clip_mu_);
   std::vector<std::unique_ptr<absl::MutexLock>> locks;
   for (auto& layer : layers_) locks.push_back(std::make_unique<absl::MutexLock>(&layer->mu));
   CheckpointExtras extras;
@@ -274,7 +277,8 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
   extras.metadata = {{"optimizer", spec_.ToString()},
                      {"layer_versions", absl::StrJoin(versions, ",")},
                      {"optimizer_steps", absl::StrJoin(steps, ",")},
-                     {"staged_pushes", absl::StrJoin(staged, ",")}};
+                     {"staged_pushes", absl::StrJoin(staged, ",")},
+                     {"data_parallel_workers", absl::StrCat(workers_)}};
   return write(version, extras);
 }
 
@@ -311,33 +315,50 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
     }
     state.version = saved->layer_versions[l];
     if (links_.gate != nullptr) links_.gate->Advance(l, state.version);
+    // Right after the layer's state, in file order: read out of order, the
+    // checksum would need a second pass over the whole file.
+    RETURN_IF_ERROR(RestoreStagedLocked(source, *saved, l, state));
   }
-  return RestoreStaged(source, *saved);
+  return absl::OkStatus();
 }
 
-absl::Status LayerTrainer::RestoreStaged(const CheckpointSource& source,
-                                         const CheckpointSource::Training& saved) {
-  for (const auto& [layer, part] : saved.staged) {
-    LayerState& state = *layers_[layer];
-    absl::MutexLock lock(&state.mu);
+absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointSource& source,
+                                               const CheckpointSource::Training& saved,
+                                               uint32_t layer, LayerState& state) {
+  for (const auto& [staged_layer, part] : saved.staged) {
+    if (staged_layer != layer) continue;
+    const auto refuse = [&](absl::string_view why) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint ", source.path(), " holds a push staged for layer ", layer, " (", part,
+          ") that this shard cannot take: ", why,
+          "; resume with the checkpoint's --data-parallel-workers and --optimizer, or from a "
+          "fresh --checkpoint-dir"));
+    };
+    if (saved.workers != 0 && saved.workers != workers_) {
+      return refuse(absl::StrCat("it was trained with ", saved.workers,
+                                 " data-parallel workers, this shard has ", workers_));
+    }
+    const bool mean = part == kStagedMean;
+    if (mean && !spec_.clip()) return refuse("a mean waiting for the clip scale, and no clip=");
+    uint64_t worker = 0;
+    if (!mean && (!absl::SimpleAtoi(part, &worker) || worker >= workers_)) {
+      return refuse("no such worker");
+    }
     std::vector<float> values;
     RETURN_IF_ERROR(source.ReadState(StagedPushName(layer, part), values));
-    const bool mean = part == kStagedMean;
-    uint64_t worker = 0;
-    if ((!mean && (!absl::SimpleAtoi(part, &worker) || worker >= workers_)) ||
-        values.size() != state.owned_elements || state.reduced || state.pushed[worker]) {
-      return absl::DataLossError(absl::StrCat(
-          "checkpoint ", source.path(), ": staged push ", layer, "/", part,
-          " does not fit this shard's layer ", layer, " and ", workers_,
-          " workers (--data-parallel-workers must be the checkpoint's); start from a fresh "
-          "--checkpoint-dir, or resume with the workers it was trained with"));
+    if (values.size() != state.owned_elements || state.reduced || state.pushed[worker]) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", source.path(), ": staged push ", layer,
+                                              "/", part, " does not fit layer ", layer,
+                                              "; start from a fresh --checkpoint-dir"));
     }
-    // Charged as the step's reservation was when it was written.
+    // Charged as when it was written: the step's reservation, or, for a
+    // reduced mean, the one push's share the reduction kept.
     if (!state.reserved) {
-      if (links_.budget != nullptr && !links_.budget->TryAcquire(StepBytes(layer))) {
+      const uint64_t bytes = mean ? StagingBytes(layer) : StepBytes(layer);
+      if (links_.budget != nullptr && !links_.budget->TryAcquire(bytes)) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "checkpoint ", source.path(), " holds pushes of an open step of layer ", layer,
-            ", whose staging (", FormatBytes(StepBytes(layer)),
+            ", whose staging (", FormatBytes(bytes),
             ") no longer fits --memory-budget beside what is loaded: raise --memory-budget"));
       }
       state.reserved = true;

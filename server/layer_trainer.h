@@ -239,9 +239,10 @@ class LayerTrainer {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // The mean's sum of squares in fp64, in element order (clipping's norm).
   static double SumOfSquares(const std::vector<float>& mean);
-  // Restore's second half: the pushes of open steps, staged again.
-  absl::Status RestoreStaged(const CheckpointSource& source,
-                             const CheckpointSource::Training& saved);
+  // Restore's part for `layer`: the pushes of its open step, staged again.
+  absl::Status RestoreStagedLocked(const CheckpointSource& source,
+                                   const CheckpointSource::Training& saved, uint32_t layer,
+                                   LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Averages the staged gradients into pushed[0], in worker order, and
   // recycles the other workers' staging.
   void ReduceLocked(LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);

@@ -1,12 +1,13 @@
 #include "server/metrics_endpoint.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
+#include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <string>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -14,30 +15,26 @@
 namespace layercast::server {
 namespace {
 
-// Connects to and closes host:port (IPv4 or IPv6 literal, or any address for
-// a wildcard host), ignoring every failure: a nudge, nothing more.
+// Connects to host:port (a wildcard host means this machine) and closes the
+// connection, ignoring every failure: a nudge, nothing more. The host is the
+// one the endpoint bound, so it is local and answers at once.
 void Nudge(const std::string& host, int port) {
-  sockaddr_in6 address6{};
-  sockaddr_in address4{};
-  const std::string target = host.empty() || host == "0.0.0.0" ? "127.0.0.1"
-                             : host == "[::]" || host == "::"  ? "::1"
-                                                               : host;
-  const std::string bare = target.front() == '[' ? target.substr(1, target.size() - 2) : target;
-  if (inet_pton(AF_INET6, bare.c_str(), &address6.sin6_addr) == 1) {
-    address6.sin6_family = AF_INET6;
-    address6.sin6_port = htons(static_cast<uint16_t>(port));
-    const int fd = socket(AF_INET6, SOCK_STREAM, 0);
-    if (fd < 0) return;
-    (void)connect(fd, reinterpret_cast<sockaddr*>(&address6), sizeof(address6));
+  std::string name = host;
+  if (name.size() > 1 && name.front() == '[') name = name.substr(1, name.size() - 2);
+  if (name.empty() || name == "0.0.0.0") name = "127.0.0.1";
+  if (name == "::") name = "::1";
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(name.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const bool connected = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
     close(fd);
-  } else if (inet_pton(AF_INET, bare.c_str(), &address4.sin_addr) == 1) {
-    address4.sin_family = AF_INET;
-    address4.sin_port = htons(static_cast<uint16_t>(port));
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return;
-    (void)connect(fd, reinterpret_cast<sockaddr*>(&address4), sizeof(address4));
-    close(fd);
+    if (connected) break;
   }
+  freeaddrinfo(found);
 }
 
 }  // namespace
@@ -47,8 +44,7 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   endpoint->host_ = listen.substr(0, listen.rfind(':'));
   // prometheus-cpp reports a bind failure by throwing; this is its edge.
   try {
-    endpoint->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-        "listening_ports", listen, "num_threads", "2", "enable_keep_alive", "no"});
+    endpoint->exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
   } catch (const std::exception& error) {
     return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ",
                                                error.what(), "; choose another --metrics-listen"));
@@ -66,15 +62,20 @@ MetricsEndpoint::~MetricsEndpoint() {
   // Nudges civetweb's accept loop until its stop (in the Exposer's
   // destructor) has returned; each connection wakes its poll at once.
   std::atomic<bool> stopped{false};
-  std::thread nudger([this, &stopped] {
-    for (int i = 0; i < 500 && !stopped.load(); ++i) {  // 10 s at most
-      Nudge(host_, port_);
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
+  std::thread nudger;
+  try {
+    nudger = std::thread([this, &stopped] {
+      for (int i = 0; i < 500 && !stopped.load(); ++i) {  // 10 s at most
+        Nudge(host_, port_);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+  } catch (const std::system_error&) {
+    // No thread to spare: the Exposer stops on its own, within 2 s.
+  }
   exposer_.reset();
   stopped.store(true);
-  nudger.join();
+  if (nudger.joinable()) nudger.join();
 }
 
 }  // namespace layercast::server

@@ -12,12 +12,13 @@ namespace layercast::server {
 
 // The shard's Prometheus endpoint (prometheus-cpp's Exposer, which runs
 // civetweb), stopped promptly. civetweb's accept loop polls its socket for up
-// to 2 s before it sees that it should stop, and a scraper's keep-alive
-// connection held a worker thread for longer: measured, every SIGTERM of a
-// shard with --metrics-listen took 1.95 s after "stopped", and more while
-// Prometheus was connected. Keep-alive is off (a scrape every 15 s gains
-// nothing from it) and the destructor wakes the loop with a connection of its
-// own, so the endpoint stops in milliseconds.
+// to 2 s between looks at its stop flag: measured, every SIGTERM of a shard
+// with --metrics-listen took 1.95 s after "stopped". The destructor wakes the
+// loop with connections of its own while the Exposer stops, so the endpoint
+// stops in milliseconds.
+//
+// Not thread-safe: made, registered with and destroyed by the shard's
+// start-up and shutdown, on one thread.
 class MetricsEndpoint {
  public:
   // UNAVAILABLE naming `listen` when it cannot be bound.

@@ -184,8 +184,8 @@ std::string ShardFlagsHelp() {
           "the budget is too small.",
           6, 80) +
       "  --help, --version\n\n"
-      "Flags, each also a field of the JSON config (layercast.v1.ShardConfig; boolean flags "
-      "take\ntrue or false, or 1 or 0):\n";
+      "Flags, each also a field of the JSON config (layercast.v1.ShardConfig; boolean\n"
+      "flags take true or false, or 1 or 0):\n";
   const auto* descriptor = layercast::v1::ShardConfig::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {
     const google::protobuf::FieldDescriptor* field = descriptor->field(i);

@@ -94,7 +94,8 @@ class GradientDecoder {
   GradientDecoder(const AssembledLayout& layout, std::vector<TensorElementRange> owned,
                   std::span<float> staging);
 
-  // Takes the next chunk of the stream.
+  // Takes the next chunk of the stream. A shard that owns no element of the
+  // layer takes exactly one chunk, without data.
   //   INVALID_ARGUMENT  step, worker or layer differ from the stream's first
   //                     chunk; a tensor or element that is not the next one
   //                     this shard owns (a gap, an overlap, a repeat, out of

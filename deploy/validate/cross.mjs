@@ -291,12 +291,14 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
         }
       }
       const run = spawnSync(shardBinary, dryRun, { encoding: "utf8", timeout: 120000 });
-      const said = `${run.stdout ?? ""}${run.stderr ?? ""}`.trim().split("\n").pop();
-      if (run.status === 2) {
+      // The report says "too small:" on stdout; any other refusal is on stderr.
+      const tooSmall = (run.stdout ?? "").split("\n").find((line) => line.includes("too small:"));
+      if (tooSmall) {
         fail(sts, `memory_budget ${effective.memory_budget} cannot hold the model ` +
-          `(layercast-shard --dry-run): ${said}`);
+          `(layercast-shard --dry-run): ${tooSmall}`);
       } else if (run.status !== 0) {
-        fail(sts, `layercast-shard --dry-run failed: ${run.error?.message ?? said}`);
+        const said = (run.stderr ?? "").trim().split("\n").pop();
+        fail(sts, `layercast-shard --dry-run refused the set's flags: ${run.error?.message ?? said}`);
       }
     }
 

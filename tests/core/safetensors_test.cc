@@ -223,19 +223,22 @@ TEST(SafetensorsReaderTest, RejectsFieldsOfWrongType) {
   }
 }
 
-TEST(SafetensorsReaderTest, RejectsADtypeTheFormatDoesNotHave) {
-  ExpectRejected(R"({"t":{"dtype":"Q4","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'),
-                 "'Q4' is not a safetensors dtype");
+TEST(SafetensorsReaderTest, RejectsFloatingDtypesItCannotServe) {
+  for (const char* dtype : {"F64", "F8_E4M3", "Q4"}) {
+    ExpectRejected(
+        absl::StrCat(R"({"t":{"dtype":")", dtype, R"(","shape":[1],"data_offsets":[0,8]}})"),
+        std::string(8, '\0'), absl::StrCat("dtype '", dtype, "' is not supported"));
+  }
 }
 
-// Tensors of dtypes layercast does not serve (position ids in I32, F64) are
-// checked like the others, then left out of tensors() and listed in
-// skipped(); their bytes still may not overlap another tensor's.
+// Integer and boolean tensors (position ids in I32, a BOOL mask) are checked
+// like the others, then left out of tensors() and listed in skipped(); their
+// bytes still may not overlap another tensor's.
 TEST(SafetensorsReaderTest, SkipsTensorsOfDtypesItDoesNotServe) {
   const std::string path = MakeTestDir() + "/mixed.safetensors";
   WriteBytes(path, HandMade(R"({"ids":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},)"
                             R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
-                            R"("x":{"dtype":"F64","shape":[1],"data_offsets":[16,24]}})",
+                            R"("x":{"dtype":"BOOL","shape":[8],"data_offsets":[16,24]}})",
                             std::string(24, '\0')));
   absl::StatusOr<std::unique_ptr<SafetensorsReader>> reader = SafetensorsReader::Open(path);
   ASSERT_TRUE(reader.ok()) << reader.status();
@@ -245,7 +248,7 @@ TEST(SafetensorsReaderTest, SkipsTensorsOfDtypesItDoesNotServe) {
   EXPECT_EQ((*reader)->skipped()[0].name, "ids");
   EXPECT_EQ((*reader)->skipped()[0].dtype, "I32");
   EXPECT_EQ((*reader)->skipped()[0].shape, std::vector<int64_t>{2});
-  EXPECT_EQ((*reader)->skipped()[1].dtype, "F64");
+  EXPECT_EQ((*reader)->skipped()[1].dtype, "BOOL");
 
   ExpectRejected(R"({"ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]},)"
                  R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_join.h"
 #include "server/checkpoint_format.h"
 #include "server/checkpoint_source.h"
 #include "server/checkpoint_writer.h"
@@ -140,4 +141,55 @@ TEST_F(CheckpointSourceTest, ElementsOfOtherShardsAreOutOfRange) {
 }
 
 }  // namespace
+
+// Training metadata as a training shard writes it: optimizer, every layer's
+// version and step count, and (since staged pushes are saved) staged_pushes.
+CheckpointExtras TrainingExtras(const ParameterStore& store, const std::string& staged) {
+  CheckpointExtras extras;
+  std::vector<std::string> versions(store.model().layers.size(), "3");
+  extras.metadata = {{"optimizer", "sgd:lr=0.1"},
+                     {"layer_versions", absl::StrJoin(versions, ",")},
+                     {"optimizer_steps", absl::StrJoin(versions, ",")}};
+  if (staged != "(absent)") extras.metadata["staged_pushes"] = staged;
+  return extras;
+}
+
+// A checkpoint written before staged pushes were saved has no staged_pushes
+// key: it opens, with none. A staged push it lists is read back; one it does
+// not list, or lists without holding, is damage.
+TEST_F(CheckpointSourceTest, StagedPushesAreReadBackAndCheckedAgainstTheirList) {
+  const auto store = LoadStore(values_, 1, 2);
+  const ModelSpec& model = store->model();
+  const std::vector<float> push(store->owned(0, 0).size() + store->owned(0, 1).size(), 0.25f);
+  struct Case {
+    std::string listed;
+    bool holds_tensor;
+    bool opens;
+  };
+  for (const Case& c : {Case{"(absent)", false, true}, Case{"0/1", true, true},
+                        Case{"", true, false}, Case{"0/1", false, false}}) {
+    SCOPED_TRACE(c.listed);
+    const std::string dir = FreshDir("staged");
+    CheckpointExtras extras = TrainingExtras(*store, c.listed);
+    if (c.holds_tensor) extras.tensors.emplace_back(StagedPushName(0, "1"), push);
+    auto info = WriteCheckpoint(*store, 3, dir, DefaultFileSystem(), extras);
+    ASSERT_TRUE(info.ok()) << info.status();
+    auto source = CheckpointSource::Open(info->path, model, 1, 2, TestPolicy());
+    ASSERT_EQ(source.ok(), c.opens) << source.status();
+    if (!c.opens) {
+      EXPECT_EQ(source.status().code(), absl::StatusCode::kDataLoss);
+      continue;
+    }
+    ASSERT_TRUE((*source)->training().has_value());
+    if (c.listed == "(absent)") {
+      EXPECT_TRUE((*source)->training()->staged.empty());
+      continue;
+    }
+    ASSERT_EQ((*source)->training()->staged.size(), 1u);
+    std::vector<float> values;
+    ASSERT_TRUE((*source)->ReadState(StagedPushName(0, "1"), values).ok());
+    EXPECT_EQ(values, push);
+  }
+}
+
 }  // namespace layercast::server::testing
