@@ -23,18 +23,7 @@ DLDataType ToDLDataType(DType dtype) {
 
 }  // namespace
 
-std::string DTypeString(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-    default:
-      return std::string(DTypeName(dtype));
-  }
-}
+std::string DTypeString(DType dtype) { return std::string(DTypeName(dtype)); }
 
 std::string TensorView::name() const { return std::string(view().name); }
 

@@ -15,7 +15,7 @@
 
 namespace layercast::python {
 
-// The dtype's name as torch and numpy spell it ("bfloat16").
+// The dtype's name, as torch and numpy spell it too ("bfloat16").
 std::string DTypeString(DType dtype);
 
 // One tensor of a gathered layer, exported through DLPack: Export() hands a
