@@ -325,8 +325,10 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
 absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointSource& source,
                                                const CheckpointSource::Training& saved,
                                                uint32_t layer, LayerState& state) {
-  for (const auto& [staged_layer, part] : saved.staged) {
-    if (staged_layer != layer) continue;
+  for (const auto& staged : saved.staged) {
+    if (staged.first != layer) continue;
+    const std::string& part =
+        staged.second;  // not a structured binding: clang 14 cannot capture one
     const auto refuse = [&](absl::string_view why) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint ", source.path(), " holds a push staged for layer ", layer, " (", part,
