@@ -6,12 +6,12 @@
 // Connection, so nothing a Python object can still reach is ever freed,
 // whatever the order in which objects are dropped or closed.
 
-#include <malloc.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdlib>
 
+#include "core/heap_tuning.h"
 #include "python/src/dlpack_views.h"
 #include "python/src/errors.h"
 #include "python/src/shard_set_binding.h"
@@ -21,21 +21,18 @@ namespace {
 
 namespace py = pybind11;
 
-// gRPC reads each message into fresh heap buffers of up to a few MiB. glibc
-// keeps freed buffers of that size for reuse once its adaptive thresholds
-// have risen to them, which they do in a C++ worker but (measured) not in a
-// Python interpreter, where every read then faulted its buffer in page by
-// page: 20x the page faults and 0.77x the C++ worker's gather throughput.
-// Setting the values the thresholds rise to (32 MiB mmap, twice that before
-// trimming) gives the interpreter the worker's behaviour; left alone when
-// the user set either through glibc's environment variables.
+// The worker library's processes (the CLI, the benchmarks) keep gRPC's
+// chunk-sized receive buffers in the heap (KeepChunkBuffersInHeap); in an
+// interpreter that had not, every read faulted its buffer in page by page:
+// 20x the page faults and 0.77x the C++ worker's gather throughput. The
+// package does the same when it loads, unless the user set glibc's
+// thresholds through its environment variables.
 void TuneMalloc() {
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
       std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
     return;
   }
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 64 << 20);
+  KeepChunkBuffersInHeap();
 }
 
 }  // namespace
