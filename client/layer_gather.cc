@@ -55,6 +55,7 @@ layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
   request.set_min_version(options_.min_version);
   request.set_expect_content_fingerprint(shards_[shard].content_fingerprint);
   request.set_recast(recast);
+  if (options_.base_version) request.set_base_version(*options_.base_version);
   // A resumed stream asks for the range from its first missing element: the
   // shard sends what it owns of a range, so that is exactly the runs still
   // owed.
@@ -79,7 +80,7 @@ void LayerGather::Start(uint32_t shard) {
         absl::MutexLock lock(&mu_);
         finished_.push_back(shard);
       },
-      options_.on_chunk);
+      options_.on_chunk, options_.base_version);
   s.stream->Start(*shards_[shard].stub,
                   RequestFor(shard, s.runs, /*resume=*/s.attempts > 1,
                              // after a checksum failure, not the kept copy again

@@ -20,6 +20,12 @@ struct GatherOptions {
   std::chrono::milliseconds timeout{60000};
   // Wait on each shard until its parameter version reaches this.
   uint64_t min_version = 0;
+  // A delta pull: the buffer holds the layer (or the byte range) at this
+  // version already, and the shards send only the values that changed
+  // since (FetchLayerRequest.base_version); the result is the same as a
+  // full pull's. A shard that no longer holds the changes since then
+  // answers OUT_OF_RANGE, and ShardSet pulls the layer in full instead.
+  std::optional<uint64_t> base_version;
   // Only this byte range [first, second) of the assembled layout (for K local
   // GPUs each fetching 1/K); the rest of the buffer is left untouched.
   std::optional<std::pair<uint64_t, uint64_t>> byte_range;

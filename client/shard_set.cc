@@ -139,6 +139,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
     auto channel = grpc::CreateCustomChannel(
         address, options.credentials ? options.credentials : grpc::InsecureChannelCredentials(),
         args);
+    set->channels_.push_back(channel);
     set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
     set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
   }
@@ -222,6 +223,16 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
     absl::StatusOr<uint64_t> version = gather.Run();
     const bool cancelled = options.cancellation != nullptr && options.cancellation->cancelled();
+    if (!version.ok() && absl::IsOutOfRange(version.status()) && attempt.base_version &&
+        !cancelled && std::chrono::steady_clock::now() < deadline) {
+      // A shard no longer holds the changes since the base (or keeps none):
+      // the whole layer, once, overwriting whatever deltas were applied.
+      Log()->info("gathering layer {} in full: {}", layer, version.status().message());
+      attempt.base_version.reset();
+      attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      continue;
+    }
     if (version.ok() || version.status().code() != absl::StatusCode::kAborted ||
         tries == kVersionRetries || cancelled || std::chrono::steady_clock::now() >= deadline) {
       return version;

@@ -72,6 +72,8 @@ class ShardSet final : public LayerSource {
   // The typed stub of shard `shard` (for PushGradients). REQUIRES: shard <
   // the number of shards.
   layercast::v1::ShardService::Stub& stub(uint32_t shard) const { return *stubs_[shard]; }
+  // The connection to shard `shard` (for ShardAdmin calls). Same REQUIRES.
+  const std::shared_ptr<grpc::Channel>& channel(uint32_t shard) const { return channels_[shard]; }
 
   // The worker library's metrics; nullptr without a registry.
   ClientMetrics* metrics() const override { return metrics_.get(); }
@@ -83,6 +85,7 @@ class ShardSet final : public LayerSource {
                                          std::span<uint8_t> buffer) const;
 
   std::vector<std::string> addresses_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> stubs_;
   // FetchLayer goes through raw ByteBuffers (see ShardStream).
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;

@@ -33,21 +33,24 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
                               training->workers, " data-parallel workers")
                : "read-only",
       "\n");
-  absl::StrAppend(&report.text, absl::StrFormat("%-8s %14s %16s %14s %14s %22s\n", "shard",
-                                                "fp32 master", "optimizer state", "step staging",
-                                                "stream buffers", "least --memory-budget"));
+  absl::StrAppend(&report.text,
+                  absl::StrFormat("%-8s %14s %16s %14s %14s %14s %22s\n", "shard", "fp32 master",
+                                  "optimizer state", "step staging", "stream buffers",
+                                  "change bitmaps", "least --memory-budget"));
   uint64_t most = 0;
   std::string refusal;
   for (uint32_t shard = 0; shard < config.num_shards(); ++shard) {
-    ASSIGN_OR_RETURN(const MemoryPlan plan, PlanShardMemory(model, shard, config.num_shards(),
-                                                            config.chunk_bytes(), training));
+    ASSIGN_OR_RETURN(const MemoryPlan plan,
+                     PlanShardMemory(model, shard, config.num_shards(), config.chunk_bytes(),
+                                     config.delta_versions(), training));
     most = std::max(most, plan.MinimumBudget());
-    absl::StrAppend(&report.text,
-                    absl::StrFormat("%-8s %14s %16s %14s %14s %22s\n",
-                                    absl::StrCat(shard, "/", config.num_shards()),
-                                    FormatBytes(plan.master_bytes), FormatBytes(plan.state_bytes),
-                                    FormatBytes(plan.staging_bytes), FormatBytes(plan.stream_bytes),
-                                    FormatBytes(plan.MinimumBudget())));
+    absl::StrAppend(
+        &report.text,
+        absl::StrFormat("%-8s %14s %16s %14s %14s %14s %22s\n",
+                        absl::StrCat(shard, "/", config.num_shards()),
+                        FormatBytes(plan.master_bytes), FormatBytes(plan.state_bytes),
+                        FormatBytes(plan.staging_bytes), FormatBytes(plan.stream_bytes),
+                        FormatBytes(plan.change_bytes), FormatBytes(plan.MinimumBudget())));
     if (settings.memory_budget_bytes && refusal.empty()) {
       if (absl::Status fits = CheckPlanFits(plan, training, *settings.memory_budget_bytes);
           !fits.ok()) {

@@ -5,12 +5,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <new>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/crc32c.h"
+#include "core/status_macros.h"
 #include "wire/chunk_encoder.h"
+#include "wire/delta_chunks.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -20,6 +24,10 @@ namespace {
 // reads it back from there instead of from memory: 48 KiB of bfloat16, four
 // of Crc32c's three-stripe blocks.
 constexpr uint64_t kCastBlockElements = 24 << 10;
+
+// A delta chunk's fields beside its values and bitmap: tags, varints and
+// the CRC, well under this.
+constexpr uint64_t kDeltaHeaderBytes = 64;
 
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, size_t element_bytes) {
   return std::max<uint64_t>(1, chunk_bytes / element_bytes);
@@ -43,12 +51,12 @@ std::chrono::steady_clock::time_point GiveUpAt(std::chrono::system_clock::time_p
 }  // namespace
 
 uint64_t FetchLayerReactor::BufferBytes(const ParameterStore& store, const FetchPlan& plan,
-                                        uint64_t chunk_bytes) {
+                                        uint64_t chunk_bytes, bool delta) {
   uint64_t largest = 0;
   for (const TensorElementRange& run : plan.runs) {
     const size_t size = DTypeSize(store.layout(plan.layer).tensors()[run.tensor].compute_dtype);
-    largest = std::max(largest,
-                       std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, size)) * size);
+    const uint64_t elements = std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, size));
+    largest = std::max(largest, elements * size + (delta ? elements / 8 + kDeltaHeaderBytes : 0));
   }
   return 2 * largest;
 }
@@ -64,7 +72,8 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
       metrics_(metrics),
       plan_(std::move(plan)),
       options_(std::move(options)),
-      buffer_bytes_(BufferBytes(store_, plan_, options_.chunk_bytes)),
+      buffer_bytes_(
+          BufferBytes(store_, plan_, options_.chunk_bytes, options_.base_version.has_value())),
       peer_(context->peer()) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
   if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer, peer_);
@@ -107,6 +116,16 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
           absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
                        version, ") within this shard's limit on waiting for a version ",
                        "(--max-version-wait-ms); ask again"));
+    } else if (options_.base_version &&
+               !options_.changes->Covers(plan_.layer, *options_.base_version, version)) {
+      finish = grpc::Status(
+          grpc::StatusCode::OUT_OF_RANGE,
+          absl::StrCat("this shard no longer holds the changes of layer ", plan_.layer,
+                       " since base_version ", *options_.base_version, ": it is at version ",
+                       version, " and keeps the last ", options_.changes->versions(),
+                       " versions' changes (--delta-versions; a delta can start from version ",
+                       options_.changes->OldestBase(plan_.layer, version),
+                       "); pull the layer in full"));
     } else {
       version_ = version;
       phase_ = Phase::kWaitingForBudget;
@@ -152,32 +171,16 @@ void FetchLayerReactor::OnBudget(bool granted) {
   WriteNext();
 }
 
-absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
-  // Shared with other readers, exclusive of an optimizer step: the chunk is
-  // cast from one version, and it is the stream's.
-  absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
-  if (const uint64_t now = gate_.version(key.layer); now != key.version) {
-    return absl::AbortedError(absl::StrCat(
-        "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
-        " while this stream sent it; gather the layer again with min_version ", now));
-  }
+absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, uint8_t* out, uint32_t* crc) {
   const ElementRange owned = store_.owned(key.layer, key.tensor);
   const float* source = store_.master(key.layer, key.tensor) + (key.element_begin - owned.begin);
   const size_t element_bytes = DTypeSize(key.dtype);
-  const size_t bytes = key.elements * element_bytes;
-  auto* data = static_cast<uint8_t*>(std::malloc(bytes));
-  if (data == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of memory for a chunk of ", FormatBytes(bytes), "; retry later"));
-  }
-  // Owned by gRPC from here: freed when the last stream sending it is done.
-  CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
   const auto cast_start = std::chrono::steady_clock::now();
   for (uint64_t done = 0; done < key.elements;) {
     const uint64_t block = std::min(kCastBlockElements, key.elements - done);
-    uint8_t* out = data + done * element_bytes;
+    uint8_t* block_out = out + done * element_bytes;
     if (absl::Status cast =
-            CastFromF32(source + done, out, block, key.dtype, store_.policy().overflow());
+            CastFromF32(source + done, block_out, block, key.dtype, store_.policy().overflow());
         !cast.ok()) {
       const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
       return absl::Status(cast.code(),
@@ -186,14 +189,68 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
                                        "; the policy's float16 overflow rule is 'error': set "
                                        "overflow=saturate or override this tensor to float32"));
     }
-    chunk.crc32c = Crc32c(out, block * element_bytes, chunk.crc32c);
+    if (crc != nullptr) *crc = Crc32c(block_out, block * element_bytes, *crc);
     done += block;
   }
   metrics_.RecordCast(
       key.elements,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   metrics_.RecordChunkCast();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
+  if (key.base_version != ChunkKey::kWhole) return CastDelta(key);
+  // Shared with other readers, exclusive of an optimizer step: the chunk is
+  // cast from one version, and it is the stream's.
+  absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
+  if (const uint64_t now = gate_.version(key.layer); now != key.version) {
+    return absl::AbortedError(absl::StrCat(
+        "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
+        " while this stream sent it; gather the layer again with min_version ", now));
+  }
+  const size_t bytes = key.elements * DTypeSize(key.dtype);
+  auto* data = static_cast<uint8_t*>(std::malloc(bytes));
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory for a chunk of ", FormatBytes(bytes), "; retry later"));
+  }
+  // Owned by gRPC from here: freed when the last stream sending it is done.
+  CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
+  RETURN_IF_ERROR(CastInto(key, data, &chunk.crc32c));
   return chunk;
+}
+
+absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
+  absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
+  if (const uint64_t now = gate_.version(key.layer); now != key.version) {
+    // Gathered again from the same base: a delta applied twice, or over a
+    // copy already partly newer, still gives the newest version exactly.
+    return absl::AbortedError(absl::StrCat(
+        "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
+        " while this stream sent it; gather the layer again with min_version ", now));
+  }
+  // The span is cast whole (the kernels run on contiguous elements) into
+  // scratch that stays with the thread, then only its changed elements are
+  // packed into the chunk.
+  thread_local std::vector<uint8_t> values;
+  thread_local std::vector<uint64_t> changed;
+  try {
+    values.resize(key.elements * DTypeSize(key.dtype));
+    RETURN_IF_ERROR(CastInto(key, values.data(), nullptr));
+    options_.changes->ChangedSince(key.layer, key.base_version, key.version, key.tensor,
+                                   key.element_begin, key.elements, changed);
+    return CastChunk{wire::EncodeDeltaChunk({.tensor = key.tensor,
+                                             .element_offset = key.element_begin,
+                                             .span_elements = key.elements,
+                                             .version = key.version,
+                                             .base_version = key.base_version},
+                                            values, DTypeSize(key.dtype), changed),
+                     0, /*framed=*/true};
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of memory for a delta chunk of ",
+                                                     key.elements, " elements; retry later"));
+  }
 }
 
 void FetchLayerReactor::WriteNext() {
@@ -222,7 +279,8 @@ void FetchLayerReactor::WriteNext() {
                      .element_begin = next_element_,
                      .elements = std::min(run.elements.end, grid_end) - next_element_,
                      .version = version_,
-                     .dtype = dtype};
+                     .dtype = dtype,
+                     .base_version = options_.base_version.value_or(ChunkKey::kWhole)};
   pending_dtype_ = dtype;
   pending_elements_ = key.elements;
   const auto cast = [this, &key] { return Cast(key); };
@@ -233,9 +291,11 @@ void FetchLayerReactor::WriteNext() {
   // Another stream casting this very chunk resumes this one when it is done
   // (posted: nothing runs on that stream's thread); until then nothing of
   // this stream runs, and it cannot finish, so `this` stays valid.
-  std::optional<absl::StatusOr<CastChunk>> chunk =
-      options_.shared->GetOrCast(key, key.elements * element_bytes, peer_, cast,
-                                 [this](absl::StatusOr<CastChunk> shared) { Write(shared); });
+  std::optional<absl::StatusOr<CastChunk>> chunk = options_.shared->GetOrCast(
+      key,
+      key.elements * element_bytes +
+          (options_.base_version ? key.elements / 8 + kDeltaHeaderBytes : 0),
+      peer_, cast, [this](absl::StatusOr<CastChunk> shared) { Write(shared); });
   if (chunk) Write(*std::move(chunk));
 }
 
@@ -245,7 +305,12 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
-  chunk_ = wire::EncodeLayerChunk(run.tensor, next_element_, version_, chunk->crc32c, chunk->data);
+  if (chunk->framed) {
+    metrics_.RecordDeltaChunk(chunk->data.size(), pending_elements_ * DTypeSize(pending_dtype_));
+  }
+  chunk_ = chunk->framed ? grpc::ByteBuffer(&chunk->data, 1)
+                         : wire::EncodeLayerChunk(run.tensor, next_element_, version_,
+                                                  chunk->crc32c, chunk->data);
   next_element_ += pending_elements_;
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -10,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.pb.h"
+#include "server/change_log.h"
 #include "server/fetch_plan.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
@@ -53,6 +55,10 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // Called once when the version has been reached (the stream stops being
     // parked), for accounting.
     std::function<void()> on_unparked;
+    // A delta pull from this version (FetchLayerRequest.base_version): what
+    // changed since is read from `changes`, which must be set with it.
+    std::optional<uint64_t> base_version;
+    const ChangeLog* changes = nullptr;
   };
 
   // Everything referenced must outlive the reactor.
@@ -62,9 +68,10 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
 
   // Budgeted bytes one stream of `plan` holds while it runs: its largest
   // chunk, twice, since the transport may still hold the previous chunk's
-  // slice when the next one is cast.
+  // slice when the next one is cast. A delta chunk may hold its whole
+  // span's values, its bitmap and its header.
   static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
-                              uint64_t chunk_bytes);
+                              uint64_t chunk_bytes, bool delta = false);
 
   // When a write has been in flight for longer than `limit` at `now`
   // (once per stream): a new reference to the call, for the caller to cancel
@@ -91,8 +98,13 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
 
   void OnVersion(VersionGate::Outcome outcome, uint64_t version);
   void OnBudget(bool granted);
-  // Casts chunk `key` from the master into a new slice, with its CRC-32C.
+  // Casts chunk `key` from the master into a new slice, with its CRC-32C,
+  // or (a delta key) into the delta chunk of its span.
   absl::StatusOr<CastChunk> Cast(const ChunkKey& key);
+  // Casts the key's elements into `out`, extending `*crc` over them when
+  // not null. REQUIRES: the layer's mutex held shared, at key.version.
+  absl::Status CastInto(const ChunkKey& key, uint8_t* out, uint32_t* crc);
+  absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);
   // Casts (or shares) the next chunk and writes it, or finishes when the
   // plan is done.
   void WriteNext();

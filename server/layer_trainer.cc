@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/byte_size.h"
+#include "core/log.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_format.h"
 
@@ -481,6 +482,15 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   }
 
   absl::WriterMutexLock master_lock(&store_.layer_mutex(layer));
+  std::optional<ChangeLog::Snapshot> before;
+  if (links_.changes != nullptr) {
+    try {
+      before = links_.changes->Take(layer);
+    } catch (const std::bad_alloc&) {
+      // Not recorded: delta pulls from before this step fall back to full.
+      Log()->warn("no memory to record what step {} of layer {} changes", step, layer);
+    }
+  }
   uint64_t at = 0;
   for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
     TensorOptimizer& optimizer = state.optimizers[t];
@@ -498,6 +508,7 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.reduced = false;
   state.opened.reset();
   ++state.version;
+  if (before) links_.changes->Record(layer, state.version, *before);
   if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
   state.reserved = false;
   return absl::OkStatus();

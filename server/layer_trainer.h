@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/optimizer.h"
 #include "core/optimizer_spec.h"
+#include "server/change_log.h"
 #include "server/checkpoint_source.h"
 #include "server/checkpoint_writer.h"
 #include "server/memory_budget.h"
@@ -29,6 +30,7 @@ namespace layercast::server {
 struct TrainerLinks {
   VersionGate* gate = nullptr;     // each layer starts at its version here
   MemoryBudget* budget = nullptr;  // where staged pushes are charged
+  ChangeLog* changes = nullptr;    // told what each step changed
 };
 
 // One shard's training state: for every layer, its version (steps applied

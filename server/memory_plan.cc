@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/status_macros.h"
+#include "server/change_log.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
 
@@ -11,12 +12,13 @@ namespace layercast::server {
 
 uint64_t MemoryPlan::MinimumBudget() const {
   const absl::uint128 sum =
-      absl::uint128(master_bytes) + state_bytes + staging_bytes + stream_bytes;
+      absl::uint128(master_bytes) + state_bytes + staging_bytes + stream_bytes + change_bytes;
   return sum > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(sum);
 }
 
 absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shard_index,
                                            uint32_t num_shards, uint64_t chunk_bytes,
+                                           uint32_t delta_versions,
                                            const std::optional<TrainingPlan>& training) {
   MemoryPlan plan;
   plan.shard_index = shard_index;
@@ -24,6 +26,7 @@ absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shar
   ASSIGN_OR_RETURN(plan.master_bytes, ParameterStore::MasterBytes(model, shard_index, num_shards));
   // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
   plan.stream_bytes = 2 * chunk_bytes;
+  plan.change_bytes = ChangeLog::BytesFor(model, shard_index, num_shards, delta_versions);
   if (training) {
     const LayerTrainer::Memory memory = LayerTrainer::MemoryFor(
         model, shard_index, num_shards, training->optimizer, training->workers);
@@ -49,14 +52,20 @@ absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingP
         OptimizerKindName(training->optimizer.kind()), " state + ", FormatBytes(plan.staging_bytes),
         " to stage one step of its largest layer (", training->workers,
         " workers' pushes in fp32) + ", FormatBytes(plan.stream_bytes),
-        " for one stream's chunks: raise the budget or use more shards"));
+        " for one stream's chunks + ", FormatBytes(plan.change_bytes),
+        " of change bitmaps (--delta-versions): raise the budget or use more shards"));
   }
-  if (budget - plan.master_bytes < plan.stream_bytes) {
+  if (budget - plan.master_bytes < plan.change_bytes + plan.stream_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "--memory-budget of ", FormatBytes(budget), " leaves ",
         FormatBytes(budget - plan.master_bytes), " beside ", shard, "'s fp32 master of ",
         FormatBytes(plan.master_bytes), ", but one stream needs ", FormatBytes(plan.stream_bytes),
-        " (twice --chunk-bytes): raise the budget or lower --chunk-bytes"));
+        " (twice --chunk-bytes)",
+        plan.change_bytes > 0 ? absl::StrCat(" and its change bitmaps (--delta-versions) ",
+                                             FormatBytes(plan.change_bytes))
+                              : "",
+        ": raise the budget or lower --chunk-bytes",
+        plan.change_bytes > 0 ? " or --delta-versions" : ""));
   }
   return absl::OkStatus();
 }

@@ -21,6 +21,7 @@ struct MemoryPlan {
   uint64_t state_bytes = 0;    // optimizer state (training shards)
   uint64_t staging_bytes = 0;  // one step of the largest layer, W pushes (+ clip means)
   uint64_t stream_bytes = 0;   // one stream's chunk buffers: twice --chunk-bytes
+  uint64_t change_bytes = 0;   // --delta-versions of change bitmaps (server/change_log.h)
   // The least --memory-budget the shard starts with; saturates at UINT64_MAX.
   uint64_t MinimumBudget() const;
 };
@@ -35,6 +36,7 @@ struct TrainingPlan {
 // INVALID_ARGUMENT when the master of the shard's slices overflows.
 absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shard_index,
                                            uint32_t num_shards, uint64_t chunk_bytes,
+                                           uint32_t delta_versions,
                                            const std::optional<TrainingPlan>& training);
 
 // RESOURCE_EXHAUSTED, with the arithmetic and what to change, when `plan`

@@ -21,9 +21,10 @@ namespace layercast::server {
 // policy, computed once.
 //
 // Thread-safety: reads may run concurrently from any thread. After Load()
-// only a LayerTrainer changes the master, one layer at a time, holding that
-// layer's layer_mutex() exclusively; whoever reads a layer that may be
-// trained holds it shared. (The versions live in VersionGate.)
+// only a LayerTrainer (an optimizer step) or Publications (a committed
+// publish) changes the master, one layer at a time, holding that layer's
+// layer_mutex() exclusively; whoever reads a layer that may change holds
+// it shared. (The versions live in VersionGate.)
 class ParameterStore {
  public:
   // Bytes of fp32 master that shard `shard_index` of `num_shards` holds for
@@ -59,8 +60,8 @@ class ParameterStore {
   const float* master(uint32_t layer, uint32_t tensor) const {
     return slices_[layer][tensor].values.get();
   }
-  // The same values, for the optimizer (LayerTrainer), which alone changes
-  // them, and only while no reader casts that layer.
+  // The same values, for what changes them (LayerTrainer, Publications),
+  // only while no reader casts that layer.
   float* mutable_master(uint32_t layer, uint32_t tensor) {
     return slices_[layer][tensor].values.get();
   }

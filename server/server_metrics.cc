@@ -130,6 +130,31 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
             "Workers whose push the oldest open layer step still waits for (0: none open)");
   step_wait_seconds_ = Gauge(r, "layercast_step_wait_seconds",
                              "How long the oldest open layer step has waited for its last push");
+  auto& changes = BuildCounter()
+                      .Name("layercast_version_elements_total")
+                      .Help(
+                          "Owned elements of layers whose master changed (an optimizer step "
+                          "or a publish), by whether their compute-dtype value changed: "
+                          "changed / all is the share a delta pull sends")
+                      .Register(r);
+  changed_elements_ = &changes.Add({{"kind", "changed"}});
+  versioned_elements_ = &changes.Add({{"kind", "all"}});
+  auto& delta = BuildCounter()
+                    .Name("layercast_delta_bytes_total")
+                    .Help(
+                        "Delta pulls: bytes of delta chunks sent (kind=delta) and what full "
+                        "chunks of the same elements would have been (kind=full)")
+                    .Register(r);
+  delta_bytes_ = &delta.Add({{"kind", "delta"}});
+  delta_full_bytes_ = &delta.Add({{"kind", "full"}});
+  auto& publish = BuildHistogram()
+                      .Name("layercast_publish_seconds")
+                      .Help(
+                          "Committed publishes by phase: stage (from BeginPublish to "
+                          "CommitPublish) and commit (copying into the master)")
+                      .Register(r);
+  publish_stage_seconds_ = &publish.Add({{"phase", "stage"}}, FetchBuckets());
+  publish_commit_seconds_ = &publish.Add({{"phase", "commit"}}, FetchBuckets());
   shard_info_ = &BuildGauge()
                      .Name("layercast_shard_info")
                      .Help("Always 1; labels describe the shard and its model")
@@ -183,6 +208,25 @@ void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_ind
              {"policy", policy}})
       .Set(1);
   layers_->Set(static_cast<double>(layers));
+}
+
+}  // namespace layercast::server
+
+namespace layercast::server {
+
+void ServerMetrics::RecordVersionChange(uint64_t changed, uint64_t elements) {
+  changed_elements_->Increment(static_cast<double>(changed));
+  versioned_elements_->Increment(static_cast<double>(elements));
+}
+
+void ServerMetrics::RecordDeltaChunk(uint64_t bytes, uint64_t full_bytes) {
+  delta_bytes_->Increment(static_cast<double>(bytes));
+  delta_full_bytes_->Increment(static_cast<double>(full_bytes));
+}
+
+void ServerMetrics::RecordPublish(double stage_seconds, double commit_seconds) {
+  publish_stage_seconds_->Observe(stage_seconds);
+  publish_commit_seconds_->Observe(commit_seconds);
 }
 
 }  // namespace layercast::server

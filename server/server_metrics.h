@@ -67,6 +67,15 @@ class ServerMetrics {
   prometheus::Gauge& step_missing_workers() { return *step_missing_workers_; }
   prometheus::Gauge& step_wait_seconds() { return *step_wait_seconds_; }
 
+  // Publishing and delta pulls. A version of a layer changed `changed` of
+  // its `elements` owned elements (in their compute dtype).
+  void RecordVersionChange(uint64_t changed, uint64_t elements);
+  // A delta chunk of `bytes` was sent where a full one would have been
+  // `full_bytes`.
+  void RecordDeltaChunk(uint64_t bytes, uint64_t full_bytes);
+  // A publish committed: from begin to the commit's call, and the commit.
+  void RecordPublish(double stage_seconds, double commit_seconds);
+
   // Sets layercast_shard_info and layercast_layers once the model is known.
   void SetShardInfo(const std::string& model_id, uint32_t shard_index, uint32_t num_shards,
                     const std::string& policy, uint64_t layers);
@@ -98,6 +107,12 @@ class ServerMetrics {
   prometheus::Histogram* step_seconds_;
   prometheus::Gauge* step_missing_workers_;
   prometheus::Gauge* step_wait_seconds_;
+  prometheus::Counter* changed_elements_;
+  prometheus::Counter* versioned_elements_;
+  prometheus::Counter* delta_bytes_;
+  prometheus::Counter* delta_full_bytes_;
+  prometheus::Histogram* publish_stage_seconds_;
+  prometheus::Histogram* publish_commit_seconds_;
   prometheus::Family<prometheus::Gauge>* shard_info_;
   prometheus::Gauge* layers_;
 };

@@ -1,6 +1,7 @@
 #include "server/shard_admin_service.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/dtype.h"
 #include "core/log.h"
 #include "server/shard_checkpoint.h"
 #include "wire/grpc_status.h"
@@ -20,10 +21,12 @@ ShardAdminService::~ShardAdminService() {
   if (writer.joinable()) writer.join();
 }
 
-void ShardAdminService::AttachStore(const ParameterStore* store, LayerTrainer* trainer) {
+void ShardAdminService::AttachStore(const ParameterStore* store, LayerTrainer* trainer,
+                                    Publications* publications) {
   absl::MutexLock lock(&mu_);
   store_ = store;
   trainer_ = trainer;
+  publications_ = publications;
 }
 
 grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& context) const {
@@ -40,8 +43,9 @@ grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& con
 }
 
 grpc::ServerUnaryReactor* ShardAdminService::Finish(grpc::ServerUnaryReactor* reactor,
-                                                    const grpc::Status& status) {
-  metrics_.RecordRpc("Checkpoint", wire::StatusCodeName(status.error_code()));
+                                                    const grpc::Status& status,
+                                                    absl::string_view method) {
+  metrics_.RecordRpc(method, wire::StatusCodeName(status.error_code()));
   reactor->Finish(status);
   return reactor;
 }
@@ -105,6 +109,139 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
     Finish(reactor, status);
   });
   return reactor;
+}
+
+absl::StatusOr<Publications*> ShardAdminService::PublicationsFor(
+    const grpc::CallbackServerContext& context) {
+  if (grpc::Status authorized = Authorize(context); !authorized.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(authorized.error_code()),
+                        authorized.error_message());
+  }
+  if (draining_.load()) {
+    return absl::UnavailableError(
+        "this shard is shutting down and takes no publish calls; an open publish is not "
+        "committed: abort it everywhere and publish again to the shard's replacement");
+  }
+  absl::MutexLock lock(&mu_);
+  if (store_ == nullptr) {
+    return absl::UnavailableError(
+        "this shard is still loading its parameters; retry when its readiness health check is "
+        "SERVING");
+  }
+  if (trainer_ != nullptr || publications_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "this shard trains (--optimizer): its optimizer owns the master, so it takes no "
+        "publishes; publish to shards started without --optimizer");
+  }
+  return publications_;
+}
+
+grpc::ServerUnaryReactor* ShardAdminService::BeginPublish(
+    grpc::CallbackServerContext* context, const layercast::v1::BeginPublishRequest* request,
+    layercast::v1::BeginPublishResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Publications*> publications = PublicationsFor(*context);
+  if (!publications.ok()) {
+    return Finish(reactor, wire::ToGrpcStatus(publications.status()), "BeginPublish");
+  }
+  absl::StatusOr<uint64_t> staging = (*publications)->Begin(*request);
+  if (staging.ok()) response->set_staging_bytes(*staging);
+  return Finish(reactor, wire::ToGrpcStatus(staging.status()), "BeginPublish");
+}
+
+namespace {
+
+// One StagePublish stream: stages each chunk as it arrives, and answers
+// with the first error (the rest of the stream is read and dropped) or,
+// when the publisher half-closes, with the elements staged.
+class StagePublishReactor final : public grpc::ServerReadReactor<layercast::v1::PublishChunk> {
+ public:
+  StagePublishReactor(Publications* publications, ServerMetrics& metrics,
+                      layercast::v1::StagePublishResponse* response)
+      : publications_(publications), metrics_(metrics), response_(response) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      Done(status_);
+      return;
+    }
+    if (status_.ok()) {
+      absl::Status staged = publications_->Stage(chunk_);
+      if (staged.ok()) {
+        elements_ += chunk_.data().size() / DTypeSize(static_cast<DType>(chunk_.dtype()));
+      } else {
+        status_ = staged;
+      }
+    }
+    StartRead(&chunk_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Done(const absl::Status& status) {
+    response_->set_elements(elements_);
+    metrics_.RecordRpc("StagePublish",
+                       wire::StatusCodeName(wire::ToGrpcStatus(status).error_code()));
+    Finish(wire::ToGrpcStatus(status));
+  }
+
+  Publications* const publications_;
+  ServerMetrics& metrics_;
+  layercast::v1::StagePublishResponse* const response_;
+  layercast::v1::PublishChunk chunk_;
+  absl::Status status_;
+  uint64_t elements_ = 0;
+};
+
+// A stream refused before it reads anything.
+class RefusedStage final : public grpc::ServerReadReactor<layercast::v1::PublishChunk> {
+ public:
+  explicit RefusedStage(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<layercast::v1::PublishChunk>* ShardAdminService::StagePublish(
+    grpc::CallbackServerContext* context, layercast::v1::StagePublishResponse* response) {
+  absl::StatusOr<Publications*> publications = PublicationsFor(*context);
+  if (!publications.ok()) {
+    const grpc::Status status = wire::ToGrpcStatus(publications.status());
+    metrics_.RecordRpc("StagePublish", wire::StatusCodeName(status.error_code()));
+    return new RefusedStage(status);
+  }
+  return new StagePublishReactor(*publications, metrics_, response);
+}
+
+grpc::ServerUnaryReactor* ShardAdminService::CommitPublish(
+    grpc::CallbackServerContext* context, const layercast::v1::CommitPublishRequest* request,
+    layercast::v1::CommitPublishResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Publications*> publications = PublicationsFor(*context);
+  if (!publications.ok()) {
+    return Finish(reactor, wire::ToGrpcStatus(publications.status()), "CommitPublish");
+  }
+  absl::StatusOr<Publications::Committed> committed =
+      (*publications)->Commit(request->publish_id());
+  if (committed.ok()) {
+    response->set_version(committed->version);
+    response->set_changed_elements(committed->changed_elements);
+  }
+  return Finish(reactor, wire::ToGrpcStatus(committed.status()), "CommitPublish");
+}
+
+grpc::ServerUnaryReactor* ShardAdminService::AbortPublish(
+    grpc::CallbackServerContext* context, const layercast::v1::AbortPublishRequest* request,
+    layercast::v1::AbortPublishResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Publications*> publications = PublicationsFor(*context);
+  if (!publications.ok()) {
+    return Finish(reactor, wire::ToGrpcStatus(publications.status()), "AbortPublish");
+  }
+  (*publications)->Abort(request->publish_id());
+  return Finish(reactor, grpc::Status::OK, "AbortPublish");
 }
 
 }  // namespace layercast::server

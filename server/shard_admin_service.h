@@ -11,6 +11,7 @@
 #include "server/checkpoint_manager.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
+#include "server/publication.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
 
@@ -39,17 +40,34 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
 
   // Makes the loaded parameters available; called once. `store` must
   // outlive the service.
-  void AttachStore(const ParameterStore* store, LayerTrainer* trainer = nullptr);
+  // `publications` (null on a training shard: publishes are refused) too.
+  void AttachStore(const ParameterStore* store, LayerTrainer* trainer = nullptr,
+                   Publications* publications = nullptr);
   // New calls are refused with UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true); }
 
   grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* context,
                                        const layercast::v1::CheckpointRequest* request,
                                        layercast::v1::CheckpointResponse* response) override;
+  grpc::ServerUnaryReactor* BeginPublish(grpc::CallbackServerContext* context,
+                                         const layercast::v1::BeginPublishRequest* request,
+                                         layercast::v1::BeginPublishResponse* response) override;
+  grpc::ServerReadReactor<layercast::v1::PublishChunk>* StagePublish(
+      grpc::CallbackServerContext* context, layercast::v1::StagePublishResponse* response) override;
+  grpc::ServerUnaryReactor* CommitPublish(grpc::CallbackServerContext* context,
+                                          const layercast::v1::CommitPublishRequest* request,
+                                          layercast::v1::CommitPublishResponse* response) override;
+  grpc::ServerUnaryReactor* AbortPublish(grpc::CallbackServerContext* context,
+                                         const layercast::v1::AbortPublishRequest* request,
+                                         layercast::v1::AbortPublishResponse* response) override;
 
  private:
   grpc::Status Authorize(const grpc::CallbackServerContext& context) const;
-  grpc::ServerUnaryReactor* Finish(grpc::ServerUnaryReactor* reactor, const grpc::Status& status);
+  grpc::ServerUnaryReactor* Finish(grpc::ServerUnaryReactor* reactor, const grpc::Status& status,
+                                   absl::string_view method = "Checkpoint");
+  // The publications of a loaded read-only shard, or why a publish call is
+  // refused (authorisation, draining, loading, training).
+  absl::StatusOr<Publications*> PublicationsFor(const grpc::CallbackServerContext& context);
 
   const Options options_;
   const VersionGate& gate_;
@@ -58,6 +76,7 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   absl::Mutex mu_;
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   LayerTrainer* trainer_ ABSL_GUARDED_BY(mu_) = nullptr;  // null: read-only
+  Publications* publications_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   // The thread of the last checkpoint written for a call.
   std::thread writer_ ABSL_GUARDED_BY(mu_);

@@ -32,6 +32,8 @@ constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
 constexpr uint32_t kDefaultMaxStreams = 1024;
 constexpr uint32_t kDefaultMaxParkedStreams = 4096;
 constexpr uint32_t kDefaultMaxVersionLead = 64;
+constexpr uint32_t kDefaultDeltaVersions = 4;
+constexpr uint32_t kMaxDeltaVersions = 1024;
 constexpr uint32_t kDefaultMaxVersionWaitMs = 5 * 60 * 1000;
 constexpr uint32_t kDefaultWriteProgressTimeoutMs = 30 * 1000;
 constexpr uint32_t kDefaultKeepaliveTimeMs = 60 * 1000;
@@ -321,6 +323,11 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     if (!isa.ok())
       return absl::InvalidArgumentError(absl::StrCat("--cast-isa: ", isa.status().message()));
     settings.cast_isa = *isa;
+  }
+  if (!config.has_delta_versions()) config.set_delta_versions(kDefaultDeltaVersions);
+  if (config.delta_versions() > kMaxDeltaVersions) {
+    return absl::InvalidArgumentError(absl::StrCat("--delta-versions ", config.delta_versions(),
+                                                   " is out of range: use 0-", kMaxDeltaVersions));
   }
   settings.config = std::move(config);
   return settings;

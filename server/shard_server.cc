@@ -97,7 +97,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   }
   ASSIGN_OR_RETURN(const MemoryPlan plan,
                    PlanShardMemory(model, config.shard_index(), config.num_shards(),
-                                   config.chunk_bytes(), training));
+                                   config.chunk_bytes(), config.delta_versions(), training));
   const uint64_t master = plan.master_bytes;
   if (const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes) {
     RETURN_IF_ERROR(CheckPlanFits(plan, training, *budget));
@@ -329,18 +329,24 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   WarnUnmatchedRules(store->model(), settings_.policy, settings_.optimizer);
   const uint64_t state_bytes =
       settings_.optimizer ? LayerTrainer::StateBytes(*store, *settings_.optimizer) : 0;
+  const uint32_t delta_versions = config.delta_versions();
+  const uint64_t change_bytes = delta_versions == 0
+                                    ? 0
+                                    : ChangeLog::BytesFor(store->model(), store->shard_index(),
+                                                          store->num_shards(), delta_versions);
   budget_ = std::make_unique<MemoryBudget>(
-      settings_.memory_budget_bytes, store->master_bytes() + state_bytes, grants_.get_executor(),
-      [this](uint64_t in_use, size_t waiting) {
+      settings_.memory_budget_bytes, store->master_bytes() + state_bytes + change_bytes,
+      grants_.get_executor(), [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
+  if (delta_versions > 0) changes_ = std::make_unique<ChangeLog>(*store, delta_versions, &metrics_);
   std::unique_ptr<LayerTrainer> trainer;
   if (settings_.optimizer) {
     service_->version_gate().SetLayers(static_cast<uint32_t>(store->model().layers.size()));
     ASSIGN_OR_RETURN(
         trainer, LayerTrainer::Create(*store, *settings_.optimizer, config.data_parallel_workers(),
-                                      {&service_->version_gate(), budget_.get()}));
+                                      {&service_->version_gate(), budget_.get(), changes_.get()}));
     if (checkpoint_source_ != nullptr) {
       if (absl::Status restored = trainer->Restore(*checkpoint_source_); !restored.ok()) {
         // A damaged file says so first (DATA_LOSS, exit status 2).
@@ -380,8 +386,20 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         if (auto chunks = shared.lock()) chunks->DropAll();
         if (auto pool = staging.lock()) pool->Drain();
       });
-  service_->AttachStore(store_.get(), budget_.get(), shared_.get(), trainer_.get());
-  admin_->AttachStore(store_.get(), trainer_.get());
+  service_->AttachStore({.store = store_.get(),
+                         .budget = budget_.get(),
+                         .shared = shared_.get(),
+                         .trainer = trainer_.get(),
+                         .changes = changes_.get()});
+  if (trainer_ == nullptr) {
+    publications_ =
+        std::make_unique<Publications>(Publications::Links{.store = store_.get(),
+                                                           .gate = &service_->version_gate(),
+                                                           .budget = budget_.get(),
+                                                           .changes = changes_.get(),
+                                                           .metrics = &metrics_});
+  }
+  admin_->AttachStore(store_.get(), trainer_.get(), publications_.get());
   SetReadiness(true);
   metrics_.ready().Set(1);
   const double seconds =

@@ -9,12 +9,14 @@
 
 #include "absl/status/statusor.h"
 #include "core/parameter_source.h"
+#include "server/change_log.h"
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
 #include "server/layer_trainer.h"
 #include "server/metrics_endpoint.h"
 #include "server/parameter_store.h"
 #include "server/process_metrics.h"
+#include "server/publication.h"
 #include "server/server_metrics.h"
 #include "server/shard_admin_service.h"
 #include "server/shard_config.h"
@@ -120,6 +122,10 @@ class ShardServer {
   int health_port_ = 0;
   std::unique_ptr<ParameterStore> store_;
   std::unique_ptr<MemoryBudget> budget_;
+  // Which values each of the last --delta-versions changed; null with 0.
+  std::unique_ptr<ChangeLog> changes_;
+  // A read-only shard's publishes; null on a training shard.
+  std::unique_ptr<Publications> publications_;
   // After budget_: destroyed first, giving its bytes back. Shared with the
   // budget's reclaimer, which holds it weakly.
   std::shared_ptr<SharedChunks> shared_;

@@ -129,18 +129,14 @@ void ShardService::StopStreams() {
   for (FetchLayerReactor* stream : streams_) stream->StopAtNextChunk();
 }
 
-void ShardService::AttachStore(const ParameterStore* store, MemoryBudget* budget,
-                               SharedChunks* shared, LayerTrainer* trainer) {
-  gate_.SetLayers(static_cast<uint32_t>(store->model().layers.size()));
-  auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*store));
+void ShardService::AttachStore(Parts parts) {
+  gate_.SetLayers(static_cast<uint32_t>(parts.store->model().layers.size()));
+  auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*parts.store));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
   absl::MutexLock lock(&mu_);
-  store_ = store;
-  budget_ = budget;
-  shared_ = shared;
-  trainer_ = trainer;
+  parts_ = parts;
   manifest_ = std::move(manifest);
 }
 
@@ -162,9 +158,9 @@ bool ShardService::WaitForStreams(absl::Time deadline) const {
   return streams_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
-ShardService::Loaded ShardService::loaded() const {
+ShardService::Parts ShardService::loaded() const {
   absl::MutexLock lock(&mu_);
-  return {store_, budget_, shared_, trainer_};
+  return parts_;
 }
 
 grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext* context,
@@ -206,7 +202,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
-  auto [store, budget, shared, trainer] = loaded();
+  auto [store, budget, shared, trainer, changes] = loaded();
   if (store == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
@@ -225,6 +221,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
                      " (--max-version-lead): it cannot come soon. If this shard ",
                      "restarted from older parameters, restart the job from its checkpoint")));
   }
+  if (request->has_base_version() && changes == nullptr) {
+    return Refuse(grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
+                               "this shard keeps no changes between versions (started with "
+                               "--delta-versions 0), so it serves no delta pulls; pull the layer "
+                               "in full"));
+  }
   const bool parked = request->min_version() > current;
   if (grpc::Status admitted = Admit(parked); !admitted.ok()) return Refuse(admitted);
   metrics_.streams_in_flight().Increment();
@@ -233,6 +235,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   reactor_options.min_version = request->min_version();
   reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   reactor_options.shared = shared;
+  if (request->has_base_version()) {
+    reactor_options.base_version = request->base_version();
+    reactor_options.changes = changes;
+  }
   if (request->recast() && shared != nullptr) {
     // The worker saw a chunk of this layer fail its checksum: the kept copy
     // may be the corrupted one.
@@ -315,7 +321,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   }
   absl::StatusOr<LayerTrainer*> trainer = Trainer();
   if (!trainer.ok()) return refuse(wire::ToGrpcStatus(trainer.status()));
-  const Loaded now = loaded();
+  const Parts now = loaded();
   PushGradientsReactor::Options options;
   // As long as a parked stream may wait for a version: a push waiting for
   // budget waits for other workers' pushes to complete a step.
@@ -345,7 +351,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
 }
 
 absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
-  const Loaded now = loaded();
+  const Parts now = loaded();
   if (now.store == nullptr) return absl::UnavailableError(kLoading.error_message());
   if (now.trainer == nullptr) {
     return absl::FailedPreconditionError(

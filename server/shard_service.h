@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "server/change_log.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/layer_trainer.h"
 #include "server/memory_budget.h"
@@ -66,11 +67,19 @@ class ShardService final
   // shut down).
   ~ShardService();
 
-  // Makes the loaded parameters available; called once. All must outlive
-  // the service; `shared` may be null (every stream casts its own chunks),
-  // and so may `trainer` (the shard serves read-only and refuses gradients).
-  void AttachStore(const ParameterStore* store, MemoryBudget* budget, SharedChunks* shared,
-                   LayerTrainer* trainer = nullptr);
+  // What the loaded shard serves from. All must outlive the service;
+  // `shared` may be null (every stream casts its own chunks), `trainer` too
+  // (the shard serves read-only and refuses gradients), and `changes`
+  // (--delta-versions 0: delta pulls are refused).
+  struct Parts {
+    const ParameterStore* store = nullptr;  // null while loading
+    MemoryBudget* budget = nullptr;
+    SharedChunks* shared = nullptr;
+    LayerTrainer* trainer = nullptr;
+    const ChangeLog* changes = nullptr;
+  };
+  // Makes the loaded parameters available; called once.
+  void AttachStore(Parts parts);
   // Refuses new streams and ends parked ones, both with UNAVAILABLE.
   void StartDraining();
   // Ends every stream in flight with UNAVAILABLE at its next chunk boundary
@@ -109,13 +118,7 @@ class ShardService final
       layercast::v1::ApplyClippedStepResponse* response) override;
 
  private:
-  struct Loaded {
-    const ParameterStore* store = nullptr;  // null while loading
-    MemoryBudget* budget = nullptr;
-    SharedChunks* shared = nullptr;
-    LayerTrainer* trainer = nullptr;
-  };
-  Loaded loaded() const;
+  Parts loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
   // Takes a streaming (or parked) slot; an error when none is free.
@@ -146,10 +149,7 @@ class ShardService final
   absl::flat_hash_set<PushGradientsReactor*> pushes_ ABSL_GUARDED_BY(streams_mu_);
   bool stopping_ ABSL_GUARDED_BY(streams_mu_) = false;
   mutable absl::Mutex mu_;
-  const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
-  MemoryBudget* budget_ ABSL_GUARDED_BY(mu_) = nullptr;
-  SharedChunks* shared_ ABSL_GUARDED_BY(mu_) = nullptr;
-  LayerTrainer* trainer_ ABSL_GUARDED_BY(mu_) = nullptr;
+  Parts parts_ ABSL_GUARDED_BY(mu_);
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
   std::thread watchdog_;  // last: starts once everything above is set

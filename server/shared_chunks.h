@@ -28,23 +28,29 @@ namespace layercast::server {
 struct CastChunk {
   grpc::Slice data;
   uint32_t crc32c = 0;
+  // `data` is a whole LayerChunk message (a delta chunk), sent as it is.
+  bool framed = false;
 };
 
 // What makes two chunks the same bytes: the elements of one tensor, cast
-// from the master at one version to one dtype.
+// from the master at one version to one dtype, whole or as a delta from
+// one base version.
 struct ChunkKey {
+  static constexpr uint64_t kWhole = UINT64_MAX;
+
   uint32_t layer = 0;
   uint32_t tensor = 0;
   uint64_t element_begin = 0;
   uint64_t elements = 0;
   uint64_t version = 0;
   DType dtype = DType::kFloat32;
+  uint64_t base_version = kWhole;
 
   friend bool operator==(const ChunkKey&, const ChunkKey&) = default;
   template <typename H>
   friend H AbslHashValue(H h, const ChunkKey& key) {
     return H::combine(std::move(h), key.layer, key.tensor, key.element_begin, key.elements,
-                      key.version, key.dtype);
+                      key.version, key.dtype, key.base_version);
   }
 };
 

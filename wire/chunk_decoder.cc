@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "layercast/v1/shard.pb.h"
+#include "wire/delta_chunks.h"
 
 namespace layercast::wire {
 namespace {
@@ -20,8 +22,9 @@ constexpr uint32_t kChecksumBlockBytes = 48 << 10;
 
 }  // namespace
 
-ChunkDecoder::ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer)
-    : runs_(std::move(runs)), buffer_(buffer) {
+ChunkDecoder::ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer,
+                           std::optional<uint64_t> base_version)
+    : runs_(std::move(runs)), buffer_(buffer), base_version_(base_version) {
   if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
 }
 
@@ -53,7 +56,47 @@ void ChunkDecoder::Advance(uint64_t bytes) {
   }
 }
 
+absl::Status ChunkDecoder::CheckVersion(uint64_t version) {
+  if (version_.has_value() && *version_ != version) {
+    return absl::DataLossError(absl::StrCat("switched parameter version from ", *version_, " to ",
+                                            version, " within one stream"));
+  }
+  version_ = version;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> ChunkDecoder::AcceptDelta(grpc::ByteBuffer& chunk) {
+  const uint64_t size = chunk.Length();
+  layercast::v1::LayerChunk parsed;
+  grpc::ProtoBufferReader reader(&chunk);
+  if (!parsed.ParseFromZeroCopyStream(&reader)) {
+    return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
+  }
+  if (!parsed.has_base_version() || parsed.base_version() != *base_version_) {
+    return absl::DataLossError(absl::StrCat(
+        "sent ",
+        parsed.has_base_version() ? absl::StrCat("a delta from version ", parsed.base_version())
+                                  : "a full chunk",
+        " where a delta from version ", *base_version_, " was due"));
+  }
+  const size_t element_size = done() ? 1 : runs_[run_].element_size;
+  if (parsed.span_elements() > UINT64_MAX / element_size) {
+    return absl::DataLossError("sent a delta chunk with an impossible span");
+  }
+  const uint64_t span_bytes = parsed.span_elements() * element_size;
+  absl::StatusOr<uint8_t*> place =
+      Destination(parsed.tensor(), parsed.element_offset(), span_bytes);
+  if (!place.ok()) return place.status();
+  if (absl::Status version = CheckVersion(parsed.version()); !version.ok()) return version;
+  absl::StatusOr<uint64_t> applied =
+      ApplyDeltaChunk(parsed, element_size, std::span<uint8_t>(*place, span_bytes));
+  if (!applied.ok()) return applied.status();
+  Advance(span_bytes);
+  return size;
+}
+
 absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
+  if (base_version_) return AcceptDelta(chunk);
   grpc::ProtoBufferReader reader(&chunk);
   google::protobuf::io::CodedInputStream in(&reader);
   uint32_t tensor = 0, crc = 0, data_crc = 0;
@@ -109,11 +152,7 @@ absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
     return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
                                             " with a CRC-32C that does not match its data"));
   }
-  if (version_.has_value() && *version_ != version) {
-    return absl::DataLossError(absl::StrCat("switched parameter version from ", *version_, " to ",
-                                            version, " within one stream"));
-  }
-  version_ = version;
+  if (absl::Status checked = CheckVersion(version); !checked.ok()) return checked;
   Advance(size);
   return size;
 }

@@ -34,12 +34,16 @@ class ChunkDecoder {
     size_t element_size;
   };
 
-  // REQUIRES: every run lies within `buffer`.
-  ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer);
+  // REQUIRES: every run lies within `buffer`. With `base_version` (the
+  // request's), `buffer` holds the layer at that version, and every chunk
+  // must be a delta chunk from it (wire/delta_chunks.h), applied in place.
+  ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer,
+               std::optional<uint64_t> base_version = std::nullopt);
 
   // Places one encoded chunk and returns its data's size in bytes; DATA_LOSS
   // (saying what was wrong) when the shard broke the contract. A chunk counts
   // as received only once its checksum holds.
+  // A delta chunk counts its whole span as received.
   absl::StatusOr<uint64_t> Accept(grpc::ByteBuffer& chunk);
 
   // Whether every run has arrived.
@@ -57,9 +61,15 @@ class ChunkDecoder {
   // checking they are the next thing due.
   absl::StatusOr<uint8_t*> Destination(uint32_t tensor, uint64_t offset, uint64_t bytes);
   void Advance(uint64_t bytes);
+  // Accept for a delta stream: parsed whole (a delta is small by design),
+  // then applied. Returns the message's size.
+  absl::StatusOr<uint64_t> AcceptDelta(grpc::ByteBuffer& chunk);
+  // The version check every chunk passes.
+  absl::Status CheckVersion(uint64_t version);
 
   const std::vector<Run> runs_;
   const std::span<uint8_t> buffer_;
+  const std::optional<uint64_t> base_version_;
   size_t run_ = 0;             // next run to fill
   uint64_t next_element_ = 0;  // next element expected in runs_[run_]
   std::optional<uint64_t> version_;

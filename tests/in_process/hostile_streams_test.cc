@@ -226,6 +226,7 @@ TEST(HostileStreamsTest, StalledReadersLoseTheirBudgetToARealWorker) {
   const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config = Config(kBigModel);
   // Room for exactly two streams' chunk buffers beside the master.
+  config.set_delta_versions(0);  // the budget is the master and the streams' chunks
   config.set_memory_budget(std::to_string(master + 4 * kChunkBytes));
   config.set_write_progress_timeout_ms(300);
   config.set_shared_chunk_bytes(0);

@@ -58,6 +58,8 @@ std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::strin
   config.set_num_shards(1);
   config.set_synthetic(model);
   config.set_chunk_bytes(kChunkBytes);
+  // No change bitmaps: the budget is the master and the streams' chunks.
+  config.set_delta_versions(0);
   config.set_memory_budget(std::to_string(master + spare_chunks * kChunkBytes));
   if (shared_chunk_bytes) config.set_shared_chunk_bytes(*shared_chunk_bytes);
   config.set_shared_chunk_max_idle_ms(shared_chunk_max_idle_ms);
@@ -196,6 +198,7 @@ TEST(ShardServerBudgetTest, ABudgetThatCannotServeOneStreamFailsAtStart) {
   config.set_num_shards(1);
   config.set_synthetic(kModel);
   config.set_chunk_bytes(kChunkBytes);
+  config.set_delta_versions(0);
   config.set_memory_budget(std::to_string(master + kChunkBytes));
   auto server = ShardServer::Create(*ResolveShardConfig(config));
   EXPECT_EQ(server.status().code(), absl::StatusCode::kResourceExhausted);

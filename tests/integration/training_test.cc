@@ -105,7 +105,9 @@ class TrainingTest : public ::testing::Test {
     }
     ASSERT_TRUE(shards_.processes->Stop().ok());
     extra.insert(extra.end(),
-                 {"--memory-budget", std::to_string(master + workers * largest + 3 * kChunkBytes)});
+                 {"--memory-budget", std::to_string(master + workers * largest + 3 * kChunkBytes),
+                  // no change bitmaps: the budget is exactly the above
+                  "--delta-versions", "0"});
     ASSERT_NO_FATAL_FAILURE(Start(1, workers, extra));
   }
 

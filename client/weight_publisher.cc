@@ -1,0 +1,250 @@
+#include "client/weight_publisher.h"
+
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/crc32c.h"
+#include "core/layout.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "layercast/v1/admin.grpc.pb.h"
+#include "wire/grpc_status.h"
+
+namespace layercast::client {
+namespace {
+
+std::unique_ptr<grpc::ClientContext> AdminContext(const std::string& token,
+                                                  std::chrono::steady_clock::time_point deadline) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  context->set_deadline(std::chrono::system_clock::now() +
+                        (deadline - std::chrono::steady_clock::now()));
+  return context;
+}
+
+std::string NewPublishId() {
+  std::random_device random;
+  return absl::StrFormat("%08x%08x%08x%08x", random(), random(), random(), random());
+}
+
+// Runs `work(shard)` for every shard at once; the statuses in shard order.
+std::vector<absl::Status> OnEveryShard(uint32_t shards,
+                                       const std::function<absl::Status(uint32_t)>& work) {
+  std::vector<absl::Status> statuses(shards);
+  std::vector<std::jthread> threads;
+  for (uint32_t shard = 0; shard < shards; ++shard) {
+    threads.emplace_back([&, shard] { statuses[shard] = work(shard); });
+  }
+  threads.clear();  // joins
+  return statuses;
+}
+
+}  // namespace
+
+WeightPublisher::WeightPublisher(const ShardSet& shards, PublishOptions options)
+    : shards_(shards), options_(std::move(options)) {}
+
+absl::StatusOr<uint64_t> WeightPublisher::CurrentVersion(
+    std::chrono::steady_clock::time_point deadline) const {
+  const auto n = static_cast<uint32_t>(shards_.addresses().size());
+  std::vector<uint64_t> versions(n);
+  const std::vector<absl::Status> answers = OnEveryShard(n, [&](uint32_t shard) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         (deadline - std::chrono::steady_clock::now()));
+    layercast::v1::Manifest manifest;
+    const grpc::Status status = shards_.stub(shard).GetManifest(&context, {}, &manifest);
+    versions[shard] = manifest.version();
+    return wire::FromGrpcStatus(
+        status, absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")"));
+  });
+  for (const absl::Status& answer : answers) RETURN_IF_ERROR(answer);
+  for (uint32_t shard = 1; shard < n; ++shard) {
+    if (versions[shard] != versions[0]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shard 0 serves version ", versions[0], " and shard ", shard, " version ",
+                       versions[shard],
+                       ": a publish is committed on some shards only; commit it on the rest "
+                       "(CommitPublish with its publish_id) before publishing again"));
+    }
+  }
+  return versions[0];
+}
+
+absl::StatusOr<PublishResult> WeightPublisher::Publish(const TensorValues& values,
+                                                       std::optional<uint64_t> base_version) {
+  const ModelSpec& model = shards_.model();
+  std::vector<uint32_t> layers;
+  size_t matched = 0;
+  for (uint32_t l = 0; l < model.layers.size(); ++l) {
+    size_t given = 0;
+    for (const TensorSpec& tensor : model.layers[l].tensors) {
+      const auto it = values.find(tensor.name);
+      if (it == values.end()) continue;
+      if (it->second.size() != tensor.num_elements) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", tensor.name, " has ",
+                                                       tensor.num_elements, " elements; ",
+                                                       it->second.size(), " were given"));
+      }
+      ++given;
+    }
+    if (given == 0) continue;
+    if (given != model.layers[l].tensors.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", model.layers[l].name, " is given in part (", given, " of its ",
+          model.layers[l].tensors.size(), " tensors): a publish replaces whole layers"));
+    }
+    layers.push_back(l);
+    matched += given;
+  }
+  if (matched != values.size()) {
+    for (const auto& [name, unused] : values) {
+      bool known = false;
+      for (const LayerSpec& layer : model.layers) {
+        for (const TensorSpec& tensor : layer.tensors) known = known || tensor.name == name;
+      }
+      if (!known) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", name, " is not in the model the shards serve"));
+      }
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  if (!base_version) {
+    ASSIGN_OR_RETURN(base_version, CurrentVersion(deadline));
+  }
+  const uint64_t base = *base_version;
+  absl::StatusOr<PublishResult> whole = PublishLayers(values, layers, base, deadline);
+  if (whole.ok() || !absl::IsResourceExhausted(whole.status()) || layers.size() < 2) return whole;
+  // A shard has no room to stage every layer at once: one layer at a time,
+  // each its own version, atomic across shards layer by layer.
+  Log()->warn("publishing layer by layer, {} versions: {}", layers.size(),
+              whole.status().message());
+  PublishResult result{.version = base, .layer_by_layer = true, .versions = 0};
+  for (const uint32_t layer : layers) {
+    ASSIGN_OR_RETURN(const PublishResult one,
+                     PublishLayers(values, {layer}, result.version, deadline));
+    result.version = one.version;
+    result.changed_elements += one.changed_elements;
+    ++result.versions;
+  }
+  return result;
+}
+
+absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
+    const TensorValues& values, const std::vector<uint32_t>& layers, uint64_t base_version,
+    std::chrono::steady_clock::time_point deadline) {
+  const auto n = static_cast<uint32_t>(shards_.addresses().size());
+  const std::string id = NewPublishId();
+  const auto describe = [this](uint32_t shard) {
+    return absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+  };
+  // Phase one: everything staged everywhere, or aborted everywhere.
+  const std::vector<absl::Status> staged = OnEveryShard(n, [&](uint32_t shard) {
+    return StageOnShard(shard, id, values, layers, base_version, deadline);
+  });
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    if (staged[shard].ok()) continue;
+    OnEveryShard(n, [&](uint32_t other) {
+      auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(other));
+      auto context = AdminContext(options_.admin_token,
+                                  std::chrono::steady_clock::now() + std::chrono::seconds(5));
+      layercast::v1::AbortPublishRequest request;
+      request.set_publish_id(id);
+      layercast::v1::AbortPublishResponse response;
+      // Best effort: a shard that cannot be told aborts at its timeout.
+      (void)stub->AbortPublish(context.get(), request, &response);
+      return absl::OkStatus();
+    });
+    return absl::Status(staged[shard].code(),
+                        absl::StrCat("publish ", id, " aborted on every shard, which still serve ",
+                                     "version ", base_version, ": ", staged[shard].message()));
+  }
+  // Phase two: commit everywhere, retrying a shard that does not answer.
+  std::vector<uint64_t> changed(n);
+  const std::vector<absl::Status> committed = OnEveryShard(n, [&](uint32_t shard) {
+    auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
+    absl::Status status;
+    for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
+      auto context = AdminContext(options_.admin_token, deadline);
+      layercast::v1::CommitPublishRequest request;
+      request.set_publish_id(id);
+      layercast::v1::CommitPublishResponse response;
+      status = wire::FromGrpcStatus(stub->CommitPublish(context.get(), request, &response),
+                                    describe(shard));
+      if (status.ok()) {
+        changed[shard] = response.changed_elements();
+        return status;
+      }
+      if (!absl::IsUnavailable(status)) return status;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
+    }
+    return status;
+  });
+  PublishResult result{.version = base_version + 1};
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    if (!committed[shard].ok()) {
+      return absl::Status(committed[shard].code(),
+                          absl::StrCat("publish ", id, " staged everywhere but not committed on ",
+                                       describe(shard), ": ", committed[shard].message(),
+                                       "; readers of it wait for version ", base_version + 1,
+                                       "; commit it there with CommitPublish before its timeout"));
+    }
+    result.changed_elements += changed[shard];
+  }
+  return result;
+}
+
+absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id,
+                                           const TensorValues& values,
+                                           const std::vector<uint32_t>& layers,
+                                           uint64_t base_version,
+                                           std::chrono::steady_clock::time_point deadline) {
+  const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+  const auto n = static_cast<uint32_t>(shards_.addresses().size());
+  auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
+  {
+    auto context = AdminContext(options_.admin_token, deadline);
+    layercast::v1::BeginPublishRequest request;
+    request.set_publish_id(id);
+    request.set_base_version(base_version);
+    for (const uint32_t layer : layers) request.add_layers(layer);
+    request.set_timeout_ms(static_cast<uint64_t>(std::max<int64_t>(
+        1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                 std::chrono::steady_clock::now())
+               .count())));
+    layercast::v1::BeginPublishResponse response;
+    RETURN_IF_ERROR(
+        wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe));
+  }
+  auto context = AdminContext(options_.admin_token, deadline);
+  layercast::v1::StagePublishResponse response;
+  auto writer = stub->StagePublish(context.get(), &response);
+  const uint64_t per_chunk = std::max<uint64_t>(1, options_.chunk_bytes / sizeof(float));
+  layercast::v1::PublishChunk chunk;
+  chunk.set_publish_id(id);
+  chunk.set_dtype(layercast::v1::FLOAT32);
+  bool writing = true;
+  for (const uint32_t layer : layers) {
+    const LayerSpec& spec = shards_.model().layers[layer];
+    for (uint32_t t = 0; t < spec.tensors.size() && writing; ++t) {
+      const ElementRange owned = ShardElementRange(spec.tensors[t].num_elements, shard, n);
+      const float* source = values.at(spec.tensors[t].name).data();
+      for (uint64_t at = owned.begin; at < owned.end && writing; at += per_chunk) {
+        const uint64_t count = std::min(per_chunk, owned.end - at);
+        chunk.set_layer(layer);
+        chunk.set_tensor(t);
+        chunk.set_element_offset(at);
+        chunk.set_data(reinterpret_cast<const char*>(source + at), count * sizeof(float));
+        chunk.set_crc32c(Crc32c(chunk.data().data(), chunk.data().size()));
+        writing = writer->Write(chunk);
+      }
+    }
+  }
+  writer->WritesDone();
+  return wire::FromGrpcStatus(writer->Finish(), describe);
+}
+
+}  // namespace layercast::client

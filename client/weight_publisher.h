@@ -1,0 +1,82 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/shard_set.h"
+
+namespace layercast::client {
+
+struct PublishOptions {
+  // The shards' admin token (--admin-token-file), sent as a bearer token.
+  std::string admin_token;
+  // The whole publish ends by then; the shards abort it by themselves if
+  // it is not committed by then (a publisher that died).
+  std::chrono::milliseconds timeout{120000};
+  // Value bytes per PublishChunk.
+  uint64_t chunk_bytes = 1 << 20;
+};
+
+struct PublishResult {
+  // Every layer's version now.
+  uint64_t version = 0;
+  // Elements whose compute-dtype value changed, over all shards.
+  uint64_t changed_elements = 0;
+  // The shards had no room to stage the whole publish at once, so it was
+  // published one layer at a time: each layer was atomic across the
+  // shards, the whole was not, and it took `versions` versions.
+  bool layer_by_layer = false;
+  uint64_t versions = 1;
+};
+
+// New values of whole tensors, by name, in fp32 (a trainer's own master).
+using TensorValues = std::map<std::string, std::span<const float>>;
+
+// Publishes new weights from a trainer that keeps its own optimizer to a
+// shard set, in two phases (admin.proto): begin on every shard, stream each
+// shard the values it owns, and commit on every shard only once all have
+// staged everything. A failure before the commit aborts the publish on
+// every shard, and every shard goes on serving the version before: readers
+// never see some shards at the new version and others at the old. Commits
+// are idempotent and retried until the timeout.
+//
+// Thread-compatible: one Publish at a time.
+class WeightPublisher {
+ public:
+  // `shards` must outlive the publisher.
+  WeightPublisher(const ShardSet& shards, PublishOptions options);
+
+  // Publishes `values` as the next version of every layer: the layers
+  // whose tensors `values` names are replaced, each whole (every tensor of
+  // such a layer must be given, with its number of elements), the others
+  // keep their values. INVALID_ARGUMENT, changing nothing, for an unknown
+  // name, a wrong size or a layer given in part. `base_version`: the
+  // version the values replace (FAILED_PRECONDITION on a shard at another);
+  // by default the one the shards serve now.
+  absl::StatusOr<PublishResult> Publish(const TensorValues& values,
+                                        std::optional<uint64_t> base_version = std::nullopt);
+
+ private:
+  // One two-phase publish of `layers` from `base_version`.
+  absl::StatusOr<PublishResult> PublishLayers(const TensorValues& values,
+                                              const std::vector<uint32_t>& layers,
+                                              uint64_t base_version,
+                                              std::chrono::steady_clock::time_point deadline);
+  // Begin and stage everything on shard `shard`.
+  absl::Status StageOnShard(uint32_t shard, const std::string& id, const TensorValues& values,
+                            const std::vector<uint32_t>& layers, uint64_t base_version,
+                            std::chrono::steady_clock::time_point deadline);
+  // The version every shard serves now (they must agree).
+  absl::StatusOr<uint64_t> CurrentVersion(std::chrono::steady_clock::time_point deadline) const;
+
+  const ShardSet& shards_;
+  const PublishOptions options_;
+};
+
+}  // namespace layercast::client

@@ -1,0 +1,154 @@
+// Delta pulls against real training shards: after 1, 2 and K optimizer
+// steps a delta from the older copy is bit for bit the full pull, and
+// smaller; a base older than K (or a shard that keeps no changes) is
+// refused with OUT_OF_RANGE, and the worker library pulls in full.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+
+#include "client/gradient_sink.h"
+#include "layercast/v1/shard.grpc.pb.h"
+#include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
+#include "tools/synthetic_gradient.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kDeltaVersions = 3;
+constexpr int kSteps = kDeltaVersions + 2;
+
+struct Pulled {
+  std::vector<uint8_t> bytes;
+  uint64_t version = 0;
+  uint64_t received = 0;  // bytes of chunk data (full) or of delta chunks
+};
+
+// Pulls `layer` into a copy of `start` (nullopt base: a full pull).
+Pulled Pull(const client::ShardSet& set, uint32_t layer, std::vector<uint8_t> start,
+            std::optional<uint64_t> base) {
+  Pulled pulled{std::move(start)};
+  std::atomic<uint64_t> received{0};
+  client::GatherOptions options;
+  options.base_version = base;
+  options.on_chunk = [&received](uint64_t bytes) { received += bytes; };
+  absl::StatusOr<uint64_t> version = set.GatherInto(layer, options, pulled.bytes);
+  EXPECT_TRUE(version.ok()) << version.status();
+  pulled.version = version.value_or(UINT64_MAX);
+  pulled.received = received;
+  return pulled;
+}
+
+// Pushes one synthetic gradient of every layer for `step` (one worker:
+// each push completes its layer's step).
+void Step(const client::ShardSet& set, uint64_t step) {
+  absl::StatusOr<std::unique_ptr<client::GradientSink>> sink =
+      client::GradientSink::Create(set, {});
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  for (uint32_t l = 0; l < set.model().layers.size(); ++l) {
+    const AssembledLayout& layout = set.view().layouts[l];
+    absl::StatusOr<client::LayerBuffer> gradient =
+        client::LayerBuffer::Allocate(layout.total_bytes());
+    ASSERT_TRUE(gradient.ok());
+    ASSERT_TRUE(
+        tools::FillSyntheticGradient(layout, 0, step, l, {gradient->data(), gradient->size()})
+            .ok());
+    ASSERT_TRUE((*sink)->Push(l, step, *std::move(gradient)).ok());
+  }
+  ASSERT_TRUE((*sink)->FinishStep(step).ok());
+}
+
+class DeltaTest : public ::testing::Test {
+ protected:
+  void Start(uint32_t delta_versions) {
+    model_ = WriteTestModel(MakeTempDir("delta") + "/model.safetensors", 2, 11);
+    // A small learning rate: most bfloat16 values stay as they were, some
+    // move, as after a real fine-tuning step.
+    shards_ = StartShards(2, {"--model", model_.path, "--policy", "p=f32,c=bf16;*norm*=f32",
+                              "--optimizer", "sgd:lr=0.002", "--chunk-bytes", "4096",
+                              "--delta-versions", std::to_string(delta_versions)});
+    ASSERT_NE(shards_.set, nullptr);
+  }
+
+  TestModel model_;
+  RunningShards shards_;
+};
+
+TEST_F(DeltaTest, DeltasAfterOneTwoAndKStepsAreTheFullPull) {
+  ASSERT_NO_FATAL_FAILURE(Start(kDeltaVersions));
+  const client::ShardSet& set = *shards_.set;
+  const uint32_t layers = static_cast<uint32_t>(set.model().layers.size());
+  // copies[v][layer]: the full pull at version v.
+  std::vector<std::vector<Pulled>> copies(kSteps + 1);
+  for (uint32_t l = 0; l < layers; ++l) {
+    copies[0].push_back(
+        Pull(set, l, std::vector<uint8_t>(set.view().layouts[l].total_bytes()), {}));
+  }
+  uint64_t delta_bytes = 0, full_bytes = 0;
+  for (int v = 1; v <= kSteps; ++v) {
+    ASSERT_NO_FATAL_FAILURE(Step(set, v - 1));
+    for (uint32_t l = 0; l < layers; ++l) {
+      const Pulled full = Pull(set, l, std::vector<uint8_t>(copies[0][l].bytes.size()), {});
+      ASSERT_EQ(full.version, static_cast<uint64_t>(v));
+      EXPECT_NE(full.bytes, copies[v - 1][l].bytes) << "layer " << l << " did not change";
+      copies[v].push_back(full);
+      for (int back = 0; back <= static_cast<int>(kDeltaVersions) && back <= v; ++back) {
+        const uint64_t base = v - back;
+        const Pulled delta = Pull(set, l, copies[base][l].bytes, base);
+        ASSERT_EQ(delta.version, static_cast<uint64_t>(v));
+        ASSERT_TRUE(delta.bytes == full.bytes)
+            << "layer " << l << ": the delta from version " << base << " to " << v
+            << " differs from the full pull";
+        if (back == 1) {
+          delta_bytes += delta.received;
+          full_bytes += full.received;
+        }
+        if (back == 0) {
+          EXPECT_LT(delta.received, full.received / 8 + 1024);
+        }
+      }
+    }
+  }
+  // Some values changed each step, and the deltas carried less than the
+  // layers: a bitmap and the changed values.
+  EXPECT_LT(delta_bytes, full_bytes);
+
+  // Older than K: refused by the shard, pulled in full by the library.
+  const uint64_t too_old = kSteps - kDeltaVersions - 1;
+  grpc::ClientContext context;
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(0);
+  request.set_base_version(too_old);
+  auto reader = set.stub(0).FetchLayer(&context, request);
+  layercast::v1::LayerChunk chunk;
+  while (reader->Read(&chunk)) {
+  }
+  const grpc::Status refused = reader->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::OUT_OF_RANGE) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("pull the layer in full"));
+  for (uint32_t l = 0; l < layers; ++l) {
+    const Pulled fallback = Pull(set, l, copies[too_old][l].bytes, too_old);
+    EXPECT_TRUE(fallback.bytes == copies[kSteps][l].bytes) << "layer " << l;
+    EXPECT_EQ(fallback.received, copies[kSteps][l].received) << "a full pull's bytes";
+  }
+}
+
+TEST_F(DeltaTest, AShardKeepingNoChangesServesFullPullsInstead) {
+  ASSERT_NO_FATAL_FAILURE(Start(0));
+  const client::ShardSet& set = *shards_.set;
+  const Pulled before = Pull(set, 1, std::vector<uint8_t>(set.view().layouts[1].total_bytes()), {});
+  ASSERT_NO_FATAL_FAILURE(Step(set, 0));
+  const Pulled full = Pull(set, 1, std::vector<uint8_t>(before.bytes.size()), {});
+  const Pulled delta = Pull(set, 1, before.bytes, 0);
+  EXPECT_EQ(delta.version, 1u);
+  EXPECT_TRUE(delta.bytes == full.bytes);
+  EXPECT_EQ(delta.received, full.received);
+}
+
+}  // namespace
+}  // namespace layercast::testing

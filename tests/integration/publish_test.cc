@@ -1,0 +1,245 @@
+// Publishing from an external trainer to real read-only shards: a commit
+// makes the new values one version on every shard; a publish that fails on
+// one shard (killed mid-publish) leaves every shard serving the version
+// before; a shard refuses to commit what it has not staged whole, and drops
+// a publish nobody commits; deltas after a publish are the full pull.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/weight_publisher.h"
+#include "core/cast.h"
+#include "layercast/v1/admin.grpc.pb.h"
+#include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "publish-token-0123456789abcdef";
+
+class PublishTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string dir = MakeTempDir("publish");
+    model_ = WriteTestModel(dir + "/model.safetensors", 2, 17);
+    shards_ = StartShards(
+        2, {"--model", model_.path, "--policy", "p=f32,c=bf16;*norm*=f32", "--chunk-bytes", "4096",
+            "--admin-token-file", WriteAdminToken(dir, kToken)});
+    ASSERT_NE(shards_.set, nullptr);
+  }
+
+  // The model's values, each nudged by a relative `step` where `pick`.
+  std::map<std::string, std::vector<float>> Nudged(float step) const {
+    std::map<std::string, std::vector<float>> nudged = model_.values;
+    for (auto& [name, values] : nudged) {
+      for (size_t i = 0; i < values.size(); i += 3) values[i] *= 1 + step;
+    }
+    return nudged;
+  }
+
+  static client::TensorValues View(const std::map<std::string, std::vector<float>>& values) {
+    client::TensorValues view;
+    for (const auto& [name, tensor] : values) view.emplace(name, tensor);
+    return view;
+  }
+
+  uint64_t ManifestVersion(uint32_t shard) const {
+    grpc::ClientContext context;
+    layercast::v1::Manifest manifest;
+    const grpc::Status status = shards_.set->stub(shard).GetManifest(&context, {}, &manifest);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return manifest.version();
+  }
+
+  // Every layer gathered whole, and checked against `values` cast to each
+  // tensor's compute dtype.
+  void ExpectServes(const std::map<std::string, std::vector<float>>& values, uint64_t version) {
+    const client::ShardSet& set = *shards_.set;
+    for (uint32_t l = 0; l < set.model().layers.size(); ++l) {
+      absl::StatusOr<client::Layer> layer = set.Gather(l);
+      ASSERT_TRUE(layer.ok()) << layer.status();
+      EXPECT_EQ(layer->version(), version);
+      const AssembledLayout& layout = set.view().layouts[l];
+      for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
+        const AssembledTensor& tensor = layout.tensors()[t];
+        const std::string& name = set.model().layers[l].tensors[t].name;
+        const std::vector<float>& expected = values.at(name);
+        std::vector<uint8_t> cast(expected.size() * DTypeSize(tensor.compute_dtype));
+        ASSERT_TRUE(CastFromF32(expected.data(), cast.data(), expected.size(), tensor.compute_dtype,
+                                Fp16Overflow::kInfinity)
+                        .ok());
+        ASSERT_EQ(std::memcmp(layer->bytes().data() + tensor.byte_offset, cast.data(), cast.size()),
+                  0)
+            << name << " at version " << version;
+      }
+    }
+  }
+
+  // Layer `layer` as a full pull gives it now, padding zeroed.
+  std::vector<uint8_t> Bytes(uint32_t layer) const {
+    std::vector<uint8_t> bytes(shards_.set->view().layouts[layer].total_bytes());
+    const absl::StatusOr<uint64_t> version = shards_.set->GatherInto(layer, {}, bytes);
+    EXPECT_TRUE(version.ok()) << version.status();
+    return bytes;
+  }
+
+  std::unique_ptr<layercast::v1::ShardAdmin::Stub> Admin(uint32_t shard) const {
+    return layercast::v1::ShardAdmin::NewStub(shards_.set->channel(shard));
+  }
+  static void Authorize(grpc::ClientContext& context) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  }
+
+  TestModel model_;
+  RunningShards shards_;
+};
+
+TEST_F(PublishTest, ACommitMakesTheNewValuesOneVersionOnEveryShard) {
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
+  std::vector<std::vector<uint8_t>> before;
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    before.push_back(Bytes(l));
+  }
+  const auto first = Nudged(1.0f / 64);
+  absl::StatusOr<client::PublishResult> published = publisher.Publish(View(first));
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(published->version, 1u);
+  EXPECT_FALSE(published->layer_by_layer);
+  EXPECT_GT(published->changed_elements, 0u);
+  EXPECT_EQ(ManifestVersion(0), 1u);
+  EXPECT_EQ(ManifestVersion(1), 1u);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(first, 1));
+
+  // Only one layer this time: the others keep their values, at version 2.
+  auto second = first;
+  const LayerSpec& layer1 = shards_.set->model().layers[1];
+  std::map<std::string, std::vector<float>> only_layer1;
+  for (const TensorSpec& tensor : layer1.tensors) {
+    for (float& value : second[tensor.name]) value = -value;
+    only_layer1[tensor.name] = second[tensor.name];
+  }
+  published = publisher.Publish(View(only_layer1));
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(published->version, 2u);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(second, 2));
+
+  // A worker holding version 0 pulls only what the two publishes changed.
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    client::GatherOptions options;
+    options.base_version = 0;
+    std::vector<uint8_t> copy = before[l];
+    absl::StatusOr<uint64_t> version = shards_.set->GatherInto(l, options, copy);
+    ASSERT_TRUE(version.ok()) << version.status();
+    EXPECT_EQ(*version, 2u);
+    EXPECT_TRUE(copy == Bytes(l)) << "layer " << l;
+  }
+
+  // Bad input changes nothing.
+  auto partial = only_layer1;
+  partial.erase(partial.begin());
+  EXPECT_THAT(publisher.Publish(View(partial)).status().message(), HasSubstr("given in part"));
+  std::map<std::string, std::vector<float>> unknown{{"no.such.tensor", {1.0f}}};
+  EXPECT_THAT(publisher.Publish(View(unknown)).status().message(), HasSubstr("not in the model"));
+  EXPECT_EQ(ManifestVersion(0), 2u);
+}
+
+TEST_F(PublishTest, AShardKilledMidPublishLeavesTheVersionBeforeServingEverywhere) {
+  shards_.processes->KillForTest(1);
+  client::WeightPublisher publisher(*shards_.set,
+                                    {.admin_token = kToken, .timeout = std::chrono::seconds(3)});
+  // The trainer publishes on top of the version it read (0): shard 0
+  // begins and stages, shard 1 is gone.
+  const absl::StatusOr<client::PublishResult> published =
+      publisher.Publish(View(Nudged(0.5f)), /*base_version=*/0);
+  ASSERT_FALSE(published.ok());
+  EXPECT_THAT(published.status().message(), HasSubstr("aborted on every shard"));
+  // Shard 0 staged (or not) and was told to abort: it serves version 0,
+  // and no publish is left open there.
+  EXPECT_EQ(ManifestVersion(0), 0u);
+  ASSERT_TRUE(shards_.processes->RestartForTest(1).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
+  client::WeightPublisher again(*shards_.set, {.admin_token = kToken});
+  const auto values = Nudged(0.25f);
+  ASSERT_TRUE(again.Publish(View(values)).ok()) << "a publish was left open";
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(values, 1));
+}
+
+TEST_F(PublishTest, AShardCommitsOnlyWhatItStagedWholeAndDropsWhatNobodyCommits) {
+  auto admin = Admin(0);
+  layercast::v1::BeginPublishRequest begin;
+  begin.set_publish_id("partial");
+  begin.set_base_version(0);
+  begin.add_layers(1);
+  begin.set_timeout_ms(500);
+  layercast::v1::BeginPublishResponse begun;
+  {
+    grpc::ClientContext context;
+    Authorize(context);
+    ASSERT_TRUE(admin->BeginPublish(&context, begin, &begun).ok());
+    EXPECT_GT(begun.staging_bytes(), 0u);
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context);
+    layercast::v1::BeginPublishRequest other = begin;
+    other.set_publish_id("other");
+    const grpc::Status status = admin->BeginPublish(&context, other, &begun);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED) << "one publish at a time";
+  }
+  {
+    // One chunk of the first tensor, not the rest.
+    grpc::ClientContext context;
+    Authorize(context);
+    layercast::v1::StagePublishResponse staged;
+    auto writer = admin->StagePublish(&context, &staged);
+    const TensorSpec& tensor = shards_.set->model().layers[1].tensors[0];
+    layercast::v1::PublishChunk chunk;
+    chunk.set_publish_id("partial");
+    chunk.set_layer(1);
+    chunk.set_tensor(0);
+    chunk.set_element_offset(0);
+    chunk.set_dtype(layercast::v1::FLOAT32);
+    chunk.set_data(std::string(4 * 3, '\0'));
+    ASSERT_TRUE(writer->Write(chunk));
+    writer->WritesDone();
+    const grpc::Status status = writer->Finish();
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(staged.elements(), 3u) << tensor.name;
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context);
+    layercast::v1::CommitPublishRequest commit;
+    commit.set_publish_id("partial");
+    layercast::v1::CommitPublishResponse response;
+    const grpc::Status status = admin->CommitPublish(&context, commit, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("not staged whole"));
+  }
+  EXPECT_EQ(ManifestVersion(0), 0u);
+  // Nobody commits: after its timeout the shard has dropped it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  {
+    grpc::ClientContext context;
+    Authorize(context);
+    layercast::v1::CommitPublishRequest commit;
+    commit.set_publish_id("partial");
+    layercast::v1::CommitPublishResponse response;
+    const grpc::Status status = admin->CommitPublish(&context, commit, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
+  }
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
+}
+
+}  // namespace
+}  // namespace layercast::testing
