@@ -70,6 +70,7 @@ ChangeLog::Snapshot ChangeLog::Take(uint32_t layer) const {
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
     const DType dtype = layout.tensors()[t].compute_dtype;
     const uint64_t owned = store_.owned(layer, t).size();
+    if (owned == 0) continue;  // nothing to cast, and no master to cast from
     if (!CastFromF32(store_.master(layer, t), out, owned, dtype, store_.policy().overflow()).ok()) {
       snapshot.whole = false;
       return snapshot;

@@ -203,6 +203,8 @@ absl::StatusOr<Publications::Committed> Publications::CommitLocked(Open& open) {
         }
       }
       for (uint32_t t = 0; t < open.staged[l].size(); ++t) {
+        // A tensor this shard owns none of stages nothing (and has no data()).
+        if (open.staged[l][t].empty()) continue;
         std::memcpy(store.mutable_master(l, t), open.staged[l][t].data(),
                     open.staged[l][t].size() * sizeof(float));
       }

@@ -83,7 +83,7 @@ TEST(DeltaChunksTest, RefusesABrokenChunkWritingNothing) {
     absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 2, copy);
     EXPECT_EQ(applied.status().code(), absl::StatusCode::kDataLoss) << why;
     EXPECT_EQ(copy, example.old_values) << why << ": something was written";
-    return applied.status().message();
+    return std::string(applied.status().message());
   };
   layercast::v1::LayerChunk chunk = good;
   chunk.mutable_changed()->pop_back();
