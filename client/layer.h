@@ -80,6 +80,12 @@ class Layer {
   // The whole assembled buffer, padding included.
   std::span<const uint8_t> bytes() const { return {buffer_.data(), buffer_.size()}; }
 
+  // For a holder that updates the layer in place (ModelMirror): the buffer
+  // to write into, and the version it then holds. Views already handed out
+  // stay valid: the buffer never moves.
+  std::span<uint8_t> mutable_bytes() { return {buffer_.data(), buffer_.size()}; }
+  void set_version(uint64_t version) { version_ = version; }
+
  private:
   uint32_t index_;
   const LayerSpec* spec_;          // owned by the ShardSet

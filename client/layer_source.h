@@ -26,6 +26,13 @@ struct GatherOptions {
   // full pull's. A shard that no longer holds the changes since then
   // answers OUT_OF_RANGE, and ShardSet pulls the layer in full instead.
   std::optional<uint64_t> base_version;
+  // A pinned read: the layer at exactly this version (waited for when the
+  // shards are not there yet), as a walk of the whole model at one version
+  // asks for every layer (FetchLayerRequest.exact_version). A shard whose
+  // layer moved past it sends what it kept of it; one that kept nothing
+  // answers ABORTED naming the version it is at, and the gather returns
+  // that (it is not gathered again at another version).
+  std::optional<uint64_t> exact_version;
   // Only this byte range [first, second) of the assembled layout (for K local
   // GPUs each fetching 1/K); the rest of the buffer is left untouched.
   std::optional<std::pair<uint64_t, uint64_t>> byte_range;

@@ -233,8 +233,10 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
           deadline - std::chrono::steady_clock::now());
       continue;
     }
+    // A pinned read is at its version or not at all.
     if (version.ok() || version.status().code() != absl::StatusCode::kAborted ||
-        tries == kVersionRetries || cancelled || std::chrono::steady_clock::now() >= deadline) {
+        attempt.exact_version || tries == kVersionRetries || cancelled ||
+        std::chrono::steady_clock::now() >= deadline) {
       return version;
     }
     Log()->info("gathering layer {} again at version {} or newer: {}", layer,
@@ -243,6 +245,16 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
   }
+}
+
+absl::StatusOr<uint64_t> ShardSet::CurrentVersion(std::chrono::milliseconds timeout) const {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  layercast::v1::WaitVersionRequest request;  // min_version 0: answered at once
+  layercast::v1::WaitVersionResponse response;
+  RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[0]->WaitVersion(&context, request, &response),
+                                       Describe(addresses_, 0)));
+  return response.version();
 }
 
 }  // namespace layercast::client

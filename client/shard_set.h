@@ -59,7 +59,8 @@ class ShardSet final : public LayerSource {
   // - DATA_LOSS: a shard kept sending elements it does not own, twice, out of
   //   order, or with a bad CRC-32C, until the deadline;
   // - ABORTED: the shards' parameter versions moved during the gather (it
-  //   never mixes two); gather again with the newer min_version;
+  //   never mixes two); gather again with the newer min_version; or, with
+  //   options.exact_version, a shard no longer keeps that version;
   // - FAILED_PRECONDITION: a shard now serves other values than the set was
   //   connected to, or refuses the request's dtype;
   // - NOT_FOUND / INVALID_ARGUMENT / OUT_OF_RANGE: no such layer, a bad byte
@@ -68,6 +69,12 @@ class ShardSet final : public LayerSource {
   // - CANCELLED: options.cancellation fired.
   absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
                                       std::span<uint8_t> buffer) const override;
+
+  // The version shard 0 serves now (its lowest layer's): what a walk of
+  // the whole model at one version pins (GatherOptions.exact_version).
+  // Errors are the call's, naming the shard.
+  absl::StatusOr<uint64_t> CurrentVersion(
+      std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
 
   // The typed stub of shard `shard` (for PushGradients). REQUIRES: shard <
   // the number of shards.

@@ -65,14 +65,14 @@ ChangeLog::Snapshot ChangeLog::Take(uint32_t layer) const {
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
     bytes += store_.owned(layer, t).size() * DTypeSize(layout.tensors()[t].compute_dtype);
   }
-  snapshot.bits.resize(bytes);
-  uint8_t* out = snapshot.bits.data();
+  snapshot.bits_.resize(bytes);
+  uint8_t* out = snapshot.bits_.data();
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
     const DType dtype = layout.tensors()[t].compute_dtype;
     const uint64_t owned = store_.owned(layer, t).size();
     if (owned == 0) continue;  // nothing to cast, and no master to cast from
     if (!CastFromF32(store_.master(layer, t), out, owned, dtype, store_.policy().overflow()).ok()) {
-      snapshot.whole = false;
+      snapshot.whole_ = false;
       return snapshot;
     }
     out += owned * DTypeSize(dtype);
@@ -105,12 +105,12 @@ uint64_t ChangeLog::Record(uint32_t layer, uint64_t version, const Snapshot& bef
   }
   const AssembledLayout& layout = store_.layout(layer);
   uint64_t changed = 0;
-  if (!before.whole) {
+  if (!before.whole_) {
     std::fill(entry.bits.begin(), entry.bits.end(), ~uint64_t{0});
     changed = log.owned;
   } else {
     alignas(64) uint8_t block[kBlockElements * sizeof(float)];
-    const uint8_t* old_bits = before.bits.data();
+    const uint8_t* old_bits = before.bits_.data();
     for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
       const DType dtype = layout.tensors()[t].compute_dtype;
       const size_t size = DTypeSize(dtype);
@@ -153,8 +153,20 @@ bool ChangeLog::Covers(uint32_t layer, uint64_t base, uint64_t current) const {
 uint64_t ChangeLog::OldestBase(uint32_t layer, uint64_t current) const {
   const LayerLog& log = *layers_[layer];
   absl::MutexLock lock(&log.mu);
-  if (log.entries.empty() || log.entries.back().version != current) return current;
+  if (log.entries.empty() || current < log.entries.front().version ||
+      current > log.entries.back().version) {
+    return current;
+  }
   return log.entries.front().version - 1;
+}
+
+bool ChangeLog::ChangedNothing(uint32_t layer, uint64_t base, uint64_t current) const {
+  if (!Covers(layer, base, current)) return false;
+  const LayerLog& log = *layers_[layer];
+  absl::MutexLock lock(&log.mu);
+  return std::all_of(log.entries.begin(), log.entries.end(), [&](const Entry& entry) {
+    return entry.version <= base || entry.version > current || entry.bits.empty();
+  });
 }
 
 void ChangeLog::ChangedSince(uint32_t layer, uint64_t base, uint64_t current, uint32_t tensor,

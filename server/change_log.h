@@ -49,11 +49,17 @@ class ChangeLog {
   class Snapshot {
    public:
     Snapshot() = default;
+    // False when a cast failed: everything counts as changed, and there are
+    // no bits to keep.
+    bool whole() const { return whole_; }
+    // Every owned element's compute-dtype bits, tensor by tensor (what
+    // PinnedVersions keeps of the version the change ends).
+    std::vector<uint8_t> TakeBits() && { return std::move(bits_); }
 
    private:
     friend class ChangeLog;
-    std::vector<uint8_t> bits;  // every owned element, tensor by tensor
-    bool whole = true;          // false: a cast failed, so everything counts as changed
+    std::vector<uint8_t> bits_;
+    bool whole_ = true;
   };
   // REQUIRES: the layer's mutex held (exclusively, about to change it).
   // Throws std::bad_alloc when the snapshot cannot be allocated.
@@ -69,9 +75,12 @@ class ChangeLog {
   void RecordUnchanged(uint32_t layer, uint64_t version);
 
   // Whether the changes of `layer` from `base` to `current` (its version
-  // now) are all held: base == current, or every version in (base, current]
-  // is recorded.
+  // now, or an older one a pinned reader asks for) are all held: base ==
+  // current, or every version in (base, current] is recorded.
   bool Covers(uint32_t layer, uint64_t base, uint64_t current) const;
+  // Whether Covers(layer, base, current) and no version in (base, current]
+  // changed a value: the master now holds `base`'s values too.
+  bool ChangedNothing(uint32_t layer, uint64_t base, uint64_t current) const;
   // The oldest base a delta to `current` can start from, for messages.
   uint64_t OldestBase(uint32_t layer, uint64_t current) const;
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -116,8 +117,20 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
           absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
                        version, ") within this shard's limit on waiting for a version ",
                        "(--max-version-wait-ms); ask again"));
+    } else if (options_.exact_version && !Serves(*options_.exact_version, version)) {
+      if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
+      finish = grpc::Status(
+          grpc::StatusCode::ABORTED,
+          absl::StrCat("layer ", plan_.layer, " is at parameter version ", version,
+                       " and this shard no longer keeps version ", *options_.exact_version,
+                       options_.pinned != nullptr
+                           ? " (it keeps a superseded version for --pin-retention-ms, while its "
+                             "memory budget has room)"
+                           : " (it keeps none: --pin-retention-ms 0)",
+                       "; walk the model again at version ", version));
     } else if (options_.base_version &&
-               !options_.changes->Covers(plan_.layer, *options_.base_version, version)) {
+               !options_.changes->Covers(plan_.layer, *options_.base_version,
+                                         options_.exact_version.value_or(version))) {
       finish = grpc::Status(
           grpc::StatusCode::OUT_OF_RANGE,
           absl::StrCat("this shard no longer holds the changes of layer ", plan_.layer,
@@ -127,7 +140,7 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
                        options_.changes->OldestBase(plan_.layer, version),
                        "); pull the layer in full"));
     } else {
-      version_ = version;
+      version_ = options_.exact_version.value_or(version);
       phase_ = Phase::kWaitingForBudget;
       if (buffer_bytes_ == 0) {  // this shard owns nothing of the range
         phase_ = Phase::kStreaming;
@@ -171,10 +184,50 @@ void FetchLayerReactor::OnBudget(bool granted) {
   WriteNext();
 }
 
-absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, uint8_t* out, uint32_t* crc) {
+bool FetchLayerReactor::Serves(uint64_t version, uint64_t current) const {
+  return version == current ||
+         (options_.changes != nullptr &&
+          options_.changes->ChangedNothing(plan_.layer, version, current)) ||
+         (options_.pinned != nullptr && options_.pinned->Find(plan_.layer, version) != nullptr);
+}
+
+absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::SourceOf(
+    const ChunkKey& key) {
+  const uint64_t now = gate_.version(key.layer);
+  if (now == key.version) return nullptr;
+  std::shared_ptr<const PinnedVersions::Kept> kept;
+  const bool unchanged =
+      options_.changes != nullptr && options_.changes->ChangedNothing(key.layer, key.version, now);
+  if (!unchanged && options_.pinned != nullptr)
+    kept = options_.pinned->Find(key.layer, key.version);
+  if (!unchanged && kept == nullptr) {
+    if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
+    return absl::AbortedError(
+        absl::StrCat("layer ", key.layer, " moved from parameter version ", key.version, " to ",
+                     now, " while this stream sent it, and this shard no longer keeps version ",
+                     key.version, "; gather the layer again with min_version ", now));
+  }
+  if (!pinned_.exchange(true)) {
+    metrics_.pinned_readers().Increment();
+    metrics_.RecordPinnedRead("served");
+  }
+  return kept;
+}
+
+absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept,
+                                         uint8_t* out, uint32_t* crc) {
   const ElementRange owned = store_.owned(key.layer, key.tensor);
-  const float* source = store_.master(key.layer, key.tensor) + (key.element_begin - owned.begin);
+  const uint64_t skip = key.element_begin - owned.begin;
   const size_t element_bytes = DTypeSize(key.dtype);
+  if (kept != nullptr) {
+    // Kept in the compute dtype already (cast from the master before the
+    // change), so the bytes are what a cast at that version gave.
+    const uint8_t* source = kept->tensor(key.tensor) + skip * element_bytes;
+    std::memcpy(out, source, key.elements * element_bytes);
+    if (crc != nullptr) *crc = Crc32c(out, key.elements * element_bytes, *crc);
+    return absl::OkStatus();
+  }
+  const float* source = store_.master(key.layer, key.tensor) + skip;
   const auto cast_start = std::chrono::steady_clock::now();
   for (uint64_t done = 0; done < key.elements;) {
     const uint64_t block = std::min(kCastBlockElements, key.elements - done);
@@ -204,11 +257,7 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   // Shared with other readers, exclusive of an optimizer step: the chunk is
   // cast from one version, and it is the stream's.
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
-  if (const uint64_t now = gate_.version(key.layer); now != key.version) {
-    return absl::AbortedError(absl::StrCat(
-        "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
-        " while this stream sent it; gather the layer again with min_version ", now));
-  }
+  ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
   const size_t bytes = key.elements * DTypeSize(key.dtype);
   auto* data = static_cast<uint8_t*>(std::malloc(bytes));
   if (data == nullptr) {
@@ -217,19 +266,16 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   }
   // Owned by gRPC from here: freed when the last stream sending it is done.
   CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
-  RETURN_IF_ERROR(CastInto(key, data, &chunk.crc32c));
+  RETURN_IF_ERROR(CastInto(key, kept.get(), data, &chunk.crc32c));
   return chunk;
 }
 
 absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
-  if (const uint64_t now = gate_.version(key.layer); now != key.version) {
-    // Gathered again from the same base: a delta applied twice, or over a
-    // copy already partly newer, still gives the newest version exactly.
-    return absl::AbortedError(absl::StrCat(
-        "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
-        " while this stream sent it; gather the layer again with min_version ", now));
-  }
+  // When neither the master nor a kept version holds key.version: gathered
+  // again from the same base, a delta applied twice, or over a copy already
+  // partly newer, still gives the newest version exactly.
+  ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
   // The span is cast whole (the kernels run on contiguous elements) into
   // scratch that stays with the thread, then only its changed elements are
   // packed into the chunk.
@@ -237,7 +283,7 @@ absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
   thread_local std::vector<uint64_t> changed;
   try {
     values.resize(key.elements * DTypeSize(key.dtype));
-    RETURN_IF_ERROR(CastInto(key, values.data(), nullptr));
+    RETURN_IF_ERROR(CastInto(key, kept.get(), values.data(), nullptr));
     options_.changes->ChangedSince(key.layer, key.base_version, key.version, key.tensor,
                                    key.element_begin, key.elements, changed);
     return CastChunk{wire::EncodeDeltaChunk({.tensor = key.tensor,
@@ -372,6 +418,7 @@ void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
 
 void FetchLayerReactor::OnDone() {
   if (holds_budget_) budget_.Release(buffer_bytes_);
+  if (pinned_) metrics_.pinned_readers().Decrement();
   if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer, peer_);
   if (options_.on_done) options_.on_done(this, final_status_);
   delete this;

@@ -15,6 +15,7 @@
 #include "server/fetch_plan.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/pinned_versions.h"
 #include "server/server_metrics.h"
 #include "server/shared_chunks.h"
 #include "server/version_gate.h"
@@ -59,6 +60,14 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // changed since is read from `changes`, which must be set with it.
     std::optional<uint64_t> base_version;
     const ChangeLog* changes = nullptr;
+    // A pinned read (FetchLayerRequest.exact_version): the stream sends
+    // this version, waiting for it first (min_version must be it); set
+    // `changes` with it.
+    std::optional<uint64_t> exact_version;
+    // Where versions a change superseded are kept: a stream at a version its
+    // layer has moved past (pinned, or overtaken mid-layer) sends from
+    // there. Null: such a stream ends with ABORTED.
+    const PinnedVersions* pinned = nullptr;
   };
 
   // Everything referenced must outlive the reactor.
@@ -101,9 +110,18 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // Casts chunk `key` from the master into a new slice, with its CRC-32C,
   // or (a delta key) into the delta chunk of its span.
   absl::StatusOr<CastChunk> Cast(const ChunkKey& key);
-  // Casts the key's elements into `out`, extending `*crc` over them when
-  // not null. REQUIRES: the layer's mutex held shared, at key.version.
-  absl::Status CastInto(const ChunkKey& key, uint8_t* out, uint32_t* crc);
+  // Where key.version's values are: null for the master (the layer is at
+  // that version, or changed nothing since), else the version kept of it;
+  // ABORTED when neither. REQUIRES: the layer's mutex held shared.
+  absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> SourceOf(const ChunkKey& key);
+  // Whether the values of `version` of the layer are at hand now (SourceOf
+  // would find them), for refusing a pinned read before it waits for budget.
+  bool Serves(uint64_t version, uint64_t current) const;
+  // Casts the key's elements from the master (or copies them from `kept`)
+  // into `out`, extending `*crc` over them when not null. REQUIRES: the
+  // layer's mutex held shared, and `kept` from SourceOf under it.
+  absl::Status CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept, uint8_t* out,
+                        uint32_t* crc);
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);
   // Casts (or shares) the next chunk and writes it, or finishes when the
   // plan is done.
@@ -131,6 +149,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   std::atomic<bool> finished_{false};
   std::atomic<bool> stop_{false};
   std::atomic<bool> stalled_{false};
+  // Counted in pinned_readers (it sent from a version its layer had left).
+  std::atomic<bool> pinned_{false};
   // steady_clock ticks when the write in flight started; 0: none in flight.
   std::atomic<int64_t> write_started_{0};
 

@@ -507,8 +507,11 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.spare.clear();
   state.reduced = false;
   state.opened.reset();
+  if (before) {
+    links_.changes->Record(layer, state.version + 1, *before);
+    if (links_.pinned != nullptr) links_.pinned->Keep(layer, state.version, *std::move(before));
+  }
   ++state.version;
-  if (before) links_.changes->Record(layer, state.version, *before);
   if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
   state.reserved = false;
   return absl::OkStatus();

@@ -20,6 +20,7 @@
 #include "server/checkpoint_writer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/pinned_versions.h"
 #include "server/staging_pool.h"
 #include "server/version_gate.h"
 
@@ -28,9 +29,10 @@ namespace layercast::server {
 // What a LayerTrainer keeps in step with; both must outlive it. Either may
 // be null (in unit tests).
 struct TrainerLinks {
-  VersionGate* gate = nullptr;     // each layer starts at its version here
-  MemoryBudget* budget = nullptr;  // where staged pushes are charged
-  ChangeLog* changes = nullptr;    // told what each step changed
+  VersionGate* gate = nullptr;       // each layer starts at its version here
+  MemoryBudget* budget = nullptr;    // where staged pushes are charged
+  ChangeLog* changes = nullptr;      // told what each step changed
+  PinnedVersions* pinned = nullptr;  // keeps what each step replaced, for pinned readers
 };
 
 // One shard's training state: for every layer, its version (steps applied

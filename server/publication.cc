@@ -208,8 +208,12 @@ absl::StatusOr<Publications::Committed> Publications::CommitLocked(Open& open) {
         std::memcpy(store.mutable_master(l, t), open.staged[l][t].data(),
                     open.staged[l][t].size() * sizeof(float));
       }
-      if (before)
+      if (before) {
         committed.changed_elements += links_.changes->Record(l, committed.version, *before);
+        if (links_.pinned != nullptr) {
+          links_.pinned->Keep(l, links_.gate->version(l), *std::move(before));
+        }
+      }
     } else if (links_.changes != nullptr) {
       links_.changes->RecordUnchanged(l, committed.version);
     }

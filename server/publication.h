@@ -14,6 +14,7 @@
 #include "server/deadline_timers.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/pinned_versions.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
 
@@ -41,6 +42,7 @@ class Publications {
     MemoryBudget* budget = nullptr;
     ChangeLog* changes = nullptr;  // null: --delta-versions 0
     ServerMetrics* metrics = nullptr;
+    PinnedVersions* pinned = nullptr;  // null: --pin-retention-ms 0 or no change log
   };
   // Everything linked must outlive this.
   explicit Publications(Links links);

@@ -38,7 +38,7 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   // series to work on before the first call (other codes appear as they
   // happen: gRPC has 17).
   for (const char* method : {"GetManifest", "FetchLayer", "PushGradients", "GetGradientNorm",
-                             "ApplyClippedStep", "Checkpoint"}) {
+                             "ApplyClippedStep", "WaitVersion", "Checkpoint"}) {
     rpcs_->Add({{"method", method}, {"code", "OK"}});
   }
   sent_bytes_ = &BuildCounter()
@@ -155,6 +155,35 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                       .Register(r);
   publish_stage_seconds_ = &publish.Add({{"phase", "stage"}}, FetchBuckets());
   publish_commit_seconds_ = &publish.Add({{"phase", "commit"}}, FetchBuckets());
+  pinned_version_bytes_ = Gauge(r, "layercast_pinned_version_bytes",
+                                "Bytes of layer versions kept for pinned readers (part of memory "
+                                "in use)");
+  pinned_versions_ = Gauge(r, "layercast_pinned_versions",
+                           "Layer versions kept for pinned readers (one per layer and version)");
+  pinned_version_oldest_timestamp_ =
+      Gauge(r, "layercast_pinned_version_oldest_timestamp_seconds",
+            "Unix time when the oldest kept layer version was superseded (0: none kept); "
+            "time() minus it is the age of the oldest version pinned readers can still get");
+  pinned_readers_ = Gauge(r, "layercast_pinned_readers",
+                          "FetchLayer streams open at a version their layer has moved past");
+  pinned_reads_ = &BuildCounter()
+                       .Name("layercast_pinned_reads_total")
+                       .Help(
+                           "FetchLayer streams at a version their layer had moved past: served "
+                           "from a kept version (result=served), or refused with ABORTED "
+                           "because it was no longer kept (result=gone)")
+                       .Register(r);
+  pinned_dropped_ = &BuildCounter()
+                         .Name("layercast_pinned_versions_dropped_total")
+                         .Help(
+                             "Layer versions not kept or no longer kept: no_room (the budget had "
+                             "no room when the layer changed), expired (--pin-retention-ms "
+                             "passed), reclaimed (a stream needed the memory)")
+                         .Register(r);
+  for (const char* result : {"served", "gone"}) pinned_reads_->Add({{"result", result}});
+  for (const char* reason : {"no_room", "expired", "reclaimed"}) {
+    pinned_dropped_->Add({{"reason", reason}});
+  }
   shard_info_ = &BuildGauge()
                      .Name("layercast_shard_info")
                      .Help("Always 1; labels describe the shard and its model")
@@ -210,10 +239,6 @@ void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_ind
   layers_->Set(static_cast<double>(layers));
 }
 
-}  // namespace layercast::server
-
-namespace layercast::server {
-
 void ServerMetrics::RecordVersionChange(uint64_t changed, uint64_t elements) {
   changed_elements_->Increment(static_cast<double>(changed));
   versioned_elements_->Increment(static_cast<double>(elements));
@@ -227,6 +252,14 @@ void ServerMetrics::RecordDeltaChunk(uint64_t bytes, uint64_t full_bytes) {
 void ServerMetrics::RecordPublish(double stage_seconds, double commit_seconds) {
   publish_stage_seconds_->Observe(stage_seconds);
   publish_commit_seconds_->Observe(commit_seconds);
+}
+
+void ServerMetrics::RecordPinnedRead(absl::string_view result) {
+  pinned_reads_->Add({{"result", std::string(result)}}).Increment();
+}
+
+void ServerMetrics::RecordPinnedVersionDropped(absl::string_view reason) {
+  pinned_dropped_->Add({{"reason", std::string(reason)}}).Increment();
 }
 
 }  // namespace layercast::server

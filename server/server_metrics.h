@@ -76,6 +76,15 @@ class ServerMetrics {
   // A publish committed: from begin to the commit's call, and the commit.
   void RecordPublish(double stage_seconds, double commit_seconds);
 
+  // Pinned reads (PinnedVersions). `result`: served or gone; `reason`:
+  // no_room, expired or reclaimed.
+  prometheus::Gauge& pinned_version_bytes() { return *pinned_version_bytes_; }
+  prometheus::Gauge& pinned_versions() { return *pinned_versions_; }
+  prometheus::Gauge& pinned_version_oldest_timestamp() { return *pinned_version_oldest_timestamp_; }
+  prometheus::Gauge& pinned_readers() { return *pinned_readers_; }
+  void RecordPinnedRead(absl::string_view result);
+  void RecordPinnedVersionDropped(absl::string_view reason);
+
   // Sets layercast_shard_info and layercast_layers once the model is known.
   void SetShardInfo(const std::string& model_id, uint32_t shard_index, uint32_t num_shards,
                     const std::string& policy, uint64_t layers);
@@ -113,6 +122,12 @@ class ServerMetrics {
   prometheus::Counter* delta_full_bytes_;
   prometheus::Histogram* publish_stage_seconds_;
   prometheus::Histogram* publish_commit_seconds_;
+  prometheus::Gauge* pinned_version_bytes_;
+  prometheus::Gauge* pinned_versions_;
+  prometheus::Gauge* pinned_version_oldest_timestamp_;
+  prometheus::Gauge* pinned_readers_;
+  prometheus::Family<prometheus::Counter>* pinned_reads_;
+  prometheus::Family<prometheus::Counter>* pinned_dropped_;
   prometheus::Family<prometheus::Gauge>* shard_info_;
   prometheus::Gauge* layers_;
 };

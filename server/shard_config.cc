@@ -23,9 +23,13 @@ using google::protobuf::FieldDescriptor;
 constexpr uint64_t kDefaultChunkBytes = 1 << 20;
 constexpr uint32_t kDefaultMaxReceiveMessageBytes = 64 << 10;
 // A training shard receives gradient chunks, which the worker library cuts
-// at 1 MiB of data (GradientSinkOptions::chunk_bytes), framing included.
-constexpr uint32_t kDefaultTrainingMaxReceiveMessageBytes = 2 << 20;
+// at 1 MiB of data (GradientSinkOptions::chunk_bytes), framing included; a
+// shard with an admin token, publish chunks of the same size
+// (PublishOptions::chunk_bytes).
+constexpr uint32_t kDefaultLargeMaxReceiveMessageBytes = 2 << 20;
 constexpr uint32_t kMaxDataParallelWorkers = 4096;
+constexpr uint32_t kDefaultPinRetentionMs = 30000;
+constexpr uint32_t kMaxPinRetentionMs = 3600 * 1000;
 constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
 constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
 constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
@@ -264,9 +268,10 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--checkpoint-on-sigterm true needs --checkpoint-dir DIR to write to");
   }
   if (config.max_receive_message_bytes() == 0) {
-    config.set_max_receive_message_bytes(config.optimizer().empty()
+    config.set_max_receive_message_bytes(config.optimizer().empty() &&
+                                                 config.admin_token_file().empty()
                                              ? kDefaultMaxReceiveMessageBytes
-                                             : kDefaultTrainingMaxReceiveMessageBytes);
+                                             : kDefaultLargeMaxReceiveMessageBytes);
   }
   if (config.max_receive_message_bytes() < kMinReceiveMessageBytes ||
       config.max_receive_message_bytes() > kMaxReceiveMessageBytes) {
@@ -329,6 +334,19 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(absl::StrCat("--delta-versions ", config.delta_versions(),
                                                    " is out of range: use 0-", kMaxDeltaVersions));
   }
+  if (config.pin_retention_ms() > kMaxPinRetentionMs) {
+    return absl::InvalidArgumentError(absl::StrCat("--pin-retention-ms ", config.pin_retention_ms(),
+                                                   " is out of range: use 0-", kMaxPinRetentionMs,
+                                                   " (an hour)"));
+  }
+  if (config.has_pin_retention_ms() && config.pin_retention_ms() > 0 &&
+      config.delta_versions() == 0) {
+    return absl::InvalidArgumentError(
+        "--pin-retention-ms needs --delta-versions of at least 1: the versions kept for pinned "
+        "readers are the change log's snapshots; drop --delta-versions 0 or set "
+        "--pin-retention-ms 0");
+  }
+  if (!config.has_pin_retention_ms()) config.set_pin_retention_ms(kDefaultPinRetentionMs);
   settings.config = std::move(config);
   return settings;
 }

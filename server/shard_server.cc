@@ -341,12 +341,17 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
   if (delta_versions > 0) changes_ = std::make_unique<ChangeLog>(*store, delta_versions, &metrics_);
+  if (changes_ != nullptr && config.pin_retention_ms() > 0) {
+    pinned_ = std::make_shared<PinnedVersions>(
+        *store, std::chrono::milliseconds(config.pin_retention_ms()), *budget_, metrics_);
+  }
   std::unique_ptr<LayerTrainer> trainer;
   if (settings_.optimizer) {
     service_->version_gate().SetLayers(static_cast<uint32_t>(store->model().layers.size()));
     ASSIGN_OR_RETURN(
-        trainer, LayerTrainer::Create(*store, *settings_.optimizer, config.data_parallel_workers(),
-                                      {&service_->version_gate(), budget_.get(), changes_.get()}));
+        trainer, LayerTrainer::Create(
+                     *store, *settings_.optimizer, config.data_parallel_workers(),
+                     {&service_->version_gate(), budget_.get(), changes_.get(), pinned_.get()}));
     if (checkpoint_source_ != nullptr) {
       if (absl::Status restored = trainer->Restore(*checkpoint_source_); !restored.ok()) {
         // A damaged file says so first (DATA_LOSS, exit status 2).
@@ -379,25 +384,30 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         metrics_, grants_.get_executor());
   }
   // A request that has to wait for budget first gets what is only kept for
-  // speed: cast chunks kept for other streams, pooled gradient staging.
+  // speed: cast chunks kept for other streams, pooled gradient staging,
+  // versions kept for pinned readers.
   budget_->SetReclaimer(
       [shared = std::weak_ptr<SharedChunks>(shared_),
-       staging = trainer_ ? trainer_->spare_staging() : std::weak_ptr<StagingPool>()] {
+       staging = trainer_ ? trainer_->spare_staging() : std::weak_ptr<StagingPool>(),
+       pinned = std::weak_ptr<PinnedVersions>(pinned_)] {
         if (auto chunks = shared.lock()) chunks->DropAll();
         if (auto pool = staging.lock()) pool->Drain();
+        if (auto kept = pinned.lock()) kept->DropAll();
       });
   service_->AttachStore({.store = store_.get(),
                          .budget = budget_.get(),
                          .shared = shared_.get(),
                          .trainer = trainer_.get(),
-                         .changes = changes_.get()});
+                         .changes = changes_.get(),
+                         .pinned = pinned_.get()});
   if (trainer_ == nullptr) {
     publications_ =
         std::make_unique<Publications>(Publications::Links{.store = store_.get(),
                                                            .gate = &service_->version_gate(),
                                                            .budget = budget_.get(),
                                                            .changes = changes_.get(),
-                                                           .metrics = &metrics_});
+                                                           .metrics = &metrics_,
+                                                           .pinned = pinned_.get()});
   }
   admin_->AttachStore(store_.get(), trainer_.get(), publications_.get());
   SetReadiness(true);

@@ -15,6 +15,7 @@
 #include "server/layer_trainer.h"
 #include "server/metrics_endpoint.h"
 #include "server/parameter_store.h"
+#include "server/pinned_versions.h"
 #include "server/process_metrics.h"
 #include "server/publication.h"
 #include "server/server_metrics.h"
@@ -124,6 +125,11 @@ class ShardServer {
   std::unique_ptr<MemoryBudget> budget_;
   // Which values each of the last --delta-versions changed; null with 0.
   std::unique_ptr<ChangeLog> changes_;
+  // Versions kept for pinned readers; null with --pin-retention-ms 0 or
+  // --delta-versions 0. Before publications_ and trainer_, which use it, and
+  // after budget_: its kept bytes go back before the budget goes. Shared
+  // with the budget's reclaimer, which holds it weakly.
+  std::shared_ptr<PinnedVersions> pinned_;
   // A read-only shard's publishes; null on a training shard.
   std::unique_ptr<Publications> publications_;
   // After budget_: destroyed first, giving its bytes back. Shared with the

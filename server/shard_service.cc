@@ -3,6 +3,8 @@
 #include <grpc/grpc.h>
 
 #include <grpcpp/support/proto_buffer_reader.h>
+#include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "server/fetch_layer_reactor.h"
@@ -202,7 +204,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
-  auto [store, budget, shared, trainer, changes] = loaded();
+  auto [store, budget, shared, trainer, changes, pinned] = loaded();
   if (store == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
@@ -211,13 +213,29 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // and no streaming slot, but it may not ask for a version that cannot
   // come, and it takes a slot of its own kind.
   const uint64_t current = gate_.version(request->layer());
-  if (request->min_version() > current &&
-      request->min_version() - current > options_.max_version_lead) {
+  if (request->has_exact_version() && request->min_version() > request->exact_version()) {
+    return Refuse(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("min_version ", request->min_version(), " is above exact_version ",
+                     request->exact_version(), ": give one of them, or a min_version at most ",
+                     "the exact one")));
+  }
+  if (request->has_exact_version() && request->has_base_version() &&
+      request->base_version() > request->exact_version()) {
+    return Refuse(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("base_version ", request->base_version(), " is above exact_version ",
+                     request->exact_version(), ": a delta goes from an older version to a newer")));
+  }
+  // The version the stream waits for: a pinned read waits for its own.
+  const uint64_t wait_for =
+      request->has_exact_version() ? request->exact_version() : request->min_version();
+  if (wait_for > current && wait_for - current > options_.max_version_lead) {
     return Refuse(grpc::Status(
         grpc::StatusCode::OUT_OF_RANGE,
-        absl::StrCat("min_version ", request->min_version(), " is more than ",
-                     options_.max_version_lead, " versions ahead of layer ", request->layer(),
-                     "'s version ", current,
+        absl::StrCat(request->has_exact_version() ? "exact_version " : "min_version ", wait_for,
+                     " is more than ", options_.max_version_lead, " versions ahead of layer ",
+                     request->layer(), "'s version ", current,
                      " (--max-version-lead): it cannot come soon. If this shard ",
                      "restarted from older parameters, restart the job from its checkpoint")));
   }
@@ -227,17 +245,21 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
                                "--delta-versions 0), so it serves no delta pulls; pull the layer "
                                "in full"));
   }
-  const bool parked = request->min_version() > current;
+  const bool parked = wait_for > current;
   if (grpc::Status admitted = Admit(parked); !admitted.ok()) return Refuse(admitted);
   metrics_.streams_in_flight().Increment();
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
-  reactor_options.min_version = request->min_version();
+  reactor_options.min_version = wait_for;
+  if (request->has_exact_version()) reactor_options.exact_version = request->exact_version();
+  // Also for a stream at a version its layer left: a layer whose change
+  // changed no value is still served from the master.
+  reactor_options.changes = changes;
+  reactor_options.pinned = pinned;
   reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   reactor_options.shared = shared;
   if (request->has_base_version()) {
     reactor_options.base_version = request->base_version();
-    reactor_options.changes = changes;
   }
   if (request->recast() && shared != nullptr) {
     // The worker saw a chunk of this layer fail its checksum: the kept copy
@@ -403,6 +425,63 @@ grpc::ServerUnaryReactor* ShardService::ApplyClippedStep(
   response->set_version(*version);
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
   return FinishUnary(context, "ApplyClippedStep", grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* ShardService::WaitVersion(
+    grpc::CallbackServerContext* context, const layercast::v1::WaitVersionRequest* request,
+    layercast::v1::WaitVersionResponse* response) {
+  if (draining_.load()) {
+    return FinishUnary(context, "WaitVersion",
+                       grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                    "this shard is shutting down; wait on its replacement"));
+  }
+  if (loaded().store == nullptr) return FinishUnary(context, "WaitVersion", kLoading);
+  const uint64_t current = gate_.version();
+  if (request->min_version() <= current) {
+    response->set_version(current);
+    return FinishUnary(context, "WaitVersion", grpc::Status::OK);
+  }
+  if (request->min_version() - current > options_.max_version_lead) {
+    return FinishUnary(
+        context, "WaitVersion",
+        grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
+                     absl::StrCat("min_version ", request->min_version(), " is more than ",
+                                  options_.max_version_lead, " versions ahead of the shard's ",
+                                  current, " (--max-version-lead): wait for a nearer one")));
+  }
+  if (grpc::Status admitted = Admit(/*parked=*/true); !admitted.ok()) {
+    return FinishUnary(context, "WaitVersion", admitted);
+  }
+  // Answer a little before the caller's deadline, so that a version that
+  // did not come reads as the version now rather than DEADLINE_EXCEEDED.
+  const auto steady_now = std::chrono::steady_clock::now();
+  auto wait =
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(options_.max_version_wait);
+  if (const auto deadline = context->deadline();
+      deadline != std::chrono::system_clock::time_point::max()) {
+    const auto left = deadline - std::chrono::system_clock::now();
+    const auto margin =
+        std::min<std::chrono::system_clock::duration>(std::chrono::milliseconds(100), left / 10);
+    wait = std::min(wait, std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::max<std::chrono::system_clock::duration>(left - margin, {})));
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  gate_.Wait(request->min_version(), steady_now + wait,
+             [this, reactor, response](VersionGate::Outcome outcome, uint64_t version) {
+               grpc::Status status = grpc::Status::OK;
+               if (outcome == VersionGate::Outcome::kClosed) {
+                 status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                       "this shard is shutting down; wait on its replacement");
+               }
+               response->set_version(version);
+               metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
+               {
+                 absl::MutexLock lock(&streams_mu_);
+                 --parked_;
+               }
+               reactor->Finish(status);
+             });
+  return reactor;
 }
 
 }  // namespace layercast::server

@@ -45,7 +45,8 @@ class ShardService final
               layercast::v1::ShardService::WithRawCallbackMethod_PushGradients<
                   layercast::v1::ShardService::WithCallbackMethod_GetGradientNorm<
                       layercast::v1::ShardService::WithCallbackMethod_ApplyClippedStep<
-                          layercast::v1::ShardService::Service>>>>> {
+                          layercast::v1::ShardService::WithCallbackMethod_WaitVersion<
+                              layercast::v1::ShardService::Service>>>>>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
@@ -77,6 +78,7 @@ class ShardService final
     SharedChunks* shared = nullptr;
     LayerTrainer* trainer = nullptr;
     const ChangeLog* changes = nullptr;
+    const PinnedVersions* pinned = nullptr;  // null: pinned reads of old versions refused
   };
   // Makes the loaded parameters available; called once.
   void AttachStore(Parts parts);
@@ -116,6 +118,11 @@ class ShardService final
   grpc::ServerUnaryReactor* ApplyClippedStep(
       grpc::CallbackServerContext* context, const layercast::v1::ApplyClippedStepRequest* request,
       layercast::v1::ApplyClippedStepResponse* response) override;
+  // Parks like a FetchLayer stream waiting for its min_version, and answers
+  // the version when it comes or the wait ends.
+  grpc::ServerUnaryReactor* WaitVersion(grpc::CallbackServerContext* context,
+                                        const layercast::v1::WaitVersionRequest* request,
+                                        layercast::v1::WaitVersionResponse* response) override;
 
  private:
   Parts loaded() const;

@@ -26,5 +26,8 @@ absl::Status RunDemo(const std::vector<std::string>& args);
 // layercast demo --train ...: the training steps (forward gather, backward
 // gather, gradient push) against N local training shards.
 absl::Status RunTrainDemo(const tools::CliFlags& flags);
+// layercast demo --publish ...: a trainer publishing every step to N local
+// read-only shards and M mirrors following it by delta pulls.
+absl::Status RunPublishDemo(const tools::CliFlags& flags);
 
 }  // namespace layercast::cli

@@ -49,12 +49,20 @@ absl::Status VerifySamples(const ParameterSource& source, const Policy& policy,
 }  // namespace
 
 absl::Status RunDemo(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(tools::CliFlags flags,
-                   tools::CliFlags::Parse(args,
-                                          {"num-shards", "synthetic", "model", "policy", "steps",
-                                           "shard-binary", "budget-layers", "optimizer"},
-                                          {"train"}));
+  ASSIGN_OR_RETURN(
+      tools::CliFlags flags,
+      tools::CliFlags::Parse(args,
+                             {"num-shards", "synthetic", "model", "policy", "steps", "shard-binary",
+                              "budget-layers", "optimizer", "mirrors", "lr"},
+                             {"train", "publish"}));
+  if (flags.Has("train") && flags.Has("publish")) {
+    return absl::InvalidArgumentError("give --train or --publish, not both");
+  }
   if (flags.Has("train")) return RunTrainDemo(flags);
+  if (flags.Has("publish")) return RunPublishDemo(flags);
+  if (flags.Has("mirrors") || flags.Has("lr")) {
+    return absl::InvalidArgumentError("--mirrors and --lr need --publish");
+  }
   if (flags.Has("optimizer")) return absl::InvalidArgumentError("--optimizer needs --train");
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", 2));
   ASSIGN_OR_RETURN(uint64_t steps, flags.GetUint("steps", 1));

@@ -58,7 +58,7 @@ const Command kCommands[] = {
      "start N local shards and walk every layer forward then backward",
      "layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P]\n"
      "               [--steps S] [--budget-layers K] [--shard-binary PATH]\n"
-     "               [--train [--optimizer SPEC]]\n"
+     "               [--train [--optimizer SPEC]] [--publish [--mirrors M] [--lr LR]]\n"
      "  --num-shards N              shard processes on 127.0.0.1 (default 2)\n"
      "  --synthetic SPEC            a built-in model (default a 1.6 GiB llama-like model)\n"
      "  --model PATH                a safetensors file or model.safetensors.index.json\n"
@@ -70,7 +70,12 @@ const Command kCommands[] = {
      "                              a synthetic gradient per layer; the shards run the optimizer\n"
      "                              (default model: a 4-layer llama-like one)\n"
      "  --optimizer SPEC            with --train (default adamw, lr 1e-4, 2 warm-up steps,\n"
-     "                              gradients clipped to norm 1)\n",
+     "                              gradients clipped to norm 1)\n"
+     "  --publish                   a trainer keeping its own AdamW publishes every step to\n"
+     "                              read-only shards; M mirrors follow by delta pulls and\n"
+     "                              report their lag (default 10 steps, a 4-layer model)\n"
+     "  --mirrors M                 with --publish: mirrors following (default 4)\n"
+     "  --lr LR                     with --publish: the trainer's learning rate (default 1e-4)\n",
      false},
 };
 

@@ -1,7 +1,8 @@
 """layercast from Python: layers of a model whose fp32 master lives on shard
 servers, gathered just in time in the compute dtype, handed to PyTorch (or any
-DLPack consumer) without a copy; and gradients pushed back to the shards, which
-run the optimizer on the master.
+DLPack consumer) without a copy; gradients pushed back to the shards, which
+run the optimizer on the master; and new weights published by a trainer,
+which mirrors of the whole model follow by pulling only what changed.
 
     import layercast, torch
 
@@ -19,11 +20,14 @@ and whose `message` says what to do.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 from . import _layercast
 
-__all__ = ["connect", "Error", "ShardSet", "LayerStream", "Layer", "Tensor", "PushResult"]
+__all__ = [
+    "connect", "Error", "ShardSet", "LayerStream", "Layer", "Tensor", "PushResult", "Mirror",
+    "MirrorReading"
+]
 
 
 Error = _layercast.Error
@@ -128,6 +132,91 @@ class PushResult:
         return self._native.result()
 
 
+class MirrorReading:
+    """The mirror held at one version while the `with` block runs: updates
+    wait until it ends, so every layer read through it is at `version`.
+    Do not update the mirror from inside the block (the update would wait
+    for the block forever)."""
+
+    def __init__(self, native: _layercast.MirrorReading):
+        self._native = native
+
+    @property
+    def version(self) -> int:
+        """The lowest layer's version (after a publish, every layer's)."""
+        return self._native.version
+
+    def __len__(self) -> int:
+        return self._native.num_layers
+
+    def layer(self, index: int) -> Layer:
+        """Layer `index`: its tensors are views of the mirror's buffers
+        (torch.from_dlpack takes them without a copy). They stay valid as
+        long as anything holds them; their values are this reading's while
+        it lasts, and move on in place with each update after it."""
+        return Layer(self._native.layer(index))
+
+    def check(self) -> None:
+        """Raises Error (DATA_LOSS) when a failed pull left layers holding a
+        mix of two versions; the next update repairs them."""
+        self._native.check()
+
+    def close(self) -> None:
+        self._native.close()
+
+    def __enter__(self) -> "MirrorReading":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Mirror:
+    """The whole model held in host memory at the shards' newest version, for
+    an inference worker (see ShardSet.mirror). `follow()` keeps it current in
+    the background: each new version the shards commit (a publish, an
+    optimizer step) is pulled as a delta, only the values that changed,
+    written in place. Read it inside `with mirror.read() as r:`."""
+
+    def __init__(self, native: _layercast.Mirror):
+        self._native = native
+
+    @property
+    def version(self) -> int:
+        """The lowest version any layer holds."""
+        return self._native.version
+
+    def update(self, min_version: Optional[int] = None) -> Dict[str, object]:
+        """Brings every layer to at least `min_version` (default: the
+        version the shards serve now) by delta pulls. Returns {version,
+        layers, bytes, seconds}: layers pulled and bytes received."""
+        return self._native.update(min_version)
+
+    def wait_for_version(self, version: int, timeout: float = 30.0) -> bool:
+        """Waits until every layer holds `version` or newer; False when
+        `timeout` seconds passed first."""
+        return self._native.wait_for_version(version, timeout)
+
+    def follow(self, on_update: Optional[Callable[[Dict[str, object]], None]] = None) -> None:
+        """Starts following the shards on a background thread; `on_update`
+        gets each update's dict (as update() returns), on that thread."""
+        self._native.follow(on_update)
+
+    def stop(self) -> None:
+        """Stops following; waits for an update in flight."""
+        self._native.stop()
+
+    def read(self) -> MirrorReading:
+        """Holds updates off until the reading is closed (use `with`)."""
+        return MirrorReading(self._native.read())
+
+    def __enter__(self) -> "Mirror":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 class ShardSet:
     """A connection to a whole shard set, which agreed on one model, policy and
     layout. `manifest` describes it; `stream` gathers layers; `push_gradients`
@@ -150,15 +239,26 @@ class ShardSet:
         return self._native.closed
 
     def stream(self, order: Iterable[int], budget_bytes: int, *, lookahead: Optional[int] = None,
-               min_version: int = 0, timeout: float = 60.0) -> LayerStream:
+               min_version: int = 0, version: Optional[int] = None,
+               timeout: float = 60.0) -> LayerStream:
         """Layers in `order` (any list of layer indices, repeats allowed),
         gathered ahead within `budget_bytes` of host memory (layers landed
         ahead plus layers handed out and still referenced) and at most
         `lookahead` layers ahead (unlimited: the budget decides). Each gather
         waits for the layer's version to reach `min_version` and ends within
-        `timeout` seconds. A layer larger than the budget is refused here."""
+        `timeout` seconds. A layer larger than the budget is refused here.
+
+        `version` pins the walk: every layer at exactly that version (take
+        it from `version()`), even while newer versions are published; the
+        shards keep a superseded version for a while (--pin-retention-ms),
+        and a layer whose version they no longer keep raises Error
+        (ABORTED, naming the version to walk again at)."""
         return LayerStream(self._native.stream(list(order), budget_bytes, lookahead,
-                                               min_version, timeout))
+                                               min_version, version, timeout))
+
+    def version(self) -> int:
+        """The version the shards serve now (shard 0's lowest layer's)."""
+        return self._native.version()
 
     def push_gradients(self, step: int, worker: int, layer: int,
                        gradients: Mapping[str, object]) -> PushResult:
@@ -174,6 +274,24 @@ class ShardSet:
         completes the step for every worker (the clip barrier). Returns
         {clipped, total_norm, scale}."""
         return self._native.finish_step(step, worker)
+
+    def mirror(self, *, timeout: float = 60.0, poll: float = 10.0) -> Mirror:
+        """Pulls every layer in full into a Mirror (each pull within
+        `timeout` seconds); `poll`: how long each of its long polls for a new
+        version lasts once it follows."""
+        return Mirror(self._native.mirror(timeout, poll))
+
+    def publish(self, values: Mapping[str, object], admin_token: str, *,
+                base_version: Optional[int] = None, timeout: float = 120.0) -> Dict[str, object]:
+        """Publishes new fp32 values, {tensor name: tensor}, to read-only
+        shards as the next version of every layer: all shards commit it or
+        none does. Every tensor of a layer named must be given, each in host
+        memory, contiguous, float32 and of its shape (taken without a copy);
+        the other layers keep their values. `admin_token`: the shards'
+        --admin-token-file. `base_version`: the version the values replace
+        (default: the one the shards serve). Returns {version,
+        changed_elements, layer_by_layer, versions}."""
+        return self._native.publish(dict(values), admin_token, base_version, timeout)
 
     def close(self) -> None:
         self._native.close()

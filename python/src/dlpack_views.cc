@@ -39,7 +39,7 @@ uintptr_t TensorView::data_ptr() const { return reinterpret_cast<uintptr_t>(view
 
 py::capsule TensorView::Export() const {
   struct Context {
-    std::shared_ptr<HeldLayer> held;
+    std::shared_ptr<const client::Layer> held;
     std::vector<int64_t> shape;
     DLManagedTensor managed;
   };
@@ -70,37 +70,32 @@ py::capsule TensorView::Export() const {
   });
 }
 
-void ImportGradient(const py::handle& tensor, const TensorSpec& spec, const AssembledTensor& placed,
-                    uint8_t* destination) {
+ImportedTensor ImportTensor(const py::handle& tensor, const TensorSpec& spec, DType dtype,
+                            absl::string_view role) {
   if (!py::hasattr(tensor, "__dlpack__")) {
-    throw py::type_error(absl::StrCat("the gradient of ", spec.name,
+    throw py::type_error(absl::StrCat("the ", role, " of ", spec.name,
                                       " is not a tensor: pass a torch.Tensor (or any object with "
                                       "__dlpack__)"));
   }
   py::capsule capsule = tensor.attr("__dlpack__")();
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   if (managed == nullptr) throw py::error_already_set();
-  // Consumed: the deleter is this function's to call, on every path.
+  // Consumed: the deleter is the ImportedTensor's to call, on every path.
   PyCapsule_SetName(capsule.ptr(), "used_dltensor");
-  std::unique_ptr<DLManagedTensor, void (*)(DLManagedTensor*)> owner(managed,
-                                                                     [](DLManagedTensor* t) {
-                                                                       if (t->deleter != nullptr)
-                                                                         t->deleter(t);
-                                                                     });
+  ImportedTensor imported(managed);
   const DLTensor& dl = managed->dl_tensor;
-  const DLDataType want = ToDLDataType(placed.compute_dtype);
+  const DLDataType want = ToDLDataType(dtype);
   if (dl.device.device_type != kDLCPU) {
-    throw py::value_error(
-        absl::StrCat("the gradient of ", spec.name, " is not in host memory: move it with .cpu()"));
+    throw py::value_error(absl::StrCat("the ", role, " of ", spec.name,
+                                       " is not in host memory: move it with .cpu()"));
   }
   if (dl.dtype.code != want.code || dl.dtype.bits != want.bits || dl.dtype.lanes != 1) {
-    throw py::type_error(absl::StrCat("the gradient of ", spec.name, " must be ",
-                                      DTypeString(placed.compute_dtype),
-                                      ", the tensor's compute dtype: convert it with .to()"));
+    throw py::type_error(absl::StrCat("the ", role, " of ", spec.name, " must be ",
+                                      DTypeString(dtype), ": convert it with .to()"));
   }
   const std::vector<int64_t> shape(dl.shape, dl.shape + dl.ndim);
   if (shape != spec.shape) {
-    throw py::value_error(absl::StrCat("the gradient of ", spec.name, " has shape [",
+    throw py::value_error(absl::StrCat("the ", role, " of ", spec.name, " has shape [",
                                        absl::StrJoin(shape, ", "), "], the tensor [",
                                        absl::StrJoin(spec.shape, ", "), "]"));
   }
@@ -108,14 +103,20 @@ void ImportGradient(const py::handle& tensor, const TensorSpec& spec, const Asse
     int64_t expected = 1;
     for (int32_t d = dl.ndim; d-- > 0;) {
       if (dl.shape[d] != 1 && dl.strides[d] != expected) {
-        throw py::value_error(
-            absl::StrCat("the gradient of ", spec.name, " is not contiguous: pass .contiguous()"));
+        throw py::value_error(absl::StrCat("the ", role, " of ", spec.name,
+                                           " is not contiguous: pass .contiguous()"));
       }
       expected *= dl.shape[d];
     }
   }
-  const uint64_t bytes = placed.num_elements * DTypeSize(placed.compute_dtype);
-  std::memcpy(destination, static_cast<const uint8_t*>(dl.data) + dl.byte_offset, bytes);
+  return imported;
+}
+
+void ImportGradient(const py::handle& tensor, const TensorSpec& spec, const AssembledTensor& placed,
+                    uint8_t* destination) {
+  const ImportedTensor gradient =
+      ImportTensor(tensor, spec, placed.compute_dtype, "gradient (in the compute dtype)");
+  std::memcpy(destination, gradient.data(), placed.num_elements * DTypeSize(placed.compute_dtype));
 }
 
 }  // namespace layercast::python

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "core/dtype.h"
 #include "core/layout.h"
 #include "core/model.h"
@@ -23,7 +24,9 @@ std::string DTypeString(DType dtype);
 // keeps the layer alive until the consumer's tensor is freed.
 class TensorView {
  public:
-  TensorView(std::shared_ptr<HeldLayer> held, size_t index)
+  // `held` keeps the layer (and what it refers to) alive: a HeldLayer's, or
+  // a mirror's, through shared_ptr's aliasing constructor.
+  TensorView(std::shared_ptr<const client::Layer> held, size_t index)
       : held_(std::move(held)), index_(index) {}
 
   std::string name() const;
@@ -36,11 +39,34 @@ class TensorView {
   pybind11::capsule Export() const;
 
  private:
-  client::Layer::TensorView view() const { return held_->layer.tensor(index_); }
+  client::Layer::TensorView view() const { return held_->tensor(index_); }
 
-  std::shared_ptr<HeldLayer> held_;
+  std::shared_ptr<const client::Layer> held_;
   size_t index_;
 };
+
+// A tensor taken from Python through DLPack; its producer's deleter runs
+// when this dies. Move-only.
+class ImportedTensor {
+ public:
+  explicit ImportedTensor(DLManagedTensor* managed) : managed_(managed, &Delete) {}
+  const uint8_t* data() const {
+    return static_cast<const uint8_t*>(managed_->dl_tensor.data) + managed_->dl_tensor.byte_offset;
+  }
+
+ private:
+  static void Delete(DLManagedTensor* managed) {
+    if (managed->deleter != nullptr) managed->deleter(managed);
+  }
+  std::unique_ptr<DLManagedTensor, void (*)(DLManagedTensor*)> managed_;
+};
+
+// Takes `tensor` (anything with __dlpack__: a torch.Tensor), the `role`
+// ("values", "gradient") of `spec`, without a copy. It must be on the CPU,
+// contiguous, of the tensor's shape and of `dtype`: TypeError or ValueError
+// saying which, and how to convert it.
+ImportedTensor ImportTensor(const pybind11::handle& tensor, const TensorSpec& spec, DType dtype,
+                            absl::string_view role);
 
 // Copies `tensor` (anything with __dlpack__: a torch.Tensor), the gradient
 // of `spec`, into `destination`, its place in the assembled layout. It must

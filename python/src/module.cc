@@ -1,6 +1,7 @@
 // layercast's native module (_layercast): the worker library behind
 // pybind11. layercast/__init__.py documents the Python API; the classes are
-// in shard_set_binding.h, the DLPack exchange in dlpack_views.h.
+// in shard_set_binding.h and mirror_binding.h, the DLPack exchange in
+// dlpack_views.h.
 //
 // Lifetimes: a tensor view holds its layer, a layer and a stream hold the
 // Connection, so nothing a Python object can still reach is ever freed,
@@ -14,6 +15,7 @@
 #include "core/heap_tuning.h"
 #include "python/src/dlpack_views.h"
 #include "python/src/errors.h"
+#include "python/src/mirror_binding.h"
 #include "python/src/shard_set_binding.h"
 
 namespace layercast::python {
@@ -82,11 +84,43 @@ PYBIND11_MODULE(_layercast, module) {
       .def_property_readonly("manifest", &PyShardSet::Manifest)
       .def_property_readonly("closed", &PyShardSet::closed)
       .def("stream", &PyShardSet::Stream, py::arg("order"), py::arg("budget_bytes"),
-           py::arg("lookahead") = py::none(), py::arg("min_version") = 0, py::arg("timeout") = 60.0)
+           py::arg("lookahead") = py::none(), py::arg("min_version") = 0,
+           py::arg("version") = py::none(), py::arg("timeout") = 60.0)
+      .def("version", &PyShardSet::Version)
       .def("push_gradients", &PyShardSet::PushGradients, py::arg("step"), py::arg("worker"),
            py::arg("layer"), py::arg("gradients"))
       .def("finish_step", &PyShardSet::FinishStep, py::arg("step"), py::arg("worker"))
-      .def("close", &PyShardSet::Close);
+      .def("close", &PyShardSet::Close)
+      .def(
+          "mirror",
+          [](const PyShardSet& self, double timeout, double poll) {
+            return MakeMirror(self.Held(), timeout, poll);
+          },
+          py::arg("timeout") = 60.0, py::arg("poll") = 10.0)
+      .def(
+          "publish",
+          [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,
+             std::optional<uint64_t> base_version, double timeout) {
+            return Publish(*self.Held(), values, admin_token, base_version, timeout);
+          },
+          py::arg("values"), py::arg("admin_token"), py::arg("base_version") = py::none(),
+          py::arg("timeout") = 120.0);
+
+  py::class_<PyMirrorReading>(module, "MirrorReading")
+      .def_property_readonly("version", &PyMirrorReading::version)
+      .def_property_readonly("num_layers", &PyMirrorReading::num_layers)
+      .def("layer", &PyMirrorReading::Layer)
+      .def("check", &PyMirrorReading::Check)
+      .def("close", &PyMirrorReading::Close);
+
+  py::class_<PyMirror>(module, "Mirror")
+      .def_property_readonly("version", &PyMirror::version)
+      .def("update", &PyMirror::Update, py::arg("min_version") = py::none())
+      .def("wait_for_version", &PyMirror::WaitForVersion, py::arg("version"),
+           py::arg("timeout") = 30.0)
+      .def("follow", &PyMirror::Follow, py::arg("on_update") = py::none())
+      .def("stop", &PyMirror::Stop)
+      .def("read", &PyMirror::Read);
 
   module.def("connect", &Connect, py::arg("shards"), py::arg("tls") = py::none(),
              py::arg("timeout") = 30.0);

@@ -40,24 +40,22 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const std::optional<py::di
 
 }  // namespace
 
-uintptr_t PyLayer::data_ptr() const {
-  return reinterpret_cast<uintptr_t>(held_->layer.bytes().data());
-}
+uintptr_t PyLayer::data_ptr() const { return reinterpret_cast<uintptr_t>(held_->bytes().data()); }
 
 std::vector<std::string> PyLayer::names() const {
   std::vector<std::string> names;
-  for (size_t i = 0; i < held_->layer.num_tensors(); ++i) {
-    names.emplace_back(held_->layer.tensor(i).name);
+  for (size_t i = 0; i < held_->num_tensors(); ++i) {
+    names.emplace_back(held_->tensor(i).name);
   }
   return names;
 }
 
 TensorView PyLayer::tensor(const std::string& name) const {
-  for (size_t i = 0; i < held_->layer.num_tensors(); ++i) {
-    if (held_->layer.tensor(i).name == name) return TensorView(held_, i);
+  for (size_t i = 0; i < held_->num_tensors(); ++i) {
+    if (held_->tensor(i).name == name) return TensorView(held_, i);
   }
-  throw py::key_error(absl::StrCat("layer ", held_->layer.index(), " (", held_->layer.name(),
-                                   ") has no tensor ", name));
+  throw py::key_error(
+      absl::StrCat("layer ", held_->index(), " (", held_->name(), ") has no tensor ", name));
 }
 
 PyLayer PyStream::Next() {
@@ -70,7 +68,8 @@ PyLayer PyStream::Next() {
   }
   if (layer.status().code() == absl::StatusCode::kOutOfRange) throw py::stop_iteration();
   if (!layer.ok()) Raise(layer.status());
-  return PyLayer(std::make_shared<HeldLayer>(HeldLayer{connection_, *std::move(layer)}));
+  auto held = std::make_shared<HeldLayer>(HeldLayer{connection_, *std::move(layer)});
+  return PyLayer(std::shared_ptr<const client::Layer>(held, &held->layer));
 }
 
 py::dict PyStream::Stats() const {
@@ -155,16 +154,27 @@ py::dict PyShardSet::Manifest() const {
 
 PyStream PyShardSet::Stream(std::vector<uint32_t> order, uint64_t budget_bytes,
                             std::optional<uint32_t> lookahead, uint64_t min_version,
-                            double timeout) {
+                            std::optional<uint64_t> version, double timeout) {
   std::shared_ptr<Connection> connection = Held();
   client::LayerStreamOptions options;
   options.order = std::move(order);
   options.budget_bytes = budget_bytes;
   if (lookahead) options.max_lookahead = *lookahead;
   options.gather.min_version = min_version;
+  options.gather.exact_version = version;
   options.gather.timeout = Milliseconds(timeout);
   auto stream = ValueOrRaise(client::LayerStream::Create(*connection->set, std::move(options)));
   return PyStream(std::move(connection), std::move(stream));
+}
+
+uint64_t PyShardSet::Version() const {
+  std::shared_ptr<Connection> connection = Held();
+  absl::StatusOr<uint64_t> version;
+  {
+    py::gil_scoped_release unlocked;
+    version = connection->set->CurrentVersion();
+  }
+  return ValueOrRaise(std::move(version));
 }
 
 PyPush PyShardSet::PushGradients(uint64_t step, uint32_t worker, uint32_t layer,

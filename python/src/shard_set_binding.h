@@ -24,18 +24,19 @@ namespace layercast::python {
 
 class PyLayer {
  public:
-  explicit PyLayer(std::shared_ptr<HeldLayer> held) : held_(std::move(held)) {}
-  uint32_t index() const { return held_->layer.index(); }
-  std::string name() const { return held_->layer.name(); }
-  uint64_t version() const { return held_->layer.version(); }
-  uint64_t nbytes() const { return held_->layer.bytes().size(); }
+  // `held`: as TensorView's.
+  explicit PyLayer(std::shared_ptr<const client::Layer> held) : held_(std::move(held)) {}
+  uint32_t index() const { return held_->index(); }
+  std::string name() const { return held_->name(); }
+  uint64_t version() const { return held_->version(); }
+  uint64_t nbytes() const { return held_->bytes().size(); }
   uintptr_t data_ptr() const;
   std::vector<std::string> names() const;
   // KeyError naming the layer when it has no tensor `name`.
   TensorView tensor(const std::string& name) const;
 
  private:
-  std::shared_ptr<HeldLayer> held_;
+  std::shared_ptr<const client::Layer> held_;
 };
 
 class PyStream {
@@ -73,8 +74,12 @@ class PyShardSet {
       : connection_(std::move(connection)) {}
 
   pybind11::dict Manifest() const;
+  // `version`: a walk pinned to it (GatherOptions.exact_version).
   PyStream Stream(std::vector<uint32_t> order, uint64_t budget_bytes,
-                  std::optional<uint32_t> lookahead, uint64_t min_version, double timeout);
+                  std::optional<uint32_t> lookahead, uint64_t min_version,
+                  std::optional<uint64_t> version, double timeout);
+  // ShardSet::CurrentVersion, without the GIL.
+  uint64_t Version() const;
   PyPush PushGradients(uint64_t step, uint32_t worker, uint32_t layer,
                        const pybind11::dict& gradients);
   pybind11::dict FinishStep(uint64_t step, uint32_t worker);
@@ -82,12 +87,11 @@ class PyShardSet {
   // are done; layers and tensors still held keep what they need.
   void Close();
   bool closed() const { return connection_ == nullptr; }
-
- private:
   // The connection, or FAILED_PRECONDITION once closed. Copied under the
   // GIL, so a close() on another thread cannot free it mid-call.
   std::shared_ptr<Connection> Held() const;
 
+ private:
   std::shared_ptr<Connection> connection_;
 };
 

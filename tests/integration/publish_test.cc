@@ -2,7 +2,9 @@
 // makes the new values one version on every shard; a publish that fails on
 // one shard (killed mid-publish) leaves every shard serving the version
 // before; a shard refuses to commit what it has not staged whole, and drops
-// a publish nobody commits; deltas after a publish are the full pull.
+// a publish nobody commits; deltas after a publish are the full pull; a
+// mirror follows publishes by delta pulls in place (WaitVersion); a walk
+// pinned to a version gets it for every layer while newer ones commit.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -12,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/model_mirror.h"
 #include "client/weight_publisher.h"
 #include "core/cast.h"
 #include "layercast/v1/admin.grpc.pb.h"
@@ -62,24 +65,29 @@ class PublishTest : public ::testing::Test {
   // Every layer gathered whole, and checked against `values` cast to each
   // tensor's compute dtype.
   void ExpectServes(const std::map<std::string, std::vector<float>>& values, uint64_t version) {
-    const client::ShardSet& set = *shards_.set;
-    for (uint32_t l = 0; l < set.model().layers.size(); ++l) {
-      absl::StatusOr<client::Layer> layer = set.Gather(l);
+    for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+      absl::StatusOr<client::Layer> layer = shards_.set->Gather(l);
       ASSERT_TRUE(layer.ok()) << layer.status();
-      EXPECT_EQ(layer->version(), version);
-      const AssembledLayout& layout = set.view().layouts[l];
-      for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-        const AssembledTensor& tensor = layout.tensors()[t];
-        const std::string& name = set.model().layers[l].tensors[t].name;
-        const std::vector<float>& expected = values.at(name);
-        std::vector<uint8_t> cast(expected.size() * DTypeSize(tensor.compute_dtype));
-        ASSERT_TRUE(CastFromF32(expected.data(), cast.data(), expected.size(), tensor.compute_dtype,
-                                Fp16Overflow::kInfinity)
-                        .ok());
-        ASSERT_EQ(std::memcmp(layer->bytes().data() + tensor.byte_offset, cast.data(), cast.size()),
-                  0)
-            << name << " at version " << version;
-      }
+      ASSERT_NO_FATAL_FAILURE(ExpectHolds(*layer, values, version));
+    }
+  }
+
+  // `layer` is at `version` and holds `values` cast to each tensor's
+  // compute dtype.
+  void ExpectHolds(const client::Layer& layer,
+                   const std::map<std::string, std::vector<float>>& values, uint64_t version) {
+    EXPECT_EQ(layer.version(), version);
+    const AssembledLayout& layout = shards_.set->view().layouts[layer.index()];
+    for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
+      const AssembledTensor& tensor = layout.tensors()[t];
+      const std::string& name = shards_.set->model().layers[layer.index()].tensors[t].name;
+      const std::vector<float>& expected = values.at(name);
+      std::vector<uint8_t> cast(expected.size() * DTypeSize(tensor.compute_dtype));
+      ASSERT_TRUE(CastFromF32(expected.data(), cast.data(), expected.size(), tensor.compute_dtype,
+                              Fp16Overflow::kInfinity)
+                      .ok());
+      ASSERT_EQ(std::memcmp(layer.bytes().data() + tensor.byte_offset, cast.data(), cast.size()), 0)
+          << name << " at version " << version;
     }
   }
 
@@ -239,6 +247,189 @@ TEST_F(PublishTest, AShardCommitsOnlyWhatItStagedWholeAndDropsWhatNobodyCommits)
     EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND) << status.error_message();
   }
   ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
+}
+
+TEST_F(PublishTest, WaitVersionAnswersWhenAPublishCommits) {
+  const auto wait = [this](uint64_t min_version, std::chrono::milliseconds deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + deadline);
+    layercast::v1::WaitVersionRequest request;
+    request.set_min_version(min_version);
+    layercast::v1::WaitVersionResponse response;
+    const grpc::Status status = shards_.set->stub(1).WaitVersion(&context, request, &response);
+    return std::make_pair(status, response.version());
+  };
+  std::pair<grpc::Status, uint64_t> answer;
+  std::thread waiter([&] { answer = wait(1, std::chrono::seconds(30)); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  ASSERT_TRUE(publisher.Publish(View(Nudged(1.0f / 8))).ok());
+  waiter.join();
+  EXPECT_TRUE(answer.first.ok()) << answer.first.error_message();
+  EXPECT_EQ(answer.second, 1u);
+
+  // A version that does not come is the version now, before the deadline.
+  const auto start = std::chrono::steady_clock::now();
+  answer = wait(2, std::chrono::milliseconds(1000));
+  EXPECT_TRUE(answer.first.ok()) << answer.first.error_message();
+  EXPECT_EQ(answer.second, 1u);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  answer = wait(1000, std::chrono::milliseconds(1000));
+  EXPECT_EQ(answer.first.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(answer.first.error_message(), HasSubstr("--max-version-lead"));
+}
+
+TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> created =
+      client::ModelMirror::Create(*shards_.set, {.poll = std::chrono::seconds(20)});
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::ModelMirror& mirror = **created;
+  EXPECT_EQ(mirror.version(), 0u);
+  const uint32_t layers = static_cast<uint32_t>(shards_.set->model().layers.size());
+  std::vector<const uint8_t*> views;
+  uint64_t full_bytes = 0;
+  {
+    auto reading = mirror.Read();
+    for (uint32_t l = 0; l < layers; ++l) {
+      views.push_back(reading.layer(l).tensor(0).bytes.data());
+      full_bytes += reading.layer(l).bytes().size();
+    }
+  }
+  absl::Mutex mu;
+  std::vector<client::MirrorUpdate> updates;
+  mirror.Follow([&](const client::MirrorUpdate& update) {
+    absl::MutexLock lock(&mu);
+    updates.push_back(update);
+  });
+
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  auto values = model_.values;
+  for (uint64_t version = 1; version <= 3; ++version) {
+    // A small step: a few values change, most of their bf16 bits do not.
+    for (auto& [name, tensor] : values) {
+      for (size_t i = version; i < tensor.size(); i += 7) tensor[i] *= 1.0f + 1.0f / 32;
+    }
+    ASSERT_TRUE(publisher.Publish(View(values)).ok());
+    ASSERT_TRUE(mirror.WaitForVersion(version, std::chrono::seconds(30))) << version;
+    auto reading = mirror.Read();
+    EXPECT_EQ(reading.version(), version);
+    EXPECT_TRUE(reading.status().ok()) << reading.status();
+    for (uint32_t l = 0; l < layers; ++l) {
+      const client::Layer& held = reading.layer(l);
+      const std::vector<uint8_t> full = Bytes(l);
+      for (size_t t = 0; t < held.num_tensors(); ++t) {
+        const std::span<const uint8_t> tensor = held.tensor(t).bytes;
+        EXPECT_EQ(std::memcmp(tensor.data(), full.data() + (tensor.data() - held.bytes().data()),
+                              tensor.size()),
+                  0)
+            << held.tensor(t).name << " at version " << version;
+      }
+      EXPECT_EQ(held.tensor(0).bytes.data(), views[l]) << "the buffer moved";
+    }
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(updates.size(), 3u);
+    for (const client::MirrorUpdate& update : updates) {
+      EXPECT_EQ(update.layers, layers);
+      EXPECT_GT(update.bytes, 0u);
+      EXPECT_LT(update.bytes, full_bytes) << "an update pulled more than the whole model";
+    }
+  }
+  // The follower is parked in a 20 s poll: stopping cancels it.
+  const auto start = std::chrono::steady_clock::now();
+  mirror.StopFollowing();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  absl::StatusOr<client::MirrorUpdate> update = mirror.Update();
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ(update->layers, 0u) << "nothing new to pull";
+}
+
+// A gather pinned to `version`, a delta from `base` when given.
+client::GatherOptions Pinned(uint64_t version, std::optional<uint64_t> base = std::nullopt) {
+  client::GatherOptions options;
+  options.exact_version = version;
+  options.base_version = base;
+  return options;
+}
+
+TEST_F(PublishTest, APinnedWalkGetsItsVersionForEveryLayerWhileNewerOnesCommit) {
+  const client::ShardSet& set = *shards_.set;
+  const uint32_t layers = static_cast<uint32_t>(set.model().layers.size());
+  ASSERT_GE(layers, 2u);
+  const absl::StatusOr<uint64_t> start = set.CurrentVersion();
+  ASSERT_TRUE(start.ok()) << start.status();
+  ASSERT_EQ(*start, 0u);
+  const client::GatherOptions pinned = Pinned(0);
+  absl::StatusOr<client::Layer> first = set.Gather(0, pinned);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_NO_FATAL_FAILURE(ExpectHolds(*first, model_.values, 0));
+
+  // Two versions commit while the walk is at layer 0.
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  const auto v1 = Nudged(1.0f / 8);
+  const auto v2 = Nudged(1.0f / 4);
+  ASSERT_TRUE(publisher.Publish(View(v1)).ok());
+  ASSERT_TRUE(publisher.Publish(View(v2)).ok());
+  ASSERT_EQ(*set.CurrentVersion(), 2u);
+  for (uint32_t l = 1; l < layers; ++l) {
+    absl::StatusOr<client::Layer> layer = set.Gather(l, pinned);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    ASSERT_NO_FATAL_FAILURE(ExpectHolds(*layer, model_.values, 0));
+  }
+  // The version in between, and a delta from the pinned one to it.
+  absl::StatusOr<client::Layer> middle = set.Gather(1, Pinned(1));
+  ASSERT_TRUE(middle.ok()) << middle.status();
+  ASSERT_NO_FATAL_FAILURE(ExpectHolds(*middle, v1, 1));
+  std::vector<uint8_t> delta(first->bytes().begin(), first->bytes().end());
+  const absl::StatusOr<uint64_t> moved = set.GatherInto(0, Pinned(1, 0), delta);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(*moved, 1u);
+  absl::StatusOr<client::Layer> full = set.Gather(0, Pinned(1));
+  ASSERT_TRUE(full.ok()) << full.status();
+  ASSERT_NO_FATAL_FAILURE(ExpectHolds(*full, v1, 1));
+  // Tensor by tensor: the padding between them is never sent.
+  for (const AssembledTensor& tensor : set.view().layouts[0].tensors()) {
+    const uint64_t bytes = tensor.num_elements * DTypeSize(tensor.compute_dtype);
+    EXPECT_EQ(std::memcmp(delta.data() + tensor.byte_offset,
+                          full->bytes().data() + tensor.byte_offset, bytes),
+              0)
+        << "a delta to a kept version differs from its full pull";
+  }
+  // Unpinned reads get the newest.
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(v2, 2));
+
+  // A min_version above the pinned version contradicts it.
+  client::GatherOptions contradiction = Pinned(1);
+  contradiction.min_version = 2;
+  absl::StatusOr<client::Layer> contradictory = set.Gather(0, contradiction);
+  EXPECT_EQ(contradictory.status().code(), absl::StatusCode::kInvalidArgument)
+      << contradictory.status();
+}
+
+TEST(PinnedReadTest, AVersionNoLongerKeptIsRefusedNamingTheVersionToWalkAgainAt) {
+  const std::string dir = MakeTempDir("pin-expiry");
+  const TestModel model = WriteTestModel(dir + "/model.safetensors", 2, 17);
+  RunningShards shards =
+      StartShards(2, {"--model", model.path, "--policy", "p=f32,c=bf16", "--pin-retention-ms",
+                      "200", "--admin-token-file", WriteAdminToken(dir, kToken)});
+  ASSERT_NE(shards.set, nullptr);
+  auto values = model.values;
+  for (auto& [name, tensor] : values) {
+    for (float& value : tensor) value *= 1.5f;
+  }
+  client::TensorValues view;
+  for (const auto& [name, tensor] : values) view.emplace(name, tensor);
+  client::WeightPublisher publisher(*shards.set, {.admin_token = kToken});
+  ASSERT_TRUE(publisher.Publish(view).ok());
+  // Kept for 200 ms after the commit, then dropped.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const absl::StatusOr<client::Layer> gone = shards.set->Gather(0, Pinned(0));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kAborted) << gone.status();
+  EXPECT_THAT(gone.status().message(), HasSubstr("no longer keeps version 0"));
+  EXPECT_THAT(gone.status().message(), HasSubstr("walk the model again at version 1"));
+  const absl::StatusOr<client::Layer> now = shards.set->Gather(0, Pinned(1));
+  EXPECT_TRUE(now.ok()) << now.status();
 }
 
 }  // namespace

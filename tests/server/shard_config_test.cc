@@ -72,6 +72,21 @@ TEST(ShardConfigTest, TrainingNeedsAnOptimizerAndAValidWorkerCount) {
   EXPECT_THAT(settings.status().message(), HasSubstr("use 1-4096"));
 }
 
+TEST(ShardConfigTest, PinnedReadsKeepVersionsForAWhileAndNeedTheChangeLog) {
+  absl::StatusOr<ShardSettings> settings = Resolve({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->config.pin_retention_ms(), 30000u);
+  settings = Resolve({"--delta-versions", "0"});
+  ASSERT_TRUE(settings.ok()) << settings.status() << ": the default gives way";
+  settings = Resolve({"--delta-versions", "0", "--pin-retention-ms", "0"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  settings = Resolve({"--delta-versions", "0", "--pin-retention-ms", "5000"});
+  EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(settings.status().message(), HasSubstr("needs --delta-versions of at least 1"));
+  settings = Resolve({"--pin-retention-ms", "3600001"});
+  EXPECT_THAT(settings.status().message(), HasSubstr("use 0-3600000"));
+}
+
 TEST(ShardConfigTest, LogFormatAndLevel) {
   absl::StatusOr<ShardSettings> settings = Resolve({});
   ASSERT_TRUE(settings.ok()) << settings.status();

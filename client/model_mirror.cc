@@ -1,0 +1,187 @@
+#include "client/model_mirror.h"
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "wire/grpc_status.h"
+
+namespace layercast::client {
+
+absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet& shards,
+                                                                 MirrorOptions options) {
+  std::vector<Layer> layers;
+  uint64_t newest = 0;
+  for (uint32_t layer = 0; layer < shards.model().layers.size(); ++layer) {
+    GatherOptions gather;
+    gather.timeout = options.layer_timeout;
+    gather.min_version = newest;
+    ASSIGN_OR_RETURN(Layer pulled, shards.Gather(layer, gather));
+    newest = std::max(newest, pulled.version());
+    layers.push_back(std::move(pulled));
+  }
+  std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, options, std::move(layers)));
+  // A publish committed during the walk: the layers before it are brought
+  // to the same version.
+  if (mirror->version() < newest) RETURN_IF_ERROR(mirror->Update(newest).status());
+  return mirror;
+}
+
+ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers)
+    : shards_(shards),
+      options_(options),
+      layers_(std::move(layers)),
+      torn_(layers_.size(), false) {}
+
+ModelMirror::~ModelMirror() { StopFollowing(); }
+
+uint64_t ModelMirror::VersionLocked() const {
+  uint64_t lowest = UINT64_MAX;
+  for (const Layer& layer : layers_) lowest = std::min(lowest, layer.version());
+  return layers_.empty() ? 0 : lowest;
+}
+
+uint64_t ModelMirror::version() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return VersionLocked();
+}
+
+absl::StatusOr<uint64_t> ModelMirror::Poll(uint64_t min_version) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.poll);
+  {
+    absl::MutexLock lock(&follow_mu_);
+    if (stopping_) return absl::CancelledError("the mirror stopped following");
+    poll_ = &context;
+  }
+  layercast::v1::WaitVersionRequest request;
+  request.set_min_version(min_version);
+  layercast::v1::WaitVersionResponse response;
+  const grpc::Status status = shards_.stub(0).WaitVersion(&context, request, &response);
+  {
+    absl::MutexLock lock(&follow_mu_);
+    poll_ = nullptr;
+  }
+  RETURN_IF_ERROR(
+      wire::FromGrpcStatus(status, absl::StrCat("shard 0 (", shards_.addresses()[0], ")")));
+  return response.version();
+}
+
+absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_version) {
+  absl::MutexLock update_lock(&update_mu_);
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t target = 0;
+  if (min_version) {
+    target = *min_version;
+  } else {
+    ASSIGN_OR_RETURN(target, shards_.CurrentVersion());
+  }
+  // Readers wait for the whole walk: none sees some layers new and others
+  // old.
+  absl::MutexLock lock(&mu_);
+  MirrorUpdate update;
+  for (uint32_t i = 0; i < layers_.size(); ++i) {
+    Layer& layer = layers_[i];
+    if (layer.version() >= target && !torn_[i]) continue;
+    std::atomic<uint64_t> received{0};
+    GatherOptions gather;
+    gather.timeout = options_.layer_timeout;
+    gather.min_version = target;
+    gather.base_version = layer.version();
+    gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
+    absl::StatusOr<uint64_t> version = shards_.GatherInto(i, gather, layer.mutable_bytes());
+    update.bytes += received.load();
+    if (!version.ok()) {
+      // Chunks already applied leave a mix; a delta from the same base
+      // repairs it (ChunkDecoder), so the base stays.
+      if (received.load() > 0) torn_[i] = true;
+      return version.status();
+    }
+    layer.set_version(*version);
+    torn_[i] = false;
+    ++update.layers;
+  }
+  update.version = VersionLocked();
+  update.duration = std::chrono::steady_clock::now() - start;
+  return update;
+}
+
+bool ModelMirror::WaitForVersion(uint64_t version, std::chrono::milliseconds timeout) const {
+  const auto reached = [this, version]()
+                           ABSL_SHARED_LOCKS_REQUIRED(mu_) { return VersionLocked() >= version; };
+  const bool ok =
+      mu_.ReaderLockWhenWithTimeout(absl::Condition(&reached), absl::FromChrono(timeout));
+  mu_.ReaderUnlock();
+  return ok;
+}
+
+void ModelMirror::Follow(std::function<void(const MirrorUpdate&)> on_update) {
+  absl::MutexLock lock(&follower_mu_);
+  if (follower_.joinable()) return;
+  {
+    absl::MutexLock follow_lock(&follow_mu_);
+    stopping_ = false;
+  }
+  follower_ = std::thread([this, on_update = std::move(on_update)] { FollowLoop(on_update); });
+}
+
+void ModelMirror::StopFollowing() {
+  absl::MutexLock lock(&follower_mu_);
+  if (!follower_.joinable()) return;
+  {
+    absl::MutexLock follow_lock(&follow_mu_);
+    stopping_ = true;
+    if (poll_ != nullptr) poll_->TryCancel();
+  }
+  follower_.join();
+}
+
+void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update) {
+  std::chrono::milliseconds backoff = options_.backoff;
+  // Bounded by StopFollowing: each turn is one poll (at most options_.poll)
+  // or one update, and every wait ends at stopping_.
+  for (;;) {
+    const uint64_t held = version();
+    absl::StatusOr<uint64_t> newest = Poll(held + 1);
+    absl::Status failed;
+    if (newest.ok() && *newest > held) {
+      absl::StatusOr<MirrorUpdate> update = Update(*newest);
+      if (update.ok()) {
+        if (on_update) on_update(*update);
+      } else {
+        failed = update.status();
+      }
+    } else if (!newest.ok()) {
+      failed = newest.status();
+    }
+    absl::MutexLock lock(&follow_mu_);
+    if (stopping_) return;
+    if (failed.ok()) {
+      backoff = options_.backoff;
+      continue;
+    }
+    Log()->warn("mirror at version {}: {}; retrying in {} ms", held, failed.message(),
+                backoff.count());
+    follow_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(backoff));
+    if (stopping_) return;
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+absl::Status ModelMirror::Reading::status() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<uint32_t> torn;
+  for (uint32_t i = 0; i < mirror_->torn_.size(); ++i) {
+    if (mirror_->torn_[i]) torn.push_back(i);
+  }
+  if (torn.empty()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "layer(s) ", absl::StrJoin(torn, ", "),
+      " hold a mix of two versions: their last pull failed midway; the next update repairs them"));
+}
+
+}  // namespace layercast::client

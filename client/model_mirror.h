@@ -1,0 +1,134 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "client/layer.h"
+#include "client/shard_set.h"
+
+namespace layercast::client {
+
+struct MirrorOptions {
+  // Each layer's pull, retries included, ends by then.
+  std::chrono::milliseconds layer_timeout{60000};
+  // How long one long poll for a newer version (WaitVersion) lasts before
+  // it is asked again; what Stop waits at most for a poll in flight is far
+  // less (the poll is cancelled).
+  std::chrono::milliseconds poll{10000};
+  // After a failed poll or update, the follower waits this long, doubling up
+  // to max_backoff, before trying again.
+  std::chrono::milliseconds backoff{100};
+  std::chrono::milliseconds max_backoff{5000};
+};
+
+// What one update brought.
+struct MirrorUpdate {
+  uint64_t version = 0;  // the lowest layer's, now
+  uint32_t layers = 0;   // layers pulled (those behind the target version)
+  uint64_t bytes = 0;    // chunk bytes received for them
+  std::chrono::steady_clock::duration duration{};
+};
+
+// A whole model held on the host at the shards' newest version, for an
+// inference worker: pulled in full once, then kept current by delta pulls
+// (FetchLayerRequest.base_version) written in place, so each update moves
+// only the compute-dtype values that changed. Tensor views (Layer::tensor)
+// stay valid across updates: the buffers never move.
+//
+// Readers take a Reading, which holds updates off while it lives: every
+// layer read through one is at the version it reports. An update holds
+// readers off for its whole walk, so a model is never seen half updated.
+// A layer whose pull failed midway holds a mix of its old and new values;
+// Reading::status() says so until the next update repairs it (a delta from
+// the same base gives the new values exactly).
+//
+// Thread-safe.
+class ModelMirror {
+ public:
+  // Pulls every layer in full. `shards` must outlive the mirror.
+  static absl::StatusOr<std::unique_ptr<ModelMirror>> Create(const ShardSet& shards,
+                                                             MirrorOptions options = {});
+  // Stops following.
+  ~ModelMirror();
+
+  // The lowest version any layer holds.
+  uint64_t version() const;
+
+  // Brings every layer to at least `min_version` (default: the version the
+  // shards serve now) by delta pulls. Layers already there are left alone.
+  // Errors are the gather's (ShardSet::GatherInto); the layers done before
+  // the error keep their new version.
+  absl::StatusOr<MirrorUpdate> Update(std::optional<uint64_t> min_version = std::nullopt);
+
+  // Waits until version() >= `version`; false when `timeout` passed first.
+  bool WaitForVersion(uint64_t version, std::chrono::milliseconds timeout) const;
+
+  // Starts a thread that long-polls the shards for a newer version and
+  // updates to it, calling `on_update` (on that thread, with no lock held)
+  // after each update. Failures are logged and retried with backoff. Calling
+  // it again while following changes nothing.
+  void Follow(std::function<void(const MirrorUpdate&)> on_update = {});
+  // Stops the follower, cancelling a poll in flight; waits for an update in
+  // flight to end.
+  void StopFollowing();
+
+  // Holds updates off while it lives: `auto reading = mirror.Read();`.
+  // Neither copied nor moved.
+  class Reading {
+   public:
+    // The lowest layer's version: after a publish every layer holds the
+    // same; on training shards each layer's own is Layer::version().
+    uint64_t version() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return mirror_->VersionLocked(); }
+    // REQUIRES: layer < num_layers(). Valid while the mirror lives; its
+    // values are this Reading's while it lives.
+    const Layer& layer(uint32_t layer) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return mirror_->layers_[layer];
+    }
+    uint32_t num_layers() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return static_cast<uint32_t>(mirror_->layers_.size());
+    }
+    // DATA_LOSS naming the layers whose last pull failed midway.
+    absl::Status status() const;
+
+   private:
+    friend class ModelMirror;
+    explicit Reading(const ModelMirror* mirror) ABSL_NO_THREAD_SAFETY_ANALYSIS
+        : mirror_(mirror),
+          lock_(&mirror->mu_) {}
+    const ModelMirror* mirror_;
+    absl::ReaderMutexLock lock_;
+  };
+  Reading Read() const { return Reading(this); }
+
+ private:
+  ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers);
+  uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The follower's long poll: the version shard 0 serves once it reaches
+  // `min_version` or the poll ends (then below it); StopFollowing cancels it.
+  absl::StatusOr<uint64_t> Poll(uint64_t min_version);
+  void FollowLoop(std::function<void(const MirrorUpdate&)> on_update);
+
+  const ShardSet& shards_;
+  const MirrorOptions options_;
+  // One update at a time; taken before mu_.
+  absl::Mutex update_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> torn_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex follow_mu_;
+  bool stopping_ ABSL_GUARDED_BY(follow_mu_) = false;
+  grpc::ClientContext* poll_ ABSL_GUARDED_BY(follow_mu_) = nullptr;
+  absl::Mutex follower_mu_ ABSL_ACQUIRED_BEFORE(follow_mu_);  // Follow, StopFollowing
+  std::thread follower_ ABSL_GUARDED_BY(follower_mu_);
+};
+
+}  // namespace layercast::client

@@ -1,0 +1,134 @@
+"""Publishing from Python to real read-only shards on 127.0.0.1, and a mirror
+following it: after each publish the mirror holds, in place and without a
+copy, exactly torch's casts of the new values; bad publishes raise and change
+nothing."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+import layercast
+from layercast.torch import save_safetensors
+from shards import ShardSet, llama_tensors
+
+POLICY = "p=f32,c=bf16;*norm*=f32"
+TOKEN = "python-publish-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("publish")
+    tensors = llama_tensors()
+    save_safetensors(directory / "model.safetensors", tensors)
+    token_file = directory / "token"
+    token_file.write_text(TOKEN + "\n")
+    os.chmod(token_file, 0o600)
+    with ShardSet(directory, 2, ["--model", str(directory), "--policy", POLICY,
+                                 "--admin-token-file", str(token_file)]) as shards:
+        yield shards, tensors
+
+
+def cast(tensor, name):
+    return tensor if "norm" in name else tensor.to(torch.bfloat16)
+
+
+def bits(tensor):
+    return tensor.view(torch.int32 if tensor.dtype == torch.float32 else torch.int16)
+
+
+def test_a_mirror_follows_publishes_in_place(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        mirror = shard_set.mirror(poll=20.0)
+        start = mirror.version
+        views = {}
+        with mirror.read() as reading:
+            assert reading.version == start
+            for index in range(len(reading)):
+                for name, view in reading.layer(index).tensors.items():
+                    views[name] = torch.from_dlpack(view)
+        assert set(views) == set(tensors)
+        nbytes = sum(v.numel() * v.element_size() for v in views.values())
+        updates = []
+        done = threading.Event()
+
+        def on_update(update):
+            updates.append(update)
+            done.set()
+
+        mirror.follow(on_update)
+        values = {name: t.clone() for name, t in tensors.items()}
+        for step in range(1, 3):
+            for t in values.values():
+                t.view(-1)[step::5] *= 1 + 1 / 16
+            published = shard_set.publish(values, TOKEN)
+            assert published["version"] == start + step
+            assert published["changed_elements"] > 0
+            assert not published["layer_by_layer"]
+            assert mirror.wait_for_version(start + step, timeout=30)
+            with mirror.read() as reading:
+                reading.check()
+                assert reading.version == start + step
+            for name, view in views.items():  # the same memory, new values
+                assert torch.equal(bits(view), bits(cast(values[name], name))), name
+        mirror.stop()
+        assert done.is_set()
+        assert [u["version"] for u in updates] == [start + 1, start + 2]
+        for update in updates:
+            assert 0 < update["bytes"] < nbytes, "a delta, not the whole model"
+        assert mirror.update()["layers"] == 0, "nothing new to pull"
+
+
+def test_a_bad_publish_raises_and_changes_nothing(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        before = shard_set.mirror()
+        version = before.version
+        name = "model.layers.0.self_attn.q_proj.weight"
+        with pytest.raises(TypeError, match="float32"):
+            shard_set.publish({name: tensors[name].double()}, TOKEN)
+        with pytest.raises(ValueError, match="shape"):
+            shard_set.publish({name: tensors[name].view(-1)}, TOKEN)
+        with pytest.raises(KeyError, match="not in the model"):
+            shard_set.publish({"no.such.weight": torch.zeros(1)}, TOKEN)
+        with pytest.raises(layercast.Error) as partial:
+            shard_set.publish({name: tensors[name]}, TOKEN)
+        assert partial.value.code == "INVALID_ARGUMENT"
+        assert "given in part" in partial.value.message
+        with pytest.raises(layercast.Error) as refused:
+            shard_set.publish(dict(tensors), "not-the-token-0123456789abcdef")
+        assert refused.value.code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
+        after = shard_set.mirror()
+        assert after.version == version
+        with before.read() as old, after.read() as new:
+            for index in range(len(old)):
+                for tensor_name, view in old.layer(index).tensors.items():
+                    assert torch.equal(bits(torch.from_dlpack(view)),
+                                       bits(torch.from_dlpack(new.layer(index)[tensor_name])))
+
+
+def test_a_pinned_walk_gets_its_version_while_newer_ones_commit(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        start = shard_set.version()
+        layers = len(shard_set.manifest["layers"])
+        held = {}
+        for layer in shard_set.stream(range(layers), budget_bytes=1 << 24):
+            held.update({name: torch.from_dlpack(t).clone() for name, t in layer.tensors.items()})
+        walk = shard_set.stream(range(layers), budget_bytes=1 << 24, lookahead=0, version=start)
+        first = next(walk)
+        assert first.version == start
+        newer = {name: t * 1.25 for name, t in tensors.items()}
+        assert shard_set.publish(newer, TOKEN)["version"] == start + 1
+        seen = [first] + list(walk)
+        assert [layer.index for layer in seen] == list(range(layers))
+        for layer in seen:
+            assert layer.version == start, "the walk left its version"
+            for name, view in layer.tensors.items():
+                assert torch.equal(bits(torch.from_dlpack(view)), bits(held[name])), name
+        for layer in shard_set.stream(range(layers), budget_bytes=1 << 24):
+            assert layer.version == start + 1
+            for name, view in layer.tensors.items():
+                assert torch.equal(bits(torch.from_dlpack(view)), bits(cast(newer[name], name)))

@@ -1,0 +1,151 @@
+// Versions kept for pinned readers, alone: a kept version holds exactly the
+// compute-dtype bits of the layer before its change, is charged to the
+// budget only when it fits, and goes (its bytes back) when it expires, when
+// a stream needs the memory, or when the last reader lets go after that.
+
+#include "server/pinned_versions.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <boost/asio/thread_pool.hpp>
+#include <cstring>
+#include <thread>
+
+#include "core/cast.h"
+#include "core/synthetic_model.h"
+
+namespace layercast::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr char kModel[] = "llama:layers=1,hidden=40,ffn=56,vocab=44,seed=5";
+constexpr uint32_t kLayer = 1;  // norms (float32) and matrices (bfloat16)
+
+std::unique_ptr<ParameterStore> Store() {
+  auto model = SyntheticModel::Create(kModel);
+  EXPECT_TRUE(model.ok()) << model.status();
+  auto store = ParameterStore::Load(**model, 1, 3, *Policy::Parse("c=bf16;*norm*=f32"));
+  EXPECT_TRUE(store.ok()) << store.status();
+  return *std::move(store);
+}
+
+// Bytes of the layer's slice in its compute dtypes.
+uint64_t SliceBytes(const ParameterStore& store, uint32_t layer) {
+  uint64_t bytes = 0;
+  for (uint32_t t = 0; t < store.layout(layer).tensors().size(); ++t) {
+    bytes +=
+        store.owned(layer, t).size() * DTypeSize(store.layout(layer).tensors()[t].compute_dtype);
+  }
+  return bytes;
+}
+
+struct Fixture {
+  explicit Fixture(std::optional<uint64_t> room = std::nullopt,
+                   std::chrono::steady_clock::duration retention = std::chrono::seconds(60))
+      : store(Store()),
+        budget(room ? std::optional<uint64_t>(store->master_bytes() + *room) : std::nullopt,
+               store->master_bytes(), grants.get_executor()),
+        log(*store, 2),
+        pinned(*store, retention, budget, metrics) {}
+
+  // Doubles every owned value of kLayer, as a change would, and keeps the
+  // version before as `version`; returns each tensor's cast bits before.
+  std::vector<std::vector<uint8_t>> Change(uint64_t version) {
+    std::vector<std::vector<uint8_t>> before;
+    for (uint32_t t = 0; t < store->layout(kLayer).tensors().size(); ++t) {
+      const DType dtype = store->layout(kLayer).tensors()[t].compute_dtype;
+      const uint64_t owned = store->owned(kLayer, t).size();
+      before.emplace_back(owned * DTypeSize(dtype));
+      EXPECT_TRUE(CastFromF32(store->master(kLayer, t), before.back().data(), owned, dtype,
+                              Fp16Overflow::kInfinity)
+                      .ok());
+    }
+    absl::WriterMutexLock lock(&store->layer_mutex(kLayer));
+    ChangeLog::Snapshot snapshot = log.Take(kLayer);
+    for (uint32_t t = 0; t < store->layout(kLayer).tensors().size(); ++t) {
+      float* master = store->mutable_master(kLayer, t);
+      for (uint64_t i = 0; i < store->owned(kLayer, t).size(); ++i) master[i] *= 2;
+    }
+    log.Record(kLayer, version + 1, snapshot);
+    pinned.Keep(kLayer, version, std::move(snapshot));
+    return before;
+  }
+
+  boost::asio::thread_pool grants{1};
+  ServerMetrics metrics;
+  std::unique_ptr<ParameterStore> store;
+  MemoryBudget budget;
+  ChangeLog log;
+  PinnedVersions pinned;
+};
+
+TEST(PinnedVersionsTest, KeepsTheCastBitsOfTheVersionBeforeTheChange) {
+  Fixture f;
+  const auto before = f.Change(0);
+  const std::shared_ptr<const PinnedVersions::Kept> kept = f.pinned.Find(kLayer, 0);
+  ASSERT_NE(kept, nullptr);
+  for (uint32_t t = 0; t < before.size(); ++t) {
+    EXPECT_EQ(std::memcmp(kept->tensor(t), before[t].data(), before[t].size()), 0)
+        << "tensor " << t;
+  }
+  EXPECT_EQ(f.pinned.Find(kLayer, 1), nullptr) << "the version now is the master's";
+  EXPECT_EQ(f.pinned.Find(0, 0), nullptr) << "another layer";
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + SliceBytes(*f.store, kLayer));
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 1);
+  EXPECT_EQ(f.metrics.pinned_version_bytes().Value(),
+            static_cast<double>(SliceBytes(*f.store, kLayer)));
+  EXPECT_GT(f.metrics.pinned_version_oldest_timestamp().Value(), 1.7e9);
+}
+
+TEST(PinnedVersionsTest, KeepsNothingWithoutRoomInTheBudget) {
+  Fixture f(/*room=*/SliceBytes(*Store(), kLayer) - 1);
+  f.Change(0);
+  EXPECT_EQ(f.pinned.Find(kLayer, 0), nullptr);
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 0);
+}
+
+TEST(PinnedVersionsTest, AnExpiredVersionGoesButAReaderKeepsItsBytesUntilItLetsGo) {
+  Fixture f(std::nullopt, milliseconds(100));
+  f.Change(0);
+  std::shared_ptr<const PinnedVersions::Kept> reader = f.pinned.Find(kLayer, 0);
+  ASSERT_NE(reader, nullptr);
+  // Bounded: the timer fires after 100 ms.
+  for (int i = 0; i < 200 && f.pinned.Find(kLayer, 0) != nullptr; ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(f.pinned.Find(kLayer, 0), nullptr);
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 0);
+  EXPECT_EQ(f.metrics.pinned_version_oldest_timestamp().Value(), 0);
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + reader->bytes()) << "still read";
+  reader.reset();
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
+}
+
+TEST(PinnedVersionsTest, DropAllGivesEveryKeptVersionBack) {
+  Fixture f;
+  f.Change(0);
+  f.Change(1);
+  EXPECT_NE(f.pinned.Find(kLayer, 0), nullptr);
+  EXPECT_NE(f.pinned.Find(kLayer, 1), nullptr);
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 2);
+  f.pinned.DropAll();
+  EXPECT_EQ(f.pinned.Find(kLayer, 0), nullptr);
+  EXPECT_EQ(f.pinned.Find(kLayer, 1), nullptr);
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
+}
+
+TEST(PinnedVersionsTest, ALayerChangedNothingSinceAVersionIsServedFromTheMaster) {
+  Fixture f;
+  f.log.RecordUnchanged(kLayer, 1);
+  EXPECT_TRUE(f.log.ChangedNothing(kLayer, 0, 1));
+  f.Change(1);
+  EXPECT_FALSE(f.log.ChangedNothing(kLayer, 0, 2));
+  EXPECT_FALSE(f.log.ChangedNothing(kLayer, 1, 2));
+  EXPECT_TRUE(f.log.Covers(kLayer, 0, 1)) << "an older current, for a pinned delta";
+}
+
+}  // namespace
+}  // namespace layercast::server
