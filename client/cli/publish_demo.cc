@@ -153,9 +153,14 @@ absl::Status RunPublishDemo(const tools::CliFlags& flags) {
   uint64_t full_bytes = 0;
   for (const AssembledLayout& layout : set->view().layouts) full_bytes += layout.total_bytes();
 
+  // Each mirror on a connection of its own, as inference workers are: the
+  // shards cast each delta chunk once for all of them.
+  std::vector<std::unique_ptr<client::ShardSet>> connections;
   std::vector<std::unique_ptr<client::ModelMirror>> mirrors;
   for (uint64_t m = 0; m < num_mirrors; ++m) {
-    ASSIGN_OR_RETURN(auto mirror, client::ModelMirror::Create(*set));
+    ASSIGN_OR_RETURN(auto connection, client::ShardSet::Connect(shards->addresses(), connect));
+    ASSIGN_OR_RETURN(auto mirror, client::ModelMirror::Create(*connection));
+    connections.push_back(std::move(connection));
     mirrors.push_back(std::move(mirror));
   }
   std::printf(

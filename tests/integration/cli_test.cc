@@ -1,5 +1,6 @@
 // The command-line tools as a newcomer meets them: help for every command
-// with its defaults, --version on both binaries, a layer fetched by name.
+// with its defaults, --version on both binaries, a layer fetched by name,
+// the publishing demo.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 namespace layercast::testing {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
 
@@ -79,6 +81,25 @@ TEST(CliTest, FetchTakesALayerByName) {
                        &output),
             1);
   EXPECT_THAT(output, HasSubstr("the model has no layer named 'model.layers.9'"));
+}
+
+TEST(CliTest, ThePublishDemoKeepsEveryMirrorBitIdenticalAndStopsCleanly) {
+  std::string output;
+  ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " demo --publish --steps 3 --mirrors 2 ",
+                                    "--synthetic llama:layers=2,hidden=64,ffn=96,vocab=50 ",
+                                    "--shard-binary ", ShardBinary(), " 2>/dev/null"),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("published version 3"));
+  // Updates may coalesce when a mirror falls a version behind.
+  EXPECT_THAT(output, ContainsRegex("mirror 1 +[1-3] updates"));
+  EXPECT_THAT(output, HasSubstr("bit-identical to a full pull of every layer"));
+  EXPECT_THAT(output, HasSubstr("shards stopped    cleanly (exit 0)"));
+  EXPECT_EQ(RunCommand(CliBinary() + " demo --publish --train", &output), 2);
+  EXPECT_THAT(output, HasSubstr("give --train or --publish, not both"));
+  EXPECT_EQ(RunCommand(CliBinary() + " demo --mirrors 3", &output), 2);
+  EXPECT_THAT(output, HasSubstr("--mirrors and --lr need --publish"));
 }
 
 }  // namespace
