@@ -97,10 +97,10 @@ class TableReporter : public benchmark::ConsoleReporter {
   void PrintTable() const {
     if (medians_.empty() || medians_.front().first != "memcpy") return;
     const double baseline = medians_.front().second;
-    std::printf("\nfp32 input bytes per second, median of 3\n%-20s %8s %10s\n", "variant", "GB/s",
+    std::printf("\nfp32 input bytes per second, median of 5\n%-24s %8s %10s\n", "variant", "GB/s",
                 "vs memcpy");
     for (const auto& [name, gb_per_s] : medians_) {
-      std::printf("%-20s %8.2f %9.2fx\n", name.c_str(), gb_per_s, gb_per_s / baseline);
+      std::printf("%-24s %8.2f %9.2fx\n", name.c_str(), gb_per_s, gb_per_s / baseline);
     }
   }
 
@@ -112,7 +112,7 @@ void Register(benchmark::internal::Benchmark* benchmark) {
   benchmark->Unit(benchmark::kMillisecond)
       ->UseRealTime()
       ->MinTime(0.3)
-      ->Repetitions(3)
+      ->Repetitions(5)
       ->ReportAggregatesOnly(true);
 }
 

@@ -30,12 +30,27 @@ constexpr Kernels kAvx2Kernels = {internal::F32ToBF16Avx2, internal::F32ToF16Avx
                                   internal::BF16ToF32Avx2, internal::F16ToF32Avx2};
 constexpr Kernels kAvx512Kernels = {internal::F32ToBF16Avx512, internal::F32ToF16Avx512,
                                     internal::BF16ToF32Avx512, internal::F16ToF32Avx512};
+constexpr Kernels kAvx512Bf16Kernels = {internal::F32ToBF16Avx512Bf16, internal::F32ToF16Avx512,
+                                        internal::BF16ToF32Avx512, internal::F16ToF32Avx512};
+
+// Every variant, in the order SupportedCastIsas lists them.
+constexpr CastIsa kAllIsas[] = {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512,
+                                CastIsa::kAvx512Bf16};
 
 // F16C from CPUID: clang 14's __builtin_cpu_supports does not know "f16c".
 // Its registers are the AVX ones, whose OS support the "avx2" check includes.
 bool CpuHasF16c() {
   unsigned eax, ebx, ecx, edx;
   return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
+// AVX512_BF16 is CPUID leaf 7, subleaf 1, EAX bit 5; GCC 12 and clang 14
+// name it differently in __builtin_cpu_supports, so it is read here. Its
+// registers are the AVX-512 ones, whose OS support the "avx512f" check
+// includes.
+bool CpuHasAvx512Bf16() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1u << 5)) != 0;
 }
 
 // Beyond the features each variant is named after, this also asks for every
@@ -52,6 +67,8 @@ bool CpuRuns(CastIsa isa) {
     case CastIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && CpuHasF16c();
+    case CastIsa::kAvx512Bf16:
+      return CpuRuns(CastIsa::kAvx512) && CpuHasAvx512Bf16();
   }
   return false;
 }
@@ -60,6 +77,8 @@ bool CpuRuns(CastIsa isa) {
 const Kernels& KernelsFor(CastIsa isa) {
   static const bool avx2 = CpuRuns(CastIsa::kAvx2);
   static const bool avx512 = CpuRuns(CastIsa::kAvx512);
+  static const bool avx512_bf16 = CpuRuns(CastIsa::kAvx512Bf16);
+  if (isa == CastIsa::kAvx512Bf16 && avx512_bf16) return kAvx512Bf16Kernels;
   if (isa == CastIsa::kAvx512 && avx512) return kAvx512Kernels;
   if (isa == CastIsa::kAvx2 && avx2) return kAvx2Kernels;
   return kScalarKernels;
@@ -83,6 +102,8 @@ absl::string_view CastIsaName(CastIsa isa) {
       return "avx2";
     case CastIsa::kAvx512:
       return "avx512";
+    case CastIsa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }
@@ -90,7 +111,7 @@ absl::string_view CastIsaName(CastIsa isa) {
 const std::vector<CastIsa>& SupportedCastIsas() {
   static const std::vector<CastIsa>* const isas = [] {
     auto* supported = new std::vector<CastIsa>;
-    for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512}) {
+    for (CastIsa isa : kAllIsas) {
       if (CpuRuns(isa)) supported->push_back(isa);
     }
     return supported;
@@ -170,11 +191,11 @@ absl::Status ChooseCastIsa(CastIsa isa) {
 }
 
 absl::StatusOr<CastIsa> CastIsaFromName(absl::string_view name) {
-  for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512}) {
+  for (CastIsa isa : kAllIsas) {
     if (name == CastIsaName(isa)) return isa;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown cast kernel '", name, "': use scalar, avx2 or avx512"));
+      absl::StrCat("unknown cast kernel '", name, "': use scalar, avx2, avx512 or avx512bf16"));
 }
 
 void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst) {

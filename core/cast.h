@@ -31,6 +31,9 @@ enum class CastIsa {
   kScalar,
   kAvx2,    // AVX2 + F16C
   kAvx512,  // AVX-512 F + BW
+  // AVX-512 BF16's conversion instruction for f32 -> bf16; the AVX-512
+  // kernels for the rest.
+  kAvx512Bf16,
 };
 
 absl::string_view CastIsaName(CastIsa isa);

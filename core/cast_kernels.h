@@ -23,6 +23,10 @@ namespace layercast::internal {
 void F32ToBF16Scalar(const float* src, uint16_t* dst, size_t n);
 void F32ToBF16Avx2(const float* src, uint16_t* dst, size_t n);
 void F32ToBF16Avx512(const float* src, uint16_t* dst, size_t n);
+// AVX-512 BF16's conversion instruction, with the AVX-512 kernel for blocks
+// holding subnormals or NaNs (the instruction flushes the one and keeps the
+// other's payload).
+void F32ToBF16Avx512Bf16(const float* src, uint16_t* dst, size_t n);
 
 // Returns n, or with Fp16Overflow::kError the index of the first finite
 // element that rounds beyond 65504; elements from some point before that index

@@ -83,7 +83,8 @@ TEST(CastTest, VariantsAreListedScalarFirstAndTheFastestIsUsed) {
   EXPECT_EQ(CastIsaName(CastIsa::kScalar), "scalar");
   EXPECT_EQ(CastIsaName(CastIsa::kAvx2), "avx2");
   EXPECT_EQ(CastIsaName(CastIsa::kAvx512), "avx512");
-  for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512}) {
+  EXPECT_EQ(CastIsaName(CastIsa::kAvx512Bf16), "avx512bf16");
+  for (CastIsa isa : {CastIsa::kScalar, CastIsa::kAvx2, CastIsa::kAvx512, CastIsa::kAvx512Bf16}) {
     EXPECT_EQ(*CastIsaFromName(CastIsaName(isa)), isa);
   }
   EXPECT_EQ(CastIsaFromName("avx1024").status().code(), absl::StatusCode::kInvalidArgument);

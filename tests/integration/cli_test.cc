@@ -26,7 +26,7 @@ TEST(CliTest, VersionNamesReleaseCommitBuildAndCastKernel) {
     ASSERT_EQ(RunCommand(binary + " --version", &output), 0) << output;
     EXPECT_THAT(output, MatchesRegex("layercast(-shard)? [0-9]+\\.[0-9]+\\.[0-9]+ \\(commit "
                                      "([0-9a-f]+|unknown), [A-Za-z]+ build, cast kernel "
-                                     "(scalar|avx2|avx512)\\)\n"));
+                                     "(scalar|avx2|avx512|avx512bf16)\\)\n"));
   }
 }
 
