@@ -15,15 +15,26 @@ namespace layercast::client {
 
 absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet& shards,
                                                                  MirrorOptions options) {
+  // Every layer at the version the shards serve now, pinned, so a publish
+  // committed during the walk does not split it; a layer whose version the
+  // shards no longer keep is pulled at its newest, and the update below
+  // brings the rest there.
+  ASSIGN_OR_RETURN(const uint64_t start, shards.CurrentVersion());
   std::vector<Layer> layers;
-  uint64_t newest = 0;
+  uint64_t newest = start;
   for (uint32_t layer = 0; layer < shards.model().layers.size(); ++layer) {
     GatherOptions gather;
     gather.timeout = options.layer_timeout;
-    gather.min_version = newest;
-    ASSIGN_OR_RETURN(Layer pulled, shards.Gather(layer, gather));
-    newest = std::max(newest, pulled.version());
-    layers.push_back(std::move(pulled));
+    gather.exact_version = start;
+    absl::StatusOr<Layer> pulled = shards.Gather(layer, gather);
+    if (absl::IsAborted(pulled.status())) {
+      gather.exact_version.reset();
+      gather.min_version = newest;
+      pulled = shards.Gather(layer, gather);
+    }
+    if (!pulled.ok()) return pulled.status();
+    newest = std::max(newest, pulled->version());
+    layers.push_back(*std::move(pulled));
   }
   std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, options, std::move(layers)));
   // A publish committed during the walk: the layers before it are brought
@@ -91,10 +102,20 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
     std::atomic<uint64_t> received{0};
     GatherOptions gather;
     gather.timeout = options_.layer_timeout;
-    gather.min_version = target;
+    // Pinned: a publish committed during the walk leaves the layers after
+    // it at `target` too, so the walk ends with one version. A shard that no
+    // longer keeps it (ABORTED) gives the layer at its newest instead.
+    gather.exact_version = target;
     gather.base_version = layer.version();
     gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
     absl::StatusOr<uint64_t> version = shards_.GatherInto(i, gather, layer.mutable_bytes());
+    // Chunks applied before the refusal are repaired by the second pull: a
+    // delta from the same base gives the newer values exactly.
+    if (absl::IsAborted(version.status())) {
+      gather.exact_version.reset();
+      gather.min_version = target;
+      version = shards_.GatherInto(i, gather, layer.mutable_bytes());
+    }
     update.bytes += received.load();
     if (!version.ok()) {
       // Chunks already applied leave a mix; a delta from the same base

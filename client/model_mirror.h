@@ -43,12 +43,16 @@ struct MirrorUpdate {
 // only the compute-dtype values that changed. Tensor views (Layer::tensor)
 // stay valid across updates: the buffers never move.
 //
-// Readers take a Reading, which holds updates off while it lives: every
-// layer read through one is at the version it reports. An update holds
-// readers off for its whole walk, so a model is never seen half updated.
-// A layer whose pull failed midway holds a mix of its old and new values;
-// Reading::status() says so until the next update repairs it (a delta from
-// the same base gives the new values exactly).
+// Readers take a Reading, which holds updates off while it lives. An update
+// holds readers off for its whole walk, and pins it to one version
+// (GatherOptions.exact_version), so a publish committed meanwhile does not
+// leave the layers after it newer than those before; only where a shard no
+// longer keeps that version is a layer pulled at its newest. An update that
+// fails leaves the layers it did not reach at their older version (each
+// layer whole, Layer::version() says which); a layer whose pull failed
+// midway holds a mix of its old and new values, which Reading::status()
+// reports until the next update repairs it (a delta from the same base
+// gives the new values exactly).
 //
 // Thread-safe.
 class ModelMirror {

@@ -161,9 +161,16 @@ uint64_t ChangeLog::OldestBase(uint32_t layer, uint64_t current) const {
 }
 
 bool ChangeLog::ChangedNothing(uint32_t layer, uint64_t base, uint64_t current) const {
-  if (!Covers(layer, base, current)) return false;
+  if (base == current) return true;
+  if (base > current) return false;
   const LayerLog& log = *layers_[layer];
+  // One look under the lock: a record pushed between two would make the
+  // answer about two different logs.
   absl::MutexLock lock(&log.mu);
+  if (log.entries.empty() || current < log.entries.front().version ||
+      current > log.entries.back().version || base + 1 < log.entries.front().version) {
+    return false;  // (base, current] not all recorded
+  }
   return std::all_of(log.entries.begin(), log.entries.end(), [&](const Entry& entry) {
     return entry.version <= base || entry.version > current || entry.bits.empty();
   });

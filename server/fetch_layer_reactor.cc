@@ -97,6 +97,9 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
   metrics_.streams_waiting_for_version().Decrement();
   // Before anything is granted: a grant may finish the stream at once.
   if (outcome == VersionGate::Outcome::kReached && options_.on_unparked) options_.on_unparked();
+  // Before the stream's own lock: this takes the layer's.
+  const std::optional<grpc::Status> gone =
+      outcome == VersionGate::Outcome::kReached ? HoldExactVersion(version) : std::nullopt;
   std::optional<grpc::Status> finish;
   bool streaming = false;
   {
@@ -117,28 +120,20 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
           absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
                        version, ") within this shard's limit on waiting for a version ",
                        "(--max-version-wait-ms); ask again"));
-    } else if (options_.exact_version && !Serves(*options_.exact_version, version)) {
-      if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
-      finish = grpc::Status(
-          grpc::StatusCode::ABORTED,
-          absl::StrCat("layer ", plan_.layer, " is at parameter version ", version,
-                       " and this shard no longer keeps version ", *options_.exact_version,
-                       options_.pinned != nullptr
-                           ? " (it keeps a superseded version for --pin-retention-ms, while its "
-                             "memory budget has room)"
-                           : " (it keeps none: --pin-retention-ms 0)",
-                       "; walk the model again at version ", version));
-    } else if (options_.base_version &&
-               !options_.changes->Covers(plan_.layer, *options_.base_version,
-                                         options_.exact_version.value_or(version))) {
-      finish = grpc::Status(
-          grpc::StatusCode::OUT_OF_RANGE,
-          absl::StrCat("this shard no longer holds the changes of layer ", plan_.layer,
-                       " since base_version ", *options_.base_version, ": it is at version ",
-                       version, " and keeps the last ", options_.changes->versions(),
-                       " versions' changes (--delta-versions; a delta can start from version ",
-                       options_.changes->OldestBase(plan_.layer, version),
-                       "); pull the layer in full"));
+    } else if (gone) {
+      finish = *gone;
+    } else if (const uint64_t target = options_.exact_version.value_or(version);
+               options_.base_version &&
+               !options_.changes->Covers(plan_.layer, *options_.base_version, target)) {
+      finish =
+          grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
+                       absl::StrCat("this shard no longer holds the changes of layer ", plan_.layer,
+                                    " since base_version ", *options_.base_version, " to version ",
+                                    target, ": it keeps the last ", options_.changes->versions(),
+                                    " versions' changes (--delta-versions; a delta to ", target,
+                                    " can start from version ",
+                                    options_.changes->OldestBase(plan_.layer, target),
+                                    "); pull the layer in full"));
     } else {
       version_ = options_.exact_version.value_or(version);
       phase_ = Phase::kWaitingForBudget;
@@ -184,11 +179,33 @@ void FetchLayerReactor::OnBudget(bool granted) {
   WriteNext();
 }
 
-bool FetchLayerReactor::Serves(uint64_t version, uint64_t current) const {
-  return version == current ||
-         (options_.changes != nullptr &&
-          options_.changes->ChangedNothing(plan_.layer, version, current)) ||
-         (options_.pinned != nullptr && options_.pinned->Find(plan_.layer, version) != nullptr);
+std::string FetchLayerReactor::WhyNotKept() const {
+  if (options_.pinned != nullptr) {
+    return absl::StrCat("it keeps a layer's two newest superseded versions for ",
+                        "--pin-retention-ms, while its memory budget has room");
+  }
+  return options_.changes == nullptr ? "it keeps none: --delta-versions 0"
+                                     : "it keeps none: --pin-retention-ms 0";
+}
+
+std::optional<grpc::Status> FetchLayerReactor::HoldExactVersion(uint64_t current) {
+  if (!options_.exact_version || *options_.exact_version == current || buffer_bytes_ == 0) {
+    return std::nullopt;
+  }
+  const uint64_t exact = *options_.exact_version;
+  absl::ReaderMutexLock master_lock(&store_.layer_mutex(plan_.layer));
+  if (options_.changes != nullptr) {
+    if (options_.changes->ChangedNothing(plan_.layer, exact, current)) return std::nullopt;
+    if (options_.pinned != nullptr) {
+      held_ = options_.pinned->Find(plan_.layer, exact, *options_.changes);
+    }
+  }
+  if (held_ != nullptr) return std::nullopt;
+  if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
+  return grpc::Status(grpc::StatusCode::ABORTED,
+                      absl::StrCat("layer ", plan_.layer, " is at parameter version ", current,
+                                   " and this shard no longer keeps version ", exact, " (",
+                                   WhyNotKept(), "); walk the model again at version ", current));
 }
 
 absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::SourceOf(
@@ -196,16 +213,26 @@ absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::S
   const uint64_t now = gate_.version(key.layer);
   if (now == key.version) return nullptr;
   std::shared_ptr<const PinnedVersions::Kept> kept;
-  const bool unchanged =
-      options_.changes != nullptr && options_.changes->ChangedNothing(key.layer, key.version, now);
-  if (!unchanged && options_.pinned != nullptr)
-    kept = options_.pinned->Find(key.layer, key.version);
-  if (!unchanged && kept == nullptr) {
-    if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
-    return absl::AbortedError(
-        absl::StrCat("layer ", key.layer, " moved from parameter version ", key.version, " to ",
-                     now, " while this stream sent it, and this shard no longer keeps version ",
-                     key.version, "; gather the layer again with min_version ", now));
+  if (options_.changes != nullptr &&
+      !options_.changes->ChangedNothing(key.layer, key.version, now)) {
+    kept = held_;
+    if (kept == nullptr && options_.pinned != nullptr) {
+      kept = options_.pinned->Find(key.layer, key.version, *options_.changes);
+    }
+    if (kept == nullptr) {
+      if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
+      return absl::AbortedError(absl::StrCat(
+          "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,
+          " while this stream sent it, and this shard no longer keeps version ", key.version, " (",
+          WhyNotKept(), "); ",
+          options_.exact_version ? absl::StrCat("walk the model again at version ", now)
+                                 : absl::StrCat("gather the layer again with min_version ", now)));
+    }
+  } else if (options_.changes == nullptr) {
+    return absl::AbortedError(absl::StrCat("layer ", key.layer, " moved from parameter version ",
+                                           key.version, " to ", now, " while this stream sent it (",
+                                           WhyNotKept(),
+                                           "); gather the layer again with min_version ", now));
   }
   if (!pinned_.exchange(true)) {
     metrics_.pinned_readers().Increment();
@@ -276,6 +303,15 @@ absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
   // again from the same base, a delta applied twice, or over a copy already
   // partly newer, still gives the newest version exactly.
   ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
+  // Checked again under the layer's lock: changes recorded since the stream
+  // began may have pushed (base, version] out of the log, and a delta
+  // without them would leave changed values unsent.
+  if (!options_.changes->Covers(key.layer, key.base_version, key.version)) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "layer ", key.layer, " moved on while this stream sent a delta from version ",
+        key.base_version, " to ", key.version,
+        ", and this shard no longer holds the changes between them; pull the layer in full"));
+  }
   // The span is cast whole (the kernels run on contiguous elements) into
   // scratch that stays with the thread, then only its changed elements are
   // packed into the chunk.

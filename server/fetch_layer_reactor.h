@@ -28,7 +28,9 @@ namespace layercast::server {
 // chunk by chunk straight from the fp32 master into the slice that goes on
 // the wire (see EncodeLayerChunk), keeping one write in flight and starting
 // the next from OnWriteDone. No copy of the layer in its compute dtype ever
-// exists beyond the chunks in flight.
+// exists beyond the chunks in flight, but for a version the layer has moved
+// past: a pinned read (or a stream a change overtook) copies its chunks
+// from the version PinnedVersions kept, which a cast at that version gave.
 //
 // Owns itself: deletes itself in OnDone. gRPC serialises OnWriteDone and
 // OnDone, but OnCancel may run beside them; the version gate's, the
@@ -114,9 +116,13 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // that version, or changed nothing since), else the version kept of it;
   // ABORTED when neither. REQUIRES: the layer's mutex held shared.
   absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> SourceOf(const ChunkKey& key);
-  // Whether the values of `version` of the layer are at hand now (SourceOf
-  // would find them), for refusing a pinned read before it waits for budget.
-  bool Serves(uint64_t version, uint64_t current) const;
+  // For a pinned read whose layer is at `current`: holds the kept version
+  // it asks for (held_) for the stream's life, so a reclaim while it waits
+  // for budget cannot take it away; ABORTED, naming the version to walk
+  // again at, when the shard has no such version. Takes the layer's mutex.
+  std::optional<grpc::Status> HoldExactVersion(uint64_t current);
+  // Why a superseded version is not at hand, for messages.
+  std::string WhyNotKept() const;
   // Casts the key's elements from the master (or copies them from `kept`)
   // into `out`, extending `*crc` over them when not null. REQUIRES: the
   // layer's mutex held shared, and `kept` from SourceOf under it.
@@ -151,6 +157,8 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   std::atomic<bool> stalled_{false};
   // Counted in pinned_readers (it sent from a version its layer had left).
   std::atomic<bool> pinned_{false};
+  // The kept version a pinned read sends from; set before streaming starts.
+  std::shared_ptr<const PinnedVersions::Kept> held_;
   // steady_clock ticks when the write in flight started; 0: none in flight.
   std::atomic<int64_t> write_started_{0};
 

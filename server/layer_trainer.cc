@@ -508,8 +508,10 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.reduced = false;
   state.opened.reset();
   if (before) {
-    links_.changes->Record(layer, state.version + 1, *before);
-    if (links_.pinned != nullptr) links_.pinned->Keep(layer, state.version, *std::move(before));
+    const uint64_t changed = links_.changes->Record(layer, state.version + 1, *before);
+    if (links_.pinned != nullptr) {
+      links_.pinned->Keep(layer, state.version, changed, *std::move(before));
+    }
   }
   ++state.version;
   if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);

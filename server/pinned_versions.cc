@@ -13,12 +13,26 @@ PinnedVersions::PinnedVersions(const ParameterStore& store,
                                ServerMetrics& metrics)
     : store_(store), retention_(retention), budget_(budget), metrics_(metrics) {}
 
-PinnedVersions::~PinnedVersions() { Drop(); }
+PinnedVersions::~PinnedVersions() {
+  std::map<Key, Entry> dropped;  // released after the lock
+  absl::MutexLock lock(&mu_);
+  dropped = TakeAllLocked();
+}
 
-void PinnedVersions::Keep(uint32_t layer, uint64_t version, ChangeLog::Snapshot&& before) {
-  if (!before.whole()) return;  // a cast failed: there are no values to keep
+bool PinnedVersions::Affordable(uint64_t bytes) const {
+  const std::optional<uint64_t> budget = budget_.budget();
+  if (!budget) return true;
+  const uint64_t in_use = budget_.in_use();
+  return in_use <= *budget && *budget - in_use >= 2 * bytes;
+}
+
+void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
+                          ChangeLog::Snapshot&& before) {
+  // Unchanged, the next kept version or the master has the same bits; a
+  // failed cast left none to keep.
+  if (changed == 0 || !before.whole()) return;
   std::vector<uint8_t> bits = std::move(before).TakeBits();
-  if (!budget_.TryAcquire(bits.size())) {
+  if (!Affordable(bits.size()) || !budget_.TryAcquire(bits.size())) {
     metrics_.RecordPinnedVersionDropped("no_room");
     return;
   }
@@ -31,8 +45,17 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, ChangeLog::Snapshot&
   }
   // Charged above; given back by the Kept's destructor from here on.
   std::shared_ptr<const Kept> kept(new Kept(std::move(bits), std::move(offsets), budget_));
-  const Key key{layer, version};
+  std::shared_ptr<const Kept> evicted;  // released after the lock
   absl::MutexLock lock(&mu_);
+  const auto first = entries_.lower_bound({layer, 0});
+  const auto end = entries_.lower_bound({layer + 1, 0});
+  if (static_cast<size_t>(std::distance(first, end)) >= kPerLayer) {
+    evicted = std::move(first->second.kept);
+    timers_.Cancel(first->second.expiry);
+    entries_.erase(first);
+    metrics_.RecordPinnedVersionDropped("evicted");
+  }
+  const Key key{layer, version};
   Entry& entry = entries_[key];
   entry.kept = std::move(kept);
   entry.superseded = std::chrono::system_clock::now();
@@ -42,11 +65,17 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, ChangeLog::Snapshot&
   ObserveLocked();
 }
 
-std::shared_ptr<const PinnedVersions::Kept> PinnedVersions::Find(uint32_t layer,
-                                                                 uint64_t version) const {
+std::shared_ptr<const PinnedVersions::Kept> PinnedVersions::Find(uint32_t layer, uint64_t version,
+                                                                 const ChangeLog& changes) const {
   absl::MutexLock lock(&mu_);
-  const auto it = entries_.find({layer, version});
-  return it == entries_.end() ? nullptr : it->second.kept;
+  // The first kept version at or after `version`: if a later one is not
+  // the same bits, no later one is.
+  const auto it = entries_.lower_bound({layer, version});
+  if (it == entries_.end() || it->first.first != layer) return nullptr;
+  if (it->first.second == version || changes.ChangedNothing(layer, version, it->first.second)) {
+    return it->second.kept;
+  }
+  return nullptr;
 }
 
 void PinnedVersions::Expire(Key key) {
@@ -61,21 +90,23 @@ void PinnedVersions::Expire(Key key) {
 }
 
 void PinnedVersions::DropAll() {
-  if (const size_t dropped = Drop(); dropped > 0) {
-    Log()->info("dropped {} kept layer version(s): a stream needed the memory", dropped);
+  std::map<Key, Entry> dropped;  // released after the lock
+  {
+    absl::MutexLock lock(&mu_);
+    dropped = TakeAllLocked();
+    for (size_t i = 0; i < dropped.size(); ++i) metrics_.RecordPinnedVersionDropped("reclaimed");
+  }
+  if (!dropped.empty()) {
+    Log()->info("dropped {} kept layer version(s): a stream needed the memory", dropped.size());
   }
 }
 
-size_t PinnedVersions::Drop() {
-  std::map<Key, Entry> dropped;  // released after the lock
-  absl::MutexLock lock(&mu_);
-  dropped.swap(entries_);
-  for (auto& [key, entry] : dropped) {
-    timers_.Cancel(entry.expiry);
-    metrics_.RecordPinnedVersionDropped("reclaimed");
-  }
+std::map<PinnedVersions::Key, PinnedVersions::Entry> PinnedVersions::TakeAllLocked() {
+  std::map<Key, Entry> taken;
+  taken.swap(entries_);
+  for (auto& [key, entry] : taken) timers_.Cancel(entry.expiry);
   ObserveLocked();
-  return dropped.size();
+  return taken;
 }
 
 void PinnedVersions::ObserveLocked() {

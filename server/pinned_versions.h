@@ -24,17 +24,23 @@ namespace layercast::server {
 //
 // What is kept is the compute-dtype bits of this shard's slice of the layer
 // as they were before the change: the snapshot ChangeLog::Take makes anyway
-// to find what changed, so keeping it costs no cast and no copy. Each kept
-// version is charged to the memory budget (only when it fits without anyone
-// waiting: it never delays a stream that needs memory) and is dropped after
-// `retention`, when a stream has to wait for budget, or when the shard
-// stops. A reader still sending from a dropped version keeps its bytes
-// until its chunk is cast; the budget is given back when the last reader
-// lets go.
+// to find what changed, so keeping it costs no cast and no copy. A change
+// that changed no value keeps nothing: the next kept version (or the master)
+// holds the same bits, and Find looks there.
 //
-// Thread-safe. Lock order: this, then the budget.
+// Bounded three ways: at most kPerLayer versions of each layer (the newest),
+// each for `retention`; charged to the memory budget, and only when the room
+// left after it is at least as large again, so that streams still find
+// memory without waiting; all dropped when a stream does wait for budget
+// (the budget's reclaimer). Without a budget the first bound caps them at
+// kPerLayer compute-dtype copies of the slice. A reader holding a Kept keeps
+// its bytes (and their charge) until it lets go.
+//
+// Thread-safe. Lock order: a layer's mutex, then this, then the budget.
 class PinnedVersions {
  public:
+  static constexpr size_t kPerLayer = 2;
+
   // A layer's slice at one version.
   class Kept {
    public:
@@ -42,9 +48,9 @@ class PinnedVersions {
     Kept(const Kept&) = delete;
     Kept& operator=(const Kept&) = delete;
 
-    // The compute-dtype bits of tensor `tensor`'s owned elements, the first
+    // The compute-dtype bits of tensor `index`'s owned elements, the first
     // owned element first.
-    const uint8_t* tensor(uint32_t tensor) const { return bits_.data() + offsets_[tensor]; }
+    const uint8_t* tensor(uint32_t index) const { return bits_.data() + offsets_[index]; }
     uint64_t bytes() const { return bits_.size(); }
 
    private:
@@ -62,17 +68,19 @@ class PinnedVersions {
   // Drops every kept version (readers still holding one keep it).
   ~PinnedVersions();
 
-  std::chrono::steady_clock::duration retention() const { return retention_; }
-
   // Keeps `before` as `layer` at `version`, the version the change that is
-  // about to advance it ends, when the budget has room now. REQUIRES: the
-  // layer's mutex held exclusively, before the layer's version advances (a
-  // reader that sees the new version finds the old one here).
-  void Keep(uint32_t layer, uint64_t version, ChangeLog::Snapshot&& before);
+  // about to advance it ends, when the bounds above allow. `changed`: the
+  // values the change changed (ChangeLog::Record's count); 0 keeps nothing.
+  // REQUIRES: the layer's mutex held exclusively, before the layer's version
+  // advances (a reader that sees the new version finds the old one here).
+  void Keep(uint32_t layer, uint64_t version, uint64_t changed, ChangeLog::Snapshot&& before);
 
-  // `layer` at `version`, or null when it is not kept (never was, or was
-  // dropped).
-  std::shared_ptr<const Kept> Find(uint32_t layer, uint64_t version) const;
+  // The bits of `layer` at `version`: kept under that version, or under a
+  // later one that `changes` says changed nothing since `version`. Null when
+  // neither (never kept, or dropped). REQUIRES: the layer's mutex held
+  // (shared is enough), so the change log cannot move under the answer.
+  std::shared_ptr<const Kept> Find(uint32_t layer, uint64_t version,
+                                   const ChangeLog& changes) const;
 
   // Drops every kept version (the budget's reclaimer calls it when a
   // stream has to wait for memory).
@@ -86,10 +94,13 @@ class PinnedVersions {
   };
   using Key = std::pair<uint32_t, uint64_t>;  // layer, version
 
+  // Whether the budget has room for `bytes` and as much again after it.
+  bool Affordable(uint64_t bytes) const;
   void Expire(Key key);
-  // Drops every kept version; how many.
-  size_t Drop();
-  // Sets the gauges from what is kept now.
+  // Removes every entry; returns them, to be released after the lock.
+  std::map<Key, Entry> TakeAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the gauges from what is kept now (at most kPerLayer entries a
+  // layer, so the scan is short).
   void ObserveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ParameterStore& store_;

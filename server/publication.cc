@@ -209,9 +209,11 @@ absl::StatusOr<Publications::Committed> Publications::CommitLocked(Open& open) {
                     open.staged[l][t].size() * sizeof(float));
       }
       if (before) {
-        committed.changed_elements += links_.changes->Record(l, committed.version, *before);
+        const uint64_t changed = links_.changes->Record(l, committed.version, *before);
+        committed.changed_elements += changed;
+        // Every layer is at the base Begin checked until this commit.
         if (links_.pinned != nullptr) {
-          links_.pinned->Keep(l, links_.gate->version(l), *std::move(before));
+          links_.pinned->Keep(l, open.base_version, changed, *std::move(before));
         }
       }
     } else if (links_.changes != nullptr) {

@@ -77,7 +77,7 @@ class ServerMetrics {
   void RecordPublish(double stage_seconds, double commit_seconds);
 
   // Pinned reads (PinnedVersions). `result`: served or gone; `reason`:
-  // no_room, expired or reclaimed.
+  // no_room, evicted, expired or reclaimed.
   prometheus::Gauge& pinned_version_bytes() { return *pinned_version_bytes_; }
   prometheus::Gauge& pinned_versions() { return *pinned_versions_; }
   prometheus::Gauge& pinned_version_oldest_timestamp() { return *pinned_version_oldest_timestamp_; }

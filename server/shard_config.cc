@@ -346,7 +346,11 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "readers are the change log's snapshots; drop --delta-versions 0 or set "
         "--pin-retention-ms 0");
   }
-  if (!config.has_pin_retention_ms()) config.set_pin_retention_ms(kDefaultPinRetentionMs);
+  if (!config.has_pin_retention_ms()) {
+    // Without the change log there is nothing to keep (and the resolved
+    // config says so).
+    config.set_pin_retention_ms(config.delta_versions() == 0 ? 0 : kDefaultPinRetentionMs);
+  }
   settings.config = std::move(config);
   return settings;
 }

@@ -187,6 +187,9 @@ ShardServer::ShardServer(ShardSettings settings) : settings_(std::move(settings)
 
 ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
+  // No reclaim from here on: one running on the budget's thread could hold
+  // the last reference to what it reclaims while the members go.
+  if (budget_ != nullptr) budget_->SetReclaimer({});
 }
 
 absl::Status ShardServer::StartHealth() {

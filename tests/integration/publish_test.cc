@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "client/model_mirror.h"
 #include "client/weight_publisher.h"
 #include "core/cast.h"
@@ -328,7 +329,10 @@ TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
     }
   }
   {
+    // on_update runs after the update lets waiters go: wait for the third.
     absl::MutexLock lock(&mu);
+    const auto three = [&updates] { return updates.size() >= 3; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&three), absl::Seconds(30)));
     ASSERT_EQ(updates.size(), 3u);
     for (const client::MirrorUpdate& update : updates) {
       EXPECT_EQ(update.layers, layers);
@@ -405,6 +409,12 @@ TEST_F(PublishTest, APinnedWalkGetsItsVersionForEveryLayerWhileNewerOnesCommit) 
   absl::StatusOr<client::Layer> contradictory = set.Gather(0, contradiction);
   EXPECT_EQ(contradictory.status().code(), absl::StatusCode::kInvalidArgument)
       << contradictory.status();
+  contradictory = set.Gather(0, Pinned(1, /*base=*/2));
+  EXPECT_EQ(contradictory.status().code(), absl::StatusCode::kInvalidArgument)
+      << contradictory.status();
+  const absl::StatusOr<client::Layer> far = set.Gather(0, Pinned(1000));
+  EXPECT_EQ(far.status().code(), absl::StatusCode::kOutOfRange) << far.status();
+  EXPECT_THAT(far.status().message(), HasSubstr("exact_version 1000"));
 }
 
 TEST(PinnedReadTest, AVersionNoLongerKeptIsRefusedNamingTheVersionToWalkAgainAt) {
@@ -422,9 +432,13 @@ TEST(PinnedReadTest, AVersionNoLongerKeptIsRefusedNamingTheVersionToWalkAgainAt)
   for (const auto& [name, tensor] : values) view.emplace(name, tensor);
   client::WeightPublisher publisher(*shards.set, {.admin_token = kToken});
   ASSERT_TRUE(publisher.Publish(view).ok());
-  // Kept for 200 ms after the commit, then dropped.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
-  const absl::StatusOr<client::Layer> gone = shards.set->Gather(0, Pinned(0));
+  // Kept for 200 ms after the commit, then dropped: asked again (bounded)
+  // until it is gone.
+  absl::StatusOr<client::Layer> gone = shards.set->Gather(0, Pinned(0));
+  for (int i = 0; i < 50 && gone.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    gone = shards.set->Gather(0, Pinned(0));
+  }
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kAborted) << gone.status();
   EXPECT_THAT(gone.status().message(), HasSubstr("no longer keeps version 0"));
   EXPECT_THAT(gone.status().message(), HasSubstr("walk the model again at version 1"));

@@ -1,10 +1,12 @@
 // Training shards as real processes: pushes count exactly once, hostile
 // pushes change nothing and give their budget back, a layer's version
-// advances when every worker has pushed it, and reads never mix versions.
+// advances when every worker has pushed it, reads never mix versions, and a
+// pinned read gets the version a step superseded.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <thread>
@@ -335,6 +337,45 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
   auto pushed = sinks[0]->Push(0, 1, *std::move(gradient));
   ASSERT_TRUE(pushed.ok());
   EXPECT_EQ(pushed->get().status().code(), absl::StatusCode::kAlreadyExists);
+}
+
+// An optimizer step keeps the version it supersedes for pinned readers: a
+// worker walking the model at version 0 still gets 0 for a layer already
+// stepped to 1, bit for bit what it was.
+TEST_F(TrainingTest, APinnedReadGetsALayerAtTheVersionAStepSuperseded) {
+  ASSERT_NO_FATAL_FAILURE(Start(2, 1));
+  const client::ShardSet& set = *shards_.set;
+  absl::StatusOr<client::Layer> before = set.Gather(0);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(before->version(), 0u);
+  auto sink = client::GradientSink::Create(set, {.worker = 0, .chunk_bytes = kChunkBytes});
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  auto gradient = client::LayerBuffer::Allocate(before->bytes().size());
+  ASSERT_TRUE(gradient.ok());
+  ASSERT_TRUE(tools::FillSyntheticGradient(set.view().layouts[0], 0, 0, 0,
+                                           {gradient->data(), gradient->size()})
+                  .ok());
+  auto pushed = (*sink)->Push(0, 0, *std::move(gradient));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  ASSERT_TRUE(pushed->get().ok()) << pushed->get().status();
+  ASSERT_EQ(LayerVersion(set, 0), 1u);
+
+  client::GatherOptions pinned;
+  pinned.exact_version = 0;
+  absl::StatusOr<client::Layer> at_zero = set.Gather(0, pinned);
+  ASSERT_TRUE(at_zero.ok()) << at_zero.status();
+  EXPECT_EQ(at_zero->version(), 0u);
+  absl::StatusOr<client::Layer> now = set.Gather(0);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->version(), 1u);
+  bool moved = false;
+  for (size_t t = 0; t < before->num_tensors(); ++t) {
+    const std::span<const uint8_t> old_bytes = before->tensor(t).bytes;
+    EXPECT_EQ(std::memcmp(at_zero->tensor(t).bytes.data(), old_bytes.data(), old_bytes.size()), 0)
+        << before->tensor(t).name;
+    moved |= std::memcmp(now->tensor(t).bytes.data(), old_bytes.data(), old_bytes.size()) != 0;
+  }
+  EXPECT_TRUE(moved) << "the step changed nothing, so the test shows nothing";
 }
 
 // A training shard's checkpoint carries its optimizer state under the same

@@ -129,5 +129,23 @@ TEST(ChangeLogTest, BytesForIsOneBitPerOwnedElementPerVersion) {
   EXPECT_EQ(ChangeLog::BytesFor(store->model(), 1, 3, 4), 4 * 8 * words);
 }
 
+TEST(ChangeLogTest, ChangedNothingLooksOnlyAtTheVersionsBetween) {
+  std::unique_ptr<ParameterStore> store = Store();
+  ChangeLog log(*store, 3);
+  const uint32_t layer = 1;
+  log.RecordUnchanged(layer, 1);
+  EXPECT_TRUE(log.ChangedNothing(layer, 0, 1));
+  ChangeLog::Snapshot before = log.Take(layer);
+  Nudge(*store, layer, 1.0, 1.0f / 4, 7);
+  ASSERT_GT(log.Record(layer, 2, before), 0u);
+  EXPECT_TRUE(log.ChangedNothing(layer, 0, 1)) << "a current older than the newest record";
+  EXPECT_FALSE(log.ChangedNothing(layer, 0, 2));
+  EXPECT_FALSE(log.ChangedNothing(layer, 1, 2));
+  EXPECT_TRUE(log.ChangedNothing(layer, 2, 2));
+  EXPECT_FALSE(log.ChangedNothing(layer, 2, 3)) << "a version not recorded yet";
+  EXPECT_TRUE(log.Covers(layer, 0, 1));
+  EXPECT_EQ(log.OldestBase(layer, 1), 0u);
+}
+
 }  // namespace
 }  // namespace layercast::server

@@ -1,7 +1,9 @@
 // Versions kept for pinned readers, alone: a kept version holds exactly the
 // compute-dtype bits of the layer before its change, is charged to the
-// budget only when it fits, and goes (its bytes back) when it expires, when
-// a stream needs the memory, or when the last reader lets go after that.
+// budget only when room is left beside it, at most two a layer, and goes
+// (its bytes back) when it expires, when a stream needs the memory, or when
+// the last reader lets go after that; a version a change left as it was is
+// found in the next kept one.
 
 #include "server/pinned_versions.h"
 
@@ -50,9 +52,10 @@ struct Fixture {
         log(*store, 2),
         pinned(*store, retention, budget, metrics) {}
 
-  // Doubles every owned value of kLayer, as a change would, and keeps the
-  // version before as `version`; returns each tensor's cast bits before.
-  std::vector<std::vector<uint8_t>> Change(uint64_t version) {
+  // Doubles every owned value of kLayer (`factor` 1: changes nothing), as a
+  // change would, and keeps the version before as `version`; returns each
+  // tensor's cast bits before.
+  std::vector<std::vector<uint8_t>> Change(uint64_t version, float factor = 2) {
     std::vector<std::vector<uint8_t>> before;
     for (uint32_t t = 0; t < store->layout(kLayer).tensors().size(); ++t) {
       const DType dtype = store->layout(kLayer).tensors()[t].compute_dtype;
@@ -66,11 +69,16 @@ struct Fixture {
     ChangeLog::Snapshot snapshot = log.Take(kLayer);
     for (uint32_t t = 0; t < store->layout(kLayer).tensors().size(); ++t) {
       float* master = store->mutable_master(kLayer, t);
-      for (uint64_t i = 0; i < store->owned(kLayer, t).size(); ++i) master[i] *= 2;
+      for (uint64_t i = 0; i < store->owned(kLayer, t).size(); ++i) master[i] *= factor;
     }
-    log.Record(kLayer, version + 1, snapshot);
-    pinned.Keep(kLayer, version, std::move(snapshot));
+    const uint64_t changed = log.Record(kLayer, version + 1, snapshot);
+    pinned.Keep(kLayer, version, changed, std::move(snapshot));
     return before;
+  }
+
+  std::shared_ptr<const PinnedVersions::Kept> Find(uint64_t version) {
+    absl::ReaderMutexLock lock(&store->layer_mutex(kLayer));
+    return pinned.Find(kLayer, version, log);
   }
 
   boost::asio::thread_pool grants{1};
@@ -84,14 +92,17 @@ struct Fixture {
 TEST(PinnedVersionsTest, KeepsTheCastBitsOfTheVersionBeforeTheChange) {
   Fixture f;
   const auto before = f.Change(0);
-  const std::shared_ptr<const PinnedVersions::Kept> kept = f.pinned.Find(kLayer, 0);
+  const std::shared_ptr<const PinnedVersions::Kept> kept = f.Find(0);
   ASSERT_NE(kept, nullptr);
   for (uint32_t t = 0; t < before.size(); ++t) {
     EXPECT_EQ(std::memcmp(kept->tensor(t), before[t].data(), before[t].size()), 0)
         << "tensor " << t;
   }
-  EXPECT_EQ(f.pinned.Find(kLayer, 1), nullptr) << "the version now is the master's";
-  EXPECT_EQ(f.pinned.Find(0, 0), nullptr) << "another layer";
+  EXPECT_EQ(f.Find(1), nullptr) << "the version now is the master's";
+  {
+    absl::ReaderMutexLock lock(&f.store->layer_mutex(0));
+    EXPECT_EQ(f.pinned.Find(0, 0, f.log), nullptr) << "another layer";
+  }
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + SliceBytes(*f.store, kLayer));
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 1);
   EXPECT_EQ(f.metrics.pinned_version_bytes().Value(),
@@ -99,10 +110,11 @@ TEST(PinnedVersionsTest, KeepsTheCastBitsOfTheVersionBeforeTheChange) {
   EXPECT_GT(f.metrics.pinned_version_oldest_timestamp().Value(), 1.7e9);
 }
 
-TEST(PinnedVersionsTest, KeepsNothingWithoutRoomInTheBudget) {
-  Fixture f(/*room=*/SliceBytes(*Store(), kLayer) - 1);
+TEST(PinnedVersionsTest, KeepsNothingUnlessAsMuchRoomAgainIsLeftInTheBudget) {
+  // Room for the version, not for as much again beside it.
+  Fixture f(/*room=*/2 * SliceBytes(*Store(), kLayer) - 1);
   f.Change(0);
-  EXPECT_EQ(f.pinned.Find(kLayer, 0), nullptr);
+  EXPECT_EQ(f.Find(0), nullptr);
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 0);
 }
@@ -110,13 +122,13 @@ TEST(PinnedVersionsTest, KeepsNothingWithoutRoomInTheBudget) {
 TEST(PinnedVersionsTest, AnExpiredVersionGoesButAReaderKeepsItsBytesUntilItLetsGo) {
   Fixture f(std::nullopt, milliseconds(100));
   f.Change(0);
-  std::shared_ptr<const PinnedVersions::Kept> reader = f.pinned.Find(kLayer, 0);
+  std::shared_ptr<const PinnedVersions::Kept> reader = f.Find(0);
   ASSERT_NE(reader, nullptr);
   // Bounded: the timer fires after 100 ms.
-  for (int i = 0; i < 200 && f.pinned.Find(kLayer, 0) != nullptr; ++i) {
+  for (int i = 0; i < 200 && f.Find(0) != nullptr; ++i) {
     std::this_thread::sleep_for(milliseconds(10));
   }
-  EXPECT_EQ(f.pinned.Find(kLayer, 0), nullptr);
+  EXPECT_EQ(f.Find(0), nullptr);
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 0);
   EXPECT_EQ(f.metrics.pinned_version_oldest_timestamp().Value(), 0);
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + reader->bytes()) << "still read";
@@ -128,23 +140,45 @@ TEST(PinnedVersionsTest, DropAllGivesEveryKeptVersionBack) {
   Fixture f;
   f.Change(0);
   f.Change(1);
-  EXPECT_NE(f.pinned.Find(kLayer, 0), nullptr);
-  EXPECT_NE(f.pinned.Find(kLayer, 1), nullptr);
+  EXPECT_NE(f.Find(0), nullptr);
+  EXPECT_NE(f.Find(1), nullptr);
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 2);
   f.pinned.DropAll();
-  EXPECT_EQ(f.pinned.Find(kLayer, 0), nullptr);
-  EXPECT_EQ(f.pinned.Find(kLayer, 1), nullptr);
+  EXPECT_EQ(f.Find(0), nullptr);
+  EXPECT_EQ(f.Find(1), nullptr);
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
 }
 
-TEST(PinnedVersionsTest, ALayerChangedNothingSinceAVersionIsServedFromTheMaster) {
+TEST(PinnedVersionsTest, KeepsTheTwoNewestVersionsOfALayer) {
   Fixture f;
-  f.log.RecordUnchanged(kLayer, 1);
-  EXPECT_TRUE(f.log.ChangedNothing(kLayer, 0, 1));
+  f.Change(0);
   f.Change(1);
-  EXPECT_FALSE(f.log.ChangedNothing(kLayer, 0, 2));
-  EXPECT_FALSE(f.log.ChangedNothing(kLayer, 1, 2));
-  EXPECT_TRUE(f.log.Covers(kLayer, 0, 1)) << "an older current, for a pinned delta";
+  f.Change(2);
+  EXPECT_EQ(f.Find(0), nullptr) << "the oldest of three goes";
+  EXPECT_NE(f.Find(1), nullptr);
+  EXPECT_NE(f.Find(2), nullptr);
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 2);
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + 2 * SliceBytes(*f.store, kLayer));
+}
+
+TEST(PinnedVersionsTest, AVersionAChangeLeftAsItWasIsFoundInTheNextKeptOne) {
+  Fixture f;
+  const auto before = f.Change(0, /*factor=*/1);  // version 1: nothing changed, nothing kept
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 0);
+  f.Change(1);  // version 2: keeps version 1, whose bits are version 0's
+  const std::shared_ptr<const PinnedVersions::Kept> kept = f.Find(0);
+  ASSERT_NE(kept, nullptr);
+  EXPECT_EQ(kept, f.Find(1));
+  for (uint32_t t = 0; t < before.size(); ++t) {
+    EXPECT_EQ(std::memcmp(kept->tensor(t), before[t].data(), before[t].size()), 0)
+        << "tensor " << t;
+  }
+  f.Change(2);  // version 3 changed: version 2's bits are not version 0's
+  EXPECT_NE(f.Find(2), kept);
+  EXPECT_EQ(f.Find(1), kept);
+  // The log keeps two versions' changes: it no longer knows that version 1
+  // changed nothing, so version 0 is not served from version 1's bits.
+  EXPECT_EQ(f.Find(0), nullptr);
 }
 
 }  // namespace

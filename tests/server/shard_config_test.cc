@@ -78,6 +78,7 @@ TEST(ShardConfigTest, PinnedReadsKeepVersionsForAWhileAndNeedTheChangeLog) {
   EXPECT_EQ(settings->config.pin_retention_ms(), 30000u);
   settings = Resolve({"--delta-versions", "0"});
   ASSERT_TRUE(settings.ok()) << settings.status() << ": the default gives way";
+  EXPECT_EQ(settings->config.pin_retention_ms(), 0u);
   settings = Resolve({"--delta-versions", "0", "--pin-retention-ms", "0"});
   ASSERT_TRUE(settings.ok()) << settings.status();
   settings = Resolve({"--delta-versions", "0", "--pin-retention-ms", "5000"});
