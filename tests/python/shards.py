@@ -16,6 +16,11 @@ import torch
 SHARD_BINARY = os.environ.get("LAYERCAST_SHARD_BINARY", "")
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers, so equality is bitwise (NaNs, -0)."""
+    return tensor.view(torch.int32 if tensor.dtype == torch.float32 else torch.int16)
+
+
 def llama_tensors(layers: int = 3, hidden: int = 64, ffn: int = 96, vocab: int = 50,
                   seed: int = 5) -> Dict[str, torch.Tensor]:
     """A small Llama-named fp32 model, deterministic."""

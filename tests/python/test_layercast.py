@@ -10,7 +10,7 @@ import torch
 
 import layercast
 from layercast.torch import save_safetensors
-from shards import ShardSet, llama_tensors
+from shards import ShardSet, bits, llama_tensors
 
 POLICY = "p=f32,c=bf16;*norm*=f32"
 
@@ -34,10 +34,6 @@ def served(model, tmp_path_factory):
 def expected(tensors, name):
     source = tensors[name]
     return source if "norm" in name else source.to(torch.bfloat16)
-
-
-def bits(tensor):
-    return tensor.view(torch.int32 if tensor.dtype == torch.float32 else torch.int16)
 
 
 def test_every_tensor_is_torchs_cast_bit_for_bit(served):

@@ -11,7 +11,7 @@ import torch
 
 import layercast
 from layercast.torch import save_safetensors
-from shards import ShardSet, llama_tensors
+from shards import ShardSet, bits, llama_tensors
 
 POLICY = "p=f32,c=bf16;*norm*=f32"
 TOKEN = "python-publish-token-0123456789abcdef"
@@ -32,10 +32,6 @@ def served(tmp_path_factory):
 
 def cast(tensor, name):
     return tensor if "norm" in name else tensor.to(torch.bfloat16)
-
-
-def bits(tensor):
-    return tensor.view(torch.int32 if tensor.dtype == torch.float32 else torch.int16)
 
 
 def test_a_mirror_follows_publishes_in_place(served):
