@@ -8,7 +8,7 @@ namespace layercast {
 
 BuildInfo GetBuildInfo() {
   return BuildInfo{LAYERCAST_VERSION, LAYERCAST_GIT_COMMIT, LAYERCAST_BUILD_TYPE,
-                   std::string(CastIsaName(BestCastIsa()))};
+                   SelectedCastIsa().Summary()};
 }
 
 std::string VersionLine(const std::string& program) {

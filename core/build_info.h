@@ -9,7 +9,7 @@ struct BuildInfo {
   std::string version;      // the project's, e.g. "0.1.0"
   std::string git_commit;   // short hash the build was configured at; "unknown" outside git
   std::string build_type;   // CMAKE_BUILD_TYPE, e.g. "Release"
-  std::string cast_kernel;  // the cast variant this CPU runs, e.g. "avx512"
+  std::string cast_kernel;  // CastIsaSelection::Summary(), e.g. "avx2"
 };
 
 BuildInfo GetBuildInfo();

@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "core/cast_kernels.h"
 
@@ -92,6 +93,18 @@ absl::Status OverflowError(const float* src, size_t index) {
 // Enough for the bounce buffers of unaligned 16-bit data, small for the stack.
 constexpr size_t kBounceElements = 2048;
 
+absl::Status NarrowToF16(const Kernels& kernels, std::span<const float> src,
+                         std::span<uint16_t> dst, Fp16Overflow overflow) {
+  if (src.size() != dst.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot cast ", src.size(),
+                                                   " float32 elements into room for ", dst.size(),
+                                                   ": the sizes must be equal"));
+  }
+  const size_t done = kernels.f32_to_f16(src.data(), dst.data(), src.size(), overflow);
+  if (done != src.size()) return OverflowError(src.data(), done);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view CastIsaName(CastIsa isa) {
@@ -119,58 +132,156 @@ const std::vector<CastIsa>& SupportedCastIsas() {
   return *isas;
 }
 
+absl::string_view CastKindName(CastKind kind) {
+  switch (kind) {
+    case CastKind::kF32ToBF16:
+      return "f32_to_bf16";
+    case CastKind::kF32ToF16:
+      return "f32_to_f16";
+    case CastKind::kBF16ToF32:
+      return "bf16_to_f32";
+    case CastKind::kF16ToF32:
+      return "f16_to_f32";
+  }
+  return "unknown";
+}
+
+std::string CastIsaSelection::Summary() const {
+  const bool one = std::all_of(choices.begin(), choices.end(),
+                               [&](const Choice& c) { return c.isa == choices.front().isa; });
+  if (one && !choices.empty()) return std::string(CastIsaName(choices.front().isa));
+  std::vector<std::string> parts;
+  for (const Choice& choice : choices) {
+    parts.push_back(absl::StrCat(CastKindName(choice.kind), "=", CastIsaName(choice.isa)));
+  }
+  return absl::StrJoin(parts, ",");
+}
+
 namespace {
 
 absl::Mutex g_selection_mu;
 CastIsaSelection* g_selection ABSL_GUARDED_BY(g_selection_mu) = nullptr;
-// The selection's isa, or -1 before it: the casts' fast path reads only this.
-std::atomic<int> g_isa{-1};
+// The selection as kernels, or null before it: the casts' fast path reads
+// only this. Kept for the process's life, like g_selection.
+std::atomic<const Kernels*> g_kernels{nullptr};
 
+// The kernel of `kind` in `kernels`, as an address: variants that share a
+// kernel for a cast are measured once.
+const void* KernelOf(const Kernels& kernels, CastKind kind) {
+  switch (kind) {
+    case CastKind::kF32ToBF16:
+      return reinterpret_cast<const void*>(kernels.f32_to_bf16);
+    case CastKind::kF32ToF16:
+      return reinterpret_cast<const void*>(kernels.f32_to_f16);
+    case CastKind::kBF16ToF32:
+      return reinterpret_cast<const void*>(kernels.bf16_to_f32);
+    case CastKind::kF16ToF32:
+      return reinterpret_cast<const void*>(kernels.f16_to_f32);
+  }
+  return nullptr;
+}
+
+// Buffers for measuring: 64 MiB of fp32 (more than a last-level cache holds)
+// and its 16-bit cast. Both are written before timing, so no page faults are
+// timed.
+struct MeasureBuffers {
+  static constexpr size_t kElements = 16 << 20;
+  std::vector<float> wide = std::vector<float>(kElements);
+  std::vector<uint16_t> narrow = std::vector<uint16_t>(kElements);
+
+  MeasureBuffers() {
+    // Magnitudes below 64: no float16 overflow, so kError runs to the end.
+    for (size_t i = 0; i < kElements; ++i) {
+      wide[i] = static_cast<float>(i & 0xFFFF) * (1.0f / 1024) * ((i & 1) != 0 ? -1.0f : 1.0f);
+    }
+  }
+
+  void Run(const Kernels& kernels, CastKind kind) {
+    switch (kind) {
+      case CastKind::kF32ToBF16:
+        return kernels.f32_to_bf16(wide.data(), narrow.data(), kElements);
+      case CastKind::kF32ToF16:
+        kernels.f32_to_f16(wide.data(), narrow.data(), kElements, Fp16Overflow::kError);
+        return;
+      case CastKind::kBF16ToF32:
+        return kernels.bf16_to_f32(narrow.data(), wide.data(), kElements);
+      case CastKind::kF16ToF32:
+        return kernels.f16_to_f32(narrow.data(), wide.data(), kElements);
+    }
+  }
+};
+
+// Times every vector variant with a kernel of its own for each cast. The
+// variants take turns, twice, so a burst of another tenant's load slows one
+// pass of each rather than all passes of one; the best pass counts. The
+// narrowing casts run first: the widening ones read what they wrote.
 CastIsaSelection Measure() {
   CastIsaSelection selection;
-  std::vector<CastIsa> candidates;
+  for (CastKind kind : kCastKinds) selection.choices.push_back({kind, CastIsa::kScalar, {}});
+  std::vector<CastIsa> vector_isas;
   for (CastIsa isa : SupportedCastIsas()) {
-    if (isa != CastIsa::kScalar) candidates.push_back(isa);
+    if (isa != CastIsa::kScalar) vector_isas.push_back(isa);
   }
-  if (candidates.empty()) return selection;  // scalar: nothing to measure
-  constexpr size_t kElements = 16 << 20;     // 64 MiB of fp32
-  std::vector<float> src(kElements);
-  for (size_t i = 0; i < kElements; ++i) src[i] = static_cast<float>(i) * 1.000001f;
-  std::vector<uint16_t> dst(kElements);
-  double best = 0;
-  for (CastIsa isa : candidates) {
-    double fastest = 0;
-    for (int pass = 0; pass < 3; ++pass) {  // the first warms the caches and the TLB
-      const auto start = std::chrono::steady_clock::now();
-      KernelsFor(isa).f32_to_bf16(src.data(), dst.data(), kElements);
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (pass > 0 && seconds > 0) fastest = std::max(fastest, kElements * 4 / seconds / 1e9);
+  if (vector_isas.empty()) return selection;  // scalar: nothing to measure
+  MeasureBuffers buffers;
+  for (CastIsaSelection::Choice& choice : selection.choices) {
+    std::vector<CastIsa> candidates;
+    std::vector<const void*> seen;
+    for (CastIsa isa : vector_isas) {
+      const void* kernel = KernelOf(KernelsFor(isa), choice.kind);
+      if (std::find(seen.begin(), seen.end(), kernel) != seen.end()) continue;
+      seen.push_back(kernel);
+      candidates.push_back(isa);
+      choice.measured.emplace_back(isa, 0.0);
     }
-    selection.measured.emplace_back(isa, fastest);
-    if (fastest > best) {
-      best = fastest;
-      selection.isa = isa;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t c = 0; c < candidates.size(); ++c) {
+        const auto start = std::chrono::steady_clock::now();
+        buffers.Run(KernelsFor(candidates[c]), choice.kind);
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (seconds > 0) {
+          const double gbps = MeasureBuffers::kElements * sizeof(float) / seconds / 1e9;
+          choice.measured[c].second = std::max(choice.measured[c].second, gbps);
+        }
+      }
     }
+    const auto fastest =
+        std::max_element(choice.measured.begin(), choice.measured.end(),
+                         [](const auto& a, const auto& b) { return a.second < b.second; });
+    choice.isa = fastest->first;
   }
   return selection;
+}
+
+// The kernels `selection` names, one cast at a time.
+const Kernels* KernelsOf(const CastIsaSelection& selection) {
+  return new Kernels{KernelsFor(selection.For(CastKind::kF32ToBF16)).f32_to_bf16,
+                     KernelsFor(selection.For(CastKind::kF32ToF16)).f32_to_f16,
+                     KernelsFor(selection.For(CastKind::kBF16ToF32)).bf16_to_f32,
+                     KernelsFor(selection.For(CastKind::kF16ToF32)).f16_to_f32};
 }
 
 const CastIsaSelection& Select() {
   absl::MutexLock lock(&g_selection_mu);
   if (g_selection == nullptr) {
     g_selection = new CastIsaSelection(Measure());  // kept for the process's life
-    g_isa.store(static_cast<int>(g_selection->isa), std::memory_order_release);
+    g_kernels.store(KernelsOf(*g_selection), std::memory_order_release);
   }
   return *g_selection;
 }
 
+// The kernels the functions without a CastIsa argument use.
+const Kernels& Dispatched() {
+  const Kernels* kernels = g_kernels.load(std::memory_order_acquire);
+  if (kernels != nullptr) return *kernels;
+  Select();
+  return *g_kernels.load(std::memory_order_acquire);
+}
+
 }  // namespace
 
-CastIsa BestCastIsa() {
-  const int isa = g_isa.load(std::memory_order_acquire);
-  return isa >= 0 ? static_cast<CastIsa>(isa) : Select().isa;
-}
+CastIsa BestCastIsa(CastKind kind) { return SelectedCastIsa().For(kind); }
 
 const CastIsaSelection& SelectedCastIsa() { return Select(); }
 
@@ -182,11 +293,12 @@ absl::Status ChooseCastIsa(CastIsa isa) {
   absl::MutexLock lock(&g_selection_mu);
   if (g_selection != nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("the cast kernels were picked already (",
-                                                      CastIsaName(g_selection->isa),
+                                                      g_selection->Summary(),
                                                       "): choose before the first cast"));
   }
-  g_selection = new CastIsaSelection{isa, true, {}};
-  g_isa.store(static_cast<int>(isa), std::memory_order_release);
+  g_selection = new CastIsaSelection{true, {}};
+  for (CastKind kind : kCastKinds) g_selection->choices.push_back({kind, isa, {}});
+  g_kernels.store(KernelsOf(*g_selection), std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -199,7 +311,8 @@ absl::StatusOr<CastIsa> CastIsaFromName(absl::string_view name) {
 }
 
 void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst) {
-  CastF32ToBF16(src, dst, BestCastIsa());
+  assert(src.size() == dst.size());
+  Dispatched().f32_to_bf16(src.data(), dst.data(), std::min(src.size(), dst.size()));
 }
 
 void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst, CastIsa isa) {
@@ -209,23 +322,17 @@ void CastF32ToBF16(std::span<const float> src, std::span<uint16_t> dst, CastIsa 
 
 absl::Status CastF32ToF16(std::span<const float> src, std::span<uint16_t> dst,
                           Fp16Overflow overflow) {
-  return CastF32ToF16(src, dst, overflow, BestCastIsa());
+  return NarrowToF16(Dispatched(), src, dst, overflow);
 }
 
 absl::Status CastF32ToF16(std::span<const float> src, std::span<uint16_t> dst,
                           Fp16Overflow overflow, CastIsa isa) {
-  if (src.size() != dst.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot cast ", src.size(),
-                                                   " float32 elements into room for ", dst.size(),
-                                                   ": the sizes must be equal"));
-  }
-  const size_t done = KernelsFor(isa).f32_to_f16(src.data(), dst.data(), src.size(), overflow);
-  if (done != src.size()) return OverflowError(src.data(), done);
-  return absl::OkStatus();
+  return NarrowToF16(KernelsFor(isa), src, dst, overflow);
 }
 
 void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst) {
-  CastBF16ToF32(src, dst, BestCastIsa());
+  assert(src.size() == dst.size());
+  Dispatched().bf16_to_f32(src.data(), dst.data(), std::min(src.size(), dst.size()));
 }
 
 void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa) {
@@ -234,7 +341,8 @@ void CastBF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa 
 }
 
 void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst) {
-  CastF16ToF32(src, dst, BestCastIsa());
+  assert(src.size() == dst.size());
+  Dispatched().f16_to_f32(src.data(), dst.data(), std::min(src.size(), dst.size()));
 }
 
 void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa) {
@@ -248,7 +356,7 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
     if (count != 0) std::memcpy(dst, src, count * sizeof(float));
     return absl::OkStatus();
   }
-  const Kernels& kernels = KernelsFor(BestCastIsa());
+  const Kernels& kernels = Dispatched();
   // Narrows [0, count) into `out`; returns the first overflowing index or count.
   auto narrow = [&](const float* from, uint16_t* out, size_t n) -> size_t {
     if (to == DType::kBFloat16) {
@@ -278,7 +386,7 @@ void CastToF32(const void* src, DType from, float* dst, size_t count) {
     if (count != 0) std::memcpy(dst, src, count * sizeof(float));
     return;
   }
-  const Kernels& kernels = KernelsFor(BestCastIsa());
+  const Kernels& kernels = Dispatched();
   const auto widen = from == DType::kBFloat16 ? kernels.bf16_to_f32 : kernels.f16_to_f32;
   if (reinterpret_cast<uintptr_t>(src) % alignof(uint16_t) == 0) {
     widen(static_cast<const uint16_t*>(src), dst, count);

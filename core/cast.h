@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 #include "absl/strings/string_view.h"
@@ -41,29 +42,51 @@ absl::string_view CastIsaName(CastIsa isa);
 // Variants this CPU can run, kScalar first, widest last.
 const std::vector<CastIsa>& SupportedCastIsas();
 
-// The variant the functions without a CastIsa argument use: the fastest this
-// CPU runs, measured once, at first use, unless ChooseCastIsa named one
-// before. The widest is not always the fastest: on AMD EPYC (Zen 4) the
-// AVX-512 kernels narrowed at half the AVX2 kernels' speed (bench/cast_bench).
-// Passing a variant this CPU lacks to a function runs kScalar (same bits).
-CastIsa BestCastIsa();
+// The four casts. Each is dispatched on its own: a variant that is fastest at
+// one can be slowest at another (on AMD EPYC Zen 4 and 5 the AVX-512 integer
+// kernel narrowed to bf16 at half the AVX2 kernel's speed, while its fp16
+// conversion instructions kept pace).
+enum class CastKind { kF32ToBF16, kF32ToF16, kBF16ToF32, kF16ToF32 };
+inline constexpr CastKind kCastKinds[] = {CastKind::kF32ToBF16, CastKind::kF32ToF16,
+                                          CastKind::kBF16ToF32, CastKind::kF16ToF32};
+// "f32_to_bf16", "f32_to_f16", "bf16_to_f32", "f16_to_f32".
+absl::string_view CastKindName(CastKind kind);
 
-// How BestCastIsa's variant was picked.
+// The variant the functions without a CastIsa argument use for `kind`: the
+// fastest this CPU runs at that cast, measured once, at first use, unless
+// ChooseCastIsa named one before. Passing a variant this CPU lacks to a
+// function runs kScalar (same bits).
+CastIsa BestCastIsa(CastKind kind);
+
+// How BestCastIsa's variants were picked.
 struct CastIsaSelection {
-  CastIsa isa = CastIsa::kScalar;
-  bool chosen = false;  // by ChooseCastIsa, not measured
-  // Each vector variant's speed narrowing fp32 to bf16 from memory, in GB/s
-  // of fp32 read: the best of two passes over 64 MiB, more than a last-level
-  // cache holds (about 30 ms in all, once, and 96 MiB for that time).
-  std::vector<std::pair<CastIsa, double>> measured;
+  struct Choice {
+    CastKind kind;
+    CastIsa isa = CastIsa::kScalar;
+    // Each vector variant with a kernel of its own for this cast, and its
+    // speed from memory in GB/s of fp32 (narrowing: read; widening: written):
+    // the best of two interleaved passes over 64 MiB of fp32, more than a
+    // last-level cache holds. Empty when chosen, or on a scalar-only CPU.
+    std::vector<std::pair<CastIsa, double>> measured;
+  };
+  bool chosen = false;          // by ChooseCastIsa, not measured
+  std::vector<Choice> choices;  // one per kind, in kCastKinds order
+
+  CastIsa For(CastKind kind) const { return choices[static_cast<int>(kind)].isa; }
+  // The variant's name where every cast uses one ("avx2"), else each cast's
+  // ("f32_to_bf16=avx512bf16,f32_to_f16=avx512,bf16_to_f32=avx2,f16_to_f32=avx2").
+  std::string Summary() const;
 };
+// Measures on first use (about 60 ms on a quiet machine, 96 MiB for that time).
 const CastIsaSelection& SelectedCastIsa();
 
-// Makes `isa` BestCastIsa's variant, for experiments. FAILED_PRECONDITION
+// Makes `isa` BestCastIsa's variant for every cast, for experiments (where
+// `isa` has no kernel of its own for a cast, its base variant's runs). FAILED_PRECONDITION
 // when this CPU does not run it, or when a variant was picked already (a
 // cast without a CastIsa argument ran).
 absl::Status ChooseCastIsa(CastIsa isa);
-// "scalar", "avx2" or "avx512"; INVALID_ARGUMENT naming them otherwise.
+// "scalar", "avx2", "avx512" or "avx512bf16"; INVALID_ARGUMENT naming them
+// otherwise.
 absl::StatusOr<CastIsa> CastIsaFromName(absl::string_view name);
 
 // What narrowing to fp16 does with a finite fp32 whose rounded value lies

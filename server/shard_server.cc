@@ -67,16 +67,21 @@ absl::Status PickCastKernels(const std::optional<CastIsa>& chosen) {
 void LogCastKernels() {
   const CastIsaSelection& selection = SelectedCastIsa();
   if (selection.chosen) {
-    Log()->info("cast kernels: {} (--cast-isa)", CastIsaName(selection.isa));
+    Log()->info("cast kernels: {} (--cast-isa)", selection.Summary());
     return;
   }
-  std::vector<std::string> measured;
-  for (const auto& [isa, gbps] : selection.measured) {
-    measured.push_back(absl::StrFormat("%s %.1f GB/s", CastIsaName(isa), gbps));
+  std::vector<std::string> casts;
+  for (const CastIsaSelection::Choice& choice : selection.choices) {
+    std::vector<std::string> measured;
+    for (const auto& [isa, gbps] : choice.measured) {
+      measured.push_back(absl::StrFormat("%s %.1f", CastIsaName(isa), gbps));
+    }
+    casts.push_back(absl::StrCat(CastKindName(choice.kind), " ", CastIsaName(choice.isa),
+                                 measured.empty() ? "" : " (", absl::StrJoin(measured, ", "),
+                                 measured.empty() ? "" : " GB/s)"));
   }
-  Log()->info("cast kernels: {}, the fastest of this CPU's (narrowing to bf16: {})",
-              CastIsaName(selection.isa),
-              measured.empty() ? "scalar only" : absl::StrJoin(measured, ", "));
+  Log()->info("cast kernels, the fastest of this CPU's at each cast: {}",
+              absl::StrJoin(casts, "; "));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "core/cast.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <Eigen/Core>
 
@@ -11,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace layercast {
@@ -90,22 +92,40 @@ TEST(CastTest, VariantsAreListedScalarFirstAndTheFastestIsUsed) {
   EXPECT_EQ(CastIsaFromName("avx1024").status().code(), absl::StatusCode::kInvalidArgument);
   ASSERT_FALSE(SupportedCastIsas().empty());
   EXPECT_EQ(SupportedCastIsas().front(), CastIsa::kScalar);
-  // Every vector variant was measured, and the fastest is the one used.
+  // Each cast measured every vector variant with a kernel of its own for it,
+  // and uses its fastest.
   const CastIsaSelection& selection = SelectedCastIsa();
   EXPECT_FALSE(selection.chosen);
-  EXPECT_EQ(selection.measured.size(), SupportedCastIsas().size() - 1);
-  double fastest = 0;
-  for (const auto& [isa, gbps] : selection.measured) {
-    EXPECT_GT(gbps, 0) << CastIsaName(isa);
-    fastest = std::max(fastest, gbps);
-  }
-  if (!selection.measured.empty()) {
-    const auto used = std::find_if(selection.measured.begin(), selection.measured.end(),
-                                   [&](const auto& m) { return m.first == selection.isa; });
-    ASSERT_NE(used, selection.measured.end());
+  ASSERT_EQ(selection.choices.size(), std::size(kCastKinds));
+  const size_t vector_variants = SupportedCastIsas().size() - 1;
+  for (const CastIsaSelection::Choice& choice : selection.choices) {
+    SCOPED_TRACE(CastKindName(choice.kind));
+    if (vector_variants == 0) {
+      EXPECT_TRUE(choice.measured.empty());
+      EXPECT_EQ(choice.isa, CastIsa::kScalar);
+      continue;
+    }
+    // avx512bf16 has a kernel of its own for f32 -> bf16 only.
+    const bool own_bf16_kernel =
+        choice.kind == CastKind::kF32ToBF16 || SupportedCastIsas().back() != CastIsa::kAvx512Bf16;
+    EXPECT_EQ(choice.measured.size(), vector_variants - (own_bf16_kernel ? 0 : 1));
+    double fastest = 0;
+    for (const auto& [isa, gbps] : choice.measured) {
+      EXPECT_GT(gbps, 0) << CastIsaName(isa);
+      fastest = std::max(fastest, gbps);
+    }
+    const auto used = std::find_if(choice.measured.begin(), choice.measured.end(),
+                                   [&](const auto& m) { return m.first == choice.isa; });
+    ASSERT_NE(used, choice.measured.end());
     EXPECT_EQ(used->second, fastest);
+    EXPECT_EQ(BestCastIsa(choice.kind), choice.isa);
+    EXPECT_EQ(selection.For(choice.kind), choice.isa);
   }
-  EXPECT_EQ(BestCastIsa(), selection.isa);
+  // The build-info label names each cast's variant, or the one they share.
+  const std::string summary = selection.Summary();
+  for (const CastIsaSelection::Choice& choice : selection.choices) {
+    EXPECT_THAT(summary, ::testing::HasSubstr(CastIsaName(choice.isa)));
+  }
   EXPECT_EQ(ChooseCastIsa(CastIsa::kScalar).code(), absl::StatusCode::kFailedPrecondition)
       << "picked already: too late to choose";
 }
@@ -225,51 +245,90 @@ TEST_P(CastIsaTest, F16ErrorNamesTheFirstOffender) {
 // Random patterns (NaNs, infinities and overflows included) at every length
 // up to a few vectors, starting one element in so the vectors are unaligned;
 // nothing outside [begin, begin + size) may be written.
+// Element `offset` past the first 64-byte boundary in `buffer`, which holds
+// at least 64 bytes more than is used from there.
+template <typename T>
+T* PastLine(std::vector<T>& buffer, size_t offset) {
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - address % 64) % 64) / sizeof(T) + offset;
+}
+
+// Every length up to a few vectors, starting at every 4-byte offset from a
+// cache line: the vector kernels work up to a line boundary first.
 TEST_P(CastIsaTest, EveryLengthConvertsAllAndOnlyItsElements) {
   constexpr uint16_t kCanary16 = 0xDEAD;
   constexpr float kCanary32 = -12345.0f;
   std::mt19937 random(7);
-  for (size_t size = 0; size <= 67; ++size) {
-    SCOPED_TRACE(size);
-    std::vector<float> in(size + 2);
-    std::vector<uint16_t> narrow(size + 2);
-    for (float& f : in) f = F(random());
-    const std::span<const float> src(in.data() + 1, size);
+  for (size_t offset = 0; offset < 16; ++offset) {
+    for (size_t size = 0; size <= 67; ++size) {
+      SCOPED_TRACE(
+          absl::StrFormat("%zu elements, fp32 side %zu elements past a cache line", size, offset));
+      // Canaries at [0] and [size + 1] of each view.
+      std::vector<float> in(size + 2 + 32), wide_buffer(size + 2 + 32);
+      std::vector<uint16_t> narrow_buffer(size + 2 + 64);
+      float* const in_view = PastLine(in, offset);
+      float* const wide = PastLine(wide_buffer, offset);
+      uint16_t* const narrow = PastLine(narrow_buffer, (offset * 7) % 32);
+      for (size_t i = 0; i < size + 2; ++i) in_view[i] = F(random());
+      const std::span<const float> src(in_view + 1, size);
+      const std::span<uint16_t> narrow_span(narrow + 1, size);
+      const std::span<float> wide_span(wide + 1, size);
 
-    std::fill(narrow.begin(), narrow.end(), kCanary16);
-    CastF32ToBF16(src, {narrow.data() + 1, size}, GetParam());
-    EXPECT_EQ(narrow.front(), kCanary16);
-    EXPECT_EQ(narrow.back(), kCanary16);
-    for (size_t i = 0; i < size; ++i) {
-      const uint16_t want = std::isnan(src[i]) ? (Bits(src[i]) >> 16 & 0x8000) | 0x7FC0
-                                               : std::bit_cast<uint16_t>(Eigen::bfloat16(src[i]));
-      EXPECT_EQ(narrow[i + 1], want) << Describe({src[i], 0});
-    }
-    std::vector<float> wide(size + 2, kCanary32);
-    CastBF16ToF32({narrow.data() + 1, size}, {wide.data() + 1, size}, GetParam());
-    EXPECT_EQ(wide.front(), kCanary32);
-    EXPECT_EQ(wide.back(), kCanary32);
-    for (size_t i = 0; i < size; ++i) EXPECT_EQ(Bits(wide[i + 1]), uint32_t{narrow[i + 1]} << 16);
-
-    std::fill(narrow.begin(), narrow.end(), kCanary16);
-    ASSERT_TRUE(
-        CastF32ToF16(src, {narrow.data() + 1, size}, Fp16Overflow::kInfinity, GetParam()).ok());
-    EXPECT_EQ(narrow.front(), kCanary16);
-    EXPECT_EQ(narrow.back(), kCanary16);
-    for (size_t i = 0; i < size; ++i) {
-      const uint16_t want = std::isnan(src[i]) ? (Bits(src[i]) >> 16 & 0x8000) | 0x7E00
-                                               : std::bit_cast<uint16_t>(Eigen::half(src[i]));
-      EXPECT_EQ(narrow[i + 1], want) << Describe({src[i], 0});
-    }
-    std::fill(wide.begin(), wide.end(), kCanary32);
-    CastF16ToF32({narrow.data() + 1, size}, {wide.data() + 1, size}, GetParam());
-    EXPECT_EQ(wide.front(), kCanary32);
-    EXPECT_EQ(wide.back(), kCanary32);
-    for (size_t i = 0; i < size; ++i) {
-      const auto want = static_cast<float>(std::bit_cast<Eigen::half>(narrow[i + 1]));
-      if (!std::isnan(want)) {
-        EXPECT_EQ(Bits(wide[i + 1]), Bits(want));
+      std::fill(narrow, narrow + size + 2, kCanary16);
+      CastF32ToBF16(src, narrow_span, GetParam());
+      EXPECT_EQ(narrow[0], kCanary16);
+      EXPECT_EQ(narrow[size + 1], kCanary16);
+      for (size_t i = 0; i < size; ++i) {
+        const uint16_t want = std::isnan(src[i]) ? (Bits(src[i]) >> 16 & 0x8000) | 0x7FC0
+                                                 : std::bit_cast<uint16_t>(Eigen::bfloat16(src[i]));
+        EXPECT_EQ(narrow[i + 1], want) << Describe({src[i], 0});
       }
+      std::fill(wide, wide + size + 2, kCanary32);
+      CastBF16ToF32(narrow_span, wide_span, GetParam());
+      EXPECT_EQ(wide[0], kCanary32);
+      EXPECT_EQ(wide[size + 1], kCanary32);
+      for (size_t i = 0; i < size; ++i) EXPECT_EQ(Bits(wide[i + 1]), uint32_t{narrow[i + 1]} << 16);
+
+      std::fill(narrow, narrow + size + 2, kCanary16);
+      ASSERT_TRUE(CastF32ToF16(src, narrow_span, Fp16Overflow::kInfinity, GetParam()).ok());
+      EXPECT_EQ(narrow[0], kCanary16);
+      EXPECT_EQ(narrow[size + 1], kCanary16);
+      for (size_t i = 0; i < size; ++i) {
+        const uint16_t want = std::isnan(src[i]) ? (Bits(src[i]) >> 16 & 0x8000) | 0x7E00
+                                                 : std::bit_cast<uint16_t>(Eigen::half(src[i]));
+        EXPECT_EQ(narrow[i + 1], want) << Describe({src[i], 0});
+      }
+      std::fill(wide, wide + size + 2, kCanary32);
+      CastF16ToF32(narrow_span, wide_span, GetParam());
+      EXPECT_EQ(wide[0], kCanary32);
+      EXPECT_EQ(wide[size + 1], kCanary32);
+      for (size_t i = 0; i < size; ++i) {
+        const auto want = static_cast<float>(std::bit_cast<Eigen::half>(narrow[i + 1]));
+        if (!std::isnan(want)) {
+          EXPECT_EQ(Bits(wide[i + 1]), Bits(want));
+        }
+      }
+    }
+  }
+}
+
+// kError stops at the first overflowing element wherever it lies: in the
+// head a kernel works up to a cache line, in its vectors, or in the tail.
+TEST_P(CastIsaTest, F16ErrorFindsTheOffenderAtEveryOffset) {
+  std::vector<float> buffer(128 + 16, 1.5f);
+  std::vector<uint16_t> out(128 + 16);
+  for (size_t offset = 0; offset < 16; ++offset) {
+    for (size_t bad = 0; bad < 100; ++bad) {
+      float* const src = PastLine(buffer, offset);
+      std::fill(src, src + 100, 1.5f);
+      src[bad] = 70000.0f;
+      if (bad + 1 < 100) src[bad + 1] = -80000.0f;  // a later one is not named
+      const absl::Status status =
+          CastF32ToF16({src, 100}, {out.data(), 100}, Fp16Overflow::kError, GetParam());
+      EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+      EXPECT_THAT(std::string(status.message()),
+                  ::testing::StartsWith(absl::StrCat("element ", bad, " is 70000")))
+          << "offset " << offset;
     }
   }
 }
