@@ -70,12 +70,24 @@ void BM_F32ToF16(benchmark::State& state, CastIsa isa) {
 
 // What a shard adds per chunk after the cast: the CRC-32C of the bf16 bytes,
 // half the fp32 input's size, over the same fp32 input bytes as the others.
-void BM_Crc32cOfBf16(benchmark::State& state) {
+void BM_Crc32cOfBf16(benchmark::State& state, Crc32cPath path) {
   const std::vector<float>& in = Input();
   for (auto _ : state) {
-    benchmark::DoNotOptimize(Crc32c(in.data(), kInputBytes / 2));
+    benchmark::DoNotOptimize(Crc32c(in.data(), kInputBytes / 2, 0, path));
   }
   state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
+const char* PathName(Crc32cPath path) {
+  switch (path) {
+    case Crc32cPath::kTable:
+      return "table";
+    case Crc32cPath::kInstruction:
+      return "instruction";
+    case Crc32cPath::kCarrylessMultiply:
+      return "clmul";
+  }
+  return "unknown";
 }
 
 // Prints as usual, and keeps each benchmark's median throughput for the table.
@@ -129,7 +141,11 @@ int main(int argc, char** argv) {
     Register(
         benchmark::RegisterBenchmark(absl::StrCat("f32_to_f16/", name).c_str(), BM_F32ToF16, isa));
   }
-  Register(benchmark::RegisterBenchmark("crc32c_of_bf16", BM_Crc32cOfBf16));
+  for (Crc32cPath path : SupportedCrc32cPaths()) {
+    if (path == Crc32cPath::kTable) continue;  // a byte at a time: not a contender
+    Register(benchmark::RegisterBenchmark(absl::StrCat("crc32c_of_bf16/", PathName(path)).c_str(),
+                                          BM_Crc32cOfBf16, path));
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   Input();  // filled once, before any timing

@@ -110,6 +110,7 @@ struct Result {
   double seconds = 0;
   double server_cpu = 0;
   double worker_cpu = 0;
+  double server_faults = 0;        // minor page faults of the servers
   std::vector<double> latencies;   // per-layer gather, seconds
   std::vector<double> first_byte;  // gather start to first chunk placed, seconds
   bench::ShardCounters shards;     // what the shards counted, when scraped
@@ -193,6 +194,7 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   std::vector<absl::Status> errors(workers);
   const bench::ShardCounters counters_before = bench::ScrapeShards(metrics_ports);
   const double server_before = bench::ProcessesCpuSeconds(server_pids);
+  const double faults_before = bench::ProcessesMinorFaults(server_pids);
   const double self_before = bench::SelfCpuSeconds();
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + limit;
@@ -245,6 +247,7 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   total.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   total.worker_cpu = bench::SelfCpuSeconds() - self_before;
   total.server_cpu = bench::ProcessesCpuSeconds(server_pids) - server_before;
+  total.server_faults = bench::ProcessesMinorFaults(server_pids) - faults_before;
   const bench::ShardCounters counters_after = bench::ScrapeShards(metrics_ports);
   total.shards.cast_seconds = counters_after.cast_seconds - counters_before.cast_seconds;
   total.shards.chunks_cast = counters_after.chunks_cast - counters_before.chunks_cast;
@@ -338,7 +341,11 @@ int RunDefault(const Args& args) {
     PrintRow(absl::StrCat("(b) layercast c=bf16    #", turn).c_str(), *b);
     PrintRow(absl::StrCat("(c) layercast c=f32     #", turn).c_str(), *c);
     const double added = (b->server_cpu_per_gb() - a->server_cpu_per_gb()) / cast;
-    std::printf("%-30s cast alone %.3f s/GB of bf16; shard adds %.2fx that\n", "", cast, added);
+    std::printf(
+        "%-30s cast alone %.3f s/GB of bf16; shard adds %.2fx that; shard page faults "
+        "per GB a %.0f, b %.0f\n",
+        "", cast, added, a->server_faults / (a->wire_bytes / 1e9),
+        b->server_faults / (b->wire_bytes / 1e9));
     std::fflush(stdout);
     bytes_b_a.push_back(b->bytes_per_s() / a->bytes_per_s());
     params_b_c.push_back(b->params_per_s() / c->params_per_s());

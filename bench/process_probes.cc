@@ -35,18 +35,36 @@ double Sample(const std::string& exposition, const std::string& series) {
 
 }  // namespace
 
-double ProcessCpuSeconds(pid_t pid) {
+namespace {
+
+// Fields 3.. of /proc/`pid`/stat (after the command's parentheses), or none.
+std::vector<std::string> StatFields(pid_t pid) {
   std::ifstream file(absl::StrCat("/proc/", pid, "/stat"));
   std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   const size_t paren = text.rfind(')');
-  if (paren == std::string::npos) return 0;
-  std::istringstream fields(text.substr(paren + 2));
-  std::string field;
-  double ticks = 0;
-  for (int i = 3; i <= 15 && fields >> field; ++i) {
-    if (i == 14 || i == 15) ticks += std::stod(field);
-  }
+  if (paren == std::string::npos || paren + 2 > text.size()) return {};
+  std::istringstream stream(text.substr(paren + 2));
+  std::vector<std::string> fields;
+  for (std::string field; fields.size() < 13 && stream >> field;) fields.push_back(field);
+  return fields;
+}
+
+}  // namespace
+
+double ProcessCpuSeconds(pid_t pid) {
+  const std::vector<std::string> fields = StatFields(pid);
+  if (fields.size() < 13) return 0;
+  const double ticks = std::stod(fields[14 - 3]) + std::stod(fields[15 - 3]);  // utime, stime
   return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+double ProcessesMinorFaults(const std::vector<pid_t>& pids) {
+  double total = 0;
+  for (pid_t pid : pids) {
+    const std::vector<std::string> fields = StatFields(pid);
+    if (fields.size() >= 8) total += std::stod(fields[10 - 3]);  // minflt
+  }
+  return total;
 }
 
 double ProcessesCpuSeconds(const std::vector<pid_t>& pids) {

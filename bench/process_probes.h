@@ -13,6 +13,9 @@ namespace layercast::bench {
 // utime + stime of process `pid`, seconds; 0 if it cannot be read.
 double ProcessCpuSeconds(pid_t pid);
 double ProcessesCpuSeconds(const std::vector<pid_t>& pids);
+// Minor page faults of `pids`, summed: a fault is a page touched for the
+// first time (or again after the allocator gave it back).
+double ProcessesMinorFaults(const std::vector<pid_t>& pids);
 double SelfCpuSeconds();
 
 // What the shards say they did, summed over shards.

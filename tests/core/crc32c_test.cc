@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -45,20 +46,36 @@ uint32_t BitwiseCrc32c(const uint8_t* data, size_t size) {
   return ~crc;
 }
 
-TEST(Crc32cTest, MatchesTheDefinitionAcrossStripeBoundaries) {
-  // The hardware path works in blocks of three 4 KiB stripes; cover sizes
-  // below, at and around one and several blocks, at every alignment mod 8.
+// The instruction path works in blocks of three 4 KiB stripes, the
+// carry-less one in 256-byte turns, then 64- and 16-byte folds, then words
+// and bytes: sizes below, at and around each, at every alignment mod 8, on
+// every path this CPU runs.
+TEST(Crc32cTest, EveryPathMatchesTheDefinitionAcrossItsBlockBoundaries) {
   std::mt19937 rng(11);
   std::vector<uint8_t> data(3 * 3 * 4096 + 64);
   for (uint8_t& b : data) b = static_cast<uint8_t>(rng());
-  std::vector<size_t> sizes = {0, 1, 7, 8, 4095, 4096, 12287, 12288, 12289, 24576, 24583};
+  std::vector<size_t> sizes = {0,   1,   7,    8,    15,    16,    17,    63,    64,
+                               255, 256, 257,  271,  272,   319,   320,   511,   512,
+                               513, 767, 4095, 4096, 12287, 12288, 12289, 24576, 24583};
   for (int i = 0; i < 40; ++i) sizes.push_back(rng() % (data.size() - 8));
-  for (size_t size : sizes) {
-    for (size_t offset = 0; offset < 8; ++offset) {
-      ASSERT_EQ(Crc32c(data.data() + offset, size), BitwiseCrc32c(data.data() + offset, size))
-          << "size " << size << " offset " << offset;
+  ASSERT_EQ(SupportedCrc32cPaths().front(), Crc32cPath::kTable);
+  for (Crc32cPath path : SupportedCrc32cPaths()) {
+    SCOPED_TRACE(static_cast<int>(path));
+    for (size_t size : sizes) {
+      for (size_t offset = 0; offset < 8; ++offset) {
+        const uint8_t* p = data.data() + offset;
+        const uint32_t want = BitwiseCrc32c(p, size);
+        ASSERT_EQ(Crc32c(p, size, 0, path), want) << "size " << size << " offset " << offset;
+        // Continued from a running CRC, which the first block takes in.
+        const size_t split = size / 3;
+        ASSERT_EQ(Crc32c(p + split, size - split, Crc32c(p, split, 0, path), path), want)
+            << "size " << size << " split " << split;
+      }
     }
   }
+  // The default is one of them.
+  const auto& paths = SupportedCrc32cPaths();
+  EXPECT_NE(std::find(paths.begin(), paths.end(), FastestCrc32cPath()), paths.end());
 }
 
 }  // namespace
