@@ -6,10 +6,18 @@
 //  - every repository script a RUN calls exists and was copied in that stage
 //    before the RUN (COPY keeps repo-relative paths under WORKDIR);
 //  - the final stage runs as a numeric non-root USER, its ENTRYPOINT is
-//    layercast-shard and it copies layercast beside it;
+//    layercast-shard and it copies layercast beside it; it EXPOSEs the gRPC
+//    and metrics ports, and LABELs the OCI title and version (CMakeLists.txt's
+//    project VERSION);
 //  - with --bin-dir, the runtime stage's apt-get install names the package
 //    of every shared library the built binaries load (ldd + dpkg -S).
+// With --image-inspect, it checks a built image's configuration (the output
+// of `podman image inspect`) against the Dockerfile's final stage: user,
+// entrypoint, command, exposed ports, labels (and, with --revision, the
+// org.opencontainers.image.revision label the build was given) and a PATH
+// that finds the binaries.
 //   node dockerfile.mjs --repo ROOT [--bin-dir DIR] DOCKERFILE
+//   node dockerfile.mjs --repo ROOT --image-inspect INSPECT.json [--revision SHA] DOCKERFILE
 //   node dockerfile.mjs --print-build-stage DOCKERFILE   (COPY/RUN lines)
 import fs from "node:fs";
 import path from "node:path";
@@ -19,6 +27,15 @@ import { fileURLToPath } from "node:url";
 // Packages of bookworm-slim itself, and sanitizer runtimes of test builds.
 const BASE_PACKAGES = new Set(["libc6", "libgcc-s1", "libstdc++6"]);
 const IGNORED_PACKAGES = /^lib(asan|ubsan|tsan|lsan)\d*$/;
+// deploy/k8s/base's containerPorts `grpc` and `metrics` (the shard's
+// listen and metrics_listen there).
+const EXPOSED_PORTS = ["7070", "9090"];
+// OCI annotations the Dockerfile must LABEL. The revision (the commit) is
+// given at build time: --label org.opencontainers.image.revision=SHA.
+const REQUIRED_LABELS = ["org.opencontainers.image.title", "org.opencontainers.image.version"];
+const REVISION_LABEL = "org.opencontainers.image.revision";
+// Where the final stage copies the binaries: the image's PATH must hold it.
+const BIN_DIR_IN_IMAGE = "/usr/local/bin";
 
 // Instructions with line continuations joined and comments dropped.
 function instructions(text) {
@@ -36,6 +53,21 @@ function instructions(text) {
     }
   }
   return out;
+}
+
+// LABEL k=v k2="v 2" ...: the pairs, quotes removed.
+function labels(args) {
+  const out = {};
+  for (const [, key, raw] of args.matchAll(/([\w.-]+)=("(?:[^"\\]|\\.)*"|\S+)/g)) {
+    out[key] = raw.startsWith('"') ? JSON.parse(raw) : raw;
+  }
+  return out;
+}
+
+// CMakeLists.txt's project(... VERSION x.y.z ...).
+function projectVersion(repoRoot) {
+  const cmake = fs.readFileSync(path.join(repoRoot, "CMakeLists.txt"), "utf8");
+  return /project\(\s*\w+\s+VERSION\s+([\d.]+)/.exec(cmake)?.[1];
 }
 
 function gitIgnored(repoRoot, rel) {
@@ -83,7 +115,8 @@ export function checkDockerfile(file, { repoRoot, binDir }) {
     if (op === "FROM") {
       const m = /^(\S+)(?:\s+AS\s+(\S+))?$/i.exec(args.replace(/--platform=\S+\s+/, ""));
       if (!m?.[2]) errors.push(`FROM ${args}: stage has no name (FROM image AS name)`);
-      stages.push({ name: m?.[2] ?? "?", image: m?.[1], copied: [], user: null, entrypoint: null, runs: [] });
+      stages.push({ name: m?.[2] ?? "?", image: m?.[1], copied: [], user: null, entrypoint: null, runs: [],
+        exposed: [], labels: {} });
       continue;
     }
     const stage = stages.at(-1);
@@ -127,6 +160,10 @@ export function checkDockerfile(file, { repoRoot, binDir }) {
       } catch {
         errors.push(`ENTRYPOINT ${args}: use the exec form ["..."] so the server is PID 1 and gets SIGTERM`);
       }
+    } else if (op === "EXPOSE") {
+      stage.exposed.push(...args.split(/\s+/).map((p) => p.replace(/\/tcp$/, "")));
+    } else if (op === "LABEL") {
+      Object.assign(stage.labels, labels(args));
     }
   }
 
@@ -147,6 +184,21 @@ export function checkDockerfile(file, { repoRoot, binDir }) {
       errors.push(`final stage ${final.name}: does not copy ${binary} from the build stage`);
     }
   }
+  for (const port of EXPOSED_PORTS) {
+    if (!final.exposed.includes(port)) {
+      errors.push(`final stage ${final.name}: does not EXPOSE ${port} (deploy/k8s/base's containerPorts are ` +
+        `${EXPOSED_PORTS.join(" and ")})`);
+    }
+  }
+  for (const label of REQUIRED_LABELS) {
+    if (!final.labels[label]) errors.push(`final stage ${final.name}: no LABEL ${label}`);
+  }
+  const version = projectVersion(repoRoot);
+  const labelled = final.labels["org.opencontainers.image.version"];
+  if (labelled && labelled !== version) {
+    errors.push(`final stage ${final.name}: LABEL org.opencontainers.image.version="${labelled}", but ` +
+      `CMakeLists.txt's project VERSION is ${version}`);
+  }
 
   if (binDir) {
     const installed = new Set(final.runs.flatMap((r) =>
@@ -158,6 +210,80 @@ export function checkDockerfile(file, { repoRoot, binDir }) {
         }
       }
     }
+  }
+  return errors;
+}
+
+// What the final stage declares about the image: USER, ENTRYPOINT, CMD,
+// EXPOSE (ports without /tcp) and LABELs; the last of each, as Docker takes.
+export function finalStageConfig(file) {
+  let config = null;
+  for (const { op, args } of instructions(fs.readFileSync(file, "utf8"))) {
+    if (op === "FROM") config = { user: null, entrypoint: null, cmd: null, exposed: [], labels: {} };
+    else if (!config) continue;
+    else if (op === "USER") config.user = args;
+    else if (op === "ENTRYPOINT" || op === "CMD") {
+      let value;
+      try {
+        value = JSON.parse(args);
+      } catch {
+        value = ["/bin/sh", "-c", args];
+      }
+      config[op === "CMD" ? "cmd" : "entrypoint"] = value;
+      if (op === "ENTRYPOINT") config.cmd = null; // Docker: a new ENTRYPOINT clears CMD
+    } else if (op === "EXPOSE") config.exposed.push(...args.split(/\s+/).map((p) => p.replace(/\/tcp$/, "")));
+    else if (op === "LABEL") Object.assign(config.labels, labels(args));
+  }
+  return config;
+}
+
+const sameJson = (a, b) => JSON.stringify(a ?? null) === JSON.stringify(b ?? null);
+
+// A built image's configuration against the Dockerfile's final stage.
+// `inspect`: one element of `podman image inspect`'s (or docker's) array.
+// `revision`: the commit the image was built from, which its
+// org.opencontainers.image.revision label must name; undefined: not checked.
+export function checkImageConfig(file, inspect, { revision } = {}) {
+  const errors = [];
+  const want = finalStageConfig(file);
+  const got = inspect?.Config ?? {};
+  const image = inspect?.RepoTags?.[0] ?? inspect?.Id ?? "the image";
+  if (!want) return [`${file}: no FROM`];
+  if ((got.User ?? "") !== (want.user ?? "")) {
+    errors.push(`${image}: user '${got.User ?? ""}', but the Dockerfile's USER is '${want.user ?? ""}'`);
+  }
+  const [uid] = (got.User ?? "").split(":");
+  if (!/^\d+$/.test(uid) || Number(uid) === 0) {
+    errors.push(`${image}: user '${got.User ?? ""}' must be a numeric non-root uid`);
+  }
+  if (!sameJson(got.Entrypoint, want.entrypoint)) {
+    errors.push(`${image}: entrypoint ${JSON.stringify(got.Entrypoint)}, but the Dockerfile's is ` +
+      JSON.stringify(want.entrypoint));
+  }
+  if (path.posix.basename(got.Entrypoint?.[0] ?? "") !== "layercast-shard") {
+    errors.push(`${image}: entrypoint must run layercast-shard, not ${JSON.stringify(got.Entrypoint)}`);
+  }
+  if (!sameJson(got.Cmd, want.cmd)) {
+    errors.push(`${image}: command ${JSON.stringify(got.Cmd)}, but the Dockerfile's CMD is ${JSON.stringify(want.cmd)}`);
+  }
+  const ports = Object.keys(got.ExposedPorts ?? {}).sort();
+  const wantPorts = want.exposed.map((p) => (p.includes("/") ? p : `${p}/tcp`)).sort();
+  if (!sameJson(ports, wantPorts)) {
+    errors.push(`${image}: exposes [${ports.join(", ")}], but the Dockerfile EXPOSEs [${wantPorts.join(", ")}]`);
+  }
+  for (const port of EXPOSED_PORTS) {
+    if (!ports.includes(`${port}/tcp`)) errors.push(`${image}: does not expose ${port}/tcp`);
+  }
+  const expectedLabels = { ...want.labels, ...(revision === undefined ? {} : { [REVISION_LABEL]: revision }) };
+  for (const [key, expected] of Object.entries(expectedLabels)) {
+    if (!(key in (got.Labels ?? {}))) errors.push(`${image}: no label ${key}`);
+    else if (got.Labels[key] !== expected) {
+      errors.push(`${image}: label ${key}="${got.Labels[key]}", expected "${expected}"`);
+    }
+  }
+  const pathEnv = (got.Env ?? []).find((e) => e.startsWith("PATH="))?.slice(5) ?? "";
+  if (!pathEnv.split(":").includes(BIN_DIR_IN_IMAGE)) {
+    errors.push(`${image}: PATH '${pathEnv}' does not hold ${BIN_DIR_IN_IMAGE}, where the binaries are`);
   }
   return errors;
 }
@@ -183,11 +309,28 @@ if (process.argv[1] && path.resolve(process.argv[1]) === fileURLToPath(import.me
   let binDir;
   let file;
   let printBuildStage = false;
+  let imageInspect;
+  let revision;
   for (let i = 0; i < argv.length; ++i) {
     if (argv[i] === "--repo") repoRoot = argv[++i];
     else if (argv[i] === "--bin-dir") binDir = argv[++i];
     else if (argv[i] === "--print-build-stage") printBuildStage = true;
+    else if (argv[i] === "--image-inspect") imageInspect = argv[++i];
+    else if (argv[i] === "--revision") revision = argv[++i];
     else file = argv[i];
+  }
+  if (imageInspect) {
+    const inspected = JSON.parse(fs.readFileSync(imageInspect, "utf8"));
+    const image = Array.isArray(inspected) ? inspected[0] : inspected;
+    const errors = checkImageConfig(file, image, { revision });
+    for (const e of errors) console.log(`  FAIL ${e}`);
+    if (!errors.length) {
+      const c = image.Config;
+      console.log(`${image.RepoTags?.[0] ?? image.Id}: ok: user ${c.User}, entrypoint ${JSON.stringify(c.Entrypoint)}, ` +
+        `ports ${Object.keys(c.ExposedPorts ?? {}).join(" ")}, ${Object.keys(c.Labels ?? {}).length} labels ` +
+        "as the Dockerfile says");
+    }
+    process.exit(errors.length ? 1 : 0);
   }
   if (printBuildStage) {
     // "COPY path" and "RUN command" lines, one per instruction.

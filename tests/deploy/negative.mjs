@@ -10,7 +10,7 @@ import path from "node:path";
 import { execFileSync, spawnSync } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { parseDocs, validateDocs } from "../../deploy/validate/validate.mjs";
-import { checkDockerfile } from "../../deploy/validate/dockerfile.mjs";
+import { checkDockerfile, checkImageConfig, finalStageConfig } from "../../deploy/validate/dockerfile.mjs";
 
 const repoRoot = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
 const [renderedFile, binDir] = process.argv.slice(2);
@@ -158,6 +158,42 @@ const dockerMutations = [
     (t) => t.replace('ENTRYPOINT ["layercast-shard"]', 'ENTRYPOINT ["layercast"]')],
   ["layercast not copied beside the server", /does not copy layercast from/,
     (t) => t.replace(" /src/build/bin/layercast /usr/local/bin/", " /usr/local/bin/")],
+  ["metrics port not exposed", /does not EXPOSE 9090/, (t) => t.replace("EXPOSE 7070 9090", "EXPOSE 7070")],
+  ["version label not the project's", /image.version="9.9.9", but CMakeLists.txt's project VERSION is/,
+    (t) => t.replace(/(org\.opencontainers\.image\.version=)"[^"]*"/, '$1"9.9.9"')],
+  ["no title label", /no LABEL org.opencontainers.image.title/,
+    (t) => t.replace(/org\.opencontainers\.image\.title="[^"]*"/, "")],
+];
+
+// A built image's configuration (podman image inspect), made from what the
+// Dockerfile declares, then broken one field at a time.
+const dockerfilePath = path.join(repoRoot, "deploy/docker/Dockerfile");
+const declared = finalStageConfig(dockerfilePath);
+const revision = "0123456789abcdef0123456789abcdef01234567";
+const builtImage = () => ({
+  RepoTags: ["localhost/layercast:test"],
+  Config: {
+    User: declared.user,
+    Entrypoint: declared.entrypoint,
+    Cmd: declared.cmd,
+    ExposedPorts: Object.fromEntries(declared.exposed.map((p) => [`${p}/tcp`, {}])),
+    Labels: { ...declared.labels, "org.opencontainers.image.revision": revision },
+    Env: ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+  },
+});
+const imageMutations = [
+  ["image runs as root", /user '' must be a numeric non-root uid/, (c) => { delete c.User; }],
+  ["image user by name", /user 'layercast', but the Dockerfile's USER is '10001:10001'/,
+    (c) => { c.User = "layercast"; }],
+  ["image entrypoint a shell", /entrypoint must run layercast-shard/, (c) => { c.Entrypoint = ["/bin/sh", "-c"]; }],
+  ["image without the metrics port", /does not expose 9090\/tcp/, (c) => { delete c.ExposedPorts["9090/tcp"]; }],
+  ["image without a label", /no label org.opencontainers.image.title/,
+    (c) => { delete c.Labels["org.opencontainers.image.title"]; }],
+  ["image built without the revision label", /no label org.opencontainers.image.revision/,
+    (c) => { delete c.Labels["org.opencontainers.image.revision"]; }],
+  ["image of another commit", /label org.opencontainers.image.revision="unknown", expected "0123/,
+    (c) => { c.Labels["org.opencontainers.image.revision"] = "unknown"; }],
+  ["image PATH without /usr/local/bin", /does not hold \/usr\/local\/bin/, (c) => { c.Env = ["PATH=/usr/bin:/bin"]; }],
 ];
 if (binDir) {
   // The shard's own dry run sizes the model against the budget.
@@ -186,9 +222,10 @@ function expectFailure(name, errors, expected) {
 
 // The controls: unbroken inputs pass, so a failure below is the mutation's.
 const control = await validateDocs(rendered, { repoRoot, shardBinary });
-const dockerControl = checkDockerfile(path.join(repoRoot, "deploy/docker/Dockerfile"), { repoRoot, binDir });
-if (control.length || dockerControl.length) {
-  console.log(`not ok - controls must pass first: ${[...control, ...dockerControl].join(" | ")}`);
+const dockerControl = checkDockerfile(dockerfilePath, { repoRoot, binDir });
+const imageControl = checkImageConfig(dockerfilePath, builtImage(), { revision });
+if (control.length || dockerControl.length || imageControl.length) {
+  console.log(`not ok - controls must pass first: ${[...control, ...dockerControl, ...imageControl].join(" | ")}`);
   process.exit(1);
 }
 
@@ -202,6 +239,12 @@ for (const [name, expected] of fixtures) {
   const dir = path.join(repoRoot, "tests/deploy/fixtures", name.replace("fixture ", ""));
   const yaml = execFileSync("kubectl", ["kustomize", dir], { encoding: "utf8" });
   expectFailure(name, await validateDocs(parseDocs(yaml), { repoRoot, shardBinary }), expected);
+}
+
+for (const [name, expected, mutate] of imageMutations) {
+  const image = builtImage();
+  mutate(image.Config);
+  expectFailure(`built image: ${name}`, checkImageConfig(dockerfilePath, image, { revision }), expected);
 }
 
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "layercast-dockerfile-"));

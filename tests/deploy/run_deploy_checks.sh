@@ -6,10 +6,13 @@
 #     objects (headless Service, probe ports, shard count, memory, drain...);
 #  3. yamllint, on the sources and on the rendered manifests;
 #  4. the Dockerfile: named stages, existing sources and scripts, non-root
-#     USER, ENTRYPOINT layercast-shard, runtime libraries complete;
+#     USER, ENTRYPOINT layercast-shard, ports 7070 and 9090 exposed, OCI
+#     labels, runtime libraries complete (tests/deploy/image_test.sh builds
+#     the image and checks its configuration with the same validator);
 #  5. the Docker build stage's configure step, run outside Docker on exactly
 #     the files the Dockerfile copies;
-#  6. negative tests: broken manifests, fixtures and Dockerfiles must fail.
+#  6. negative tests: broken manifests, fixtures, Dockerfiles and built-image
+#     configurations must fail.
 # LAYERCAST_BIN_DIR: where layercast-shard and layercast were built (default
 # build/bin) for the runtime-library check. Exits non-zero on any failure.
 set -uo pipefail
