@@ -21,12 +21,18 @@ using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
 
 TEST(CliTest, VersionNamesReleaseCommitBuildAndCastKernel) {
+  // One variant where every cast uses it, else each cast's.
+  const std::string variant = "(scalar|avx2|avx512|avx512bf16)";
+  const std::string kernels =
+      absl::StrCat("(", variant, "|f32_to_bf16=", variant, ",f32_to_f16=", variant,
+                   ",bf16_to_f32=", variant, ",f16_to_f32=", variant, ")");
   for (const std::string& binary : {CliBinary(), ShardBinary()}) {
     std::string output;
     ASSERT_EQ(RunCommand(binary + " --version", &output), 0) << output;
-    EXPECT_THAT(output, MatchesRegex("layercast(-shard)? [0-9]+\\.[0-9]+\\.[0-9]+ \\(commit "
-                                     "([0-9a-f]+|unknown), [A-Za-z]+ build, cast kernel "
-                                     "(scalar|avx2|avx512|avx512bf16)\\)\n"));
+    EXPECT_THAT(output, MatchesRegex(absl::StrCat("layercast(-shard)? [0-9]+\\.[0-9]+\\.[0-9]+ "
+                                                  "\\(commit ([0-9a-f]+|unknown), [A-Za-z]+ build, "
+                                                  "cast kernel ",
+                                                  kernels, "\\)\n")));
   }
 }
 
