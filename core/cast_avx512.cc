@@ -3,21 +3,11 @@
 // features. Tails use masked loads and stores, which never touch the
 // masked-off bytes, so no scalar fallback is needed.
 
-// GCC 12 warns inside its own AVX-512 headers (_mm512_undefined_epi32, GCC
-// bug 105593); the location it reports is the header, hence the pragma here.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
 #include <cstddef>
 #include <cstdint>
 
 #include "core/cast_kernels.h"
+#include "core/x86_intrinsics.h"
 
 namespace layercast::internal {
 namespace {

@@ -11,19 +11,11 @@
 // Normal inputs never round to a bf16 subnormal (the exponent ranges are the
 // same), so the instruction's flushing of outputs never applies.
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
 #include <cstddef>
 #include <cstdint>
 
 #include "core/cast_kernels.h"
+#include "core/x86_intrinsics.h"
 
 namespace layercast::internal {
 namespace {

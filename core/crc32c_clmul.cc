@@ -14,20 +14,12 @@
 // three-stripe crc32 loop in crc32c.cc runs at one 8-byte word a cycle; this
 // does 64 bytes a few cycles (bench/cast_bench, rows crc32c_*).
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 #include "core/crc32c_kernels.h"
+#include "core/x86_intrinsics.h"
 
 namespace layercast::internal {
 namespace {
