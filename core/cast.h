@@ -77,7 +77,7 @@ struct CastIsaSelection {
   // ("f32_to_bf16=avx512bf16,f32_to_f16=avx512,bf16_to_f32=avx2,f16_to_f32=avx2").
   std::string Summary() const;
 };
-// Measures on first use (about 60 ms on a quiet machine, 96 MiB for that time).
+// Measures on first use (about 0.1 s on a quiet machine, 96 MiB for that time).
 const CastIsaSelection& SelectedCastIsa();
 
 // Makes `isa` BestCastIsa's variant for every cast, for experiments (where
