@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "core/cast_kernels.h"
@@ -155,6 +156,21 @@ std::string CastIsaSelection::Summary() const {
     parts.push_back(absl::StrCat(CastKindName(choice.kind), "=", CastIsaName(choice.isa)));
   }
   return absl::StrJoin(parts, ",");
+}
+
+std::string CastIsaSelection::Describe() const {
+  if (chosen) return absl::StrCat(Summary(), " (--cast-isa)");
+  std::vector<std::string> casts;
+  for (const Choice& choice : choices) {
+    std::vector<std::string> measured;
+    for (const auto& [isa, gbps] : choice.measured) {
+      measured.push_back(absl::StrFormat("%s %.1f", CastIsaName(isa), gbps));
+    }
+    casts.push_back(absl::StrCat(CastKindName(choice.kind), " ", CastIsaName(choice.isa),
+                                 measured.empty() ? "" : " (", absl::StrJoin(measured, ", "),
+                                 measured.empty() ? "" : " GB/s)"));
+  }
+  return absl::StrCat("the fastest of this CPU's at each cast: ", absl::StrJoin(casts, "; "));
 }
 
 namespace {

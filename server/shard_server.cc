@@ -9,8 +9,6 @@
 
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/content_fingerprint.h"
@@ -61,27 +59,6 @@ absl::Status PickCastKernels(const std::optional<CastIsa>& chosen) {
   }
   SelectedCastIsa();  // measures, unless chosen
   return absl::OkStatus();
-}
-
-// Which cast kernels run, and why.
-void LogCastKernels() {
-  const CastIsaSelection& selection = SelectedCastIsa();
-  if (selection.chosen) {
-    Log()->info("cast kernels: {} (--cast-isa)", selection.Summary());
-    return;
-  }
-  std::vector<std::string> casts;
-  for (const CastIsaSelection::Choice& choice : selection.choices) {
-    std::vector<std::string> measured;
-    for (const auto& [isa, gbps] : choice.measured) {
-      measured.push_back(absl::StrFormat("%s %.1f", CastIsaName(isa), gbps));
-    }
-    casts.push_back(absl::StrCat(CastKindName(choice.kind), " ", CastIsaName(choice.isa),
-                                 measured.empty() ? "" : " (", absl::StrJoin(measured, ", "),
-                                 measured.empty() ? "" : " GB/s)"));
-  }
-  Log()->info("cast kernels, the fastest of this CPU's at each cast: {}",
-              absl::StrJoin(casts, "; "));
 }
 
 }  // namespace
@@ -277,7 +254,7 @@ absl::Status ShardServer::Start() {
               security_.mutual ? "mutual TLS"
               : security_.tls  ? "TLS"
                                : "plaintext");
-  LogCastKernels();
+  Log()->info("cast kernels: {}", SelectedCastIsa().Describe());
   if (!settings_.config.port_file().empty()) RETURN_IF_ERROR(WritePortFile());
   return absl::OkStatus();
 }
