@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "core/cast_error.h"
 #include "core/cast_kernels.h"
 
 namespace layercast {
@@ -368,12 +369,18 @@ void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa i
 
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
                          Fp16Overflow overflow) {
+  return CastFromF32(src, dst, count, to, overflow, nullptr);
+}
+
+absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp16Overflow overflow,
+                         CastError* error) {
   if (to == DType::kFloat32) {
     if (count != 0) std::memcpy(dst, src, count * sizeof(float));
+    if (error != nullptr) error->elements += count;
     return absl::OkStatus();
   }
   const Kernels& kernels = Dispatched();
-  // Narrows [0, count) into `out`; returns the first overflowing index or count.
+  // Narrows [0, n) into `out`; returns the first overflowing index or n.
   auto narrow = [&](const float* from, uint16_t* out, size_t n) -> size_t {
     if (to == DType::kBFloat16) {
       kernels.f32_to_bf16(from, out, n);
@@ -381,17 +388,23 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
     }
     return kernels.f32_to_f16(from, out, n, overflow);
   };
-  if (reinterpret_cast<uintptr_t>(dst) % alignof(uint16_t) == 0) {
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % alignof(uint16_t) == 0;
+  if (aligned && error == nullptr) {
     const size_t done = narrow(src, static_cast<uint16_t*>(dst), count);
     return done == count ? absl::OkStatus() : OverflowError(src, done);
   }
-  // The kernels store whole uint16_t, which an odd address cannot hold.
+  // Pieces: measured while in L1, or bounced, since the kernels store whole
+  // uint16_t, which an odd address cannot hold.
   uint16_t bounce[kBounceElements];
   auto* out = static_cast<unsigned char*>(dst);
   for (size_t begin = 0; begin < count; begin += kBounceElements) {
     const size_t n = std::min(kBounceElements, count - begin);
-    const size_t done = narrow(src + begin, bounce, n);
-    std::memcpy(out + begin * sizeof(uint16_t), bounce, done * sizeof(uint16_t));
+    uint16_t* piece = aligned ? static_cast<uint16_t*>(dst) + begin : bounce;
+    const size_t done = narrow(src + begin, piece, n);
+    // A piece that stopped at an overflow may be partly unwritten: the cast
+    // fails, and what it lost is not measured.
+    if (error != nullptr && done == n) MeasureCastError(src + begin, piece, n, to, error);
+    if (!aligned) std::memcpy(out + begin * sizeof(uint16_t), bounce, done * sizeof(uint16_t));
     if (done != n) return OverflowError(src, begin + done);
   }
   return absl::OkStatus();

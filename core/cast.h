@@ -13,6 +13,8 @@
 
 namespace layercast {
 
+struct CastError;  // core/cast_error.h
+
 // Exact conversions between fp32 masters and the 16-bit compute dtypes.
 //
 // Narrowing rounds to nearest, ties to even; subnormals are kept (never
@@ -120,6 +122,12 @@ void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa i
 // `dst` holds count * DTypeSize(to) bytes and may be unaligned.
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
                          Fp16Overflow overflow);
+// The same, also adding what the cast lost to `*error` (core/cast_error.h):
+// each piece of a few KiB is measured right after it is cast, while it is in
+// L1, so the data crosses the memory bus once. A copy to kFloat32 loses
+// nothing and only counts its elements.
+absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp16Overflow overflow,
+                         CastError* error);
 
 // Widens `count` elements of dtype `from` at `src` (possibly unaligned) to fp32.
 void CastToF32(const void* src, DType from, float* dst, size_t count);

@@ -68,7 +68,103 @@ size_t F32ToF16(const float* src, uint16_t* dst, size_t n) {
   return i + F32ToF16Scalar(src + i, dst + i, n - i, kOverflow);
 }
 
+int64_t Sum(__m256i lanes) {
+  alignas(32) int32_t values[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(values), lanes);
+  int64_t sum = 0;
+  for (int32_t v : values) sum += v;
+  return sum;
+}
+
+// As in cast_avx512.cc: counts in 32-bit lanes and sums in fp32 lanes,
+// flushed into `error` every kSumBlock elements. Compares yield -1 per lane,
+// so counting subtracts them. The tail goes to the scalar kernel.
+constexpr size_t kSumBlock = 4096;
+
+template <bool kBF16>
+void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
+                      const NarrowingLimits& limits, CastError* error) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i overflow_below = _mm256_set1_epi32(static_cast<int>(limits.overflow_floor - 1));
+  const __m256i normal_floor = _mm256_set1_epi32(static_cast<int>(limits.normal_floor));
+  __m256i bounds[CastError::kBuckets];
+  for (int k = 0; k < CastError::kBuckets; ++k) {
+    bounds[k] = _mm256_castps_si256(_mm256_set1_ps(CastError::kBounds[k]));
+  }
+  const size_t vectors_end = n - n % 8;
+  for (size_t begin = 0; begin < vectors_end; begin += kSumBlock) {
+    const size_t end = vectors_end - begin < kSumBlock ? vectors_end : begin + kSumBlock;
+    __m256i overflowed = zero, flushed = zero, subnormal = zero, measured = zero;
+    __m256i above[CastError::kBuckets];
+    for (__m256i& count : above) count = zero;
+    __m256 sum = _mm256_setzero_ps(), max = sum;
+    for (size_t i = begin; i < end; i += 8) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out + i));
+      __m256 cast;
+      if constexpr (kBF16) {
+        cast = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      } else {
+        cast = _mm256_cvtph_ps(half);
+      }
+      const __m256i a = _mm256_and_si256(x, abs_mask);
+      const __m256i cast_magnitude = _mm256_and_si256(_mm256_castps_si256(cast), abs_mask);
+      const __m256i finite = _mm256_and_si256(_mm256_cmpgt_epi32(a, zero),
+                                              _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a));
+      const __m256i over = _mm256_and_si256(finite, _mm256_cmpgt_epi32(a, overflow_below));
+      const __m256i kept = _mm256_andnot_si256(over, finite);
+      const __m256i flush = _mm256_and_si256(kept, _mm256_cmpeq_epi32(cast_magnitude, zero));
+      const __m256i was_normal =
+          _mm256_and_si256(kept, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x007FFFFF)));
+      const __m256i became_subnormal = _mm256_and_si256(
+          was_normal, _mm256_and_si256(_mm256_cmpgt_epi32(cast_magnitude, zero),
+                                       _mm256_cmpgt_epi32(normal_floor, cast_magnitude)));
+      overflowed = _mm256_sub_epi32(overflowed, over);
+      flushed = _mm256_sub_epi32(flushed, flush);
+      subnormal = _mm256_sub_epi32(subnormal, became_subnormal);
+      measured = _mm256_sub_epi32(measured, kept);
+      const __m256 difference = _mm256_sub_ps(cast, _mm256_castsi256_ps(x));
+      // Lanes not kept divide by 1 and are then zeroed.
+      const __m256 divisor =
+          _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_castsi256_ps(a), _mm256_castsi256_ps(kept));
+      const __m256 relative = _mm256_and_ps(
+          _mm256_div_ps(_mm256_and_ps(difference, _mm256_castsi256_ps(abs_mask)), divisor),
+          _mm256_castsi256_ps(kept));
+      const __m256i relative_bits = _mm256_castps_si256(relative);
+      for (int k = 0; k < CastError::kBuckets; ++k) {
+        above[k] = _mm256_sub_epi32(above[k], _mm256_cmpgt_epi32(relative_bits, bounds[k]));
+      }
+      sum = _mm256_add_ps(sum, relative);
+      max = _mm256_max_ps(max, relative);
+    }
+    error->elements += end - begin;
+    error->overflowed += Sum(overflowed);
+    error->flushed_to_zero += Sum(flushed);
+    error->became_subnormal += Sum(subnormal);
+    error->measured += Sum(measured);
+    for (int k = 0; k < CastError::kBuckets; ++k) error->above[k] += Sum(above[k]);
+    alignas(32) float sums[8], maxima[8];
+    _mm256_store_ps(sums, sum);
+    _mm256_store_ps(maxima, max);
+    for (int lane = 0; lane < 8; ++lane) {
+      error->relative_error_sum += sums[lane];
+      if (maxima[lane] > error->max_relative_error) error->max_relative_error = maxima[lane];
+    }
+  }
+  MeasureNarrowingScalar(src + vectors_end, out + vectors_end, n - vectors_end, limits, error);
+}
+
 }  // namespace
+
+void MeasureNarrowingAvx2(const float* src, const uint16_t* out, size_t n,
+                          const NarrowingLimits& limits, CastError* error) {
+  if (limits.bf16) {
+    MeasureNarrowing<true>(src, out, n, limits, error);
+  } else {
+    MeasureNarrowing<false>(src, out, n, limits, error);
+  }
+}
 
 void F32ToBF16Avx2(const float* src, uint16_t* dst, size_t n) {
   size_t i = 0;

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "core/cast.h"
+#include "core/cast_error.h"
 
 // Per-instruction-set kernels behind core/cast.h. cast.cc picks one at run
 // time; callers outside core/ use cast.h instead.
@@ -42,5 +43,19 @@ void BF16ToF32Avx512(const uint16_t* src, float* dst, size_t n);
 void F16ToF32Scalar(const uint16_t* src, float* dst, size_t n);
 void F16ToF32Avx2(const uint16_t* src, float* dst, size_t n);
 void F16ToF32Avx512(const uint16_t* src, float* dst, size_t n);
+
+// What narrowing to a 16-bit dtype lost (core/cast_error.h), added into
+// *error. `out` holds the cast of `src`.
+struct NarrowingLimits {
+  bool bf16;                // else float16
+  uint32_t overflow_floor;  // fp32 bits of the least magnitude that rounds past the largest finite
+  uint32_t normal_floor;    // fp32 bits of the dtype's least normal magnitude
+};
+void MeasureNarrowingScalar(const float* src, const uint16_t* out, size_t n,
+                            const NarrowingLimits& limits, CastError* error);
+void MeasureNarrowingAvx2(const float* src, const uint16_t* out, size_t n,
+                          const NarrowingLimits& limits, CastError* error);
+void MeasureNarrowingAvx512(const float* src, const uint16_t* out, size_t n,
+                            const NarrowingLimits& limits, CastError* error);
 
 }  // namespace layercast::internal

@@ -2,7 +2,9 @@
 // for bit. Integer arithmetic only, so the result does not depend on the
 // floating-point environment (rounding mode, flush-to-zero, denormals-are-zero).
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -21,6 +23,8 @@ constexpr uint32_t kF32Inf = 0x7F800000;
 constexpr uint32_t kF16OverflowFloor = 0x477FF000;
 // 2^-14: the smallest magnitude whose float16 is normal.
 constexpr uint32_t kF16NormalFloor = 0x38800000;
+// 2^-126: the smallest normal fp32.
+constexpr uint32_t kF32NormalFloor = 0x00800000;
 
 uint16_t F32ToBF16(uint32_t u) {
   // Adding just under half an ulp, plus the lsb that survives, rounds to
@@ -68,6 +72,24 @@ size_t F32ToF16(const float* src, uint16_t* dst, size_t n) {
   return n;
 }
 
+float F16ToF32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1F;
+  const uint32_t mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    // As VCVTPH2PS does: a signalling NaN comes back quiet.
+    bits = kF32Inf | (mantissa << 13) | (mantissa != 0 ? 0x400000 : 0);
+  } else if (exponent != 0) {
+    bits = ((exponent + 112) << 23) | (mantissa << 13);
+  } else {
+    // Zero or subnormal: mantissa * 2^-24 is exact in fp32 and normal there
+    // (or zero), so flush-to-zero settings cannot touch it.
+    bits = std::bit_cast<uint32_t>(static_cast<float>(mantissa) * 0x1p-24f);
+  }
+  return std::bit_cast<float>(sign | bits);
+}
+
 }  // namespace
 
 void F32ToBF16Scalar(const float* src, uint16_t* dst, size_t n) {
@@ -97,23 +119,36 @@ void BF16ToF32Scalar(const uint16_t* src, float* dst, size_t n) {
 }
 
 void F16ToF32Scalar(const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = F16ToF32(src[i]);
+}
+
+void MeasureNarrowingScalar(const float* src, const uint16_t* out, size_t n,
+                            const NarrowingLimits& limits, CastError* error) {
+  error->elements += n;
   for (size_t i = 0; i < n; ++i) {
-    const uint32_t h = src[i];
-    const uint32_t sign = (h & 0x8000) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1F;
-    const uint32_t mantissa = h & 0x3FF;
-    uint32_t bits;
-    if (exponent == 0x1F) {
-      // As VCVTPH2PS does: a signalling NaN comes back quiet.
-      bits = kF32Inf | (mantissa << 13) | (mantissa != 0 ? 0x400000 : 0);
-    } else if (exponent != 0) {
-      bits = ((exponent + 112) << 23) | (mantissa << 13);
-    } else {
-      // Zero or subnormal: mantissa * 2^-24 is exact in fp32 and normal there
-      // (or zero), so flush-to-zero settings cannot touch it.
-      bits = std::bit_cast<uint32_t>(static_cast<float>(mantissa) * 0x1p-24f);
+    const uint32_t a = std::bit_cast<uint32_t>(src[i]) & kAbsMask;
+    if (a - 1 >= kF32Inf - 1) continue;  // zero, infinity or NaN
+    if (a >= limits.overflow_floor) {
+      ++error->overflowed;
+      continue;
     }
-    dst[i] = std::bit_cast<float>(sign | bits);
+    const float cast =
+        limits.bf16 ? std::bit_cast<float>(uint32_t{out[i]} << 16) : F16ToF32(out[i]);
+    const uint32_t cast_magnitude = std::bit_cast<uint32_t>(cast) & kAbsMask;
+    if (cast_magnitude == 0) {
+      ++error->flushed_to_zero;
+    } else if (cast_magnitude < limits.normal_floor && a >= kF32NormalFloor) {
+      ++error->became_subnormal;
+    }
+    ++error->measured;
+    // Exact operands (cast - x is exact, cast being x rounded): the quotient
+    // is the one rounding, as in the vector kernels.
+    const float relative = std::fabs(cast - src[i]) / std::bit_cast<float>(a);
+    for (int k = 0; k < CastError::kBuckets && relative > CastError::kBounds[k]; ++k) {
+      ++error->above[k];
+    }
+    error->relative_error_sum += relative;
+    error->max_relative_error = std::max(error->max_relative_error, relative);
   }
 }
 

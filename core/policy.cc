@@ -2,7 +2,9 @@
 
 #include <optional>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/glob.h"
@@ -13,7 +15,8 @@ namespace {
 
 constexpr absl::string_view kAcceptedDTypes =
     "float32 (f32, full), bfloat16 (bf16) or float16 (f16)";
-constexpr absl::string_view kAcceptedKeys = "params (p), compute (c), output (o) or overflow";
+constexpr absl::string_view kAcceptedKeys =
+    "params (p), compute (c), output (o), overflow or max_rel_error";
 constexpr absl::string_view kKeyValueExpected =
     "a key=value pair: write pairs separated by ',' without spaces, e.g. "
     "'params=float32,compute=bfloat16,output=float32'";
@@ -51,6 +54,30 @@ absl::StatusOr<Fp16Overflow> ParseOverflow(absl::string_view policy_text, absl::
   if (value == "inf") return Fp16Overflow::kInfinity;
   return PolicyError(
       policy_text, absl::StrCat("unknown overflow rule '", value, "': use error, saturate or inf"));
+}
+
+// A bound on a relative error: above 0 (no cast that narrows is exact for
+// every value) and at most 1 (a value flushed to zero loses 1).
+absl::StatusOr<float> ParseMaxRelError(absl::string_view policy_text, absl::string_view value) {
+  double bound;
+  if (!absl::SimpleAtod(value, &bound) || !(bound > 0 && bound <= 1)) {
+    return PolicyError(policy_text,
+                       absl::StrCat("max_rel_error '", value,
+                                    "' is not a number above 0 and at most 1, e.g. 0.01: the "
+                                    "largest relative error |cast - x| / |x| a layer may carry"));
+  }
+  return static_cast<float>(bound);
+}
+
+// The fewest digits that parse back to `value` ("0.01", not 0.00999999978);
+// nine always do.
+std::string ShortestFloat(float value) {
+  for (int digits = 1; digits < 9; ++digits) {
+    std::string text = absl::StrFormat("%.*g", digits, value);
+    double back;
+    if (absl::SimpleAtod(text, &back) && static_cast<float>(back) == value) return text;
+  }
+  return absl::StrFormat("%.9g", value);
 }
 
 absl::string_view OverflowName(Fp16Overflow overflow) {
@@ -100,6 +127,10 @@ absl::StatusOr<Policy> Policy::Parse(absl::string_view text) {
         ASSIGN_OR_RETURN(policy.overflow_, ParseOverflow(text, value));
         continue;
       }
+      if (key == "max_rel_error") {
+        ASSIGN_OR_RETURN(policy.max_rel_error_, ParseMaxRelError(text, value));
+        continue;
+      }
       ASSIGN_OR_RETURN(DType dtype, ParseDType(text, value));
       if (key == "p" || key == "params") {
         policy.params_ = dtype;
@@ -136,6 +167,7 @@ std::string Policy::ToString() const {
                                  ",output=", DTypeName(output_));
   if (overflow_ != Fp16Overflow::kError)
     absl::StrAppend(&out, ",overflow=", OverflowName(overflow_));
+  if (max_rel_error_) absl::StrAppend(&out, ",max_rel_error=", ShortestFloat(*max_rel_error_));
   for (const Override& override : overrides_) {
     absl::StrAppend(&out, ";", override.glob, "=", DTypeName(override.compute));
   }

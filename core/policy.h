@@ -1,5 +1,6 @@
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 #include "absl/strings/string_view.h"
@@ -15,6 +16,7 @@ namespace layercast {
 //   policy    := base [';' override (';' override)*]
 //   base      := dtype | key '=' dtype (',' key '=' dtype)*
 //   key       := 'params' | 'p' | 'compute' | 'c' | 'output' | 'o' | 'overflow'
+//              | 'max_rel_error'
 //   dtype     := 'float32' | 'f32' | 'full' | 'bfloat16' | 'bf16' | 'float16' | 'f16'
 //   override  := glob '=' dtype          (compute dtype of matching tensors)
 //
@@ -22,8 +24,10 @@ namespace layercast {
 // float32, compute to params and output to compute; a repeated key takes its
 // last value. `overflow` (error | saturate | inf, default error) is
 // layercast's extension: what narrowing to float16 does with finite values
-// beyond 65504. Overrides match whole tensor names with fnmatch(3) globs
-// (core/glob.h: `*` also matches dots) and the first match wins.
+// beyond 65504. `max_rel_error` (a number in (0, 1], unset by default) is
+// another: a shard refuses to serve a layer whose cast has an element with a
+// larger relative error |cast - x| / |x| (core/cast_error.h). Overrides match whole tensor names
+// with fnmatch(3) globs (core/glob.h: `*` also matches dots) and the first match wins.
 //
 // Immutable value type; thread-safe for concurrent reads.
 class Policy {
@@ -45,6 +49,7 @@ class Policy {
   DType compute() const { return compute_; }
   DType output() const { return output_; }
   Fp16Overflow overflow() const { return overflow_; }
+  std::optional<float> max_rel_error() const { return max_rel_error_; }
   const std::vector<Override>& overrides() const { return overrides_; }
 
   // The compute dtype of the tensor named `tensor_name`: the first matching
@@ -52,7 +57,8 @@ class Policy {
   DType ComputeDTypeFor(absl::string_view tensor_name) const;
 
   // Canonical form, which Parse() maps back to an equal Policy:
-  // "params=float32,compute=bfloat16,output=float32[,overflow=saturate][;glob=dtype...]".
+  // "params=float32,compute=bfloat16,output=float32[,overflow=saturate]
+  // [,max_rel_error=0.01][;glob=dtype...]".
   std::string ToString() const;
 
   friend bool operator==(const Policy&, const Policy&) = default;
@@ -62,6 +68,7 @@ class Policy {
   DType compute_ = DType::kFloat32;
   DType output_ = DType::kFloat32;
   Fp16Overflow overflow_ = Fp16Overflow::kError;
+  std::optional<float> max_rel_error_;
   std::vector<Override> overrides_;
 };
 

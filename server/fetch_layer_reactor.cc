@@ -7,11 +7,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
+#include "core/cast_error.h"
 #include "core/crc32c.h"
 #include "core/status_macros.h"
 #include "wire/chunk_encoder.h"
@@ -256,11 +260,12 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   }
   const float* source = store_.master(key.layer, key.tensor) + skip;
   const auto cast_start = std::chrono::steady_clock::now();
+  CastError error;
   for (uint64_t done = 0; done < key.elements;) {
     const uint64_t block = std::min(kCastBlockElements, key.elements - done);
     uint8_t* block_out = out + done * element_bytes;
-    if (absl::Status cast =
-            CastFromF32(source + done, block_out, block, key.dtype, store_.policy().overflow());
+    if (absl::Status cast = CastFromF32(source + done, block_out, block, key.dtype,
+                                        store_.policy().overflow(), &error);
         !cast.ok()) {
       const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
       return absl::Status(cast.code(),
@@ -276,6 +281,18 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
       key.elements,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   metrics_.RecordChunkCast();
+  metrics_.RecordCastError(key.layer, key.dtype, error);
+  if (const std::optional<float> bound = store_.policy().max_rel_error();
+      bound.has_value() && error.max_relative_error > *bound) {
+    const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "layer %d (%s) loses too much in its cast to %s: tensor %s, elements %d to %d, has a "
+        "relative error of %.3g, beyond the policy's max_rel_error=%.3g (%s); serve the tensor in "
+        "a wider dtype (a policy override such as '%s=float32') or raise the bound",
+        key.layer, store_.model().layers[key.layer].name, DTypeName(key.dtype), name,
+        key.element_begin, key.element_begin + key.elements, error.max_relative_error, *bound,
+        error.Describe(), name));
+  }
   return absl::OkStatus();
 }
 

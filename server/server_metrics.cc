@@ -2,8 +2,12 @@
 
 #include <prometheus/histogram.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/build_info.h"
 
 namespace layercast::server {
@@ -19,6 +23,12 @@ prometheus::Histogram::BucketBoundaries FetchBuckets() {
   prometheus::Histogram::BucketBoundaries buckets;
   for (double b = 0.001; b < 70; b *= 2) buckets.push_back(b);
   return buckets;
+}
+
+// core/cast_error.h's bounds, 2^-24 to 2^-2: each dtype's rounding falls in
+// a bucket of its own, and the top ones hold subnormals and flushed values.
+prometheus::Histogram::BucketBoundaries RelativeErrorBuckets() {
+  return {CastError::kBounds.begin(), CastError::kBounds.end()};
 }
 
 prometheus::Gauge* Gauge(prometheus::Registry& registry, const std::string& name,
@@ -62,6 +72,18 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                                "layercast_cast_seconds_total: cast throughput)")
                            .Register(r)
                            .Add({});
+  cast_relative_error_ = &BuildHistogram()
+                              .Name("layercast_cast_relative_error")
+                              .Help(
+                                  "Relative error |cast - x| / |x| of each finite, nonzero element "
+                                  "cast to a narrower dtype, by dtype and layer range")
+                              .Register(r);
+  cast_lost_elements_ = &BuildCounter()
+                             .Name("layercast_cast_lost_elements_total")
+                             .Help(
+                                 "Elements a cast overflowed (to inf or saturated), flushed to "
+                                 "zero, or made subnormal, by dtype, layer range and how")
+                             .Register(r);
   auto& chunk_sources = BuildCounter()
                             .Name("layercast_chunks_total")
                             .Help(
@@ -216,6 +238,39 @@ void ServerMetrics::RecordCast(uint64_t elements, double seconds) {
   cast_input_bytes_->Increment(static_cast<double>(elements * sizeof(float)));
 }
 
+std::string ServerMetrics::LayerRange(uint64_t layer) const {
+  const uint64_t layers = layers_known_.load(std::memory_order_relaxed);
+  if (layers == 0) return std::to_string(layer);
+  const uint64_t span = (layers + 7) / 8;
+  const uint64_t first = layer / span * span;
+  const uint64_t last = std::min(layers, first + span) - 1;
+  return first == last ? std::to_string(first) : absl::StrCat(first, "-", last);
+}
+
+void ServerMetrics::RecordCastError(uint64_t layer, DType dtype, const CastError& error) {
+  if (dtype == DType::kFloat32) return;  // a copy: nothing lost
+  const prometheus::Labels labels = {{"dtype", std::string(DTypeName(dtype))},
+                                     {"layers", LayerRange(layer)}};
+  // Prometheus wants each bucket's own count; CastError counts how many
+  // exceed each bound.
+  std::vector<double> increments(CastError::kBuckets + 1);
+  increments[0] = static_cast<double>(error.measured - error.above[0]);
+  for (int k = 1; k < CastError::kBuckets; ++k) {
+    increments[k] = static_cast<double>(error.above[k - 1] - error.above[k]);
+  }
+  increments[CastError::kBuckets] = static_cast<double>(error.above[CastError::kBuckets - 1]);
+  cast_relative_error_->Add(labels, RelativeErrorBuckets())
+      .ObserveMultiple(increments, error.relative_error_sum);
+  for (const auto& [how, count] : {std::pair{"overflowed", error.overflowed},
+                                   std::pair{"flushed_to_zero", error.flushed_to_zero},
+                                   std::pair{"became_subnormal", error.became_subnormal}}) {
+    prometheus::Labels with_how = labels;
+    with_how.emplace("how", how);
+    // Added even at zero, so every series exists once its dtype was cast.
+    cast_lost_elements_->Add(with_how).Increment(static_cast<double>(count));
+  }
+}
+
 void ServerMetrics::RecordPushStaged(uint64_t bytes) {
   gradient_bytes_->Increment(static_cast<double>(bytes));
   pushes_staged_->Increment();
@@ -238,6 +293,7 @@ void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_ind
              {"policy", policy}})
       .Set(1);
   layers_->Set(static_cast<double>(layers));
+  layers_known_.store(layers, std::memory_order_relaxed);
 }
 
 void ServerMetrics::RecordVersionChange(uint64_t changed, uint64_t elements) {

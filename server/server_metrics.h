@@ -6,10 +6,12 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "core/cast_error.h"
 #include "core/dtype.h"
 
 namespace layercast::server {
@@ -33,6 +35,12 @@ class ServerMetrics {
   void RecordChunkSent(DType dtype, uint64_t elements);
   // Casting `elements` fp32 values took `seconds`.
   void RecordCast(uint64_t elements, double seconds);
+  // What casting a chunk of `layer` to `dtype` lost (core/cast_error.h), by
+  // dtype and layer range (a label per eighth of the model, not per layer,
+  // so a model of any depth has at most 8 ranges a dtype).
+  void RecordCastError(uint64_t layer, DType dtype, const CastError& error);
+  // "0-9" for layer 3 of 80; the label RecordCastError files `layer` under.
+  std::string LayerRange(uint64_t layer) const;
 
   // A chunk went out that was cast for its stream, or shared with another
   // stream that cast it (see SharedChunks).
@@ -96,6 +104,9 @@ class ServerMetrics {
   prometheus::Counter* sent_parameters_;
   prometheus::Counter* cast_seconds_;
   prometheus::Counter* cast_input_bytes_;
+  prometheus::Family<prometheus::Histogram>* cast_relative_error_;
+  prometheus::Family<prometheus::Counter>* cast_lost_elements_;
+  std::atomic<uint64_t> layers_known_{0};  // from SetShardInfo, for LayerRange
   prometheus::Counter* chunks_cast_;
   prometheus::Counter* chunks_shared_;
   prometheus::Gauge* shared_chunk_bytes_;

@@ -1,20 +1,25 @@
 // Every fp32 bit pattern through every kernel variant, against Eigen's
-// independent software conversions (the references PyTorch agrees with).
+// independent software conversions (the references PyTorch agrees with), and
+// the cast-error measurement against its definition computed here in double.
 
 #include <gtest/gtest.h>
 #include <Eigen/Core>
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/cast.h"
+#include "core/cast_error.h"
 
 namespace layercast {
 namespace {
@@ -147,6 +152,85 @@ TEST(CastExhaustiveTest, F32ToF16MatchesEigenForEveryPatternAndOverflowRule) {
         failure = Compare(name + " kError", first, got, want_inf);
         if (!failure.empty()) return failure;
       }
+    }
+    return std::string();
+  });
+  EXPECT_EQ(failure, "");
+}
+
+// core/cast_error.h's definition, in double, for the cast Eigen gives
+// (written to `out`): independent of the kernels and of their arithmetic.
+template <typename Half>
+CastError ReferenceCastError(const std::vector<float>& in, std::vector<uint16_t>& out) {
+  const double least_normal = static_cast<double>(std::numeric_limits<Half>::min());
+  CastError want;
+  want.elements = in.size();
+  for (size_t i = 0; i < in.size(); ++i) {
+    const Half cast(in[i]);
+    out[i] = Eigen::numext::bit_cast<uint16_t>(cast);
+    const double x = in[i], c = static_cast<float>(cast);
+    if (!std::isfinite(x) || x == 0) continue;
+    if (std::isinf(c)) {
+      ++want.overflowed;
+      continue;
+    }
+    if (c == 0) {
+      ++want.flushed_to_zero;
+    } else if (std::fabs(c) < least_normal && std::fpclassify(in[i]) == FP_NORMAL) {
+      ++want.became_subnormal;
+    }
+    ++want.measured;
+    // Rounding the double quotient to float rounds once: 53 >= 2 * 24 + 2 bits.
+    const float relative = static_cast<float>(std::fabs(c - x) / std::fabs(x));
+    for (int k = 0; k < CastError::kBuckets; ++k) want.above[k] += relative > CastError::kBounds[k];
+    want.relative_error_sum += relative;
+    want.max_relative_error = std::max(want.max_relative_error, relative);
+  }
+  return want;
+}
+
+// "" when `got` equals `want`: every count and the maximum exactly, the sum
+// to 1e-5 (kernels add in their own order).
+std::string CompareCastError(absl::string_view what, uint32_t first, const CastError& got,
+                             const CastError& want) {
+  const bool counts = got.elements == want.elements && got.overflowed == want.overflowed &&
+                      got.flushed_to_zero == want.flushed_to_zero &&
+                      got.became_subnormal == want.became_subnormal &&
+                      got.measured == want.measured && got.above == want.above;
+  const bool sum = std::fabs(got.relative_error_sum - want.relative_error_sum) <=
+                   1e-5 * want.relative_error_sum + 1e-30;
+  if (counts && sum && got.max_relative_error == want.max_relative_error) return "";
+  auto show = [](const CastError& e) {
+    return absl::StrCat(e.Describe(), "; measured ", e.measured, ", above ",
+                        absl::StrJoin(e.above, "/"), ", sum ", e.relative_error_sum);
+  };
+  return absl::StrFormat("%s, block from 0x%08x: got %s; want %s", what, first, show(got),
+                         show(want));
+}
+
+TEST(CastExhaustiveTest, CastErrorMatchesItsDefinitionForEveryPattern) {
+  const std::string failure = ForAllBlocks([](uint32_t first, Scratch& s) {
+    for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+      const CastError want = to == DType::kBFloat16
+                                 ? ReferenceCastError<Eigen::bfloat16>(s.in, s.want)
+                                 : ReferenceCastError<Eigen::half>(s.in, s.want);
+      for (CastIsa isa : SupportedCastIsas()) {
+        if (isa == CastIsa::kAvx512Bf16) continue;  // kAvx512's kernel
+        CastError got;
+        MeasureCastError(s.in.data(), s.want.data(), kBlock, to, &got, isa);
+        std::string failure =
+            CompareCastError(absl::StrCat(DTypeName(to), " ", CastIsaName(isa)), first, got, want);
+        if (!failure.empty()) return failure;
+      }
+      // The cast that measures as it goes, on a sixteenth of the blocks.
+      if (first / kBlock % 16 != 0) continue;
+      CastError got;
+      const absl::Status status =
+          CastFromF32(s.in.data(), s.got.data(), kBlock, to, Fp16Overflow::kInfinity, &got);
+      if (!status.ok()) return status.ToString();
+      std::string failure =
+          CompareCastError(absl::StrCat("CastFromF32 to ", DTypeName(to)), first, got, want);
+      if (!failure.empty()) return failure;
     }
     return std::string();
   });

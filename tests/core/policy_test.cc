@@ -3,6 +3,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
 namespace layercast {
 namespace {
 
@@ -102,7 +107,8 @@ TEST(PolicyTest, OverridesResolveFirstMatchWins) {
 
 TEST(PolicyTest, CanonicalStringRoundTrips) {
   for (const char* text : {"bf16", "c=bf16", "p=f32,c=bf16;*norm*=f32;lm_head.*=f32",
-                           "c=f16,overflow=saturate", "c=f16,overflow=inf;embed*=bf16", "full"}) {
+                           "c=f16,overflow=saturate", "c=f16,overflow=inf;embed*=bf16", "full",
+                           "c=bf16,max_rel_error=0.01", "c=f16,max_rel_error=3e-7;x=f32"}) {
     const Policy policy = MustParse(text);
     const std::string canonical = policy.ToString();
     const Policy again = MustParse(canonical);
@@ -113,6 +119,22 @@ TEST(PolicyTest, CanonicalStringRoundTrips) {
             "params=float32,compute=bfloat16,output=bfloat16;*norm*=float32");
   EXPECT_EQ(MustParse("c=f16,overflow=saturate").overflow(), Fp16Overflow::kSaturate);
   EXPECT_EQ(MustParse("c=f16").overflow(), Fp16Overflow::kError);
+}
+
+TEST(PolicyTest, MaxRelErrorIsABoundInZeroToOne) {
+  EXPECT_EQ(MustParse("c=bf16").max_rel_error(), std::nullopt);
+  EXPECT_EQ(MustParse("c=bf16,max_rel_error=0.01").max_rel_error(), 0.01f);
+  EXPECT_EQ(MustParse("c=bf16,max_rel_error=1").max_rel_error(), 1.0f);
+  EXPECT_EQ(MustParse("c=bf16,max_rel_error=0.01").ToString(),
+            "params=float32,compute=bfloat16,output=bfloat16,max_rel_error=0.01");
+  for (const char* bad : {"0", "-0.1", "1.5", "nan", "inf", "0.01x", "lots"}) {
+    const absl::StatusOr<Policy> policy = Policy::Parse(absl::StrCat("c=bf16,max_rel_error=", bad));
+    ASSERT_FALSE(policy.ok()) << bad;
+    EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(policy.status().message()),
+                ::testing::HasSubstr(absl::StrCat("max_rel_error '", bad,
+                                                  "' is not a number above 0 and at most 1")));
+  }
 }
 
 }  // namespace

@@ -467,6 +467,29 @@ def check_shards(checks, args, tmp, shards):
                  (shared > 0) == (cast_in < 4 * rounds * round_elements) and cast_chunks > 0,
                  f"shared {shared:.0f}, cast {cast_chunks:.0f}, cast input {cast_in:.0f}")
 
+    # Cast error: every bf16 element cast is measured, and bf16 rounds a
+    # normal value (the synthetic model has no others) within 2^-9, so the
+    # 2^-8 bucket holds them all while the exact bucket (2^-24) does not.
+    measured = delta("layercast_cast_relative_error_count", dtype="bfloat16")
+    def bucket(bound):
+        # `le` as the exposition spells it, found by value.
+        spelt = {l["le"] for a in after for n, l, _ in a
+                 if n == "layercast_cast_relative_error_bucket" and l.get("le") != "+Inf"
+                 and float(l["le"]) == bound}
+        return sum(delta("layercast_cast_relative_error_bucket", dtype="bfloat16", le=le) for le in spelt)
+
+    within = bucket(2.0**-8)
+    exact = bucket(2.0**-24)
+    checks.check("cast_relative_error measured bf16 elements, each cast within 2^-8",
+                 0 < measured <= cast_in / 4 and within == measured and exact < measured,
+                 f"measured {measured:.0f}, within 2^-8 {within:.0f}, within 2^-24 {exact:.0f}, "
+                 f"cast {cast_in / 4:.0f}")
+    lost = delta("layercast_cast_lost_elements_total", dtype="bfloat16")
+    hows = sorted({l["how"] for a in after for n, l, _ in a if n == "layercast_cast_lost_elements_total"})
+    checks.check("cast_lost_elements_total: a series per kind, none lost by bf16",
+                 lost == 0 and hows == ["became_subnormal", "flushed_to_zero", "overflowed"],
+                 f"lost {lost:.0f}, kinds {hows}")
+
     # Bad requests. The CLI refuses layer 99 itself, before any RPC; the raw
     # request must reach shard 0 and be counted as exactly one NOT_FOUND.
     r = run([cli, "fetch", "--shards", addrs, "--layer", "99", "--out", os.path.join(tmp, "x.safetensors")])

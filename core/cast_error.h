@@ -1,0 +1,65 @@
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/cast.h"
+#include "core/dtype.h"
+
+namespace layercast {
+
+// What a narrowing cast lost, measured while it casts (CastFromF32 with a
+// CastError*), so an operator sees it instead of guessing.
+//
+// For an fp32 x and its cast c (widened back to fp32, exactly):
+// - overflowed: x finite, |x| at or beyond the first value that rounds past
+//   the dtype's largest finite value (bf16: 0x1.FFp127; f16: 65520), so c is
+//   +-inf or, with Fp16Overflow::kSaturate, +-65504;
+// - flushed_to_zero: x finite and nonzero, c = +-0;
+// - became_subnormal: x a normal fp32, c a subnormal of the dtype;
+// - measured: x finite, nonzero and not overflowed: the population of the
+//   relative error |c - x| / |x|, computed as the fp32 quotient of exact
+//   operands (c - x is exact: c is x rounded), so it is at most 1 (flushed).
+// NaNs and infinities count only in `elements`.
+struct CastError {
+  // Bounds of the relative-error buckets. bf16 rounds a normal value within
+  // 2^-9 of itself, f16 within 2^-11: each dtype fills a bucket of its own,
+  // and anything above 2^-8 has lost most of its precision (subnormal).
+  static constexpr int kBuckets = 8;
+  static constexpr std::array<float, kBuckets> kBounds = {0x1p-24f, 0x1p-16f, 0x1p-12f, 0x1p-10f,
+                                                          0x1p-8f,  0x1p-6f,  0x1p-4f,  0x1p-2f};
+
+  uint64_t elements = 0;
+  uint64_t overflowed = 0;
+  uint64_t flushed_to_zero = 0;
+  uint64_t became_subnormal = 0;
+  uint64_t measured = 0;
+  // Measured elements whose relative error exceeds kBounds[k] (so
+  // measured - above[k] is Prometheus' cumulative "le" bucket).
+  std::array<uint64_t, kBuckets> above{};
+  // In the order the kernel added them: kernels of different instruction
+  // sets agree to about 1e-6 relative, not bit for bit.
+  double relative_error_sum = 0;
+  float max_relative_error = 0;
+
+  void Add(const CastError& other);
+  double MeanRelativeError() const;
+  // "1048576 elements: max relative error 0.00195, mean 0.000488; 3 flushed to
+  // zero, 0 overflowed, 0 became subnormal".
+  std::string Describe() const;
+};
+
+// Adds what narrowing `n` fp32 values at `src` to `to` (kBFloat16 or
+// kFloat16) into `out` lost to `*error`. `out` must hold the cast of `src`.
+// CastFromF32 calls this piece by piece while the piece is in L1, so the data
+// crosses the memory bus once; it is exposed for tests and benchmarks.
+// Runs the widest kernel this CPU has (the work is in L1, so wider is faster).
+void MeasureCastError(const float* src, const uint16_t* out, size_t n, DType to, CastError* error);
+// With `isa`'s kernel (kAvx512Bf16 runs kAvx512's; one this CPU lacks runs
+// kScalar's). Counts and the maximum are identical for every variant.
+void MeasureCastError(const float* src, const uint16_t* out, size_t n, DType to, CastError* error,
+                      CastIsa isa);
+
+}  // namespace layercast

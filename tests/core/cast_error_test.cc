@@ -1,0 +1,167 @@
+#include "core/cast_error.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "core/cast.h"
+
+namespace layercast {
+namespace {
+
+// One of each kind of loss, repeated so the vector kernels' bodies and tails
+// both see every kind (kRepeats * 9 = 171 elements: 10 AVX-512 vectors and a
+// tail of 11).
+constexpr int kRepeats = 19;
+
+std::vector<float> Mixed() {
+  const std::vector<float> one = {1.0f,
+                                  1.0f + 0x1p-8f,  // bf16 ties to 1.0: 2^-8 / (1 + 2^-8) lost
+                                  1e-8f,           // f16: below half its least subnormal
+                                  1e-6f,           // f16: subnormal
+                                  70000.0f,        // f16: beyond 65504
+                                  0.0f,
+                                  std::numeric_limits<float>::quiet_NaN(),
+                                  -std::numeric_limits<float>::infinity(),
+                                  1e-40f};  // an fp32 subnormal: bf16 keeps it, f16 flushes it
+  std::vector<float> values;
+  for (int r = 0; r < kRepeats; ++r) values.insert(values.end(), one.begin(), one.end());
+  return values;
+}
+
+CastError Measure(const std::vector<float>& in, DType to, Fp16Overflow overflow) {
+  std::vector<uint16_t> out(in.size());
+  CastError error;
+  EXPECT_TRUE(CastFromF32(in.data(), out.data(), in.size(), to, overflow, &error).ok());
+  return error;
+}
+
+TEST(CastErrorTest, BFloat16LosesOnlyRounding) {
+  const CastError error = Measure(Mixed(), DType::kBFloat16, Fp16Overflow::kError);
+  EXPECT_EQ(error.elements, 9u * kRepeats);
+  EXPECT_EQ(error.measured, 6u * kRepeats);  // all but 0, NaN and -inf
+  EXPECT_EQ(error.overflowed, 0u);
+  EXPECT_EQ(error.flushed_to_zero, 0u);
+  EXPECT_EQ(error.became_subnormal, 0u);  // 1e-40 was subnormal already
+  // Normal values lose under 2^-8 (the tie 2^-8 / (1 + 2^-8) the most), the
+  // subnormal 1e-40 (0x000116C2, to 0x0001) more: its bf16 has 1 bit.
+  EXPECT_EQ(error.above[3], 5u * kRepeats);  // > 2^-10: all but 1.0
+  EXPECT_EQ(error.above[4], 1u * kRepeats);  // > 2^-8: the subnormal
+  EXPECT_EQ(error.above[7], 0u);
+  EXPECT_EQ(error.max_relative_error,
+            std::fabs(std::bit_cast<float>(uint32_t{0x00010000}) - 1e-40f) / 1e-40f);
+  EXPECT_GT(error.MeanRelativeError(), 0.0);
+}
+
+TEST(CastErrorTest, Float16CountsEveryKindOfLoss) {
+  for (Fp16Overflow overflow : {Fp16Overflow::kInfinity, Fp16Overflow::kSaturate}) {
+    const CastError error = Measure(Mixed(), DType::kFloat16, overflow);
+    EXPECT_EQ(error.elements, 9u * kRepeats);
+    EXPECT_EQ(error.overflowed, 1u * kRepeats);        // 70000, to inf or to 65504
+    EXPECT_EQ(error.measured, 5u * kRepeats);          // overflow is not a relative error
+    EXPECT_EQ(error.flushed_to_zero, 2u * kRepeats);   // 1e-8 and 1e-40
+    EXPECT_EQ(error.became_subnormal, 1u * kRepeats);  // 1e-6 (1e-40 was subnormal already)
+    EXPECT_EQ(error.max_relative_error, 1.0f);         // flushed: all of it
+    EXPECT_EQ(error.above[CastError::kBuckets - 1], 2u * kRepeats);
+    EXPECT_EQ(error.Describe(),
+              "171 elements: max relative error 1, mean 0.403; 38 flushed to zero, 19 "
+              "overflowed, 19 became subnormal");
+  }
+}
+
+TEST(CastErrorTest, EveryKernelAndEveryLengthCountsTheSame) {
+  const std::vector<float> in = Mixed();
+  for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+    std::vector<uint16_t> out(in.size());
+    ASSERT_TRUE(CastFromF32(in.data(), out.data(), in.size(), to, Fp16Overflow::kInfinity).ok());
+    for (size_t n = 0; n <= in.size(); n += 7) {
+      CastError scalar;
+      MeasureCastError(in.data(), out.data(), n, to, &scalar, CastIsa::kScalar);
+      for (CastIsa isa : SupportedCastIsas()) {
+        SCOPED_TRACE(testing::Message() << DTypeName(to) << " " << CastIsaName(isa) << " n=" << n);
+        CastError got;
+        MeasureCastError(in.data(), out.data(), n, to, &got, isa);
+        EXPECT_EQ(got.elements, n);
+        EXPECT_EQ(got.measured, scalar.measured);
+        EXPECT_EQ(got.flushed_to_zero, scalar.flushed_to_zero);
+        EXPECT_EQ(got.overflowed, scalar.overflowed);
+        EXPECT_EQ(got.became_subnormal, scalar.became_subnormal);
+        EXPECT_EQ(got.above, scalar.above);
+        EXPECT_EQ(got.max_relative_error, scalar.max_relative_error);
+        EXPECT_NEAR(got.relative_error_sum, scalar.relative_error_sum, 1e-6);
+      }
+    }
+  }
+}
+
+TEST(CastErrorTest, AnUnalignedDestinationMeasuresTheSame) {
+  const std::vector<float> in = Mixed();
+  std::vector<unsigned char> out(in.size() * 2 + 1);
+  CastError aligned, odd;
+  ASSERT_TRUE(CastFromF32(in.data(), out.data(), in.size(), DType::kFloat16,
+                          Fp16Overflow::kSaturate, &aligned)
+                  .ok());
+  ASSERT_TRUE(CastFromF32(in.data(), out.data() + 1, in.size(), DType::kFloat16,
+                          Fp16Overflow::kSaturate, &odd)
+                  .ok());
+  EXPECT_EQ(odd.Describe(), aligned.Describe());
+  EXPECT_EQ(odd.above, aligned.above);
+}
+
+TEST(CastErrorTest, ACopyToFloat32OnlyCounts) {
+  const std::vector<float> in = Mixed();
+  std::vector<float> out(in.size());
+  CastError error;
+  ASSERT_TRUE(
+      CastFromF32(in.data(), out.data(), in.size(), DType::kFloat32, Fp16Overflow::kError, &error)
+          .ok());
+  EXPECT_EQ(error.elements, in.size());
+  EXPECT_EQ(error.measured, 0u);
+  EXPECT_EQ(error.max_relative_error, 0.0f);
+}
+
+// A cast that fails at an overflow measures the pieces before it only: the
+// failing piece may be partly unwritten.
+TEST(CastErrorTest, AFailedCastMeasuresOnlyWholePiecesBeforeIt) {
+  std::vector<float> in(10000, 1.5f);
+  in[9000] = 1e6f;
+  std::vector<uint16_t> out(in.size());
+  CastError error;
+  const absl::Status status =
+      CastFromF32(in.data(), out.data(), in.size(), DType::kFloat16, Fp16Overflow::kError, &error);
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(error.elements % 2048, 0u);
+  EXPECT_LE(error.elements, 9000u);
+  EXPECT_EQ(error.measured, error.elements);
+  EXPECT_EQ(error.max_relative_error, 0.0f);  // 1.5 is exact
+}
+
+TEST(CastErrorTest, AddSumsAndKeepsTheLargestError) {
+  CastError a, b;
+  a.elements = 3;
+  a.measured = 2;
+  a.relative_error_sum = 0.5;
+  a.max_relative_error = 0.25f;
+  a.above[0] = 2;
+  b.elements = 4;
+  b.measured = 4;
+  b.flushed_to_zero = 1;
+  b.relative_error_sum = 1.5;
+  b.max_relative_error = 1.0f;
+  b.above[0] = 1;
+  a.Add(b);
+  EXPECT_EQ(a.elements, 7u);
+  EXPECT_EQ(a.measured, 6u);
+  EXPECT_EQ(a.flushed_to_zero, 1u);
+  EXPECT_EQ(a.above[0], 3u);
+  EXPECT_EQ(a.max_relative_error, 1.0f);
+  EXPECT_DOUBLE_EQ(a.MeanRelativeError(), 2.0 / 6);
+}
+
+}  // namespace
+}  // namespace layercast
