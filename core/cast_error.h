@@ -25,7 +25,7 @@ namespace layercast {
 // NaNs and infinities count only in `elements`.
 struct CastError {
   // Bounds of the relative-error buckets. bf16 rounds a normal value within
-  // 2^-9 of itself, f16 within 2^-11: each dtype fills a bucket of its own,
+  // 2^-8 of itself, f16 within 2^-11: each dtype fills a bucket of its own,
   // and anything above 2^-8 has lost most of its precision (subnormal).
   static constexpr int kBuckets = 8;
   static constexpr std::array<float, kBuckets> kBounds = {0x1p-24f, 0x1p-16f, 0x1p-12f, 0x1p-10f,

@@ -11,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.pb.h"
+#include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/fetch_plan.h"
 #include "server/memory_budget.h"
@@ -70,6 +71,9 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // layer has moved past (pinned, or overtaken mid-layer) sends from
     // there. Null: such a stream ends with ABORTED.
     const PinnedVersions* pinned = nullptr;
+    // What each chunk's cast lost, measured once per chunk and version.
+    // Null: measured, and counted in the metrics, on every cast.
+    CastErrorLedger* cast_errors = nullptr;
   };
 
   // Everything referenced must outlive the reactor.

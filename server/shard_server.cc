@@ -384,7 +384,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                          .shared = shared_.get(),
                          .trainer = trainer_.get(),
                          .changes = changes_.get(),
-                         .pinned = pinned_.get()});
+                         .pinned = pinned_.get(),
+                         .cast_errors = &cast_errors_});
   if (trainer_ == nullptr) {
     publications_ =
         std::make_unique<Publications>(Publications::Links{.store = store_.get(),

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/parameter_source.h"
+#include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
@@ -108,6 +109,8 @@ class ShardServer {
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
   ServerMetrics metrics_;
+  // What each chunk's cast lost, for GetCastError and the policy's bound.
+  CastErrorLedger cast_errors_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   int metrics_port_ = 0;
   ServerSecurity security_;

@@ -10,6 +10,7 @@
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
 #include "server/push_gradients_reactor.h"
+#include "wire/cast_error_report.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -184,6 +185,25 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ShardService::GetCastError(
+    grpc::CallbackServerContext* context, const layercast::v1::GetCastErrorRequest*,
+    layercast::v1::GetCastErrorResponse* response) {
+  const Parts parts = loaded();
+  if (parts.store == nullptr) return FinishUnary(context, "GetCastError", kLoading);
+  for (float bound : CastError::kBounds) response->add_bounds(bound);
+  if (parts.cast_errors != nullptr) {
+    for (const CastErrorLedger::LayerSummary& summary : parts.cast_errors->Summarize()) {
+      layercast::v1::LayerCastError* layer = response->add_layers();
+      layer->set_layer(summary.layer);
+      layer->set_dtype(static_cast<layercast::v1::DType>(summary.dtype));
+      layer->set_version(summary.version);
+      layer->set_chunks(summary.chunks);
+      wire::CastErrorToProto(summary.error, layer);
+    }
+  }
+  return FinishUnary(context, "GetCastError", grpc::Status::OK);
+}
+
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(const grpc::Status& status) {
   metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
   return new RefusedStream(status);
@@ -204,7 +224,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
         grpc::StatusCode::UNAVAILABLE,
         "this shard is shutting down and takes no new streams; retry against its replacement"));
   }
-  auto [store, budget, shared, trainer, changes, pinned] = loaded();
+  auto [store, budget, shared, trainer, changes, pinned, cast_errors] = loaded();
   if (store == nullptr) return Refuse(kLoading);
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
@@ -256,6 +276,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // changed no value is still served from the master.
   reactor_options.changes = changes;
   reactor_options.pinned = pinned;
+  reactor_options.cast_errors = cast_errors;
   reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   reactor_options.shared = shared;
   if (request->has_base_version()) {

@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/layer_trainer.h"
@@ -46,7 +47,8 @@ class ShardService final
                   layercast::v1::ShardService::WithCallbackMethod_GetGradientNorm<
                       layercast::v1::ShardService::WithCallbackMethod_ApplyClippedStep<
                           layercast::v1::ShardService::WithCallbackMethod_WaitVersion<
-                              layercast::v1::ShardService::Service>>>>>> {
+                              layercast::v1::ShardService::WithCallbackMethod_GetCastError<
+                                  layercast::v1::ShardService::Service>>>>>>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 1 << 20;
@@ -79,6 +81,7 @@ class ShardService final
     LayerTrainer* trainer = nullptr;
     const ChangeLog* changes = nullptr;
     const PinnedVersions* pinned = nullptr;  // null: pinned reads of old versions refused
+    CastErrorLedger* cast_errors = nullptr;  // null: GetCastError lists nothing
   };
   // Makes the loaded parameters available; called once.
   void AttachStore(Parts parts);
@@ -123,6 +126,10 @@ class ShardService final
   grpc::ServerUnaryReactor* WaitVersion(grpc::CallbackServerContext* context,
                                         const layercast::v1::WaitVersionRequest* request,
                                         layercast::v1::WaitVersionResponse* response) override;
+  // What the casts lost, by layer and dtype (CastErrorLedger::Summarize).
+  grpc::ServerUnaryReactor* GetCastError(grpc::CallbackServerContext* context,
+                                         const layercast::v1::GetCastErrorRequest* request,
+                                         layercast::v1::GetCastErrorResponse* response) override;
 
  private:
   Parts loaded() const;

@@ -14,6 +14,9 @@ namespace layercast::cli {
 
 // layercast manifest --shards A,B,...
 absl::Status RunManifest(const std::vector<std::string>& args);
+// layercast cast-error --shards A,B,...: what the shards' casts lost, by
+// layer (client/cast_error_report.h).
+absl::Status RunCastError(const std::vector<std::string>& args);
 // layercast fetch --shards A,B,... --layer L --out FILE.safetensors
 absl::Status RunFetch(const std::vector<std::string>& args);
 // layercast bench --shards A,B,... [--rounds R]

@@ -34,6 +34,9 @@ struct Command {
 const Command kCommands[] = {
     {"manifest", layercast::cli::RunManifest, "print the model, policy and layers of a shard set",
      "layercast manifest SHARDS\n", true},
+    {"cast-error", layercast::cli::RunCastError,
+     "print what the shards' casts lost, by layer (relative error, flushed, overflowed)",
+     "layercast cast-error SHARDS\n", true},
     {"fetch", layercast::cli::RunFetch, "gather one layer into a safetensors file",
      "layercast fetch SHARDS --layer L --out FILE.safetensors [--timeout-ms MS]\n"
      "  --layer L                   the layer's index or its name (e.g. model.layers.3)\n"

@@ -1,6 +1,7 @@
-// A policy's max_rel_error against real shard processes: a layer whose cast
-// loses more than the bound is refused, naming the layer and the figure;
-// every other layer is served as usual.
+// Cast error against real shard processes: a policy's max_rel_error refuses
+// a layer whose cast loses more than the bound, naming the layer and the
+// figure, and serves every other layer as usual; GetCastError reports what
+// each layer's cast lost.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/cast_error_report.h"
 #include "core/cast.h"
 #include "core/cast_error.h"
 #include "core/policy.h"
@@ -20,20 +22,23 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// The largest relative error of any tensor of `layer` cast under `policy`.
-float LayerMaxRelativeError(const TestModel& model, const LayerSpec& layer, const Policy& policy) {
-  float max = 0;
+// What casting the tensors of `layer` that `policy` narrows loses, whole.
+CastError LayerCastError(const TestModel& model, const LayerSpec& layer, const Policy& policy) {
+  CastError lost;
   for (const TensorSpec& tensor : layer.tensors) {
     const std::vector<float>& values = model.values.at(tensor.name);
     const DType dtype = policy.ComputeDTypeFor(tensor.name);
+    if (dtype == DType::kFloat32) continue;
     std::vector<uint8_t> out(values.size() * DTypeSize(dtype));
-    CastError error;
     EXPECT_TRUE(
-        CastFromF32(values.data(), out.data(), values.size(), dtype, policy.overflow(), &error)
+        CastFromF32(values.data(), out.data(), values.size(), dtype, policy.overflow(), &lost)
             .ok());
-    max = std::max(max, error.max_relative_error);
   }
-  return max;
+  return lost;
+}
+
+float LayerMaxRelativeError(const TestModel& model, const LayerSpec& layer, const Policy& policy) {
+  return LayerCastError(model, layer, policy).max_relative_error;
 }
 
 TEST(CastErrorBoundTest, ALayerOverTheBoundIsRefusedAndTheRestServed) {
@@ -69,6 +74,50 @@ TEST(CastErrorBoundTest, ALayerOverTheBoundIsRefusedAndTheRestServed) {
   }
   EXPECT_GT(refused, 0) << "the model has layers over the bound";
   EXPECT_GT(served, 0) << "and layers within it";
+  EXPECT_TRUE(shards.processes->Stop().ok());
+}
+
+// GetCastError against real shards: each layer's row adds up the shards'
+// slices to what casting its tensors whole loses, and serving a layer again
+// at the same version measures (and counts) nothing again.
+TEST(CastErrorReportTest, TheShardsReportWhatEachLayersCastLost) {
+  const std::string policy_text = "p=f32,c=bf16;*norm*=f32";
+  const Policy policy = *Policy::Parse(policy_text);
+  const TestModel model = WriteTestModel(MakeTempDir("model") + "/model.safetensors", 3, 42);
+  RunningShards shards = StartShards(2, {"--model", model.path, "--policy", policy_text});
+  ASSERT_NE(shards.set, nullptr);
+  const ModelSpec& spec = shards.set->model();
+  absl::StatusOr<std::vector<client::LayerCastReport>> before =
+      client::FetchCastErrorReport(*shards.set);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_TRUE(before->empty()) << "nothing was cast yet";
+
+  for (int round = 0; round < 2; ++round) {
+    for (uint32_t l = 0; l < spec.layers.size(); ++l) {
+      ASSERT_TRUE(shards.set->Gather(l).ok()) << l;
+    }
+    absl::StatusOr<std::vector<client::LayerCastReport>> report =
+        client::FetchCastErrorReport(*shards.set);
+    ASSERT_TRUE(report.ok()) << report.status();
+    ASSERT_EQ(report->size(), spec.layers.size());
+    for (const client::LayerCastReport& row : *report) {
+      SCOPED_TRACE(absl::StrCat("round ", round, ", layer ", row.layer));
+      ASSERT_LT(row.layer, spec.layers.size());
+      const CastError want = LayerCastError(model, spec.layers[row.layer], policy);
+      EXPECT_EQ(row.dtype, DType::kBFloat16);
+      EXPECT_EQ(row.version, shards.set->manifests()[0].version());
+      EXPECT_EQ(row.shards, 2u);
+      EXPECT_EQ(row.error.elements, want.elements);
+      EXPECT_EQ(row.error.measured, want.measured);
+      EXPECT_EQ(row.error.flushed_to_zero, want.flushed_to_zero);
+      EXPECT_EQ(row.error.became_subnormal, want.became_subnormal);
+      EXPECT_EQ(row.error.overflowed, want.overflowed);
+      EXPECT_EQ(row.error.above, want.above);
+      EXPECT_EQ(row.error.max_relative_error, want.max_relative_error);
+      EXPECT_NEAR(row.error.relative_error_sum, want.relative_error_sum,
+                  1e-5 * want.relative_error_sum);
+    }
+  }
   EXPECT_TRUE(shards.processes->Stop().ok());
 }
 

@@ -1,0 +1,59 @@
+#include "server/cast_error_ledger.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+namespace layercast::server {
+
+CastErrorLedger::Slot CastErrorLedger::SlotOf(const ChunkKey& key) {
+  return {.layer = key.layer,
+          .tensor = key.tensor,
+          .element_begin = key.element_begin,
+          .elements = key.elements,
+          .dtype = key.dtype};
+}
+
+std::optional<CastError> CastErrorLedger::Find(const ChunkKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(SlotOf(key));
+  if (it == chunks_.end() || it->second.version != key.version) return std::nullopt;
+  return it->second.error;
+}
+
+bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error) {
+  absl::MutexLock lock(&mu_);
+  const Slot slot = SlotOf(key);
+  auto it = chunks_.find(slot);
+  if (it != chunks_.end()) {
+    if (it->second.version >= key.version) return false;
+    it->second = {key.version, error};
+    return true;
+  }
+  if (chunks_.size() >= kMaxChunks) chunks_.clear();
+  chunks_.emplace(slot, Measured{key.version, error});
+  return true;
+}
+
+std::vector<CastErrorLedger::LayerSummary> CastErrorLedger::Summarize() const {
+  std::map<std::tuple<uint32_t, DType>, LayerSummary> layers;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [slot, measured] : chunks_) {
+    LayerSummary& summary = layers[{slot.layer, slot.dtype}];
+    if (summary.chunks != 0 && measured.version < summary.version) continue;
+    if (summary.chunks == 0 || measured.version > summary.version) {
+      summary = LayerSummary();
+      summary.layer = slot.layer;
+      summary.dtype = slot.dtype;
+      summary.version = measured.version;
+    }
+    ++summary.chunks;
+    summary.error.Add(measured.error);
+  }
+  std::vector<LayerSummary> out;
+  out.reserve(layers.size());
+  for (auto& [key, summary] : layers) out.push_back(std::move(summary));
+  return out;
+}
+
+}  // namespace layercast::server

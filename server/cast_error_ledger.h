@@ -1,0 +1,83 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "core/cast_error.h"
+#include "core/dtype.h"
+#include "server/shared_chunks.h"
+
+namespace layercast::server {
+
+// What each chunk's cast lost (core/cast_error.h), once per chunk and
+// parameter version. The cast of a chunk at a version is the same bits every
+// time, so a shard measures it the first time and looks the figure up after:
+// a layer served to a thousand workers costs one measurement (a few times a
+// cast's CPU, see bench/cast_bench.cc), the metrics count each element of a
+// version once, and the policy's max_rel_error is checked against the same
+// figure on every cast.
+//
+// Keeps the newest version measured of each chunk. Bounded: past
+// kMaxChunks chunks (clients may ask for ranges of their own) it forgets
+// every chunk and starts over, so a chunk may then be measured, and
+// counted, again.
+//
+// Thread-safe.
+class CastErrorLedger {
+ public:
+  static constexpr size_t kMaxChunks = 1 << 16;
+
+  // What the cast of `key` at key.version lost, if measured already.
+  std::optional<CastError> Find(const ChunkKey& key) const;
+  // Keeps `error` as what the cast of `key` at key.version lost. False when
+  // that was known already (another stream measured the same chunk at the
+  // same time) or a newer version of the chunk is kept: the caller then
+  // leaves it out of the metrics.
+  bool Record(const ChunkKey& key, const CastError& error);
+
+  // One layer's figures for one dtype: its chunks measured at the newest
+  // version any of them was measured at, summed.
+  struct LayerSummary {
+    uint32_t layer = 0;
+    DType dtype = DType::kFloat32;
+    uint64_t version = 0;
+    uint64_t chunks = 0;
+    CastError error;
+  };
+  // By layer, then dtype.
+  std::vector<LayerSummary> Summarize() const;
+
+ private:
+  // A chunk at any version: ChunkKey without version and base_version (a
+  // delta's values are those of its version).
+  struct Slot {
+    uint32_t layer = 0;
+    uint32_t tensor = 0;
+    uint64_t element_begin = 0;
+    uint64_t elements = 0;
+    DType dtype = DType::kFloat32;
+
+    friend bool operator==(const Slot&, const Slot&) = default;
+    template <typename H>
+    friend H AbslHashValue(H h, const Slot& slot) {
+      return H::combine(std::move(h), slot.layer, slot.tensor, slot.element_begin, slot.elements,
+                        slot.dtype);
+    }
+  };
+  struct Measured {
+    uint64_t version = 0;
+    CastError error;
+  };
+  static Slot SlotOf(const ChunkKey& key);
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<Slot, Measured> chunks_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace layercast::server

@@ -1,0 +1,102 @@
+// CastErrorLedger on its own: a chunk is measured once per version, a newer
+// version replaces an older one and never the other way round, and a layer's
+// summary adds up its chunks at the newest version only.
+
+#include "server/cast_error_ledger.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace layercast::server {
+namespace {
+
+ChunkKey Key(uint32_t layer, uint64_t begin, uint64_t version, DType dtype = DType::kBFloat16) {
+  return ChunkKey{.layer = layer,
+                  .tensor = 0,
+                  .element_begin = begin,
+                  .elements = 100,
+                  .version = version,
+                  .dtype = dtype};
+}
+
+CastError Lost(uint64_t flushed, float max) {
+  CastError error;
+  error.elements = 100;
+  error.measured = 100;
+  error.flushed_to_zero = flushed;
+  error.max_relative_error = max;
+  error.relative_error_sum = max * 10;
+  return error;
+}
+
+TEST(CastErrorLedgerTest, AChunkIsKnownAtTheVersionItWasMeasuredAt) {
+  CastErrorLedger ledger;
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
+  EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
+  ASSERT_TRUE(ledger.Find(Key(0, 0, 3)).has_value());
+  EXPECT_EQ(ledger.Find(Key(0, 0, 3))->flushed_to_zero, 2u);
+  // Other versions, ranges, dtypes and layers are other chunks.
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 4)).has_value());
+  EXPECT_FALSE(ledger.Find(Key(0, 100, 3)).has_value());
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 3, DType::kFloat16)).has_value());
+  EXPECT_FALSE(ledger.Find(Key(1, 0, 3)).has_value());
+  // A delta's values are those of its version.
+  ChunkKey delta = Key(0, 0, 3);
+  delta.base_version = 1;
+  EXPECT_TRUE(ledger.Find(delta).has_value());
+}
+
+TEST(CastErrorLedgerTest, RecordsEachChunkAndVersionOnceAndNeverGoesBack) {
+  CastErrorLedger ledger;
+  EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
+  EXPECT_FALSE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f))) << "measured twice at once";
+  EXPECT_TRUE(ledger.Record(Key(0, 0, 5), Lost(7, 0.25f)));
+  EXPECT_FALSE(ledger.Record(Key(0, 0, 4), Lost(9, 1))) << "a pinned reader's older version";
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
+  ASSERT_TRUE(ledger.Find(Key(0, 0, 5)).has_value());
+  EXPECT_EQ(ledger.Find(Key(0, 0, 5))->flushed_to_zero, 7u);
+}
+
+TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
+  CastErrorLedger ledger;
+  ASSERT_TRUE(ledger.Record(Key(2, 0, 5), Lost(1, 0.125f)));
+  ASSERT_TRUE(ledger.Record(Key(2, 100, 5), Lost(2, 0.5f)));
+  ASSERT_TRUE(ledger.Record(Key(2, 200, 4), Lost(40, 1)));  // not cast at 5 yet
+  ASSERT_TRUE(ledger.Record(Key(2, 0, 5, DType::kFloat16), Lost(3, 0.25f)));
+  ASSERT_TRUE(ledger.Record(Key(0, 0, 1), Lost(0, 0.0625f)));
+
+  const std::vector<CastErrorLedger::LayerSummary> summary = ledger.Summarize();
+  ASSERT_EQ(summary.size(), 3u);
+  EXPECT_EQ(summary[0].layer, 0u);
+  EXPECT_EQ(summary[0].version, 1u);
+  EXPECT_EQ(summary[0].chunks, 1u);
+
+  EXPECT_EQ(summary[1].layer, 2u);
+  EXPECT_EQ(summary[1].dtype, DType::kBFloat16);
+  EXPECT_EQ(summary[1].version, 5u);
+  EXPECT_EQ(summary[1].chunks, 2u);
+  EXPECT_EQ(summary[1].error.elements, 200u);
+  EXPECT_EQ(summary[1].error.flushed_to_zero, 3u);
+  EXPECT_EQ(summary[1].error.max_relative_error, 0.5f);
+  EXPECT_DOUBLE_EQ(summary[1].error.relative_error_sum, 6.25);
+
+  EXPECT_EQ(summary[2].layer, 2u);
+  EXPECT_EQ(summary[2].dtype, DType::kFloat16);
+  EXPECT_EQ(summary[2].error.flushed_to_zero, 3u);
+}
+
+TEST(CastErrorLedgerTest, AFullLedgerStartsOver) {
+  CastErrorLedger ledger;
+  for (uint64_t i = 0; i < CastErrorLedger::kMaxChunks; ++i) {
+    ASSERT_TRUE(ledger.Record(Key(0, i * 100, 1), Lost(0, 0)));
+  }
+  EXPECT_TRUE(ledger.Find(Key(0, 0, 1)).has_value());
+  EXPECT_TRUE(ledger.Record(Key(1, 0, 1), Lost(0, 0)));
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 1)).has_value());
+  EXPECT_TRUE(ledger.Find(Key(1, 0, 1)).has_value());
+  ASSERT_EQ(ledger.Summarize().size(), 1u);
+}
+
+}  // namespace
+}  // namespace layercast::server
