@@ -3,6 +3,8 @@
 // features. Tails use masked loads and stores, which never touch the
 // masked-off bytes, so no scalar fallback is needed.
 
+#include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -176,6 +178,31 @@ void Widen(const uint16_t* src, float* dst, size_t n) {
 // about 2^-16 of exact.
 constexpr size_t kSumBlock = 4096;
 
+// The buckets by table instead of a compare and an add per bound. Every bound is a power of two
+// 2^-k, so a relative error r >= 0 with fp32 bits R exceeds it exactly when (R - 1) >> 23
+// (arithmetic; -1 for r = 0) is at least 127 - k. Taking 127 - 24 off that gives an index 0..23 for
+// any r <= 1 above 2^-24, and a negative one, 31 once clamped unsigned, below; entry i of
+// kAboveTable holds, in 4-bit field j, whether index i exceeds bound j. Adding entries counts all
+// eight buckets at once, 15 vectors at a time.
+constexpr int kLeastBoundExponent = 127 - 24;
+constexpr int kTableEntries = 32;
+constexpr int kNibbleFlush = 15;
+
+constexpr std::array<uint32_t, kTableEntries> AboveTable() {
+  std::array<uint32_t, kTableEntries> table{};
+  for (int index = 0; index < kTableEntries - 1; ++index) {
+    for (int j = 0; j < CastError::kBuckets; ++j) {
+      // kBounds[j] = 2^-k: its exponent field is 127 - k.
+      const int bound_exponent =
+          static_cast<int>(std::bit_cast<uint32_t>(CastError::kBounds[j]) >> 23);
+      if (index + kLeastBoundExponent >= bound_exponent) table[index] |= 1u << (4 * j);
+    }
+  }
+  return table;  // entry 31: below 2^-24 (or zero), no bucket
+}
+constexpr std::array<uint32_t, kTableEntries> kAboveTable = AboveTable();
+static_assert(std::bit_cast<uint32_t>(CastError::kBounds[0]) >> 23 == kLeastBoundExponent);
+
 template <bool kBF16>
 void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
                       const NarrowingLimits& limits, CastError* error) {
@@ -183,52 +210,73 @@ void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
   const __m512i one = _mm512_set1_epi32(1);
   const __m512i overflow_floor = _mm512_set1_epi32(static_cast<int>(limits.overflow_floor));
   const __m512i below_normal = _mm512_set1_epi32(static_cast<int>(limits.normal_floor - 1));
-  __m512i bounds[CastError::kBuckets];
-  for (int k = 0; k < CastError::kBuckets; ++k) {
-    bounds[k] = _mm512_castps_si512(_mm512_set1_ps(CastError::kBounds[k]));
-  }
+  const __m512i normal_floor = _mm512_set1_epi32(static_cast<int>(limits.normal_floor));
+  const __m512i normal_span =
+      _mm512_set1_epi32(static_cast<int>(limits.overflow_floor - limits.normal_floor));
+  const __m512i table_low = _mm512_loadu_si512(kAboveTable.data());
+  const __m512i table_high = _mm512_loadu_si512(kAboveTable.data() + 16);
+  const __m512i index_offset = _mm512_set1_epi32(-1 - (kLeastBoundExponent << 23));
+  const __m512i last_entry = _mm512_set1_epi32(kTableEntries - 1);
+  const __m512i nibble = _mm512_set1_epi32(0xF);
   error->elements += n;
   for (size_t begin = 0; begin < n; begin += kSumBlock) {
     const size_t end = n - begin < kSumBlock ? n : begin + kSumBlock;
     __m512i overflowed = _mm512_setzero_si512(), flushed = overflowed, subnormal = overflowed,
-            measured = overflowed;
+            measured = overflowed, nibbles = overflowed;
     __m512i above[CastError::kBuckets];
     for (__m512i& count : above) count = _mm512_setzero_si512();
+    auto flush_nibbles = [&] {
+      for (int j = 0; j < CastError::kBuckets; ++j) {
+        above[j] =
+            _mm512_add_epi32(above[j], _mm512_and_si512(_mm512_srli_epi32(nibbles, 4 * j), nibble));
+      }
+      nibbles = _mm512_setzero_si512();
+    };
     __m512 sum = _mm512_setzero_ps(), max = sum;
+    int pending = 0;
     for (size_t i = begin; i < end; i += 16) {
       const __mmask16 valid = FirstLanes(end - i);
       const __m512i x = _mm512_maskz_loadu_epi32(valid, src + i);
       const __m512 cast = Lanes<kBF16>(_mm256_maskz_loadu_epi16(valid, out + i));
       const __m512i a = _mm512_and_si512(x, abs_mask);
-      const __m512i cast_magnitude = _mm512_and_si512(_mm512_castps_si512(cast), abs_mask);
-      // Finite and nonzero: a - 1 below 0x7F7FFFFF, unsigned (masked-off lanes are 0).
-      const __mmask16 finite =
-          _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, one), _mm512_set1_epi32(0x7F7FFFFF));
-      const __mmask16 over = _mm512_mask_cmpge_epi32_mask(finite, a, overflow_floor);
-      const __mmask16 kept = finite & ~over;
-      const __mmask16 zero =
-          _mm512_mask_cmpeq_epi32_mask(kept, cast_magnitude, _mm512_setzero_si512());
-      const __mmask16 was_normal =
-          _mm512_mask_cmpge_epi32_mask(kept, a, _mm512_set1_epi32(0x00800000));
-      const __mmask16 became_subnormal = _mm512_mask_cmplt_epu32_mask(
-          was_normal, _mm512_sub_epi32(cast_magnitude, one), below_normal);
-      overflowed = _mm512_mask_add_epi32(overflowed, over, overflowed, one);
-      flushed = _mm512_mask_add_epi32(flushed, zero, flushed, one);
-      subnormal = _mm512_mask_add_epi32(subnormal, became_subnormal, subnormal, one);
+      // Most vectors hold only values at or above the dtype's least normal
+      // and below its overflow: each is measured and none lost. (Masked-off
+      // lanes are 0, below the range, so a tail takes the long way.)
+      __mmask16 kept = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, normal_floor), normal_span);
+      if (kept != 0xFFFF) {
+        const __m512i cast_magnitude = _mm512_and_si512(_mm512_castps_si512(cast), abs_mask);
+        // Finite and nonzero: a - 1 below 0x7F7FFFFF, unsigned.
+        const __mmask16 finite =
+            _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, one), _mm512_set1_epi32(0x7F7FFFFF));
+        const __mmask16 over = _mm512_mask_cmpge_epi32_mask(finite, a, overflow_floor);
+        kept = finite & ~over;
+        const __mmask16 zero =
+            _mm512_mask_cmpeq_epi32_mask(kept, cast_magnitude, _mm512_setzero_si512());
+        const __mmask16 was_normal =
+            _mm512_mask_cmpge_epi32_mask(kept, a, _mm512_set1_epi32(0x00800000));
+        const __mmask16 became_subnormal = _mm512_mask_cmplt_epu32_mask(
+            was_normal, _mm512_sub_epi32(cast_magnitude, one), below_normal);
+        overflowed = _mm512_mask_add_epi32(overflowed, over, overflowed, one);
+        flushed = _mm512_mask_add_epi32(flushed, zero, flushed, one);
+        subnormal = _mm512_mask_add_epi32(subnormal, became_subnormal, subnormal, one);
+      }
       measured = _mm512_mask_add_epi32(measured, kept, measured, one);
       const __m512 difference = _mm512_sub_ps(cast, _mm512_castsi512_ps(x));
       const __m512 relative = _mm512_maskz_div_ps(
           kept, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(difference), abs_mask)),
           _mm512_castsi512_ps(a));
-      // Non-negative floats order as their bits do.
-      const __m512i relative_bits = _mm512_castps_si512(relative);
-      for (int k = 0; k < CastError::kBuckets; ++k) {
-        above[k] = _mm512_mask_add_epi32(
-            above[k], _mm512_cmpgt_epi32_mask(relative_bits, bounds[k]), above[k], one);
+      const __m512i index = _mm512_min_epu32(
+          _mm512_srai_epi32(_mm512_add_epi32(_mm512_castps_si512(relative), index_offset), 23),
+          last_entry);
+      nibbles = _mm512_add_epi32(nibbles, _mm512_permutex2var_epi32(table_low, index, table_high));
+      if (++pending == kNibbleFlush) {
+        flush_nibbles();
+        pending = 0;
       }
       sum = _mm512_add_ps(sum, relative);
       max = _mm512_max_ps(max, relative);
     }
+    flush_nibbles();
     error->overflowed += static_cast<uint32_t>(_mm512_reduce_add_epi32(overflowed));
     error->flushed_to_zero += static_cast<uint32_t>(_mm512_reduce_add_epi32(flushed));
     error->became_subnormal += static_cast<uint32_t>(_mm512_reduce_add_epi32(subnormal));
