@@ -113,6 +113,26 @@ void BM_ShardCast(benchmark::State& state, DType to, bool measure) {
   state.SetBytesProcessed(state.iterations() * kInputBytes);
 }
 
+// The measurement alone, by kernel, as CastFromF32 runs it: on a piece of
+// 2048 elements just cast, in L1, here the same piece 32768 times (64 MiB).
+void BM_Measure(benchmark::State& state, CastIsa isa, DType to) {
+  constexpr size_t kPiece = 2048;
+  const std::vector<float>& in = Input();
+  std::vector<uint16_t> out(kPiece);
+  if (!CastFromF32(in.data(), out.data(), kPiece, to, Fp16Overflow::kInfinity).ok()) {
+    state.SkipWithError("the input overflows");
+    return;
+  }
+  CastError error;
+  for (auto _ : state) {
+    for (size_t done = 0; done < kElements; done += kPiece) {
+      MeasureCastError(in.data(), out.data(), kPiece, to, &error, isa);
+    }
+  }
+  benchmark::DoNotOptimize(error.measured);
+  state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
 // What a shard adds per chunk after the cast: the CRC-32C of the bf16 bytes,
 // half the fp32 input's size, over the same fp32 input bytes as the others.
 void BM_Crc32cOfBf16(benchmark::State& state, Crc32cPath path) {
@@ -209,6 +229,15 @@ int main(int argc, char** argv) {
     const std::string name = absl::StrCat("shard_cast/", DTypeShortName(to));
     Register(benchmark::RegisterBenchmark(name.c_str(), BM_ShardCast, to, false));
     Register(benchmark::RegisterBenchmark((name + "+error").c_str(), BM_ShardCast, to, true));
+  }
+  for (CastIsa isa : SupportedCastIsas()) {
+    // kAvx512Bf16 measures with kAvx512's kernel.
+    if (isa == CastIsa::kScalar || isa == CastIsa::kAvx512Bf16) continue;
+    for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+      Register(benchmark::RegisterBenchmark(
+          absl::StrCat("measure_", DTypeShortName(to), "/", CastIsaName(isa)).c_str(), BM_Measure,
+          isa, to));
+    }
   }
   for (Crc32cPath path : SupportedCrc32cPaths()) {
     if (path == Crc32cPath::kTable) continue;  // a byte at a time: not a contender

@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -81,6 +82,30 @@ int64_t Sum(__m256i lanes) {
 // so counting subtracts them. The tail goes to the scalar kernel.
 constexpr size_t kSumBlock = 4096;
 
+// Buckets by table, as in cast_avx512.cc, with PSHUFB's 16 entries: every
+// bound's bucket index (cast_kernels.h) is even, so half the index selects
+// the entry, which is how far to shift ones right to leave one bit in each
+// exceeded bound's 4-bit field. The fields are added into 32-bit counts
+// every 15 vectors, before they can overflow.
+constexpr int kNibbleFlush = 15;
+
+constexpr std::array<uint8_t, 16> ShiftTable() {
+  std::array<uint8_t, 16> table{};
+  for (int half = 0; half < 16; ++half) {
+    table[half] =
+        static_cast<uint8_t>(32 - 4 * BoundsExceeded(half == 15 ? kBucketIndexBelow : 2 * half));
+  }
+  return table;
+}
+constexpr std::array<uint8_t, 16> kShiftTable = ShiftTable();
+static_assert(kBucketIndexBelow / 2 == 15);
+static_assert([] {
+  for (int index = 0; index < 24; ++index) {
+    if (BoundsExceeded(index) != BoundsExceeded(index & ~1)) return false;
+  }
+  return true;
+}());
+
 template <bool kBF16>
 void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
                       const NarrowingLimits& limits, CastError* error) {
@@ -88,17 +113,31 @@ void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
   const __m256i zero = _mm256_setzero_si256();
   const __m256i overflow_below = _mm256_set1_epi32(static_cast<int>(limits.overflow_floor - 1));
   const __m256i normal_floor = _mm256_set1_epi32(static_cast<int>(limits.normal_floor));
-  __m256i bounds[CastError::kBuckets];
-  for (int k = 0; k < CastError::kBuckets; ++k) {
-    bounds[k] = _mm256_castps_si256(_mm256_set1_ps(CastError::kBounds[k]));
-  }
+  const __m256i below_normal = _mm256_set1_epi32(static_cast<int>(limits.normal_floor - 1));
+  const __m256i overflow_floor = _mm256_set1_epi32(static_cast<int>(limits.overflow_floor));
+  const __m256i shifts = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kShiftTable.data())));
+  const __m256i index_offset = _mm256_set1_epi32(-1 - (kBucketIndexBias << 23));
+  const __m256i below = _mm256_set1_epi32(kBucketIndexBelow);
+  const __m256i low_byte = _mm256_set1_epi32(0xFF);
+  const __m256i field_ones = _mm256_set1_epi32(0x11111111);
+  const __m256i all_ones = _mm256_set1_epi32(-1);
+  const __m256i nibble = _mm256_set1_epi32(0xF);
   const size_t vectors_end = n - n % 8;
   for (size_t begin = 0; begin < vectors_end; begin += kSumBlock) {
     const size_t end = vectors_end - begin < kSumBlock ? vectors_end : begin + kSumBlock;
-    __m256i overflowed = zero, flushed = zero, subnormal = zero, measured = zero;
+    __m256i overflowed = zero, flushed = zero, subnormal = zero, measured = zero, nibbles = zero;
     __m256i above[CastError::kBuckets];
     for (__m256i& count : above) count = zero;
+    auto flush_nibbles = [&] {
+      for (int j = 0; j < CastError::kBuckets; ++j) {
+        above[j] =
+            _mm256_add_epi32(above[j], _mm256_and_si256(_mm256_srli_epi32(nibbles, 4 * j), nibble));
+      }
+      nibbles = zero;
+    };
     __m256 sum = _mm256_setzero_ps(), max = sum;
+    int pending = 0;
     for (size_t i = begin; i < end; i += 8) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
       const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out + i));
@@ -109,35 +148,54 @@ void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
         cast = _mm256_cvtph_ps(half);
       }
       const __m256i a = _mm256_and_si256(x, abs_mask);
-      const __m256i cast_magnitude = _mm256_and_si256(_mm256_castps_si256(cast), abs_mask);
-      const __m256i finite = _mm256_and_si256(_mm256_cmpgt_epi32(a, zero),
-                                              _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a));
-      const __m256i over = _mm256_and_si256(finite, _mm256_cmpgt_epi32(a, overflow_below));
-      const __m256i kept = _mm256_andnot_si256(over, finite);
-      const __m256i flush = _mm256_and_si256(kept, _mm256_cmpeq_epi32(cast_magnitude, zero));
-      const __m256i was_normal =
-          _mm256_and_si256(kept, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x007FFFFF)));
-      const __m256i became_subnormal = _mm256_and_si256(
-          was_normal, _mm256_and_si256(_mm256_cmpgt_epi32(cast_magnitude, zero),
-                                       _mm256_cmpgt_epi32(normal_floor, cast_magnitude)));
-      overflowed = _mm256_sub_epi32(overflowed, over);
-      flushed = _mm256_sub_epi32(flushed, flush);
-      subnormal = _mm256_sub_epi32(subnormal, became_subnormal);
-      measured = _mm256_sub_epi32(measured, kept);
-      const __m256 difference = _mm256_sub_ps(cast, _mm256_castsi256_ps(x));
-      // Lanes not kept divide by 1 and are then zeroed.
-      const __m256 divisor =
-          _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_castsi256_ps(a), _mm256_castsi256_ps(kept));
-      const __m256 relative = _mm256_and_ps(
-          _mm256_div_ps(_mm256_and_ps(difference, _mm256_castsi256_ps(abs_mask)), divisor),
-          _mm256_castsi256_ps(kept));
-      const __m256i relative_bits = _mm256_castps_si256(relative);
-      for (int k = 0; k < CastError::kBuckets; ++k) {
-        above[k] = _mm256_sub_epi32(above[k], _mm256_cmpgt_epi32(relative_bits, bounds[k]));
+      const __m256 magnitude = _mm256_castsi256_ps(a);
+      const __m256 difference =
+          _mm256_and_ps(_mm256_sub_ps(cast, _mm256_castsi256_ps(x)), _mm256_castsi256_ps(abs_mask));
+      __m256 relative;
+      // Most vectors hold only values at or above the dtype's least normal
+      // and below its overflow: each is measured and none lost.
+      const __m256i in_range = _mm256_and_si256(_mm256_cmpgt_epi32(a, below_normal),
+                                                _mm256_cmpgt_epi32(overflow_floor, a));
+      if (_mm256_movemask_ps(_mm256_castsi256_ps(in_range)) == 0xFF) {
+        measured = _mm256_sub_epi32(measured, in_range);
+        relative = _mm256_div_ps(difference, magnitude);
+      } else {
+        const __m256i cast_magnitude = _mm256_and_si256(_mm256_castps_si256(cast), abs_mask);
+        const __m256i finite = _mm256_and_si256(
+            _mm256_cmpgt_epi32(a, zero), _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a));
+        const __m256i over = _mm256_and_si256(finite, _mm256_cmpgt_epi32(a, overflow_below));
+        const __m256i kept = _mm256_andnot_si256(over, finite);
+        const __m256i flush = _mm256_and_si256(kept, _mm256_cmpeq_epi32(cast_magnitude, zero));
+        const __m256i was_normal =
+            _mm256_and_si256(kept, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x007FFFFF)));
+        const __m256i became_subnormal = _mm256_and_si256(
+            was_normal, _mm256_and_si256(_mm256_cmpgt_epi32(cast_magnitude, zero),
+                                         _mm256_cmpgt_epi32(normal_floor, cast_magnitude)));
+        overflowed = _mm256_sub_epi32(overflowed, over);
+        flushed = _mm256_sub_epi32(flushed, flush);
+        subnormal = _mm256_sub_epi32(subnormal, became_subnormal);
+        measured = _mm256_sub_epi32(measured, kept);
+        // Lanes not kept divide by 1 and are then zeroed.
+        const __m256 divisor =
+            _mm256_blendv_ps(_mm256_set1_ps(1.0f), magnitude, _mm256_castsi256_ps(kept));
+        relative = _mm256_and_ps(_mm256_div_ps(difference, divisor), _mm256_castsi256_ps(kept));
+      }
+      const __m256i index = _mm256_min_epu32(
+          _mm256_srai_epi32(_mm256_add_epi32(_mm256_castps_si256(relative), index_offset), 23),
+          below);
+      // Bytes above the first of each lane look up entry 0; masked off.
+      const __m256i shift =
+          _mm256_and_si256(_mm256_shuffle_epi8(shifts, _mm256_srli_epi32(index, 1)), low_byte);
+      nibbles = _mm256_add_epi32(nibbles,
+                                 _mm256_and_si256(_mm256_srlv_epi32(all_ones, shift), field_ones));
+      if (++pending == kNibbleFlush) {
+        flush_nibbles();
+        pending = 0;
       }
       sum = _mm256_add_ps(sum, relative);
       max = _mm256_max_ps(max, relative);
     }
+    flush_nibbles();
     error->elements += end - begin;
     error->overflowed += Sum(overflowed);
     error->flushed_to_zero += Sum(flushed);

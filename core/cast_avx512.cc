@@ -4,7 +4,6 @@
 // masked-off bytes, so no scalar fallback is needed.
 
 #include <array>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -178,30 +177,22 @@ void Widen(const uint16_t* src, float* dst, size_t n) {
 // about 2^-16 of exact.
 constexpr size_t kSumBlock = 4096;
 
-// The buckets by table instead of a compare and an add per bound. Every bound is a power of two
-// 2^-k, so a relative error r >= 0 with fp32 bits R exceeds it exactly when (R - 1) >> 23
-// (arithmetic; -1 for r = 0) is at least 127 - k. Taking 127 - 24 off that gives an index 0..23 for
-// any r <= 1 above 2^-24, and a negative one, 31 once clamped unsigned, below; entry i of
-// kAboveTable holds, in 4-bit field j, whether index i exceeds bound j. Adding entries counts all
-// eight buckets at once, 15 vectors at a time.
-constexpr int kLeastBoundExponent = 127 - 24;
+// Bucket counts four bits each, all eight in a lane: entry i of the table
+// has a 1 in field j when bucket index i (cast_kernels.h) exceeds bound j,
+// so one lookup and one add count every bucket; the fields are added into
+// 32-bit counts every 15 vectors, before they can overflow.
 constexpr int kTableEntries = 32;
 constexpr int kNibbleFlush = 15;
 
 constexpr std::array<uint32_t, kTableEntries> AboveTable() {
   std::array<uint32_t, kTableEntries> table{};
-  for (int index = 0; index < kTableEntries - 1; ++index) {
-    for (int j = 0; j < CastError::kBuckets; ++j) {
-      // kBounds[j] = 2^-k: its exponent field is 127 - k.
-      const int bound_exponent =
-          static_cast<int>(std::bit_cast<uint32_t>(CastError::kBounds[j]) >> 23);
-      if (index + kLeastBoundExponent >= bound_exponent) table[index] |= 1u << (4 * j);
-    }
+  for (int index = 0; index < kTableEntries; ++index) {
+    for (int j = 0; j < BoundsExceeded(index); ++j) table[index] |= 1u << (4 * j);
   }
-  return table;  // entry 31: below 2^-24 (or zero), no bucket
+  return table;
 }
 constexpr std::array<uint32_t, kTableEntries> kAboveTable = AboveTable();
-static_assert(std::bit_cast<uint32_t>(CastError::kBounds[0]) >> 23 == kLeastBoundExponent);
+static_assert(kBucketIndexBelow == kTableEntries - 1);
 
 template <bool kBF16>
 void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
@@ -215,8 +206,8 @@ void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
       _mm512_set1_epi32(static_cast<int>(limits.overflow_floor - limits.normal_floor));
   const __m512i table_low = _mm512_loadu_si512(kAboveTable.data());
   const __m512i table_high = _mm512_loadu_si512(kAboveTable.data() + 16);
-  const __m512i index_offset = _mm512_set1_epi32(-1 - (kLeastBoundExponent << 23));
-  const __m512i last_entry = _mm512_set1_epi32(kTableEntries - 1);
+  const __m512i index_offset = _mm512_set1_epi32(-1 - (kBucketIndexBias << 23));
+  const __m512i last_entry = _mm512_set1_epi32(kBucketIndexBelow);
   const __m512i nibble = _mm512_set1_epi32(0xF);
   error->elements += n;
   for (size_t begin = 0; begin < n; begin += kSumBlock) {

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -51,6 +52,26 @@ struct NarrowingLimits {
   uint32_t overflow_floor;  // fp32 bits of the least magnitude that rounds past the largest finite
   uint32_t normal_floor;    // fp32 bits of the dtype's least normal magnitude
 };
+// The vector kernels bucket a relative error by table instead of a compare
+// per bound. Every bound is a power of two 2^-k, so an r >= 0 with fp32 bits
+// R exceeds it exactly when (R - 1) >> 23 (arithmetic: -1 for r = 0) is at
+// least 127 - k. Less kBucketIndexBias, that is a bucket index from 0 to 23
+// for r in (2^-24, 1], and negative at or below 2^-24, which an unsigned
+// clamp to kBucketIndexBelow maps to no bucket.
+constexpr int kBucketIndexBias = 127 - 24;
+constexpr int kBucketIndexBelow = 31;
+// How many of CastError::kBounds an error with bucket index `index` exceeds
+// (they ascend, so it exceeds the first that many).
+constexpr int BoundsExceeded(int index) {
+  if (index == kBucketIndexBelow) return 0;
+  int exceeded = 0;
+  for (float bound : CastError::kBounds) {
+    exceeded += index + kBucketIndexBias >= static_cast<int>(std::bit_cast<uint32_t>(bound) >> 23);
+  }
+  return exceeded;
+}
+static_assert(std::bit_cast<uint32_t>(CastError::kBounds[0]) >> 23 == kBucketIndexBias);
+
 void MeasureNarrowingScalar(const float* src, const uint16_t* out, size_t n,
                             const NarrowingLimits& limits, CastError* error);
 void MeasureNarrowingAvx2(const float* src, const uint16_t* out, size_t n,
