@@ -114,7 +114,7 @@ void BM_ShardCast(benchmark::State& state, DType to, bool measure) {
 }
 
 // The measurement alone, by kernel, as CastFromF32 runs it: on a piece of
-// 2048 elements just cast, in L1, here the same piece 32768 times (64 MiB).
+// 2048 elements just cast, in L1, here the same piece 8192 times (64 MiB of fp32).
 void BM_Measure(benchmark::State& state, CastIsa isa, DType to) {
   constexpr size_t kPiece = 2048;
   const std::vector<float>& in = Input();

@@ -125,7 +125,9 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
 // The same, also adding what the cast lost to `*error` (core/cast_error.h):
 // each piece of a few KiB is measured right after it is cast, while it is in
 // L1, so the data crosses the memory bus once. A copy to kFloat32 loses
-// nothing and only counts its elements.
+// nothing and only counts its elements. When the cast fails (an overflow
+// under Fp16Overflow::kError), `*error` holds the pieces before the failing
+// one: discard it.
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp16Overflow overflow,
                          CastError* error);
 

@@ -12,11 +12,13 @@ namespace {
 internal::NarrowingLimits LimitsOf(DType to) {
   assert(to == DType::kBFloat16 || to == DType::kFloat16);
   if (to == DType::kBFloat16) {
-    // 0x7F7F8000 ties between bf16's largest finite (0x7F7F, odd) and infinity.
-    return {.bf16 = true, .overflow_floor = 0x7F7F8000, .normal_floor = 0x00800000};
+    return {.bf16 = true,
+            .overflow_floor = internal::kBF16OverflowFloor,
+            .normal_floor = internal::kF32NormalFloor};
   }
-  // 65520 ties between 65504 (odd) and infinity; 2^-14 is the least normal.
-  return {.bf16 = false, .overflow_floor = 0x477FF000, .normal_floor = 0x38800000};
+  return {.bf16 = false,
+          .overflow_floor = internal::kF16OverflowFloor,
+          .normal_floor = internal::kF16NormalFloor};
 }
 
 using MeasureKernel = void (*)(const float*, const uint16_t*, size_t,

@@ -45,6 +45,17 @@ void F16ToF32Scalar(const uint16_t* src, float* dst, size_t n);
 void F16ToF32Avx2(const uint16_t* src, float* dst, size_t n);
 void F16ToF32Avx512(const uint16_t* src, float* dst, size_t n);
 
+// 65520.0f: the smallest magnitude that rounds beyond float16's 65504 (a tie
+// between 65504, odd, and infinity).
+constexpr uint32_t kF16OverflowFloor = 0x477FF000;
+// 2^-14: the smallest magnitude whose float16 is normal.
+constexpr uint32_t kF16NormalFloor = 0x38800000;
+// 0x1.FFp127: the tie between bfloat16's largest finite (0x7F7F, odd) and
+// infinity, the smallest magnitude that rounds beyond it.
+constexpr uint32_t kBF16OverflowFloor = 0x7F7F8000;
+// 2^-126: the smallest normal fp32 (and bfloat16).
+constexpr uint32_t kF32NormalFloor = 0x00800000;
+
 // What narrowing to a 16-bit dtype lost (core/cast_error.h), added into
 // *error. `out` holds the cast of `src`.
 struct NarrowingLimits {

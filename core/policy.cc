@@ -59,14 +59,16 @@ absl::StatusOr<Fp16Overflow> ParseOverflow(absl::string_view policy_text, absl::
 // A bound on a relative error: above 0 (no cast that narrows is exact for
 // every value) and at most 1 (a value flushed to zero loses 1).
 absl::StatusOr<float> ParseMaxRelError(absl::string_view policy_text, absl::string_view value) {
-  double bound;
-  if (!absl::SimpleAtod(value, &bound) || !(bound > 0 && bound <= 1)) {
+  // Checked as the float it is kept as: 1e-50 is above 0 only as a double.
+  double parsed;
+  const float bound = absl::SimpleAtod(value, &parsed) ? static_cast<float>(parsed) : 0.0f;
+  if (!(bound > 0 && bound <= 1)) {
     return PolicyError(policy_text,
                        absl::StrCat("max_rel_error '", value,
                                     "' is not a number above 0 and at most 1, e.g. 0.01: the "
                                     "largest relative error |cast - x| / |x| a layer may carry"));
   }
-  return static_cast<float>(bound);
+  return bound;
 }
 
 // The fewest digits that parse back to `value` ("0.01", not 0.00999999978);

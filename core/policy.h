@@ -26,8 +26,9 @@ namespace layercast {
 // layercast's extension: what narrowing to float16 does with finite values
 // beyond 65504. `max_rel_error` (a number in (0, 1], unset by default) is
 // another: a shard refuses to serve a layer whose cast has an element with a
-// larger relative error |cast - x| / |x| (core/cast_error.h). Overrides match whole tensor names
-// with fnmatch(3) globs (core/glob.h: `*` also matches dots) and the first match wins.
+// larger relative error |cast - x| / |x| (core/cast_error.h), or one that
+// overflowed. Overrides match whole tensor names with fnmatch(3) globs
+// (core/glob.h: `*` also matches dots) and the first match wins.
 //
 // Immutable value type; thread-safe for concurrent reads.
 class Policy {

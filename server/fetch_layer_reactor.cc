@@ -261,11 +261,18 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   const float* source = store_.master(key.layer, key.tensor) + skip;
   const auto cast_start = std::chrono::steady_clock::now();
   // The same chunk at the same version casts to the same bits: measured the
-  // first time only.
-  const std::optional<CastError> known =
-      options_.cast_errors != nullptr ? options_.cast_errors->Find(key) : std::nullopt;
+  // first time only. Only chunks of the grid (see WriteNext) are kept and
+  // counted: a ranged or resumed stream's part of one would count its
+  // elements again.
+  const bool narrows = key.dtype != DType::kFloat32;
+  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, element_bytes);
+  const bool on_grid =
+      skip % per_chunk == 0 && key.elements == std::min(per_chunk, owned.end - key.element_begin);
+  const std::optional<CastError> known = narrows && on_grid && options_.cast_errors != nullptr
+                                             ? options_.cast_errors->Find(key)
+                                             : std::nullopt;
   CastError measured;
-  CastError* const measure = known.has_value() ? nullptr : &measured;
+  CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
   for (uint64_t done = 0; done < key.elements;) {
     const uint64_t block = std::min(kCastBlockElements, key.elements - done);
     uint8_t* block_out = out + done * element_bytes;
@@ -286,21 +293,25 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
       key.elements,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   metrics_.RecordChunkCast();
-  if (measure != nullptr &&
+  if (measure != nullptr && on_grid &&
       (options_.cast_errors == nullptr || options_.cast_errors->Record(key, measured))) {
     metrics_.RecordCastError(key.layer, key.dtype, measured);
   }
   const CastError& error = known.has_value() ? *known : measured;
   if (const std::optional<float> bound = store_.policy().max_rel_error();
-      bound.has_value() && error.max_relative_error > *bound) {
+      bound.has_value() && error.Exceeds(*bound)) {
     const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
+    const std::string figure =
+        error.overflowed > 0
+            ? absl::StrCat(error.overflowed, " element(s) that overflowed")
+            : absl::StrFormat("a relative error of %.3g", error.max_relative_error);
     return absl::FailedPreconditionError(absl::StrFormat(
-        "layer %d (%s) loses too much in its cast to %s: tensor %s, elements %d to %d, has a "
-        "relative error of %.3g, beyond the policy's max_rel_error=%.3g (%s); serve the tensor in "
-        "a wider dtype (a policy override such as '%s=float32') or raise the bound",
+        "layer %d (%s) loses too much in its cast to %s: tensor %s, elements [%d, %d), has %s, "
+        "beyond the policy's max_rel_error=%.3g (%s); serve the tensor in a wider dtype (a policy "
+        "override such as '%s=float32') or raise the bound",
         key.layer, store_.model().layers[key.layer].name, DTypeName(key.dtype), name,
-        key.element_begin, key.element_begin + key.elements, error.max_relative_error, *bound,
-        error.Describe(), name));
+        key.element_begin, key.element_begin + key.elements, figure, *bound, error.Describe(),
+        name));
   }
   return absl::OkStatus();
 }

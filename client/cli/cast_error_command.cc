@@ -31,7 +31,7 @@ absl::Status RunCastError(const std::vector<std::string>& args) {
                 error.MeanRelativeError(), static_cast<unsigned long long>(error.flushed_to_zero),
                 static_cast<unsigned long long>(error.overflowed),
                 static_cast<unsigned long long>(error.became_subnormal),
-                report.shards < set->addresses().size() ? " (not every shard's slice)" : "");
+                report.shards < set->addresses().size() ? " (from some shards only)" : "");
   }
   return absl::OkStatus();
 }

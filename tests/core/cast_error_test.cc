@@ -163,5 +163,14 @@ TEST(CastErrorTest, AddSumsAndKeepsTheLargestError) {
   EXPECT_DOUBLE_EQ(a.MeanRelativeError(), 2.0 / 6);
 }
 
+TEST(CastErrorTest, ExceedsABoundByALargerErrorOrAnyOverflow) {
+  CastError error;
+  error.max_relative_error = 0x1p-9f;
+  EXPECT_FALSE(error.Exceeds(0x1p-9f)) << "a bound is inclusive";
+  EXPECT_TRUE(error.Exceeds(0x1p-10f));
+  error.overflowed = 1;
+  EXPECT_TRUE(error.Exceeds(1.0f)) << "an overflow exceeds every bound";
+}
+
 }  // namespace
 }  // namespace layercast

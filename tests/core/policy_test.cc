@@ -127,7 +127,8 @@ TEST(PolicyTest, MaxRelErrorIsABoundInZeroToOne) {
   EXPECT_EQ(MustParse("c=bf16,max_rel_error=1").max_rel_error(), 1.0f);
   EXPECT_EQ(MustParse("c=bf16,max_rel_error=0.01").ToString(),
             "params=float32,compute=bfloat16,output=bfloat16,max_rel_error=0.01");
-  for (const char* bad : {"0", "-0.1", "1.5", "nan", "inf", "0.01x", "lots"}) {
+  // 1e-50 is above 0 as a double and 0 as the float the policy keeps.
+  for (const char* bad : {"0", "-0.1", "1.5", "nan", "inf", "0.01x", "lots", "1e-50"}) {
     const absl::StatusOr<Policy> policy = Policy::Parse(absl::StrCat("c=bf16,max_rel_error=", bad));
     ASSERT_FALSE(policy.ok()) << bad;
     EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
