@@ -12,7 +12,6 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -20,24 +19,12 @@
 #include "absl/strings/str_join.h"
 #include "core/cast.h"
 #include "core/cast_error.h"
+#include "tests/core/every_fp32_pattern.h"
 
 namespace layercast {
 namespace {
 
-constexpr uint64_t kAllPatterns = uint64_t{1} << 32;
-constexpr size_t kBlock = size_t{1} << 16;  // fits in L2 with its outputs
-
-// An optimised build tests all 2^32 patterns in under a minute of CPU time.
-// Sanitizers (ASan+UBSan measured ~4x slower) and unoptimised builds (far
-// slower, Eigen especially) test every kBlockStride-th block only: as one
-// exponent spans 128 blocks, every exponent of both signs is still tested.
-#if !defined(__OPTIMIZE__)
-constexpr uint64_t kBlockStride = 61;
-#elif defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr uint64_t kBlockStride = 13;
-#else
-constexpr uint64_t kBlockStride = 1;
-#endif
+using exhaustive::kBlock;
 
 bool IsNaN(uint32_t bits) { return (bits & 0x7FFFFFFF) > 0x7F800000; }
 bool IsFinite(uint32_t bits) { return (bits & 0x7FFFFFFF) < 0x7F800000; }
@@ -51,32 +38,9 @@ struct Scratch {
   std::vector<uint16_t> got = std::vector<uint16_t>(kBlock);
 };
 
-// Runs `check(first_bits, scratch)`, with scratch.in holding the patterns
-// from first_bits on, over every kBlockStride-th block of the 2^32 patterns,
-// spread over the cores (at least two); returns the first failure found, or "".
 template <typename Check>
 std::string ForAllBlocks(Check check) {
-  const unsigned workers = std::clamp(std::thread::hardware_concurrency(), 2u, 8u);
-  std::vector<std::string> failures(workers);
-  auto work = [&](unsigned worker) {
-    Scratch scratch;
-    for (uint64_t first = kBlock * kBlockStride * worker; first < kAllPatterns;
-         first += kBlock * kBlockStride * workers) {
-      for (size_t i = 0; i < kBlock; ++i) {
-        scratch.in[i] = std::bit_cast<float>(static_cast<uint32_t>(first + i));
-      }
-      failures[worker] = check(static_cast<uint32_t>(first), scratch);
-      if (!failures[worker].empty()) return;
-    }
-  };
-  std::vector<std::thread> threads;
-  for (unsigned worker = 1; worker < workers; ++worker) threads.emplace_back(work, worker);
-  work(0);
-  for (std::thread& thread : threads) thread.join();
-  for (const std::string& failure : failures) {
-    if (!failure.empty()) return failure;
-  }
-  return "";
+  return exhaustive::ForAllBlocks<Scratch>(check);
 }
 
 // The first index where `got` and `want` differ, described; "" if equal.

@@ -1,0 +1,232 @@
+#include "core/fp8.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cassert>
+#include <cmath>
+#include <limits>
+
+#include "core/cast_error.h"
+#include "core/fp8_kernels.h"
+
+namespace layercast {
+namespace {
+
+using internal::Fp8Spec;
+
+using internal::SpecOf;
+
+// Every code's value, for dequantizing and measuring.
+const std::array<float, 256>& DecodeTable(Fp8Format format) {
+  static const auto make = [](Fp8Format f) {
+    std::array<float, 256> table;
+    for (int code = 0; code < 256; ++code) table[code] = Fp8ToF32(static_cast<uint8_t>(code), f);
+    return table;
+  };
+  static const std::array<float, 256> e4m3fn = make(Fp8Format::kE4M3FN);
+  static const std::array<float, 256> e5m2 = make(Fp8Format::kE5M2);
+  return format == Fp8Format::kE4M3FN ? e4m3fn : e5m2;
+}
+
+// The kernel `isa` names: fp8 has a scalar and an AVX-512 kernel only (the
+// division by the scale dominates, and wider is faster at it).
+bool UsesAvx512(CastIsa isa) {
+  if (isa != CastIsa::kAvx512 && isa != CastIsa::kAvx512Bf16) return false;
+  const std::vector<CastIsa>& supported = SupportedCastIsas();
+  return std::find(supported.begin(), supported.end(), CastIsa::kAvx512) != supported.end();
+}
+
+CastIsa WidestIsa() {
+  static const CastIsa isa = [] {
+    return UsesAvx512(CastIsa::kAvx512) ? CastIsa::kAvx512 : CastIsa::kScalar;
+  }();
+  return isa;
+}
+
+// Where saturating changes the result: beyond the midpoint between the
+// largest finite value and the next power of the format's grid (464 for
+// kE4M3FN, whose tie goes to 448's even code; 61440 for kE5M2, whose tie
+// goes to infinity's even code).
+bool Saturated(float y_magnitude, Fp8Format format) {
+  return format == Fp8Format::kE4M3FN ? y_magnitude > 464.0f : y_magnitude >= 61440.0f;
+}
+
+// One element, already divided by its scale: the code as core/fp8.h defines
+// it. The vector kernels do the same steps lane by lane.
+// (Here, not in fp8_kernels.h: an inline function there would also be
+// compiled with AVX-512 in fp8_avx512.cc, and the linker may keep either.)
+uint8_t EncodeFp8(float y, const Fp8Spec& spec) {
+  const uint32_t bits = std::bit_cast<uint32_t>(y);
+  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  uint32_t magnitude = bits & 0x7FFFFFFF;
+  if (magnitude > 0x7F800000) return sign | spec.nan_code;
+  if (magnitude > spec.max_finite_bits) magnitude = spec.max_finite_bits;  // saturate
+  if (magnitude < spec.min_normal_bits) {
+    const float sum =
+        std::bit_cast<float>(magnitude) + std::bit_cast<float>(spec.subnormal_magic_bits);
+    return sign | static_cast<uint8_t>(std::bit_cast<uint32_t>(sum) - spec.subnormal_magic_bits);
+  }
+  const int shift = 23 - spec.mantissa_bits;
+  const uint32_t rounded = magnitude + ((1u << (shift - 1)) - 1) + ((magnitude >> shift) & 1);
+  return sign | static_cast<uint8_t>((rounded >> shift) - spec.rebias);
+}
+
+bool IsSubnormalCode(uint8_t code, const Fp8Spec& spec) {
+  const int exponent_shift = spec.mantissa_bits;
+  return ((code & 0x7F) >> exponent_shift) == 0 && (code & 0x7F) != 0;
+}
+
+}  // namespace
+
+absl::string_view Fp8FormatName(Fp8Format format) {
+  return format == Fp8Format::kE4M3FN ? "float8_e4m3fn" : "float8_e5m2";
+}
+
+float Fp8MaxFinite(Fp8Format format) { return format == Fp8Format::kE4M3FN ? 448.0f : 57344.0f; }
+
+float Fp8ToF32(uint8_t code, Fp8Format format) {
+  const Fp8Spec& spec = SpecOf(format);
+  const float sign = (code & 0x80) != 0 ? -1.0f : 1.0f;
+  const int mantissa_bits = spec.mantissa_bits;
+  const int exponent_bits = 7 - mantissa_bits;
+  const int bias = (1 << (exponent_bits - 1)) - 1;
+  const int exponent = (code & 0x7F) >> mantissa_bits;
+  const int mantissa = code & ((1 << mantissa_bits) - 1);
+  if (format == Fp8Format::kE4M3FN && (code & 0x7F) == 0x7F) {
+    return std::copysign(std::numeric_limits<float>::quiet_NaN(), sign);
+  }
+  if (format == Fp8Format::kE5M2 && exponent == 0x1F) {
+    return mantissa == 0 ? sign * std::numeric_limits<float>::infinity()
+                         : std::copysign(std::numeric_limits<float>::quiet_NaN(), sign);
+  }
+  // Both branches are exact: at most 4 significant bits, exponents well
+  // inside fp32's range.
+  if (exponent == 0)
+    return sign * std::ldexp(static_cast<float>(mantissa), 1 - bias - mantissa_bits);
+  return sign * std::ldexp(static_cast<float>(mantissa + (1 << mantissa_bits)),
+                           exponent - bias - mantissa_bits);
+}
+
+float Fp8BlockScale(std::span<const float> block, Fp8Format format) {
+  const float amax = UsesAvx512(WidestIsa())
+                         ? internal::FiniteAbsMaxAvx512(block.data(), block.size())
+                         : internal::FiniteAbsMaxScalar(block.data(), block.size());
+  return internal::Fp8ScaleFromAbsMax(amax, format);
+}
+
+void QuantizeFp8WithScale(std::span<const float> src, float scale, Fp8Format format,
+                          std::span<uint8_t> dst) {
+  QuantizeFp8WithScale(src, scale, format, dst, WidestIsa());
+}
+
+void QuantizeFp8WithScale(std::span<const float> src, float scale, Fp8Format format,
+                          std::span<uint8_t> dst, CastIsa isa) {
+  assert(src.size() == dst.size());
+  const size_t n = std::min(src.size(), dst.size());
+  if (UsesAvx512(isa)) {
+    internal::QuantizeFp8Avx512(src.data(), n, scale, SpecOf(format), dst.data());
+  } else {
+    internal::QuantizeFp8Scalar(src.data(), n, scale, SpecOf(format), dst.data());
+  }
+}
+
+void QuantizeFp8(std::span<const float> src, size_t block_size, Fp8Format format,
+                 std::span<uint8_t> dst, std::span<float> scales, CastError* error) {
+  QuantizeFp8(src, block_size, format, dst, scales, error, WidestIsa());
+}
+
+void QuantizeFp8(std::span<const float> src, size_t block_size, Fp8Format format,
+                 std::span<uint8_t> dst, std::span<float> scales, CastError* error, CastIsa isa) {
+  assert(block_size > 0 && dst.size() == src.size() &&
+         scales.size() == Fp8BlockCount(src.size(), block_size));
+  const size_t n = std::min(src.size(), dst.size());
+  if (UsesAvx512(isa)) {
+    internal::QuantizeFp8BlocksAvx512(src.data(), n, block_size, format, dst.data(), scales.data(),
+                                      error);
+  } else {
+    internal::QuantizeFp8BlocksScalar(src.data(), n, block_size, format, dst.data(), scales.data(),
+                                      error);
+  }
+}
+
+void DequantizeFp8(std::span<const uint8_t> src, size_t block_size, std::span<const float> scales,
+                   Fp8Format format, std::span<float> dst) {
+  assert(block_size > 0 && dst.size() == src.size() &&
+         scales.size() == Fp8BlockCount(src.size(), block_size));
+  const std::array<float, 256>& values = DecodeTable(format);
+  for (size_t i = 0; i < src.size(); ++i) dst[i] = values[src[i]] * scales[i / block_size];
+}
+
+void MeasureFp8Error(std::span<const float> src, std::span<const uint8_t> q, float scale,
+                     Fp8Format format, CastError* error) {
+  const Fp8Spec& spec = SpecOf(format);
+  const std::array<float, 256>& values = DecodeTable(format);
+  CastError piece;
+  piece.elements = src.size();
+  double sum = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    const float x = src[i];
+    if (!std::isfinite(x) || x == 0.0f) continue;
+    if (Saturated(std::fabs(x / scale), format)) {
+      ++piece.overflowed;
+      continue;
+    }
+    const uint8_t code = q[i];
+    if ((code & 0x7F) == 0) ++piece.flushed_to_zero;
+    if (std::isnormal(x) && IsSubnormalCode(code, spec)) ++piece.became_subnormal;
+    const float cast = values[code] * scale;
+    const float relative = std::fabs(cast - x) / std::fabs(x);
+    ++piece.measured;
+    for (int k = 0; k < CastError::kBuckets; ++k) {
+      piece.above[k] += relative > CastError::kBounds[k] ? 1 : 0;
+    }
+    sum += relative;
+    piece.max_relative_error = std::max(piece.max_relative_error, relative);
+  }
+  piece.relative_error_sum = sum;
+  error->Add(piece);
+}
+
+namespace internal {
+
+const Fp8Spec& SpecOf(Fp8Format format) {
+  return format == Fp8Format::kE4M3FN ? kE4M3FNSpec : kE5M2Spec;
+}
+
+float Fp8ScaleFromAbsMax(float amax, Fp8Format format) {
+  if (amax == 0.0f) return 1.0f;
+  return std::max(amax / Fp8MaxFinite(format), std::numeric_limits<float>::min());
+}
+
+void QuantizeFp8Scalar(const float* src, size_t n, float scale, const Fp8Spec& spec, uint8_t* dst) {
+  for (size_t i = 0; i < n; ++i) dst[i] = EncodeFp8(src[i] / scale, spec);
+}
+
+void QuantizeFp8BlocksScalar(const float* src, size_t n, size_t block_size, Fp8Format format,
+                             uint8_t* dst, float* scales, CastError* error) {
+  const Fp8Spec& spec = SpecOf(format);
+  for (size_t begin = 0; begin < n; begin += block_size) {
+    const size_t length = std::min(block_size, n - begin);
+    const float scale = Fp8ScaleFromAbsMax(FiniteAbsMaxScalar(src + begin, length), format);
+    scales[begin / block_size] = scale;
+    QuantizeFp8Scalar(src + begin, length, scale, spec, dst + begin);
+    if (error != nullptr) {
+      MeasureFp8Error({src + begin, length}, {dst + begin, length}, scale, format, error);
+    }
+  }
+}
+
+float FiniteAbsMaxScalar(const float* src, size_t n) {
+  // As integers: a finite magnitude's bits order as its value and lie below
+  // infinity's.
+  uint32_t max_bits = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t magnitude = std::bit_cast<uint32_t>(src[i]) & 0x7FFFFFFF;
+    if (magnitude < 0x7F800000) max_bits = std::max(max_bits, magnitude);
+  }
+  return std::bit_cast<float>(max_bits);
+}
+
+}  // namespace internal
+}  // namespace layercast
