@@ -29,8 +29,8 @@ const std::array<float, 256>& DecodeTable(Fp8Format format) {
   return format == Fp8Format::kE4M3FN ? e4m3fn : e5m2;
 }
 
-// The kernel `isa` names: fp8 has a scalar and an AVX-512 kernel only (the
-// division by the scale dominates, and wider is faster at it).
+// The kernel `isa` names: fp8 has a scalar and an AVX-512 kernel only (no
+// AVX2 one yet, so a CPU without AVX-512 quantizes with the scalar kernel).
 bool UsesAvx512(CastIsa isa) {
   if (isa != CastIsa::kAvx512 && isa != CastIsa::kAvx512Bf16) return false;
   const std::vector<CastIsa>& supported = SupportedCastIsas();
