@@ -250,8 +250,7 @@ int main(int argc, char** argv) {
   }
   for (Fp8Format format : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
     for (CastIsa isa : SupportedCastIsas()) {
-      if (isa == CastIsa::kAvx2 || isa == CastIsa::kAvx512Bf16)
-        continue;  // fp8 has no kernel of its own
+      if (isa == CastIsa::kAvx512Bf16) continue;  // kAvx512's fp8 kernel
       const std::string name = absl::StrCat(Fp8FormatName(format), "/", CastIsaName(isa));
       Register(benchmark::RegisterBenchmark(name.c_str(), BM_QuantizeFp8, format, isa, false));
       Register(benchmark::RegisterBenchmark((name + "+error").c_str(), BM_QuantizeFp8, format, isa,

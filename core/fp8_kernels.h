@@ -39,15 +39,19 @@ float Fp8ScaleFromAbsMax(float amax, Fp8Format format);
 
 // Quantizes with one scale.
 void QuantizeFp8Scalar(const float* src, size_t n, float scale, const Fp8Spec& spec, uint8_t* dst);
+void QuantizeFp8Avx2(const float* src, size_t n, float scale, const Fp8Spec& spec, uint8_t* dst);
 void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& spec, uint8_t* dst);
 // QuantizeFp8: blocks of block_size from src[0], each block's scale into
 // scales[], and with `error` each block measured right after it is written.
 void QuantizeFp8BlocksScalar(const float* src, size_t n, size_t block_size, Fp8Format format,
                              uint8_t* dst, float* scales, CastError* error);
+void QuantizeFp8BlocksAvx2(const float* src, size_t n, size_t block_size, Fp8Format format,
+                           uint8_t* dst, float* scales, CastError* error);
 void QuantizeFp8BlocksAvx512(const float* src, size_t n, size_t block_size, Fp8Format format,
                              uint8_t* dst, float* scales, CastError* error);
 // The largest finite |x| of src[0..n), 0 if none.
 float FiniteAbsMaxScalar(const float* src, size_t n);
+float FiniteAbsMaxAvx2(const float* src, size_t n);
 float FiniteAbsMaxAvx512(const float* src, size_t n);
 
 }  // namespace layercast::internal
