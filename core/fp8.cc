@@ -51,14 +51,6 @@ CastIsa WidestIsa() {
   return isa;
 }
 
-// Where saturating changes the result: beyond the midpoint between the
-// largest finite value and the next power of the format's grid (464 for
-// kE4M3FN, whose tie goes to 448's even code; 61440 for kE5M2, whose tie
-// goes to infinity's even code).
-bool Saturated(float y_magnitude, Fp8Format format) {
-  return format == Fp8Format::kE4M3FN ? y_magnitude > 464.0f : y_magnitude >= 61440.0f;
-}
-
 // One element, already divided by its scale: the code as core/fp8.h defines
 // it. The vector kernels do the same steps lane by lane.
 // (Here, not in fp8_kernels.h: an inline function there would also be
@@ -176,15 +168,39 @@ void DequantizeFp8(std::span<const uint8_t> src, size_t block_size, std::span<co
 
 void MeasureFp8Error(std::span<const float> src, std::span<const uint8_t> q, float scale,
                      Fp8Format format, CastError* error) {
+  assert(src.size() == q.size());
+  const size_t n = std::min(src.size(), q.size());
+  if (KernelFor(WidestIsa()) == Kernel::kAvx512) {
+    internal::MeasureFp8ErrorAvx512(src.data(), q.data(), n, scale, format, error);
+  } else {
+    internal::MeasureFp8ErrorScalar(src.data(), q.data(), n, scale, format, error);
+  }
+}
+
+namespace internal {
+
+const Fp8Spec& SpecOf(Fp8Format format) {
+  return format == Fp8Format::kE4M3FN ? kE4M3FNSpec : kE5M2Spec;
+}
+
+float Fp8ScaleFromAbsMax(float amax, Fp8Format format) {
+  if (amax == 0.0f) return 1.0f;
+  return std::max(amax / Fp8MaxFinite(format), std::numeric_limits<float>::min());
+}
+
+const float* Fp8DecodeTable(Fp8Format format) { return DecodeTable(format).data(); }
+
+void MeasureFp8ErrorScalar(const float* src, const uint8_t* q, size_t n, float scale,
+                           Fp8Format format, CastError* error) {
   const Fp8Spec& spec = SpecOf(format);
   const std::array<float, 256>& values = DecodeTable(format);
   CastError piece;
-  piece.elements = src.size();
+  piece.elements = n;
   double sum = 0;
-  for (size_t i = 0; i < src.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const float x = src[i];
     if (!std::isfinite(x) || x == 0.0f) continue;
-    if (Saturated(std::fabs(x / scale), format)) {
+    if (std::bit_cast<uint32_t>(std::fabs(x / scale)) > spec.saturation_floor_bits) {
       ++piece.overflowed;
       continue;
     }
@@ -204,17 +220,6 @@ void MeasureFp8Error(std::span<const float> src, std::span<const uint8_t> q, flo
   error->Add(piece);
 }
 
-namespace internal {
-
-const Fp8Spec& SpecOf(Fp8Format format) {
-  return format == Fp8Format::kE4M3FN ? kE4M3FNSpec : kE5M2Spec;
-}
-
-float Fp8ScaleFromAbsMax(float amax, Fp8Format format) {
-  if (amax == 0.0f) return 1.0f;
-  return std::max(amax / Fp8MaxFinite(format), std::numeric_limits<float>::min());
-}
-
 void QuantizeFp8Scalar(const float* src, size_t n, float scale, const Fp8Spec& spec, uint8_t* dst) {
   for (size_t i = 0; i < n; ++i) dst[i] = EncodeFp8(src[i] / scale, spec);
 }
@@ -228,7 +233,7 @@ void QuantizeFp8BlocksScalar(const float* src, size_t n, size_t block_size, Fp8F
     scales[begin / block_size] = scale;
     QuantizeFp8Scalar(src + begin, length, scale, spec, dst + begin);
     if (error != nullptr) {
-      MeasureFp8Error({src + begin, length}, {dst + begin, length}, scale, format, error);
+      MeasureFp8ErrorScalar(src + begin, dst + begin, length, scale, format, error);
     }
   }
 }

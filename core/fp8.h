@@ -86,7 +86,10 @@ void DequantizeFp8(std::span<const uint8_t> src, size_t block_size, std::span<co
 // scale) and its relative error |fl32(c - x)| / |x| is an fp32 quotient;
 // overflowed counts finite x whose quotient fl32(x / scale) saturated (at or
 // beyond 464 for kE4M3FN, at or beyond 61440 for kE5M2: where
-// saturating changed the result), which the block scale prevents.
+// saturating changed the result), which the block scale prevents. The
+// widest kernel this CPU runs (AVX-512's sums the errors in fp32 lanes per
+// call before adding them up in double: the sum differs from the scalar
+// kernel's in its last digits, the counts and the maximum do not).
 void MeasureFp8Error(std::span<const float> src, std::span<const uint8_t> q, float scale,
                      Fp8Format format, CastError* error);
 

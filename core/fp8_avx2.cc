@@ -92,7 +92,7 @@ void QuantizeFp8BlocksAvx2(const float* src, size_t n, size_t block_size, Fp8For
     c.scale = _mm256_set1_ps(scale);
     Quantize(src + begin, length, c, dst + begin);
     if (error != nullptr) {
-      MeasureFp8Error({src + begin, length}, {dst + begin, length}, scale, format, error);
+      MeasureFp8ErrorScalar(src + begin, dst + begin, length, scale, format, error);
     }
   }
 }

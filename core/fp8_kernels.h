@@ -23,13 +23,18 @@ struct Fp8Spec {
   // below the least normal leaves the subnormal code, rounded to nearest
   // even, in its low bits (its ulp is the format's subnormal step).
   uint32_t subnormal_magic_bits;
+  // fp32 bits of the largest magnitude that rounds to at most max_finite
+  // (464, a tie going to 448's even code; just below 61440, a tie going to
+  // infinity's even code): beyond it, saturating changed the result.
+  uint32_t saturation_floor_bits;
   uint8_t max_code;
   uint8_t nan_code;
 };
 
-inline constexpr Fp8Spec kE4M3FNSpec = {3,          120u << 3, 0x43E00000, 0x3C800000,
-                                        0x46800000, 0x7E,      0x7F};
-inline constexpr Fp8Spec kE5M2Spec = {2, 112u << 2, 0x47600000, 0x38800000, 0x43000000, 0x7B, 0x7E};
+inline constexpr Fp8Spec kE4M3FNSpec = {3,          120u << 3,  0x43E00000, 0x3C800000,
+                                        0x46800000, 0x43E80000, 0x7E,       0x7F};
+inline constexpr Fp8Spec kE5M2Spec = {2,          112u << 2,  0x47600000, 0x38800000,
+                                      0x43000000, 0x476FFFFF, 0x7B,       0x7E};
 
 // Out of line in fp8.cc: shared by every kernel file (see cast_kernels.h on
 // inline functions in files compiled for other instruction sets).
@@ -49,6 +54,14 @@ void QuantizeFp8BlocksAvx2(const float* src, size_t n, size_t block_size, Fp8For
                            uint8_t* dst, float* scales, CastError* error);
 void QuantizeFp8BlocksAvx512(const float* src, size_t n, size_t block_size, Fp8Format format,
                              uint8_t* dst, float* scales, CastError* error);
+// Every code's value (256 floats), for dequantizing and measuring.
+const float* Fp8DecodeTable(Fp8Format format);
+// MeasureFp8Error (core/fp8.h) of n elements: identical counts and maximum,
+// the sum added in another order.
+void MeasureFp8ErrorScalar(const float* src, const uint8_t* q, size_t n, float scale,
+                           Fp8Format format, CastError* error);
+void MeasureFp8ErrorAvx512(const float* src, const uint8_t* q, size_t n, float scale,
+                           Fp8Format format, CastError* error);
 // The largest finite |x| of src[0..n), 0 if none.
 float FiniteAbsMaxScalar(const float* src, size_t n);
 float FiniteAbsMaxAvx2(const float* src, size_t n);

@@ -186,5 +186,61 @@ TEST(Fp8Test, ErrorMeasurementFollowsCastErrorsDefinitions) {
   EXPECT_TRUE(saturated.Exceeds(1.0f));
 }
 
+// Every kernel's measurement against the scalar one, on blocks holding every
+// case (NaN, infinities, zeros, fp32 subnormals, values flushed or made
+// subnormal) and lengths that leave tails.
+TEST(Fp8Test, EveryKernelMeasuresWhatTheScalarOneDoes) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> bits;
+  std::uniform_real_distribution<float> exponent(-40.0f, 10.0f);
+  std::vector<float> values(5000);
+  for (size_t i = 0; i < values.size(); ++i) {
+    switch (i % 7) {
+      case 0:
+        values[i] = std::bit_cast<float>(bits(rng));  // NaNs, infinities, subnormals
+        break;
+      case 1:
+        values[i] = 0.0f;
+        break;
+      default:
+        values[i] = std::exp2(exponent(rng)) * ((bits(rng) & 1) != 0 ? -1.3f : 1.1f);
+    }
+  }
+  for (Fp8Format format : kFormats) {
+    for (size_t block_size : {size_t{128}, size_t{37}}) {
+      std::vector<uint8_t> codes(values.size());
+      std::vector<float> scales(Fp8BlockCount(values.size(), block_size));
+      CastError want;
+      QuantizeFp8(values, block_size, format, codes, scales, &want, CastIsa::kScalar);
+      ASSERT_GT(want.flushed_to_zero, 0u);
+      ASSERT_GT(want.became_subnormal, 0u);
+      for (CastIsa isa : SupportedCastIsas()) {
+        CastError got;
+        QuantizeFp8(values, block_size, format, codes, scales, &got, isa);
+        SCOPED_TRACE(testing::Message() << Fp8FormatName(format) << " " << CastIsaName(isa));
+        EXPECT_EQ(got.elements, want.elements);
+        EXPECT_EQ(got.measured, want.measured);
+        EXPECT_EQ(got.overflowed, want.overflowed);
+        EXPECT_EQ(got.flushed_to_zero, want.flushed_to_zero);
+        EXPECT_EQ(got.became_subnormal, want.became_subnormal);
+        EXPECT_EQ(got.above, want.above);
+        EXPECT_EQ(got.max_relative_error, want.max_relative_error);
+        EXPECT_NEAR(got.relative_error_sum, want.relative_error_sum,
+                    1e-5 * want.relative_error_sum);
+      }
+    }
+  }
+  // A scale that is not the block's saturates; the public measurement runs
+  // the widest kernel, which must count it as the definition does.
+  const std::vector<float> big = {465.0f, -464.0f, 470.0f, 1.0f, kInf};
+  std::vector<uint8_t> out(big.size());
+  QuantizeFp8WithScale(big, 1.0f, Fp8Format::kE4M3FN, out, CastIsa::kScalar);
+  CastError error;
+  MeasureFp8Error(big, out, 1.0f, Fp8Format::kE4M3FN, &error);
+  EXPECT_EQ(error.overflowed, 2u);
+  EXPECT_EQ(error.measured, 2u);
+  EXPECT_EQ(error.elements, 5u);
+}
+
 }  // namespace
 }  // namespace layercast
