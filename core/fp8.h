@@ -58,8 +58,9 @@ float Fp8BlockScale(std::span<const float> block, Fp8Format format);
 // on, exposed for the tests and benchmarks.
 void QuantizeFp8WithScale(std::span<const float> src, float scale, Fp8Format format,
                           std::span<uint8_t> dst);
-// With `isa`'s kernel: kAvx512 and kAvx512Bf16 run the AVX-512 kernel, the
-// others (and a variant this CPU lacks) the scalar one. Same bits.
+// With `isa`'s kernel: kAvx512 and kAvx512Bf16 run the AVX-512 kernel, kAvx2
+// the AVX2 one, kScalar (and a variant this CPU lacks) the scalar one. Same
+// bits.
 void QuantizeFp8WithScale(std::span<const float> src, float scale, Fp8Format format,
                           std::span<uint8_t> dst, CastIsa isa);
 
@@ -84,9 +85,9 @@ void DequantizeFp8(std::span<const uint8_t> src, size_t block_size, std::span<co
 // Adds what quantizing `src` (with one scale `scale`) into `q` lost to
 // `*error`, with CastError's definitions, where the cast c = fl32(value(q) *
 // scale) and its relative error |fl32(c - x)| / |x| is an fp32 quotient;
-// overflowed counts finite x whose quotient fl32(x / scale) saturated (at or
-// beyond 464 for kE4M3FN, at or beyond 61440 for kE5M2: where
-// saturating changed the result), which the block scale prevents. The
+// overflowed counts finite x whose quotient fl32(x / scale) saturated
+// (beyond 464 for kE4M3FN, at or beyond 61440 for kE5M2: where saturating
+// changed the result), which the block scale prevents. The
 // widest kernel this CPU runs (AVX-512's sums the errors in fp32 lanes per
 // call before adding them up in double: the sum differs from the scalar
 // kernel's in its last digits, the counts and the maximum do not).
