@@ -29,26 +29,40 @@ const std::array<float, 256>& DecodeTable(Fp8Format format) {
   return format == Fp8Format::kE4M3FN ? e4m3fn : e5m2;
 }
 
-bool Supported(CastIsa isa) {
+// One variant's kernels, as cast.cc keeps the 16-bit casts'.
+struct Kernels {
+  void (*quantize)(const float*, size_t, float, const Fp8Spec&, uint8_t*);
+  void (*quantize_blocks)(const float*, size_t, size_t, Fp8Format, uint8_t*, float*, CastError*);
+  float (*finite_abs_max)(const float*, size_t);
+  void (*measure)(const float*, const uint8_t*, size_t, float, Fp8Format, CastError*);
+};
+// AVX2 measures with the scalar kernel: it has no vector one.
+constexpr Kernels kScalarKernels = {internal::QuantizeFp8Scalar, internal::QuantizeFp8BlocksScalar,
+                                    internal::FiniteAbsMaxScalar, internal::MeasureFp8ErrorScalar};
+constexpr Kernels kAvx2Kernels = {internal::QuantizeFp8Avx2, internal::QuantizeFp8BlocksAvx2,
+                                  internal::FiniteAbsMaxAvx2, internal::MeasureFp8ErrorScalar};
+constexpr Kernels kAvx512Kernels = {internal::QuantizeFp8Avx512, internal::QuantizeFp8BlocksAvx512,
+                                    internal::FiniteAbsMaxAvx512, internal::MeasureFp8ErrorAvx512};
+
+// The kernels `isa` names: kAvx512Bf16 runs the AVX-512 ones; a variant this
+// CPU lacks runs the scalar ones (same bits, no SIGILL).
+const Kernels& KernelsFor(CastIsa isa) {
   const std::vector<CastIsa>& supported = SupportedCastIsas();
-  return std::find(supported.begin(), supported.end(), isa) != supported.end();
-}
-
-// The kernel `isa` names: fp8 has a scalar, an AVX2 and an AVX-512 kernel
-// (kAvx512Bf16 runs the AVX-512 one); a variant this CPU lacks runs scalar.
-enum class Kernel { kScalar, kAvx2, kAvx512 };
-Kernel KernelFor(CastIsa isa) {
-  if ((isa == CastIsa::kAvx512 || isa == CastIsa::kAvx512Bf16) && Supported(CastIsa::kAvx512)) {
-    return Kernel::kAvx512;
+  const auto runs = [&](CastIsa wanted) {
+    return std::find(supported.begin(), supported.end(), wanted) != supported.end();
+  };
+  if ((isa == CastIsa::kAvx512 || isa == CastIsa::kAvx512Bf16) && runs(CastIsa::kAvx512)) {
+    return kAvx512Kernels;
   }
-  if (isa == CastIsa::kAvx2 && Supported(CastIsa::kAvx2)) return Kernel::kAvx2;
-  return Kernel::kScalar;
+  if (isa == CastIsa::kAvx2 && runs(CastIsa::kAvx2)) return kAvx2Kernels;
+  return kScalarKernels;
 }
 
-// The widest: wider was faster at every fp8 kernel measured (cast_bench).
-CastIsa WidestIsa() {
-  static const CastIsa isa = SupportedCastIsas().back();
-  return isa;
+// The widest variant's: wider was faster at every fp8 kernel measured
+// (cast_bench).
+const Kernels& WidestKernels() {
+  static const Kernels& kernels = KernelsFor(SupportedCastIsas().back());
+  return kernels;
 }
 
 // One element, already divided by its scale: the code as core/fp8.h defines
@@ -108,54 +122,33 @@ float Fp8ToF32(uint8_t code, Fp8Format format) {
 }
 
 float Fp8BlockScale(std::span<const float> block, Fp8Format format) {
-  float amax;
-  switch (KernelFor(WidestIsa())) {
-    case Kernel::kAvx512:
-      amax = internal::FiniteAbsMaxAvx512(block.data(), block.size());
-      break;
-    case Kernel::kAvx2:
-      amax = internal::FiniteAbsMaxAvx2(block.data(), block.size());
-      break;
-    default:
-      amax = internal::FiniteAbsMaxScalar(block.data(), block.size());
-  }
-  return internal::Fp8ScaleFromAbsMax(amax, format);
+  return internal::Fp8ScaleFromAbsMax(WidestKernels().finite_abs_max(block.data(), block.size()),
+                                      format);
 }
 
 void QuantizeFp8WithScale(std::span<const float> src, float scale, Fp8Format format,
                           std::span<uint8_t> dst) {
-  QuantizeFp8WithScale(src, scale, format, dst, WidestIsa());
+  QuantizeFp8WithScale(src, scale, format, dst, SupportedCastIsas().back());
 }
 
 void QuantizeFp8WithScale(std::span<const float> src, float scale, Fp8Format format,
                           std::span<uint8_t> dst, CastIsa isa) {
   assert(src.size() == dst.size());
-  const size_t n = std::min(src.size(), dst.size());
-  switch (KernelFor(isa)) {
-    case Kernel::kAvx512:
-      return internal::QuantizeFp8Avx512(src.data(), n, scale, SpecOf(format), dst.data());
-    case Kernel::kAvx2:
-      return internal::QuantizeFp8Avx2(src.data(), n, scale, SpecOf(format), dst.data());
-    case Kernel::kScalar:
-      return internal::QuantizeFp8Scalar(src.data(), n, scale, SpecOf(format), dst.data());
-  }
+  KernelsFor(isa).quantize(src.data(), std::min(src.size(), dst.size()), scale, SpecOf(format),
+                           dst.data());
 }
 
 void QuantizeFp8(std::span<const float> src, size_t block_size, Fp8Format format,
                  std::span<uint8_t> dst, std::span<float> scales, CastError* error) {
-  QuantizeFp8(src, block_size, format, dst, scales, error, WidestIsa());
+  QuantizeFp8(src, block_size, format, dst, scales, error, SupportedCastIsas().back());
 }
 
 void QuantizeFp8(std::span<const float> src, size_t block_size, Fp8Format format,
                  std::span<uint8_t> dst, std::span<float> scales, CastError* error, CastIsa isa) {
   assert(block_size > 0 && dst.size() == src.size() &&
          scales.size() == Fp8BlockCount(src.size(), block_size));
-  const size_t n = std::min(src.size(), dst.size());
-  using Blocks = void (*)(const float*, size_t, size_t, Fp8Format, uint8_t*, float*, CastError*);
-  Blocks blocks = internal::QuantizeFp8BlocksScalar;
-  if (KernelFor(isa) == Kernel::kAvx512) blocks = internal::QuantizeFp8BlocksAvx512;
-  if (KernelFor(isa) == Kernel::kAvx2) blocks = internal::QuantizeFp8BlocksAvx2;
-  blocks(src.data(), n, block_size, format, dst.data(), scales.data(), error);
+  KernelsFor(isa).quantize_blocks(src.data(), std::min(src.size(), dst.size()), block_size, format,
+                                  dst.data(), scales.data(), error);
 }
 
 void DequantizeFp8(std::span<const uint8_t> src, size_t block_size, std::span<const float> scales,
@@ -169,12 +162,8 @@ void DequantizeFp8(std::span<const uint8_t> src, size_t block_size, std::span<co
 void MeasureFp8Error(std::span<const float> src, std::span<const uint8_t> q, float scale,
                      Fp8Format format, CastError* error) {
   assert(src.size() == q.size());
-  const size_t n = std::min(src.size(), q.size());
-  if (KernelFor(WidestIsa()) == Kernel::kAvx512) {
-    internal::MeasureFp8ErrorAvx512(src.data(), q.data(), n, scale, format, error);
-  } else {
-    internal::MeasureFp8ErrorScalar(src.data(), q.data(), n, scale, format, error);
-  }
+  WidestKernels().measure(src.data(), q.data(), std::min(src.size(), q.size()), scale, format,
+                          error);
 }
 
 namespace internal {
