@@ -22,7 +22,9 @@ absl::StatusOr<std::vector<LayerCastReport>> FetchCastErrorReport(
                                   absl::StrCat("shard ", shard, " (", set.addresses()[shard], ")"));
     }
     for (const layercast::v1::LayerCastError& row : response.layers()) {
-      if (row.dtype() != layercast::v1::BFLOAT16 && row.dtype() != layercast::v1::FLOAT16) {
+      if (row.dtype() == layercast::v1::FLOAT32 ||
+          row.dtype() == layercast::v1::DTYPE_UNSPECIFIED ||
+          !layercast::v1::DType_IsValid(row.dtype())) {
         continue;  // a dtype this build does not narrow to
       }
       const auto dtype = static_cast<DType>(row.dtype());

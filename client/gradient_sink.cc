@@ -90,6 +90,17 @@ absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Pus
     return absl::InvalidArgumentError(absl::StrCat(
         "layer ", layer, " does not exist: this model has ", view.layouts.size(), " layers"));
   }
+  for (size_t t = 0; t < view.layouts[layer].tensors().size(); ++t) {
+    const DType dtype = view.layouts[layer].tensors()[t].compute_dtype;
+    if (!IsFloat8(dtype)) continue;
+    // The gradient comes in the gather's shape, and 8-bit codes cannot hold
+    // one: it would need a float32 layout of its own.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tensor ", view.model.layers[layer].tensors[t].name, " of layer ", layer, " computes in ",
+        DTypeName(dtype),
+        ", and gradients are pushed in the gather's layout, which cannot hold them in 8 bits: "
+        "train with a 16-bit compute dtype (or an override for the tensors you train)"));
+  }
   if (gradient.size() != view.layouts[layer].total_bytes()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the gradient of layer ", layer, " is ", gradient.size(),

@@ -85,10 +85,16 @@ void LayerBuffer::Reset() {
 Layer::TensorView Layer::tensor(size_t i) const {
   const TensorSpec& spec = spec_->tensors[i];
   const AssembledTensor& placed = layout_->tensors()[i];
+  // The scales sit at an aligned offset of an aligned buffer: valid floats.
+  const auto* scales = reinterpret_cast<const float*>(buffer_.data() + placed.scale_offset);
   return TensorView{
-      spec.name, spec.shape, placed.compute_dtype,
+      spec.name,
+      spec.shape,
+      placed.compute_dtype,
       std::span<const uint8_t>(buffer_.data() + placed.byte_offset, placed.num_bytes()),
-      placed.num_elements};
+      placed.num_elements,
+      placed.block_size,
+      std::span<const float>(scales, placed.num_blocks())};
 }
 
 std::optional<Layer::TensorView> Layer::Find(absl::string_view name) const {

@@ -57,6 +57,10 @@ class Layer {
     DType dtype;
     std::span<const uint8_t> bytes;  // num_elements * DTypeSize(dtype), little-endian
     uint64_t num_elements;
+    // 8-bit floats only (else 0 and empty): element i's value is
+    // value(bytes[i]) * scales[i / block_size] (core/fp8.h DequantizeFp8).
+    uint32_t block_size = 0;
+    std::span<const float> scales;
   };
 
   // `spec` and `layout` describe `buffer`'s contents; `index` is the layer's

@@ -42,7 +42,8 @@ std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
   for (const TensorElementRange& owned : wire::OwnedRuns(layout_, selected_, shard, n)) {
     const AssembledTensor& placed = layout_.tensors()[owned.tensor];
     runs.push_back(ShardStream::Run{owned.tensor, owned.elements, placed.byte_offset,
-                                    DTypeSize(placed.compute_dtype)});
+                                    DTypeSize(placed.compute_dtype), placed.block_size,
+                                    placed.scale_offset});
   }
   return runs;
 }

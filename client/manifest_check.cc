@@ -74,7 +74,8 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
     }
     // The checked layout, not the manifest's own figures: a forger can make
     // offsets, sizes and digest agree with arithmetic that wrapped.
-    absl::StatusOr<AssembledLayout> checked = AssembledLayout::FromDTypes(dtypes, counts);
+    absl::StatusOr<AssembledLayout> checked =
+        AssembledLayout::FromDTypes(dtypes, counts, view.policy.fp8_block());
     if (!checked.ok()) {
       return Bad(absl::StrCat("layer ", l, " (", layer.name(), "): ", checked.status().message()));
     }
@@ -88,6 +89,13 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
         return Bad(absl::StrCat("tensor ", layer.tensors(t).name(), " says offset ",
                                 layer.tensors(t).byte_offset(), ", the layout gives ",
                                 layout.tensors()[t].byte_offset));
+      }
+      if (layout.tensors()[t].block_size != layer.tensors(t).block_size() ||
+          layout.tensors()[t].scale_offset != layer.tensors(t).scale_offset()) {
+        return Bad(absl::StrCat(
+            "tensor ", layer.tensors(t).name(), " says blocks of ", layer.tensors(t).block_size(),
+            " with scales at ", layer.tensors(t).scale_offset(), ", the layout gives ",
+            layout.tensors()[t].block_size, " at ", layout.tensors()[t].scale_offset));
       }
     }
     view.model.layers.push_back(std::move(spec));

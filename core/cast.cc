@@ -374,6 +374,11 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
 
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp16Overflow overflow,
                          CastError* error) {
+  if (IsFloat8(to)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("casting to ", DTypeName(to),
+                     " needs block scales: quantize with QuantizeFp8 (core/fp8.h)"));
+  }
   if (to == DType::kFloat32) {
     if (count != 0) std::memcpy(dst, src, count * sizeof(float));
     if (error != nullptr) error->elements += count;
@@ -411,6 +416,7 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
 }
 
 void CastToF32(const void* src, DType from, float* dst, size_t count) {
+  assert(!IsFloat8(from));
   if (from == DType::kFloat32) {
     if (count != 0) std::memcpy(dst, src, count * sizeof(float));
     return;

@@ -119,7 +119,8 @@ void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst);
 void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa isa);
 
 // Narrows `count` fp32 elements at `src` into `dst` in `to` (kFloat32 copies).
-// `dst` holds count * DTypeSize(to) bytes and may be unaligned.
+// `dst` holds count * DTypeSize(to) bytes and may be unaligned. An 8-bit
+// `to` is INVALID_ARGUMENT: it needs block scales (QuantizeFp8, core/fp8.h).
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
                          Fp16Overflow overflow);
 // The same, also adding what the cast lost to `*error` (core/cast_error.h):
@@ -132,6 +133,7 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
                          CastError* error);
 
 // Widens `count` elements of dtype `from` at `src` (possibly unaligned) to fp32.
+// REQUIRES: `from` is not an 8-bit float (DequantizeFp8 needs its scales).
 void CastToF32(const void* src, DType from, float* dst, size_t count);
 
 }  // namespace layercast

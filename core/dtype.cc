@@ -4,7 +4,21 @@
 
 namespace layercast {
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kFloat8E4M3FN:
+    case DType::kFloat8E5M2:
+      return 1;
+  }
+  return 4;
+}
+
+bool IsFloat8(DType dtype) { return dtype == DType::kFloat8E4M3FN || dtype == DType::kFloat8E5M2; }
 
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
@@ -14,6 +28,10 @@ absl::string_view DTypeName(DType dtype) {
       return "bfloat16";
     case DType::kFloat16:
       return "float16";
+    case DType::kFloat8E4M3FN:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }
@@ -26,6 +44,10 @@ absl::string_view DTypeShortName(DType dtype) {
       return "bf16";
     case DType::kFloat16:
       return "f16";
+    case DType::kFloat8E4M3FN:
+      return "f8e4m3";
+    case DType::kFloat8E5M2:
+      return "f8e5m2";
   }
   return "unknown";
 }
@@ -38,6 +60,10 @@ absl::string_view DTypeSafetensorsName(DType dtype) {
       return "BF16";
     case DType::kFloat16:
       return "F16";
+    case DType::kFloat8E4M3FN:
+      return "F8_E4M3";
+    case DType::kFloat8E5M2:
+      return "F8_E5M2";
   }
   return "unknown";
 }

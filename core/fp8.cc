@@ -92,6 +92,11 @@ bool IsSubnormalCode(uint8_t code, const Fp8Spec& spec) {
 
 }  // namespace
 
+Fp8Format Fp8FormatOf(DType dtype) {
+  assert(IsFloat8(dtype));
+  return dtype == DType::kFloat8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3FN;
+}
+
 absl::string_view Fp8FormatName(Fp8Format format) {
   return format == Fp8Format::kE4M3FN ? "float8_e4m3fn" : "float8_e5m2";
 }

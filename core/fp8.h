@@ -42,6 +42,9 @@ struct CastError;  // core/cast_error.h
 // boundary to quantize its blocks alone.
 enum class Fp8Format : uint8_t { kE4M3FN, kE5M2 };
 
+// The format of an 8-bit DType. REQUIRES: IsFloat8(dtype).
+Fp8Format Fp8FormatOf(DType dtype);
+
 // "float8_e4m3fn", "float8_e5m2" (PyTorch's names).
 absl::string_view Fp8FormatName(Fp8Format format);
 // 448 or 57344.

@@ -46,7 +46,7 @@ absl::StatusOr<AssembledLayout> AssembledLayout::Build(const LayerSpec& layer,
     dtypes.push_back(policy.ComputeDTypeFor(tensor.name));
     counts.push_back(tensor.num_elements);
   }
-  absl::StatusOr<AssembledLayout> layout = FromDTypes(dtypes, counts);
+  absl::StatusOr<AssembledLayout> layout = FromDTypes(dtypes, counts, policy.fp8_block());
   if (!layout.ok()) {
     return absl::Status(layout.status().code(),
                         absl::StrCat("layer ", layer.name, ": ", layout.status().message()));
@@ -55,7 +55,8 @@ absl::StatusOr<AssembledLayout> AssembledLayout::Build(const LayerSpec& layer,
 }
 
 absl::StatusOr<AssembledLayout> AssembledLayout::FromDTypes(
-    const std::vector<DType>& dtypes, const std::vector<uint64_t>& num_elements) {
+    const std::vector<DType>& dtypes, const std::vector<uint64_t>& num_elements,
+    uint32_t fp8_block) {
   if (dtypes.size() != num_elements.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a layout needs one dtype per element count: ", dtypes.size(), " dtypes for ",
@@ -67,16 +68,14 @@ absl::StatusOr<AssembledLayout> AssembledLayout::FromDTypes(
   // offset stays at most kMaxAssembledLayerBytes.
   AssembledLayout layout;
   uint64_t offset = 0;
-  for (size_t i = 0; i < dtypes.size(); ++i) {
-    const AssembledTensor tensor{dtypes[i], offset, num_elements[i]};
-    uint64_t bytes = 0;
-    const bool bytes_wrapped = __builtin_mul_overflow(
-        tensor.num_elements, static_cast<uint64_t>(DTypeSize(tensor.compute_dtype)), &bytes);
+  // Places `bytes` more at `offset` and moves it to the next aligned offset
+  // after them, or says why they do not fit.
+  const auto place = [&](size_t i, uint64_t bytes, bool bytes_wrapped,
+                         absl::string_view what) -> absl::Status {
     if (bytes_wrapped || bytes > kMaxAssembledLayerBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", i, " of ", dtypes.size(), " has ", tensor.num_elements, " ",
-                       DTypeName(tensor.compute_dtype), " elements, ",
-                       DescribeBytes(bytes, bytes_wrapped), ", more than ", DescribeCap()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", i, " of ", dtypes.size(), " has ", num_elements[i], " ", DTypeName(dtypes[i]),
+          " elements, ", what, DescribeBytes(bytes, bytes_wrapped), ", more than ", DescribeCap()));
     }
     // AlignUp(offset + bytes), each step checked.
     uint64_t end = 0;
@@ -86,10 +85,29 @@ absl::StatusOr<AssembledLayout> AssembledLayout::FromDTypes(
     if (end_wrapped || end > kMaxAssembledLayerBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensors 0-", i, " of ", dtypes.size(), " take ",
-                       DescribeBytes(end, end_wrapped), " (tensor ", i, " adds ", bytes,
+                       DescribeBytes(end, end_wrapped), " (tensor ", i, " adds ", what, bytes,
                        " bytes at offset ", offset, "), more than ", DescribeCap()));
     }
     offset = end;
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    AssembledTensor tensor{dtypes[i], offset, num_elements[i]};
+    uint64_t bytes = 0;
+    const bool bytes_wrapped = __builtin_mul_overflow(
+        tensor.num_elements, static_cast<uint64_t>(DTypeSize(tensor.compute_dtype)), &bytes);
+    RETURN_IF_ERROR(place(i, bytes, bytes_wrapped, ""));
+    if (IsFloat8(tensor.compute_dtype)) {
+      if (!IsValidFp8Block(fp8_block)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", i, " is ", DTypeName(tensor.compute_dtype), " with blocks of ", fp8_block,
+            " elements; a block is a power of two from ", kMinFp8Block, " to ", kMaxFp8Block));
+      }
+      tensor.block_size = fp8_block;
+      tensor.scale_offset = offset;
+      // At most 4 bytes per element: the values' check bounds it.
+      RETURN_IF_ERROR(place(i, tensor.scale_bytes(), false, "in block scales "));
+    }
     layout.tensors_.push_back(tensor);
   }
   layout.total_bytes_ = offset;
@@ -137,6 +155,30 @@ std::vector<std::pair<uint64_t, uint64_t>> AssembledLayout::SplitBytes(uint32_t 
   return out;
 }
 
+absl::Status CheckBlocksWithinShards(const LayerSpec& layer, const AssembledLayout& layout,
+                                     uint32_t num_shards) {
+  for (size_t t = 0; t < layer.tensors.size(); ++t) {
+    const AssembledTensor& placed = layout.tensors()[t];
+    if (placed.block_size == 0) continue;
+    const uint64_t n = placed.num_elements;
+    for (uint32_t shard = 1; shard < num_shards; ++shard) {
+      const uint64_t begin = ShardElementRange(n, shard, num_shards).begin;
+      if (begin % placed.block_size == 0) continue;
+      const std::string& name = layer.tensors[t].name;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor ", name, " (", n, " elements) is ", DTypeName(placed.compute_dtype),
+          " in blocks of ", placed.block_size, ", but shard ", shard, " of ", num_shards,
+          " would start at element ", begin,
+          ", inside a block: each shard quantizes its own blocks, so every shard's slice must "
+          "start on a block boundary. Override the tensor to a 16-bit dtype (e.g. ';",
+          name,
+          "=bfloat16'), or choose a shard count or fp8_block for which n*i/N is a multiple of "
+          "the block"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::array<uint8_t, 32>> LayoutDigest(const ModelSpec& model, const Policy& policy) {
   // A length-prefixed serialisation, so no two different layouts hash the
   // same bytes.
@@ -163,6 +205,10 @@ absl::StatusOr<std::array<uint8_t, 32>> LayoutDigest(const ModelSpec& model, con
       append_u64(static_cast<uint64_t>(placed.compute_dtype));
       append_u64(placed.byte_offset);
       append_u64(placed.num_elements);
+      if (IsFloat8(placed.compute_dtype)) {
+        append_u64(placed.block_size);
+        append_u64(placed.scale_offset);
+      }
     }
   }
   std::array<uint8_t, 32> digest{};

@@ -43,11 +43,23 @@ ElementRange Intersect(ElementRange a, ElementRange b);
 // Where one tensor sits in an assembled layer buffer. In an AssembledLayout,
 // byte_offset + num_bytes() is at most kMaxAssembledLayerBytes, so neither
 // the product nor the sum can wrap (the layout refused anything larger).
+//
+// An 8-bit float tensor (IsFloat8) also has its block scales in the buffer:
+// one little-endian fp32 per block of `block_size` elements from element 0
+// (core/fp8.h), at the next aligned offset after its codes. Scales are not
+// elements: a byte range selects the codes it covers, and whoever sends
+// those codes sends the scales of their blocks with them.
 struct AssembledTensor {
   DType compute_dtype = DType::kFloat32;
   uint64_t byte_offset = 0;  // multiple of kAssembledAlignment
   uint64_t num_elements = 0;
+  uint32_t block_size = 0;    // 8-bit floats only, else 0
+  uint64_t scale_offset = 0;  // 8-bit floats only: multiple of kAssembledAlignment
   uint64_t num_bytes() const { return num_elements * DTypeSize(compute_dtype); }
+  uint64_t num_blocks() const {
+    return block_size == 0 ? 0 : (num_elements + block_size - 1) / block_size;
+  }
+  uint64_t scale_bytes() const { return num_blocks() * sizeof(float); }
 };
 
 // Elements of one tensor selected by a byte range of the assembled layout.
@@ -66,12 +78,15 @@ class AssembledLayout {
   // as FromDTypes, prefixed with the layer's name.
   static absl::StatusOr<AssembledLayout> Build(const LayerSpec& layer, const Policy& policy);
   // Lays out tensors with explicit compute dtypes and element counts, which
-  // may come from an untrusted peer: every product and sum is checked.
+  // may come from an untrusted peer: every product and sum is checked;
+  // 8-bit float tensors get scales for blocks of `fp8_block` elements.
   // INVALID_ARGUMENT naming the tensor and the figures when the layer would
-  // exceed kMaxAssembledLayerBytes (or 2^64 on the way there), or when the
-  // two vectors differ in length.
+  // exceed kMaxAssembledLayerBytes (or 2^64 on the way there), when the
+  // two vectors differ in length, or when an 8-bit float tensor comes with
+  // an fp8_block the policy grammar does not allow.
   static absl::StatusOr<AssembledLayout> FromDTypes(const std::vector<DType>& dtypes,
-                                                    const std::vector<uint64_t>& num_elements);
+                                                    const std::vector<uint64_t>& num_elements,
+                                                    uint32_t fp8_block = kDefaultFp8Block);
 
   const std::vector<AssembledTensor>& tensors() const { return tensors_; }
   // Size of the assembled buffer in bytes: the end of the last tensor,
@@ -95,8 +110,18 @@ class AssembledLayout {
   uint64_t total_bytes_ = 0;
 };
 
+// Whether every 8-bit float tensor of `layer` (laid out as `layout`) is cut
+// into shard slices that start on its block boundaries for `num_shards`
+// shards: a shard quantizes its own blocks, so no block may straddle two
+// shards. FAILED_PRECONDITION naming the first tensor and shard that break
+// it, and the fixes (an override to a 16-bit dtype, another shard count or
+// fp8_block).
+absl::Status CheckBlocksWithinShards(const LayerSpec& layer, const AssembledLayout& layout,
+                                     uint32_t num_shards);
+
 // SHA-256 over every layer's assembled layout: tensor names, shapes, compute
-// dtypes, offsets and sizes, in order. Two peers agree on how to assemble every
+// dtypes, offsets and sizes (and 8-bit floats' block sizes and scale
+// offsets), in order. Two peers agree on how to assemble every
 // layer iff their digests are equal. A layer that cannot be laid out has no
 // digest: Build's error.
 absl::StatusOr<std::array<uint8_t, 32>> LayoutDigest(const ModelSpec& model, const Policy& policy);

@@ -14,9 +14,10 @@ namespace layercast {
 namespace {
 
 constexpr absl::string_view kAcceptedDTypes =
-    "float32 (f32, full), bfloat16 (bf16) or float16 (f16)";
+    "float32 (f32, full), bfloat16 (bf16), float16 (f16), and for compute and overrides only "
+    "float8_e4m3fn (f8e4m3) or float8_e5m2 (f8e5m2)";
 constexpr absl::string_view kAcceptedKeys =
-    "params (p), compute (c), output (o), overflow or max_rel_error";
+    "params (p), compute (c), output (o), overflow, max_rel_error or fp8_block";
 constexpr absl::string_view kKeyValueExpected =
     "a key=value pair: write pairs separated by ',' without spaces, e.g. "
     "'params=float32,compute=bfloat16,output=float32'";
@@ -32,6 +33,8 @@ absl::StatusOr<DType> ParseDType(absl::string_view policy_text, absl::string_vie
   if (value == "float32" || value == "f32" || value == "full") return DType::kFloat32;
   if (value == "bfloat16" || value == "bf16") return DType::kBFloat16;
   if (value == "float16" || value == "f16") return DType::kFloat16;
+  if (value == "float8_e4m3fn" || value == "f8e4m3") return DType::kFloat8E4M3FN;
+  if (value == "float8_e5m2" || value == "f8e5m2") return DType::kFloat8E5M2;
   if (value == "half") {
     return PolicyError(policy_text,
                        "dtype 'half' is refused: jmp resolves it to bfloat16 on TPU and float16 "
@@ -69,6 +72,28 @@ absl::StatusOr<float> ParseMaxRelError(absl::string_view policy_text, absl::stri
                                     "largest relative error |cast - x| / |x| a layer may carry"));
   }
   return bound;
+}
+
+absl::StatusOr<uint32_t> ParseFp8Block(absl::string_view policy_text, absl::string_view value) {
+  uint64_t block = 0;
+  if (!absl::SimpleAtoi(value, &block) || !IsValidFp8Block(block)) {
+    return PolicyError(
+        policy_text,
+        absl::StrCat("fp8_block '", value, "' is not a power of two from ", kMinFp8Block, " to ",
+                     kMaxFp8Block, ": the elements that share one fp8 scale, e.g. 128"));
+  }
+  return static_cast<uint32_t>(block);
+}
+
+// The 8-bit floats hold what a layer computes with, sent with their scales;
+// a master or an output in 8 bits would lose what the master is kept for.
+absl::Status CheckNotFloat8(absl::string_view policy_text, absl::string_view key, DType dtype) {
+  if (!IsFloat8(dtype)) return absl::OkStatus();
+  return PolicyError(policy_text, absl::StrCat(key, "=", DTypeName(dtype),
+                                               " is refused: 8-bit floats are compute dtypes "
+                                               "only; write compute=",
+                                               DTypeName(dtype), " (or an override) and keep ", key,
+                                               " float32, bfloat16 or float16"));
 }
 
 // The fewest digits that parse back to `value` ("0.01", not 0.00999999978);
@@ -119,6 +144,7 @@ absl::StatusOr<Policy> Policy::Parse(absl::string_view text) {
   Policy policy;
   if (base.find('=') == absl::string_view::npos) {
     ASSIGN_OR_RETURN(DType all, ParseDType(text, base));
+    RETURN_IF_ERROR(CheckNotFloat8(text, "params", all));
     policy.params_ = policy.compute_ = policy.output_ = all;
   } else {
     std::optional<DType> compute, output;
@@ -133,19 +159,26 @@ absl::StatusOr<Policy> Policy::Parse(absl::string_view text) {
         ASSIGN_OR_RETURN(policy.max_rel_error_, ParseMaxRelError(text, value));
         continue;
       }
+      if (key == "fp8_block") {
+        ASSIGN_OR_RETURN(policy.fp8_block_, ParseFp8Block(text, value));
+        continue;
+      }
       ASSIGN_OR_RETURN(DType dtype, ParseDType(text, value));
       if (key == "p" || key == "params") {
+        RETURN_IF_ERROR(CheckNotFloat8(text, "params", dtype));
         policy.params_ = dtype;
       } else if (key == "c" || key == "compute") {
         compute = dtype;
       } else if (key == "o" || key == "output") {
+        RETURN_IF_ERROR(CheckNotFloat8(text, "output", dtype));
         output = dtype;
       } else {
         return PolicyError(text, absl::StrCat("unknown key '", key, "': use ", kAcceptedKeys));
       }
     }
     policy.compute_ = compute.value_or(policy.params_);
-    policy.output_ = output.value_or(policy.compute_);
+    // jmp's default output is compute; an 8-bit compute leaves it at params.
+    policy.output_ = output.value_or(IsFloat8(policy.compute_) ? policy.params_ : policy.compute_);
   }
 
   for (size_t i = 1; i < sections.size(); ++i) {
@@ -155,6 +188,10 @@ absl::StatusOr<Policy> Policy::Parse(absl::string_view text) {
     policy.overrides_.push_back(Override{std::string(glob), dtype});
   }
   return policy;
+}
+
+bool IsValidFp8Block(uint64_t block) {
+  return block >= kMinFp8Block && block <= kMaxFp8Block && (block & (block - 1)) == 0;
 }
 
 DType Policy::ComputeDTypeFor(absl::string_view tensor_name) const {
@@ -170,6 +207,9 @@ std::string Policy::ToString() const {
   if (overflow_ != Fp16Overflow::kError)
     absl::StrAppend(&out, ",overflow=", OverflowName(overflow_));
   if (max_rel_error_) absl::StrAppend(&out, ",max_rel_error=", ShortestFloat(*max_rel_error_));
+  bool float8 = IsFloat8(compute_);
+  for (const Override& override : overrides_) float8 = float8 || IsFloat8(override.compute);
+  if (float8 || fp8_block_ != kDefaultFp8Block) absl::StrAppend(&out, ",fp8_block=", fp8_block_);
   for (const Override& override : overrides_) {
     absl::StrAppend(&out, ";", override.glob, "=", DTypeName(override.compute));
   }

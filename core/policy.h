@@ -11,13 +11,23 @@
 
 namespace layercast {
 
+// Elements per fp8 block scale: the policy's default and bounds. At most 256
+// so that a block never straddles a kAssembledAlignment boundary of the
+// codes: byte ranges on those boundaries (how workers split a layer) never
+// split a block.
+inline constexpr uint32_t kDefaultFp8Block = 128;
+inline constexpr uint32_t kMinFp8Block = 16;
+inline constexpr uint32_t kMaxFp8Block = 256;
+bool IsValidFp8Block(uint64_t block);
+
 // A mixed-precision policy in jmp's grammar, plus per-tensor overrides.
 //
 //   policy    := base [';' override (';' override)*]
 //   base      := dtype | key '=' dtype (',' key '=' dtype)*
 //   key       := 'params' | 'p' | 'compute' | 'c' | 'output' | 'o' | 'overflow'
-//              | 'max_rel_error'
+//              | 'max_rel_error' | 'fp8_block'
 //   dtype     := 'float32' | 'f32' | 'full' | 'bfloat16' | 'bf16' | 'float16' | 'f16'
+//              | 'float8_e4m3fn' | 'f8e4m3' | 'float8_e5m2' | 'f8e5m2'
 //   override  := glob '=' dtype          (compute dtype of matching tensors)
 //
 // As in jmp: a bare dtype sets all three; otherwise params defaults to
@@ -27,7 +37,11 @@ namespace layercast {
 // beyond 65504. `max_rel_error` (a number in (0, 1], unset by default) is
 // another: a shard refuses to serve a layer whose cast has an element with a
 // larger relative error |cast - x| / |x| (core/cast_error.h), or one that
-// overflowed. Overrides match whole tensor names with fnmatch(3) globs
+// overflowed. The 8-bit floats are compute dtypes only (for compute and
+// overrides; params and output refuse them), sent with one fp32 scale per
+// block of `fp8_block` elements (a power of two from 16 to 256, default
+// 128; core/fp8.h); an 8-bit compute leaves output defaulting to params.
+// Overrides match whole tensor names with fnmatch(3) globs
 // (core/glob.h: `*` also matches dots) and the first match wins.
 //
 // Immutable value type; thread-safe for concurrent reads.
@@ -51,6 +65,7 @@ class Policy {
   DType output() const { return output_; }
   Fp16Overflow overflow() const { return overflow_; }
   std::optional<float> max_rel_error() const { return max_rel_error_; }
+  uint32_t fp8_block() const { return fp8_block_; }
   const std::vector<Override>& overrides() const { return overrides_; }
 
   // The compute dtype of the tensor named `tensor_name`: the first matching
@@ -59,7 +74,8 @@ class Policy {
 
   // Canonical form, which Parse() maps back to an equal Policy:
   // "params=float32,compute=bfloat16,output=float32[,overflow=saturate]
-  // [,max_rel_error=0.01][;glob=dtype...]".
+  // [,max_rel_error=0.01][,fp8_block=128][;glob=dtype...]", fp8_block
+  // written when an 8-bit float is used or it is not the default.
   std::string ToString() const;
 
   friend bool operator==(const Policy&, const Policy&) = default;
@@ -70,6 +86,7 @@ class Policy {
   DType output_ = DType::kFloat32;
   Fp16Overflow overflow_ = Fp16Overflow::kError;
   std::optional<float> max_rel_error_;
+  uint32_t fp8_block_ = kDefaultFp8Block;
   std::vector<Override> overrides_;
 };
 

@@ -63,12 +63,13 @@ ChangeLog::Snapshot ChangeLog::Take(uint32_t layer) const {
   const AssembledLayout& layout = store_.layout(layer);
   uint64_t bytes = 0;
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-    bytes += store_.owned(layer, t).size() * DTypeSize(layout.tensors()[t].compute_dtype);
+    bytes +=
+        store_.owned(layer, t).size() * DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
   }
   snapshot.bits_.resize(bytes);
   uint8_t* out = snapshot.bits_.data();
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-    const DType dtype = layout.tensors()[t].compute_dtype;
+    const DType dtype = KeptDType(layout.tensors()[t].compute_dtype);
     const uint64_t owned = store_.owned(layer, t).size();
     if (owned == 0) continue;  // nothing to cast, and no master to cast from
     if (!CastFromF32(store_.master(layer, t), out, owned, dtype, store_.policy().overflow()).ok()) {
@@ -112,7 +113,7 @@ uint64_t ChangeLog::Record(uint32_t layer, uint64_t version, const Snapshot& bef
     alignas(64) uint8_t block[kBlockElements * sizeof(float)];
     const uint8_t* old_bits = before.bits_.data();
     for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-      const DType dtype = layout.tensors()[t].compute_dtype;
+      const DType dtype = KeptDType(layout.tensors()[t].compute_dtype);
       const size_t size = DTypeSize(dtype);
       const uint64_t owned = store_.owned(layer, t).size();
       const float* master = store_.master(layer, t);

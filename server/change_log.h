@@ -13,11 +13,17 @@
 
 namespace layercast::server {
 
+// The dtype of a layer's bits as ChangeLog compares them and PinnedVersions
+// keeps them: the compute dtype, but float32 for the 8-bit floats, whose
+// codes depend on their whole block's scale and are quantized again from
+// the kept values.
+inline DType KeptDType(DType compute) { return IsFloat8(compute) ? DType::kFloat32 : compute; }
+
 // Which compute-dtype values of this shard's slice changed, for each of the
 // last K versions of every layer: what a delta pull (FetchLayer with
 // base_version) sends instead of the whole slice. One bit per owned element
 // per version, set when the element's bits in its compute dtype (bfloat16,
-// float16, or float32 for a float32 override) differ between version v-1
+// float16, or float32 for a float32 override; KeptDType) differ between version v-1
 // and v. An element that changed and changed back is still marked: a delta
 // may send a value the worker has already, never miss one.
 //

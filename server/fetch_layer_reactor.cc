@@ -17,6 +17,7 @@
 #include "core/cast.h"
 #include "core/cast_error.h"
 #include "core/crc32c.h"
+#include "core/fp8.h"
 #include "core/status_macros.h"
 #include "wire/chunk_encoder.h"
 #include "wire/delta_chunks.h"
@@ -34,8 +35,57 @@ constexpr uint64_t kCastBlockElements = 24 << 10;
 // the CRC, well under this.
 constexpr uint64_t kDeltaHeaderBytes = 64;
 
-uint64_t ElementsPerChunk(uint64_t chunk_bytes, size_t element_bytes) {
-  return std::max<uint64_t>(1, chunk_bytes / element_bytes);
+// Elements in one chunk of `tensor`: an 8-bit float's chunks hold whole
+// blocks, so a chunk on the grid is quantized and measured block by block
+// in one pass.
+uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor) {
+  const uint64_t elements = chunk_bytes / DTypeSize(tensor.compute_dtype);
+  if (tensor.block_size != 0) {
+    return std::max<uint64_t>(tensor.block_size, elements / tensor.block_size * tensor.block_size);
+  }
+  return std::max<uint64_t>(1, elements);
+}
+
+// The elements of the whole blocks of an 8-bit float tensor that `chunk`
+// touches. They lie within the shard's slice: ParameterStore refuses a
+// layout whose shards split a block.
+ElementRange WholeBlocks(const AssembledTensor& placed, ElementRange chunk) {
+  const uint64_t block = placed.block_size;
+  return {chunk.begin / block * block,
+          std::min((chunk.end + block - 1) / block * block, placed.num_elements)};
+}
+
+// Quantizes elements `chunk` of an 8-bit float tensor `placed` from
+// `values`, the fp32 of WholeBlocks(placed, chunk) or more, element `base`
+// first, into `out`: the codes, then the scale of every block they touch,
+// each from its whole block wherever the chunk starts or ends.
+void QuantizeChunk(const AssembledTensor& placed, ElementRange chunk, const float* values,
+                   uint64_t base, uint8_t* out, CastError* measure) {
+  const uint64_t block = placed.block_size;
+  const Fp8Format format = Fp8FormatOf(placed.compute_dtype);
+  const uint64_t first_block = chunk.begin / block;
+  const uint64_t blocks = (chunk.end + block - 1) / block - first_block;
+  thread_local std::vector<float> scales;
+  scales.resize(blocks);
+  if (chunk.begin % block == 0 && (chunk.end % block == 0 || chunk.end == placed.num_elements)) {
+    // Whole blocks: the chunk's own, as a tensor's from its element 0.
+    QuantizeFp8({values + (chunk.begin - base), chunk.size()}, block, format, {out, chunk.size()},
+                scales, measure);
+  } else {
+    for (uint64_t b = 0; b < blocks; ++b) {
+      const ElementRange whole{(first_block + b) * block,
+                               std::min((first_block + b + 1) * block, placed.num_elements)};
+      scales[b] = Fp8BlockScale({values + (whole.begin - base), whole.size()}, format);
+      const ElementRange part = Intersect(whole, chunk);
+      const std::span<const float> src{values + (part.begin - base), part.size()};
+      const std::span<uint8_t> codes{out + (part.begin - chunk.begin), part.size()};
+      QuantizeFp8WithScale(src, scales[b], format, codes);
+      if (measure != nullptr) MeasureFp8Error(src, codes, scales[b], format, measure);
+    }
+  }
+  // Little-endian fp32, as the wire says; `out` past the codes may be
+  // unaligned.
+  std::memcpy(out + chunk.size(), scales.data(), blocks * sizeof(float));
 }
 
 // When a stream waiting for budget gives up: a little before the client's
@@ -59,9 +109,14 @@ uint64_t FetchLayerReactor::BufferBytes(const ParameterStore& store, const Fetch
                                         uint64_t chunk_bytes, bool delta) {
   uint64_t largest = 0;
   for (const TensorElementRange& run : plan.runs) {
-    const size_t size = DTypeSize(store.layout(plan.layer).tensors()[run.tensor].compute_dtype);
-    const uint64_t elements = std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, size));
-    largest = std::max(largest, elements * size + (delta ? elements / 8 + kDeltaHeaderBytes : 0));
+    const AssembledTensor& placed = store.layout(plan.layer).tensors()[run.tensor];
+    const uint64_t elements = std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, placed));
+    // A chunk off the block grid (a ranged stream's first) touches one
+    // block more than whole blocks would.
+    const uint64_t scales =
+        placed.block_size == 0 ? 0 : (elements / placed.block_size + 2) * sizeof(float);
+    largest = std::max(largest, elements * DTypeSize(placed.compute_dtype) + scales +
+                                    (delta ? elements / 8 + kDeltaHeaderBytes : 0));
   }
   return 2 * largest;
 }
@@ -249,8 +304,10 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
                                          uint8_t* out, uint32_t* crc) {
   const ElementRange owned = store_.owned(key.layer, key.tensor);
   const uint64_t skip = key.element_begin - owned.begin;
+  const AssembledTensor& placed = store_.layout(key.layer).tensors()[key.tensor];
   const size_t element_bytes = DTypeSize(key.dtype);
-  if (kept != nullptr) {
+  const ElementRange elements{key.element_begin, key.element_begin + key.elements};
+  if (kept != nullptr && !IsFloat8(key.dtype)) {
     // Kept in the compute dtype already (cast from the master before the
     // change), so the bytes are what a cast at that version gave.
     const uint8_t* source = kept->tensor(key.tensor) + skip * element_bytes;
@@ -258,14 +315,13 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
     if (crc != nullptr) *crc = Crc32c(out, key.elements * element_bytes, *crc);
     return absl::OkStatus();
   }
-  const float* source = store_.master(key.layer, key.tensor) + skip;
   const auto cast_start = std::chrono::steady_clock::now();
   // The same chunk at the same version casts to the same bits: measured the
   // first time only. Only chunks of the grid (see WriteNext) are kept and
   // counted: a ranged or resumed stream's part of one would count its
   // elements again.
   const bool narrows = key.dtype != DType::kFloat32;
-  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, element_bytes);
+  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, placed);
   const bool on_grid =
       skip % per_chunk == 0 && key.elements == std::min(per_chunk, owned.end - key.element_begin);
   const std::optional<CastError> known = narrows && on_grid && options_.cast_errors != nullptr
@@ -273,21 +329,42 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
                                              : std::nullopt;
   CastError measured;
   CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
-  for (uint64_t done = 0; done < key.elements;) {
-    const uint64_t block = std::min(kCastBlockElements, key.elements - done);
-    uint8_t* block_out = out + done * element_bytes;
-    if (absl::Status cast = CastFromF32(source + done, block_out, block, key.dtype,
-                                        store_.policy().overflow(), measure);
-        !cast.ok()) {
-      const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
-      return absl::Status(cast.code(),
-                          absl::StrCat("tensor ", name, " (from element ", key.element_begin + done,
-                                       "): ", cast.message(),
-                                       "; the policy's float16 overflow rule is 'error': set "
-                                       "overflow=saturate or override this tensor to float32"));
+  if (IsFloat8(key.dtype)) {
+    // Quantized from the master, or from the fp32 a change kept (KeptDType):
+    // its blocks copied out first, as the kept bits may put them at any
+    // byte offset.
+    const float* values = store_.master(key.layer, key.tensor);
+    uint64_t base = owned.begin;
+    thread_local std::vector<float> kept_values;
+    if (kept != nullptr) {
+      const ElementRange blocks = WholeBlocks(placed, elements);
+      kept_values.resize(blocks.size());
+      std::memcpy(kept_values.data(),
+                  kept->tensor(key.tensor) + (blocks.begin - owned.begin) * sizeof(float),
+                  blocks.size() * sizeof(float));
+      values = kept_values.data();
+      base = blocks.begin;
     }
-    if (crc != nullptr) *crc = Crc32c(block_out, block * element_bytes, *crc);
-    done += block;
+    QuantizeChunk(placed, elements, values, base, out, measure);
+    if (crc != nullptr) *crc = Crc32c(out, SentBytes(placed, elements), *crc);
+  } else {
+    const float* source = store_.master(key.layer, key.tensor) + skip;
+    for (uint64_t done = 0; done < key.elements;) {
+      const uint64_t block = std::min(kCastBlockElements, key.elements - done);
+      uint8_t* block_out = out + done * element_bytes;
+      if (absl::Status cast = CastFromF32(source + done, block_out, block, key.dtype,
+                                          store_.policy().overflow(), measure);
+          !cast.ok()) {
+        const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
+        return absl::Status(
+            cast.code(), absl::StrCat("tensor ", name, " (from element ", key.element_begin + done,
+                                      "): ", cast.message(),
+                                      "; the policy's float16 overflow rule is 'error': set "
+                                      "overflow=saturate or override this tensor to float32"));
+      }
+      if (crc != nullptr) *crc = Crc32c(block_out, block * element_bytes, *crc);
+      done += block;
+    }
   }
   metrics_.RecordCast(
       key.elements,
@@ -322,7 +399,9 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   // cast from one version, and it is the stream's.
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
   ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
-  const size_t bytes = key.elements * DTypeSize(key.dtype);
+  const AssembledTensor& placed = store_.layout(key.layer).tensors()[key.tensor];
+  const size_t bytes =
+      SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements});
   auto* data = static_cast<uint8_t*>(std::malloc(bytes));
   if (data == nullptr) {
     return absl::ResourceExhaustedError(
@@ -330,6 +409,7 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   }
   // Owned by gRPC from here: freed when the last stream sending it is done.
   CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
+  chunk.scale_bytes = bytes - key.elements * DTypeSize(key.dtype);
   RETURN_IF_ERROR(CastInto(key, kept.get(), data, &chunk.crc32c));
   return chunk;
 }
@@ -384,13 +464,13 @@ void FetchLayerReactor::WriteNext() {
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
-  const DType dtype = store_.layout(plan_.layer).tensors()[run.tensor].compute_dtype;
-  const size_t element_bytes = DTypeSize(dtype);
+  const AssembledTensor& placed = store_.layout(plan_.layer).tensors()[run.tensor];
+  const DType dtype = placed.compute_dtype;
   // Chunks lie on a grid from the start of this shard's slice, wherever a
   // request's range starts, so a resumed or ranged stream still meets the
   // chunks other streams have cast.
   const uint64_t owned_begin = store_.owned(plan_.layer, run.tensor).begin;
-  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, element_bytes);
+  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, placed);
   const uint64_t grid_end =
       owned_begin + ((next_element_ - owned_begin) / per_chunk + 1) * per_chunk;
   const ChunkKey key{.layer = plan_.layer,
@@ -412,7 +492,7 @@ void FetchLayerReactor::WriteNext() {
   // this stream runs, and it cannot finish, so `this` stays valid.
   std::optional<absl::StatusOr<CastChunk>> chunk = options_.shared->GetOrCast(
       key,
-      key.elements * element_bytes +
+      SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements}) +
           (options_.base_version ? key.elements / 8 + kDeltaHeaderBytes : 0),
       peer_, cast, [this](absl::StatusOr<CastChunk> shared) { Write(shared); });
   if (chunk) Write(*std::move(chunk));
@@ -429,7 +509,7 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   }
   chunk_ = chunk->framed ? grpc::ByteBuffer(&chunk->data, 1)
                          : wire::EncodeLayerChunk(run.tensor, next_element_, version_,
-                                                  chunk->crc32c, chunk->data);
+                                                  chunk->crc32c, chunk->data, chunk->scale_bytes);
   next_element_ += pending_elements_;
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;

@@ -8,6 +8,16 @@
 
 namespace layercast::server {
 
+uint64_t SentBytes(const AssembledTensor& tensor, ElementRange elements) {
+  uint64_t bytes = elements.size() * DTypeSize(tensor.compute_dtype);
+  if (tensor.block_size != 0 && !elements.empty()) {
+    const uint64_t blocks = (elements.end + tensor.block_size - 1) / tensor.block_size -
+                            elements.begin / tensor.block_size;
+    bytes += blocks * sizeof(float);
+  }
+  return bytes;
+}
+
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                                     const layercast::v1::FetchLayerRequest& request) {
   const ModelSpec& model = store.model();
@@ -34,9 +44,9 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
 
   if (request.expect_dtype() != layercast::v1::DTYPE_UNSPECIFIED) {
     if (!layercast::v1::DType_IsValid(request.expect_dtype())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("expect_dtype ", static_cast<int>(request.expect_dtype()),
-                       " is not a DType: use FLOAT32, BFLOAT16 or FLOAT16"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expect_dtype ", static_cast<int>(request.expect_dtype()),
+          " is not a DType: use FLOAT32, BFLOAT16, FLOAT16, FLOAT8_E4M3FN or FLOAT8_E5M2"));
     }
     const auto expected = static_cast<DType>(request.expect_dtype());
     for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
@@ -47,6 +57,18 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
             "' gives tensor ", layer.tensors[t].name, " ", DTypeName(actual),
             "; omit expect_dtype or expect the manifest's compute dtypes"));
       }
+    }
+  }
+
+  if (request.has_base_version()) {
+    for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
+      const DType dtype = layout.tensors()[t].compute_dtype;
+      if (!IsFloat8(dtype)) continue;
+      // A changed value can move its block's scale, and with it every code
+      // of the block: a delta of codes alone would be wrong.
+      return absl::OutOfRangeError(absl::StrCat(
+          "layer ", request.layer(), " has tensor ", layer.tensors[t].name, " in ",
+          DTypeName(dtype), ", and delta pulls do not carry block scales; pull the layer in full"));
     }
   }
 
@@ -64,7 +86,7 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
   plan.runs = wire::OwnedRuns(layout, selected, store.shard_index(), store.num_shards());
   for (const TensorElementRange& run : plan.runs) {
-    plan.bytes += run.elements.size() * DTypeSize(layout.tensors()[run.tensor].compute_dtype);
+    plan.bytes += SentBytes(layout.tensors()[run.tensor], run.elements);
   }
   return plan;
 }

@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   const std::vector<LayerSpec>& layers = store->model_.layers;
   for (const LayerSpec& layer : layers) {
     ASSIGN_OR_RETURN(AssembledLayout layout, AssembledLayout::Build(layer, store->policy_));
+    RETURN_IF_ERROR(CheckBlocksWithinShards(layer, layout, num_shards));
     store->layouts_.push_back(std::move(layout));
   }
   ASSIGN_OR_RETURN(store->layout_digest_, LayoutDigest(store->model_, store->policy_));

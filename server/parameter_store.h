@@ -36,7 +36,9 @@ class ParameterStore {
   // Reads this shard's ranges from `source`. Returns CANCELLED as soon as
   // `*cancel` becomes true (checked between tensors), so a server told to stop
   // while loading exits promptly; INVALID_ARGUMENT for a model whose sizes do
-  // not fit (see MasterBytes, AssembledLayout::Build); RESOURCE_EXHAUSTED when
+  // not fit (see MasterBytes, AssembledLayout::Build); FAILED_PRECONDITION
+  // for an fp8 tensor whose blocks the shards would split
+  // (CheckBlocksWithinShards); RESOURCE_EXHAUSTED when
   // a tensor's master cannot be allocated. REQUIRES: shard_index < num_shards.
   static absl::StatusOr<std::unique_ptr<ParameterStore>> Load(
       const ParameterSource& source, uint32_t shard_index, uint32_t num_shards, Policy policy,

@@ -41,7 +41,7 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
   uint64_t at = 0;
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
     offsets.push_back(at);
-    at += store_.owned(layer, t).size() * DTypeSize(layout.tensors()[t].compute_dtype);
+    at += store_.owned(layer, t).size() * DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
   }
   // Charged above; given back by the Kept's destructor from here on.
   std::shared_ptr<const Kept> kept(new Kept(std::move(bits), std::move(offsets), budget_));

@@ -124,10 +124,12 @@ absl::Status Publications::Stage(const layercast::v1::PublishChunk& chunk) {
   const uint32_t tensor = chunk.tensor();
   const DType compute = store.layout(layer).tensors()[tensor].compute_dtype;
   const auto dtype = static_cast<DType>(chunk.dtype());
-  if (dtype != DType::kFloat32 && dtype != compute) {
+  // 8-bit codes without their scales have no values: FLOAT32 only.
+  if (dtype != DType::kFloat32 && (dtype != compute || IsFloat8(dtype))) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "tensor ", store.model().layers[layer].tensors[tensor].name, " is published in FLOAT32 or ",
-        "its compute dtype ", DTypeName(compute), ", not dtype ", chunk.dtype()));
+        "tensor ", store.model().layers[layer].tensors[tensor].name, " is published in FLOAT32",
+        IsFloat8(compute) ? "" : absl::StrCat(" or its compute dtype ", DTypeName(compute)),
+        ", not dtype ", chunk.dtype()));
   }
   const uint64_t size = DTypeSize(dtype);
   const ElementRange owned = store.owned(layer, tensor);

@@ -63,6 +63,8 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
           static_cast<layercast::v1::DType>(layout.tensors()[t].compute_dtype));
       tensor->set_byte_offset(layout.tensors()[t].byte_offset);
       tensor->set_num_elements(spec.tensors[t].num_elements);
+      tensor->set_block_size(layout.tensors()[t].block_size);
+      tensor->set_scale_offset(layout.tensors()[t].scale_offset);
     }
   }
   return manifest;

@@ -30,6 +30,9 @@ struct CastChunk {
   uint32_t crc32c = 0;
   // `data` is a whole LayerChunk message (a delta chunk), sent as it is.
   bool framed = false;
+  // The last `scale_bytes` of `data` are the block scales of an 8-bit
+  // float chunk (LayerChunk.scales), the rest its codes; the CRC covers both.
+  uint64_t scale_bytes = 0;
 };
 
 // What makes two chunks the same bytes: the elements of one tensor, cast

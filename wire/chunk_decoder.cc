@@ -95,13 +95,38 @@ absl::StatusOr<uint64_t> ChunkDecoder::AcceptDelta(grpc::ByteBuffer& chunk) {
   return size;
 }
 
+absl::Status ChunkDecoder::PlaceScales(google::protobuf::io::CodedInputStream& in, const Run& run,
+                                       ElementRange elements, uint32_t* crc) {
+  uint32_t size = 0;
+  if (!in.ReadVarint32(&size))
+    return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
+  if (run.block_size == 0) {
+    return absl::DataLossError(absl::StrCat("sent block scales for tensor ", run.tensor,
+                                            ", which is not in an 8-bit float"));
+  }
+  const uint64_t first = elements.begin / run.block_size;
+  const uint64_t blocks = (elements.end + run.block_size - 1) / run.block_size - first;
+  if (size != blocks * sizeof(float)) {
+    return absl::DataLossError(
+        absl::StrCat("sent ", size, " bytes of block scales for elements [", elements.begin, ", ",
+                     elements.end, ") of tensor ", run.tensor, ", which touch ", blocks,
+                     " blocks of ", run.block_size, " (", blocks * sizeof(float), " bytes)"));
+  }
+  uint8_t* destination = buffer_.data() + run.scale_offset + first * sizeof(float);
+  if (!in.ReadRaw(destination, static_cast<int>(size))) {
+    return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
+  }
+  *crc = Crc32c(destination, size, *crc);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
   if (base_version_) return AcceptDelta(chunk);
   grpc::ProtoBufferReader reader(&chunk);
   google::protobuf::io::CodedInputStream in(&reader);
   uint32_t tensor = 0, crc = 0, data_crc = 0;
   uint64_t offset = 0, version = 0;
-  bool placed = false, has_crc = false;
+  bool placed = false, has_crc = false, has_scales = false;
   uint32_t size = 0;
   // Fields are read in the order protobuf serializers write them (field
   // number order: tensor, element_offset, data, version), so the data's place
@@ -123,6 +148,15 @@ absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
     } else if (field == 5 && type == WireFormatLite::WIRETYPE_FIXED32) {
       ok = in.ReadLittleEndian32(&crc);
       has_crc = ok;
+    } else if (field == 9 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && placed &&
+               !has_scales) {
+      // After the data, so the elements whose blocks these are are known.
+      const Run& run = runs_[run_];
+      const ElementRange elements{offset, offset + size / run.element_size};
+      if (absl::Status scales = PlaceScales(in, run, elements, &data_crc); !scales.ok()) {
+        return scales;
+      }
+      has_scales = true;
     } else if (field == 3 && type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && !placed) {
       ok = in.ReadVarint32(&size);
       if (ok) {
@@ -146,11 +180,16 @@ absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
     if (!ok) return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
   }
   if (!placed) return absl::DataLossError("sent a chunk without data");
+  if (runs_[run_].block_size != 0 && !has_scales) {
+    return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
+                                            " without the block scales of its 8-bit codes"));
+  }
   // Counted as received only once its checksum holds: a retry resumes from
   // the first chunk that did not arrive intact.
   if (has_crc && data_crc != crc) {
     return absl::DataLossError(absl::StrCat("sent tensor ", tensor, " from element ", offset,
-                                            " with a CRC-32C that does not match its data"));
+                                            " with a CRC-32C that does not match its data",
+                                            has_scales ? " and block scales" : ""));
   }
   if (absl::Status checked = CheckVersion(version); !checked.ok()) return checked;
   Advance(size);

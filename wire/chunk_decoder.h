@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/statusor.h"
@@ -18,7 +19,8 @@ namespace layercast::wire {
 // copy, no intermediate message), checking that the shard sends exactly the
 // runs it owns, in order, each element once, and that each chunk's CRC-32C
 // holds. Untrusted input: whatever the bytes, it writes only inside
-// `buffer`, and only inside the runs of the plan (tests/fuzz checks both).
+// `buffer`, and only inside the runs of the plan and the block scales of
+// their blocks (tests/fuzz checks both).
 //
 // Why by hand: a parsed LayerChunk would allocate and copy every chunk's
 // bytes once more before they could be placed.
@@ -32,9 +34,14 @@ class ChunkDecoder {
     ElementRange elements;
     uint64_t byte_offset;  // of the tensor in the assembled buffer
     size_t element_size;
+    // 8-bit floats only: elements per block scale, and where the tensor's
+    // scales are in the assembled buffer (AssembledTensor's).
+    uint32_t block_size = 0;
+    uint64_t scale_offset = 0;
   };
 
-  // REQUIRES: every run lies within `buffer`. With `base_version` (the
+  // REQUIRES: every run (and an 8-bit float run's block scales) lies within
+  // `buffer`. With `base_version` (the
   // request's), `buffer` holds the layer at that version, and every chunk
   // must be a delta chunk from it (wire/delta_chunks.h), applied in place.
   ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer,
@@ -64,6 +71,10 @@ class ChunkDecoder {
   // Accept for a delta stream: parsed whole (a delta is small by design),
   // then applied. Returns the message's size.
   absl::StatusOr<uint64_t> AcceptDelta(grpc::ByteBuffer& chunk);
+  // Places the block scales of `elements` of `run` (the chunk just placed)
+  // from `in`, extending `*crc` over them.
+  absl::Status PlaceScales(google::protobuf::io::CodedInputStream& in, const Run& run,
+                           ElementRange elements, uint32_t* crc);
   // The version check every chunk passes.
   absl::Status CheckVersion(uint64_t version);
 

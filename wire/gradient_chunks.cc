@@ -182,13 +182,17 @@ absl::Status GradientDecoder::Accept(const GradientChunkView& chunk) {
   const bool known =
       layercast::v1::DType_IsValid(wire_dtype) && wire_dtype != layercast::v1::DTYPE_UNSPECIFIED;
   const auto dtype = static_cast<DType>(known ? wire_dtype : 0);
-  if (!known || (dtype != compute && dtype != DType::kFloat32)) {
+  // An 8-bit gradient has no block scales to give it values: FLOAT32 only.
+  if (!known || (dtype != DType::kFloat32 && (dtype != compute || IsFloat8(dtype)))) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tensor ", run.tensor, "'s gradient came as ",
         layercast::v1::DType_IsValid(wire_dtype)
             ? layercast::v1::DType_Name(static_cast<layercast::v1::DType>(wire_dtype))
             : absl::StrCat("dtype ", wire_dtype),
-        "; send it in the tensor's compute dtype ", DTypeName(compute), " or in FLOAT32"));
+        IsFloat8(compute) ? absl::StrCat("; the tensor computes in ", DTypeName(compute),
+                                         ", so send its gradient in FLOAT32")
+                          : absl::StrCat("; send it in the tensor's compute dtype ",
+                                         DTypeName(compute), " or in FLOAT32")));
   }
   const uint64_t element_size = DTypeSize(dtype);
   const uint64_t bytes = chunk.data_bytes;

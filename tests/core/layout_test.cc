@@ -205,5 +205,63 @@ TEST(LayoutDigestTest, ALayerThatCannotBeLaidOutHasNoDigest) {
                                           "float32 elements, more than 2^64 bytes"));
 }
 
+TEST(AssembledLayoutTest, Float8TensorsKeepTheirBlockScalesAfterTheirCodes) {
+  const AssembledLayout layout = *AssembledLayout::FromDTypes(
+      {DType::kFloat8E4M3FN, DType::kBFloat16, DType::kFloat8E5M2}, {1000, 3, 4096}, 32);
+  const auto& t = layout.tensors();
+  EXPECT_EQ(t[0].byte_offset, 0u);
+  EXPECT_EQ(t[0].block_size, 32u);
+  EXPECT_EQ(t[0].num_blocks(), 32u);  // ceil(1000 / 32)
+  EXPECT_EQ(t[0].scale_offset, 1024u);
+  EXPECT_EQ(t[1].byte_offset, 1024u + 256u);  // after 128 bytes of scales, aligned
+  EXPECT_EQ(t[1].block_size, 0u);
+  EXPECT_EQ(t[1].scale_bytes(), 0u);
+  EXPECT_EQ(t[2].byte_offset, 1536u);
+  EXPECT_EQ(t[2].scale_offset, 1536u + 4096u);
+  EXPECT_EQ(layout.total_bytes(), 1536u + 4096u + 512u);
+  // Scales are not elements: a range over them selects nothing, and one
+  // over codes selects exactly those.
+  EXPECT_TRUE(layout.MapByteRange(1024, 1280)->empty());
+  const auto selected = *layout.MapByteRange(37, 1280);
+  ASSERT_EQ(selected.size(), 1u);
+  EXPECT_EQ(selected[0].elements, (ElementRange{37, 1000}));
+  // A block size the policy grammar does not allow is refused, naming it.
+  const absl::StatusOr<AssembledLayout> bad =
+      AssembledLayout::FromDTypes({DType::kFloat8E5M2}, {64}, 48);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("tensor 0 is float8_e5m2 with blocks of 48 elements; a block is a power "
+                        "of two from 16 to 256"));
+}
+
+TEST(AssembledLayoutTest, ShardsMayNotSplitAFloat8Block) {
+  const LayerSpec layer{"l0", {TensorSpec{"w", {64, 8}, 512}, TensorSpec{"b", {24}, 24}}};
+  const AssembledLayout layout =
+      *AssembledLayout::Build(layer, *Policy::Parse("c=f8e4m3,fp8_block=16;b=bf16"));
+  for (uint32_t shards : {1u, 2u, 4u, 8u, 16u, 32u}) {
+    EXPECT_TRUE(CheckBlocksWithinShards(layer, layout, shards).ok()) << shards;
+  }
+  const absl::Status three = CheckBlocksWithinShards(layer, layout, 3);
+  EXPECT_EQ(three.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(three.message()),
+              HasSubstr("tensor w (512 elements) is float8_e4m3fn in blocks of 16, but shard 1 of "
+                        "3 would start at element 170, inside a block"));
+  // The 16-bit tensor may be cut anywhere.
+  const AssembledLayout all_fp8 =
+      *AssembledLayout::Build(layer, *Policy::Parse("c=f8e4m3,fp8_block=16"));
+  EXPECT_THAT(std::string(CheckBlocksWithinShards(layer, all_fp8, 2).message()),
+              HasSubstr("tensor b (24 elements)"));
+}
+
+TEST(LayoutDigestTest, ChangesWithTheFloat8BlockSize) {
+  ModelSpec model{"m", {LayerSpec{"l0", {TensorSpec{"a.weight", {4, 64}, 256}}}}};
+  const auto block32 = *LayoutDigest(model, *Policy::Parse("c=f8e4m3,fp8_block=32"));
+  EXPECT_NE(block32, *LayoutDigest(model, *Policy::Parse("c=f8e4m3,fp8_block=64")));
+  EXPECT_NE(block32, *LayoutDigest(model, *Policy::Parse("c=f8e5m2,fp8_block=32")));
+  // A block size no fp8 tensor uses moves nothing.
+  EXPECT_EQ(*LayoutDigest(model, *Policy::Parse("c=bf16")),
+            *LayoutDigest(model, *Policy::Parse("c=bf16,fp8_block=32")));
+}
+
 }  // namespace
 }  // namespace layercast

@@ -138,5 +138,43 @@ TEST(PolicyTest, MaxRelErrorIsABoundInZeroToOne) {
   }
 }
 
+TEST(PolicyTest, Float8IsAComputeDTypeWithABlockSize) {
+  const Policy policy = MustParse("p=f32,c=float8_e4m3fn;*norm*=bf16;lm_head.*=f8e5m2");
+  EXPECT_EQ(policy.compute(), DType::kFloat8E4M3FN);
+  EXPECT_EQ(policy.output(), DType::kFloat32) << "an 8-bit compute leaves output at params";
+  EXPECT_EQ(policy.fp8_block(), kDefaultFp8Block);
+  EXPECT_EQ(policy.ComputeDTypeFor("lm_head.weight"), DType::kFloat8E5M2);
+  EXPECT_EQ(policy.ComputeDTypeFor("model.norm.weight"), DType::kBFloat16);
+  EXPECT_EQ(policy.ToString(),
+            "params=float32,compute=float8_e4m3fn,output=float32,fp8_block=128;*norm*=bfloat16;"
+            "lm_head.*=float8_e5m2");
+  EXPECT_EQ(MustParse("c=f8e5m2,fp8_block=32").fp8_block(), 32u);
+  EXPECT_EQ(MustParse("c=f8e5m2,fp8_block=256").fp8_block(), 256u);
+  // Written back only where it says something: an fp8 dtype, or a block
+  // that is not the default.
+  EXPECT_EQ(MustParse("c=bf16").ToString(), "params=float32,compute=bfloat16,output=bfloat16");
+  for (const char* text : {"c=f8e4m3,fp8_block=16", "c=bf16,fp8_block=64;x=f8e5m2",
+                           "c=bf16,fp8_block=32", "c=f8e5m2,max_rel_error=0.1"}) {
+    const Policy parsed = MustParse(text);
+    EXPECT_EQ(MustParse(parsed.ToString()), parsed) << text << " -> " << parsed.ToString();
+  }
+  for (const char* bad : {"0", "8", "100", "512", "-128", "lots", "128x"}) {
+    const absl::StatusOr<Policy> refused = Policy::Parse(absl::StrCat("c=f8e4m3,fp8_block=", bad));
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(refused.status().message()),
+                ::testing::HasSubstr(
+                    absl::StrCat("fp8_block '", bad, "' is not a power of two from 16 to 256")));
+  }
+  // A master or an output in 8 bits is refused, however it is written.
+  for (const char* bad :
+       {"float8_e4m3fn", "p=f8e5m2", "c=f8e4m3,o=f8e4m3", "p=f32,output=f8e5m2"}) {
+    const absl::StatusOr<Policy> refused = Policy::Parse(bad);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_THAT(std::string(refused.status().message()),
+                ::testing::HasSubstr("8-bit floats are compute dtypes only"));
+  }
+}
+
 }  // namespace
 }  // namespace layercast

@@ -261,7 +261,7 @@ class Storm {
         break;
       }
       case Kind::kBogusDType:
-        request.set_expect_dtype(static_cast<layercast::v1::DType>(4 + rng() % 1000));
+        request.set_expect_dtype(static_cast<layercast::v1::DType>(6 + rng() % 1000));
         expected = {StatusCode::INVALID_ARGUMENT};
         break;
       case Kind::kWrongDType:

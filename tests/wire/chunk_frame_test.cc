@@ -1,8 +1,10 @@
 // The LayerChunk frame both ways: what the shard's encoder writes is an
 // ordinary LayerChunk, and the worker's decoder places it exactly.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -106,6 +108,89 @@ TEST(ChunkFrameTest, CorruptFrameIsRefusedAndResumable) {
   EXPECT_EQ(placed.status().code(), absl::StatusCode::kDataLoss) << placed.status();
   ASSERT_EQ(decoder.RemainingRuns().size(), 1u);
   EXPECT_EQ(decoder.RemainingRuns()[0].elements, (ElementRange{0, 4}));
+}
+
+// An 8-bit float chunk: codes and block scales from one slice, sent as
+// fields 3 and 9 (protobuf's own serialisation, byte for byte) under one
+// CRC, placed by the decoder at the codes' place and at their blocks'
+// scales; a chunk without its scales, with the wrong number of them, or
+// with a scale changed is refused and leaves the run due.
+TEST(ChunkFrameTest, Float8ChunksCarryTheScalesOfTheirBlocks) {
+  // Elements [5, 70) of a tensor in blocks of 16: blocks 0-4, five scales.
+  constexpr uint64_t kCodes = 65, kScales = 5;
+  std::vector<uint8_t> payload(kCodes + kScales * sizeof(float));
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 13 + 1);
+  const uint32_t crc = Crc32c(payload.data(), payload.size());
+  const grpc::Slice slice(payload.data(), payload.size());
+  grpc::ByteBuffer encoded = EncodeLayerChunk(1, 5, 9, crc, slice, kScales * sizeof(float));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(encoded.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  layercast::v1::LayerChunk chunk;
+  ASSERT_TRUE(chunk.ParseFromString(bytes));
+  EXPECT_EQ(chunk.data(), std::string(payload.begin(), payload.begin() + kCodes));
+  EXPECT_EQ(chunk.scales(), std::string(payload.begin() + kCodes, payload.end()));
+  EXPECT_EQ(bytes, chunk.SerializeAsString());
+
+  // Codes at 256, scales at 512 of a 1 KiB buffer.
+  const std::vector<ChunkDecoder::Run> runs = {{.tensor = 1,
+                                                .elements = {5, 70},
+                                                .byte_offset = 256,
+                                                .element_size = 1,
+                                                .block_size = 16,
+                                                .scale_offset = 512}};
+  std::vector<uint8_t> buffer(1024, 0xAA);
+  {
+    ChunkDecoder decoder(runs, buffer);
+    grpc::ByteBuffer without_scales = EncodeLayerChunk(1, 5, 9, Crc32c(payload.data(), kCodes),
+                                                       grpc::Slice(payload.data(), kCodes));
+    const absl::StatusOr<uint64_t> accepted = decoder.Accept(without_scales);
+    EXPECT_EQ(accepted.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(accepted.status().message()),
+                ::testing::HasSubstr("without the block scales of its 8-bit codes"));
+    EXPECT_FALSE(decoder.done());
+  }
+  {
+    ChunkDecoder decoder(runs, buffer);
+    std::vector<uint8_t> short_payload(payload.begin(), payload.end() - sizeof(float));
+    grpc::ByteBuffer too_few = EncodeLayerChunk(
+        1, 5, 9, Crc32c(short_payload.data(), short_payload.size()),
+        grpc::Slice(short_payload.data(), short_payload.size()), (kScales - 1) * sizeof(float));
+    const absl::StatusOr<uint64_t> accepted = decoder.Accept(too_few);
+    EXPECT_EQ(accepted.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(accepted.status().message()),
+                ::testing::HasSubstr("16 bytes of block scales for elements [5, 70) of tensor 1, "
+                                     "which touch 5 blocks of 16 (20 bytes)"));
+    EXPECT_FALSE(decoder.done());
+  }
+  {
+    ChunkDecoder decoder(runs, buffer);
+    std::vector<uint8_t> corrupt = payload;
+    corrupt.back() ^= 1;  // a scale, which the CRC covers too
+    grpc::ByteBuffer bad = EncodeLayerChunk(
+        1, 5, 9, crc, grpc::Slice(corrupt.data(), corrupt.size()), kScales * sizeof(float));
+    const absl::StatusOr<uint64_t> accepted = decoder.Accept(bad);
+    EXPECT_EQ(accepted.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(accepted.status().message()),
+                ::testing::HasSubstr("does not match its data and block scales"));
+    EXPECT_FALSE(decoder.done());
+  }
+  std::fill(buffer.begin(), buffer.end(), 0xAA);
+  ChunkDecoder decoder(runs, buffer);
+  ASSERT_TRUE(decoder.Accept(encoded).ok());
+  EXPECT_TRUE(decoder.done());
+  EXPECT_TRUE(std::equal(payload.begin(), payload.begin() + kCodes, buffer.begin() + 256 + 5));
+  EXPECT_TRUE(std::equal(payload.begin() + kCodes, payload.end(), buffer.begin() + 512));
+  // Nothing else was written.
+  for (size_t i = 0; i < buffer.size(); ++i) {
+    const bool codes = i >= 256 + 5 && i < 256 + 70;
+    const bool scales = i >= 512 && i < 512 + kScales * sizeof(float);
+    if (!codes && !scales) {
+      ASSERT_EQ(buffer[i], 0xAA) << i;
+    }
+  }
 }
 
 }  // namespace

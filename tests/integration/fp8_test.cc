@@ -1,0 +1,199 @@
+// fp8 on the wire against real shard processes: a layer in float8_e4m3fn or
+// float8_e5m2 arrives as the codes and block scales of quantizing the fp32
+// master (core/fp8.h, itself checked over every fp32 input), whole, in byte
+// ranges and when a delta pull falls back to a full one; a policy's
+// max_rel_error refuses what fp8 loses beyond it; a shard refuses to start
+// when its shard count would split a block.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cast_error_report.h"
+#include "core/cast.h"
+#include "core/fp8.h"
+#include "core/policy.h"
+#include "tests/integration/shard_fixture.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kModel[] = "llama:layers=2,hidden=128,ffn=256,vocab=64";
+
+// Every tensor of every layer in float32, from shards that serve it that
+// way: the fp32 master the fp8 shards quantize.
+using MasterValues = std::vector<std::vector<std::vector<float>>>;  // [layer][tensor]
+MasterValues MasterLayers() {
+  RunningShards shards = StartShards(2, {"--synthetic", kModel, "--policy", "f32"});
+  EXPECT_NE(shards.set, nullptr);
+  MasterValues layers;
+  if (shards.set == nullptr) return layers;
+  for (uint32_t l = 0; l < shards.set->model().layers.size(); ++l) {
+    absl::StatusOr<client::Layer> layer = shards.set->Gather(l);
+    EXPECT_TRUE(layer.ok()) << layer.status();
+    if (!layer.ok()) return {};
+    layers.emplace_back();
+    for (size_t t = 0; t < layer->num_tensors(); ++t) {
+      const client::Layer::TensorView view = layer->tensor(t);
+      const auto* values = reinterpret_cast<const float*>(view.bytes.data());
+      layers.back().emplace_back(values, values + view.num_elements);
+    }
+  }
+  EXPECT_TRUE(shards.processes->Stop().ok());
+  return layers;
+}
+
+// Expects `got` to hold exactly what `policy` makes of `master`: an 8-bit
+// tensor's codes and scales as QuantizeFp8 gives them, a 16-bit one's cast.
+void ExpectServedAsPolicySays(const client::Layer& got,
+                              const std::vector<std::vector<float>>& master, const Policy& policy) {
+  ASSERT_EQ(got.num_tensors(), master.size());
+  for (size_t t = 0; t < got.num_tensors(); ++t) {
+    const client::Layer::TensorView view = got.tensor(t);
+    SCOPED_TRACE(std::string(view.name));
+    const std::span<const float> values = master[t];
+    const DType dtype = policy.ComputeDTypeFor(view.name);
+    ASSERT_EQ(view.dtype, dtype);
+    if (IsFloat8(dtype)) {
+      ASSERT_EQ(view.block_size, policy.fp8_block());
+      std::vector<uint8_t> codes(values.size());
+      std::vector<float> scales(Fp8BlockCount(values.size(), view.block_size));
+      QuantizeFp8(values, view.block_size, Fp8FormatOf(dtype), codes, scales);
+      ASSERT_EQ(view.scales.size(), scales.size());
+      EXPECT_TRUE(std::equal(codes.begin(), codes.end(), view.bytes.begin()));
+      EXPECT_EQ(std::memcmp(view.scales.data(), scales.data(), scales.size() * sizeof(float)), 0);
+      // And the pair gives the values back within fp8's precision.
+      std::vector<float> back(values.size());
+      DequantizeFp8(view.bytes, view.block_size, view.scales, Fp8FormatOf(dtype), back);
+      for (size_t i = 0; i < values.size(); i += 97) {
+        EXPECT_NEAR(back[i], values[i], std::abs(values[i]) / 8 + 1e-30f) << i;
+      }
+    } else {
+      ASSERT_TRUE(view.scales.empty());
+      std::vector<uint8_t> cast(values.size() * DTypeSize(dtype));
+      ASSERT_TRUE(
+          CastFromF32(values.data(), cast.data(), values.size(), dtype, Fp16Overflow::kError).ok());
+      EXPECT_TRUE(std::equal(cast.begin(), cast.end(), view.bytes.begin()));
+    }
+  }
+}
+
+TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndAfterADeltaFallback) {
+  const MasterValues master = MasterLayers();
+  ASSERT_FALSE(master.empty());
+  // Small chunks, so a tensor spans several, and ranges that start inside
+  // blocks; the norms stay bfloat16 beside the fp8 tensors.
+  const std::string policy_text = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=bf16";
+  const Policy policy = *Policy::Parse(policy_text);
+  RunningShards shards =
+      StartShards(2, {"--synthetic", kModel, "--policy", policy_text, "--chunk-bytes", "1000"});
+  ASSERT_NE(shards.set, nullptr);
+  EXPECT_EQ(shards.set->manifests()[0].policy(), policy.ToString());
+  for (uint32_t l = 0; l < master.size(); ++l) {
+    SCOPED_TRACE(absl::StrCat("layer ", l));
+    absl::StatusOr<client::Layer> whole = shards.set->Gather(l);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    ExpectServedAsPolicySays(*whole, master[l], policy);
+
+    // Four byte ranges on 256-byte boundaries, as K local GPUs fetch, into
+    // one buffer: each brings the scales of the blocks of its codes.
+    const AssembledLayout& layout = shards.set->view().layouts[l];
+    absl::StatusOr<client::LayerBuffer> buffer =
+        client::LayerBuffer::Allocate(layout.total_bytes());
+    ASSERT_TRUE(buffer.ok());
+    std::memset(buffer->data(), 0xEE, buffer->size());
+    for (const auto& [begin, end] : layout.SplitBytes(4)) {
+      if (begin == end) continue;
+      client::GatherOptions options;
+      options.byte_range = {begin, end};
+      ASSERT_TRUE(shards.set->GatherInto(l, options, {buffer->data(), buffer->size()}).ok());
+    }
+    for (size_t t = 0; t < layout.tensors().size(); ++t) {
+      const AssembledTensor& placed = layout.tensors()[t];
+      const uint64_t end = placed.block_size == 0 ? placed.byte_offset + placed.num_bytes()
+                                                  : placed.scale_offset + placed.scale_bytes();
+      EXPECT_TRUE(std::equal(buffer->data() + placed.byte_offset, buffer->data() + end,
+                             whole->bytes().data() + placed.byte_offset))
+          << "tensor " << t;
+    }
+
+    // A range that starts and ends inside blocks: the shard quantizes those
+    // elements with their whole blocks' scales.
+    for (size_t t = 0; t < layout.tensors().size(); ++t) {
+      const AssembledTensor& placed = layout.tensors()[t];
+      if (placed.block_size == 0 || placed.num_elements < 3000) continue;
+      std::memset(buffer->data(), 0, buffer->size());
+      client::GatherOptions options;
+      options.byte_range = {placed.byte_offset + 37, placed.byte_offset + 2999};
+      ASSERT_TRUE(shards.set->GatherInto(l, options, {buffer->data(), buffer->size()}).ok());
+      EXPECT_TRUE(std::equal(buffer->data() + placed.byte_offset + 37,
+                             buffer->data() + placed.byte_offset + 2999,
+                             whole->bytes().data() + placed.byte_offset + 37))
+          << "tensor " << t;
+      const uint64_t scales_begin = placed.scale_offset + 37 / placed.block_size * sizeof(float);
+      const uint64_t scales_end =
+          placed.scale_offset + (2999 + placed.block_size - 1) / placed.block_size * sizeof(float);
+      EXPECT_TRUE(std::equal(buffer->data() + scales_begin, buffer->data() + scales_end,
+                             whole->bytes().data() + scales_begin))
+          << "tensor " << t;
+    }
+
+    // A delta pull of an fp8 layer cannot carry scales: the shards say so
+    // (OUT_OF_RANGE) and the gather pulls in full, with the same result.
+    client::GatherOptions delta;
+    delta.base_version = whole->version();
+    std::memset(buffer->data(), 0, buffer->size());
+    ASSERT_TRUE(shards.set->GatherInto(l, delta, {buffer->data(), buffer->size()}).ok());
+    EXPECT_EQ(std::memcmp(buffer->data(), whole->bytes().data(), buffer->size()), 0);
+  }
+  EXPECT_TRUE(shards.processes->Stop().ok());
+}
+
+TEST(Fp8WireTest, MaxRelErrorRefusesWhatE5m2LosesAndTheReportSaysSo) {
+  // float8_e5m2 keeps 2 mantissa bits: relative errors up to 2^-3, far
+  // beyond 1%. e4m3fn's 3 bits stay within 2^-4 for normal values.
+  RunningShards shards = StartShards(
+      2, {"--synthetic", kModel, "--policy", "p=f32,c=f8e5m2,max_rel_error=0.01;*norm*=f32"});
+  ASSERT_NE(shards.set, nullptr);
+  const absl::StatusOr<client::Layer> layer = shards.set->Gather(0);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(layer.status().message()),
+              HasSubstr("loses too much in its cast to float8_e5m2"));
+  EXPECT_THAT(std::string(layer.status().message()),
+              HasSubstr("beyond the policy's max_rel_error=0.01"));
+
+  absl::StatusOr<std::vector<client::LayerCastReport>> report =
+      client::FetchCastErrorReport(*shards.set);
+  ASSERT_TRUE(report.ok()) << report.status();
+  ASSERT_FALSE(report->empty());
+  EXPECT_EQ(report->front().dtype, DType::kFloat8E5M2);
+  EXPECT_GT(report->front().error.max_relative_error, 0.01f);
+  EXPECT_LE(report->front().error.max_relative_error, 0.125f);
+  EXPECT_EQ(report->front().error.overflowed, 0u) << "block scales keep every value in range";
+  EXPECT_TRUE(shards.processes->Stop().ok());
+}
+
+TEST(Fp8WireTest, AShardCountThatSplitsABlockIsRefusedAtStart) {
+  // 8192 embedding elements over 3 shards: shard 1 would start at element
+  // 2730.
+  std::string output;
+  const int code = RunCommand(
+      absl::StrCat(ShardBinary(), " --listen 127.0.0.1:0 --shard-index 0 --num-shards 3 ",
+                   "--synthetic ", kModel, " --policy 'p=f32,c=float8_e4m3fn' 2>&1"),
+      &output);
+  EXPECT_NE(code, 0);
+  EXPECT_THAT(output, HasSubstr("tensor model.embed_tokens.weight (8192 elements) is "
+                                "float8_e4m3fn in blocks of 128, but shard 1 of 3 would start at "
+                                "element 2730, inside a block"));
+  EXPECT_THAT(output, HasSubstr("';model.embed_tokens.weight=bfloat16'"));
+}
+
+}  // namespace
+}  // namespace layercast::testing
