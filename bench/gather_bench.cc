@@ -19,8 +19,12 @@
 // --sharing loops W in {1,2,4,8} workers walking the same layers, against the
 // baseline at the same W, with shared casts on and off (see RunSharing).
 //
+// --fp8 sets layercast with policy p=f32,c=float8_e4m3fn (block scales of
+// 128, counted on the wire) against (b), --repeat turns each: the ratio of
+// wire bytes per parameter (goal <= 0.55) and of parameters/s (goal >= 1.7).
+//
 // Usage: gather_bench [--num-shards N] [--workers W] [--rounds R] [--repeat K]
-//                     [--synthetic SPEC] [--table | --sharing]
+//                     [--synthetic SPEC] [--table | --sharing | --fp8]
 //                     [--shared-chunk-bytes B (with --sharing)]
 
 #include <sys/stat.h>
@@ -55,6 +59,7 @@ namespace {
 
 constexpr const char* kPolicyBf16 = "p=f32,c=bf16";
 constexpr const char* kPolicyF32 = "p=f32,c=f32";
+constexpr const char* kPolicyFp8 = "p=f32,c=float8_e4m3fn";
 
 struct Args {
   uint32_t num_shards = 2;
@@ -64,6 +69,7 @@ struct Args {
   std::string synthetic = "llama:layers=4,hidden=2048,ffn=5632,vocab=32000,seed=1";
   bool table = false;
   bool sharing = false;
+  bool fp8 = false;
   std::string shared_chunk_bytes;  // passed to the sharing shards; "" for their default
 };
 
@@ -72,8 +78,8 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   ASSIGN_OR_RETURN(tools::CliFlags flags,
                    tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
                                           {"num-shards", "workers", "rounds", "repeat", "synthetic",
-                                           "shared-chunk-bytes", "table", "sharing"},
-                                          {"table", "sharing"}));
+                                           "shared-chunk-bytes", "table", "sharing", "fp8"},
+                                          {"table", "sharing", "fp8"}));
   Args args;
   const auto count = [&](const char* name, uint32_t fallback) -> absl::StatusOr<uint32_t> {
     ASSIGN_OR_RETURN(uint64_t value, flags.GetUint(name, fallback));
@@ -90,8 +96,9 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   args.shared_chunk_bytes = flags.Get("shared-chunk-bytes");
   args.table = flags.Has("table");
   args.sharing = flags.Has("sharing");
-  if (args.table && args.sharing) {
-    return absl::InvalidArgumentError("--table and --sharing are two runs: give one");
+  args.fp8 = flags.Has("fp8");
+  if (args.table + args.sharing + args.fp8 > 1) {
+    return absl::InvalidArgumentError("--table, --sharing and --fp8 are separate runs: give one");
   }
   return args;
 }
@@ -174,7 +181,7 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
   for (uint32_t l = 0; l < num_layers; ++l) {
     largest = std::max(largest, view.layouts[l].total_bytes());
     for (const AssembledTensor& t : view.layouts[l].tensors()) {
-      layer_wire[l] += t.num_bytes();
+      layer_wire[l] += t.num_bytes() + t.scale_bytes();
       layer_params[l] += t.num_elements;
     }
   }
@@ -290,6 +297,14 @@ int Fail(const absl::Status& status, const char* what) {
   return 1;
 }
 
+// The column heads of PrintRow's rows.
+void PrintHeader() {
+  std::printf("%-30s %11s %14s %9s %9s %8s %8s %6s\n", "", "wire", "params", "srv CPU", "wkr CPU",
+              "p50", "p50 TTFB", "layers");
+  std::printf("%-30s %11s %14s %9s %9s %8s %8s %6s\n", "", "bytes/s", "/s", "s/GB", "s/GB", "ms",
+              "ms", "");
+}
+
 void PrintRow(const char* name, const Result& r) {
   std::printf("%-30s %9s/s %10.3f G/s %9.3f %9.3f %8.2f %8.2f %6llu\n", name,
               FormatBytes(static_cast<uint64_t>(r.bytes_per_s())).c_str(), r.params_per_s() / 1e9,
@@ -320,10 +335,7 @@ int RunDefault(const Args& args) {
       "cast kernels (this process's measurement): %s\n\n",
       args.synthetic.c_str(), args.num_shards, args.workers, args.rounds, num_layers,
       FormatBytes(assembled).c_str(), SelectedCastIsa().Summary().c_str());
-  std::printf("%-30s %11s %14s %9s %9s %8s %8s %6s\n", "", "wire", "params", "srv CPU", "wkr CPU",
-              "p50", "p50 TTFB", "layers");
-  std::printf("%-30s %11s %14s %9s %9s %8s %8s %6s\n", "", "bytes/s", "/s", "s/GB", "s/GB", "ms",
-              "ms", "");
+  PrintHeader();
 
   // The ratios of each turn; their medians are the figures.
   std::vector<double> bytes_b_a, params_b_c, cpu_b_a, worker_b_a, added_per_cast, cast_s_per_gb;
@@ -480,6 +492,44 @@ int RunSharing(const Args& args) {
   return 0;
 }
 
+// fp8 against bf16 on the same model and shard count, taking turns.
+int RunFp8(const Args& args) {
+  const std::chrono::milliseconds limit = std::chrono::seconds(30);
+  auto bf16_shards = StartShards(args.num_shards, args.synthetic, kPolicyBf16);
+  if (!bf16_shards.ok()) return Fail(bf16_shards.status(), "starting shards (bf16)");
+  auto fp8_shards = StartShards(args.num_shards, args.synthetic, kPolicyFp8);
+  if (!fp8_shards.ok()) return Fail(fp8_shards.status(), "starting shards (fp8)");
+  std::printf(
+      "gather_bench --fp8: %s, %u shards, %u worker(s), %u rounds\n"
+      "machine: 2 cores shared by servers and workers, nothing pinned: compare within this run\n\n",
+      args.synthetic.c_str(), args.num_shards, args.workers, args.rounds);
+  PrintHeader();
+  std::vector<double> bytes_per_param, params_ratio;
+  for (uint32_t turn = 1; turn <= args.repeat; ++turn) {
+    auto b = Measure((*bf16_shards)->addresses(), Pids(**bf16_shards, args.num_shards),
+                     args.workers, args.rounds, limit);
+    if (!b.ok()) return Fail(b.status(), "layercast bf16");
+    auto f = Measure((*fp8_shards)->addresses(), Pids(**fp8_shards, args.num_shards), args.workers,
+                     args.rounds, limit);
+    if (!f.ok()) return Fail(f.status(), "layercast fp8");
+    PrintRow(absl::StrCat("c=bf16              #", turn).c_str(), *b);
+    PrintRow(absl::StrCat("c=float8_e4m3fn     #", turn).c_str(), *f);
+    std::fflush(stdout);
+    bytes_per_param.push_back((static_cast<double>(f->wire_bytes) / f->params) /
+                              (static_cast<double>(b->wire_bytes) / b->params));
+    params_ratio.push_back(f->params_per_s() / b->params_per_s());
+  }
+  const absl::Status stopped_b = (*bf16_shards)->Stop();
+  const absl::Status stopped_f = (*fp8_shards)->Stop();
+  std::printf("\nmedians of %u turns\n", args.repeat);
+  std::printf("%-44s %7.3f   goal <= 0.55\n",
+              "fp8/bf16 wire bytes per parameter:", Median(bytes_per_param));
+  std::printf("%-44s %7.3f   goal >= 1.7\n", "fp8/bf16 parameters/s:", Median(params_ratio));
+  if (!stopped_b.ok()) return Fail(stopped_b, "stopping shards (bf16)");
+  if (!stopped_f.ok()) return Fail(stopped_f, "stopping shards (fp8)");
+  return 0;
+}
+
 }  // namespace
 }  // namespace layercast
 
@@ -493,5 +543,6 @@ int main(int argc, char** argv) {
   }
   const layercast::Args& args = *parsed;
   if (args.sharing) return layercast::RunSharing(args);
+  if (args.fp8) return layercast::RunFp8(args);
   return args.table ? layercast::RunTable(args) : layercast::RunDefault(args);
 }

@@ -48,24 +48,38 @@ absl::Status RunFetch(const std::vector<std::string>& args) {
   // the worker library logs each retry, saying what the fetch waits for.
   ASSIGN_OR_RETURN(client::Layer layer, set->Gather(layer_index, options));
 
+  // An 8-bit tensor's block scales follow it as "<name>_scale", fp32 of
+  // shape [blocks] (value = code * scale of its block, as in checkpoints
+  // quantized with a weight_scale), the block size in the metadata.
   std::vector<SafetensorsWriter::TensorHeader> headers;
+  std::vector<std::span<const uint8_t>> contents;
   for (size_t t = 0; t < layer.num_tensors(); ++t) {
     const client::Layer::TensorView view = layer.tensor(t);
     headers.push_back({std::string(view.name), view.dtype, {view.shape.begin(), view.shape.end()}});
+    contents.push_back(view.bytes);
+    if (view.block_size == 0) continue;
+    headers.push_back({absl::StrCat(view.name, "_scale"),
+                       DType::kFloat32,
+                       {static_cast<int64_t>(view.scales.size())}});
+    contents.emplace_back(reinterpret_cast<const uint8_t*>(view.scales.data()),
+                          view.scales.size_bytes());
   }
-  const std::map<std::string, std::string> metadata = {
+  std::map<std::string, std::string> metadata = {
       {"model_id", set->model().model_id},
       {"layer", absl::StrCat(layer.index())},
       {"layer_name", layer.name()},
       {"version", absl::StrCat(layer.version())},
       {"policy", set->view().policy.ToString()},
   };
+  if (headers.size() > layer.num_tensors()) {
+    metadata["fp8_block_size"] = absl::StrCat(set->view().policy.fp8_block());
+  }
   const std::string out = flags.Get("out");
   ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::Create(out, headers, metadata));
   uint64_t bytes = 0;
-  for (size_t t = 0; t < layer.num_tensors(); ++t) {
-    RETURN_IF_ERROR(writer->Append(layer.tensor(t).bytes));
-    bytes += layer.tensor(t).bytes.size();
+  for (const std::span<const uint8_t> content : contents) {
+    RETURN_IF_ERROR(writer->Append(content));
+    bytes += content.size();
   }
   RETURN_IF_ERROR(writer->Finish());
   std::printf("wrote layer %u (%s, %zu tensors, %s, version %llu) to %s\n", layer.index(),

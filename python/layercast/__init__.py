@@ -43,7 +43,14 @@ Tensor.__doc__ = """One tensor of a gathered layer, in its compute dtype: a view
 layer's buffer. `torch.from_dlpack(tensor)` (or numpy's, jax's) takes it without
 a copy; the result keeps the layer's memory alive, and the stream's budget gets
 the bytes back when the last view of the layer is gone. Attributes: name,
-shape, dtype ('bfloat16', 'float16', 'float32'), nbytes, data_ptr."""
+shape, dtype ('bfloat16', 'float16', 'float32', 'float8_e4m3fn',
+'float8_e5m2'), nbytes, data_ptr, block_size and scales.
+
+An 8-bit float tensor exports its codes as uint8 (DLPack has no fp8 for the
+consumers this package supports) and has `scales`, another Tensor: float32 of
+shape [ceil(elements / block_size)], so element i is value(code[i]) *
+scales[i // block_size]; `layercast.torch.dequantize` does that. Other
+tensors have block_size 0 and scales None."""
 
 
 class Layer:

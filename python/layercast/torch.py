@@ -54,11 +54,47 @@ def bound(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> Iterator[
             owner._parameters[leaf] = parameter
 
 
+def _fp8_values(dtype: str) -> torch.Tensor:
+    """The value of each of the 256 codes of an OCP 8-bit float, by code."""
+    exponent_bits, mantissa_bits = {"float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}[dtype]
+    bias = (1 << (exponent_bits - 1)) - 1
+    values = []
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        exponent = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
+        mantissa = code & ((1 << mantissa_bits) - 1)
+        top = exponent == (1 << exponent_bits) - 1
+        if dtype == "float8_e4m3fn" and top and mantissa == (1 << mantissa_bits) - 1:
+            values.append(float("nan"))  # e4m3fn has no infinities, one NaN
+        elif dtype == "float8_e5m2" and top:
+            values.append(sign * float("inf") if mantissa == 0 else float("nan"))
+        elif exponent == 0:
+            values.append(sign * mantissa / (1 << mantissa_bits) * 2.0 ** (1 - bias))
+        else:
+            values.append(sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias))
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def dequantize(tensor) -> torch.Tensor:
+    """An 8-bit float layercast Tensor's values as a new float32 torch tensor:
+    value(code[i]) * scales[i // block_size], each product rounded to float32
+    as the shards define it. Other tensors come back as float32 copies."""
+    if not tensor.block_size:
+        return torch.from_dlpack(tensor).to(torch.float32)
+    codes = torch.from_dlpack(tensor).reshape(-1).long()
+    scales = torch.from_dlpack(tensor.scales)
+    values = _fp8_values(tensor.dtype)[codes]
+    per_element = scales.repeat_interleave(tensor.block_size)[: values.numel()]
+    return (values * per_element).reshape(tensor.shape)
+
+
 def layer_weights(layer: Layer, requires_grad: bool = False) -> Dict[str, torch.Tensor]:
-    """The layer's tensors as torch tensors viewing its buffer (no copy)."""
+    """The layer's tensors as torch tensors viewing its buffer (no copy), but
+    8-bit float tensors, which torch here cannot compute with: those are
+    dequantized into float32 copies."""
     weights = {}
     for name, view in layer.tensors.items():
-        tensor = torch.from_dlpack(view)
+        tensor = dequantize(view) if view.block_size else torch.from_dlpack(view)
         weights[name] = tensor.requires_grad_() if requires_grad else tensor
     return weights
 

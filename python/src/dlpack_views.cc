@@ -16,6 +16,9 @@ DLDataType ToDLDataType(DType dtype) {
       return {kDLBfloat, 16, 1};
     case DType::kFloat16:
       return {kDLFloat, 16, 1};
+    case DType::kFloat8E4M3FN:
+    case DType::kFloat8E5M2:
+      return {kDLUInt, 8, 1};
     default:
       return {kDLFloat, 32, 1};
   }
@@ -28,14 +31,29 @@ std::string DTypeString(DType dtype) { return std::string(DTypeName(dtype)); }
 std::string TensorView::name() const { return std::string(view().name); }
 
 std::vector<int64_t> TensorView::shape() const {
+  if (scales_) return {static_cast<int64_t>(view().scales.size())};
   const auto shape = view().shape;
   return {shape.begin(), shape.end()};
 }
 
-std::string TensorView::dtype() const { return DTypeString(view().dtype); }
-uint64_t TensorView::nbytes() const { return view().bytes.size(); }
+std::string TensorView::dtype() const {
+  return DTypeString(scales_ ? DType::kFloat32 : view().dtype);
+}
 
-uintptr_t TensorView::data_ptr() const { return reinterpret_cast<uintptr_t>(view().bytes.data()); }
+std::span<const uint8_t> TensorView::bytes() const {
+  if (!scales_) return view().bytes;
+  const std::span<const float> scales = view().scales;
+  return {reinterpret_cast<const uint8_t*>(scales.data()), scales.size_bytes()};
+}
+
+uint64_t TensorView::nbytes() const { return bytes().size(); }
+
+uintptr_t TensorView::data_ptr() const { return reinterpret_cast<uintptr_t>(bytes().data()); }
+
+std::optional<TensorView> TensorView::scales() const {
+  if (scales_ || view().block_size == 0) return std::nullopt;
+  return TensorView(held_, index_, /*scales=*/true);
+}
 
 py::capsule TensorView::Export() const {
   struct Context {
@@ -46,12 +64,11 @@ py::capsule TensorView::Export() const {
   auto context = std::make_unique<Context>();
   context->held = held_;
   context->shape = shape();
-  const client::Layer::TensorView tensor = view();
   DLTensor& dl = context->managed.dl_tensor;
-  dl.data = const_cast<uint8_t*>(tensor.bytes.data());
+  dl.data = const_cast<uint8_t*>(bytes().data());
   dl.device = {kDLCPU, 0};
   dl.ndim = static_cast<int32_t>(context->shape.size());
-  dl.dtype = ToDLDataType(tensor.dtype);
+  dl.dtype = ToDLDataType(scales_ ? DType::kFloat32 : view().dtype);
   dl.shape = context->shape.data();
   dl.strides = nullptr;  // compact, row-major
   dl.byte_offset = 0;

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <optional>
+
 #include <dlpack/dlpack.h>
 #include <pybind11/pybind11.h>
 
@@ -26,14 +28,22 @@ class TensorView {
  public:
   // `held` keeps the layer (and what it refers to) alive: a HeldLayer's, or
   // a mirror's, through shared_ptr's aliasing constructor.
-  TensorView(std::shared_ptr<const client::Layer> held, size_t index)
-      : held_(std::move(held)), index_(index) {}
+  //
+  // An 8-bit float tensor is two views: its codes (exported as uint8: DLPack
+  // consumers here, torch 1.13 among them, have no fp8) and, with `scales`,
+  // its fp32 block scales, shape [blocks].
+  TensorView(std::shared_ptr<const client::Layer> held, size_t index, bool scales = false)
+      : held_(std::move(held)), index_(index), scales_(scales) {}
 
   std::string name() const;
   std::vector<int64_t> shape() const;
   std::string dtype() const;
   uint64_t nbytes() const;
   uintptr_t data_ptr() const;
+  // Elements per block scale; 0 for a tensor that has none.
+  uint32_t block_size() const { return view().block_size; }
+  // The view of this tensor's block scales; nullopt for a tensor without.
+  std::optional<TensorView> scales() const;
   // A "dltensor" capsule: compact, row-major, on the CPU. DLPack has no
   // read-only flag: a consumer may write, and changes only this worker's copy.
   pybind11::capsule Export() const;
@@ -41,8 +51,11 @@ class TensorView {
  private:
   client::Layer::TensorView view() const { return held_->tensor(index_); }
 
+  std::span<const uint8_t> bytes() const;
+
   std::shared_ptr<const client::Layer> held_;
   size_t index_;
+  bool scales_;
 };
 
 // A tensor taken from Python through DLPack; its producer's deleter runs

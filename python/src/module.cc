@@ -57,6 +57,8 @@ PYBIND11_MODULE(_layercast, module) {
       .def_property_readonly("dtype", &TensorView::dtype)
       .def_property_readonly("nbytes", &TensorView::nbytes)
       .def_property_readonly("data_ptr", &TensorView::data_ptr)
+      .def_property_readonly("block_size", &TensorView::block_size)
+      .def_property_readonly("scales", &TensorView::scales)
       .def(
           "__dlpack__", [](const TensorView& self, py::object /*stream*/) { return self.Export(); },
           py::arg("stream") = py::none())

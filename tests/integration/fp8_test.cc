@@ -9,10 +9,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/cast_error_report.h"
 #include "core/cast.h"
 #include "core/fp8.h"
@@ -152,6 +156,57 @@ TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndAfterADeltaFallb
     ASSERT_TRUE(shards.set->GatherInto(l, delta, {buffer->data(), buffer->size()}).ok());
     EXPECT_EQ(std::memcmp(buffer->data(), whole->bytes().data(), buffer->size()), 0);
   }
+  EXPECT_TRUE(shards.processes->Stop().ok());
+}
+
+// `layercast fetch` writes an fp8 layer's codes as F8_E4M3 and each
+// tensor's block scales beside it as "<name>_scale" (F32), so the file holds
+// what it takes to get the values back.
+TEST(Fp8WireTest, FetchWritesCodesAndTheirScales) {
+  RunningShards shards =
+      StartShards(2, {"--synthetic", kModel, "--policy", "p=f32,c=f8e4m3,fp8_block=64;*norm*=f32"});
+  ASSERT_NE(shards.set, nullptr);
+  const absl::StatusOr<client::Layer> layer = shards.set->Gather(1);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const std::string path = MakeTempDir("fp8_fetch") + "/layer1.safetensors";
+  std::string output;
+  ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " fetch --shards ",
+                                    absl::StrJoin(shards.processes->addresses(), ","),
+                                    " --layer 1 --out ", path),
+                       &output),
+            0)
+      << output;
+  std::ifstream in(path, std::ios::binary);
+  const std::string file(std::istreambuf_iterator<char>(in), {});
+  ASSERT_GE(file.size(), 8u);
+  uint64_t header_size = 0;
+  std::memcpy(&header_size, file.data(), 8);
+  const nlohmann::json header = nlohmann::json::parse(file.substr(8, header_size));
+  const std::string data = file.substr(8 + header_size);
+  EXPECT_EQ(header["__metadata__"]["fp8_block_size"], "64");
+  int fp8 = 0;
+  for (size_t t = 0; t < layer->num_tensors(); ++t) {
+    const client::Layer::TensorView view = layer->tensor(t);
+    const nlohmann::json& entry = header.at(std::string(view.name));
+    const auto offsets = entry["data_offsets"].get<std::vector<uint64_t>>();
+    EXPECT_EQ(data.substr(offsets[0], offsets[1] - offsets[0]),
+              std::string(view.bytes.begin(), view.bytes.end()));
+    if (view.block_size == 0) {
+      EXPECT_EQ(entry["dtype"], "F32");
+      EXPECT_FALSE(header.contains(absl::StrCat(view.name, "_scale")));
+      continue;
+    }
+    ++fp8;
+    EXPECT_EQ(entry["dtype"], "F8_E4M3");
+    const nlohmann::json& scale = header.at(absl::StrCat(view.name, "_scale"));
+    EXPECT_EQ(scale["dtype"], "F32");
+    EXPECT_EQ(scale["shape"], nlohmann::json::array({view.scales.size()}));
+    const auto scale_offsets = scale["data_offsets"].get<std::vector<uint64_t>>();
+    EXPECT_EQ(
+        data.substr(scale_offsets[0], scale_offsets[1] - scale_offsets[0]),
+        std::string(reinterpret_cast<const char*>(view.scales.data()), view.scales.size_bytes()));
+  }
+  EXPECT_EQ(fp8, 7) << "the decoder layer's seven projections";
   EXPECT_TRUE(shards.processes->Stop().ok());
 }
 

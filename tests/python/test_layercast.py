@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import layercast
-from layercast.torch import save_safetensors
+from layercast.torch import dequantize, save_safetensors
 from shards import ShardSet, bits, llama_tensors
 
 POLICY = "p=f32,c=bf16;*norm*=f32"
@@ -166,3 +166,44 @@ def test_pushed_gradients_step_the_master_on_the_shards(model, tmp_path):
             with pytest.raises(TypeError):
                 shard_set.push_gradients(1, 0, 1, {n: t.to(torch.float16) if t.dtype == torch.bfloat16
                                                    else t for n, t in gradients.items()})
+
+
+def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
+    """Under an fp8 policy each tensor is a uint8 view of its codes plus a
+    float32 view of its block scales, both zero-copy; each scale is the
+    block's absolute maximum over 448 (computed here by torch), and
+    dequantize gives every value back within e4m3fn's precision."""
+    directory, tensors = model
+    policy = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=f32"
+    with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", policy]) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            seen = 0
+            for layer in shard_set.stream(range(len(shard_set.manifest["layers"])),
+                                          budget_bytes=1 << 20):
+                for name, view in layer.tensors.items():
+                    master = tensors[name]
+                    if "norm" in name:
+                        assert view.block_size == 0 and view.scales is None, name
+                        continue
+                    seen += 1
+                    assert view.dtype == "float8_e4m3fn" and view.block_size == 32, name
+                    codes = torch.from_dlpack(view)
+                    assert codes.dtype == torch.uint8 and list(codes.shape) == list(master.shape)
+                    assert codes.data_ptr() == view.data_ptr, "a view, not a copy"
+                    scales = torch.from_dlpack(view.scales)
+                    blocks = (master.numel() + 31) // 32
+                    assert scales.dtype == torch.float32 and list(scales.shape) == [blocks]
+                    padded = torch.zeros(blocks * 32)
+                    padded[: master.numel()] = master.reshape(-1).abs()
+                    amax = padded.reshape(blocks, 32).max(dim=1).values
+                    want = torch.where(amax > 0, amax / 448, torch.ones(blocks))
+                    want = torch.maximum(want, torch.tensor(2.0 ** -126))
+                    assert torch.equal(scales, want), name
+                    values = dequantize(view)
+                    assert values.dtype == torch.float32 and values.shape == master.shape
+                    per = scales.repeat_interleave(32)[: master.numel()].reshape(master.shape)
+                    # Half a step of e4m3fn's 3-bit mantissa, or of its
+                    # subnormals (2^-9 of the scale).
+                    bound = torch.maximum(master.abs() / 16, per * 2.0 ** -10)
+                    assert bool(((values - master).abs() <= bound).all()), name
+            assert seen > 0
