@@ -504,8 +504,14 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
+  // Counted as the tensor bytes the chunk stands for: a delta's dense
+  // size (its own size goes to the delta metrics), an fp8 chunk's codes
+  // and scales.
+  pending_bytes_ = pending_elements_ * DTypeSize(pending_dtype_);
   if (chunk->framed) {
-    metrics_.RecordDeltaChunk(chunk->data.size(), pending_elements_ * DTypeSize(pending_dtype_));
+    metrics_.RecordDeltaChunk(chunk->data.size(), pending_bytes_);
+  } else {
+    pending_bytes_ = chunk->data.size();
   }
   chunk_ = chunk->framed ? grpc::ByteBuffer(&chunk->data, 1)
                          : wire::EncodeLayerChunk(run.tensor, next_element_, version_,
@@ -538,7 +544,7 @@ void FetchLayerReactor::OnWriteDone(bool ok) {
                                      : "the client went away mid-stream"));
     return;
   }
-  metrics_.RecordChunkSent(pending_dtype_, pending_elements_);
+  metrics_.RecordChunkSent(pending_dtype_, pending_elements_, pending_bytes_);
   WriteNext();
 }
 

@@ -175,6 +175,7 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // The chunk in flight, counted as sent once its write completes.
   DType pending_dtype_ = DType::kFloat32;
   uint64_t pending_elements_ = 0;
+  uint64_t pending_bytes_ = 0;
   grpc::Status final_status_;
 };
 

@@ -227,9 +227,9 @@ void ServerMetrics::RecordRpc(absl::string_view method, absl::string_view code) 
   rpcs_->Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
 }
 
-void ServerMetrics::RecordChunkSent(DType dtype, uint64_t elements) {
+void ServerMetrics::RecordChunkSent(DType dtype, uint64_t elements, uint64_t bytes) {
   sent_bytes_->Add({{"dtype", std::string(DTypeName(dtype))}})
-      .Increment(static_cast<double>(elements * DTypeSize(dtype)));
+      .Increment(static_cast<double>(bytes));
   sent_parameters_->Increment(static_cast<double>(elements));
 }
 

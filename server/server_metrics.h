@@ -31,8 +31,9 @@ class ServerMetrics {
   void RecordRpc(absl::string_view method, absl::string_view code);
   // One FetchLayer stream that delivered data ended after `seconds`.
   void RecordFetchDuration(double seconds) { fetch_duration_->Observe(seconds); }
-  // A chunk of `elements` in `dtype` reached the client.
-  void RecordChunkSent(DType dtype, uint64_t elements);
+  // A chunk of `elements` in `dtype`, `bytes` of tensor data (an fp8
+  // chunk's codes and block scales), reached the client.
+  void RecordChunkSent(DType dtype, uint64_t elements, uint64_t bytes);
   // Casting `elements` fp32 values took `seconds`.
   void RecordCast(uint64_t elements, double seconds);
   // What casting a chunk of `layer` to `dtype` lost (core/cast_error.h), by

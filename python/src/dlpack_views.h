@@ -40,8 +40,9 @@ class TensorView {
   std::string dtype() const;
   uint64_t nbytes() const;
   uintptr_t data_ptr() const;
-  // Elements per block scale; 0 for a tensor that has none.
-  uint32_t block_size() const { return view().block_size; }
+  // Elements per block scale; 0 for a tensor that has none (and for the
+  // view of the scales themselves).
+  uint32_t block_size() const { return scales_ ? 0 : view().block_size; }
   // The view of this tensor's block scales; nullopt for a tensor without.
   std::optional<TensorView> scales() const;
   // A "dltensor" capsule: compact, row-major, on the CPU. DLPack has no

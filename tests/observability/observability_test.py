@@ -42,8 +42,9 @@ METRICS_DOC = "docs/metrics.md"
 
 NUM_SHARDS = 2
 SYNTHETIC = "llama:layers=2,hidden=256"
-# Two compute dtypes, so sent bytes are checked summed over dtypes.
-POLICY = "params=float32,compute=bfloat16,output=float32;*norm*=float32"
+# Three compute dtypes, so sent bytes are checked summed over dtypes, an 8-bit
+# one's block scales among them.
+POLICY = "params=float32,compute=bfloat16,output=float32,fp8_block=128;*norm*=float32;*down_proj*=float8_e4m3fn"
 BUDGET_BYTES = 256 << 20  # a budget, so the budget-use panel has data
 BENCH_ROUNDS = 2
 
@@ -57,7 +58,7 @@ DASHBOARD_VARIABLES = {
     "shard": ".*",
 }
 
-SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4,
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4,
                            "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -265,7 +266,8 @@ def grpc_fetch_layer(addr, layer, timeout=10.0):
 
 
 def safetensors_totals(path):
-    """(bytes, elements) of every tensor in a safetensors file, from its header."""
+    """(bytes, elements) of every tensor in a safetensors file, from its header;
+    an 8-bit tensor's block scales (`<name>_scale`) count as bytes, not elements."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
@@ -278,7 +280,9 @@ def safetensors_totals(path):
         if end - begin != n * SAFETENSORS_DTYPE_BYTES[t["dtype"]]:
             raise ValueError(f"{path}: {name}: {end - begin} bytes for {n} {t['dtype']} elements")
         nbytes += end - begin
-        elements += n
+        scales_of = name.removesuffix("_scale")
+        if not (name != scales_of and header.get(scales_of, {}).get("dtype", "").startswith("F8_")):
+            elements += n
     return nbytes, elements
 
 
@@ -442,7 +446,7 @@ def check_shards(checks, args, tmp, shards):
                  sent == rounds * round_bytes, f"{sent:.0f} vs {rounds} x {round_bytes}")
     dtypes = sorted({l["dtype"] for a in after for n, l, _ in a if n == "layercast_sent_bytes_total"})
     checks.check("sent_bytes_total has a series per compute dtype used",
-                 dtypes == ["bfloat16", "float32"], str(dtypes))
+                 dtypes == ["bfloat16", "float32", "float8_e4m3fn"], str(dtypes))
     params = delta("layercast_sent_parameters_total")
     checks.check("sent_parameters_total rose by exactly the elements delivered",
                  params == rounds * round_elements, f"{params:.0f} vs {rounds} x {round_elements}")
