@@ -292,6 +292,13 @@ std::vector<pid_t> Pids(const tools::LocalShardSet& shards, uint32_t n) {
   return pids;
 }
 
+// Measure() against a shard set this process started.
+absl::StatusOr<Result> MeasureSet(const tools::LocalShardSet& shards, const Args& args,
+                                  std::chrono::milliseconds limit) {
+  return Measure(shards.addresses(), Pids(shards, args.num_shards), args.workers, args.rounds,
+                 limit);
+}
+
 int Fail(const absl::Status& status, const char* what) {
   std::fprintf(stderr, "%s: %s\n", what, status.ToString().c_str());
   return 1;
@@ -342,11 +349,9 @@ int RunDefault(const Args& args) {
   for (uint32_t turn = 1; turn <= args.repeat; ++turn) {
     auto a = Measure(baseline_addresses, baseline_pids, args.workers, args.rounds, limit);
     if (!a.ok()) return Fail(a.status(), "baseline (a)");
-    auto b = Measure((*bf16_shards)->addresses(), Pids(**bf16_shards, args.num_shards),
-                     args.workers, args.rounds, limit);
+    auto b = MeasureSet(**bf16_shards, args, limit);
     if (!b.ok()) return Fail(b.status(), "layercast bf16 (b)");
-    auto c = Measure((*f32_shards)->addresses(), Pids(**f32_shards, args.num_shards), args.workers,
-                     args.rounds, limit);
+    auto c = MeasureSet(**f32_shards, args, limit);
     if (!c.ok()) return Fail(c.status(), "layercast f32 (c)");
     const double cast = CastOnlySecondsPerGb();
     PrintRow(absl::StrCat("(a) baseline, pre-made  #", turn).c_str(), *a);
@@ -506,11 +511,9 @@ int RunFp8(const Args& args) {
   PrintHeader();
   std::vector<double> bytes_per_param, params_ratio;
   for (uint32_t turn = 1; turn <= args.repeat; ++turn) {
-    auto b = Measure((*bf16_shards)->addresses(), Pids(**bf16_shards, args.num_shards),
-                     args.workers, args.rounds, limit);
+    auto b = MeasureSet(**bf16_shards, args, limit);
     if (!b.ok()) return Fail(b.status(), "layercast bf16");
-    auto f = Measure((*fp8_shards)->addresses(), Pids(**fp8_shards, args.num_shards), args.workers,
-                     args.rounds, limit);
+    auto f = MeasureSet(**fp8_shards, args, limit);
     if (!f.ok()) return Fail(f.status(), "layercast fp8");
     PrintRow(absl::StrCat("c=bf16              #", turn).c_str(), *b);
     PrintRow(absl::StrCat("c=float8_e4m3fn     #", turn).c_str(), *f);

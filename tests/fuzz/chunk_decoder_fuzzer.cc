@@ -7,8 +7,9 @@
 // fails, the stream is over (as ShardStream cancels it).
 //
 // Input: byte 0 picks the number of runs (1-4); then three bytes a run
-// (element size 1/2/4, first element, element count); then frames, each a
-// 2-byte little-endian length and that many bytes.
+// (element size 1/2/4, or 1 with a block scale every 16 elements as an 8-bit
+// float's, the scales after the codes; first element; element count); then
+// frames, each a 2-byte little-endian length and that many bytes.
 
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,7 @@ namespace layercast::fuzz {
 namespace {
 
 constexpr uint8_t kCanary = 0xA5;
+constexpr uint32_t kFp8Block = 16;
 
 }  // namespace
 }  // namespace layercast::fuzz
@@ -28,6 +30,7 @@ constexpr uint8_t kCanary = 0xA5;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using layercast::ElementRange;
   using layercast::fuzz::kCanary;
+  using layercast::fuzz::kFp8Block;
   using layercast::wire::ChunkDecoder;
   if (size < 1) return 0;
   size_t at = 0;
@@ -37,20 +40,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<ChunkDecoder::Run> runs;
   uint64_t offset = 0;
   for (size_t r = 0; r < num_runs; ++r) {
-    const size_t element_size = size_t{1} << (data[at] % 3);
+    const bool fp8 = data[at] % 4 == 3;
+    const size_t element_size = fp8 ? 1 : size_t{1} << (data[at] % 4);
     const uint64_t begin = data[at + 1] % 64;
     const uint64_t count = 1 + data[at + 2] % 64;
     at += 3;
-    runs.push_back(ChunkDecoder::Run{static_cast<uint32_t>(r), ElementRange{begin, begin + count},
-                                     offset, element_size});
+    ChunkDecoder::Run run{static_cast<uint32_t>(r), ElementRange{begin, begin + count}, offset,
+                          element_size};
     offset += (begin + count) * element_size;
     offset = (offset + 255) / 256 * 256;
+    if (fp8) {
+      run.block_size = kFp8Block;
+      run.scale_offset = offset;
+      offset += (begin + count + kFp8Block - 1) / kFp8Block * sizeof(float);
+      offset = (offset + 255) / 256 * 256;
+    }
+    runs.push_back(run);
   }
   std::vector<uint8_t> buffer(offset, kCanary);
   std::vector<bool> planned(offset, false);
   for (const ChunkDecoder::Run& run : runs) {
     for (uint64_t b = run.byte_offset + run.elements.begin * run.element_size;
          b < run.byte_offset + run.elements.end * run.element_size; ++b) {
+      planned[b] = true;
+    }
+    if (run.block_size == 0) continue;
+    // The scales of every block the run touches.
+    const uint64_t first = run.elements.begin / run.block_size;
+    const uint64_t end = (run.elements.end + run.block_size - 1) / run.block_size;
+    for (uint64_t b = run.scale_offset + first * sizeof(float);
+         b < run.scale_offset + end * sizeof(float); ++b) {
       planned[b] = true;
     }
   }

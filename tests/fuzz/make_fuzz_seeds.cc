@@ -224,14 +224,16 @@ void FetchPlanSeeds(const fs::path& dir) {
 // Inputs of chunk_decoder_fuzzer (see there): a plan, then frames made by
 // the server's own encoder.
 void ChunkDecoderSeeds(const fs::path& dir) {
-  // Frame `tensor` from `element` with `count` elements of `size` bytes.
-  const auto frame = [](uint32_t tensor, uint64_t element, size_t bytes, bool good_crc) {
+  // Frame `tensor` from `element` with `bytes` of data, the last
+  // `scale_bytes` of them an 8-bit float chunk's block scales.
+  const auto frame = [](uint32_t tensor, uint64_t element, size_t bytes, bool good_crc,
+                        size_t scale_bytes = 0) {
     std::string data(bytes, '\0');
     for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<char>(i * 7 + tensor);
     const grpc::Slice slice(data);
     const uint32_t crc =
         Crc32c(reinterpret_cast<const uint8_t*>(data.data()), bytes) ^ (good_crc ? 0u : 1u);
-    grpc::ByteBuffer encoded = wire::EncodeLayerChunk(tensor, element, 3, crc, slice);
+    grpc::ByteBuffer encoded = wire::EncodeLayerChunk(tensor, element, 3, crc, slice, scale_bytes);
     std::vector<grpc::Slice> slices;
     (void)encoded.Dump(&slices);
     std::string out;
@@ -250,6 +252,11 @@ void ChunkDecoderSeeds(const fs::path& dir) {
   Write(dir, "invalid_after_done",
         plan + frame(0, 4, 32, true) + frame(1, 0, 40, true) + frame(1, 10, 4, true));
   Write(dir, "invalid_garbage", plan + std::string("\x05\x00\xff\xff\xff\xff\xff", 7));
+  // Plan: one 8-bit float run, elements 8..40 of tensor 0 in blocks of 16:
+  // 32 codes and the scales of blocks 0-2.
+  const std::string fp8_plan = {0, 3, 8, 31};
+  Write(dir, "valid_fp8", fp8_plan + frame(0, 8, 32 + 12, true, 12));
+  Write(dir, "invalid_fp8_scales", fp8_plan + frame(0, 8, 32 + 8, true, 8));
 }
 
 // Inputs of gradient_decoder_fuzzer (see there): a layout, then chunks cut
