@@ -83,9 +83,7 @@ uint64_t GradientSink::bytes_pushed() const {
   return bytes_pushed_;
 }
 
-absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Push(
-    uint32_t layer, uint64_t step, LayerBuffer gradient) {
-  const ShardSetView& view = shards_.view();
+absl::Status GradientSink::CheckPushable(const ShardSetView& view, uint32_t layer) {
   if (layer >= view.layouts.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer ", layer, " does not exist: this model has ", view.layouts.size(), " layers"));
@@ -101,6 +99,13 @@ absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Pus
         ", and gradients are pushed in the gather's layout, which cannot hold them in 8 bits: "
         "train with a 16-bit compute dtype (or an override for the tensors you train)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Push(
+    uint32_t layer, uint64_t step, LayerBuffer gradient) {
+  const ShardSetView& view = shards_.view();
+  if (absl::Status pushable = CheckPushable(view, layer); !pushable.ok()) return pushable;
   if (gradient.size() != view.layouts[layer].total_bytes()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the gradient of layer ", layer, " is ", gradient.size(),

@@ -66,6 +66,12 @@ struct PushResult {
 // Thread-safe.
 class GradientSink {
  public:
+  // OK when the gradient of `layer` can be pushed in its gather's layout;
+  // FAILED_PRECONDITION for a layer with an 8-bit float tensor, whose
+  // gather layout holds codes, not gradients. Callers that build the buffer
+  // themselves ask first, before the backward pass's work is spent.
+  static absl::Status CheckPushable(const ShardSetView& view, uint32_t layer);
+
   // `shards` must outlive the sink. INVALID_ARGUMENT for chunk_bytes < 4.
   static absl::StatusOr<std::unique_ptr<GradientSink>> Create(const ShardSet& shards,
                                                               GradientSinkOptions options);

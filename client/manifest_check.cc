@@ -98,6 +98,12 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
             layout.tensors()[t].block_size, " at ", layout.tensors()[t].scale_offset));
       }
     }
+    // Shards that each quantized part of a block would send two scales for
+    // it, and the last to land would win.
+    if (absl::Status blocks = CheckBlocksWithinShards(spec, layout, view.num_shards);
+        !blocks.ok()) {
+      return Bad(blocks.message());
+    }
     view.model.layers.push_back(std::move(spec));
     view.layouts.push_back(std::move(layout));
   }

@@ -170,7 +170,8 @@ absl::Status CheckBlocksWithinShards(const LayerSpec& layer, const AssembledLayo
           " in blocks of ", placed.block_size, ", but shard ", shard, " of ", num_shards,
           " would start at element ", begin,
           ", inside a block: each shard quantizes its own blocks, so every shard's slice must "
-          "start on a block boundary. Override the tensor to a 16-bit dtype (e.g. ';",
+          "start on a block boundary. Override the tensor to a 16-bit dtype, before any override "
+          "that matches it (e.g. ';",
           name,
           "=bfloat16'), or choose a shard count or fp8_block for which n*i/N is a multiple of "
           "the block"));

@@ -80,7 +80,7 @@ def dequantize(tensor) -> torch.Tensor:
     value(code[i]) * scales[i // block_size], each product rounded to float32
     as the shards define it. Other tensors come back as float32 copies."""
     if not tensor.block_size:
-        return torch.from_dlpack(tensor).to(torch.float32)
+        return torch.from_dlpack(tensor).to(torch.float32, copy=True)
     codes = torch.from_dlpack(tensor).reshape(-1).long()
     scales = torch.from_dlpack(tensor.scales)
     values = _fp8_values(tensor.dtype)[codes]

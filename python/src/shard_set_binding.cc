@@ -185,6 +185,9 @@ PyPush PyShardSet::PushGradients(uint64_t step, uint32_t worker, uint32_t layer,
     Raise(absl::NotFoundError(
         absl::StrCat("there is no layer ", layer, "; the model has ", view.layouts.size())));
   }
+  if (absl::Status pushable = client::GradientSink::CheckPushable(view, layer); !pushable.ok()) {
+    Raise(pushable);
+  }
   const LayerSpec& spec = view.model.layers[layer];
   const AssembledLayout& layout = view.layouts[layer];
   if (gradients.size() != spec.tensors.size()) {

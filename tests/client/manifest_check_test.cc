@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "core/layout.h"
+#include "core/policy.h"
+
 namespace layercast::client {
 namespace {
 
@@ -158,6 +161,47 @@ TEST(ManifestCheckTest, RefusesMoreTensorsThanTheCap) {
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(),
               HasSubstr("it lists 1048577 tensors, more than a worker accepts (1048576)"));
+}
+
+// An honest 8-bit float layout for 2 shards (512 elements in blocks of 128),
+// signed with the library's own digest, then announced as 3 shards: shard 1
+// would start at element 170, inside a block, so two shards would send
+// scales for it.
+TEST(ManifestCheckTest, RefusesAShardCountThatSplitsAFloat8Block) {
+  const absl::StatusOr<Policy> policy = Policy::Parse("p=f32,c=float8_e4m3fn,fp8_block=128");
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  const ModelSpec model{"m", {LayerSpec{"layer0", {TensorSpec{"w", {512}, 512}}}}};
+  const absl::StatusOr<AssembledLayout> layout =
+      AssembledLayout::FromDTypes({DType::kFloat8E4M3FN}, {512}, 128);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const absl::StatusOr<std::array<uint8_t, 32>> digest = LayoutDigest(model, *policy);
+  ASSERT_TRUE(digest.ok()) << digest.status();
+
+  layercast::v1::Manifest manifest;
+  manifest.set_model_id("m");
+  manifest.set_num_shards(2);
+  manifest.set_shard_index(0);
+  manifest.set_policy(policy->ToString());
+  manifest.set_layout_digest(std::string(digest->begin(), digest->end()));
+  layercast::v1::Layer* layer = manifest.add_layers();
+  layer->set_index(0);
+  layer->set_name("layer0");
+  layer->set_assembled_bytes(layout->total_bytes());
+  layercast::v1::Tensor* tensor = layer->add_tensors();
+  tensor->set_name("w");
+  tensor->add_shape(512);
+  tensor->set_param_dtype(layercast::v1::FLOAT32);
+  tensor->set_compute_dtype(layercast::v1::FLOAT8_E4M3FN);
+  tensor->set_byte_offset(layout->tensors()[0].byte_offset);
+  tensor->set_num_elements(512);
+  tensor->set_block_size(layout->tensors()[0].block_size);
+  tensor->set_scale_offset(layout->tensors()[0].scale_offset);
+  ASSERT_TRUE(CheckManifest(manifest).ok()) << CheckManifest(manifest).status();
+
+  manifest.set_num_shards(3);
+  const absl::StatusOr<ShardSetView> view = CheckManifest(manifest);
+  ASSERT_FALSE(view.ok());
+  EXPECT_THAT(view.status().message(), HasSubstr("would start at element 170, inside a block"));
 }
 
 }  // namespace

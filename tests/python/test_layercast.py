@@ -186,6 +186,7 @@ def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
                         assert view.block_size == 0 and view.scales is None, name
                         continue
                     seen += 1
+                    with_fp8 = layer
                     assert view.dtype == "float8_e4m3fn" and view.block_size == 32, name
                     codes = torch.from_dlpack(view)
                     assert codes.dtype == torch.uint8 and list(codes.shape) == list(master.shape)
@@ -206,4 +207,12 @@ def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
                     # subnormals (2^-9 of the scale).
                     bound = torch.maximum(master.abs() / 16, per * 2.0 ** -10)
                     assert bool(((values - master).abs() <= bound).all()), name
+                    assert view.scales.block_size == 0 and view.scales.scales is None
             assert seen > 0
+            # Gradients go in the gather's layout, which holds codes: a layer
+            # with an fp8 tensor is refused before anything is copied.
+            with pytest.raises(layercast.Error) as refused:
+                shard_set.push_gradients(0, 0, with_fp8.index,
+                                         {n: dequantize(v) for n, v in with_fp8.tensors.items()})
+            assert refused.value.code == "FAILED_PRECONDITION", refused.value.message
+            assert "16-bit compute dtype" in refused.value.message
