@@ -384,6 +384,26 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
     if (error != nullptr) error->elements += count;
     return absl::OkStatus();
   }
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % alignof(uint16_t) == 0;
+  // Added to *error only when the whole cast succeeds.
+  CastError lost;
+  static const bool fused = CpuRuns(CastIsa::kAvx512);
+  if (aligned && error != nullptr && fused) {
+    // One pass that measures from the registers it casts in: wherever the CPU
+    // has AVX-512, whichever variant the plain cast dispatches to (the bits
+    // are the same).
+    auto* out = static_cast<uint16_t*>(dst);
+    size_t done = count;
+    if (to == DType::kBFloat16) {
+      internal::F32ToBF16MeasuredAvx512(src, out, count, internal::kBF16Limits, &lost);
+    } else {
+      done =
+          internal::F32ToF16MeasuredAvx512(src, out, count, overflow, internal::kF16Limits, &lost);
+    }
+    if (done != count) return OverflowError(src, done);
+    error->Add(lost);
+    return absl::OkStatus();
+  }
   const Kernels& kernels = Dispatched();
   // Narrows [0, n) into `out`; returns the first overflowing index or n.
   auto narrow = [&](const float* from, uint16_t* out, size_t n) -> size_t {
@@ -393,7 +413,6 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
     }
     return kernels.f32_to_f16(from, out, n, overflow);
   };
-  const bool aligned = reinterpret_cast<uintptr_t>(dst) % alignof(uint16_t) == 0;
   if (aligned && error == nullptr) {
     const size_t done = narrow(src, static_cast<uint16_t*>(dst), count);
     return done == count ? absl::OkStatus() : OverflowError(src, done);
@@ -406,12 +425,11 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
     const size_t n = std::min(kBounceElements, count - begin);
     uint16_t* piece = aligned ? static_cast<uint16_t*>(dst) + begin : bounce;
     const size_t done = narrow(src + begin, piece, n);
-    // A piece that stopped at an overflow may be partly unwritten: the cast
-    // fails, and what it lost is not measured.
-    if (error != nullptr && done == n) MeasureCastError(src + begin, piece, n, to, error);
+    if (error != nullptr && done == n) MeasureCastError(src + begin, piece, n, to, &lost);
     if (!aligned) std::memcpy(out + begin * sizeof(uint16_t), bounce, done * sizeof(uint16_t));
     if (done != n) return OverflowError(src, begin + done);
   }
+  if (error != nullptr) error->Add(lost);
   return absl::OkStatus();
 }
 

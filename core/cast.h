@@ -123,12 +123,13 @@ void CastF16ToF32(std::span<const uint16_t> src, std::span<float> dst, CastIsa i
 // `to` is INVALID_ARGUMENT: it needs block scales (QuantizeFp8, core/fp8.h).
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
                          Fp16Overflow overflow);
-// The same, also adding what the cast lost to `*error` (core/cast_error.h):
-// each piece of a few KiB is measured right after it is cast, while it is in
-// L1, so the data crosses the memory bus once. A copy to kFloat32 loses
-// nothing and only counts its elements. When the cast fails (an overflow
-// under Fp16Overflow::kError), `*error` holds the pieces before the failing
-// one: discard it.
+// The same, also adding what the cast lost to `*error` (core/cast_error.h).
+// Where the CPU has AVX-512, each element is measured from the registers it
+// is cast in (whichever variant the plain cast dispatches to; the bits are
+// the same); elsewhere each piece of a few KiB is measured right after it is
+// cast, while it is in L1. Either way the data crosses the memory bus once. A
+// copy to kFloat32 loses nothing and only counts its elements. When the cast
+// fails (an overflow under Fp16Overflow::kError), `*error` is left as it was.
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp16Overflow overflow,
                          CastError* error);
 

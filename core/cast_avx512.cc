@@ -3,7 +3,9 @@
 // features. Tails use masked loads and stores, which never touch the
 // masked-off bytes, so no scalar fallback is needed.
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -19,8 +21,10 @@ namespace {
 // address is formed as an integer because it may lie outside the array.
 void PrefetchAhead(const float* p) {
   constexpr uintptr_t kAheadBytes = 16 << 10;
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + kAheadBytes),
-               _MM_HINT_T0);
+  // prefetcht0. Not _mm_prefetch: GCC 12 drops it from [[gnu::flatten]]
+  // functions, whose inlining leaves its hint argument a variable.
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + kAheadBytes), 0,
+                     3);
 }
 
 __mmask16 FirstLanes(size_t count) {
@@ -50,96 +54,6 @@ __m512i RoundToBF16High(__m512i u) {
                                         _mm512_set1_epi32(0x7FC00000));
   return _mm512_mask_mov_epi32(rounded, nan, quiet);
 }
-
-// Converts the lanes of `valid` and stores them; returns the lanes that
-// overflow (kError only, and then nothing is stored).
-template <Fp16Overflow kOverflow>
-__mmask16 F32ToF16Lanes(const float* src, uint16_t* dst, __mmask16 valid) {
-  __m512i u = _mm512_maskz_loadu_epi32(valid, src);
-  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(0x80000000));
-  const __m512i inf = _mm512_set1_epi32(0x7F800000);
-  // VCVTPS2PH keeps a NaN's payload; the contract wants the plain quiet NaN.
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, inf);
-  u = _mm512_mask_mov_epi32(u, nan, _mm512_or_si512(sign, _mm512_set1_epi32(0x7FC00000)));
-  if constexpr (kOverflow != Fp16Overflow::kInfinity) {
-    // Finite and at least 65520.0f, the first float that rounds past 65504.
-    const __mmask16 big = _mm512_mask_cmplt_epi32_mask(
-        _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x477FEFFF)), abs, inf);
-    if constexpr (kOverflow == Fp16Overflow::kError) {
-      if (big != 0) return big;
-    } else {
-      u = _mm512_mask_mov_epi32(u, big, _mm512_or_si512(sign, _mm512_set1_epi32(0x477FE000)));
-    }
-  }
-  const __m256i half = _mm512_cvtps_ph(_mm512_castsi512_ps(u), _MM_FROUND_TO_NEAREST_INT);
-  _mm256_mask_storeu_epi16(dst, valid, half);
-  return 0;
-}
-
-template <Fp16Overflow kOverflow>
-size_t F32ToF16(const float* src, uint16_t* dst, size_t n) {
-  size_t i = ToLine(src, n);
-  if (i > 0) {
-    const __mmask16 big = F32ToF16Lanes<kOverflow>(src, dst, FirstLanes(i));
-    if (big != 0) return __builtin_ctz(big);
-  }
-  for (; i + 32 <= n; i += 32) {  // two vectors a turn, as for bf16
-    PrefetchAhead(src + i);
-    PrefetchAhead(src + i + 16);
-    const __mmask16 big = F32ToF16Lanes<kOverflow>(src + i, dst + i, 0xFFFF);
-    if (big != 0) return i + __builtin_ctz(big);
-    const __mmask16 big2 = F32ToF16Lanes<kOverflow>(src + i + 16, dst + i + 16, 0xFFFF);
-    if (big2 != 0) return i + 16 + __builtin_ctz(big2);
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 big = F32ToF16Lanes<kOverflow>(src + i, dst + i, FirstLanes(n - i));
-    if (big != 0) return i + __builtin_ctz(big);
-  }
-  return n;
-}
-
-}  // namespace
-
-void F32ToBF16Avx512(const float* src, uint16_t* dst, size_t n) {
-  // Odd 16-bit words of the two inputs: the high halves, in order.
-  alignas(64) static constexpr uint16_t kHighHalves[32] = {
-      1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
-      33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-  const __m512i high_halves = _mm512_load_si512(kHighHalves);
-  size_t i = ToLine(src, n);
-  if (i > 0) {
-    const __mmask16 valid = FirstLanes(i);
-    const __m512i rounded = RoundToBF16High(_mm512_maskz_loadu_epi32(valid, src));
-    _mm512_mask_cvtepi32_storeu_epi16(dst, valid, _mm512_srli_epi32(rounded, 16));
-  }
-  for (; i + 32 <= n; i += 32) {
-    PrefetchAhead(src + i);
-    PrefetchAhead(src + i + 16);
-    const __m512i lo = RoundToBF16High(_mm512_loadu_si512(src + i));
-    const __m512i hi = RoundToBF16High(_mm512_loadu_si512(src + i + 16));
-    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi16(lo, high_halves, hi));
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 valid = FirstLanes(n - i);
-    const __m512i rounded = RoundToBF16High(_mm512_maskz_loadu_epi32(valid, src + i));
-    _mm512_mask_cvtepi32_storeu_epi16(dst + i, valid, _mm512_srli_epi32(rounded, 16));
-  }
-}
-
-size_t F32ToF16Avx512(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow) {
-  switch (overflow) {
-    case Fp16Overflow::kError:
-      return F32ToF16<Fp16Overflow::kError>(src, dst, n);
-    case Fp16Overflow::kSaturate:
-      return F32ToF16<Fp16Overflow::kSaturate>(src, dst, n);
-    case Fp16Overflow::kInfinity:
-      break;
-  }
-  return F32ToF16<Fp16Overflow::kInfinity>(src, dst, n);
-}
-
-namespace {
 
 // 16 halves to 16 floats.
 template <bool kBF16>
@@ -172,17 +86,16 @@ void Widen(const uint16_t* src, float* dst, size_t n) {
   }
 }
 
-// Counting in 32-bit lanes and summing in fp32 lanes, flushed into `error`
-// every kSumBlock elements: 4096 / 16 terms a lane keep the fp32 sum within
-// about 2^-16 of exact.
-constexpr size_t kSumBlock = 4096;
-
 // Bucket counts four bits each, all eight in a lane: entry i of the table
 // has a 1 in field j when bucket index i (cast_kernels.h) exceeds bound j,
-// so one lookup and one add count every bucket; the fields are added into
-// 32-bit counts every 15 vectors, before they can overflow.
+// so one lookup and one add count every bucket. Every kNibbleFlush vectors,
+// before a field can overflow, the nibbles move into bytes (the even
+// buckets' and the odd ones'), and those into the CastError every
+// kSumVectors vectors, before a byte can overflow (16 * 15 <= 255). The fp32
+// sums of 240 terms a lane stay within about 2^-16 of exact.
 constexpr int kTableEntries = 32;
 constexpr int kNibbleFlush = 15;
+constexpr int kSumVectors = 16 * kNibbleFlush;
 
 constexpr std::array<uint32_t, kTableEntries> AboveTable() {
   std::array<uint32_t, kTableEntries> table{};
@@ -193,12 +106,20 @@ constexpr std::array<uint32_t, kTableEntries> AboveTable() {
 }
 constexpr std::array<uint32_t, kTableEntries> kAboveTable = AboveTable();
 static_assert(kBucketIndexBelow == kTableEntries - 1);
+static_assert(CastError::kBuckets == 8, "eight nibbles a lane");
 
-template <bool kBF16>
-void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
-                      const NarrowingLimits& limits, CastError* error) {
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-  const __m512i one = _mm512_set1_epi32(1);
+// Calls body(add), where add(x, cast) adds what narrowing lost for 16 lanes,
+// from each fp32 `x` and its cast widened back, to `*error`, by the end of
+// the call; a lane whose x is +0 counts nothing, so masked-off lanes may come
+// as zeros. Callers count `elements` themselves.
+//
+// Measuring from the registers a cast has just produced only pays when the
+// accumulators stay in registers too: they are locals here, which `add`
+// reaches by reference, and everything inlines (GCC keeps a class holding
+// them in memory).
+template <typename Body>
+[[gnu::always_inline]] inline void Measuring(const NarrowingLimits& limits, CastError* error,
+                                             Body&& body) {
   const __m512i overflow_floor = _mm512_set1_epi32(static_cast<int>(limits.overflow_floor));
   const __m512i below_normal = _mm512_set1_epi32(static_cast<int>(limits.normal_floor - 1));
   const __m512i normal_floor = _mm512_set1_epi32(static_cast<int>(limits.normal_floor));
@@ -206,82 +127,244 @@ void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
       _mm512_set1_epi32(static_cast<int>(limits.overflow_floor - limits.normal_floor));
   const __m512i table_low = _mm512_loadu_si512(kAboveTable.data());
   const __m512i table_high = _mm512_loadu_si512(kAboveTable.data() + 16);
-  const __m512i index_offset = _mm512_set1_epi32(-1 - (kBucketIndexBias << 23));
-  const __m512i last_entry = _mm512_set1_epi32(kBucketIndexBelow);
-  const __m512i nibble = _mm512_set1_epi32(0xF);
-  error->elements += n;
-  for (size_t begin = 0; begin < n; begin += kSumBlock) {
-    const size_t end = n - begin < kSumBlock ? n : begin + kSumBlock;
-    __m512i overflowed = _mm512_setzero_si512(), flushed = overflowed, subnormal = overflowed,
-            measured = overflowed, nibbles = overflowed;
-    __m512i above[CastError::kBuckets];
-    for (__m512i& count : above) count = _mm512_setzero_si512();
-    auto flush_nibbles = [&] {
-      for (int j = 0; j < CastError::kBuckets; ++j) {
-        above[j] =
-            _mm512_add_epi32(above[j], _mm512_and_si512(_mm512_srli_epi32(nibbles, 4 * j), nibble));
+  // The counts of the rare kinds of loss are scalars: 32 vector registers
+  // hold the cast's constants and the accumulators below, and no more.
+  uint64_t overflowed = 0, flushed = 0, subnormal = 0, measured = 0;
+  __m512i nibbles = _mm512_setzero_si512(), even_bytes = nibbles, odd_bytes = nibbles;
+  __m512 sum = _mm512_setzero_ps();
+  // The largest relative error's bits: errors are never negative, and such
+  // floats order as their bits do, so an integer max leaves the FP pipes,
+  // which the cast and the division keep busy, one operation fewer.
+  __m512i max = _mm512_setzero_si512();
+  int pending = 0, moves = 0;
+
+  auto flush = [&]() __attribute__((always_inline)) {
+    error->overflowed += overflowed;
+    error->flushed_to_zero += flushed;
+    error->became_subnormal += subnormal;
+    error->measured += measured;
+    // Bucket 2k is byte k of each even_bytes lane, 2k + 1 of odd_bytes, and
+    // the nibbles not yet moved are bucket j's field j.
+    alignas(64) uint8_t even[64], odd[64];
+    alignas(64) uint32_t unmoved[16];
+    _mm512_store_si512(even, even_bytes);
+    _mm512_store_si512(odd, odd_bytes);
+    _mm512_store_si512(unmoved, nibbles);
+    for (int lane = 0; lane < 16; ++lane) {
+      for (int k = 0; k < 4; ++k) {
+        error->above[2 * k] += even[4 * lane + k] + ((unmoved[lane] >> (8 * k)) & 0xF);
+        error->above[2 * k + 1] += odd[4 * lane + k] + ((unmoved[lane] >> (8 * k + 4)) & 0xF);
       }
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, sum);
+    for (float lane : lanes) error->relative_error_sum += lane;
+    _mm512_store_si512(lanes, max);
+    for (float lane : lanes) error->max_relative_error = std::max(error->max_relative_error, lane);
+    overflowed = flushed = subnormal = measured = 0;
+    nibbles = even_bytes = odd_bytes = _mm512_setzero_si512();
+    sum = _mm512_setzero_ps();
+    max = _mm512_setzero_si512();
+    pending = moves = 0;
+  };
+
+  auto add = [&](__m512i x, __m512 cast) __attribute__((always_inline)) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i a = _mm512_and_si512(x, abs_mask);
+    // Most vectors hold only values at or above the dtype's least normal and
+    // below its overflow: each is measured and none lost. (Zero lanes are
+    // below the range, so a tail takes the long way.)
+    __mmask16 kept = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, normal_floor), normal_span);
+    if (kept != 0xFFFF) {
+      const __m512i cast_magnitude = _mm512_and_si512(_mm512_castps_si512(cast), abs_mask);
+      // Finite and nonzero: a - 1 below 0x7F7FFFFF, unsigned.
+      const __mmask16 finite =
+          _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, one), _mm512_set1_epi32(0x7F7FFFFF));
+      const __mmask16 over = _mm512_mask_cmpge_epi32_mask(finite, a, overflow_floor);
+      kept = finite & ~over;
+      const __mmask16 zero =
+          _mm512_mask_cmpeq_epi32_mask(kept, cast_magnitude, _mm512_setzero_si512());
+      const __mmask16 was_normal =
+          _mm512_mask_cmpge_epi32_mask(kept, a, _mm512_set1_epi32(0x00800000));
+      const __mmask16 became_subnormal = _mm512_mask_cmplt_epu32_mask(
+          was_normal, _mm512_sub_epi32(cast_magnitude, one), below_normal);
+      overflowed += std::popcount(static_cast<unsigned>(over));
+      flushed += std::popcount(static_cast<unsigned>(zero));
+      subnormal += std::popcount(static_cast<unsigned>(became_subnormal));
+    }
+    measured += std::popcount(static_cast<unsigned>(kept));
+    const __m512 difference = _mm512_sub_ps(cast, _mm512_castsi512_ps(x));
+    const __m512 relative = _mm512_maskz_div_ps(
+        kept, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(difference), abs_mask)),
+        _mm512_castsi512_ps(a));
+    const __m512i index = _mm512_min_epu32(
+        _mm512_srai_epi32(_mm512_add_epi32(_mm512_castps_si512(relative),
+                                           _mm512_set1_epi32(-1 - (kBucketIndexBias << 23))),
+                          23),
+        _mm512_set1_epi32(kBucketIndexBelow));
+    nibbles = _mm512_add_epi32(nibbles, _mm512_permutex2var_epi32(table_low, index, table_high));
+    sum = _mm512_add_ps(sum, relative);
+    max = _mm512_max_epu32(max, _mm512_castps_si512(relative));
+    if (++pending == kNibbleFlush) {
+      const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+      even_bytes = _mm512_add_epi8(even_bytes, _mm512_and_si512(nibbles, low_nibbles));
+      odd_bytes =
+          _mm512_add_epi8(odd_bytes, _mm512_and_si512(_mm512_srli_epi32(nibbles, 4), low_nibbles));
       nibbles = _mm512_setzero_si512();
-    };
-    __m512 sum = _mm512_setzero_ps(), max = sum;
-    int pending = 0;
-    for (size_t i = begin; i < end; i += 16) {
-      const __mmask16 valid = FirstLanes(end - i);
-      const __m512i x = _mm512_maskz_loadu_epi32(valid, src + i);
-      const __m512 cast = Lanes<kBF16>(_mm256_maskz_loadu_epi16(valid, out + i));
-      const __m512i a = _mm512_and_si512(x, abs_mask);
-      // Most vectors hold only values at or above the dtype's least normal
-      // and below its overflow: each is measured and none lost. (Masked-off
-      // lanes are 0, below the range, so a tail takes the long way.)
-      __mmask16 kept = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, normal_floor), normal_span);
-      if (kept != 0xFFFF) {
-        const __m512i cast_magnitude = _mm512_and_si512(_mm512_castps_si512(cast), abs_mask);
-        // Finite and nonzero: a - 1 below 0x7F7FFFFF, unsigned.
-        const __mmask16 finite =
-            _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, one), _mm512_set1_epi32(0x7F7FFFFF));
-        const __mmask16 over = _mm512_mask_cmpge_epi32_mask(finite, a, overflow_floor);
-        kept = finite & ~over;
-        const __mmask16 zero =
-            _mm512_mask_cmpeq_epi32_mask(kept, cast_magnitude, _mm512_setzero_si512());
-        const __mmask16 was_normal =
-            _mm512_mask_cmpge_epi32_mask(kept, a, _mm512_set1_epi32(0x00800000));
-        const __mmask16 became_subnormal = _mm512_mask_cmplt_epu32_mask(
-            was_normal, _mm512_sub_epi32(cast_magnitude, one), below_normal);
-        overflowed = _mm512_mask_add_epi32(overflowed, over, overflowed, one);
-        flushed = _mm512_mask_add_epi32(flushed, zero, flushed, one);
-        subnormal = _mm512_mask_add_epi32(subnormal, became_subnormal, subnormal, one);
-      }
-      measured = _mm512_mask_add_epi32(measured, kept, measured, one);
-      const __m512 difference = _mm512_sub_ps(cast, _mm512_castsi512_ps(x));
-      const __m512 relative = _mm512_maskz_div_ps(
-          kept, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(difference), abs_mask)),
-          _mm512_castsi512_ps(a));
-      const __m512i index = _mm512_min_epu32(
-          _mm512_srai_epi32(_mm512_add_epi32(_mm512_castps_si512(relative), index_offset), 23),
-          last_entry);
-      nibbles = _mm512_add_epi32(nibbles, _mm512_permutex2var_epi32(table_low, index, table_high));
-      if (++pending == kNibbleFlush) {
-        flush_nibbles();
-        pending = 0;
-      }
-      sum = _mm512_add_ps(sum, relative);
-      max = _mm512_max_ps(max, relative);
+      pending = 0;
+      if (++moves == kSumVectors / kNibbleFlush) flush();
     }
-    flush_nibbles();
-    error->overflowed += static_cast<uint32_t>(_mm512_reduce_add_epi32(overflowed));
-    error->flushed_to_zero += static_cast<uint32_t>(_mm512_reduce_add_epi32(flushed));
-    error->became_subnormal += static_cast<uint32_t>(_mm512_reduce_add_epi32(subnormal));
-    error->measured += static_cast<uint32_t>(_mm512_reduce_add_epi32(measured));
-    for (int k = 0; k < CastError::kBuckets; ++k) {
-      error->above[k] += static_cast<uint32_t>(_mm512_reduce_add_epi32(above[k]));
+  };
+
+  body(add);
+  flush();
+}
+
+// [[gnu::flatten]] here and on the measuring casts: every call inlines, so
+// Measuring's accumulators never leave registers.
+template <bool kBF16>
+[[gnu::flatten]] void MeasureNarrowing(const float* src, const uint16_t* out, size_t n,
+                                       const NarrowingLimits& limits, CastError* error) {
+  Measuring(limits, error, [&](auto& add) {
+    for (size_t i = 0; i < n; i += 16) {
+      const __mmask16 valid = FirstLanes(n - i);
+      add(_mm512_maskz_loadu_epi32(valid, src + i),
+          Lanes<kBF16>(_mm256_maskz_loadu_epi16(valid, out + i)));
     }
-    error->relative_error_sum += _mm512_reduce_add_ps(sum);
-    const float block_max = _mm512_reduce_max_ps(max);
-    if (block_max > error->max_relative_error) error->max_relative_error = block_max;
+  });
+  error->elements += n;
+}
+
+// The bf16 in the high half of each lane, widened back, for Measuring's add.
+__m512 CastOfHighHalves(__m512i rounded) {
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(0xFFFF0000)));
+}
+
+// measure(x, cast) sees every vector as it is cast (Measuring's add, or
+// nothing at all).
+template <typename Measure>
+[[gnu::always_inline]] inline void NarrowToBF16(const float* src, uint16_t* dst, size_t n,
+                                                Measure&& measure) {
+  // Odd 16-bit words of the two inputs: the high halves, in order.
+  alignas(64) static constexpr uint16_t kHighHalves[32] = {
+      1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+      33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i high_halves = _mm512_load_si512(kHighHalves);
+  auto masked = [&](size_t at, __mmask16 valid) {
+    const __m512i x = _mm512_maskz_loadu_epi32(valid, src + at);
+    const __m512i rounded = RoundToBF16High(x);
+    measure(x, CastOfHighHalves(rounded));
+    _mm512_mask_cvtepi32_storeu_epi16(dst + at, valid, _mm512_srli_epi32(rounded, 16));
+  };
+  size_t i = ToLine(src, n);
+  if (i > 0) masked(0, FirstLanes(i));
+  for (; i + 32 <= n; i += 32) {
+    PrefetchAhead(src + i);
+    PrefetchAhead(src + i + 16);
+    const __m512i x_lo = _mm512_loadu_si512(src + i);
+    const __m512i x_hi = _mm512_loadu_si512(src + i + 16);
+    const __m512i lo = RoundToBF16High(x_lo);
+    const __m512i hi = RoundToBF16High(x_hi);
+    measure(x_lo, CastOfHighHalves(lo));
+    measure(x_hi, CastOfHighHalves(hi));
+    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi16(lo, high_halves, hi));
   }
+  for (; i < n; i += 16) masked(i, FirstLanes(n - i));
+}
+
+// Converts the lanes of `valid` and stores them; returns the lanes that
+// overflow (kError only, and then nothing is stored or measured).
+template <Fp16Overflow kOverflow, typename Measure>
+[[gnu::always_inline]] inline __mmask16 F32ToF16Lanes(const float* src, uint16_t* dst,
+                                                      __mmask16 valid, Measure& measure) {
+  const __m512i x = _mm512_maskz_loadu_epi32(valid, src);
+  const __m512i abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sign = _mm512_and_si512(x, _mm512_set1_epi32(0x80000000));
+  const __m512i inf = _mm512_set1_epi32(0x7F800000);
+  // VCVTPS2PH keeps a NaN's payload; the contract wants the plain quiet NaN.
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, inf);
+  __m512i u = _mm512_mask_mov_epi32(x, nan, _mm512_or_si512(sign, _mm512_set1_epi32(0x7FC00000)));
+  if constexpr (kOverflow != Fp16Overflow::kInfinity) {
+    // Finite and at least 65520.0f, the first float that rounds past 65504.
+    const __mmask16 big = _mm512_mask_cmplt_epi32_mask(
+        _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x477FEFFF)), abs, inf);
+    if constexpr (kOverflow == Fp16Overflow::kError) {
+      if (big != 0) return big;
+    } else {
+      u = _mm512_mask_mov_epi32(u, big, _mm512_or_si512(sign, _mm512_set1_epi32(0x477FE000)));
+    }
+  }
+  const __m256i half = _mm512_cvtps_ph(_mm512_castsi512_ps(u), _MM_FROUND_TO_NEAREST_INT);
+  measure(x, _mm512_cvtph_ps(half));
+  _mm256_mask_storeu_epi16(dst, valid, half);
+  return 0;
+}
+
+template <Fp16Overflow kOverflow, typename Measure>
+[[gnu::always_inline]] inline size_t F32ToF16(const float* src, uint16_t* dst, size_t n,
+                                              Measure& measure) {
+  auto lanes = [&](const float* from, uint16_t* to, __mmask16 valid) {
+    return F32ToF16Lanes<kOverflow>(from, to, valid, measure);
+  };
+  size_t i = ToLine(src, n);
+  if (i > 0) {
+    const __mmask16 big = lanes(src, dst, FirstLanes(i));
+    if (big != 0) return __builtin_ctz(big);
+  }
+  for (; i + 32 <= n; i += 32) {  // two vectors a turn, as for bf16
+    PrefetchAhead(src + i);
+    PrefetchAhead(src + i + 16);
+    const __mmask16 big = lanes(src + i, dst + i, 0xFFFF);
+    if (big != 0) return i + __builtin_ctz(big);
+    const __mmask16 big2 = lanes(src + i + 16, dst + i + 16, 0xFFFF);
+    if (big2 != 0) return i + 16 + __builtin_ctz(big2);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 big = lanes(src + i, dst + i, FirstLanes(n - i));
+    if (big != 0) return i + __builtin_ctz(big);
+  }
+  return n;
+}
+
+template <typename Measure>
+[[gnu::always_inline]] inline size_t NarrowToF16(const float* src, uint16_t* dst, size_t n,
+                                                 Fp16Overflow overflow, Measure&& measure) {
+  switch (overflow) {
+    case Fp16Overflow::kError:
+      return F32ToF16<Fp16Overflow::kError>(src, dst, n, measure);
+    case Fp16Overflow::kSaturate:
+      return F32ToF16<Fp16Overflow::kSaturate>(src, dst, n, measure);
+    case Fp16Overflow::kInfinity:
+      break;
+  }
+  return F32ToF16<Fp16Overflow::kInfinity>(src, dst, n, measure);
 }
 
 }  // namespace
+
+void F32ToBF16Avx512(const float* src, uint16_t* dst, size_t n) {
+  NarrowToBF16(src, dst, n, [](__m512i, __m512) {});
+}
+
+size_t F32ToF16Avx512(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow) {
+  return NarrowToF16(src, dst, n, overflow, [](__m512i, __m512) {});
+}
+
+[[gnu::flatten]] void F32ToBF16MeasuredAvx512(const float* src, uint16_t* dst, size_t n,
+                                              const NarrowingLimits& limits, CastError* error) {
+  Measuring(limits, error, [&](auto& add) { NarrowToBF16(src, dst, n, add); });
+  error->elements += n;
+}
+
+[[gnu::flatten]] size_t F32ToF16MeasuredAvx512(const float* src, uint16_t* dst, size_t n,
+                                               Fp16Overflow overflow, const NarrowingLimits& limits,
+                                               CastError* error) {
+  size_t done = 0;
+  Measuring(limits, error, [&](auto& add) { done = NarrowToF16(src, dst, n, overflow, add); });
+  error->elements += done;
+  return done;
+}
 
 void MeasureNarrowingAvx512(const float* src, const uint16_t* out, size_t n,
                             const NarrowingLimits& limits, CastError* error) {

@@ -9,16 +9,9 @@
 namespace layercast {
 namespace {
 
-internal::NarrowingLimits LimitsOf(DType to) {
+const internal::NarrowingLimits& LimitsOf(DType to) {
   assert(to == DType::kBFloat16 || to == DType::kFloat16);
-  if (to == DType::kBFloat16) {
-    return {.bf16 = true,
-            .overflow_floor = internal::kBF16OverflowFloor,
-            .normal_floor = internal::kF32NormalFloor};
-  }
-  return {.bf16 = false,
-          .overflow_floor = internal::kF16OverflowFloor,
-          .normal_floor = internal::kF16NormalFloor};
+  return to == DType::kBFloat16 ? internal::kBF16Limits : internal::kF16Limits;
 }
 
 using MeasureKernel = void (*)(const float*, const uint16_t*, size_t,

@@ -63,6 +63,10 @@ struct NarrowingLimits {
   uint32_t overflow_floor;  // fp32 bits of the least magnitude that rounds past the largest finite
   uint32_t normal_floor;    // fp32 bits of the dtype's least normal magnitude
 };
+constexpr NarrowingLimits kBF16Limits = {
+    .bf16 = true, .overflow_floor = kBF16OverflowFloor, .normal_floor = kF32NormalFloor};
+constexpr NarrowingLimits kF16Limits = {
+    .bf16 = false, .overflow_floor = kF16OverflowFloor, .normal_floor = kF16NormalFloor};
 // The vector kernels bucket a relative error by table instead of a compare
 // per bound. Every bound is a power of two 2^-k, so an r >= 0 with fp32 bits
 // R exceeds it exactly when (R - 1) >> 23 (arithmetic: -1 for r = 0) is at
@@ -82,6 +86,17 @@ constexpr int BoundsExceeded(int index) {
   return exceeded;
 }
 static_assert(std::bit_cast<uint32_t>(CastError::kBounds[0]) >> 23 == kBucketIndexBias);
+
+// Narrowing and measuring in one pass, as CastFromF32 with a CastError*
+// runs them where the CPU has AVX-512: the cast's bits, and what
+// MeasureNarrowing* adds for them, with each element measured from the
+// registers it was cast in, so the pass costs little more than the cast.
+// F32ToF16MeasuredAvx512 returns as F32ToF16Avx512 does; after an overflow
+// under kError, `*error` holds an unspecified part of the measurement.
+void F32ToBF16MeasuredAvx512(const float* src, uint16_t* dst, size_t n,
+                             const NarrowingLimits& limits, CastError* error);
+size_t F32ToF16MeasuredAvx512(const float* src, uint16_t* dst, size_t n, Fp16Overflow overflow,
+                              const NarrowingLimits& limits, CastError* error);
 
 void MeasureNarrowingScalar(const float* src, const uint16_t* out, size_t n,
                             const NarrowingLimits& limits, CastError* error);

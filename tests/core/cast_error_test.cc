@@ -125,20 +125,56 @@ TEST(CastErrorTest, ACopyToFloat32OnlyCounts) {
   EXPECT_EQ(error.max_relative_error, 0.0f);
 }
 
-// A cast that fails at an overflow measures the pieces before it only: the
-// failing piece may be partly unwritten.
-TEST(CastErrorTest, AFailedCastMeasuresOnlyWholePiecesBeforeIt) {
+// A cast that fails at an overflow adds nothing: the failing part may be
+// partly unwritten, and a shard does not serve it.
+TEST(CastErrorTest, AFailedCastLeavesTheErrorAsItWas) {
   std::vector<float> in(10000, 1.5f);
   in[9000] = 1e6f;
-  std::vector<uint16_t> out(in.size());
-  CastError error;
-  const absl::Status status =
-      CastFromF32(in.data(), out.data(), in.size(), DType::kFloat16, Fp16Overflow::kError, &error);
-  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(error.elements % 2048, 0u);
-  EXPECT_LE(error.elements, 9000u);
-  EXPECT_EQ(error.measured, error.elements);
-  EXPECT_EQ(error.max_relative_error, 0.0f);  // 1.5 is exact
+  std::vector<unsigned char> out(in.size() * 2 + 1);
+  for (size_t offset : {0, 1}) {  // the one-pass cast and the bounced pieces
+    SCOPED_TRACE(testing::Message() << "destination offset " << offset);
+    CastError error;
+    error.elements = 7;
+    error.max_relative_error = 0.5f;
+    const absl::Status status = CastFromF32(in.data(), out.data() + offset, in.size(),
+                                            DType::kFloat16, Fp16Overflow::kError, &error);
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+    EXPECT_THAT(status.message(), testing::HasSubstr("element 9000 is 1e+06"));
+    EXPECT_EQ(error.elements, 7u);
+    EXPECT_EQ(error.measured, 0u);
+    EXPECT_EQ(error.max_relative_error, 0.5f);
+  }
+}
+
+// The cast that measures as it goes works up to the source's cache line
+// boundary first and two vectors a turn after that: at every length and
+// source offset it writes the plain cast's bits and measures what the
+// scalar kernel measures from them.
+TEST(CastErrorTest, TheMeasuringCastMatchesThePlainCastAtEveryOffsetAndLength) {
+  std::vector<float> mixed = Mixed();
+  mixed.insert(mixed.end(), mixed.begin(), mixed.end());  // 342: over 16 AVX-512 vectors
+  for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+    for (size_t offset = 0; offset < 16; ++offset) {
+      for (size_t n = 0; n + offset <= mixed.size(); n += n < 80 ? 1 : 37) {
+        SCOPED_TRACE(testing::Message() << DTypeName(to) << " offset " << offset << " n " << n);
+        const float* in = mixed.data() + offset;
+        std::vector<uint16_t> plain(n), measuring(n);
+        ASSERT_TRUE(CastFromF32(in, plain.data(), n, to, Fp16Overflow::kSaturate).ok());
+        CastError want, got;
+        MeasureCastError(in, plain.data(), n, to, &want, CastIsa::kScalar);
+        ASSERT_TRUE(CastFromF32(in, measuring.data(), n, to, Fp16Overflow::kSaturate, &got).ok());
+        ASSERT_EQ(measuring, plain);
+        EXPECT_EQ(got.elements, n);
+        EXPECT_EQ(got.measured, want.measured);
+        EXPECT_EQ(got.flushed_to_zero, want.flushed_to_zero);
+        EXPECT_EQ(got.overflowed, want.overflowed);
+        EXPECT_EQ(got.became_subnormal, want.became_subnormal);
+        EXPECT_EQ(got.above, want.above);
+        EXPECT_EQ(got.max_relative_error, want.max_relative_error);
+        EXPECT_NEAR(got.relative_error_sum, want.relative_error_sum, 1e-6);
+      }
+    }
+  }
 }
 
 TEST(CastErrorTest, AddSumsAndKeepsTheLargestError) {
