@@ -385,14 +385,13 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
     return absl::OkStatus();
   }
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % alignof(uint16_t) == 0;
-  // Added to *error only when the whole cast succeeds.
-  CastError lost;
   static const bool fused = CpuRuns(CastIsa::kAvx512);
   if (aligned && error != nullptr && fused) {
     // One pass that measures from the registers it casts in: wherever the CPU
     // has AVX-512, whichever variant the plain cast dispatches to (the bits
     // are the same).
     auto* out = static_cast<uint16_t*>(dst);
+    CastError lost;  // added to *error only when the whole cast succeeds
     size_t done = count;
     if (to == DType::kBFloat16) {
       internal::F32ToBF16MeasuredAvx512(src, out, count, internal::kBF16Limits, &lost);
@@ -421,6 +420,7 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
   // uint16_t, which an odd address cannot hold.
   uint16_t bounce[kBounceElements];
   auto* out = static_cast<unsigned char*>(dst);
+  CastError lost;  // as above
   for (size_t begin = 0; begin < count; begin += kBounceElements) {
     const size_t n = std::min(kBounceElements, count - begin);
     uint16_t* piece = aligned ? static_cast<uint16_t*>(dst) + begin : bounce;
