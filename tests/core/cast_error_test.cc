@@ -157,8 +157,9 @@ TEST(CastErrorTest, AFailedCastLeavesTheErrorAsItWas) {
 // source offset it writes the plain cast's bits and measures what the
 // scalar kernel measures from them.
 TEST(CastErrorTest, TheMeasuringCastMatchesThePlainCastAtEveryOffsetAndLength) {
-  std::vector<float> mixed = Mixed();
-  mixed.insert(mixed.end(), mixed.begin(), mixed.end());  // 342: over 16 AVX-512 vectors
+  const std::vector<float> once = Mixed();
+  std::vector<float> mixed = once;
+  mixed.insert(mixed.end(), once.begin(), once.end());  // 342: over 16 AVX-512 vectors
   for (DType to : {DType::kBFloat16, DType::kFloat16}) {
     for (size_t offset = 0; offset < 16; ++offset) {
       for (size_t n = 0; n + offset <= mixed.size(); n += n < 80 ? 1 : 37) {
