@@ -3,11 +3,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "core/cast.h"
@@ -189,6 +191,37 @@ TEST(Fp8Test, ErrorMeasurementFollowsCastErrorsDefinitions) {
 // Every kernel's measurement against the scalar one, on blocks holding every
 // case (NaN, infinities, zeros, fp32 subnormals, values flushed or made
 // subnormal) and lengths that leave tails.
+// The vector kernels find a block's scale in registers: blocks with nothing
+// finite and nonzero (scale 1), with only tiny values (fp32's least normal),
+// with NaN beside the largest value, of every length around the vector width.
+TEST(Fp8Test, EveryKernelGivesTheScalarOnesScalesAndCodes) {
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> exponent(-20.0f, 20.0f);
+  std::vector<float> values(4096);
+  for (float& v : values) v = std::exp2(exponent(rng)) * ((rng() & 1) != 0 ? -1.0f : 1.0f);
+  std::fill(values.begin() + 256, values.begin() + 512, 0.0f);
+  std::fill(values.begin() + 512, values.begin() + 768, -1e-40f);
+  std::fill(values.begin() + 768, values.begin() + 1024, kNaN);
+  for (size_t i = 1024; i < 1280; i += 2) values[i] = (i % 4 == 0) ? kInf : kNaN;
+  for (Fp8Format format : kFormats) {
+    for (size_t block_size : {size_t{16}, size_t{128}, size_t{256}, size_t{37}, size_t{7}}) {
+      for (size_t n : {values.size(), size_t{1000}, size_t{129}, size_t{15}}) {
+        const std::span<const float> input(values.data(), n);
+        std::vector<uint8_t> want_codes(n), got_codes(n);
+        std::vector<float> want_scales(Fp8BlockCount(n, block_size)), got_scales(want_scales);
+        QuantizeFp8(input, block_size, format, want_codes, want_scales, nullptr, CastIsa::kScalar);
+        for (CastIsa isa : SupportedCastIsas()) {
+          QuantizeFp8(input, block_size, format, got_codes, got_scales, nullptr, isa);
+          SCOPED_TRACE(testing::Message() << Fp8FormatName(format) << " " << CastIsaName(isa)
+                                          << " block " << block_size << " n " << n);
+          ASSERT_EQ(got_scales, want_scales);
+          ASSERT_EQ(got_codes, want_codes);
+        }
+      }
+    }
+  }
+}
+
 TEST(Fp8Test, EveryKernelMeasuresWhatTheScalarOneDoes) {
   std::mt19937 rng(5);
   std::uniform_int_distribution<uint32_t> bits;
