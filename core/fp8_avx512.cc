@@ -20,68 +20,85 @@ struct Constants {
         infinity(_mm512_set1_epi32(0x7F800000)),
         max_finite(_mm512_set1_epi32(static_cast<int>(spec.max_finite_bits))),
         min_normal(_mm512_set1_epi32(static_cast<int>(spec.min_normal_bits))),
-        magic(_mm512_set1_epi32(static_cast<int>(spec.subnormal_magic_bits))),
-        round_bias(_mm512_set1_epi32((1 << (22 - spec.mantissa_bits)) - 1)),
-        rebias(_mm512_set1_epi32(static_cast<int>(spec.rebias))),
+        to_step(_mm512_set1_epi32((23 - spec.mantissa_bits) << 23)),
+        least_normal_code(
+            _mm512_set1_epi32(static_cast<int>(spec.min_normal_bits >> (23 - spec.mantissa_bits)))),
         nan_code(_mm512_set1_epi32(spec.nan_code)),
         sign_bit(_mm512_set1_epi32(0x80)),
-        one(_mm512_set1_epi32(1)),
         shift(23 - spec.mantissa_bits) {}
-  __m512i magnitude_mask, infinity, max_finite, min_normal, magic, round_bias, rebias, nan_code,
-      sign_bit, one;
+  __m512i magnitude_mask, infinity, max_finite, min_normal, to_step, least_normal_code, nan_code,
+      sign_bit;
   int shift;
 };
 
-// Codes in the low byte of each lane.
+// Codes in the low byte of each lane. kFinite: no lane of x is NaN or
+// infinite and |x / scale| rounds to at most the largest finite code (a
+// block under its own scale), so neither needs a test.
+//
+// The FP adder rounds: for y in binade 2^e (e at least the format's least
+// normal exponent), y + 2^(e + 23 - mantissa_bits) is y rounded to nearest
+// even at the format's step 2^(e - mantissa_bits), and the sum's bits less
+// the addend's count the steps: 8..16 above 2^e for a normal e4m3 (16 when
+// rounding carries into the next binade), 0..8 for a subnormal one. The
+// scalar kernel's integer rounding and subnormal magic, in one path.
+template <bool kFinite>
 inline __m512i Encode(__m512 x, __m512 scale, const Constants& c) {
   const __m512i bits = _mm512_castps_si512(_mm512_div_ps(x, scale));
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), c.sign_bit);
-  const __m512i raw = _mm512_and_si512(bits, c.magnitude_mask);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(raw, c.infinity);
-  const __m512i magnitude = _mm512_min_epu32(raw, c.max_finite);
-  const __mmask16 subnormal = _mm512_cmplt_epu32_mask(magnitude, c.min_normal);
-
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, c.shift), c.one);
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(magnitude, c.round_bias), odd);
-  __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(rounded, c.shift), c.rebias);
-
-  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(magnitude), _mm512_castsi512_ps(c.magic));
-  code = _mm512_mask_sub_epi32(code, subnormal, _mm512_castps_si512(sum), c.magic);
-  code = _mm512_mask_mov_epi32(code, nan, c.nan_code);
+  __m512i magnitude = _mm512_and_si512(bits, c.magnitude_mask);
+  __mmask16 nan = 0;
+  if constexpr (!kFinite) {
+    nan = _mm512_cmpgt_epu32_mask(magnitude, c.infinity);
+    magnitude = _mm512_min_epu32(magnitude, c.max_finite);
+  }
+  const __m512i binade = _mm512_max_epu32(_mm512_and_si512(magnitude, c.infinity), c.min_normal);
+  const __m512i addend = _mm512_add_epi32(binade, c.to_step);
+  const __m512i steps =
+      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(magnitude),
+                                                         _mm512_castsi512_ps(addend))),
+                       addend);
+  __m512i code = _mm512_add_epi32(
+      steps, _mm512_sub_epi32(_mm512_srli_epi32(binade, c.shift), c.least_normal_code));
+  if constexpr (!kFinite) code = _mm512_mask_mov_epi32(code, nan, c.nan_code);
   return _mm512_or_si512(code, sign);
 }
 
 // One run under one scale, in every lane of `scale`.
+template <bool kFinite>
 inline void Quantize(const float* src, size_t n, __m512 scale, const Constants& c, uint8_t* dst) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm512_cvtepi32_epi8(Encode(_mm512_loadu_ps(src + i), scale, c)));
+                     _mm512_cvtepi32_epi8(Encode<kFinite>(_mm512_loadu_ps(src + i), scale, c)));
   }
   if (i < n) {
     const auto tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_cvtepi32_storeu_epi8(dst + i, tail,
-                                     Encode(_mm512_maskz_loadu_ps(tail, src + i), scale, c));
+    _mm512_mask_cvtepi32_storeu_epi8(
+        dst + i, tail, Encode<kFinite>(_mm512_maskz_loadu_ps(tail, src + i), scale, c));
   }
 }
 
-// The largest finite |x| of src[0..n) in every lane, as bits (0 if none).
-inline __m512i FiniteAbsMaxLanes(const float* src, size_t n) {
+// The largest |x| of src[0..n) in every lane, as bits: of finite x only (0
+// if none) with kFiniteOnly; otherwise of every x, so that an infinity or a
+// NaN shows as bits at or above infinity's.
+template <bool kFiniteOnly>
+inline __m512i AbsMaxLanes(const float* src, size_t n) {
   const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i infinity = _mm512_set1_epi32(0x7F800000);
   __m512i max_bits = _mm512_setzero_si512();
+  auto take = [&](__m512i magnitude) {
+    if constexpr (kFiniteOnly) {
+      max_bits = _mm512_mask_max_epu32(max_bits, _mm512_cmplt_epu32_mask(magnitude, infinity),
+                                       max_bits, magnitude);
+    } else {
+      max_bits = _mm512_max_epu32(max_bits, magnitude);
+    }
+  };
   size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i magnitude = _mm512_and_si512(_mm512_loadu_si512(src + i), magnitude_mask);
-    max_bits = _mm512_mask_max_epu32(max_bits, _mm512_cmplt_epu32_mask(magnitude, infinity),
-                                     max_bits, magnitude);
-  }
+  for (; i + 16 <= n; i += 16) take(_mm512_and_si512(_mm512_loadu_si512(src + i), magnitude_mask));
   if (i < n) {
     const auto tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512i magnitude =
-        _mm512_and_si512(_mm512_maskz_loadu_epi32(tail, src + i), magnitude_mask);
-    max_bits = _mm512_mask_max_epu32(max_bits, _mm512_cmplt_epu32_mask(magnitude, infinity),
-                                     max_bits, magnitude);
+    take(_mm512_and_si512(_mm512_maskz_loadu_epi32(tail, src + i), magnitude_mask));
   }
   // Across the lanes in registers: through memory and std::max_element, a
   // block of 128 paid a mispredicted compare or two (fp8 quantized at 8.8
@@ -192,7 +209,7 @@ class ErrorMeter {
 }  // namespace
 
 void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& spec, uint8_t* dst) {
-  Quantize(src, n, _mm512_set1_ps(scale), Constants(spec), dst);
+  Quantize<false>(src, n, _mm512_set1_ps(scale), Constants(spec), dst);
 }
 
 void QuantizeFp8BlocksAvx512(const float* src, size_t n, size_t block_size, Fp8Format format,
@@ -203,9 +220,18 @@ void QuantizeFp8BlocksAvx512(const float* src, size_t n, size_t block_size, Fp8F
   if (error != nullptr) meter.emplace(format);
   for (size_t begin = 0; begin < n; begin += block_size) {
     const size_t length = std::min(block_size, n - begin);
-    const __m512 scale = ScaleLanes(FiniteAbsMaxLanes(src + begin, length), max_finite);
+    // Most blocks hold no infinity or NaN: one plain maximum finds that out,
+    // and they quantize without a test for either.
+    __m512i amax = AbsMaxLanes<false>(src + begin, length);
+    const bool finite = _mm512_cmplt_epu32_mask(amax, c.infinity) != 0;
+    if (!finite) amax = AbsMaxLanes<true>(src + begin, length);
+    const __m512 scale = ScaleLanes(amax, max_finite);
     scales[begin / block_size] = _mm512_cvtss_f32(scale);
-    Quantize(src + begin, length, scale, c, dst + begin);
+    if (finite) {
+      Quantize<true>(src + begin, length, scale, c, dst + begin);
+    } else {
+      Quantize<false>(src + begin, length, scale, c, dst + begin);
+    }
     if (meter) meter->Measure(src + begin, dst + begin, length, scales[begin / block_size]);
   }
   if (meter) meter->AddTo(error);
@@ -219,7 +245,7 @@ void MeasureFp8ErrorAvx512(const float* src, const uint8_t* q, size_t n, float s
 }
 
 float FiniteAbsMaxAvx512(const float* src, size_t n) {
-  return std::bit_cast<float>(_mm_cvtsi128_si32(_mm512_castsi512_si128(FiniteAbsMaxLanes(src, n))));
+  return std::bit_cast<float>(_mm_cvtsi128_si32(_mm512_castsi512_si128(AbsMaxLanes<true>(src, n))));
 }
 
 }  // namespace layercast::internal
