@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/cast_error_avx512.h"
 #include "core/cast_kernels.h"
 #include "core/x86_intrinsics.h"
 
@@ -86,37 +87,10 @@ void Widen(const uint16_t* src, float* dst, size_t n) {
   }
 }
 
-// Bucket counts four bits each, all eight in a lane: entry i of the table
-// has a 1 in field j when bucket index i (cast_kernels.h) exceeds bound j,
-// so one lookup and one add count every bucket. Every kNibbleFlush vectors,
-// before a field can overflow, the nibbles move into bytes (the even
-// buckets' and the odd ones'), and those into the CastError every
-// kSumVectors vectors, before a byte can overflow (16 * 15 <= 255). The fp32
-// sums of 240 terms a lane stay within about 2^-16 of exact.
-constexpr int kTableEntries = 32;
-constexpr int kNibbleFlush = 15;
-constexpr int kSumVectors = 16 * kNibbleFlush;
-
-constexpr std::array<uint32_t, kTableEntries> AboveTable() {
-  std::array<uint32_t, kTableEntries> table{};
-  for (int index = 0; index < kTableEntries; ++index) {
-    for (int j = 0; j < BoundsExceeded(index); ++j) table[index] |= 1u << (4 * j);
-  }
-  return table;
-}
-constexpr std::array<uint32_t, kTableEntries> kAboveTable = AboveTable();
-static_assert(kBucketIndexBelow == kTableEntries - 1);
-static_assert(CastError::kBuckets == 8, "eight nibbles a lane");
-
 // Calls body(add), where add(x, cast) adds what narrowing lost for 16 lanes,
 // from each fp32 `x` and its cast widened back, to `*error`, by the end of
 // the call; a lane whose x is +0 counts nothing, so masked-off lanes may come
 // as zeros. Callers count `elements` themselves.
-//
-// Measuring from the registers a cast has just produced only pays when the
-// accumulators stay in registers too: they are locals here, which `add`
-// reaches by reference, and everything inlines (GCC keeps a class holding
-// them in memory).
 template <typename Body>
 [[gnu::always_inline]] inline void Measuring(const NarrowingLimits& limits, CastError* error,
                                              Body&& body) {
@@ -125,100 +99,38 @@ template <typename Body>
   const __m512i normal_floor = _mm512_set1_epi32(static_cast<int>(limits.normal_floor));
   const __m512i normal_span =
       _mm512_set1_epi32(static_cast<int>(limits.overflow_floor - limits.normal_floor));
-  const __m512i table_low = _mm512_loadu_si512(kAboveTable.data());
-  const __m512i table_high = _mm512_loadu_si512(kAboveTable.data() + 16);
-  // The counts of the rare kinds of loss are scalars: 32 vector registers
-  // hold the cast's constants and the accumulators below, and no more.
-  uint64_t overflowed = 0, flushed = 0, subnormal = 0, measured = 0;
-  __m512i nibbles = _mm512_setzero_si512(), even_bytes = nibbles, odd_bytes = nibbles;
-  __m512 sum = _mm512_setzero_ps();
-  // The largest relative error's bits: errors are never negative, and such
-  // floats order as their bits do, so an integer max leaves the FP pipes,
-  // which the cast and the division keep busy, one operation fewer.
-  __m512i max = _mm512_setzero_si512();
-  int pending = 0, moves = 0;
-
-  auto flush = [&]() __attribute__((always_inline)) {
-    error->overflowed += overflowed;
-    error->flushed_to_zero += flushed;
-    error->became_subnormal += subnormal;
-    error->measured += measured;
-    // Bucket 2k is byte k of each even_bytes lane, 2k + 1 of odd_bytes, and
-    // the nibbles not yet moved are bucket j's field j.
-    alignas(64) uint8_t even[64], odd[64];
-    alignas(64) uint32_t unmoved[16];
-    _mm512_store_si512(even, even_bytes);
-    _mm512_store_si512(odd, odd_bytes);
-    _mm512_store_si512(unmoved, nibbles);
-    for (int lane = 0; lane < 16; ++lane) {
-      for (int k = 0; k < 4; ++k) {
-        error->above[2 * k] += even[4 * lane + k] + ((unmoved[lane] >> (8 * k)) & 0xF);
-        error->above[2 * k + 1] += odd[4 * lane + k] + ((unmoved[lane] >> (8 * k + 4)) & 0xF);
+  avx512::MeasureLoss(error, [&](auto& add_loss) {
+    auto add = [&](__m512i x, __m512 cast) __attribute__((always_inline)) {
+      const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+      const __m512i one = _mm512_set1_epi32(1);
+      const __m512i a = _mm512_and_si512(x, abs_mask);
+      // Most vectors hold only values at or above the dtype's least normal
+      // and below its overflow: each is measured and none lost. (Zero lanes
+      // are below the range, so a tail takes the long way.)
+      __mmask16 kept = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, normal_floor), normal_span);
+      unsigned over_count = 0, zero_count = 0, subnormal_count = 0;
+      if (kept != 0xFFFF) {
+        const __m512i cast_magnitude = _mm512_and_si512(_mm512_castps_si512(cast), abs_mask);
+        // Finite and nonzero: a - 1 below 0x7F7FFFFF, unsigned.
+        const __mmask16 finite =
+            _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, one), _mm512_set1_epi32(0x7F7FFFFF));
+        const __mmask16 over = _mm512_mask_cmpge_epi32_mask(finite, a, overflow_floor);
+        kept = finite & ~over;
+        const __mmask16 zero =
+            _mm512_mask_cmpeq_epi32_mask(kept, cast_magnitude, _mm512_setzero_si512());
+        const __mmask16 was_normal =
+            _mm512_mask_cmpge_epi32_mask(kept, a, _mm512_set1_epi32(0x00800000));
+        const __mmask16 became_subnormal = _mm512_mask_cmplt_epu32_mask(
+            was_normal, _mm512_sub_epi32(cast_magnitude, one), below_normal);
+        over_count = std::popcount(static_cast<unsigned>(over));
+        zero_count = std::popcount(static_cast<unsigned>(zero));
+        subnormal_count = std::popcount(static_cast<unsigned>(became_subnormal));
       }
-    }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, sum);
-    for (float lane : lanes) error->relative_error_sum += lane;
-    _mm512_store_si512(lanes, max);
-    for (float lane : lanes) error->max_relative_error = std::max(error->max_relative_error, lane);
-    overflowed = flushed = subnormal = measured = 0;
-    nibbles = even_bytes = odd_bytes = _mm512_setzero_si512();
-    sum = _mm512_setzero_ps();
-    max = _mm512_setzero_si512();
-    pending = moves = 0;
-  };
-
-  auto add = [&](__m512i x, __m512 cast) __attribute__((always_inline)) {
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i a = _mm512_and_si512(x, abs_mask);
-    // Most vectors hold only values at or above the dtype's least normal and
-    // below its overflow: each is measured and none lost. (Zero lanes are
-    // below the range, so a tail takes the long way.)
-    __mmask16 kept = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, normal_floor), normal_span);
-    if (kept != 0xFFFF) {
-      const __m512i cast_magnitude = _mm512_and_si512(_mm512_castps_si512(cast), abs_mask);
-      // Finite and nonzero: a - 1 below 0x7F7FFFFF, unsigned.
-      const __mmask16 finite =
-          _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, one), _mm512_set1_epi32(0x7F7FFFFF));
-      const __mmask16 over = _mm512_mask_cmpge_epi32_mask(finite, a, overflow_floor);
-      kept = finite & ~over;
-      const __mmask16 zero =
-          _mm512_mask_cmpeq_epi32_mask(kept, cast_magnitude, _mm512_setzero_si512());
-      const __mmask16 was_normal =
-          _mm512_mask_cmpge_epi32_mask(kept, a, _mm512_set1_epi32(0x00800000));
-      const __mmask16 became_subnormal = _mm512_mask_cmplt_epu32_mask(
-          was_normal, _mm512_sub_epi32(cast_magnitude, one), below_normal);
-      overflowed += std::popcount(static_cast<unsigned>(over));
-      flushed += std::popcount(static_cast<unsigned>(zero));
-      subnormal += std::popcount(static_cast<unsigned>(became_subnormal));
-    }
-    measured += std::popcount(static_cast<unsigned>(kept));
-    const __m512 difference = _mm512_sub_ps(cast, _mm512_castsi512_ps(x));
-    const __m512 relative = _mm512_maskz_div_ps(
-        kept, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(difference), abs_mask)),
-        _mm512_castsi512_ps(a));
-    const __m512i index = _mm512_min_epu32(
-        _mm512_srai_epi32(_mm512_add_epi32(_mm512_castps_si512(relative),
-                                           _mm512_set1_epi32(-1 - (kBucketIndexBias << 23))),
-                          23),
-        _mm512_set1_epi32(kBucketIndexBelow));
-    nibbles = _mm512_add_epi32(nibbles, _mm512_permutex2var_epi32(table_low, index, table_high));
-    sum = _mm512_add_ps(sum, relative);
-    max = _mm512_max_epu32(max, _mm512_castps_si512(relative));
-    if (++pending == kNibbleFlush) {
-      const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-      even_bytes = _mm512_add_epi8(even_bytes, _mm512_and_si512(nibbles, low_nibbles));
-      odd_bytes =
-          _mm512_add_epi8(odd_bytes, _mm512_and_si512(_mm512_srli_epi32(nibbles, 4), low_nibbles));
-      nibbles = _mm512_setzero_si512();
-      pending = 0;
-      if (++moves == kSumVectors / kNibbleFlush) flush();
-    }
-  };
-
-  body(add);
-  flush();
+      add_loss(kept, a, _mm512_sub_ps(cast, _mm512_castsi512_ps(x)), over_count, zero_count,
+               subnormal_count);
+    };
+    body(add);
+  });
 }
 
 // [[gnu::flatten]] here and on the measuring casts: every call inlines, so

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "core/cast_error.h"
+#include "core/cast_error_avx512.h"
 #include "core/fp8_kernels.h"
 #include "core/x86_intrinsics.h"
 
@@ -41,8 +42,10 @@ struct Constants {
 // the addend's count the steps: 8..16 above 2^e for a normal e4m3 (16 when
 // rounding carries into the next binade), 0..8 for a subnormal one. The
 // scalar kernel's integer rounding and subnormal magic, in one path.
+// With `rounded` (kFinite only), also |x / scale| rounded to the format, for
+// the measurement.
 template <bool kFinite>
-inline __m512i Encode(__m512 x, __m512 scale, const Constants& c) {
+inline __m512i Encode(__m512 x, __m512 scale, const Constants& c, __m512* rounded = nullptr) {
   const __m512i bits = _mm512_castps_si512(_mm512_div_ps(x, scale));
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), c.sign_bit);
   __m512i magnitude = _mm512_and_si512(bits, c.magnitude_mask);
@@ -53,29 +56,45 @@ inline __m512i Encode(__m512 x, __m512 scale, const Constants& c) {
   }
   const __m512i binade = _mm512_max_epu32(_mm512_and_si512(magnitude, c.infinity), c.min_normal);
   const __m512i addend = _mm512_add_epi32(binade, c.to_step);
-  const __m512i steps =
-      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(magnitude),
-                                                         _mm512_castsi512_ps(addend))),
-                       addend);
+  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(magnitude), _mm512_castsi512_ps(addend));
+  const __m512i steps = _mm512_sub_epi32(_mm512_castps_si512(sum), addend);
+  if constexpr (kFinite) {
+    // The sum lies within twice the addend, so this subtraction is exact.
+    if (rounded != nullptr) *rounded = _mm512_sub_ps(sum, _mm512_castsi512_ps(addend));
+  }
   __m512i code = _mm512_add_epi32(
       steps, _mm512_sub_epi32(_mm512_srli_epi32(binade, c.shift), c.least_normal_code));
   if constexpr (!kFinite) code = _mm512_mask_mov_epi32(code, nan, c.nan_code);
   return _mm512_or_si512(code, sign);
 }
 
-// One run under one scale, in every lane of `scale`.
-template <bool kFinite>
-inline void Quantize(const float* src, size_t n, __m512 scale, const Constants& c, uint8_t* dst) {
+// One run under one scale, in every lane of `scale`. measure(x, codes,
+// rounded, lanes) sees each vector as it is quantized (kFinite only).
+template <bool kFinite, typename Measure>
+inline void Quantize(const float* src, size_t n, __m512 scale, const Constants& c, uint8_t* dst,
+                     Measure&& measure) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm512_cvtepi32_epi8(Encode<kFinite>(_mm512_loadu_ps(src + i), scale, c)));
+    const __m512 x = _mm512_loadu_ps(src + i);
+    __m512 rounded;
+    const __m512i codes = Encode<kFinite>(x, scale, c, &rounded);
+    // Not a masked VPMOVDB to memory: AMD Zen 4 and 5 run that slowly.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtepi32_epi8(codes));
+    if constexpr (kFinite) measure(x, codes, rounded, __mmask16{0xFFFF});
   }
   if (i < n) {
-    const auto tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_cvtepi32_storeu_epi8(
-        dst + i, tail, Encode<kFinite>(_mm512_maskz_loadu_ps(tail, src + i), scale, c));
+    const auto lanes = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, src + i);
+    __m512 rounded;
+    const __m512i codes = Encode<kFinite>(x, scale, c, &rounded);
+    _mm512_mask_cvtepi32_storeu_epi8(dst + i, lanes, codes);
+    if constexpr (kFinite) measure(x, codes, rounded, lanes);
   }
+}
+
+template <bool kFinite>
+inline void Quantize(const float* src, size_t n, __m512 scale, const Constants& c, uint8_t* dst) {
+  Quantize<kFinite>(src, n, scale, c, dst, [](__m512, __m512i, __m512, __mmask16) {});
 }
 
 // The largest |x| of src[0..n) in every lane, as bits: of finite x only (0
@@ -189,7 +208,7 @@ class ErrorMeter {
   }
 
  private:
-  // Through memory, as FiniteAbsMaxAvx512 reduces.
+  // Through memory: GCC 12's reductions trip -Wuninitialized in its header.
   void FlushSum() {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, sum_);
@@ -212,29 +231,68 @@ void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& s
   Quantize<false>(src, n, _mm512_set1_ps(scale), Constants(spec), dst);
 }
 
-void QuantizeFp8BlocksAvx512(const float* src, size_t n, size_t block_size, Fp8Format format,
-                             uint8_t* dst, float* scales, CastError* error) {
+[[gnu::flatten]] void QuantizeFp8BlocksAvx512(const float* src, size_t n, size_t block_size,
+                                              Fp8Format format, uint8_t* dst, float* scales,
+                                              CastError* error) {
   const Constants c(SpecOf(format));
   const __m512 max_finite = _mm512_set1_ps(Fp8MaxFinite(format));
-  std::optional<ErrorMeter> meter;
-  if (error != nullptr) meter.emplace(format);
-  for (size_t begin = 0; begin < n; begin += block_size) {
-    const size_t length = std::min(block_size, n - begin);
-    // Most blocks hold no infinity or NaN: one plain maximum finds that out,
-    // and they quantize without a test for either.
-    __m512i amax = AbsMaxLanes<false>(src + begin, length);
-    const bool finite = _mm512_cmplt_epu32_mask(amax, c.infinity) != 0;
-    if (!finite) amax = AbsMaxLanes<true>(src + begin, length);
-    const __m512 scale = ScaleLanes(amax, max_finite);
-    scales[begin / block_size] = _mm512_cvtss_f32(scale);
-    if (finite) {
-      Quantize<true>(src + begin, length, scale, c, dst + begin);
-    } else {
-      Quantize<false>(src + begin, length, scale, c, dst + begin);
+  // measure_finite(x, codes, rounded, scale, lanes) sees each vector of a
+  // block with no infinity or NaN as it is quantized; `meter` measures the
+  // others after them.
+  auto blocks = [&](auto&& measure_finite, ErrorMeter* meter) __attribute__((always_inline)) {
+    for (size_t begin = 0, block = 0; begin < n; begin += block_size, ++block) {
+      const size_t length = std::min(block_size, n - begin);
+      // Most blocks hold no infinity or NaN: one plain maximum finds that
+      // out, and they quantize without a test for either.
+      __m512i amax = AbsMaxLanes<false>(src + begin, length);
+      const bool finite = _mm512_cmplt_epu32_mask(amax, c.infinity) != 0;
+      if (!finite) amax = AbsMaxLanes<true>(src + begin, length);
+      const __m512 scale = ScaleLanes(amax, max_finite);
+      scales[block] = _mm512_cvtss_f32(scale);
+      if (finite) {
+        Quantize<true>(src + begin, length, scale, c, dst + begin,
+                       [&](__m512 x, __m512i codes, __m512 rounded, __mmask16 lanes) {
+                         measure_finite(x, codes, rounded, scale, lanes);
+                       });
+      } else {
+        Quantize<false>(src + begin, length, scale, c, dst + begin);
+        if (meter != nullptr) meter->Measure(src + begin, dst + begin, length, scales[block]);
+      }
     }
-    if (meter) meter->Measure(src + begin, dst + begin, length, scales[begin / block_size]);
+  };
+  if (error == nullptr) {
+    blocks([](__m512, __m512i, __m512, __m512, __mmask16) {}, nullptr);
+    return;
   }
-  if (meter) meter->AddTo(error);
+  // Blocks with no infinity or NaN, measured from the quantizer's registers:
+  // none saturates under its block's scale, and the cast is `rounded` (the
+  // code's value) times the scale, with x's sign.
+  ErrorMeter meter(format);
+  const uint64_t elements_before = error->elements;
+  avx512::MeasureLoss(error, [&](auto& add_loss) {
+    const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i f32_normal_floor = _mm512_set1_epi32(0x00800000);
+    const __m512i code_magnitude_mask = _mm512_set1_epi32(0x7F);
+    const __m512i least_normal_code = _mm512_set1_epi32(1 << SpecOf(format).mantissa_bits);
+    blocks(
+        [&](__m512 x, __m512i codes, __m512 rounded, __m512 scale, __mmask16 lanes) {
+          const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), magnitude_mask);
+          const __mmask16 counted = _mm512_mask_test_epi32_mask(lanes, a, a);
+          const __m512i code_magnitude = _mm512_and_si512(codes, code_magnitude_mask);
+          const __mmask16 flushed =
+              _mm512_mask_cmpeq_epi32_mask(counted, code_magnitude, _mm512_setzero_si512());
+          const __mmask16 became_subnormal =
+              _mm512_mask_cmpge_epu32_mask(counted, a, f32_normal_floor) &
+              _mm512_cmplt_epu32_mask(code_magnitude, least_normal_code) &
+              static_cast<__mmask16>(~flushed);
+          add_loss(counted, a, _mm512_sub_ps(_mm512_mul_ps(rounded, scale), _mm512_castsi512_ps(a)),
+                   0, std::popcount(static_cast<unsigned>(flushed)),
+                   std::popcount(static_cast<unsigned>(became_subnormal)));
+        },
+        &meter);
+  });
+  meter.AddTo(error);
+  error->elements = elements_before + n;  // the meter counted its blocks' already
 }
 
 void MeasureFp8ErrorAvx512(const float* src, const uint8_t* q, size_t n, float scale,
