@@ -138,6 +138,22 @@ inline __m512 ScaleLanes(__m512i amax_bits, __m512 max_finite) {
                             _mm512_set1_ps(1.0f));
 }
 
+// Of the lanes of `in_range`: those whose code is a zero (flushed), and those
+// whose x was a normal fp32 and whose code is a subnormal (became subnormal).
+struct RareLosses {
+  __mmask16 flushed, became_subnormal;
+};
+inline RareLosses RareLossesOf(__mmask16 in_range, __m512i x_magnitude, __m512i codes,
+                               __m512i least_normal_code) {
+  const __m512i code_magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
+  const __mmask16 flushed =
+      _mm512_mask_cmpeq_epi32_mask(in_range, code_magnitude, _mm512_setzero_si512());
+  const __mmask16 became_subnormal =
+      _mm512_mask_cmpge_epu32_mask(in_range, x_magnitude, _mm512_set1_epi32(0x00800000)) &
+      _mm512_cmplt_epu32_mask(code_magnitude, least_normal_code) & static_cast<__mmask16>(~flushed);
+  return {flushed, became_subnormal};
+}
+
 // What MeasureFp8ErrorAvx512 adds up, kept across the blocks of one
 // QuantizeFp8 call so that a block of 128 does not pay for a CastError::Add
 // and a reduction of its own. The lanes' sums go into the double every
@@ -148,10 +164,8 @@ class ErrorMeter {
       : decode_(Fp8DecodeTable(format)),
         magnitude_mask_(_mm512_set1_epi32(0x7FFFFFFF)),
         infinity_(_mm512_set1_epi32(0x7F800000)),
-        f32_normal_floor_(_mm512_set1_epi32(0x00800000)),
         saturation_floor_(
             _mm512_set1_epi32(static_cast<int>(SpecOf(format).saturation_floor_bits))),
-        code_magnitude_mask_(_mm512_set1_epi32(0x7F)),
         least_normal_code_(_mm512_set1_epi32(1 << SpecOf(format).mantissa_bits)) {}
 
   void Measure(const float* src, const uint8_t* q, size_t n, float scale) {
@@ -171,13 +185,7 @@ class ErrorMeter {
           _mm512_mask_cmpgt_epu32_mask(counted, y_magnitude, saturation_floor_);
       const __mmask16 in_range = counted & static_cast<__mmask16>(~saturated);
 
-      const __m512i code_magnitude = _mm512_and_si512(codes, code_magnitude_mask_);
-      const __mmask16 flushed =
-          _mm512_mask_cmpeq_epi32_mask(in_range, code_magnitude, _mm512_setzero_si512());
-      const __mmask16 became_subnormal =
-          _mm512_mask_cmpge_epu32_mask(in_range, x_magnitude, f32_normal_floor_) &
-          _mm512_cmplt_epu32_mask(code_magnitude, least_normal_code_) &
-          static_cast<__mmask16>(~flushed);
+      const RareLosses rare = RareLossesOf(in_range, x_magnitude, codes, least_normal_code_);
 
       const __m512 cast = _mm512_mul_ps(_mm512_i32gather_ps(codes, decode_, 4), scale_vector);
       const __m512 difference = _mm512_castsi512_ps(
@@ -192,8 +200,8 @@ class ErrorMeter {
       }
       piece_.overflowed += __builtin_popcount(saturated);
       piece_.measured += __builtin_popcount(in_range);
-      piece_.flushed_to_zero += __builtin_popcount(flushed);
-      piece_.became_subnormal += __builtin_popcount(became_subnormal);
+      piece_.flushed_to_zero += __builtin_popcount(rare.flushed);
+      piece_.became_subnormal += __builtin_popcount(rare.became_subnormal);
     }
     unflushed_ += n;
     if (unflushed_ >= 4096) FlushSum();
@@ -218,8 +226,7 @@ class ErrorMeter {
   }
 
   const float* decode_;
-  __m512i magnitude_mask_, infinity_, f32_normal_floor_, saturation_floor_, code_magnitude_mask_,
-      least_normal_code_;
+  __m512i magnitude_mask_, infinity_, saturation_floor_, least_normal_code_;
   __m512 sum_ = _mm512_setzero_ps(), max_ = _mm512_setzero_ps();
   size_t unflushed_ = 0;
   CastError piece_;
@@ -271,23 +278,15 @@ void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& s
   const uint64_t elements_before = error->elements;
   avx512::MeasureLoss(error, [&](auto& add_loss) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const __m512i f32_normal_floor = _mm512_set1_epi32(0x00800000);
-    const __m512i code_magnitude_mask = _mm512_set1_epi32(0x7F);
     const __m512i least_normal_code = _mm512_set1_epi32(1 << SpecOf(format).mantissa_bits);
     blocks(
         [&](__m512 x, __m512i codes, __m512 rounded, __m512 scale, __mmask16 lanes) {
           const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), magnitude_mask);
           const __mmask16 counted = _mm512_mask_test_epi32_mask(lanes, a, a);
-          const __m512i code_magnitude = _mm512_and_si512(codes, code_magnitude_mask);
-          const __mmask16 flushed =
-              _mm512_mask_cmpeq_epi32_mask(counted, code_magnitude, _mm512_setzero_si512());
-          const __mmask16 became_subnormal =
-              _mm512_mask_cmpge_epu32_mask(counted, a, f32_normal_floor) &
-              _mm512_cmplt_epu32_mask(code_magnitude, least_normal_code) &
-              static_cast<__mmask16>(~flushed);
+          const RareLosses rare = RareLossesOf(counted, a, codes, least_normal_code);
           add_loss(counted, a, _mm512_sub_ps(_mm512_mul_ps(rounded, scale), _mm512_castsi512_ps(a)),
-                   0, std::popcount(static_cast<unsigned>(flushed)),
-                   std::popcount(static_cast<unsigned>(became_subnormal)));
+                   0, std::popcount(static_cast<unsigned>(rare.flushed)),
+                   std::popcount(static_cast<unsigned>(rare.became_subnormal)));
         },
         &meter);
   });
