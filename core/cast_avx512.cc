@@ -3,8 +3,6 @@
 // features. Tails use masked loads and stores, which never touch the
 // masked-off bytes, so no scalar fallback is needed.
 
-#include <algorithm>
-#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>

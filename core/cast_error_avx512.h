@@ -4,6 +4,7 @@
 // (core/cast_avx512.cc for bfloat16 and float16, core/fp8_avx512.cc for the
 // 8-bit floats). Include only from files compiled for AVX-512 F and BW.
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstdint>
@@ -41,6 +42,8 @@ static_assert(CastError::kBuckets == 8, "eight nibbles a lane");
 // the lanes of `kept`: |difference| (the cast less x, or its negation) over
 // a (x's magnitude bits) each, and the counts of the rare kinds of loss the
 // caller found among its 16 lanes. Callers count `elements` themselves.
+// REQUIRES: a is nonzero in the lanes of `kept`, and their relative errors
+// are at most 2^7 (the bucket table's last bucket; casts lose far less).
 //
 // Measuring from the registers a cast has just produced only pays when the
 // accumulators stay in registers too: they are locals here, which `add`

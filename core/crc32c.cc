@@ -143,9 +143,10 @@ bool CpuRuns(Crc32cPath path) {
 
 // From the list SupportedCrc32cPaths keeps, not CpuRuns: CPUID, which CpuRuns
 // executes for VPCLMULQDQ, exits to the hypervisor in a virtual machine,
-// about 10 us on the machines we measure on. Paid on every call, it made a
-// 48 KiB checksum by carry-less multiplication six times slower than by the
-// crc32 instruction, and Fastest() picked the instruction.
+// about 10 us on the machines we measure on. Paid on every call, it made
+// checksums of 48 KiB blocks by carry-less multiplication run at 6.8 GB/s,
+// against the crc32 instruction's 24 (63 without it), and Fastest() picked
+// the instruction.
 bool Supported(Crc32cPath path) {
   const std::vector<Crc32cPath>& paths = SupportedCrc32cPaths();
   return std::find(paths.begin(), paths.end(), path) != paths.end();

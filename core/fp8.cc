@@ -66,7 +66,8 @@ const Kernels& WidestKernels() {
 }
 
 // One element, already divided by its scale: the code as core/fp8.h defines
-// it. The vector kernels do the same steps lane by lane.
+// it. The AVX2 kernel does the same steps lane by lane; the AVX-512 one
+// rounds by the FP adder instead (core/fp8_avx512.cc), to the same codes.
 // (Here, not in fp8_kernels.h: an inline function there would also be
 // compiled with AVX-512 in fp8_avx512.cc, and the linker may keep either.)
 uint8_t EncodeFp8(float y, const Fp8Spec& spec) {

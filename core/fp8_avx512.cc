@@ -1,11 +1,11 @@
-// fp8 quantization with AVX-512 F: 16 elements a turn, the scalar EncodeFp8's
-// steps lane by lane (core/fp8_kernels.h), masked for the tail.
+// fp8 quantization with AVX-512 F and BW: 16 elements a turn, masked for the
+// tail, giving EncodeFp8's codes (core/fp8.cc) by the FP adder's rounding
+// (Encode below), and the cast-error measurement fused into it.
 
 #include <algorithm>
 #include <bit>
 #include <iterator>
 #include <limits>
-#include <optional>
 
 #include "core/cast_error.h"
 #include "core/cast_error_avx512.h"
@@ -22,12 +22,14 @@ struct Constants {
         max_finite(_mm512_set1_epi32(static_cast<int>(spec.max_finite_bits))),
         min_normal(_mm512_set1_epi32(static_cast<int>(spec.min_normal_bits))),
         to_step(_mm512_set1_epi32((23 - spec.mantissa_bits) << 23)),
-        least_normal_code(
+        // The least normal binade's exponent, shifted as Encode shifts a
+        // lane's: the difference counts the binades above it, in codes.
+        least_normal_field(
             _mm512_set1_epi32(static_cast<int>(spec.min_normal_bits >> (23 - spec.mantissa_bits)))),
         nan_code(_mm512_set1_epi32(spec.nan_code)),
         sign_bit(_mm512_set1_epi32(0x80)),
         shift(23 - spec.mantissa_bits) {}
-  __m512i magnitude_mask, infinity, max_finite, min_normal, to_step, least_normal_code, nan_code,
+  __m512i magnitude_mask, infinity, max_finite, min_normal, to_step, least_normal_field, nan_code,
       sign_bit;
   int shift;
 };
@@ -42,10 +44,10 @@ struct Constants {
 // the addend's count the steps: 8..16 above 2^e for a normal e4m3 (16 when
 // rounding carries into the next binade), 0..8 for a subnormal one. The
 // scalar kernel's integer rounding and subnormal magic, in one path.
-// With `rounded` (kFinite only), also |x / scale| rounded to the format, for
-// the measurement.
+// Sets `*rounded` (kFinite only) to |x / scale| rounded to the format, the
+// code's value, for the measurement.
 template <bool kFinite>
-inline __m512i Encode(__m512 x, __m512 scale, const Constants& c, __m512* rounded = nullptr) {
+inline __m512i Encode(__m512 x, __m512 scale, const Constants& c, __m512* rounded) {
   const __m512i bits = _mm512_castps_si512(_mm512_div_ps(x, scale));
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), c.sign_bit);
   __m512i magnitude = _mm512_and_si512(bits, c.magnitude_mask);
@@ -60,10 +62,10 @@ inline __m512i Encode(__m512 x, __m512 scale, const Constants& c, __m512* rounde
   const __m512i steps = _mm512_sub_epi32(_mm512_castps_si512(sum), addend);
   if constexpr (kFinite) {
     // The sum lies within twice the addend, so this subtraction is exact.
-    if (rounded != nullptr) *rounded = _mm512_sub_ps(sum, _mm512_castsi512_ps(addend));
+    *rounded = _mm512_sub_ps(sum, _mm512_castsi512_ps(addend));
   }
   __m512i code = _mm512_add_epi32(
-      steps, _mm512_sub_epi32(_mm512_srli_epi32(binade, c.shift), c.least_normal_code));
+      steps, _mm512_sub_epi32(_mm512_srli_epi32(binade, c.shift), c.least_normal_field));
   if constexpr (!kFinite) code = _mm512_mask_mov_epi32(code, nan, c.nan_code);
   return _mm512_or_si512(code, sign);
 }
@@ -120,8 +122,8 @@ inline __m512i AbsMaxLanes(const float* src, size_t n) {
     take(_mm512_and_si512(_mm512_maskz_loadu_epi32(tail, src + i), magnitude_mask));
   }
   // Across the lanes in registers: through memory and std::max_element, a
-  // block of 128 paid a mispredicted compare or two (fp8 quantized at 8.8
-  // GB/s in cast_bench, 11.5 this way).
+  // block of 128 paid a mispredicted compare or two (docs/performance.md,
+  // "fp8 quantization").
   max_bits = _mm512_max_epu32(max_bits, _mm512_shuffle_i32x4(max_bits, max_bits, 0x4E));
   max_bits = _mm512_max_epu32(max_bits, _mm512_shuffle_i32x4(max_bits, max_bits, 0xB1));
   max_bits = _mm512_max_epu32(max_bits, _mm512_shuffle_epi32(max_bits, _MM_PERM_BADC));
@@ -129,8 +131,9 @@ inline __m512i AbsMaxLanes(const float* src, size_t n) {
 }
 
 // Fp8ScaleFromAbsMax lane by lane, kept in registers between a block's
-// maximum and its quantization (a call to fp8.cc per block cost ~10%).
-// FiniteAbsMaxTest and the exhaustive tests compare it with the scalar kernel's scales.
+// maximum and its quantization instead of a call to fp8.cc per block.
+// Fp8Test.EveryKernelGivesTheScalarOnesScalesAndCodes compares it with the
+// scalar kernel's.
 inline __m512 ScaleLanes(__m512i amax_bits, __m512 max_finite) {
   const __m512 scale = _mm512_max_ps(_mm512_div_ps(_mm512_castsi512_ps(amax_bits), max_finite),
                                      _mm512_set1_ps(std::numeric_limits<float>::min()));
@@ -216,7 +219,8 @@ class ErrorMeter {
   }
 
  private:
-  // Through memory: GCC 12's reductions trip -Wuninitialized in its header.
+  // Through memory: GCC 12's reductions trip -Wuninitialized in its own
+  // header (bug 105593).
   void FlushSum() {
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, sum_);
@@ -291,7 +295,9 @@ void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& s
         &meter);
   });
   meter.AddTo(error);
-  error->elements = elements_before + n;  // the meter counted its blocks' already
+  // MeasureLoss counts no elements and the meter only its own blocks': the
+  // total, once.
+  error->elements = elements_before + n;
 }
 
 void MeasureFp8ErrorAvx512(const float* src, const uint8_t* q, size_t n, float scale,

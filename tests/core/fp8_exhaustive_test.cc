@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/cast.h"
+#include "core/cast_error.h"
 #include "core/fp8.h"
 #include "tests/core/every_fp32_pattern.h"
 #include "tests/core/fp8_reference.h"
@@ -35,9 +36,10 @@ struct Scratch {
 // case of both formats is reached: each normal and subnormal step, every tie,
 // saturation, infinities, NaNs and fp32 subnormals.
 //
-// QuantizeFp8 has its own path for a block with nothing infinite or NaN
-// (core/fp8_avx512.cc): every pattern no larger than the format's largest
-// value goes through it too, in a block that value gives scale 1.
+// QuantizeFp8 has its own path, codes and measurement, for a block with
+// nothing infinite or NaN (core/fp8_avx512.cc): every pattern no larger than
+// the format's largest value goes through it too, in a block that value
+// gives scale 1.
 void ExpectEveryPatternMatches(Fp8Format format) {
   const fp8_reference::Format reference = fp8_reference::MakeFormat(format);
   const float max_finite = Fp8MaxFinite(format);
@@ -49,6 +51,12 @@ void ExpectEveryPatternMatches(Fp8Format format) {
         for (size_t i = 0; i < kBlock; ++i) {
           s.want[i] = fp8_reference::Encode(s.in[i], reference, &hint);
         }
+        // Magnitudes grow within a block, so its last pattern decides.
+        const bool anchorable = std::fabs(s.in[kBlock - 1]) <= max_finite;
+        if (anchorable) {
+          std::copy(s.in.begin(), s.in.end(), s.anchored.begin());
+          s.anchored[kBlock] = max_finite;
+        }
         for (CastIsa isa : SupportedCastIsas()) {
           if (isa == CastIsa::kAvx512Bf16) continue;  // kAvx512's fp8 kernel
           QuantizeFp8WithScale(s.in, 1.0f, format, s.got, isa);
@@ -59,11 +67,12 @@ void ExpectEveryPatternMatches(Fp8Format format) {
                                      s.got[i], s.want[i]);
             }
           }
-          // Magnitudes grow within a block, so its last pattern decides.
-          if (!(std::fabs(s.in[kBlock - 1]) <= max_finite)) continue;
-          std::copy(s.in.begin(), s.in.end(), s.anchored.begin());
-          s.anchored[kBlock] = max_finite;
-          QuantizeFp8(s.anchored, kBlock + 1, format, s.anchored_got, s.scale, nullptr, isa);
+          if (!anchorable) continue;
+          // With a CastError too: the AVX-512 kernel measures such a block
+          // from its own registers, which must agree with the table-based
+          // measurement of the codes it wrote.
+          CastError got;
+          QuantizeFp8(s.anchored, kBlock + 1, format, s.anchored_got, s.scale, &got, isa);
           if (s.scale[0] != 1.0f) return absl::StrFormat("scale %a, want 1", s.scale[0]);
           for (size_t i = 0; i < kBlock; ++i) {
             if (s.anchored_got[i] != s.want[i]) {
@@ -71,6 +80,22 @@ void ExpectEveryPatternMatches(Fp8Format format) {
                                      Fp8FormatName(format), CastIsaName(isa), first + i, s.in[i],
                                      s.anchored_got[i], s.want[i]);
             }
+          }
+          CastError want;
+          MeasureFp8Error(s.anchored, s.anchored_got, 1.0f, format, &want);
+          if (got.elements != want.elements || got.measured != want.measured ||
+              got.overflowed != want.overflowed || got.flushed_to_zero != want.flushed_to_zero ||
+              got.became_subnormal != want.became_subnormal || got.above != want.above ||
+              got.max_relative_error != want.max_relative_error ||
+              std::fabs(got.relative_error_sum - want.relative_error_sum) >
+                  1e-5 * want.relative_error_sum) {
+            return absl::StrFormat(
+                "%s %s, block from fp32 0x%08x: measured %d flushed %d subnormal %d max %a sum %g,"
+                " want %d %d %d %a %g",
+                Fp8FormatName(format), CastIsaName(isa), first, got.measured, got.flushed_to_zero,
+                got.became_subnormal, got.max_relative_error, got.relative_error_sum, want.measured,
+                want.flushed_to_zero, want.became_subnormal, want.max_relative_error,
+                want.relative_error_sum);
           }
         }
         return "";

@@ -188,12 +188,11 @@ TEST(Fp8Test, ErrorMeasurementFollowsCastErrorsDefinitions) {
   EXPECT_TRUE(saturated.Exceeds(1.0f));
 }
 
-// Every kernel's measurement against the scalar one, on blocks holding every
-// case (NaN, infinities, zeros, fp32 subnormals, values flushed or made
-// subnormal) and lengths that leave tails.
-// The vector kernels find a block's scale in registers: blocks with nothing
-// finite and nonzero (scale 1), with only tiny values (fp32's least normal),
-// with NaN beside the largest value, of every length around the vector width.
+// The vector kernels find a block's scale in registers and quantize blocks
+// with no infinity or NaN by a path of their own: blocks with nothing finite
+// and nonzero (scale 1), with only tiny values (fp32's least normal), with
+// infinities and NaNs among finite values, of sizes and lengths around the
+// vector width.
 TEST(Fp8Test, EveryKernelGivesTheScalarOnesScalesAndCodes) {
   std::mt19937 rng(13);
   std::uniform_real_distribution<float> exponent(-20.0f, 20.0f);
@@ -222,6 +221,9 @@ TEST(Fp8Test, EveryKernelGivesTheScalarOnesScalesAndCodes) {
   }
 }
 
+// Every kernel's measurement against the scalar one, on blocks holding every
+// case (NaN, infinities, zeros, fp32 subnormals, values flushed or made
+// subnormal) and lengths that leave tails.
 TEST(Fp8Test, EveryKernelMeasuresWhatTheScalarOneDoes) {
   std::mt19937 rng(5);
   std::uniform_int_distribution<uint32_t> bits;
