@@ -180,6 +180,19 @@ absl::Status CheckBlocksWithinShards(const LayerSpec& layer, const AssembledLayo
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<AssembledLayout>> ShardedLayouts(const ModelSpec& model,
+                                                            const Policy& policy,
+                                                            uint32_t num_shards) {
+  std::vector<AssembledLayout> layouts;
+  layouts.reserve(model.layers.size());
+  for (const LayerSpec& layer : model.layers) {
+    ASSIGN_OR_RETURN(AssembledLayout layout, AssembledLayout::Build(layer, policy));
+    RETURN_IF_ERROR(CheckBlocksWithinShards(layer, layout, num_shards));
+    layouts.push_back(std::move(layout));
+  }
+  return layouts;
+}
+
 absl::StatusOr<std::array<uint8_t, 32>> LayoutDigest(const ModelSpec& model, const Policy& policy) {
   // A length-prefixed serialisation, so no two different layouts hash the
   // same bytes.

@@ -119,6 +119,14 @@ class AssembledLayout {
 absl::Status CheckBlocksWithinShards(const LayerSpec& layer, const AssembledLayout& layout,
                                      uint32_t num_shards);
 
+// Every layer's layout under `policy`, each checked by CheckBlocksWithinShards
+// for `num_shards`: what a shard lays out as it loads, and what
+// `layercast-shard --dry-run` checks before it. The first error, as those
+// two return it.
+absl::StatusOr<std::vector<AssembledLayout>> ShardedLayouts(const ModelSpec& model,
+                                                            const Policy& policy,
+                                                            uint32_t num_shards);
+
 // SHA-256 over every layer's assembled layout: tensor names, shapes, compute
 // dtypes, offsets and sizes (and 8-bit floats' block sizes and scale
 // offsets), in order. Two peers agree on how to assemble every

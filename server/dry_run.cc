@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/byte_size.h"
+#include "core/layout.h"
 #include "core/status_macros.h"
 #include "server/memory_plan.h"
 #include "server/model_source.h"
@@ -19,6 +20,9 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
   if (model.layers.empty()) {  // as the shard itself refuses it
     return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, " has no layers"));
   }
+  // A policy the model's tensors cannot take (an 8-bit float block that two
+  // shards would split) stops the shard as it loads: say so here first.
+  RETURN_IF_ERROR(ShardedLayouts(model, settings.policy, config.num_shards()).status());
   std::optional<TrainingPlan> training;
   if (settings.optimizer) {
     training = TrainingPlan{*settings.optimizer, config.data_parallel_workers()};

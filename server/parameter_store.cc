@@ -35,11 +35,7 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   store->shard_index_ = shard_index;
   store->num_shards_ = num_shards;
   const std::vector<LayerSpec>& layers = store->model_.layers;
-  for (const LayerSpec& layer : layers) {
-    ASSIGN_OR_RETURN(AssembledLayout layout, AssembledLayout::Build(layer, store->policy_));
-    RETURN_IF_ERROR(CheckBlocksWithinShards(layer, layout, num_shards));
-    store->layouts_.push_back(std::move(layout));
-  }
+  ASSIGN_OR_RETURN(store->layouts_, ShardedLayouts(store->model_, store->policy_, num_shards));
   ASSIGN_OR_RETURN(store->layout_digest_, LayoutDigest(store->model_, store->policy_));
   ASSIGN_OR_RETURN(store->master_bytes_, MasterBytes(store->model_, shard_index, num_shards));
   ASSIGN_OR_RETURN(store->content_fingerprint_, source.Fingerprint());

@@ -187,7 +187,8 @@ std::string ShardFlagsHelp() {
       Wrap(
           "Reads only the model's headers, prints what every shard of it needs in memory "
           "under the other flags (and whether --memory-budget holds it), and exits: 2 when "
-          "the budget is too small.",
+          "the budget is too small, or when the policy cannot be laid out on --num-shards "
+          "shards (an 8-bit float block that two shards would split).",
           6, 80) +
       "  --help, --version\n\n"
       "Flags, each also a field of the JSON config (layercast.v1.ShardConfig; boolean\n"
