@@ -160,7 +160,7 @@ inline RareLosses RareLossesOf(__mmask16 in_range, __m512i x_magnitude, __m512i 
 // What MeasureFp8ErrorAvx512 adds up, kept across the blocks of one
 // QuantizeFp8 call so that a block of 128 does not pay for a CastError::Add
 // and a reduction of its own. The lanes' sums go into the double every
-// 4096 elements, as CastError's sum is defined.
+// 4096 elements, as CastError's sum is defined. Callers count `elements`.
 class ErrorMeter {
  public:
   explicit ErrorMeter(Fp8Format format)
@@ -173,7 +173,6 @@ class ErrorMeter {
 
   void Measure(const float* src, const uint8_t* q, size_t n, float scale) {
     const __m512 scale_vector = _mm512_set1_ps(scale);
-    piece_.elements += n;
     for (size_t i = 0; i < n; i += 16) {
       const auto lanes = static_cast<__mmask16>(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
       const __m512 x = _mm512_maskz_loadu_ps(lanes, src + i);
@@ -279,7 +278,6 @@ void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& s
   // none saturates under its block's scale, and the cast is `rounded` (the
   // code's value) times the scale, with x's sign.
   ErrorMeter meter(format);
-  const uint64_t elements_before = error->elements;
   avx512::MeasureLoss(error, [&](auto& add_loss) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i least_normal_code = _mm512_set1_epi32(1 << SpecOf(format).mantissa_bits);
@@ -295,9 +293,7 @@ void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& s
         &meter);
   });
   meter.AddTo(error);
-  // MeasureLoss counts no elements and the meter only its own blocks': the
-  // total, once.
-  error->elements = elements_before + n;
+  error->elements += n;
 }
 
 void MeasureFp8ErrorAvx512(const float* src, const uint8_t* q, size_t n, float scale,
@@ -305,6 +301,7 @@ void MeasureFp8ErrorAvx512(const float* src, const uint8_t* q, size_t n, float s
   ErrorMeter meter(format);
   meter.Measure(src, q, n, scale);
   meter.AddTo(error);
+  error->elements += n;
 }
 
 float FiniteAbsMaxAvx512(const float* src, size_t n) {

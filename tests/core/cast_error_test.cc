@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/cast.h"
+#include "tests/core/cast_error_expect.h"
 
 namespace layercast {
 namespace {
@@ -37,13 +38,7 @@ std::vector<float> Mixed() {
 // Every count and the maximum exactly; the sum to 1e-6 (kernels add in
 // their own order).
 void ExpectSameLoss(const CastError& got, const CastError& want) {
-  EXPECT_EQ(got.measured, want.measured);
-  EXPECT_EQ(got.flushed_to_zero, want.flushed_to_zero);
-  EXPECT_EQ(got.overflowed, want.overflowed);
-  EXPECT_EQ(got.became_subnormal, want.became_subnormal);
-  EXPECT_EQ(got.above, want.above);
-  EXPECT_EQ(got.max_relative_error, want.max_relative_error);
-  EXPECT_NEAR(got.relative_error_sum, want.relative_error_sum, 1e-6);
+  EXPECT_EQ(CastErrorDifference(got, want, 1e-6), "");
 }
 
 CastError Measure(const std::vector<float>& in, DType to, Fp16Overflow overflow) {

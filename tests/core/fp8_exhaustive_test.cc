@@ -14,6 +14,7 @@
 #include "core/cast.h"
 #include "core/cast_error.h"
 #include "core/fp8.h"
+#include "tests/core/cast_error_expect.h"
 #include "tests/core/every_fp32_pattern.h"
 #include "tests/core/fp8_reference.h"
 
@@ -83,19 +84,11 @@ void ExpectEveryPatternMatches(Fp8Format format) {
           }
           CastError want;
           MeasureFp8Error(s.anchored, s.anchored_got, 1.0f, format, &want);
-          if (got.elements != want.elements || got.measured != want.measured ||
-              got.overflowed != want.overflowed || got.flushed_to_zero != want.flushed_to_zero ||
-              got.became_subnormal != want.became_subnormal || got.above != want.above ||
-              got.max_relative_error != want.max_relative_error ||
-              std::fabs(got.relative_error_sum - want.relative_error_sum) >
-                  1e-5 * want.relative_error_sum) {
-            return absl::StrFormat(
-                "%s %s, block from fp32 0x%08x: measured %d flushed %d subnormal %d max %a sum %g,"
-                " want %d %d %d %a %g",
-                Fp8FormatName(format), CastIsaName(isa), first, got.measured, got.flushed_to_zero,
-                got.became_subnormal, got.max_relative_error, got.relative_error_sum, want.measured,
-                want.flushed_to_zero, want.became_subnormal, want.max_relative_error,
-                want.relative_error_sum);
+          if (const std::string difference =
+                  CastErrorDifference(got, want, 1e-5 * want.relative_error_sum);
+              !difference.empty()) {
+            return absl::StrFormat("%s %s, block from fp32 0x%08x measured: %s",
+                                   Fp8FormatName(format), CastIsaName(isa), first, difference);
           }
         }
         return "";

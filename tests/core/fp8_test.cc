@@ -14,6 +14,7 @@
 
 #include "core/cast.h"
 #include "core/cast_error.h"
+#include "tests/core/cast_error_expect.h"
 #include "tests/core/fp8_reference.h"
 
 namespace layercast {
@@ -258,15 +259,7 @@ TEST(Fp8Test, EveryKernelMeasuresWhatTheScalarOneDoes) {
         CastError got;
         QuantizeFp8(values, block_size, format, codes, scales, &got, isa);
         SCOPED_TRACE(testing::Message() << Fp8FormatName(format) << " " << CastIsaName(isa));
-        EXPECT_EQ(got.elements, want.elements);
-        EXPECT_EQ(got.measured, want.measured);
-        EXPECT_EQ(got.overflowed, want.overflowed);
-        EXPECT_EQ(got.flushed_to_zero, want.flushed_to_zero);
-        EXPECT_EQ(got.became_subnormal, want.became_subnormal);
-        EXPECT_EQ(got.above, want.above);
-        EXPECT_EQ(got.max_relative_error, want.max_relative_error);
-        EXPECT_NEAR(got.relative_error_sum, want.relative_error_sum,
-                    1e-5 * want.relative_error_sum);
+        EXPECT_EQ(CastErrorDifference(got, want, 1e-5 * want.relative_error_sum), "");
       }
     }
   }
