@@ -33,6 +33,7 @@
 #include "client/gradient_sink.h"
 #include "client/shard_set.h"
 #include "core/byte_size.h"
+#include "core/layout.h"
 #include "core/status_macros.h"
 #include "tools/cli_flags.h"
 #include "tools/local_shard_set.h"
@@ -75,11 +76,12 @@ double Seconds(Clock::time_point since) {
 absl::StatusOr<std::vector<client::LayerBuffer>> Gradients(const client::ShardSet& set,
                                                            uint64_t step) {
   std::vector<client::LayerBuffer> gradients;
-  for (uint32_t l = 0; l < set.view().layouts.size(); ++l) {
+  for (const AssembledLayout& layout : set.view().gradient_layouts) {
+    const auto l = static_cast<uint32_t>(gradients.size());
     ASSIGN_OR_RETURN(client::LayerBuffer buffer,
-                     client::LayerBuffer::Allocate(set.view().layouts[l].total_bytes()));
-    RETURN_IF_ERROR(tools::FillSyntheticGradient(set.view().layouts[l], 0, step, l,
-                                                 {buffer.data(), buffer.size()}));
+                     client::LayerBuffer::Allocate(layout.total_bytes()));
+    RETURN_IF_ERROR(
+        tools::FillSyntheticGradient(layout, 0, step, l, {buffer.data(), buffer.size()}));
     gradients.push_back(std::move(buffer));
   }
   return gradients;

@@ -39,6 +39,13 @@ ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
                        .Register(registry);
   prefetch_hits_ = &prefetch.Add({{"result", "hit"}});
   prefetch_misses_ = &prefetch.Add({{"result", "miss"}});
+  delta_fallbacks_ = &prometheus::BuildCounter()
+                          .Name("layercast_client_delta_fallbacks_total")
+                          .Help(
+                              "Delta pulls the shards refused (their change log no longer "
+                              "reaches the base), gathered in full instead")
+                          .Register(registry)
+                          .Add({});
 }
 
 void ClientMetrics::RecordGather(bool ok, uint64_t bytes, double seconds) {
@@ -51,5 +58,7 @@ void ClientMetrics::RecordNext(bool hit, double seconds) {
   wait_seconds_->Increment(seconds);
   (hit ? prefetch_hits_ : prefetch_misses_)->Increment();
 }
+
+void ClientMetrics::RecordDeltaFallback() { delta_fallbacks_->Increment(); }
 
 }  // namespace layercast::client

@@ -21,6 +21,9 @@ class ClientMetrics {
   // The caller waited `seconds` in LayerStream::Next; `hit` when the layer
   // was already there.
   void RecordNext(bool hit, double seconds);
+  // A delta pull was refused (the shards no longer hold the changes since
+  // its base) and the layer is gathered in full instead.
+  void RecordDeltaFallback();
 
  private:
   prometheus::Histogram* gather_duration_;
@@ -30,6 +33,7 @@ class ClientMetrics {
   prometheus::Counter* wait_seconds_;
   prometheus::Counter* prefetch_hits_;
   prometheus::Counter* prefetch_misses_;
+  prometheus::Counter* delta_fallbacks_;
 };
 
 }  // namespace layercast::client

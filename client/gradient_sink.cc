@@ -83,34 +83,20 @@ uint64_t GradientSink::bytes_pushed() const {
   return bytes_pushed_;
 }
 
-absl::Status GradientSink::CheckPushable(const ShardSetView& view, uint32_t layer) {
-  if (layer >= view.layouts.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer, " does not exist: this model has ", view.layouts.size(), " layers"));
-  }
-  for (size_t t = 0; t < view.layouts[layer].tensors().size(); ++t) {
-    const DType dtype = view.layouts[layer].tensors()[t].compute_dtype;
-    if (!IsFloat8(dtype)) continue;
-    // The gradient comes in the gather's shape, and 8-bit codes cannot hold
-    // one: it would need a float32 layout of its own.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tensor ", view.model.layers[layer].tensors[t].name, " of layer ", layer, " computes in ",
-        DTypeName(dtype),
-        ", and gradients are pushed in the gather's layout, which cannot hold them in 8 bits: "
-        "train with a 16-bit compute dtype (or an override for the tensors you train)"));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Push(
     uint32_t layer, uint64_t step, LayerBuffer gradient) {
   const ShardSetView& view = shards_.view();
-  if (absl::Status pushable = CheckPushable(view, layer); !pushable.ok()) return pushable;
-  if (gradient.size() != view.layouts[layer].total_bytes()) {
+  if (layer >= view.gradient_layouts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer,
+                                                   " does not exist: this model has ",
+                                                   view.gradient_layouts.size(), " layers"));
+  }
+  if (gradient.size() != view.gradient_layouts[layer].total_bytes()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the gradient of layer ", layer, " is ", gradient.size(),
-                     " bytes; it must be the layer's assembled layout, ",
-                     view.layouts[layer].total_bytes(), " bytes (the shape a gather returns)"));
+                     " bytes; it must be the layer's gradient layout, ",
+                     view.gradient_layouts[layer].total_bytes(),
+                     " bytes (the shape a gather returns, with 8-bit float tensors in float32)"));
   }
   auto task = std::make_shared<Task>();
   task->layer = layer;
@@ -263,7 +249,7 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(u
     std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>> writer =
         shards_.stub(shard).PushGradients(&context, &response);
     wire::GradientChunker chunker(
-        view.layouts[task.layer],
+        view.gradient_layouts[task.layer],
         std::span<const uint8_t>(task.gradient.data(), task.gradient.size()),
         {task.step, options_.worker, task.layer, shard, num_shards}, options_.chunk_bytes);
     layercast::v1::GradientChunk chunk;

@@ -51,8 +51,9 @@ struct PushResult {
 
 // Sends a worker's gradients to the shards, layer by layer, beside the
 // LayerStream that gathers the weights: hand it each layer's gradient as
-// soon as its backward pass is done, in the assembled layout (the buffer
-// shape a gather returns, each tensor in its compute dtype), and go on with
+// soon as its backward pass is done, in the layer's gradient layout
+// (ShardSetView::gradient_layouts: the buffer shape a gather returns, each
+// tensor in its compute dtype, but 8-bit float tensors in float32), and go on with
 // the next layer. In the background it cuts the buffer by ownership
 // (wire::GradientChunker) and streams every shard its part, layers taken in
 // the order given, `streams_per_shard` threads per shard.
@@ -66,12 +67,6 @@ struct PushResult {
 // Thread-safe.
 class GradientSink {
  public:
-  // OK when the gradient of `layer` can be pushed in its gather's layout;
-  // FAILED_PRECONDITION for a layer with an 8-bit float tensor, whose
-  // gather layout holds codes, not gradients. Callers that build the buffer
-  // themselves ask first, before the backward pass's work is spent.
-  static absl::Status CheckPushable(const ShardSetView& view, uint32_t layer);
-
   // `shards` must outlive the sink. INVALID_ARGUMENT for chunk_bytes < 4.
   static absl::StatusOr<std::unique_ptr<GradientSink>> Create(const ShardSet& shards,
                                                               GradientSinkOptions options);

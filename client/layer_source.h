@@ -24,7 +24,9 @@ struct GatherOptions {
   // version already, and the shards send only the values that changed
   // since (FetchLayerRequest.base_version); the result is the same as a
   // full pull's. A shard that no longer holds the changes since then
-  // answers OUT_OF_RANGE, and ShardSet pulls the layer in full instead.
+  // answers OUT_OF_RANGE, and ShardSet pulls the layer in full instead
+  // (and counts it: layercast_client_delta_fallbacks_total). A layer with
+  // an 8-bit float tensor is always pulled in full: no delta carries scales.
   std::optional<uint64_t> base_version;
   // A pinned read: the layer at exactly this version (waited for when the
   // shards are not there yet), as a walk of the whole model at one version

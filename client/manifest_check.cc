@@ -104,8 +104,14 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
         !blocks.ok()) {
       return Bad(blocks.message());
     }
+    absl::StatusOr<AssembledLayout> gradient = GradientLayout(layout);
+    if (!gradient.ok()) {
+      return Bad(absl::StrCat("layer ", l, " (", layer.name(),
+                              ")'s gradient: ", gradient.status().message()));
+    }
     view.model.layers.push_back(std::move(spec));
     view.layouts.push_back(std::move(layout));
+    view.gradient_layouts.push_back(*std::move(gradient));
   }
   const absl::StatusOr<std::array<uint8_t, 32>> digest = LayoutDigest(view.model, view.policy);
   if (!digest.ok()) return Bad(digest.status().message());  // the layouts above were built

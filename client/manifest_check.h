@@ -27,6 +27,9 @@ struct ShardSetView {
   ModelSpec model;
   Policy policy;
   std::vector<AssembledLayout> layouts;  // one per layer
+  // One per layer: GradientLayout(layouts[l]), the shape a worker pushes
+  // layer l's gradient in (layouts[l] unless it has 8-bit float tensors).
+  std::vector<AssembledLayout> gradient_layouts;
   uint32_t num_shards = 0;
 };
 

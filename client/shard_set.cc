@@ -1,5 +1,6 @@
 #include "client/shard_set.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -8,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/layer_gather.h"
+#include "core/dtype.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "wire/grpc_status.h"
@@ -219,6 +221,13 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   constexpr int kVersionRetries = 3;
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   GatherOptions attempt = options;
+  // Shards send no delta of an 8-bit float tensor (a changed value can move
+  // its block's scale and so every code of the block): ask for the whole
+  // layer at once rather than for a refusal from every shard first.
+  if (std::any_of(layout.tensors().begin(), layout.tensors().end(),
+                  [](const AssembledTensor& tensor) { return IsFloat8(tensor.compute_dtype); })) {
+    attempt.base_version.reset();
+  }
   for (int tries = 0;; ++tries) {
     LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
     absl::StatusOr<uint64_t> version = gather.Run();
@@ -228,6 +237,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
       // A shard no longer holds the changes since the base (or keeps none):
       // the whole layer, once, overwriting whatever deltas were applied.
       Log()->info("gathering layer {} in full: {}", layer, version.status().message());
+      if (metrics_ != nullptr) metrics_->RecordDeltaFallback();
       attempt.base_version.reset();
       attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());

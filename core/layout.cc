@@ -114,6 +114,16 @@ absl::StatusOr<AssembledLayout> AssembledLayout::FromDTypes(
   return layout;
 }
 
+absl::StatusOr<AssembledLayout> GradientLayout(const AssembledLayout& served) {
+  std::vector<DType> dtypes;
+  std::vector<uint64_t> counts;
+  for (const AssembledTensor& tensor : served.tensors()) {
+    dtypes.push_back(IsFloat8(tensor.compute_dtype) ? DType::kFloat32 : tensor.compute_dtype);
+    counts.push_back(tensor.num_elements);
+  }
+  return AssembledLayout::FromDTypes(dtypes, counts);
+}
+
 absl::StatusOr<std::vector<TensorElementRange>> AssembledLayout::MapByteRange(uint64_t begin,
                                                                               uint64_t end) const {
   if (begin >= end || end > total_bytes_) {

@@ -110,6 +110,14 @@ class AssembledLayout {
   uint64_t total_bytes_ = 0;
 };
 
+// The layout a worker pushes a layer's gradient in: `served`'s tensors in
+// order, each 8-bit float one in float32 instead (codes cannot hold a
+// gradient: they have no scales of their own, and a shard takes FLOAT32 for
+// any tensor), the others in their compute dtype; the same layout when no
+// tensor is 8-bit. INVALID_ARGUMENT, as FromDTypes, when the wider tensors
+// would exceed kMaxAssembledLayerBytes.
+absl::StatusOr<AssembledLayout> GradientLayout(const AssembledLayout& served);
+
 // Whether every 8-bit float tensor of `layer` (laid out as `layout`) is cut
 // into shard slices that start on its block boundaries for `num_shards`
 // shards: a shard quantizes its own blocks, so no block may straddle two

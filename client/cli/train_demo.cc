@@ -8,6 +8,7 @@
 #include "client/cli/commands.h"
 #include "client/gradient_sink.h"
 #include "core/byte_size.h"
+#include "core/layout.h"
 #include "core/status_macros.h"
 #include "tools/local_shard_set.h"
 #include "tools/synthetic_gradient.h"
@@ -74,11 +75,11 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
     for (uint32_t l = num_layers; l-- > 0;) {  // backward: gather, compute, push
       ASSIGN_OR_RETURN(client::Layer layer, set->Gather(l, gather));
       gathered += layer.bytes().size();
+      const AssembledLayout& gradient_layout = set->view().gradient_layouts[l];
       ASSIGN_OR_RETURN(client::LayerBuffer gradient,
-                       client::LayerBuffer::Allocate(layer.bytes().size()));
-      RETURN_IF_ERROR(
-          tools::FillSyntheticGradient(set->view().layouts[l], 0, step, l,
-                                       std::span<uint8_t>(gradient.data(), gradient.size())));
+                       client::LayerBuffer::Allocate(gradient_layout.total_bytes()));
+      RETURN_IF_ERROR(tools::FillSyntheticGradient(
+          gradient_layout, 0, step, l, std::span<uint8_t>(gradient.data(), gradient.size())));
       ASSIGN_OR_RETURN(auto pushed, sink->Push(l, step, std::move(gradient)));
       pushes.push_back(std::move(pushed));
     }

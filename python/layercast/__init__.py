@@ -237,8 +237,9 @@ class ShardSet:
     @property
     def manifest(self) -> Dict[str, object]:
         """model_id, num_shards, policy, version (the model's, its lowest
-        layer's, when connecting) and layers: each {index, name, nbytes, tensors: [{name, shape,
-        dtype, param_dtype}]}."""
+        layer's, when connecting) and layers: each {index, name, nbytes, grad_nbytes,
+        tensors: [{name, shape, dtype, param_dtype, grad_dtype}]}. grad_dtype is the
+        dtype push_gradients takes: the compute dtype, but float32 for 8-bit floats."""
         return self._native.manifest
 
     @property

@@ -123,6 +123,7 @@ class LayerwiseTrainer:
                 raise KeyError(f"the shards serve no layer {name!r}; they serve "
                                f"{sorted(by_name)}")
             self.stages.append((by_name[name]["index"], fn))
+        self._grad_nbytes = {layer["index"]: layer["grad_nbytes"] for layer in manifest["layers"]}
         sizes = sorted((by_name[name]["nbytes"] for name, _ in stages), reverse=True)
         self.budget_bytes = budget_bytes or sum(sizes[:2])
         self.lookahead = lookahead
@@ -197,7 +198,7 @@ class LayerwiseTrainer:
                 start = time.perf_counter()
                 pushes.append(self.shard_set.push_gradients(step, self.worker, index, grads))
                 self.push_seconds += time.perf_counter() - start
-                self.bytes_pushed += layer.nbytes
+                self.bytes_pushed += self._grad_nbytes[index]
                 grad_output = stage_input.grad if stage_input.requires_grad else None
                 # The graph's leaves hold the weights: drop it with them, so
                 # the layer's bytes go back to the stream's budget.

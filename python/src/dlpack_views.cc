@@ -131,8 +131,7 @@ ImportedTensor ImportTensor(const py::handle& tensor, const TensorSpec& spec, DT
 
 void ImportGradient(const py::handle& tensor, const TensorSpec& spec, const AssembledTensor& placed,
                     uint8_t* destination) {
-  const ImportedTensor gradient =
-      ImportTensor(tensor, spec, placed.compute_dtype, "gradient (in the compute dtype)");
+  const ImportedTensor gradient = ImportTensor(tensor, spec, placed.compute_dtype, "gradient");
   std::memcpy(destination, gradient.data(), placed.num_elements * DTypeSize(placed.compute_dtype));
 }
 

@@ -83,8 +83,9 @@ ImportedTensor ImportTensor(const pybind11::handle& tensor, const TensorSpec& sp
                             absl::string_view role);
 
 // Copies `tensor` (anything with __dlpack__: a torch.Tensor), the gradient
-// of `spec`, into `destination`, its place in the assembled layout. It must
-// be on the CPU, contiguous, of the tensor's shape and compute dtype:
+// of `spec`, into `destination`, its place (`placed`) in the layer's
+// gradient layout. It must be on the CPU, contiguous, of the tensor's shape
+// and of placed's dtype (the compute dtype, float32 for 8-bit floats):
 // TypeError or ValueError saying which, and how to convert it.
 void ImportGradient(const pybind11::handle& tensor, const TensorSpec& spec,
                     const AssembledTensor& placed, uint8_t* destination);

@@ -130,12 +130,14 @@ py::dict PyShardSet::Manifest() const {
       tensor["shape"] = spec.tensors[t].shape;
       tensor["dtype"] = DTypeString(view.layouts[l].tensors()[t].compute_dtype);
       tensor["param_dtype"] = "float32";
+      tensor["grad_dtype"] = DTypeString(view.gradient_layouts[l].tensors()[t].compute_dtype);
       tensors.append(tensor);
     }
     py::dict layer;
     layer["index"] = l;
     layer["name"] = spec.name;
     layer["nbytes"] = view.layouts[l].total_bytes();
+    layer["grad_nbytes"] = view.gradient_layouts[l].total_bytes();
     layer["tensors"] = tensors;
     layers.append(layer);
   }
@@ -185,11 +187,8 @@ PyPush PyShardSet::PushGradients(uint64_t step, uint32_t worker, uint32_t layer,
     Raise(absl::NotFoundError(
         absl::StrCat("there is no layer ", layer, "; the model has ", view.layouts.size())));
   }
-  if (absl::Status pushable = client::GradientSink::CheckPushable(view, layer); !pushable.ok()) {
-    Raise(pushable);
-  }
   const LayerSpec& spec = view.model.layers[layer];
-  const AssembledLayout& layout = view.layouts[layer];
+  const AssembledLayout& layout = view.gradient_layouts[layer];
   if (gradients.size() != spec.tensors.size()) {
     std::vector<std::string> names;
     for (const TensorSpec& tensor : spec.tensors) names.push_back(tensor.name);

@@ -234,6 +234,47 @@ TEST(AssembledLayoutTest, Float8TensorsKeepTheirBlockScalesAfterTheirCodes) {
                         "of two from 16 to 256"));
 }
 
+TEST(GradientLayoutTest, Float8TensorsTakeTheirGradientsInFloat32WithoutScales) {
+  const AssembledLayout served = *AssembledLayout::FromDTypes(
+      {DType::kFloat8E4M3FN, DType::kBFloat16, DType::kFloat8E5M2, DType::kFloat16},
+      {1000, 3, 4096, 7}, 32);
+  const AssembledLayout gradient = *GradientLayout(served);
+  const auto& t = gradient.tensors();
+  ASSERT_EQ(t.size(), 4u);
+  EXPECT_EQ(t[0].compute_dtype, DType::kFloat32);
+  EXPECT_EQ(t[0].block_size, 0u);
+  EXPECT_EQ(t[0].scale_bytes(), 0u);
+  EXPECT_EQ(t[0].byte_offset, 0u);
+  EXPECT_EQ(t[1].compute_dtype, DType::kBFloat16);
+  EXPECT_EQ(t[1].byte_offset, 4096u);  // 4000 bytes of float32, aligned
+  EXPECT_EQ(t[2].compute_dtype, DType::kFloat32);
+  EXPECT_EQ(t[2].byte_offset, 4352u);
+  EXPECT_EQ(t[3].compute_dtype, DType::kFloat16);
+  EXPECT_EQ(t[3].byte_offset, 4352u + 16384u);
+  EXPECT_EQ(gradient.total_bytes(), 4352u + 16384u + 256u);
+  for (size_t i = 0; i < t.size(); ++i) {
+    EXPECT_EQ(t[i].num_elements, served.tensors()[i].num_elements) << i;
+  }
+
+  // Without 8-bit tensors the gradient comes in the gather's own layout.
+  const AssembledLayout wide =
+      *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat32}, {1000, 3});
+  const AssembledLayout same = *GradientLayout(wide);
+  EXPECT_EQ(same.total_bytes(), wide.total_bytes());
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(same.tensors()[i].compute_dtype, wide.tensors()[i].compute_dtype);
+    EXPECT_EQ(same.tensors()[i].byte_offset, wide.tensors()[i].byte_offset);
+  }
+
+  // Four bytes an element where the codes took one: a layer at the cap in
+  // fp8 cannot take its gradient, and says so.
+  const AssembledLayout at_cap =
+      *AssembledLayout::FromDTypes({DType::kFloat8E4M3FN}, {kMaxAssembledLayerBytes / 2}, 256);
+  const absl::Status too_big = GradientLayout(at_cap).status();
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_big.message()), HasSubstr("float32 elements"));
+}
+
 TEST(AssembledLayoutTest, ShardsMayNotSplitAFloat8Block) {
   const LayerSpec layer{"l0", {TensorSpec{"w", {64, 8}, 512}, TensorSpec{"b", {24}, 24}}};
   const AssembledLayout layout =

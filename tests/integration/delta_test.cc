@@ -131,10 +131,13 @@ TEST_F(DeltaTest, DeltasAfterOneTwoAndKStepsAreTheFullPull) {
   const grpc::Status refused = reader->Finish();
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::OUT_OF_RANGE) << refused.error_message();
   EXPECT_THAT(refused.error_message(), HasSubstr("pull the layer in full"));
+  constexpr char kFallbacks[] = "layercast_client_delta_fallbacks_total";
+  const double fallbacks = CounterValue(*shards_.registry, kFallbacks);
   for (uint32_t l = 0; l < layers; ++l) {
     const Pulled fallback = Pull(set, l, copies[too_old][l].bytes, too_old);
     EXPECT_TRUE(fallback.bytes == copies[kSteps][l].bytes) << "layer " << l;
     EXPECT_EQ(fallback.received, copies[kSteps][l].received) << "a full pull's bytes";
+    EXPECT_EQ(CounterValue(*shards_.registry, kFallbacks), fallbacks + l + 1) << "layer " << l;
   }
 }
 

@@ -1,9 +1,10 @@
 // fp8 on the wire against real shard processes: a layer in float8_e4m3fn or
 // float8_e5m2 arrives as the codes and block scales of quantizing the fp32
 // master (core/fp8.h, itself checked over every fp32 input), whole, in byte
-// ranges and when a delta pull falls back to a full one; a policy's
-// max_rel_error refuses what fp8 loses beyond it; a shard refuses to start
-// when its shard count would split a block.
+// ranges, and in full when a delta is asked for; a policy's max_rel_error
+// refuses what fp8 loses beyond it; a worker trains an fp8 layer from
+// float32 gradients; a shard refuses to start when its shard count would
+// split a block.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,10 +19,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cast_error_report.h"
+#include "client/gradient_sink.h"
 #include "core/cast.h"
 #include "core/fp8.h"
 #include "core/policy.h"
+#include "layercast/v1/shard.grpc.pb.h"
 #include "tests/integration/shard_fixture.h"
+#include "tools/synthetic_gradient.h"
 
 namespace layercast::testing {
 namespace {
@@ -88,7 +92,7 @@ void ExpectServedAsPolicySays(const client::Layer& got,
   }
 }
 
-TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndAfterADeltaFallback) {
+TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndInFullForADelta) {
   const MasterValues master = MasterLayers();
   ASSERT_FALSE(master.empty());
   // Small chunks, so a tensor spans several, and ranges that start inside
@@ -148,13 +152,27 @@ TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndAfterADeltaFallb
           << "tensor " << t;
     }
 
-    // A delta pull of an fp8 layer cannot carry scales: the shards say so
-    // (OUT_OF_RANGE) and the gather pulls in full, with the same result.
+    // A delta pull of an fp8 layer cannot carry scales: a shard asked for
+    // one refuses (OUT_OF_RANGE), so the library does not ask; it pulls in
+    // full, with the same result, and no shard has refused anything.
+    grpc::ClientContext context;
+    layercast::v1::FetchLayerRequest request;
+    request.set_layer(l);
+    request.set_base_version(whole->version());
+    auto reader = shards.set->stub(0).FetchLayer(&context, request);
+    layercast::v1::LayerChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    const grpc::Status refused = reader->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::OUT_OF_RANGE) << refused.error_message();
+    EXPECT_THAT(refused.error_message(), HasSubstr("delta pulls do not carry block scales"));
     client::GatherOptions delta;
     delta.base_version = whole->version();
     std::memset(buffer->data(), 0, buffer->size());
     ASSERT_TRUE(shards.set->GatherInto(l, delta, {buffer->data(), buffer->size()}).ok());
     EXPECT_EQ(std::memcmp(buffer->data(), whole->bytes().data(), buffer->size()), 0);
+    EXPECT_EQ(CounterValue(*shards.registry, "layercast_client_delta_fallbacks_total"), 0)
+        << "a delta was asked for, and refused";
   }
   EXPECT_TRUE(shards.processes->Stop().ok());
 }
@@ -207,6 +225,71 @@ TEST(Fp8WireTest, FetchWritesCodesAndTheirScales) {
         std::string(reinterpret_cast<const char*>(view.scales.data()), view.scales.size_bytes()));
   }
   EXPECT_EQ(fp8, 7) << "the decoder layer's seven projections";
+  EXPECT_TRUE(shards.processes->Stop().ok());
+}
+
+// A worker trains a layer it is served in fp8: it pushes the gradient in
+// the layer's gradient layout (fp8 tensors in float32, the 16-bit norms in
+// bfloat16), each shard steps its slice of the fp32 master, and the next
+// gather is the quantization of master - lr * gradient, code for code and
+// scale for scale. A gradient misplaced by one element, or cut to 16 bits,
+// moves some block's scale or code.
+TEST(Fp8WireTest, AnFp8LayerTrainsFromFloat32GradientsOnTheMaster) {
+  const MasterValues master = MasterLayers();
+  ASSERT_FALSE(master.empty());
+  const std::string policy_text = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=bf16";
+  const Policy policy = *Policy::Parse(policy_text);
+  // lr = 0.5: lr * g is exact, so the step is one fp32 rounding of p - g/2
+  // however the optimizer groups it.
+  RunningShards shards =
+      StartShards(2, {"--synthetic", kModel, "--policy", policy_text, "--optimizer", "sgd:lr=0.5",
+                      "--data-parallel-workers", "1", "--chunk-bytes", "1000"});
+  ASSERT_NE(shards.set, nullptr);
+  const client::ShardSetView& view = shards.set->view();
+  auto sink = client::GradientSink::Create(*shards.set, {.chunk_bytes = 1000});
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  MasterValues stepped = master;
+  for (uint32_t l = 0; l < master.size(); ++l) {
+    SCOPED_TRACE(absl::StrCat("layer ", l));
+    const AssembledLayout& gradient_layout = view.gradient_layouts[l];
+    ASSERT_EQ(gradient_layout.tensors().size(), master[l].size());
+    absl::StatusOr<client::LayerBuffer> gradient =
+        client::LayerBuffer::Allocate(gradient_layout.total_bytes());
+    ASSERT_TRUE(gradient.ok());
+    ASSERT_TRUE(
+        tools::FillSyntheticGradient(gradient_layout, 0, 0, l, {gradient->data(), gradient->size()})
+            .ok());
+    for (size_t t = 0; t < master[l].size(); ++t) {
+      const AssembledTensor& placed = gradient_layout.tensors()[t];
+      const DType served = view.layouts[l].tensors()[t].compute_dtype;
+      ASSERT_EQ(placed.compute_dtype, IsFloat8(served) ? DType::kFloat32 : served);
+      std::vector<float> g(placed.num_elements);
+      CastToF32(gradient->data() + placed.byte_offset, placed.compute_dtype, g.data(), g.size());
+      for (size_t i = 0; i < g.size(); ++i) stepped[l][t][i] -= 0.5f * g[i];
+    }
+    // The gather's layout is the wrong shape for an fp8 layer's gradient.
+    if (gradient_layout.total_bytes() != view.layouts[l].total_bytes()) {
+      auto wrong = client::LayerBuffer::Allocate(view.layouts[l].total_bytes());
+      ASSERT_TRUE(wrong.ok());
+      auto refused = (*sink)->Push(l, 0, *std::move(wrong));
+      ASSERT_FALSE(refused.ok());
+      EXPECT_THAT(std::string(refused.status().message()), HasSubstr("gradient layout"));
+    }
+    auto pushed = (*sink)->Push(l, 0, *std::move(gradient));
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    ASSERT_TRUE(pushed->get().ok()) << pushed->get().status();
+    EXPECT_TRUE(pushed->get()->applied);
+  }
+  ASSERT_TRUE((*sink)->Flush().ok());
+  for (uint32_t l = 0; l < master.size(); ++l) {
+    SCOPED_TRACE(absl::StrCat("layer ", l));
+    client::GatherOptions options;
+    options.min_version = 1;
+    absl::StatusOr<client::Layer> layer = shards.set->Gather(l, options);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    EXPECT_EQ(layer->version(), 1u);
+    ExpectServedAsPolicySays(*layer, stepped[l], policy);
+  }
   EXPECT_TRUE(shards.processes->Stop().ok());
 }
 

@@ -35,12 +35,23 @@ RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
   RunningShards running;
   running.processes = StartProcesses(num_shards, std::move(flags));
   if (running.processes == nullptr) return running;
+  running.registry = std::make_shared<prometheus::Registry>();
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::seconds(60);
+  connect.registry = running.registry;
   auto set = client::ShardSet::Connect(running.processes->addresses(), connect);
   EXPECT_TRUE(set.ok()) << set.status();
   if (set.ok()) running.set = *std::move(set);
   return running;
+}
+
+double CounterValue(const prometheus::Registry& registry, const std::string& name) {
+  double total = 0;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) total += metric.counter.value;
+  }
+  return total;
 }
 
 std::string WriteAdminToken(const std::string& dir, const std::string& token) {

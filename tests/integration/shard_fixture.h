@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <prometheus/registry.h>
+
 #include "client/shard_set.h"
 #include "tools/local_shard_set.h"
 
@@ -25,12 +27,18 @@ std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std
                                                      const std::string& log_dir = "");
 
 // Starts `num_shards` real layercast-shard processes with `flags` and
-// connects a ShardSet to them; fails the test on error.
+// connects a ShardSet to them, its worker metrics in `registry`; fails the
+// test on error.
 struct RunningShards {
   std::unique_ptr<tools::LocalShardSet> processes;
+  std::shared_ptr<prometheus::Registry> registry;
   std::unique_ptr<client::ShardSet> set;
 };
 RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);
+
+// The sum of the counter `name` over its label sets in `registry` (0 when
+// nothing registered it).
+double CounterValue(const prometheus::Registry& registry, const std::string& name);
 
 // Writes `token` to DIR/token, readable by its owner only (the shard and the
 // CLI refuse a token file others may read); returns the path.

@@ -172,10 +172,12 @@ def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
     """Under an fp8 policy each tensor is a uint8 view of its codes plus a
     float32 view of its block scales, both zero-copy; each scale is the
     block's absolute maximum over 448 (computed here by torch), and
-    dequantize gives every value back within e4m3fn's precision."""
+    dequantize gives every value back within e4m3fn's precision. Such a layer
+    trains from float32 gradients of its fp8 tensors."""
     directory, tensors = model
     policy = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=f32"
-    with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", policy]) as shards:
+    with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", policy, "--optimizer",
+                                "sgd:lr=1", "--data-parallel-workers", "1"]) as shards:
         with layercast.connect(shards.addresses) as shard_set:
             seen = 0
             for layer in shard_set.stream(range(len(shard_set.manifest["layers"])),
@@ -209,10 +211,29 @@ def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
                     assert bool(((values - master).abs() <= bound).all()), name
                     assert view.scales.block_size == 0 and view.scales.scales is None
             assert seen > 0
-            # Gradients go in the gather's layout, which holds codes: a layer
-            # with an fp8 tensor is refused before anything is copied.
-            with pytest.raises(layercast.Error) as refused:
+            # Gradients of fp8 tensors go in float32 (the manifest's
+            # grad_dtype). Half of each master as its gradient: with lr=1 the
+            # master halves exactly, so every code stays and every scale
+            # halves; a gradient misplaced or cut to 16 bits would move codes.
+            entry = shard_set.manifest["layers"][with_fp8.index]
+            assert {t["name"]: t["grad_dtype"] for t in entry["tensors"]} == {
+                n: "float32" for n in with_fp8.tensors}
+            assert entry["grad_nbytes"] > entry["nbytes"]
+            with pytest.raises(TypeError):
                 shard_set.push_gradients(0, 0, with_fp8.index,
-                                         {n: dequantize(v) for n, v in with_fp8.tensors.items()})
-            assert refused.value.code == "FAILED_PRECONDITION", refused.value.message
-            assert "16-bit compute dtype" in refused.value.message
+                                         {n: tensors[n].to(torch.bfloat16)
+                                          for n in with_fp8.tensors})
+            before = {n: (torch.from_dlpack(v).clone(),
+                          torch.from_dlpack(v.scales).clone() if v.block_size else None)
+                      for n, v in with_fp8.tensors.items()}
+            grads = {n: tensors[n] * 0.5 for n in with_fp8.tensors}
+            pushed = shard_set.push_gradients(0, 0, with_fp8.index, grads).result()
+            assert pushed["applied"] and pushed["layer_version"] == 1
+            after = next(shard_set.stream([with_fp8.index], budget_bytes=1 << 20, min_version=1))
+            for name, view in after.tensors.items():
+                codes, scales = before[name]
+                if scales is None:  # a norm, served in float32
+                    assert torch.equal(torch.from_dlpack(view), tensors[name] * 0.5), name
+                    continue
+                assert torch.equal(torch.from_dlpack(view), codes), name
+                assert torch.equal(torch.from_dlpack(view.scales), scales * 0.5), name
