@@ -9,6 +9,23 @@
 #include "core/status_macros.h"
 
 namespace layercast::gpu {
+namespace {
+
+// The end of the staging bytes that gathering [begin, end) of `layout`
+// writes: beyond `end` when it covers 8-bit float codes, whose blocks'
+// scales come with them and lie after all the tensor's codes.
+uint64_t WrittenEnd(const AssembledLayout& layout, uint64_t begin, uint64_t end) {
+  uint64_t written = end;
+  for (const AssembledTensor& tensor : layout.tensors()) {
+    if (tensor.block_size != 0 && tensor.byte_offset < end &&
+        begin < tensor.byte_offset + tensor.num_bytes()) {
+      written = std::max(written, tensor.scale_offset + tensor.scale_bytes());
+    }
+  }
+  return written;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceGatherer>> DeviceGatherer::Create(
     const client::LayerSource& source, DeviceGathererOptions options) {
@@ -83,7 +100,8 @@ absl::StatusOr<uint64_t> DeviceGatherer::LandRange(uint32_t layer,
   std::optional<uint64_t> version;
   for (uint64_t piece = begin; piece < end; piece += options_.piece_bytes) {
     const uint64_t piece_end = std::min(end, piece + options_.piece_bytes);
-    RETURN_IF_ERROR(WaitForStaging(piece, piece_end));
+    // A copy of the previous landing may still read the scales' bytes.
+    RETURN_IF_ERROR(WaitForStaging(piece, WrittenEnd(layouts[layer], piece, piece_end)));
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {

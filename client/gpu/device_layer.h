@@ -39,6 +39,12 @@ class DeviceLayer {
     const void* data;  // device pointer; num_bytes of little-endian elements
     uint64_t num_bytes;
     uint64_t num_elements;
+    // 8-bit floats only (else 0 and null): element i's value is
+    // value(code i) * scales[i / block_size] (core/fp8.h), with the
+    // num_blocks fp32 scales on the device beside the codes.
+    uint32_t block_size = 0;
+    const float* scales = nullptr;  // device pointer
+    uint64_t num_blocks = 0;
   };
 
   // `spec` and `layout` describe the buffer's first layout->total_bytes()

@@ -5,11 +5,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/gpu/cuda_handles.h"
 #include "client/gpu/device_gatherer.h"
 #include "client/gpu/device_lander.h"
 #include "client/gpu/nccl_comm.h"
+#include "core/layout.h"
 
 namespace layercast::gpu {
 
@@ -30,6 +32,14 @@ struct AllGatherSplit {
   std::vector<std::pair<uint64_t, uint64_t>> ranges;  // rank r's [begin, end); may be empty
 };
 AllGatherSplit SplitForAllGather(uint64_t total, uint32_t nranks);
+
+// OK when `nranks` ranks can complete layer `layer` (laid out as `layout`)
+// by SplitForAllGather's parts. FAILED_PRECONDITION when an 8-bit float
+// tensor's codes and scales span two parts: a rank that fetches some of its
+// codes receives their blocks' scales into its staging, but they lie in
+// another rank's part, which goes out with only that rank's scales; the
+// message says to serve the tensor 16-bit or land with one rank.
+absl::Status CheckAllGatherable(const AssembledLayout& layout, uint32_t layer, uint32_t nranks);
 
 // Hierarchical gather for K local ranks, one process per GPU: rank r fetches
 // only byte range r of K of each layer from the shard servers (through pinned

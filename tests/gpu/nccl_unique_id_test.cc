@@ -106,5 +106,26 @@ TEST(AllGatherSplitTest, EqualAlignedPartsInPlaceInTheAssembledLayout) {
   }
 }
 
+TEST(AllGatherSplitTest, RanksRefuseAnFp8LayerTheyCannotCompleteAndOnlyThat) {
+  // bf16 bytes [0, 8192), fp8 codes [8192, 12288), their 32 scales from
+  // 12288: 12544 bytes, parts of 6400 for two ranks, 4352 for three.
+  const AssembledLayout fp8 =
+      *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat8E4M3FN}, {4096, 4096}, 128);
+  ASSERT_EQ(fp8.total_bytes(), 12544u);
+  const AssembledLayout wide =
+      *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat32}, {4096, 4096});
+  for (uint32_t k : {1u, 2u, 3u, 8u}) EXPECT_TRUE(CheckAllGatherable(wide, 3, k).ok()) << k;
+  EXPECT_TRUE(CheckAllGatherable(fp8, 3, 1).ok());
+  EXPECT_TRUE(CheckAllGatherable(fp8, 3, 2).ok()) << "rank 1's part holds codes and scales";
+  // Three ranks: rank 1 fetches codes [8192, 8704) and receives their scale,
+  // which lies in rank 2's part.
+  const absl::Status refused = CheckAllGatherable(fp8, 3, 3);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.message().find("layer 3 has tensor 1 in float8_e4m3fn across the parts of 3"),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.message().find("serve it 16-bit"), std::string::npos) << refused;
+}
+
 }  // namespace
 }  // namespace layercast::gpu
