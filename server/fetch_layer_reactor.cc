@@ -35,15 +35,21 @@ constexpr uint64_t kCastBlockElements = 24 << 10;
 // the CRC, well under this.
 constexpr uint64_t kDeltaHeaderBytes = 64;
 
-// Elements in one chunk of `tensor`: an 8-bit float's chunks hold whole
-// blocks, so a chunk on the grid is quantized and measured block by block
-// in one pass.
+// Elements in one chunk of `tensor`: as many as fit in `chunk_bytes`. An
+// 8-bit float's chunks hold whole blocks, so a chunk on the grid is
+// quantized and measured block by block in one pass, and each block brings
+// its fp32 scale (plus one at each end for a chunk off the grid): those
+// count too, so its stream holds no more than MaxStreamBytes says (unless
+// chunk_bytes is below one block and its scales).
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor) {
-  const uint64_t elements = chunk_bytes / DTypeSize(tensor.compute_dtype);
+  const uint64_t size = DTypeSize(tensor.compute_dtype);
   if (tensor.block_size != 0) {
-    return std::max<uint64_t>(tensor.block_size, elements / tensor.block_size * tensor.block_size);
+    constexpr uint64_t kEndScales = 2 * sizeof(float);
+    const uint64_t room = chunk_bytes > kEndScales ? chunk_bytes - kEndScales : 0;
+    const uint64_t blocks = room / (tensor.block_size * size + sizeof(float));
+    return std::max<uint64_t>(1, blocks) * tensor.block_size;
   }
-  return std::max<uint64_t>(1, elements);
+  return std::max<uint64_t>(1, chunk_bytes / size);
 }
 
 // The elements of the whole blocks of an 8-bit float tensor that `chunk`
@@ -104,6 +110,12 @@ std::chrono::steady_clock::time_point GiveUpAt(std::chrono::system_clock::time_p
 }
 
 }  // namespace
+
+uint64_t FetchLayerReactor::MaxStreamBytes(uint64_t chunk_bytes, bool deltas) {
+  // A delta chunk of 16-bit values (the smallest with deltas: 8-bit floats
+  // have none) adds a bit per 2 bytes of values.
+  return 2 * (deltas ? chunk_bytes + chunk_bytes / 16 + kDeltaHeaderBytes : chunk_bytes);
+}
 
 uint64_t FetchLayerReactor::BufferBytes(const ParameterStore& store, const FetchPlan& plan,
                                         uint64_t chunk_bytes, bool delta) {

@@ -87,6 +87,11 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // span's values, its bitmap and its header.
   static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
                               uint64_t chunk_bytes, bool delta = false);
+  // The most BufferBytes gives for any plan with `chunk_bytes` of at least
+  // one block and its scales: two chunks of values (an 8-bit float's with
+  // its scales), and with `deltas` (a shard that keeps changes) a delta
+  // chunk's bitmap and header. The memory plan counts one stream as this.
+  static uint64_t MaxStreamBytes(uint64_t chunk_bytes, bool deltas);
 
   // When a write has been in flight for longer than `limit` at `now`
   // (once per stream): a new reference to the call, for the caller to cancel

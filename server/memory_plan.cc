@@ -5,6 +5,7 @@
 #include "core/byte_size.h"
 #include "core/status_macros.h"
 #include "server/change_log.h"
+#include "server/fetch_layer_reactor.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
 
@@ -24,8 +25,7 @@ absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shar
   plan.shard_index = shard_index;
   plan.num_shards = num_shards;
   ASSIGN_OR_RETURN(plan.master_bytes, ParameterStore::MasterBytes(model, shard_index, num_shards));
-  // One stream holds at most two chunks (see FetchLayerReactor::BufferBytes).
-  plan.stream_bytes = 2 * chunk_bytes;
+  plan.stream_bytes = FetchLayerReactor::MaxStreamBytes(chunk_bytes, delta_versions > 0);
   plan.change_bytes = ChangeLog::BytesFor(model, shard_index, num_shards, delta_versions);
   if (training) {
     const LayerTrainer::Memory memory = LayerTrainer::MemoryFor(

@@ -20,7 +20,7 @@ struct MemoryPlan {
   uint64_t master_bytes = 0;   // the fp32 master of this shard's slices
   uint64_t state_bytes = 0;    // optimizer state (training shards)
   uint64_t staging_bytes = 0;  // one step of the largest layer, W pushes (+ clip means)
-  uint64_t stream_bytes = 0;   // one stream's chunk buffers: twice --chunk-bytes
+  uint64_t stream_bytes = 0;   // one stream's chunks: FetchLayerReactor::MaxStreamBytes
   uint64_t change_bytes = 0;   // --delta-versions of change bitmaps (server/change_log.h)
   // The least --memory-budget the shard starts with; saturates at UINT64_MAX.
   uint64_t MinimumBudget() const;
