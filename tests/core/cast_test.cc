@@ -81,7 +81,7 @@ class CastIsaTest : public ::testing::TestWithParam<CastIsa> {};
 INSTANTIATE_TEST_SUITE_P(CastIsas, CastIsaTest, ::testing::ValuesIn(SupportedCastIsas()),
                          [](const auto& info) { return std::string(CastIsaName(info.param)); });
 
-TEST(CastTest, VariantsAreListedScalarFirstAndTheFastestIsUsed) {
+TEST(CastTest, VariantsAreListedScalarFirstAndTheWidestOfTheFastestIsUsed) {
   EXPECT_EQ(CastIsaName(CastIsa::kScalar), "scalar");
   EXPECT_EQ(CastIsaName(CastIsa::kAvx2), "avx2");
   EXPECT_EQ(CastIsaName(CastIsa::kAvx512), "avx512");
@@ -93,7 +93,7 @@ TEST(CastTest, VariantsAreListedScalarFirstAndTheFastestIsUsed) {
   ASSERT_FALSE(SupportedCastIsas().empty());
   EXPECT_EQ(SupportedCastIsas().front(), CastIsa::kScalar);
   // Each cast measured every vector variant with a kernel of its own for it,
-  // and uses its fastest.
+  // and uses the widest of those within 5% of the fastest.
   const CastIsaSelection& selection = SelectedCastIsa();
   EXPECT_FALSE(selection.chosen);
   ASSERT_EQ(selection.choices.size(), std::size(kCastKinds));
@@ -117,7 +117,12 @@ TEST(CastTest, VariantsAreListedScalarFirstAndTheFastestIsUsed) {
     const auto used = std::find_if(choice.measured.begin(), choice.measured.end(),
                                    [&](const auto& m) { return m.first == choice.isa; });
     ASSERT_NE(used, choice.measured.end());
-    EXPECT_EQ(used->second, fastest);
+    // Within 5% of the fastest, and the widest such (later variants are
+    // wider), so processes on one machine agree unless one is clearly faster.
+    EXPECT_GE(used->second, fastest * 0.95);
+    for (auto wider = used + 1; wider != choice.measured.end(); ++wider) {
+      EXPECT_LT(wider->second, fastest * 0.95) << CastIsaName(wider->first);
+    }
     EXPECT_EQ(BestCastIsa(choice.kind), choice.isa);
     EXPECT_EQ(selection.For(choice.kind), choice.isa);
   }
