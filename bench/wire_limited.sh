@@ -26,9 +26,9 @@ for tool in ip tc unshare; do
   fi
 done
 
-# A burst of a few milliseconds at RATE keeps the bucket from throttling
-# below it (tbf's burst must hold at least one tick's worth of bytes), and
-# enough queue (latency) that gRPC's windows never see drops.
+# A 4 MB bucket (a few milliseconds at multi-Gbit rates, longer below)
+# holds more than one timer tick's worth of bytes, which tbf needs to reach
+# RATE, and 200 ms of queue keeps gRPC's windows from seeing drops.
 exec unshare --net -- bash -c '
   set -euo pipefail
   ip link set lo up

@@ -42,8 +42,8 @@ ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
   delta_fallbacks_ = &prometheus::BuildCounter()
                           .Name("layercast_client_delta_fallbacks_total")
                           .Help(
-                              "Delta pulls the shards refused (their change log no longer "
-                              "reaches the base), gathered in full instead")
+                              "Delta pulls the shards refused (they keep no changes, or none "
+                              "back to the base) that were then gathered in full")
                           .Register(registry)
                           .Add({});
 }

@@ -21,8 +21,8 @@ class ClientMetrics {
   // The caller waited `seconds` in LayerStream::Next; `hit` when the layer
   // was already there.
   void RecordNext(bool hit, double seconds);
-  // A delta pull was refused (the shards no longer hold the changes since
-  // its base) and the layer is gathered in full instead.
+  // A delta pull was refused (a shard keeps no changes, or none back to its
+  // base) and the layer was then gathered in full.
   void RecordDeltaFallback();
 
  private:

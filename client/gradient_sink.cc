@@ -96,7 +96,7 @@ absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Pus
         absl::StrCat("the gradient of layer ", layer, " is ", gradient.size(),
                      " bytes; it must be the layer's gradient layout, ",
                      view.gradient_layouts[layer].total_bytes(),
-                     " bytes (the shape a gather returns, with 8-bit float tensors in float32)"));
+                     " bytes (each tensor in its compute dtype, 8-bit float ones in float32)"));
   }
   auto task = std::make_shared<Task>();
   task->layer = layer;

@@ -52,11 +52,10 @@ struct PushResult {
 // Sends a worker's gradients to the shards, layer by layer, beside the
 // LayerStream that gathers the weights: hand it each layer's gradient as
 // soon as its backward pass is done, in the layer's gradient layout
-// (ShardSetView::gradient_layouts: the buffer shape a gather returns, each
-// tensor in its compute dtype, but 8-bit float tensors in float32), and go on with
-// the next layer. In the background it cuts the buffer by ownership
-// (wire::GradientChunker) and streams every shard its part, layers taken in
-// the order given, `streams_per_shard` threads per shard.
+// (ShardSetView::gradient_layouts: each tensor in its compute dtype, but
+// 8-bit float tensors in float32), and go on with the next layer. In the background it cuts the
+// buffer by ownership (wire::GradientChunker) and streams every shard its part, layers taken in the
+// order given, `streams_per_shard` threads per shard.
 //
 // Retries: a stream that fails UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED,
 // CANCELLED or DEADLINE_EXCEEDED is pushed again whole after a backoff,

@@ -40,7 +40,8 @@ struct MirrorUpdate {
 // A whole model held on the host at the shards' newest version, for an
 // inference worker: pulled in full once, then kept current by delta pulls
 // (FetchLayerRequest.base_version) written in place, so each update moves
-// only the compute-dtype values that changed. Tensor views (Layer::tensor)
+// only the compute-dtype values that changed (a layer with an 8-bit float
+// tensor moves whole: a delta cannot carry block scales). Tensor views (Layer::tensor)
 // stay valid across updates: the buffers never move.
 //
 // Readers take a Reading, which holds updates off while it lives. An update

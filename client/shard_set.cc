@@ -228,6 +228,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
                   [](const AssembledTensor& tensor) { return IsFloat8(tensor.compute_dtype); })) {
     attempt.base_version.reset();
   }
+  bool fell_back = false;
   for (int tries = 0;; ++tries) {
     LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
     absl::StatusOr<uint64_t> version = gather.Run();
@@ -237,7 +238,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
       // A shard no longer holds the changes since the base (or keeps none):
       // the whole layer, once, overwriting whatever deltas were applied.
       Log()->info("gathering layer {} in full: {}", layer, version.status().message());
-      if (metrics_ != nullptr) metrics_->RecordDeltaFallback();
+      fell_back = true;
       attempt.base_version.reset();
       attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
@@ -247,6 +248,9 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     if (version.ok() || version.status().code() != absl::StatusCode::kAborted ||
         attempt.exact_version || tries == kVersionRetries || cancelled ||
         std::chrono::steady_clock::now() >= deadline) {
+      // Counted once the full pull got the layer: an OUT_OF_RANGE it shares
+      // with the delta (a min_version too far ahead) was no delta refusal.
+      if (fell_back && version.ok() && metrics_ != nullptr) metrics_->RecordDeltaFallback();
       return version;
     }
     Log()->info("gathering layer {} again at version {} or newer: {}", layer,

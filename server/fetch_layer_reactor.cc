@@ -38,9 +38,10 @@ constexpr uint64_t kDeltaHeaderBytes = 64;
 // Elements in one chunk of `tensor`: as many as fit in `chunk_bytes`. An
 // 8-bit float's chunks hold whole blocks, so a chunk on the grid is
 // quantized and measured block by block in one pass, and each block brings
-// its fp32 scale (plus one at each end for a chunk off the grid): those
-// count too, so its stream holds no more than MaxStreamBytes says (unless
-// chunk_bytes is below one block and its scales).
+// its fp32 scale, plus the two more BufferBytes counts for a chunk off the
+// block grid (which touches one block more): those count too, so its stream
+// holds no more than MaxStreamBytes says (ResolveShardConfig refuses a
+// chunk_bytes below one block and three scales).
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor) {
   const uint64_t size = DTypeSize(tensor.compute_dtype);
   if (tensor.block_size != 0) {

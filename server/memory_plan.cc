@@ -60,7 +60,8 @@ absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingP
         "--memory-budget of ", FormatBytes(budget), " leaves ",
         FormatBytes(budget - plan.master_bytes), " beside ", shard, "'s fp32 master of ",
         FormatBytes(plan.master_bytes), ", but one stream needs ", FormatBytes(plan.stream_bytes),
-        " (twice --chunk-bytes)",
+        plan.change_bytes > 0 ? " (two chunks of --chunk-bytes, with a delta's bitmap)"
+                              : " (twice --chunk-bytes)",
         plan.change_bytes > 0 ? absl::StrCat(" and its change bitmaps (--delta-versions) ",
                                              FormatBytes(plan.change_bytes))
                               : "",

@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <charconv>
 #include <fstream>
 #include <sstream>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
+#include "core/dtype.h"
 #include "core/flag_value.h"
 #include "core/status_macros.h"
 
@@ -248,6 +250,20 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
   if (config.chunk_bytes() < 4 || config.chunk_bytes() > kMaxChunkBytes) {
     return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
                                                    " is out of range: use 4-", kMaxChunkBytes));
+  }
+  // An 8-bit float chunk holds whole blocks and their scales (and, off the
+  // block grid, the scales at both ends), so the memory plan's two chunks a
+  // stream hold only from there.
+  const Policy& policy = settings.policy;
+  const bool fp8 = IsFloat8(policy.compute()) ||
+                   std::any_of(policy.overrides().begin(), policy.overrides().end(),
+                               [](const Policy::Override& o) { return IsFloat8(o.compute); });
+  const uint64_t least_fp8_chunk = policy.fp8_block() + 3 * sizeof(float);
+  if (fp8 && config.chunk_bytes() < least_fp8_chunk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--chunk-bytes ", config.chunk_bytes(), " cannot hold one block of ",
+                     policy.fp8_block(), " 8-bit codes and its scales under policy '",
+                     config.policy(), "': use at least ", least_fp8_chunk));
   }
   // Workers of one data-parallel step fetch a layer within moments of each
   // other; a chunk unused for 5 s is unlikely to be asked for again.

@@ -18,9 +18,11 @@ namespace layercast::tools {
 float SyntheticGradient(uint32_t worker, uint64_t step, uint32_t layer, uint32_t tensor,
                         uint64_t element);
 
-// Fills `buffer` with layer `layer`'s synthetic gradient in the assembled
-// layout, each tensor cast to its compute dtype, padding zeroed.
-// REQUIRES: buffer.size() == layout.total_bytes().
+// Fills `buffer` with layer `layer`'s synthetic gradient in `layout` (the
+// layer's gradient layout, GradientLayout), each tensor cast to its dtype,
+// padding zeroed. REQUIRES: buffer.size() == layout.total_bytes(). An
+// 8-bit float tensor (a served layout, not a gradient's) is CastFromF32's
+// INVALID_ARGUMENT.
 absl::Status FillSyntheticGradient(const AssembledLayout& layout, uint32_t worker, uint64_t step,
                                    uint32_t layer, std::span<uint8_t> buffer);
 

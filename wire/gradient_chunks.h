@@ -15,14 +15,13 @@
 
 namespace layercast::wire {
 
-// Cuts one worker's gradient of one layer, given in the assembled layout
-// (the buffer shape a gather returns, each tensor in its compute dtype),
-// into the GradientChunks one shard must receive: exactly the elements it
-// owns of every tensor, in tensor and element order, each chunk at most
-// `chunk_bytes` of data with its CRC-32C; a shard that owns no element of
-// the layer gets one chunk without data, so that its step still counts the
-// push. Copies each chunk's bytes once,
-// when Next() makes it, so a sender holds one chunk at a time.
+// Cuts one worker's gradient of one layer, given in the layer's gradient
+// layout (core/layout.h GradientLayout: each tensor in its compute dtype,
+// an 8-bit float one in float32), into the GradientChunks one shard must receive: exactly the
+// elements it owns of every tensor, in tensor and element order, each chunk at most `chunk_bytes`
+// of data with its CRC-32C; a shard that owns no element of the layer gets one chunk without data,
+// so that its step still counts the push. Copies each chunk's bytes once, when Next() makes it, so
+// a sender holds one chunk at a time.
 //
 // Not thread-safe.
 class GradientChunker {

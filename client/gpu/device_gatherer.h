@@ -60,6 +60,8 @@ class DeviceGatherer final : public DeviceLander {
   // (INVALID_ARGUMENT otherwise). `options.byte_range` is ignored. Returns
   // the parameter version; ABORTED if the shards' version changed between
   // pieces (retry with min_version set to the newer one, as the message says).
+  // 8-bit float codes in the range come without their block scales unless
+  // the range also holds the scales (they lie after all the tensor's codes).
   absl::StatusOr<uint64_t> LandRange(uint32_t layer, const client::GatherOptions& options,
                                      uint64_t begin, uint64_t end, void* dst);
 

@@ -12,6 +12,7 @@
 #include "client/gpu/device_lander.h"
 #include "client/gpu/nccl_comm.h"
 #include "core/layout.h"
+#include "core/model.h"
 
 namespace layercast::gpu {
 
@@ -33,13 +34,14 @@ struct AllGatherSplit {
 };
 AllGatherSplit SplitForAllGather(uint64_t total, uint32_t nranks);
 
-// OK when `nranks` ranks can complete layer `layer` (laid out as `layout`)
-// by SplitForAllGather's parts. FAILED_PRECONDITION when an 8-bit float
+// OK when `nranks` ranks can complete the layer `spec` (laid out as
+// `layout`) by SplitForAllGather's parts. FAILED_PRECONDITION when an 8-bit float
 // tensor's codes and scales span two parts: a rank that fetches some of its
 // codes receives their blocks' scales into its staging, but they lie in
 // another rank's part, which goes out with only that rank's scales; the
 // message says to serve the tensor 16-bit or land with one rank.
-absl::Status CheckAllGatherable(const AssembledLayout& layout, uint32_t layer, uint32_t nranks);
+absl::Status CheckAllGatherable(const LayerSpec& spec, const AssembledLayout& layout,
+                                uint32_t nranks);
 
 // Hierarchical gather for K local ranks, one process per GPU: rank r fetches
 // only byte range r of K of each layer from the shard servers (through pinned
@@ -54,6 +56,9 @@ absl::Status CheckAllGatherable(const AssembledLayout& layout, uint32_t layer, u
 // stay in step and the communicator stays usable. A rank that stops calling
 // Land makes the others' all-gather fail at its deadline (DEADLINE_EXCEEDED;
 // the communicator is then aborted).
+//
+// A layer with an 8-bit float tensor that one part cannot hold with its
+// scales is refused by every rank before any fetches (CheckAllGatherable).
 //
 // Every rank must land the same layers in the same order. Not thread-safe.
 class NcclLayerGatherer final : public DeviceLander {

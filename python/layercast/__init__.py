@@ -272,9 +272,10 @@ class ShardSet:
                        gradients: Mapping[str, object]) -> PushResult:
         """Hands over worker `worker`'s gradient of layer `layer`, computed at
         version `step` of it: {tensor name: tensor} for every tensor of the
-        layer, each in host memory, contiguous, of the tensor's shape and
-        compute dtype (anything with __dlpack__: torch tensors). The bytes are
-        copied at once; the push streams to every shard in the background."""
+        layer, each in host memory, contiguous, of the tensor's shape and its
+        manifest grad_dtype (the compute dtype; float32 for 8-bit floats), as
+        anything with __dlpack__ (torch tensors). The bytes are copied at
+        once; the push streams to every shard in the background."""
         return PushResult(self._native.push_gradients(step, worker, layer, dict(gradients)))
 
     def finish_step(self, step: int, worker: int) -> Dict[str, object]:

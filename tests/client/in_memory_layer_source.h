@@ -25,6 +25,7 @@ class InMemoryLayerSource final : public LayerSource {
     view_.num_shards = 1;
     for (const LayerSpec& layer : view_.model.layers) {
       view_.layouts.push_back(*AssembledLayout::Build(layer, view_.policy));
+      view_.gradient_layouts.push_back(*GradientLayout(view_.layouts.back()));
     }
   }
 

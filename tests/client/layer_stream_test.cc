@@ -176,6 +176,7 @@ class HugeLayerSource final : public LayerSource {
     view_.model.layers.push_back(
         LayerSpec{"huge", {TensorSpec{"w", {static_cast<int64_t>(n)}, n}}});
     view_.layouts.push_back(*AssembledLayout::FromDTypes({DType::kBFloat16}, {n}));
+    view_.gradient_layouts.push_back(view_.layouts.back());
     view_.num_shards = 1;
   }
   const ShardSetView& view() const override { return view_; }

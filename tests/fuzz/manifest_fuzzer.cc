@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "client/manifest_check.h"
+#include "core/dtype.h"
 #include "tests/fuzz/fuzz_check.h"
 
 namespace layercast::fuzz {
@@ -38,6 +39,22 @@ void CheckView(const layercast::v1::Manifest& manifest, const client::ShardSetVi
                  view.layouts.size() == view.model.layers.size(),
              "view has %zu layers and %zu layouts for %d manifest layers", view.model.layers.size(),
              view.layouts.size(), manifest.layers_size());
+  FUZZ_CHECK(view.gradient_layouts.size() == view.layouts.size(),
+             "view has %zu gradient layouts for %zu layouts", view.gradient_layouts.size(),
+             view.layouts.size());
+  for (size_t l = 0; l < view.layouts.size(); ++l) {
+    const auto& served = view.layouts[l].tensors();
+    const auto& gradient = view.gradient_layouts[l].tensors();
+    FUZZ_CHECK(gradient.size() == served.size(), "layer %zu's gradient layout has %zu tensors", l,
+               gradient.size());
+    for (size_t t = 0; t < served.size(); ++t) {
+      FUZZ_CHECK(
+          gradient[t].num_elements == served[t].num_elements && gradient[t].block_size == 0 &&
+              gradient[t].compute_dtype ==
+                  (IsFloat8(served[t].compute_dtype) ? DType::kFloat32 : served[t].compute_dtype),
+          "layer %zu tensor %zu's gradient is laid out unlike its served tensor", l, t);
+    }
+  }
   FUZZ_CHECK(view.policy.ToString() == Policy::Parse(manifest.policy())->ToString(),
              "view policy differs from the manifest's");
   for (int l = 0; l < manifest.layers_size(); ++l) {

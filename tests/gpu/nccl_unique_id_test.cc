@@ -1,5 +1,6 @@
-// The NCCL unique id exchange through a file, and the all-gather split: plain
-// host code, so these run (and must pass) on machines without a GPU too.
+// The NCCL unique id exchange through a file, and the all-gather split and
+// what it can complete: plain host code, so these run (and must pass) on
+// machines without a GPU too.
 
 #include "client/gpu/nccl_unique_id.h"
 
@@ -109,22 +110,34 @@ TEST(AllGatherSplitTest, EqualAlignedPartsInPlaceInTheAssembledLayout) {
 TEST(AllGatherSplitTest, RanksRefuseAnFp8LayerTheyCannotCompleteAndOnlyThat) {
   // bf16 bytes [0, 8192), fp8 codes [8192, 12288), their 32 scales from
   // 12288: 12544 bytes, parts of 6400 for two ranks, 4352 for three.
+  const LayerSpec spec{"model.layers.3",
+                       {TensorSpec{"norm", {4096}, 4096}, TensorSpec{"proj", {64, 64}, 4096}}};
   const AssembledLayout fp8 =
       *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat8E4M3FN}, {4096, 4096}, 128);
   ASSERT_EQ(fp8.total_bytes(), 12544u);
   const AssembledLayout wide =
       *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat32}, {4096, 4096});
-  for (uint32_t k : {1u, 2u, 3u, 8u}) EXPECT_TRUE(CheckAllGatherable(wide, 3, k).ok()) << k;
-  EXPECT_TRUE(CheckAllGatherable(fp8, 3, 1).ok());
-  EXPECT_TRUE(CheckAllGatherable(fp8, 3, 2).ok()) << "rank 1's part holds codes and scales";
+  for (uint32_t k : {1u, 2u, 3u, 8u}) EXPECT_TRUE(CheckAllGatherable(spec, wide, k).ok()) << k;
+  EXPECT_TRUE(CheckAllGatherable(spec, fp8, 1).ok());
+  EXPECT_TRUE(CheckAllGatherable(spec, fp8, 2).ok()) << "rank 1's part holds codes and scales";
   // Three ranks: rank 1 fetches codes [8192, 8704) and receives their scale,
   // which lies in rank 2's part.
-  const absl::Status refused = CheckAllGatherable(fp8, 3, 3);
+  const absl::Status refused = CheckAllGatherable(spec, fp8, 3);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(refused.message().find("layer 3 has tensor 1 in float8_e4m3fn across the parts of 3"),
+  EXPECT_NE(refused.message().find(
+                "layer model.layers.3 has tensor proj in float8_e4m3fn across the parts of 3"),
             std::string::npos)
       << refused;
-  EXPECT_NE(refused.message().find("serve it 16-bit"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("';proj=bfloat16'"), std::string::npos) << refused;
+  // Nothing to split: an empty layer, and an fp8 tensor without elements
+  // (at byte 8192, the start of rank 1's part of two).
+  EXPECT_TRUE(CheckAllGatherable({"empty", {}}, *AssembledLayout::FromDTypes({}, {}), 3).ok());
+  const LayerSpec no_codes{"l", {TensorSpec{"norm", {4096}, 4096}, TensorSpec{"proj", {0}, 0}}};
+  EXPECT_TRUE(CheckAllGatherable(
+                  no_codes,
+                  *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat8E4M3FN}, {4096, 0}),
+                  2)
+                  .ok());
 }
 
 }  // namespace

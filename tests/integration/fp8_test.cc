@@ -171,7 +171,7 @@ TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndInFullForADelta)
     std::memset(buffer->data(), 0, buffer->size());
     ASSERT_TRUE(shards.set->GatherInto(l, delta, {buffer->data(), buffer->size()}).ok());
     EXPECT_EQ(std::memcmp(buffer->data(), whole->bytes().data(), buffer->size()), 0);
-    EXPECT_EQ(CounterValue(*shards.registry, "layercast_client_delta_fallbacks_total"), 0)
+    EXPECT_EQ(CounterValue(*shards.registry, "layercast_client_delta_fallbacks_total"), 0.0)
         << "a delta was asked for, and refused";
   }
   EXPECT_TRUE(shards.processes->Stop().ok());

@@ -45,11 +45,12 @@ RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
   return running;
 }
 
-double CounterValue(const prometheus::Registry& registry, const std::string& name) {
-  double total = 0;
+std::optional<double> CounterValue(const prometheus::Registry& registry, const std::string& name) {
+  std::optional<double> total;
   for (const prometheus::MetricFamily& family : registry.Collect()) {
     if (family.name != name) continue;
-    for (const prometheus::ClientMetric& metric : family.metric) total += metric.counter.value;
+    total = 0;
+    for (const prometheus::ClientMetric& metric : family.metric) *total += metric.counter.value;
   }
   return total;
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,9 +37,9 @@ struct RunningShards {
 };
 RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);
 
-// The sum of the counter `name` over its label sets in `registry` (0 when
-// nothing registered it).
-double CounterValue(const prometheus::Registry& registry, const std::string& name);
+// The sum of the counter `name` over its label sets in `registry`; nullopt
+// when nothing registered it.
+std::optional<double> CounterValue(const prometheus::Registry& registry, const std::string& name);
 
 // Writes `token` to DIR/token, readable by its owner only (the shard and the
 // CLI refuse a token file others may read); returns the path.

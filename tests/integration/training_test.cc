@@ -33,7 +33,7 @@ constexpr uint64_t kChunkBytes = 4096;
 // One worker's gradient of one layer for one shard, as GradientChunks.
 std::vector<layercast::v1::GradientChunk> Chunks(const client::ShardSet& set, uint32_t layer,
                                                  uint32_t worker, uint64_t step, uint32_t shard) {
-  const AssembledLayout& layout = set.view().layouts[layer];
+  const AssembledLayout& layout = set.view().gradient_layouts[layer];
   std::vector<uint8_t> gradient(layout.total_bytes());
   EXPECT_TRUE(tools::FillSyntheticGradient(layout, worker, step, layer, gradient).ok());
   wire::GradientChunker chunker(
@@ -250,9 +250,9 @@ TEST_F(TrainingTest, AWorkerRunningAheadCannotStarveTheOthersOfBudget) {
   }
   for (uint32_t w = 0; w < 2; ++w) {  // worker 0's whole backward pass, then worker 1's
     for (uint32_t l = layers; l-- > 0;) {
-      auto gradient = client::LayerBuffer::Allocate(set.view().layouts[l].total_bytes());
+      auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[l].total_bytes());
       ASSERT_TRUE(gradient.ok());
-      ASSERT_TRUE(tools::FillSyntheticGradient(set.view().layouts[l], w, 0, l,
+      ASSERT_TRUE(tools::FillSyntheticGradient(set.view().gradient_layouts[l], w, 0, l,
                                                {gradient->data(), gradient->size()})
                       .ok());
       ASSERT_TRUE(sinks[w]->Push(l, 0, *std::move(gradient)).ok());
@@ -311,9 +311,9 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
         absl::StatusOr<client::Layer> layer = set.Gather(l, options);
         ASSERT_TRUE(layer.ok()) << layer.status();
         ASSERT_EQ(layer->version(), step);
-        auto gradient = client::LayerBuffer::Allocate(layer->bytes().size());
+        auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[l].total_bytes());
         ASSERT_TRUE(gradient.ok());
-        ASSERT_TRUE(tools::FillSyntheticGradient(set.view().layouts[l], w, step, l,
+        ASSERT_TRUE(tools::FillSyntheticGradient(set.view().gradient_layouts[l], w, step, l,
                                                  {gradient->data(), gradient->size()})
                         .ok());
         auto pushed = sinks[w]->Push(l, step, *std::move(gradient));
@@ -332,7 +332,7 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
     for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ(LayerVersion(set, l), step + 1);
   }
   // A push of a step the layer is past is refused, not applied again.
-  auto gradient = client::LayerBuffer::Allocate(set.view().layouts[0].total_bytes());
+  auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[0].total_bytes());
   ASSERT_TRUE(gradient.ok());
   auto pushed = sinks[0]->Push(0, 1, *std::move(gradient));
   ASSERT_TRUE(pushed.ok());
@@ -350,9 +350,9 @@ TEST_F(TrainingTest, APinnedReadGetsALayerAtTheVersionAStepSuperseded) {
   ASSERT_EQ(before->version(), 0u);
   auto sink = client::GradientSink::Create(set, {.worker = 0, .chunk_bytes = kChunkBytes});
   ASSERT_TRUE(sink.ok()) << sink.status();
-  auto gradient = client::LayerBuffer::Allocate(before->bytes().size());
+  auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[0].total_bytes());
   ASSERT_TRUE(gradient.ok());
-  ASSERT_TRUE(tools::FillSyntheticGradient(set.view().layouts[0], 0, 0, 0,
+  ASSERT_TRUE(tools::FillSyntheticGradient(set.view().gradient_layouts[0], 0, 0, 0,
                                            {gradient->data(), gradient->size()})
                   .ok());
   auto pushed = (*sink)->Push(0, 0, *std::move(gradient));

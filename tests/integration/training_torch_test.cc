@@ -82,9 +82,9 @@ std::string Train(const Recipe& recipe, const TestModel& model) {
         if (!layer.ok()) return "";
         EXPECT_EQ(layer->version(), step) << "layer " << l;
         absl::StatusOr<client::LayerBuffer> gradient =
-            client::LayerBuffer::Allocate(layer->bytes().size());
+            client::LayerBuffer::Allocate(set.view().gradient_layouts[l].total_bytes());
         EXPECT_TRUE(gradient.ok());
-        EXPECT_TRUE(tools::FillSyntheticGradient(set.view().layouts[l], w, step, l,
+        EXPECT_TRUE(tools::FillSyntheticGradient(set.view().gradient_layouts[l], w, step, l,
                                                  {gradient->data(), gradient->size()})
                         .ok());
         auto pushed = sinks[w]->Push(l, step, *std::move(gradient));

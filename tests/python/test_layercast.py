@@ -168,16 +168,51 @@ def test_pushed_gradients_step_the_master_on_the_shards(model, tmp_path):
                                                    else t for n, t in gradients.items()})
 
 
-def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
-    """Under an fp8 policy each tensor is a uint8 view of its codes plus a
-    float32 view of its block scales, both zero-copy; each scale is the
-    block's absolute maximum over 448 (computed here by torch), and
-    dequantize gives every value back within e4m3fn's precision. Such a layer
-    trains from float32 gradients of its fp8 tensors."""
+def test_fp8_layers_train_from_float32_gradients(model, tmp_path):
+    """A layer served in fp8 takes its gradient in float32 (the manifest's
+    grad_dtype) and the shards step its fp32 master. Half of each master as
+    its gradient, with lr=1: the master halves exactly, so every code stays
+    and every scale halves; a gradient misplaced or cut to 16 bits would move
+    codes."""
     directory, tensors = model
     policy = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=f32"
     with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", policy, "--optimizer",
                                 "sgd:lr=1", "--data-parallel-workers", "1"]) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            layer = next(shard_set.stream([1], budget_bytes=1 << 20))
+            assert any(v.block_size for v in layer.tensors.values())
+            entry = shard_set.manifest["layers"][1]
+            assert {t["name"]: t["grad_dtype"] for t in entry["tensors"]} == {
+                n: "float32" for n in layer.tensors}
+            assert entry["grad_nbytes"] > entry["nbytes"]
+            with pytest.raises(TypeError):
+                shard_set.push_gradients(0, 0, 1, {n: tensors[n].to(torch.bfloat16)
+                                                   for n in layer.tensors})
+            before = {n: (torch.from_dlpack(v).clone(),
+                          torch.from_dlpack(v.scales).clone() if v.block_size else None)
+                      for n, v in layer.tensors.items()}
+            grads = {n: tensors[n] * 0.5 for n in layer.tensors}
+            pushed = shard_set.push_gradients(0, 0, 1, grads).result()
+            assert pushed["applied"] and pushed["layer_version"] == 1
+            after = next(shard_set.stream([1], budget_bytes=1 << 20, min_version=1))
+            assert after.version == 1
+            for name, view in after.tensors.items():
+                codes, scales = before[name]
+                if scales is None:  # a norm, served in float32
+                    assert torch.equal(torch.from_dlpack(view), tensors[name] * 0.5), name
+                    continue
+                assert torch.equal(torch.from_dlpack(view), codes), name
+                assert torch.equal(torch.from_dlpack(view.scales), scales * 0.5), name
+
+
+def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
+    """Under an fp8 policy each tensor is a uint8 view of its codes plus a
+    float32 view of its block scales, both zero-copy; each scale is the
+    block's absolute maximum over 448 (computed here by torch), and
+    dequantize gives every value back within e4m3fn's precision."""
+    directory, tensors = model
+    policy = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=f32"
+    with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", policy]) as shards:
         with layercast.connect(shards.addresses) as shard_set:
             seen = 0
             for layer in shard_set.stream(range(len(shard_set.manifest["layers"])),
@@ -188,7 +223,6 @@ def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
                         assert view.block_size == 0 and view.scales is None, name
                         continue
                     seen += 1
-                    with_fp8 = layer
                     assert view.dtype == "float8_e4m3fn" and view.block_size == 32, name
                     codes = torch.from_dlpack(view)
                     assert codes.dtype == torch.uint8 and list(codes.shape) == list(master.shape)
@@ -211,29 +245,3 @@ def test_fp8_tensors_come_as_codes_and_block_scales(model, tmp_path):
                     assert bool(((values - master).abs() <= bound).all()), name
                     assert view.scales.block_size == 0 and view.scales.scales is None
             assert seen > 0
-            # Gradients of fp8 tensors go in float32 (the manifest's
-            # grad_dtype). Half of each master as its gradient: with lr=1 the
-            # master halves exactly, so every code stays and every scale
-            # halves; a gradient misplaced or cut to 16 bits would move codes.
-            entry = shard_set.manifest["layers"][with_fp8.index]
-            assert {t["name"]: t["grad_dtype"] for t in entry["tensors"]} == {
-                n: "float32" for n in with_fp8.tensors}
-            assert entry["grad_nbytes"] > entry["nbytes"]
-            with pytest.raises(TypeError):
-                shard_set.push_gradients(0, 0, with_fp8.index,
-                                         {n: tensors[n].to(torch.bfloat16)
-                                          for n in with_fp8.tensors})
-            before = {n: (torch.from_dlpack(v).clone(),
-                          torch.from_dlpack(v.scales).clone() if v.block_size else None)
-                      for n, v in with_fp8.tensors.items()}
-            grads = {n: tensors[n] * 0.5 for n in with_fp8.tensors}
-            pushed = shard_set.push_gradients(0, 0, with_fp8.index, grads).result()
-            assert pushed["applied"] and pushed["layer_version"] == 1
-            after = next(shard_set.stream([with_fp8.index], budget_bytes=1 << 20, min_version=1))
-            for name, view in after.tensors.items():
-                codes, scales = before[name]
-                if scales is None:  # a norm, served in float32
-                    assert torch.equal(torch.from_dlpack(view), tensors[name] * 0.5), name
-                    continue
-                assert torch.equal(torch.from_dlpack(view), codes), name
-                assert torch.equal(torch.from_dlpack(view.scales), scales * 0.5), name

@@ -50,6 +50,22 @@ TEST(ShardConfigTest, MemoryBudgetTakesKubernetesQuantities) {
   EXPECT_EQ(settings->memory_budget_bytes, 4ull << 30);
 }
 
+TEST(ShardConfigTest, An8BitFloatPolicyNeedsChunksThatHoldABlockAndItsScales) {
+  // A block of 64 codes and three scales: 76 bytes.
+  EXPECT_TRUE(Resolve({"--chunk-bytes", "76", "--policy", "c=f8e4m3,fp8_block=64"}).ok());
+  EXPECT_TRUE(Resolve({"--chunk-bytes", "75", "--policy", "c=bf16"}).ok()) << "no fp8: any size";
+  for (const char* policy : {"c=f8e4m3,fp8_block=64", "c=bf16,fp8_block=64;*proj*=f8e5m2"}) {
+    const absl::StatusOr<ShardSettings> settings =
+        Resolve({"--chunk-bytes", "75", "--policy", policy});
+    EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument) << policy;
+    EXPECT_THAT(std::string(settings.status().message()),
+                HasSubstr("--chunk-bytes 75 cannot hold one block of 64 8-bit codes and its "
+                          "scales"))
+        << policy;
+    EXPECT_THAT(std::string(settings.status().message()), HasSubstr("use at least 76"));
+  }
+}
+
 TEST(ShardConfigTest, TrainingNeedsAnOptimizerAndAValidWorkerCount) {
   absl::StatusOr<ShardSettings> settings = Resolve({});
   ASSERT_TRUE(settings.ok()) << settings.status();

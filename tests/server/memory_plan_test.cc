@@ -1,0 +1,62 @@
+#include "server/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <optional>
+
+#include "core/synthetic_model.h"
+#include "server/fetch_layer_reactor.h"
+#include "server/fetch_plan.h"
+#include "server/parameter_store.h"
+
+namespace layercast::server {
+namespace {
+
+// What the start-up check counts for one stream (MemoryPlan::stream_bytes)
+// is at least what any stream then holds: an fp8 chunk's block scales and
+// a delta chunk's bitmap included, from the least --chunk-bytes the shard
+// accepts. A shard started with the least budget its plan allows must be
+// able to serve every layer.
+TEST(MemoryPlanTest, AStreamHoldsNoMoreThanThePlanCounts) {
+  struct Case {
+    const char* policy;
+    uint32_t num_shards;
+    bool deltas;                // 8-bit float layers have none
+    uint64_t least_chunk_bytes;  // ResolveShardConfig's floor
+  };
+  const Case cases[] = {{"c=bf16;*norm*=f32", 2, true, 4},
+                        {"c=f32", 1, true, 4},
+                        {"c=f16", 3, true, 4},
+                        {"c=float8_e4m3fn,fp8_block=16;*norm*=bf16", 2, false, 16 + 12},
+                        {"c=f8e5m2,fp8_block=128", 1, false, 128 + 12}};
+  auto source = SyntheticModel::Create("llama:layers=1,hidden=48,ffn=80,vocab=30");
+  ASSERT_TRUE(source.ok());
+  for (const Case& c : cases) {
+    for (uint32_t shard = 0; shard < c.num_shards; ++shard) {
+      auto store = ParameterStore::Load(**source, shard, c.num_shards, *Policy::Parse(c.policy));
+      ASSERT_TRUE(store.ok()) << c.policy << ": " << store.status();
+      for (uint64_t chunk_bytes : {c.least_chunk_bytes, uint64_t{300}, uint64_t{1000},
+                                   uint64_t{4096}, uint64_t{1} << 20}) {
+        for (bool delta : {false, c.deltas}) {
+          const absl::StatusOr<MemoryPlan> memory =
+              PlanShardMemory((*source)->model(), shard, c.num_shards, chunk_bytes, delta ? 2 : 0,
+                              std::nullopt);
+          ASSERT_TRUE(memory.ok()) << memory.status();
+          for (uint32_t layer = 0; layer < 3; ++layer) {
+            layercast::v1::FetchLayerRequest request;
+            request.set_layer(layer);
+            const absl::StatusOr<FetchPlan> plan = PlanFetch(**store, request);
+            ASSERT_TRUE(plan.ok()) << plan.status();
+            EXPECT_LE(FetchLayerReactor::BufferBytes(**store, *plan, chunk_bytes, delta),
+                      memory->stream_bytes)
+                << c.policy << ", shard " << shard << ", layer " << layer << ", " << chunk_bytes
+                << "-byte chunks" << (delta ? ", a delta" : "");
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace layercast::server
