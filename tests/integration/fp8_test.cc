@@ -33,6 +33,9 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr char kModel[] = "llama:layers=2,hidden=128,ffn=256,vocab=64";
+// Blocks of 32, so small chunks span several; the norms stay bfloat16 beside
+// the fp8 tensors.
+constexpr char kFp8Policy[] = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=bf16";
 
 // Every tensor of every layer in float32, from shards that serve it that
 // way: the fp32 master the fp8 shards quantize.
@@ -96,11 +99,10 @@ TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndInFullForADelta)
   const MasterValues master = MasterLayers();
   ASSERT_FALSE(master.empty());
   // Small chunks, so a tensor spans several, and ranges that start inside
-  // blocks; the norms stay bfloat16 beside the fp8 tensors.
-  const std::string policy_text = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=bf16";
-  const Policy policy = *Policy::Parse(policy_text);
+  // blocks.
+  const Policy policy = *Policy::Parse(kFp8Policy);
   RunningShards shards =
-      StartShards(2, {"--synthetic", kModel, "--policy", policy_text, "--chunk-bytes", "1000"});
+      StartShards(2, {"--synthetic", kModel, "--policy", kFp8Policy, "--chunk-bytes", "1000"});
   ASSERT_NE(shards.set, nullptr);
   EXPECT_EQ(shards.set->manifests()[0].policy(), policy.ToString());
   for (uint32_t l = 0; l < master.size(); ++l) {
@@ -237,12 +239,11 @@ TEST(Fp8WireTest, FetchWritesCodesAndTheirScales) {
 TEST(Fp8WireTest, AnFp8LayerTrainsFromFloat32GradientsOnTheMaster) {
   const MasterValues master = MasterLayers();
   ASSERT_FALSE(master.empty());
-  const std::string policy_text = "p=f32,c=float8_e4m3fn,fp8_block=32;*norm*=bf16";
-  const Policy policy = *Policy::Parse(policy_text);
+  const Policy policy = *Policy::Parse(kFp8Policy);
   // lr = 0.5: lr * g is exact, so the step is one fp32 rounding of p - g/2
   // however the optimizer groups it.
   RunningShards shards =
-      StartShards(2, {"--synthetic", kModel, "--policy", policy_text, "--optimizer", "sgd:lr=0.5",
+      StartShards(2, {"--synthetic", kModel, "--policy", kFp8Policy, "--optimizer", "sgd:lr=0.5",
                       "--data-parallel-workers", "1", "--chunk-bytes", "1000"});
   ASSERT_NE(shards.set, nullptr);
   const client::ShardSetView& view = shards.set->view();
