@@ -171,7 +171,9 @@ std::string CastIsaSelection::Describe() const {
                                  measured.empty() ? "" : " (", absl::StrJoin(measured, ", "),
                                  measured.empty() ? "" : " GB/s)"));
   }
-  return absl::StrCat("the fastest of this CPU's at each cast (the widest within 5%): ",
+  return absl::StrCat(absl::StrFormat("at each cast the widest of this CPU's within %.0f%% of the "
+                                      "fastest: ",
+                                      internal::kSameSpeed * 100),
                       absl::StrJoin(casts, "; "));
 }
 
@@ -229,25 +231,6 @@ struct MeasureBuffers {
   }
 };
 
-// Kernels within this share of the fastest measured speed are taken as
-// equally fast: two passes on a shared machine do not separate them (the
-// same kernels swap places between runs by up to ~10%), and picking by
-// noise made the shards of one set run different kernels.
-constexpr double kSameSpeed = 0.05;
-
-// The widest of the variants (`measured` lists them narrowest first) whose
-// speed is within kSameSpeed of the fastest: so every process on one kind
-// of machine picks the same kernel unless another is clearly faster.
-CastIsa PickMeasured(const std::vector<std::pair<CastIsa, double>>& measured) {
-  double fastest = 0;
-  for (const auto& [isa, gbps] : measured) fastest = std::max(fastest, gbps);
-  CastIsa picked = measured.front().first;
-  for (const auto& [isa, gbps] : measured) {
-    if (gbps >= fastest * (1 - kSameSpeed)) picked = isa;
-  }
-  return picked;
-}
-
 // Times every vector variant with a kernel of its own for each cast. The
 // variants take turns, twice, so a burst of another tenant's load slows one
 // pass of each rather than all passes of one; the best pass counts. The
@@ -283,7 +266,7 @@ CastIsaSelection Measure() {
         }
       }
     }
-    choice.isa = PickMeasured(choice.measured);
+    choice.isa = internal::PickMeasured(choice.measured);
   }
   return selection;
 }
@@ -472,3 +455,17 @@ void CastToF32(const void* src, DType from, float* dst, size_t count) {
 }
 
 }  // namespace layercast
+
+namespace layercast::internal {
+
+CastIsa PickMeasured(const std::vector<std::pair<CastIsa, double>>& measured) {
+  double fastest = 0;
+  for (const auto& [isa, gbps] : measured) fastest = std::max(fastest, gbps);
+  CastIsa picked = measured.front().first;
+  for (const auto& [isa, gbps] : measured) {
+    if (gbps >= fastest * (1 - kSameSpeed)) picked = isa;
+  }
+  return picked;
+}
+
+}  // namespace layercast::internal

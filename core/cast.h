@@ -55,9 +55,9 @@ inline constexpr CastKind kCastKinds[] = {CastKind::kF32ToBF16, CastKind::kF32To
 absl::string_view CastKindName(CastKind kind);
 
 // The variant the functions without a CastIsa argument use for `kind`: the
-// fastest this CPU runs at that cast (the widest of those within 5% of the
-// fastest), measured once, at first use, unless ChooseCastIsa named one
-// before. Passing a variant this CPU lacks to a
+// widest this CPU runs within 5% of the fastest at that cast
+// (internal::PickMeasured), measured once, at first use, unless
+// ChooseCastIsa named one before. Passing a variant this CPU lacks to a
 // function runs kScalar (same bits).
 CastIsa BestCastIsa(CastKind kind);
 

@@ -3,6 +3,8 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "core/cast.h"
 #include "core/cast_error.h"
@@ -21,6 +23,17 @@
 // including 0.
 
 namespace layercast::internal {
+
+// Dispatch. Kernels within this share of the fastest measured speed count as
+// equally fast: two passes on a shared machine do not separate them (the
+// same kernels swapped places between runs by up to ~10%), and picking by
+// noise made the shards of one set run different kernels.
+inline constexpr double kSameSpeed = 0.05;
+// Of the variants measured for one cast (narrowest first, as
+// SupportedCastIsas lists them), the widest within kSameSpeed of the
+// fastest: every process on one kind of machine picks the same kernel unless
+// another is clearly faster. REQUIRES: `measured` is not empty.
+CastIsa PickMeasured(const std::vector<std::pair<CastIsa, double>>& measured);
 
 void F32ToBF16Scalar(const float* src, uint16_t* dst, size_t n);
 void F32ToBF16Avx2(const float* src, uint16_t* dst, size_t n);

@@ -40,8 +40,8 @@ constexpr uint64_t kDeltaHeaderBytes = 64;
 // quantized and measured block by block in one pass, and each block brings
 // its fp32 scale, plus the two more BufferBytes counts for a chunk off the
 // block grid (which touches one block more): those count too, so its stream
-// holds no more than MaxStreamBytes says (ResolveShardConfig refuses a
-// chunk_bytes below one block and three scales).
+// holds no more than MaxStreamBytes says (from LeastFp8ChunkBytes, the
+// least chunk_bytes ResolveShardConfig accepts).
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor) {
   const uint64_t size = DTypeSize(tensor.compute_dtype);
   if (tensor.block_size != 0) {

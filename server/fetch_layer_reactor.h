@@ -88,9 +88,10 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
                               uint64_t chunk_bytes, bool delta = false);
   // The most BufferBytes gives for any plan with `chunk_bytes` of at least
-  // one block and its scales: two chunks of values (an 8-bit float's with
-  // its scales), and with `deltas` (the shard keeps changes, so any stream
-  // may be a delta) a delta chunk's bitmap and header. The memory plan counts one stream as this.
+  // LeastFp8ChunkBytes (server/memory_plan.h) under 8-bit floats: two
+  // chunks of values (an 8-bit float's with its scales), and with `deltas`
+  // (the shard keeps changes, so any stream may be a delta) a delta chunk's
+  // bitmap and header. The memory plan counts one stream as this.
   static uint64_t MaxStreamBytes(uint64_t chunk_bytes, bool deltas);
 
   // When a write has been in flight for longer than `limit` at `now`

@@ -11,6 +11,14 @@
 
 namespace layercast::server {
 
+// The least --chunk-bytes under a policy with 8-bit floats in blocks of
+// `fp8_block`: one block of codes and the three scales a chunk may bring
+// (its block's, and one more for each end of a chunk that starts or ends
+// inside a block). From there a stream holds no more than the plan's
+// stream_bytes (FetchLayerReactor::MaxStreamBytes); ResolveShardConfig
+// refuses less.
+constexpr uint64_t LeastFp8ChunkBytes(uint32_t fp8_block) { return fp8_block + 3 * sizeof(float); }
+
 // What one shard of a model needs in memory, known from the model's shapes
 // alone (headers, not data): the arithmetic of the shard's start-up check,
 // which `layercast-shard --dry-run` prints before anyone deploys.

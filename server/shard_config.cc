@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "core/flag_value.h"
 #include "core/status_macros.h"
+#include "server/memory_plan.h"
 
 namespace layercast::server {
 namespace {
@@ -251,19 +252,19 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
                                                    " is out of range: use 4-", kMaxChunkBytes));
   }
-  // An 8-bit float chunk holds whole blocks and their scales (and, off the
-  // block grid, the scales at both ends), so the memory plan's two chunks a
-  // stream hold only from there.
+  // Below LeastFp8ChunkBytes an 8-bit float chunk would outgrow what the
+  // memory plan counts for a stream.
   const Policy& policy = settings.policy;
   const bool fp8 = IsFloat8(policy.compute()) ||
                    std::any_of(policy.overrides().begin(), policy.overrides().end(),
                                [](const Policy::Override& o) { return IsFloat8(o.compute); });
-  const uint64_t least_fp8_chunk = policy.fp8_block() + 3 * sizeof(float);
+  const uint64_t least_fp8_chunk = LeastFp8ChunkBytes(policy.fp8_block());
   if (fp8 && config.chunk_bytes() < least_fp8_chunk) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--chunk-bytes ", config.chunk_bytes(), " cannot hold one block of ",
-                     policy.fp8_block(), " 8-bit codes and its scales under policy '",
-                     config.policy(), "': use at least ", least_fp8_chunk));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--chunk-bytes ", config.chunk_bytes(), " cannot hold one block of ", policy.fp8_block(),
+        " 8-bit codes and three scales (its block's and one for each end of a chunk off the block "
+        "grid) under policy '",
+        config.policy(), "': use at least ", least_fp8_chunk));
   }
   // Workers of one data-parallel step fetch a layer within moments of each
   // other; a chunk unused for 5 s is unlikely to be asked for again.

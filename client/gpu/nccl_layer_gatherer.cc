@@ -30,8 +30,8 @@ AllGatherSplit SplitForAllGather(uint64_t total, uint32_t nranks) {
   return split;
 }
 
-absl::Status CheckAllGatherable(const LayerSpec& spec, const AssembledLayout& layout,
-                                uint32_t nranks) {
+absl::Status CheckAllGatherable(uint32_t layer, const LayerSpec& spec,
+                                const AssembledLayout& layout, uint32_t nranks) {
   if (nranks <= 1 || layout.total_bytes() == 0) return absl::OkStatus();
   const uint64_t part = SplitForAllGather(layout.total_bytes(), nranks).part_bytes;
   for (size_t t = 0; t < layout.tensors().size(); ++t) {
@@ -42,13 +42,13 @@ absl::Status CheckAllGatherable(const LayerSpec& spec, const AssembledLayout& la
     const uint64_t last = placed.scale_offset + placed.scale_bytes() - 1;
     if (first / part == last / part) continue;
     return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", spec.name, " has tensor ", spec.tensors[t].name, " in ",
+        "layer ", layer, " (", spec.name, ") has tensor ", spec.tensors[t].name, " in ",
         DTypeName(placed.compute_dtype), " across the parts of ", nranks,
         " ranks, which cannot all-gather its block scales (a rank receives the scales of the "
         "codes it fetches, and they lie in another rank's part): serve it 16-bit with a policy "
-        "override (';",
+        "override ahead of any other that matches it (the first match wins), e.g. '",
         spec.tensors[t].name,
-        "=bfloat16'), or land the layer with one rank per node "
+        "=bfloat16', or land the layer with one rank per node "
         "(DeviceGatherer)"));
   }
   return absl::OkStatus();
@@ -93,7 +93,7 @@ absl::StatusOr<uint64_t> NcclLayerGatherer::Land(uint32_t layer,
   // Every rank derives the same layout, so all skip the collective together,
   // and all refuse a layer they cannot complete before any of them fetches.
   if (total == 0) return gatherer_->Land(layer, options, dst);
-  RETURN_IF_ERROR(CheckAllGatherable(source().view().model.layers[layer], layouts[layer],
+  RETURN_IF_ERROR(CheckAllGatherable(layer, source().view().model.layers[layer], layouts[layer],
                                      static_cast<uint32_t>(comm_.nranks())));
 
   const int rank = comm_.rank();

@@ -34,14 +34,15 @@ struct AllGatherSplit {
 };
 AllGatherSplit SplitForAllGather(uint64_t total, uint32_t nranks);
 
-// OK when `nranks` ranks can complete the layer `spec` (laid out as
-// `layout`) by SplitForAllGather's parts. FAILED_PRECONDITION when an 8-bit float
+// OK when `nranks` ranks can complete layer `layer`, `spec` laid out as
+// `layout` (REQUIRES: the same tensors in the same order), by
+// SplitForAllGather's parts. FAILED_PRECONDITION when an 8-bit float
 // tensor's codes and scales span two parts: a rank that fetches some of its
 // codes receives their blocks' scales into its staging, but they lie in
 // another rank's part, which goes out with only that rank's scales; the
 // message says to serve the tensor 16-bit or land with one rank.
-absl::Status CheckAllGatherable(const LayerSpec& spec, const AssembledLayout& layout,
-                                uint32_t nranks);
+absl::Status CheckAllGatherable(uint32_t layer, const LayerSpec& spec,
+                                const AssembledLayout& layout, uint32_t nranks);
 
 // Hierarchical gather for K local ranks, one process per GPU: rank r fetches
 // only byte range r of K of each layer from the shard servers (through pinned

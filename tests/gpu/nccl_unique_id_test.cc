@@ -117,24 +117,26 @@ TEST(AllGatherSplitTest, RanksRefuseAnFp8LayerTheyCannotCompleteAndOnlyThat) {
   ASSERT_EQ(fp8.total_bytes(), 12544u);
   const AssembledLayout wide =
       *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat32}, {4096, 4096});
-  for (uint32_t k : {1u, 2u, 3u, 8u}) EXPECT_TRUE(CheckAllGatherable(spec, wide, k).ok()) << k;
-  EXPECT_TRUE(CheckAllGatherable(spec, fp8, 1).ok());
-  EXPECT_TRUE(CheckAllGatherable(spec, fp8, 2).ok()) << "rank 1's part holds codes and scales";
+  for (uint32_t k : {1u, 2u, 3u, 8u}) EXPECT_TRUE(CheckAllGatherable(4, spec, wide, k).ok()) << k;
+  EXPECT_TRUE(CheckAllGatherable(4, spec, fp8, 1).ok());
+  EXPECT_TRUE(CheckAllGatherable(4, spec, fp8, 2).ok()) << "rank 1's part holds codes and scales";
   // Three ranks: rank 1 fetches codes [8192, 8704) and receives their scale,
   // which lies in rank 2's part.
-  const absl::Status refused = CheckAllGatherable(spec, fp8, 3);
+  const absl::Status refused = CheckAllGatherable(4, spec, fp8, 3);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(refused.message().find(
-                "layer model.layers.3 has tensor proj in float8_e4m3fn across the parts of 3"),
+                "layer 4 (model.layers.3) has tensor proj in float8_e4m3fn across the parts of 3"),
             std::string::npos)
       << refused;
-  EXPECT_NE(refused.message().find("';proj=bfloat16'"), std::string::npos) << refused;
-  // Nothing to split: an empty layer, and an fp8 tensor without elements
-  // (at byte 8192, the start of rank 1's part of two).
-  EXPECT_TRUE(CheckAllGatherable({"empty", {}}, *AssembledLayout::FromDTypes({}, {}), 3).ok());
+  EXPECT_NE(refused.message().find("ahead of any other that matches it (the first match wins), "
+                                   "e.g. 'proj=bfloat16'"),
+            std::string::npos)
+      << refused;
+  // An fp8 tensor without elements (at byte 8192, the start of rank 1's part
+  // of two) has nothing to split.
   const LayerSpec no_codes{"l", {TensorSpec{"norm", {4096}, 4096}, TensorSpec{"proj", {0}, 0}}};
   EXPECT_TRUE(CheckAllGatherable(
-                  no_codes,
+                  0, no_codes,
                   *AssembledLayout::FromDTypes({DType::kBFloat16, DType::kFloat8E4M3FN}, {4096, 0}),
                   2)
                   .ok());

@@ -151,6 +151,7 @@ TEST_F(DeltaTest, AShardKeepingNoChangesServesFullPullsInstead) {
   EXPECT_EQ(delta.version, 1u);
   EXPECT_TRUE(delta.bytes == full.bytes);
   EXPECT_EQ(delta.received, full.received);
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total"), 1.0);
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ TEST(ShardConfigTest, An8BitFloatPolicyNeedsChunksThatHoldABlockAndItsScales) {
         Resolve({"--chunk-bytes", "75", "--policy", policy});
     EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument) << policy;
     EXPECT_THAT(std::string(settings.status().message()),
-                HasSubstr("--chunk-bytes 75 cannot hold one block of 64 8-bit codes and its "
+                HasSubstr("--chunk-bytes 75 cannot hold one block of 64 8-bit codes and three "
                           "scales"))
         << policy;
     EXPECT_THAT(std::string(settings.status().message()), HasSubstr("use at least 76"));
