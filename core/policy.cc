@@ -1,5 +1,6 @@
 #include "core/policy.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "absl/strings/numbers.h"
@@ -201,15 +202,19 @@ DType Policy::ComputeDTypeFor(absl::string_view tensor_name) const {
   return compute_;
 }
 
+bool Policy::UsesFloat8() const {
+  return IsFloat8(compute_) || std::any_of(overrides_.begin(), overrides_.end(),
+                                           [](const Override& o) { return IsFloat8(o.compute); });
+}
+
 std::string Policy::ToString() const {
   std::string out = absl::StrCat("params=", DTypeName(params_), ",compute=", DTypeName(compute_),
                                  ",output=", DTypeName(output_));
   if (overflow_ != Fp16Overflow::kError)
     absl::StrAppend(&out, ",overflow=", OverflowName(overflow_));
   if (max_rel_error_) absl::StrAppend(&out, ",max_rel_error=", ShortestFloat(*max_rel_error_));
-  bool float8 = IsFloat8(compute_);
-  for (const Override& override : overrides_) float8 = float8 || IsFloat8(override.compute);
-  if (float8 || fp8_block_ != kDefaultFp8Block) absl::StrAppend(&out, ",fp8_block=", fp8_block_);
+  if (UsesFloat8() || fp8_block_ != kDefaultFp8Block)
+    absl::StrAppend(&out, ",fp8_block=", fp8_block_);
   for (const Override& override : overrides_) {
     absl::StrAppend(&out, ";", override.glob, "=", DTypeName(override.compute));
   }

@@ -67,6 +67,8 @@ class Policy {
   std::optional<float> max_rel_error() const { return max_rel_error_; }
   uint32_t fp8_block() const { return fp8_block_; }
   const std::vector<Override>& overrides() const { return overrides_; }
+  // Whether the compute dtype or any override's is an 8-bit float.
+  bool UsesFloat8() const;
 
   // The compute dtype of the tensor named `tensor_name`: the first matching
   // override's, else compute().

@@ -2,7 +2,6 @@
 
 #include <google/protobuf/util/json_util.h>
 
-#include <algorithm>
 #include <charconv>
 #include <fstream>
 #include <sstream>
@@ -13,7 +12,6 @@
 #include "absl/strings/str_split.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
-#include "core/dtype.h"
 #include "core/flag_value.h"
 #include "core/status_macros.h"
 #include "server/memory_plan.h"
@@ -255,11 +253,8 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
   // Below LeastFp8ChunkBytes an 8-bit float chunk would outgrow what the
   // memory plan counts for a stream.
   const Policy& policy = settings.policy;
-  const bool fp8 = IsFloat8(policy.compute()) ||
-                   std::any_of(policy.overrides().begin(), policy.overrides().end(),
-                               [](const Policy::Override& o) { return IsFloat8(o.compute); });
   const uint64_t least_fp8_chunk = LeastFp8ChunkBytes(policy.fp8_block());
-  if (fp8 && config.chunk_bytes() < least_fp8_chunk) {
+  if (policy.UsesFloat8() && config.chunk_bytes() < least_fp8_chunk) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--chunk-bytes ", config.chunk_bytes(), " cannot hold one block of ", policy.fp8_block(),
         " 8-bit codes and three scales (its block's and one for each end of a chunk off the block "
