@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -191,6 +193,61 @@ const char* PathName(Crc32cPath path) {
   return "unknown";
 }
 
+// The telemetry's cost as the median of back-to-back pairs, each the same
+// 64 MiB cast without and with the measurement, the order alternating: on a
+// shared machine the throughput drifts between two Google Benchmark runs a
+// second apart by more than the 10% goal, and drift cancels within a pair.
+// `cast(error)` casts all of Input(), measuring into `error` when non-null.
+template <typename Cast>
+double PairedTelemetryCost(Cast&& cast) {
+  constexpr int kPairs = 21;
+  CastError error;
+  auto seconds = [&](CastError* measure) {
+    const auto start = std::chrono::steady_clock::now();
+    cast(measure);
+    benchmark::ClobberMemory();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  cast(&error);  // outputs' pages mapped, caches and the dispatcher warm
+  std::vector<double> ratios;
+  for (int pair = 0; pair < kPairs; ++pair) {
+    double plain, measured;
+    if (pair % 2 == 0) {
+      plain = seconds(nullptr);
+      measured = seconds(&error);
+    } else {
+      measured = seconds(&error);
+      plain = seconds(nullptr);
+    }
+    ratios.push_back(measured / plain);
+  }
+  benchmark::DoNotOptimize(error.measured);
+  std::nth_element(ratios.begin(), ratios.begin() + kPairs / 2, ratios.end());
+  return ratios[kPairs / 2] - 1;
+}
+
+void PrintPairedTelemetryCosts() {
+  const std::vector<float>& in = Input();
+  std::printf("\ncast-error telemetry, median of 21 back-to-back pairs (goal <= 10%%)\n");
+  for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+    std::vector<uint16_t> out(kElements);
+    const double cost = PairedTelemetryCost([&](CastError* error) {
+      if (!CastFromF32(in.data(), out.data(), kElements, to, Fp16Overflow::kError, error).ok()) {
+        std::abort();  // Input() holds no value that overflows float16
+      }
+    });
+    std::printf("%-24s %+7.1f%%\n", std::string(DTypeShortName(to)).c_str(), cost * 100);
+  }
+  for (Fp8Format format : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
+    constexpr size_t kFp8Block = 128;
+    std::vector<uint8_t> out(kElements);
+    std::vector<float> scales(Fp8BlockCount(kElements, kFp8Block));
+    const double cost = PairedTelemetryCost(
+        [&](CastError* error) { QuantizeFp8(in, kFp8Block, format, out, scales, error); });
+    std::printf("%-24s %+7.1f%%\n", std::string(Fp8FormatName(format)).c_str(), cost * 100);
+  }
+}
+
 // Prints as usual, and keeps each benchmark's median throughput for the table.
 class TableReporter : public benchmark::ConsoleReporter {
  public:
@@ -224,6 +281,9 @@ class TableReporter : public benchmark::ConsoleReporter {
       }
     }
   }
+
+  // Whether the filter let the shard's casts run: the paired figure follows them.
+  bool RanShardCasts() const { return Median("shard_cast/bf16+error") > 0; }
 
  private:
   double Median(const std::string& name) const {
@@ -301,6 +361,7 @@ int main(int argc, char** argv) {
   TableReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   reporter.PrintTable();
+  if (reporter.RanShardCasts()) PrintPairedTelemetryCosts();
   benchmark::Shutdown();
   return 0;
 }
