@@ -229,7 +229,9 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     attempt.base_version.reset();
   }
   bool fell_back = false;
-  for (int tries = 0;; ++tries) {
+  // The fallback to a full pull is no version retry: it spends none of them.
+  int retries = 0;
+  for (;;) {
     LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
     absl::StatusOr<uint64_t> version = gather.Run();
     const bool cancelled = options.cancellation != nullptr && options.cancellation->cancelled();
@@ -246,7 +248,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     }
     // A pinned read is at its version or not at all.
     if (version.ok() || version.status().code() != absl::StatusCode::kAborted ||
-        attempt.exact_version || tries == kVersionRetries || cancelled ||
+        attempt.exact_version || retries == kVersionRetries || cancelled ||
         std::chrono::steady_clock::now() >= deadline) {
       // Counted once the full pull got the layer: an OUT_OF_RANGE it shares
       // with the delta (a min_version too far ahead) was no delta refusal.
@@ -256,6 +258,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     Log()->info("gathering layer {} again at version {} or newer: {}", layer,
                 std::max(attempt.min_version, gather.newest_version()), version.status().message());
     attempt.min_version = std::max(attempt.min_version, gather.newest_version());
+    ++retries;
     attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
   }

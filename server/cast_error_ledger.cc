@@ -14,24 +14,28 @@ CastErrorLedger::Slot CastErrorLedger::SlotOf(const ChunkKey& key) {
           .dtype = key.dtype};
 }
 
-std::optional<CastError> CastErrorLedger::Find(const ChunkKey& key) const {
+std::optional<CastErrorLedger::Known> CastErrorLedger::Find(const ChunkKey& key) const {
   absl::MutexLock lock(&mu_);
   auto it = chunks_.find(SlotOf(key));
   if (it == chunks_.end() || it->second.version != key.version) return std::nullopt;
-  return it->second.error;
+  return it->second.known;
 }
 
-bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error) {
+bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
+                             std::optional<uint32_t> crc32c) {
   absl::MutexLock lock(&mu_);
   const Slot slot = SlotOf(key);
   auto it = chunks_.find(slot);
   if (it != chunks_.end()) {
+    if (it->second.version == key.version && !it->second.known.crc32c.has_value()) {
+      it->second.known.crc32c = crc32c;
+    }
     if (it->second.version >= key.version) return false;
-    it->second = {key.version, error};
+    it->second = {key.version, {error, crc32c}};
     return true;
   }
   if (chunks_.size() >= kMaxChunks) chunks_.clear();
-  chunks_.emplace(slot, Measured{key.version, error});
+  chunks_.emplace(slot, Measured{key.version, {error, crc32c}});
   return true;
 }
 
@@ -48,7 +52,7 @@ std::vector<CastErrorLedger::LayerSummary> CastErrorLedger::Summarize() const {
       summary.version = measured.version;
     }
     ++summary.chunks;
-    summary.error.Add(measured.error);
+    summary.error.Add(measured.known.error);
   }
   std::vector<LayerSummary> out;
   out.reserve(layers.size());

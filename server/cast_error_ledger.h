@@ -15,13 +15,15 @@
 
 namespace layercast::server {
 
-// What each chunk's cast lost (core/cast_error.h), once per chunk and
-// parameter version. The cast of a chunk at a version is the same bits every
-// time, so a shard measures it the first time and looks the figure up after:
-// a layer served to a thousand workers costs one measurement (a few times a
-// cast's CPU, see bench/cast_bench.cc), the metrics count each element of a
+// What each chunk's cast lost (core/cast_error.h), and the CRC-32C of its
+// bytes, once per chunk and parameter version. The cast of a chunk at a
+// version is the same bits every time, so a shard measures and checksums it
+// the first time and looks both up after: a layer served to a thousand
+// workers costs one measurement (a few times a cast's CPU, see
+// bench/cast_bench.cc) and one CRC pass, the metrics count each element of a
 // version once, and the policy's max_rel_error is checked against the same
-// figure on every cast.
+// figure on every cast. A later cast sent with the first one's CRC still
+// proves itself: a worker refuses bytes that differ from that first cast's.
 //
 // Keeps the newest version measured of each chunk. Bounded: past
 // kMaxChunks chunks (clients may ask for ranges of their own) it forgets
@@ -33,13 +35,21 @@ class CastErrorLedger {
  public:
   static constexpr size_t kMaxChunks = 1 << 16;
 
+  struct Known {
+    CastError error;
+    // Of the whole chunk's bytes (a delta's packing has its own), once a
+    // whole chunk was cast at this version.
+    std::optional<uint32_t> crc32c;
+  };
   // What the cast of `key` at key.version lost, if measured already.
-  std::optional<CastError> Find(const ChunkKey& key) const;
-  // Keeps `error` as what the cast of `key` at key.version lost. False when
-  // that was known already (another stream measured the same chunk at the
-  // same time) or a newer version of the chunk is kept: the caller then
+  std::optional<Known> Find(const ChunkKey& key) const;
+  // Keeps `error` as what the cast of `key` at key.version lost, and
+  // `crc32c` (when given) as its bytes' CRC if none is kept yet. False when
+  // the error was known already (another stream measured the same chunk at
+  // the same time) or a newer version of the chunk is kept: the caller then
   // leaves it out of the metrics.
-  bool Record(const ChunkKey& key, const CastError& error);
+  bool Record(const ChunkKey& key, const CastError& error,
+              std::optional<uint32_t> crc32c = std::nullopt);
 
   // One layer's figures for one dtype: its chunks measured at the newest
   // version any of them was measured at, summed.
@@ -72,7 +82,7 @@ class CastErrorLedger {
   };
   struct Measured {
     uint64_t version = 0;
-    CastError error;
+    Known known;
   };
   static Slot SlotOf(const ChunkKey& key);
 

@@ -337,11 +337,15 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, placed);
   const bool on_grid =
       skip % per_chunk == 0 && key.elements == std::min(per_chunk, owned.end - key.element_begin);
-  const std::optional<CastError> known = narrows && on_grid && options_.cast_errors != nullptr
-                                             ? options_.cast_errors->Find(key)
-                                             : std::nullopt;
+  const std::optional<CastErrorLedger::Known> known =
+      narrows && on_grid && options_.cast_errors != nullptr ? options_.cast_errors->Find(key)
+                                                            : std::nullopt;
   CastError measured;
   CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
+  // The CRC pass, like the measurement, runs on a chunk's first cast at a
+  // version only.
+  const bool crc_known = crc != nullptr && known.has_value() && known->crc32c.has_value();
+  uint32_t* const checksum = crc_known ? nullptr : crc;
   if (IsFloat8(key.dtype)) {
     // Quantized from the master, or from the fp32 a change kept (KeptDType):
     // its blocks copied out first, as the kept bits may put them at any
@@ -359,7 +363,7 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
       base = blocks.begin;
     }
     QuantizeChunk(placed, elements, values, base, out, measure);
-    if (crc != nullptr) *crc = Crc32c(out, SentBytes(placed, elements), *crc);
+    if (checksum != nullptr) *checksum = Crc32c(out, SentBytes(placed, elements), *checksum);
   } else {
     const float* source = store_.master(key.layer, key.tensor) + skip;
     for (uint64_t done = 0; done < key.elements;) {
@@ -375,7 +379,7 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
                                       "; the policy's float16 overflow rule is 'error': set "
                                       "overflow=saturate or override this tensor to float32"));
       }
-      if (crc != nullptr) *crc = Crc32c(block_out, block * element_bytes, *crc);
+      if (checksum != nullptr) *checksum = Crc32c(block_out, block * element_bytes, *checksum);
       done += block;
     }
   }
@@ -383,11 +387,17 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
       key.elements,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - cast_start).count());
   metrics_.RecordChunkCast();
+  const std::optional<uint32_t> computed_crc =
+      crc != nullptr && !crc_known ? std::optional<uint32_t>(*crc) : std::nullopt;
   if (measure != nullptr && on_grid &&
-      (options_.cast_errors == nullptr || options_.cast_errors->Record(key, measured))) {
+      (options_.cast_errors == nullptr ||
+       options_.cast_errors->Record(key, measured, computed_crc))) {
     metrics_.RecordCastError(key.layer, key.dtype, measured);
+  } else if (known.has_value() && computed_crc.has_value()) {
+    options_.cast_errors->Record(key, known->error, computed_crc);  // measured by a delta
   }
-  const CastError& error = known.has_value() ? *known : measured;
+  if (crc_known) *crc = *known->crc32c;
+  const CastError& error = known.has_value() ? known->error : measured;
   if (const std::optional<float> bound = store_.policy().max_rel_error();
       bound.has_value() && error.Exceeds(*bound)) {
     const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;

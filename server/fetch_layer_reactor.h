@@ -134,8 +134,10 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // Why a superseded version is not at hand, for messages.
   std::string WhyNotKept() const;
   // Casts the key's elements from the master (or copies them from `kept`)
-  // into `out`, extending `*crc` over them when not null. REQUIRES: the
-  // layer's mutex held shared, and `kept` from SourceOf under it.
+  // into `out`, and sets `*crc` to their CRC-32C when not null (the first
+  // cast's, from the ledger, when this chunk was cast at this version
+  // before). REQUIRES: *crc == 0, the layer's mutex held shared, and `kept`
+  // from SourceOf under it.
   absl::Status CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept, uint8_t* out,
                         uint32_t* crc);
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);

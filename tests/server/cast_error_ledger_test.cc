@@ -1,6 +1,7 @@
 // CastErrorLedger on its own: a chunk is measured once per version, a newer
-// version replaces an older one and never the other way round, and a layer's
-// summary adds up its chunks at the newest version only.
+// version replaces an older one and never the other way round, a layer's
+// summary adds up its chunks at the newest version only, and a chunk's CRC
+// is kept with its figures at their version.
 
 #include "server/cast_error_ledger.h"
 
@@ -35,7 +36,7 @@ TEST(CastErrorLedgerTest, AChunkIsKnownAtTheVersionItWasMeasuredAt) {
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
   EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
   ASSERT_TRUE(ledger.Find(Key(0, 0, 3)).has_value());
-  EXPECT_EQ(ledger.Find(Key(0, 0, 3))->flushed_to_zero, 2u);
+  EXPECT_EQ(ledger.Find(Key(0, 0, 3))->error.flushed_to_zero, 2u);
   // Other versions, ranges, dtypes and layers are other chunks.
   EXPECT_FALSE(ledger.Find(Key(0, 0, 4)).has_value());
   EXPECT_FALSE(ledger.Find(Key(0, 100, 3)).has_value());
@@ -55,7 +56,31 @@ TEST(CastErrorLedgerTest, RecordsEachChunkAndVersionOnceAndNeverGoesBack) {
   EXPECT_FALSE(ledger.Record(Key(0, 0, 4), Lost(9, 1))) << "a pinned reader's older version";
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
   ASSERT_TRUE(ledger.Find(Key(0, 0, 5)).has_value());
-  EXPECT_EQ(ledger.Find(Key(0, 0, 5))->flushed_to_zero, 7u);
+  EXPECT_EQ(ledger.Find(Key(0, 0, 5))->error.flushed_to_zero, 7u);
+}
+
+TEST(CastErrorLedgerTest, KeepsAWholeChunksCrcAtItsVersionOnly) {
+  CastErrorLedger ledger;
+  // A delta measures a chunk's values without the whole chunk's bytes.
+  ASSERT_TRUE(ledger.Record(Key(0, 0, 3), Lost(0, 0.5f)));
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 3))->crc32c.has_value());
+  // The first whole cast after it brings the CRC; the figures stay.
+  EXPECT_FALSE(ledger.Record(Key(0, 0, 3), Lost(9, 1), 0xC0FFEEu));
+  ASSERT_TRUE(ledger.Find(Key(0, 0, 3))->crc32c.has_value());
+  EXPECT_EQ(*ledger.Find(Key(0, 0, 3))->crc32c, 0xC0FFEEu);
+  EXPECT_EQ(ledger.Find(Key(0, 0, 3))->error.flushed_to_zero, 0u);
+  // Kept once: a later record at the same version changes nothing.
+  EXPECT_FALSE(ledger.Record(Key(0, 0, 3), Lost(0, 0.5f), 0xBADu));
+  EXPECT_EQ(*ledger.Find(Key(0, 0, 3))->crc32c, 0xC0FFEEu);
+  // An older version's CRC never lands on a newer version's figures, and a
+  // newer version starts without the older one's.
+  ASSERT_TRUE(ledger.Record(Key(0, 100, 5), Lost(0, 0.5f)));
+  EXPECT_FALSE(ledger.Record(Key(0, 100, 4), Lost(0, 0.5f), 0xBADu));
+  EXPECT_FALSE(ledger.Find(Key(0, 100, 5))->crc32c.has_value());
+  EXPECT_TRUE(ledger.Record(Key(0, 0, 4), Lost(0, 0.25f)));
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 4))->crc32c.has_value());
+  EXPECT_TRUE(ledger.Record(Key(0, 200, 1), Lost(0, 0.25f), 7u));
+  EXPECT_EQ(*ledger.Find(Key(0, 200, 1))->crc32c, 7u);
 }
 
 TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
