@@ -24,6 +24,8 @@ namespace layercast::server {
 // version once, and the policy's max_rel_error is checked against the same
 // figure on every cast. A later cast sent with the first one's CRC still
 // proves itself: a worker refuses bytes that differ from that first cast's.
+// Float32 chunks (a copy of the master, nothing lost) are kept for their CRC
+// only, and left out of the summaries.
 //
 // Keeps the newest version measured of each chunk. Bounded: past
 // kMaxChunks chunks (clients may ask for ranges of their own) it forgets

@@ -329,8 +329,8 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
     return absl::OkStatus();
   }
   const auto cast_start = std::chrono::steady_clock::now();
-  // The same chunk at the same version casts to the same bits: measured the
-  // first time only. Only chunks of the grid (see WriteNext) are kept and
+  // The same chunk at the same version casts to the same bits: measured and
+  // checksummed the first time only. Only chunks of the grid (see WriteNext) are kept and
   // counted: a ranged or resumed stream's part of one would count its
   // elements again.
   const bool narrows = key.dtype != DType::kFloat32;
@@ -338,8 +338,7 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   const bool on_grid =
       skip % per_chunk == 0 && key.elements == std::min(per_chunk, owned.end - key.element_begin);
   const std::optional<CastErrorLedger::Known> known =
-      narrows && on_grid && options_.cast_errors != nullptr ? options_.cast_errors->Find(key)
-                                                            : std::nullopt;
+      on_grid && options_.cast_errors != nullptr ? options_.cast_errors->Find(key) : std::nullopt;
   CastError measured;
   CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
   // The CRC pass, like the measurement, runs on a chunk's first cast at a
@@ -393,8 +392,9 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
       (options_.cast_errors == nullptr ||
        options_.cast_errors->Record(key, measured, computed_crc))) {
     metrics_.RecordCastError(key.layer, key.dtype, measured);
-  } else if (known.has_value() && computed_crc.has_value()) {
-    options_.cast_errors->Record(key, known->error, computed_crc);  // measured by a delta
+  } else if (on_grid && options_.cast_errors != nullptr && computed_crc.has_value()) {
+    // The CRC of a chunk that narrows nothing, or that a delta measured.
+    options_.cast_errors->Record(key, known.has_value() ? known->error : measured, computed_crc);
   }
   if (crc_known) *crc = *known->crc32c;
   const CastError& error = known.has_value() ? known->error : measured;

@@ -90,6 +90,7 @@ TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
   ASSERT_TRUE(ledger.Record(Key(2, 200, 4), Lost(40, 1)));  // not cast at 5 yet
   ASSERT_TRUE(ledger.Record(Key(2, 0, 5, DType::kFloat16), Lost(3, 0.25f)));
   ASSERT_TRUE(ledger.Record(Key(0, 0, 1), Lost(0, 0.0625f)));
+  ASSERT_TRUE(ledger.Record(Key(1, 0, 1, DType::kFloat32), CastError(), 7u));  // CRC only
 
   const std::vector<CastErrorLedger::LayerSummary> summary = ledger.Summarize();
   ASSERT_EQ(summary.size(), 3u);
