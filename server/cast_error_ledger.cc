@@ -39,6 +39,16 @@ bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
   return true;
 }
 
+bool CastErrorLedger::ReplaceCrc(const ChunkKey& key, uint32_t crc32c) {
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(SlotOf(key));
+  if (it == chunks_.end() || it->second.version != key.version) return false;
+  std::optional<uint32_t>& kept = it->second.known.crc32c;
+  const bool differed = kept.has_value() && *kept != crc32c;
+  kept = crc32c;
+  return differed;
+}
+
 std::vector<CastErrorLedger::LayerSummary> CastErrorLedger::Summarize() const {
   std::map<std::tuple<uint32_t, DType>, LayerSummary> layers;
   absl::MutexLock lock(&mu_);

@@ -52,6 +52,11 @@ class CastErrorLedger {
   // leaves it out of the metrics.
   bool Record(const ChunkKey& key, const CastError& error,
               std::optional<uint32_t> crc32c = std::nullopt);
+  // Keeps `crc32c` as the bytes' CRC of `key` at key.version in place of
+  // the one kept, if the chunk is kept at that version. True when a
+  // different CRC was kept (it could only have come from a fault: the cast
+  // of a chunk at a version is the same bits every time).
+  bool ReplaceCrc(const ChunkKey& key, uint32_t crc32c);
 
   // One layer's figures for one dtype: its chunks measured at the newest
   // version any of them was measured at, summed.

@@ -18,6 +18,7 @@
 #include "core/cast_error.h"
 #include "core/crc32c.h"
 #include "core/fp8.h"
+#include "core/log.h"
 #include "core/status_macros.h"
 #include "wire/chunk_encoder.h"
 #include "wire/delta_chunks.h"
@@ -343,7 +344,8 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
   // The CRC pass, like the measurement, runs on a chunk's first cast at a
   // version only.
-  const bool crc_known = crc != nullptr && known.has_value() && known->crc32c.has_value();
+  const bool crc_known =
+      crc != nullptr && !options_.recast && known.has_value() && known->crc32c.has_value();
   uint32_t* const checksum = crc_known ? nullptr : crc;
   if (IsFloat8(key.dtype)) {
     // Quantized from the master, or from the fp32 a change kept (KeptDType):
@@ -395,6 +397,14 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   } else if (on_grid && options_.cast_errors != nullptr && computed_crc.has_value()) {
     // The CRC of a chunk that narrows nothing, or that a delta measured.
     options_.cast_errors->Record(key, known.has_value() ? known->error : measured, computed_crc);
+  }
+  if (options_.recast && on_grid && options_.cast_errors != nullptr && computed_crc.has_value() &&
+      options_.cast_errors->ReplaceCrc(key, *computed_crc)) {
+    Log()->warn(
+        "layer {} tensor {} elements [{}, {}) at version {}: the CRC kept for the chunk differed "
+        "from its cast's (a worker saw the chunk fail its checksum and asked for a fresh cast); "
+        "the cast's CRC is kept now",
+        key.layer, key.tensor, key.element_begin, key.element_begin + key.elements, key.version);
   }
   if (crc_known) *crc = *known->crc32c;
   const CastError& error = known.has_value() ? known->error : measured;

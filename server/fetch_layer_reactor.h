@@ -74,6 +74,11 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // What each chunk's cast lost, measured once per chunk and version.
     // Null: measured, and counted in the metrics, on every cast.
     CastErrorLedger* cast_errors = nullptr;
+    // The worker's last stream of this layer failed a checksum
+    // (FetchLayerRequest.recast): the stream trusts no kept CRC, checksums
+    // every chunk it casts, and puts that CRC in `cast_errors` in place of
+    // a kept one that differs (which may be what failed).
+    bool recast = false;
   };
 
   // Everything referenced must outlive the reactor.

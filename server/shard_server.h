@@ -90,6 +90,8 @@ class ShardServer {
   const MemoryBudget* budget() const { return budget_.get(); }
   // Null before Load() and with --shared-chunk-bytes 0.
   const SharedChunks* shared_chunks() const { return shared_.get(); }
+  // What each chunk's cast lost, and its CRC (tests put a fault in it).
+  CastErrorLedger& cast_errors() { return cast_errors_; }
 
  private:
   explicit ShardServer(ShardSettings settings);

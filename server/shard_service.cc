@@ -284,9 +284,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   if (request->has_base_version()) {
     reactor_options.base_version = request->base_version();
   }
+  // The worker saw a chunk of this layer fail its checksum: the kept copy,
+  // or a kept CRC, may be the corrupted one.
+  reactor_options.recast = request->recast();
   if (request->recast() && shared != nullptr) {
-    // The worker saw a chunk of this layer fail its checksum: the kept copy
-    // may be the corrupted one.
     shared->DropLayer(request->layer());
     reactor_options.shared = nullptr;
   }

@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "client/shard_set.h"
@@ -349,6 +351,44 @@ TEST(ShardServerSharingTest, ASlowOrCancelledWorkerDoesNotHoldTheOthersBack) {
   while (slow->Read(&chunk)) {
   }
   slow->Finish();
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+// The CRC a shard keeps for a chunk (CastErrorLedger) went bad after the
+// chunk's first cast: every stream sending the chunk with it fails the
+// worker's check, until the worker's retry asks for a fresh cast. That
+// stream checksums what it casts, the worker gets the layer, and the shard
+// keeps the right CRC again.
+TEST(ShardServerKeptCrcTest, AWorkersRecastMendsABadKeptCrc) {
+  // No shared chunks: a kept slice would carry the CRC of its own cast.
+  auto server = StartServer(8, kModel, /*shared_chunk_bytes=*/0);
+  auto set = Connect(*server);
+  ASSERT_TRUE(set.ok()) << set.status();
+  auto source = SyntheticModel::Create(kModel);
+  absl::StatusOr<client::Layer> first = (*set)->Gather(0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const client::Layer::TensorView tensor = first->tensor(0);
+  // The tensor's first chunk, as the shard keys it.
+  const ChunkKey key{
+      .layer = 0,
+      .tensor = 0,
+      .element_begin = 0,
+      .elements = std::min<uint64_t>(kChunkBytes / DTypeSize(tensor.dtype), tensor.num_elements),
+      .version = first->version(),
+      .dtype = tensor.dtype};
+  const std::optional<CastErrorLedger::Known> kept = server->cast_errors().Find(key);
+  ASSERT_TRUE(kept.has_value() && kept->crc32c.has_value())
+      << "the first gather kept the chunk's CRC";
+  ASSERT_TRUE(server->cast_errors().ReplaceCrc(key, ~*kept->crc32c));
+
+  absl::StatusOr<client::Layer> again = (*set)->Gather(0);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(MatchesMaster(**source, 0, *again));
+  EXPECT_EQ(server->cast_errors().Find(key)->crc32c, kept->crc32c)
+      << "the fresh cast's CRC replaced the bad one";
+  absl::StatusOr<client::Layer> third = (*set)->Gather(0);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_TRUE(MatchesMaster(**source, 0, *third));
   server->Shutdown(std::chrono::seconds(5));
 }
 

@@ -83,6 +83,25 @@ TEST(CastErrorLedgerTest, KeepsAWholeChunksCrcAtItsVersionOnly) {
   EXPECT_EQ(*ledger.Find(Key(0, 200, 1))->crc32c, 7u);
 }
 
+TEST(CastErrorLedgerTest, ReplacesAKeptCrcAtItsVersionOnly) {
+  CastErrorLedger ledger;
+  EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 0, 3), 1u)) << "nothing kept";
+  EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
+  ASSERT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f), 0xBADu));
+  EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 0, 3), 0xBADu)) << "the same CRC";
+  EXPECT_TRUE(ledger.ReplaceCrc(Key(0, 0, 3), 0xC0FFEEu));
+  EXPECT_EQ(*ledger.Find(Key(0, 0, 3))->crc32c, 0xC0FFEEu);
+  EXPECT_EQ(ledger.Find(Key(0, 0, 3))->error.flushed_to_zero, 2u) << "the figures stay";
+  // Another version's CRC never replaces this one's.
+  EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 0, 2), 7u));
+  EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 0, 4), 7u));
+  EXPECT_EQ(*ledger.Find(Key(0, 0, 3))->crc32c, 0xC0FFEEu);
+  // A chunk a delta measured, with no CRC yet, takes the one given.
+  ASSERT_TRUE(ledger.Record(Key(0, 100, 3), Lost(0, 0.5f)));
+  EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 100, 3), 9u));
+  EXPECT_EQ(*ledger.Find(Key(0, 100, 3))->crc32c, 9u);
+}
+
 TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
   CastErrorLedger ledger;
   ASSERT_TRUE(ledger.Record(Key(2, 0, 5), Lost(1, 0.125f)));
