@@ -48,8 +48,8 @@
 #include "client/shard_set.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
-#include "core/heap_tuning.h"
 #include "core/layout.h"
+#include "core/process_tuning.h"
 #include "core/status_macros.h"
 #include "tools/cli_flags.h"
 #include "tools/local_shard_set.h"
@@ -537,7 +537,7 @@ int RunFp8(const Args& args) {
 }  // namespace layercast
 
 int main(int argc, char** argv) {
-  layercast::KeepChunkBuffersInHeap();  // as in layercast and layercast-shard
+  layercast::TuneOwnProcess();  // as in layercast and layercast-shard
   const absl::StatusOr<layercast::Args> parsed = layercast::ParseArgs(argc, argv);
   if (!parsed.ok()) {
     std::fprintf(stderr, "gather_bench: %s\nusage: see the top of bench/gather_bench.cc\n",

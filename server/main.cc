@@ -23,8 +23,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/build_info.h"
-#include "core/heap_tuning.h"
 #include "core/log.h"
+#include "core/process_tuning.h"
 #include "server/dry_run.h"
 #include "server/shard_config.h"
 #include "server/shard_server.h"
@@ -39,7 +39,7 @@ int Fail(const absl::Status& status, int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  layercast::KeepChunkBuffersInHeap();
+  layercast::TuneOwnProcess();
   layercast::ConfigureLogging("layercast-shard", layercast::LogFormat::kText);
   using layercast::server::ShardServer;
   std::vector<std::string> args(argv + 1, argv + argc);

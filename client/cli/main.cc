@@ -6,8 +6,8 @@
 
 #include "client/cli/commands.h"
 #include "core/build_info.h"
-#include "core/heap_tuning.h"
 #include "core/log.h"
+#include "core/process_tuning.h"
 
 namespace {
 
@@ -109,7 +109,7 @@ const Command* Find(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  layercast::KeepChunkBuffersInHeap();
+  layercast::TuneOwnProcess();
   // The worker library's messages (connections, retries): warnings and
   // worse, so they do not crowd the command's own output.
   layercast::ConfigureLogging("layercast", layercast::LogFormat::kText, spdlog::level::warn);

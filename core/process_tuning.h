@@ -12,4 +12,14 @@ namespace layercast {
 // workers embedding client/ decide for themselves. Call once, first in main.
 void KeepChunkBuffersInHeap();
 
+// Turns off Abseil's lock-order graph. Debian builds Abseil without NDEBUG,
+// so every absl::Mutex lock (gRPC's own locks among them) records and checks
+// lock order in one graph behind a global lock; `perf` of a serving shard
+// put GraphCycles at about 1% of its samples. The tests keep the checks:
+// they never call this. For processes layercast owns, as above.
+void SkipLockOrderChecks();
+
+// Both, for the programs layercast owns: first in main.
+void TuneOwnProcess();
+
 }  // namespace layercast

@@ -1,6 +1,8 @@
-#include "core/heap_tuning.h"
+#include "core/process_tuning.h"
 
 #include <malloc.h>
+
+#include "absl/synchronization/mutex.h"
 
 namespace layercast {
 
@@ -10,6 +12,13 @@ void KeepChunkBuffersInHeap() {
   // blocks freed on other threads than allocated them, often never does.
   mallopt(M_MMAP_THRESHOLD, 4 << 20);
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
+}
+
+void SkipLockOrderChecks() { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); }
+
+void TuneOwnProcess() {
+  KeepChunkBuffersInHeap();
+  SkipLockOrderChecks();
 }
 
 }  // namespace layercast
