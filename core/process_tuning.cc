@@ -2,6 +2,9 @@
 
 #include <malloc.h>
 
+#include <cstdlib>
+#include <string_view>
+
 #include "absl/synchronization/mutex.h"
 
 namespace layercast {
@@ -14,7 +17,13 @@ void KeepChunkBuffersInHeap() {
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
 }
 
-void SkipLockOrderChecks() { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); }
+void SkipLockOrderChecks() {
+  if (const char* keep = std::getenv("LAYERCAST_LOCK_ORDER_CHECKS");
+      keep != nullptr && std::string_view(keep) == "1") {
+    return;
+  }
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+}
 
 void TuneOwnProcess() {
   KeepChunkBuffersInHeap();

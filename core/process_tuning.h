@@ -8,15 +8,17 @@ namespace layercast {
 // chunk; on loopback that was a quarter of a worker's CPU
 // (bench/gather_bench with and without it). Freed memory above 64 MiB is
 // still returned to the system. For processes layercast owns (the shard, the
-// CLI, benchmarks); a library must not change its host's allocator, so
+// CLI, gather_bench); a library must not change its host's allocator, so
 // workers embedding client/ decide for themselves. Call once, first in main.
 void KeepChunkBuffersInHeap();
 
-// Turns off Abseil's lock-order graph. Debian builds Abseil without NDEBUG,
-// so every absl::Mutex lock (gRPC's own locks among them) records and checks
-// lock order in one graph behind a global lock; `perf` of a serving shard
-// put GraphCycles at about 1% of its samples. The tests keep the checks:
-// they never call this. For processes layercast owns, as above.
+// Turns off Abseil's lock-order graph, unless LAYERCAST_LOCK_ORDER_CHECKS
+// is "1". Debian builds Abseil without NDEBUG, so every absl::Mutex lock
+// (gRPC's own locks among them) records and checks lock order in one graph
+// behind a global lock; `perf` of a serving shard put GraphCycles at about
+// 1% of its samples. The tests keep the checks: the test binaries never
+// call this, and the tests that start the programs set the variable. For
+// processes layercast owns, as above.
 void SkipLockOrderChecks();
 
 // Both, for the programs layercast owns: first in main.

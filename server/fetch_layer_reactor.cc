@@ -331,8 +331,8 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   }
   const auto cast_start = std::chrono::steady_clock::now();
   // The same chunk at the same version casts to the same bits: measured and
-  // checksummed the first time only. Only chunks of the grid (see WriteNext) are kept and
-  // counted: a ranged or resumed stream's part of one would count its
+  // checksummed the first time only (checksummed again in a recast stream). Only chunks of the grid
+  // (see WriteNext) are kept and counted: a ranged or resumed stream's part of one would count its
   // elements again.
   const bool narrows = key.dtype != DType::kFloat32;
   const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, placed);
@@ -343,7 +343,8 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
   CastError measured;
   CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
   // The CRC pass, like the measurement, runs on a chunk's first cast at a
-  // version only.
+  // version only, and on every cast of a recast stream: its worker saw a
+  // chunk fail its check, and the kept CRC may be what went bad.
   const bool crc_known =
       crc != nullptr && !options_.recast && known.has_value() && known->crc32c.has_value();
   uint32_t* const checksum = crc_known ? nullptr : crc;
@@ -398,6 +399,8 @@ absl::Status FetchLayerReactor::CastInto(const ChunkKey& key, const PinnedVersio
     // The CRC of a chunk that narrows nothing, or that a delta measured.
     options_.cast_errors->Record(key, known.has_value() ? known->error : measured, computed_crc);
   }
+  // A kept CRC that differs from a fresh cast's can only have come from a
+  // fault: keep the fresh one.
   if (options_.recast && on_grid && options_.cast_errors != nullptr && computed_crc.has_value() &&
       options_.cast_errors->ReplaceCrc(key, *computed_crc)) {
     Log()->warn(

@@ -23,7 +23,7 @@ namespace {
 
 namespace py = pybind11;
 
-// The worker library's processes (the CLI, the benchmarks) keep gRPC's
+// The worker library's processes (the CLI, gather_bench) keep gRPC's
 // chunk-sized receive buffers in the heap (KeepChunkBuffersInHeap); in an
 // interpreter that had not, every read faulted its buffer in page by page:
 // 20x the page faults and 0.77x the C++ worker's gather throughput. The

@@ -1,12 +1,14 @@
 // A real in-process shard server on 127.0.0.1 whose memory budget leaves room
 // for only a few chunk buffers: concurrent fetches all complete bit-exact and
 // the tracked peak never exceeds the budget; a stream that cannot get budget
-// before its deadline is refused with RESOURCE_EXHAUSTED.
+// before its deadline is refused with RESOURCE_EXHAUSTED. Also what the
+// server keeps between streams: shared chunks, and chunks' kept CRCs.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -365,7 +367,14 @@ TEST(ShardServerKeptCrcTest, AWorkersRecastMendsABadKeptCrc) {
   auto set = Connect(*server);
   ASSERT_TRUE(set.ok()) << set.status();
   auto source = SyntheticModel::Create(kModel);
-  absl::StatusOr<client::Layer> first = (*set)->Gather(0);
+  // Counts the retries after a failed checksum, and fails fast without one.
+  std::atomic<int> data_loss_retries{0};
+  client::GatherOptions options;
+  options.timeout = std::chrono::seconds(20);
+  options.on_retry = [&](const absl::Status& why, std::chrono::milliseconds) {
+    if (absl::IsDataLoss(why)) ++data_loss_retries;
+  };
+  absl::StatusOr<client::Layer> first = (*set)->Gather(0, options);
   ASSERT_TRUE(first.ok()) << first.status();
   const client::Layer::TensorView tensor = first->tensor(0);
   // The tensor's first chunk, as the shard keys it.
@@ -381,14 +390,17 @@ TEST(ShardServerKeptCrcTest, AWorkersRecastMendsABadKeptCrc) {
       << "the first gather kept the chunk's CRC";
   ASSERT_TRUE(server->cast_errors().ReplaceCrc(key, ~*kept->crc32c));
 
-  absl::StatusOr<client::Layer> again = (*set)->Gather(0);
+  absl::StatusOr<client::Layer> again = (*set)->Gather(0, options);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(MatchesMaster(**source, 0, *again));
-  EXPECT_EQ(server->cast_errors().Find(key)->crc32c, kept->crc32c)
-      << "the fresh cast's CRC replaced the bad one";
-  absl::StatusOr<client::Layer> third = (*set)->Gather(0);
+  EXPECT_EQ(data_loss_retries.load(), 1) << "the bad CRC failed one stream, and the recast none";
+  const std::optional<CastErrorLedger::Known> mended = server->cast_errors().Find(key);
+  ASSERT_TRUE(mended.has_value());
+  EXPECT_EQ(mended->crc32c, kept->crc32c) << "the fresh cast's CRC replaced the bad one";
+  absl::StatusOr<client::Layer> third = (*set)->Gather(0, options);
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_TRUE(MatchesMaster(**source, 0, *third));
+  EXPECT_EQ(data_loss_retries.load(), 1) << "the mended CRC fails no stream";
   server->Shutdown(std::chrono::seconds(5));
 }
 
