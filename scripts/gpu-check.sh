@@ -19,6 +19,16 @@
 #
 # On the device machine: run(command='bash scripts/gpu-check.sh',
 #                            carry=['build-gpu-debs'], timeout_s=540)
+#
+# Or, when the device's image is not Debian's (its own libraries differ from
+# the ones the .deb files expect) or its time is short: build here and carry
+# the programs. `scripts/gpu-check.sh --prepare-prebuilt` builds the GPU tests,
+# the benchmark and layercast-shard in build/ (configured with CUDA, as the
+# default AUTO does where nvcc is on the PATH) and puts stripped copies, with
+# the non-system libraries they load, in build-gpu-prebuilt/ (~30 MB). Then
+# steps 1 and 2 are skipped there: run(command='bash scripts/gpu-check.sh',
+# carry=['build-gpu-prebuilt'], timeout_s=300). CUDA's runtime and NCCL come
+# from the device's own installation (its toolkit, else its Python packages).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +54,34 @@ if [ "${1:-}" = "--prepare-debs" ]; then
   done
   du -sh build-gpu-debs
   echo "carry build-gpu-debs with the run: run(command='bash scripts/gpu-check.sh', carry=['build-gpu-debs'])"
+  exit 0
+fi
+
+# --prepare-prebuilt [BUILD_DIR] (run here): see the header. The tests find
+# layercast-shard and nccl_rank_helper at the absolute paths they were built
+# with; paths.txt records them so that the run there links them in place.
+readonly prebuilt=build-gpu-prebuilt
+if [ "${1:-}" = "--prepare-prebuilt" ]; then
+  set -e
+  from=${2:-build}
+  cmake --build "$from" -j"$(nproc)" --target gpu_test nccl_rank_helper gpu_landing_bench \
+    layercast-shard
+  rm -rf "$prebuilt" && mkdir -p "$prebuilt/bin" "$prebuilt/lib"
+  : >"$prebuilt/paths.txt"
+  for target in tests/gpu/gpu_test tests/gpu/nccl_rank_helper bench/gpu/gpu_landing_bench \
+                bin/layercast-shard; do
+    built=$(realpath "$from/$target")
+    strip -o "$prebuilt/bin/$(basename "$built")" "$built"
+    echo "$(basename "$built") $built" >>"$prebuilt/paths.txt"
+  done
+  # glibc and the C++ runtime are the device's own (newer there); CUDA's
+  # runtime, NCCL and the driver must match the device's driver.
+  ldd "$prebuilt"/bin/* | awk '/=> \// {print $3}' | sort -u |
+    grep -Ev '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|libcuda|libcudart|libnccl)\.so' |
+    xargs -I{} cp -L {} "$prebuilt/lib/"
+  du -sh "$prebuilt"
+  echo "carry $prebuilt with the run: run(command='bash scripts/gpu-check.sh'," \
+       "carry=['$prebuilt'], timeout_s=300)"
   exit 0
 fi
 
@@ -161,26 +199,77 @@ deps() {
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
-run_stage deps 200 bash -c "$(declare -f deps); deps" || finish
+# The carried programs: each one's libraries found (the carried ones first,
+# then CUDA's runtime and NCCL wherever the device keeps them), and the
+# absolute paths the tests start them from linked to the carried copies.
+use_prebuilt() {
+  local dirs=("$PWD/$prebuilt/lib") found
+  for found in $(timeout 30 find /usr/local/cuda/ /opt /usr/lib /usr/local/lib -maxdepth 8 \
+                   \( -name 'libnccl.so.2' -o -name 'libcudart.so.13' \) 2>/dev/null); do
+    dirs+=("$(dirname "$found")")
+  done
+  export LD_LIBRARY_PATH=$(printf '%s:' "${dirs[@]}")${LD_LIBRARY_PATH:-}
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  local name path
+  while read -r name path; do
+    mkdir -p "$(dirname "$path")"
+    [ "$path" -ef "$prebuilt/bin/$name" ] || ln -sfn "$PWD/$prebuilt/bin/$name" "$path"
+  done <"$prebuilt/paths.txt"
+  ldd "$prebuilt"/bin/* | tee "$logs/ldd.log"
+  ! grep -q 'not found' "$logs/ldd.log"
+}
 
-run_stage configure 90 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DLAYERCAST_WITH_CUDA=ON -DLAYERCAST_BUILD_TESTS=ON -DLAYERCAST_BUILD_BENCH=ON || finish
+if [ -f "$prebuilt/paths.txt" ]; then
+  stamp "carried programs in $prebuilt/: no dependencies to install, nothing to build"
+  if use_prebuilt; then
+    summary+=("libraries: every carried program finds its libraries")
+  else
+    summary+=("libraries: A CARRIED PROGRAM MISSES ONE (see ldd.log)")
+    failed=1
+  fi
+  # One process per test, as ctest runs them: the budget test reads the
+  # device-wide cudaMemGetInfo, which other tests' contexts would move.
+  each_test() {
+    local binary=$1 suite="" line status=0
+    while IFS= read -r line; do
+      case "$line" in
+        " "*) echo "== ${suite}${line##* }"
+              timeout --kill-after=5 90 "$binary" --gtest_color=no \
+                --gtest_filter="${suite}${line##* }" || status=1 ;;
+        *) suite=${line%% *} ;;
+      esac
+    done < <("$binary" --gtest_list_tests | sed 's/  *#.*//')
+    return "$status"
+  }
+  readonly gpu_test_cmd=(bash -c "$(declare -f each_test); each_test $prebuilt/bin/gpu_test")
+  readonly bench_cmd=("$prebuilt/bin/gpu_landing_bench" --require-gpu)
+else
+  run_stage deps 200 bash -c "$(declare -f deps); deps" || finish
 
-run_stage build 240 cmake --build "$build_dir" -j"$jobs" \
-  --target gpu_test nccl_rank_helper gpu_landing_bench || finish
+  run_stage configure 90 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DLAYERCAST_WITH_CUDA=ON -DLAYERCAST_BUILD_TESTS=ON -DLAYERCAST_BUILD_BENCH=ON || finish
+
+  run_stage build 240 cmake --build "$build_dir" -j"$jobs" \
+    --target gpu_test nccl_rank_helper gpu_landing_bench || finish
+  readonly gpu_test_cmd=(ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 90
+                         -j1 -V)
+  readonly bench_cmd=("$build_dir/bench/gpu/gpu_landing_bench" --require-gpu)
+fi
 
 # Serially: the budget test reads device-wide cudaMemGetInfo.
-run_stage gpu-tests 240 ctest --test-dir "$build_dir" -L gpu --output-on-failure \
-  --timeout 90 -j1 -V
+run_stage gpu-tests 240 "${gpu_test_cmd[@]}"
 if [ -f "$logs/gpu-tests.log" ]; then
-  # Each skipped test and the reason it gave (the line after "Skipped").
-  grep -A1 ': Skipped$' "$logs/gpu-tests.log" | grep -v -e '^--$' -e ': Skipped$' \
-    > "$logs/skipped.txt" || true
-  echo "skipped tests and why ($(wc -l < "$logs/skipped.txt")):"
+  # Each skipped test and the reason it gave: ctest's line after "Skipped",
+  # or gtest's own "[  SKIPPED ]" lines and the message before them.
+  { grep -A1 ': Skipped$' "$logs/gpu-tests.log" | grep -v -e '^--$' -e ': Skipped$'
+    grep -B1 '^\[  SKIPPED \] [A-Za-z]*\.[A-Za-z]* ([0-9]* ms)$' "$logs/gpu-tests.log" |
+      grep -v '^--$'
+  } > "$logs/skipped.txt" || true
+  echo "skipped tests and why:"
   cat "$logs/skipped.txt"
 fi
 
-run_stage gpu-bench 120 "$build_dir/bench/gpu/gpu_landing_bench" --require-gpu
+run_stage gpu-bench 120 "${bench_cmd[@]}"
 
 {
   echo "== nvidia-smi after the run"

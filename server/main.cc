@@ -71,15 +71,17 @@ int main(int argc, char** argv) {
   layercast::ConfigureLogging(
       "layercast-shard", settings->log_format, settings->log_level,
       {{"shard", absl::StrCat(resolved.shard_index(), "/", resolved.num_shards())}});
+  // Asio owns the process's life: the main thread waits for a signal or for
+  // loading to fail; loading runs beside it so a signal during a long load is
+  // answered at once. The signal set is in place before the shard listens:
+  // a supervisor may send SIGTERM the moment the port file appears, and the
+  // default action would kill the shard instead of stopping it.
+  boost::asio::io_context io;
+  boost::asio::signal_set signals(io, SIGINT, SIGTERM);
   auto server = ShardServer::Create(*std::move(settings));
   if (!server.ok()) return Fail(server.status(), 2);
   if (absl::Status started = (*server)->Start(); !started.ok()) return Fail(started, 1);
 
-  // Asio owns the process's life: the main thread waits for a signal or for
-  // loading to fail; loading runs beside it so a signal during a long load is
-  // answered at once.
-  boost::asio::io_context io;
-  boost::asio::signal_set signals(io, SIGINT, SIGTERM);
   std::atomic<bool> stopping{false};
   int exit_code = 0;
   signals.async_wait([&](const boost::system::error_code& error, int signal) {

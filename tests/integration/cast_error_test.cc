@@ -74,7 +74,7 @@ TEST(CastErrorBoundTest, ALayerOverTheBoundIsRefusedAndTheRestServed) {
   }
   EXPECT_GT(refused, 0) << "the model has layers over the bound";
   EXPECT_GT(served, 0) << "and layers within it";
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 // GetCastError against real shards: each layer's row adds up the shards'
@@ -118,7 +118,7 @@ TEST(CastErrorReportTest, TheShardsReportWhatEachLayersCastLost) {
                   1e-5 * want.relative_error_sum);
     }
   }
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 TEST(CastErrorBoundTest, WithoutABoundEveryLayerIsServed) {
@@ -128,7 +128,7 @@ TEST(CastErrorBoundTest, WithoutABoundEveryLayerIsServed) {
   for (uint32_t l = 0; l < shards.set->model().layers.size(); ++l) {
     EXPECT_TRUE(shards.set->Gather(l).ok()) << l;
   }
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 }  // namespace

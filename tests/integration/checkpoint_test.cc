@@ -99,7 +99,7 @@ TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
         << output;
     EXPECT_THAT(output, AllOf(HasSubstr("shard 0/3  version 0"), HasSubstr("shard 2/3  version 0"),
                               HasSubstr("shard-1-of-3.safetensors"), HasSubstr("sha256:")));
-    EXPECT_TRUE(processes->Stop().ok());
+    EXPECT_EQ(processes->Stop(), absl::OkStatus());
   }
   ASSERT_FALSE(before.empty());
   for (int i = 0; i < 3; ++i) {
@@ -141,7 +141,7 @@ TEST(CheckpointTest, RestartedShardsServeTheirCheckpointInsteadOfTheModel) {
   for (const auto& [name, bytes] : before) {
     ASSERT_TRUE(after.at(name) == bytes) << name << " differs from before the restart";
   }
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
   for (int i = 0; i < 3; ++i) {
     const std::string log = ReadLog(logs, i);
     EXPECT_THAT(log, HasSubstr(absl::StrCat("loading checkpoint ", dir, "/shard-", i,
@@ -161,7 +161,7 @@ TEST(CheckpointTest, SigtermWritesTheCheckpointUnlessTurnedOff) {
     auto processes = StartProcesses(1, flags);
     ASSERT_NE(processes, nullptr);
     ASSERT_NE(Connect(*processes), nullptr);
-    EXPECT_TRUE(processes->Stop().ok());
+    EXPECT_EQ(processes->Stop(), absl::OkStatus());
     EXPECT_FALSE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors"));
   }
   std::vector<std::string> flags = model;
@@ -169,7 +169,7 @@ TEST(CheckpointTest, SigtermWritesTheCheckpointUnlessTurnedOff) {
   auto processes = StartProcesses(1, flags, logs);
   ASSERT_NE(processes, nullptr);
   ASSERT_NE(Connect(*processes), nullptr);
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
   EXPECT_TRUE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors"));
   EXPECT_THAT(ReadLog(logs, 0), AllOf(HasSubstr("received SIGTERM, draining"),
                                       HasSubstr("checkpoint version 0 written to")));
@@ -182,7 +182,7 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsStopTheShardWithExitStatusTwo
     auto processes = StartProcesses(2, {"--synthetic", spec, "--checkpoint-dir", dir});
     ASSERT_NE(processes, nullptr);
     ASSERT_NE(Connect(*processes), nullptr);
-    EXPECT_TRUE(processes->Stop().ok());
+    EXPECT_EQ(processes->Stop(), absl::OkStatus());
   }
   const std::string file = dir + "/shard-1-of-2.safetensors";
   ASSERT_TRUE(std::filesystem::exists(file));
@@ -299,7 +299,7 @@ TEST(CheckpointTest, SigkillDuringALargeWriteLeavesThePreviousCheckpointWhole) {
   ASSERT_NE(set, nullptr);
   const Gathered after = GatherAll(*set, /*hash_only=*/true);
   EXPECT_TRUE(after == before) << "gathered layers differ after loading the checkpoint";
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
   EXPECT_FALSE(std::filesystem::exists(temporary));
   EXPECT_THAT(ReadLog(logs, 0), AllOf(HasSubstr("removed 1 temporary file(s)"),
                                       HasSubstr("loading checkpoint " + file)));

@@ -56,7 +56,7 @@ MasterValues MasterLayers() {
       layers.back().emplace_back(values, values + view.num_elements);
     }
   }
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
   return layers;
 }
 
@@ -176,7 +176,7 @@ TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndInFullForADelta)
     EXPECT_EQ(CounterValue(*shards.registry, "layercast_client_delta_fallbacks_total"), 0.0)
         << "a delta was asked for, and refused";
   }
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 // `layercast fetch` writes an fp8 layer's codes as F8_E4M3 and each
@@ -227,7 +227,7 @@ TEST(Fp8WireTest, FetchWritesCodesAndTheirScales) {
         std::string(reinterpret_cast<const char*>(view.scales.data()), view.scales.size_bytes()));
   }
   EXPECT_EQ(fp8, 7) << "the decoder layer's seven projections";
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 // A worker trains a layer it is served in fp8: it pushes the gradient in
@@ -291,7 +291,7 @@ TEST(Fp8WireTest, AnFp8LayerTrainsFromFloat32GradientsOnTheMaster) {
     EXPECT_EQ(layer->version(), 1u);
     ExpectServedAsPolicySays(*layer, stepped[l], policy);
   }
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 TEST(Fp8WireTest, MaxRelErrorRefusesWhatE5m2LosesAndTheReportSaysSo) {
@@ -316,7 +316,7 @@ TEST(Fp8WireTest, MaxRelErrorRefusesWhatE5m2LosesAndTheReportSaysSo) {
   EXPECT_GT(report->front().error.max_relative_error, 0.01f);
   EXPECT_LE(report->front().error.max_relative_error, 0.125f);
   EXPECT_EQ(report->front().error.overflowed, 0u) << "block scales keep every value in range";
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 TEST(Fp8WireTest, AShardCountThatSplitsABlockIsRefusedAtStart) {

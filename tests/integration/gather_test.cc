@@ -63,7 +63,7 @@ TEST_P(GatherTest, EveryLayerBitExactWithMixedDTypes) {
     }
   }
   EXPECT_EQ(dtypes_seen.size(), 3u) << "bf16, f32 and f16 tensors were all covered";
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 INSTANTIATE_TEST_SUITE_P(Shards, GatherTest, ::testing::Values(1u, 3u, 4u));

@@ -72,7 +72,7 @@ TEST(LoggingTest, RulesThatMatchNoTensorAreWarnedAbout) {
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::seconds(60);
   ASSERT_TRUE(client::ShardSet::Connect(shards->addresses(), connect).ok());
-  ASSERT_TRUE(shards->Stop().ok());
+  ASSERT_EQ(shards->Stop(), absl::OkStatus());
   std::ifstream in(logs + "/shard-0.log");
   const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_THAT(log, HasSubstr("--policy override '*nrom*=float32' matches no tensor of"));
@@ -109,7 +109,7 @@ TEST(LoggingTest, AModelFolderIsServedAndWhatItWidensOrCannotGroupIsSaid) {
   auto set = client::ShardSet::Connect(folder->addresses(), connect);
   ASSERT_TRUE(set.ok()) << set.status();
   EXPECT_EQ((*set)->model().model_id, "tiny-llama");
-  ASSERT_TRUE(folder->Stop().ok());
+  ASSERT_EQ(folder->Stop(), absl::OkStatus());
   std::ifstream in(logs + "/shard-0.log");
   std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_THAT(log, HasSubstr("serving " + dir + "/model.safetensors as model 'tiny-llama'"));
@@ -128,7 +128,7 @@ TEST(LoggingTest, AModelFolderIsServedAndWhatItWidensOrCannotGroupIsSaid) {
   const std::string gpt2_logs = MakeTempDir("logging_gpt2");
   auto flat = StartProcesses(1, {"--model", gpt2}, gpt2_logs);
   ASSERT_NE(flat, nullptr);
-  ASSERT_TRUE(flat->Stop().ok());
+  ASSERT_EQ(flat->Stop(), absl::OkStatus());
   std::ifstream gpt2_in(gpt2_logs + "/shard-0.log");
   log.assign(std::istreambuf_iterator<char>(gpt2_in), std::istreambuf_iterator<char>());
   EXPECT_THAT(log, HasSubstr("matched the layer rules"));
@@ -147,7 +147,7 @@ TEST(LoggingTest, AModelFolderIsServedAndWhatItWidensOrCannotGroupIsSaid) {
   const std::string ids_logs = MakeTempDir("logging_ids");
   auto skipping = StartProcesses(1, {"--model", ids}, ids_logs);
   ASSERT_NE(skipping, nullptr);
-  ASSERT_TRUE(skipping->Stop().ok());
+  ASSERT_EQ(skipping->Stop(), absl::OkStatus());
   std::ifstream ids_in(ids_logs + "/shard-0.log");
   log.assign(std::istreambuf_iterator<char>(ids_in), std::istreambuf_iterator<char>());
   EXPECT_THAT(log, HasSubstr("skipping tensor 'model.position_ids'"));

@@ -54,7 +54,7 @@ void ExpectPeakRssNearSlice(const std::vector<std::string>& flags, uint64_t allo
     EXPECT_GT(peak, slice) << "the master itself is resident";
     EXPECT_LE(peak, slice + allowed);
   }
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }
 
 TEST(MemoryTest, ServerPeakRssStaysNearItsFp32Slice) {

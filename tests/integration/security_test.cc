@@ -199,7 +199,7 @@ TEST_F(SecurityTest, TlsRefusesPlaintextClientsAndServesTlsClientsBitExact) {
       RunCommand(CliBinary() + " manifest --connect-timeout-ms 2000 --shards " + shards, &output),
       1)
       << "plaintext CLI: " << output;
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
@@ -229,7 +229,7 @@ TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
                        &output),
             0)
       << output;
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, HealthListenServesPlaintextProbesBesideTls) {
@@ -265,7 +265,7 @@ TEST_F(SecurityTest, HealthListenServesPlaintextProbesBesideTls) {
   // The health port serves nothing else.
   EXPECT_EQ(GetManifest(health_address, grpc::InsecureChannelCredentials()).error_code(),
             grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, BadTlsFilesStopTheShardWithOneLine) {
@@ -345,7 +345,7 @@ TEST_F(SecurityTest, CheckpointNeedsTheRightBearerToken) {
             0)
       << output;
   EXPECT_THAT(output, HasSubstr("shard 0/1  version 0"));
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, WithoutATokenEveryAdminCallIsRefused) {
@@ -358,7 +358,7 @@ TEST_F(SecurityTest, WithoutATokenEveryAdminCallIsRefused) {
                  absl::StrCat("Bearer ", kToken));
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(status.error_message(), HasSubstr("start it with --admin-token-file FILE"));
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, ShortTokenFilesStopTheShard) {
@@ -413,7 +413,7 @@ TEST_F(SecurityTest, SecretFilesOtherUsersCanReadStopTheShardAndTheCli) {
       1, {"--synthetic", kSpec, "--tls-cert-file", certs_.server_cert, "--tls-key-file", key});
   ASSERT_NE(processes, nullptr);
   EXPECT_TRUE(Connect(*processes, Tls(certs_.ca)).ok());
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, CheckpointCommandRefusesToSendTheTokenInClearText) {
@@ -441,7 +441,7 @@ TEST_F(SecurityTest, CheckpointCommandRefusesToSendTheTokenInClearText) {
             0)
       << output;
   EXPECT_THAT(output, HasSubstr("shard 0/1  version 0"));
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 // A unary call of `bytes` zero bytes to GetManifest: what the shard says
@@ -465,14 +465,14 @@ TEST(LimitsTest, OversizedRequestsAreRefusedBeforeTheyAreParsed) {
   EXPECT_EQ(OversizedGetManifest(processes->addresses()[0], 128 << 10),
             grpc::StatusCode::RESOURCE_EXHAUSTED)
       << "above the 64 KiB default";
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 
   processes = StartProcesses(
       1, {"--synthetic", "llama:layers=1,hidden=64", "--max-receive-message-bytes", "2048"});
   ASSERT_NE(processes, nullptr);
   EXPECT_EQ(OversizedGetManifest(processes->addresses()[0], 4096),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_TRUE(processes->Stop().ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 }  // namespace

@@ -1,14 +1,22 @@
 // Health and graceful shutdown of real shard processes: readiness follows
 // loading and draining; SIGTERM lets streams in flight finish, refuses new
 // ones, and exits 0; the drain timeout bounds it; SIGTERM while loading exits
-// at once.
+// at once, and so does SIGTERM the instant the shard listens.
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cstring>
+#include <filesystem>
 #include <thread>
+
+#include "absl/strings/str_cat.h"
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "layercast/v1/shard.grpc.pb.h"
@@ -56,6 +64,66 @@ TEST(ShutdownTest, ReadinessNotServingWhileLoadingAndSigtermExitsPromptly) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+}
+
+TEST(ShutdownTest, SigtermTheMomentThePortFileAppearsExitsCleanly) {
+  // A supervisor may stop a shard as soon as it listens. The port file is
+  // written once the shard listens, so a signal sent the instant it appears
+  // must find the shard's handler in place, not the default action.
+  // LocalShardSet polls for the file every 10 ms and would miss that moment,
+  // so this test spawns the shard itself and spins on the file.
+  const std::string dir = MakeTempDir("sigterm_at_start");
+  for (int round = 0; round < 5; ++round) {
+    const std::string port_file = absl::StrCat(dir, "/port-", round);
+    std::vector<std::string> args = {ShardBinary(),
+                                     "--num-shards",
+                                     "1",
+                                     "--shard-index",
+                                     "0",
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--port-file",
+                                     port_file,
+                                     "--synthetic",
+                                     "llama:layers=2,hidden=64,ffn=128,vocab=256"};
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    const std::string log = absl::StrCat(dir, "/shard-", round, ".log");
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+    pid_t pid = 0;
+    const int spawned = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ASSERT_EQ(spawned, 0) << std::strerror(spawned);
+
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    int status = 0;
+    bool listening = false;
+    std::error_code error;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (std::filesystem::exists(port_file, error)) {
+        listening = true;
+        break;
+      }
+      ASSERT_NE(waitpid(pid, &status, WNOHANG), pid)
+          << "the shard exited before listening; see " << log;
+    }
+    if (!listening) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "the shard wrote no port file within 60 s; see " << log;
+    }
+    kill(pid, SIGTERM);
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "round " << round << ": "
+        << (WIFSIGNALED(status) ? absl::StrCat("killed by signal ", WTERMSIG(status))
+                                : absl::StrCat("exit ", WEXITSTATUS(status)))
+        << "; see " << log;
+  }
 }
 
 TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {

@@ -402,7 +402,8 @@ TEST(StormTest, MalformedRequestsLeaveServingBitExactAndMemoryFlat) {
     EXPECT_GT(rss_warm[s], 0u) << "VmRSS of shard " << s << " unreadable";
     EXPECT_LT(growth, static_cast<int64_t>(kMaxRssGrowthBytes)) << "shard " << s;
   }
-  EXPECT_TRUE(shards.processes->Stop().ok()) << "every shard drains and exits 0 after the storm";
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus())
+      << "every shard drains and exits 0 after the storm";
 }
 
 }  // namespace

@@ -105,7 +105,7 @@ class TrainingTest : public ::testing::Test {
       master += 4 * elements;
       if (4 * elements > largest) largest = 4 * elements, largest_layer_ = l;
     }
-    ASSERT_TRUE(shards_.processes->Stop().ok());
+    ASSERT_EQ(shards_.processes->Stop(), absl::OkStatus());
     extra.insert(extra.end(),
                  {"--memory-budget", std::to_string(master + workers * largest + 3 * kChunkBytes),
                   // no change bitmaps: the budget is exactly the above
@@ -387,7 +387,7 @@ TEST_F(TrainingTest, CheckpointedOptimizerStateIsCheckedAndRequired) {
   for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
     ASSERT_TRUE(Push(*shards_.set, 0, Chunks(*shards_.set, l, 0, 0, 0)).status.ok());
   }
-  ASSERT_TRUE(shards_.processes->Stop().ok());  // SIGTERM: writes the checkpoint
+  ASSERT_EQ(shards_.processes->Stop(), absl::OkStatus());  // SIGTERM: writes the checkpoint
   const std::string file = checkpoints + "/shard-0-of-1.safetensors";
   std::string bytes;
   {

@@ -124,7 +124,7 @@ std::string Train(const Recipe& recipe, const TestModel& model) {
     }
   }
   // SIGTERM: every shard writes its fp32 master to its checkpoint.
-  EXPECT_TRUE(shards.processes->Stop().ok());
+  EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
   return checkpoints;
 }
 
