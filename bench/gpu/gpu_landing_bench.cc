@@ -161,7 +161,7 @@ struct Walk {
   double idle_seconds = 0;      // stream_seconds - compute_seconds: waiting for layers
   double gpu_wait_seconds = 0;  // of which inside cudaStreamWaitEvent on a layer
   double host_wait_seconds = 0;
-  uint64_t hits = 0, misses = 0, peak = 0, pool_high = 0;
+  uint64_t hits = 0, misses = 0, peak = 0, pool_high = 0, pool_used_high = 0;
 };
 
 void Compute(void* milliseconds) {
@@ -226,6 +226,7 @@ absl::StatusOr<Walk> DeviceWalk(gpu::DeviceGatherer& gatherer, uint64_t budget, 
   walk.misses = stats.misses;
   walk.peak = stats.peak_bytes;
   walk.pool_high = stats.pool_reserved_high_bytes;
+  walk.pool_used_high = stats.pool_used_high_bytes;
   return walk;
 }
 
@@ -297,15 +298,15 @@ absl::Status Run(const Args& args) {
       static_cast<unsigned long long>(args.budget_layers));
   ASSIGN_OR_RETURN(const Walk on_demand, DeviceWalk(*gatherer, budget, 0, args.compute_ms));
   ASSIGN_OR_RETURN(const Walk prefetch, DeviceWalk(*gatherer, budget, UINT32_MAX, args.compute_ms));
-  std::printf("%-12s %8s %9s %12s %10s %10s %8s %12s %12s\n", "mode", "step s", "compute s",
-              "stream idle", "GPU wait", "host wait", "hits", "peak", "pool high");
+  std::printf("%-12s %8s %9s %12s %10s %10s %8s %12s %12s %12s\n", "mode", "step s", "compute s",
+              "stream idle", "GPU wait", "host wait", "hits", "peak", "pool used", "pool high");
   for (const auto& [name, w] :
        {std::pair{"on demand", on_demand}, std::pair{"prefetch", prefetch}}) {
-    std::printf("%-12s %8.3f %9.3f %12.3f %10.3f %10.3f %4llu/%-3llu %12s %12s\n", name, w.seconds,
-                w.compute_seconds, w.idle_seconds, w.gpu_wait_seconds, w.host_wait_seconds,
-                static_cast<unsigned long long>(w.hits),
+    std::printf("%-12s %8.3f %9.3f %12.3f %10.3f %10.3f %4llu/%-3llu %12s %12s %12s\n", name,
+                w.seconds, w.compute_seconds, w.idle_seconds, w.gpu_wait_seconds,
+                w.host_wait_seconds, static_cast<unsigned long long>(w.hits),
                 static_cast<unsigned long long>(w.hits + w.misses), FormatBytes(w.peak).c_str(),
-                FormatBytes(w.pool_high).c_str());
+                FormatBytes(w.pool_used_high).c_str(), FormatBytes(w.pool_high).c_str());
   }
   std::printf("compute stream idle, prefetch / on demand:   %7.3f\n",
               prefetch.idle_seconds / std::max(1e-9, on_demand.idle_seconds));

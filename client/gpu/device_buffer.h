@@ -74,19 +74,21 @@ class DeviceMemoryPool {
   DeviceMemoryPool& operator=(const DeviceMemoryPool&) = delete;
 
   // Allocates `bytes` ordered on `stream` (usable by work enqueued on it from
-  // now on; other streams must wait for it). The allocation itself is
-  // recorded as a use of `stream`; whoever then writes or reads the buffer,
-  // on `stream` or elsewhere, calls RecordUse after enqueuing that work.
-  // RESOURCE_EXHAUSTED when the device is out of memory. `on_release` is
-  // attached only to a buffer returned: after an error it never runs.
+  // now on; other streams must wait for it). `stream` first waits for every
+  // free of this pool enqueued so far, so that the pool reuses their memory. The allocation itself
+  // is recorded as a use of `stream`; whoever then writes or reads the buffer, on `stream` or
+  // elsewhere, calls RecordUse after enqueuing that work. RESOURCE_EXHAUSTED when the device is out
+  // of memory. `on_release` is attached only to a buffer returned: after an error it never runs.
   absl::StatusOr<DeviceBuffer> Allocate(uint64_t bytes, cudaStream_t stream,
                                         DeviceBuffer::ReleaseHook on_release = {});
 
   int device() const { return device_; }
   // Device memory the pool holds now / has held at most (cudaMemPoolAttr
-  // ReservedMemCurrent / ReservedMemHigh), in bytes; 0 if the query fails.
+  // ReservedMemCurrent / ReservedMemHigh), and the most its allocations held
+  // at once (UsedMemHigh), in bytes; 0 if the query fails.
   uint64_t reserved_bytes() const;
   uint64_t reserved_high_bytes() const;
+  uint64_t used_high_bytes() const;
 
  private:
   DeviceMemoryPool(int device, cudaMemPool_t pool, std::shared_ptr<CudaStream> free_stream)

@@ -109,6 +109,7 @@ DeviceLayerStreamStats DeviceLayerStream::stats() const {
   DeviceLayerStreamStats stats;
   static_cast<client::PrefetchStats&>(stats) = scheduler_->stats();
   stats.pool_reserved_high_bytes = memory_.reserved_high_bytes();
+  stats.pool_used_high_bytes = memory_.used_high_bytes();
   return stats;
 }
 

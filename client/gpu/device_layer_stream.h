@@ -25,6 +25,10 @@ struct DeviceLayerStreamStats : client::PrefetchStats {
   // Device memory the stream's pool has mapped at most (cudaMemPool
   // ReservedMemHigh): what the budget costs the device in fact.
   uint64_t pool_reserved_high_bytes = 0;
+  // The most the stream's layers held of it at once (UsedMemHigh; a layer
+  // stops counting when its free is enqueued): reserved high above this is
+  // memory the pool mapped and did not reuse.
+  uint64_t pool_used_high_bytes = 0;
 };
 
 // The device counterpart of client::LayerStream: hands the caller the layers
@@ -32,8 +36,8 @@ struct DeviceLayerStreamStats : client::PrefetchStats {
 // Boost.Asio thread) as far as the device byte budget and the look-ahead
 // allow, never beyond, strictly in order (the scheduling is
 // client::PrefetchScheduler's, shared with client::LayerStream). Device
-// memory comes from a pool of the stream's own (cudaMallocFromPoolAsync on
-// the lander's stream).
+// memory comes from a pool of the stream's own (allocated on the pool's
+// stream, which the lander's stream waits for: DeviceMemoryPool::Allocate).
 //
 // A handed-out DeviceLayer is an RAII handle: the caller makes its compute
 // stream wait with WaitOn (a GPU-side wait), records its use with RecordUse,

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "client/gpu/device_gatherer.h"
@@ -24,6 +25,22 @@ TEST(DeviceGathererTest, LandedBytesAreBitIdenticalToTheHostGather) {
   ASSERT_TRUE(set.ok()) << set.status();
   DeviceGathererOptions options;
   options.piece_bytes = 64 << 10;  // ~20 pieces per layer
+  auto gatherer = DeviceGatherer::Create(**set, options);
+  ASSERT_TRUE(gatherer.ok()) << gatherer.status();
+  ASSERT_TRUE(ExpectLandingsMatchHost(**set, **gatherer).ok());
+}
+
+TEST(DeviceGathererTest, LandedF16BytesAreBitIdenticalToTheHostGather) {
+  LAYERCAST_SKIP_WITHOUT_GPU();
+  TestShards shards(2, kModel, "c=f16;*norm*=f32");
+  auto set = client::ShardSet::Connect(shards.addresses());
+  ASSERT_TRUE(set.ok()) << set.status();
+  const auto& tensors = (*set)->view().layouts[1].tensors();
+  ASSERT_TRUE(std::any_of(tensors.begin(), tensors.end(), [](const AssembledTensor& t) {
+    return t.compute_dtype == DType::kFloat16;
+  })) << "the policy made no tensor of layer 1 f16";
+  DeviceGathererOptions options;
+  options.piece_bytes = 64 << 10;
   auto gatherer = DeviceGatherer::Create(**set, options);
   ASSERT_TRUE(gatherer.ok()) << gatherer.status();
   ASSERT_TRUE(ExpectLandingsMatchHost(**set, **gatherer).ok());

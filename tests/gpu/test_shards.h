@@ -17,11 +17,11 @@ inline constexpr char kTestPolicy[] = "c=bf16;*norm*=f32";
 
 class TestShards {
  public:
-  TestShards(uint32_t n, const std::string& model) {
+  TestShards(uint32_t n, const std::string& model, const std::string& policy = kTestPolicy) {
     tools::LocalShardSet::Options options;
     options.shard_binary = LAYERCAST_SHARD_BINARY;
     options.num_shards = n;
-    options.extra_flags = {"--synthetic", model, "--policy", kTestPolicy};
+    options.extra_flags = {"--synthetic", model, "--policy", policy};
     auto shards = tools::LocalShardSet::Start(options);
     EXPECT_TRUE(shards.ok()) << shards.status();
     if (shards.ok()) shards_ = *std::move(shards);
