@@ -25,7 +25,7 @@
 # the programs. `scripts/gpu-check.sh --prepare-prebuilt` builds the GPU tests,
 # the benchmark and layercast-shard in build/ (configured with CUDA, as the
 # default AUTO does where nvcc is on the PATH) and puts stripped copies, with
-# the non-system libraries they load, in build-gpu-prebuilt/ (~30 MB). Then
+# the non-system libraries they load, in build-gpu-prebuilt/ (~26 MB). Then
 # steps 1 and 2 are skipped there: run(command='bash scripts/gpu-check.sh',
 # carry=['build-gpu-prebuilt'], timeout_s=300). CUDA's runtime and NCCL come
 # from the device's own installation (its toolkit, else its Python packages).
@@ -208,12 +208,18 @@ use_prebuilt() {
                    \( -name 'libnccl.so.2' -o -name 'libcudart.so.13' \) 2>/dev/null); do
     dirs+=("$(dirname "$found")")
   done
-  export LD_LIBRARY_PATH=$(printf '%s:' "${dirs[@]}")${LD_LIBRARY_PATH:-}
+  local joined
+  joined=$(IFS=:; echo "${dirs[*]}")
+  export LD_LIBRARY_PATH=$joined${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   local name path
   while read -r name path; do
-    mkdir -p "$(dirname "$path")"
-    [ "$path" -ef "$prebuilt/bin/$name" ] || ln -sfn "$PWD/$prebuilt/bin/$name" "$path"
+    [ "$path" -ef "$prebuilt/bin/$name" ] && continue
+    if [ -e "$path" ] && [ ! -L "$path" ]; then
+      echo "$path exists and is not a link: not replacing it with the carried $name" >&2
+      return 1
+    fi
+    mkdir -p "$(dirname "$path")" && ln -sfn "$PWD/$prebuilt/bin/$name" "$path" || return 1
   done <"$prebuilt/paths.txt"
   ldd "$prebuilt"/bin/* | tee "$logs/ldd.log"
   ! grep -q 'not found' "$logs/ldd.log"
@@ -230,15 +236,19 @@ if [ -f "$prebuilt/paths.txt" ]; then
   # One process per test, as ctest runs them: the budget test reads the
   # device-wide cudaMemGetInfo, which other tests' contexts would move.
   each_test() {
-    local binary=$1 suite="" line status=0
+    local binary=$1 suite="" line list status=0 ran=0
+    list=$("$binary" --gtest_list_tests) || { echo "$binary --gtest_list_tests failed" >&2; return 1; }
     while IFS= read -r line; do
       case "$line" in
         " "*) echo "== ${suite}${line##* }"
+              ran=$((ran + 1))
               timeout --kill-after=5 90 "$binary" --gtest_color=no \
                 --gtest_filter="${suite}${line##* }" || status=1 ;;
         *) suite=${line%% *} ;;
       esac
-    done < <("$binary" --gtest_list_tests | sed 's/  *#.*//')
+    done < <(sed 's/  *#.*//' <<<"$list")
+    echo "ran $ran tests, each in its own process"
+    [ "$ran" -gt 0 ] || { echo "$binary lists no tests" >&2; return 1; }
     return "$status"
   }
   readonly gpu_test_cmd=(bash -c "$(declare -f each_test); each_test $prebuilt/bin/gpu_test")
@@ -259,12 +269,10 @@ fi
 # Serially: the budget test reads device-wide cudaMemGetInfo.
 run_stage gpu-tests 240 "${gpu_test_cmd[@]}"
 if [ -f "$logs/gpu-tests.log" ]; then
-  # Each skipped test and the reason it gave: ctest's line after "Skipped",
-  # or gtest's own "[  SKIPPED ]" lines and the message before them.
-  { grep -A1 ': Skipped$' "$logs/gpu-tests.log" | grep -v -e '^--$' -e ': Skipped$'
-    grep -B1 '^\[  SKIPPED \] [A-Za-z]*\.[A-Za-z]* ([0-9]* ms)$' "$logs/gpu-tests.log" |
-      grep -v '^--$'
-  } > "$logs/skipped.txt" || true
+  # Each skipped test's reason: the line after gtest's "FILE:LINE: Skipped"
+  # (printed the same under ctest and when the tests run one by one).
+  grep -A1 ': Skipped$' "$logs/gpu-tests.log" | grep -v -e '^--$' -e ': Skipped$' \
+    > "$logs/skipped.txt" || true
   echo "skipped tests and why:"
   cat "$logs/skipped.txt"
 fi

@@ -73,9 +73,10 @@ int main(int argc, char** argv) {
       {{"shard", absl::StrCat(resolved.shard_index(), "/", resolved.num_shards())}});
   // Asio owns the process's life: the main thread waits for a signal or for
   // loading to fail; loading runs beside it so a signal during a long load is
-  // answered at once. The signal set is in place before the shard listens:
-  // a supervisor may send SIGTERM the moment the port file appears, and the
-  // default action would kill the shard instead of stopping it.
+  // answered at once. The signal set is in place before the server is
+  // created: a supervisor may send SIGTERM the moment the port file appears
+  // (or earlier), and the default action would kill the shard instead of
+  // stopping it. A signal that comes before async_wait waits for it.
   boost::asio::io_context io;
   boost::asio::signal_set signals(io, SIGINT, SIGTERM);
   auto server = ShardServer::Create(*std::move(settings));

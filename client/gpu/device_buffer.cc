@@ -101,14 +101,13 @@ absl::StatusOr<DeviceBuffer> DeviceMemoryPool::Allocate(uint64_t bytes, cudaStre
                                                         DeviceBuffer::ReleaseHook on_release) {
   DeviceGuard guard(device_);
   if (!guard.status().ok()) return guard.status();
-  // Allocated in stream order after every free enqueued so far, on the
-  // stream the frees run on: the pool reuses memory freed earlier on the same
-  // stream always. Allocated on `stream` instead, it reused a free made on
-  // the other stream only once the driver had noticed it complete, which it
-  // did not while the host ran ahead of the GPU: a fresh mapping for every
-  // layer, 2 GiB of pool for a 375 MiB budget (gpu_landing_bench on an H200,
-  // 80 ms of compute per layer). The cost: `stream` also waits for those
-  // frees, which the budget has mostly waited for already.
+  // Allocated on the stream the frees run on, after every free enqueued so
+  // far: the pool always reuses memory freed earlier on the same stream.
+  // Allocated on `stream`, it reused a free from the other stream only once
+  // the driver had noticed it complete, which it did not while the host ran
+  // ahead of the GPU (docs/gpu.md, "The device budget"). The cost: `stream`
+  // also waits for those frees, and each free for the compute that last read
+  // its buffer, including frees the budget did not need yet.
   ASSIGN_OR_RETURN(CudaEvent allocated, CudaEvent::Create());
   void* data = nullptr;
   CUDA_RETURN_IF_ERROR(
@@ -119,8 +118,7 @@ absl::StatusOr<DeviceBuffer> DeviceMemoryPool::Allocate(uint64_t bytes, cudaStre
                        "cudaEventRecord (allocation)");
   CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, allocated.get(), 0),
                        "cudaStreamWaitEvent (allocation)");
-  // The free must come after the allocation in stream order too.
-  RETURN_IF_ERROR(buffer.RecordUse(stream));
+  // The buffer's free comes after the allocation on the same stream.
   // Only now: a buffer that fails above is freed without its hook, so a caller
   // who sees the error gives its budget back once, not twice.
   buffer.on_release_ = std::move(on_release);

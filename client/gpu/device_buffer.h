@@ -62,7 +62,8 @@ class DeviceBuffer {
 // A stream-ordered device memory pool (cudaMemPoolCreate) on one device that
 // keeps up to `keep_bytes` of freed memory mapped (its release threshold), so
 // a walk under a budget reuses the same device memory rather than handing it
-// back to the driver at every synchronisation and mapping it again.
+// back to the driver at every synchronisation and mapping it again. Its
+// allocations and frees run on one stream of its own.
 //
 // Buffers may outlive the pool: CUDA defers destroying a pool until its last
 // allocation is freed. Thread-safe.
@@ -74,11 +75,13 @@ class DeviceMemoryPool {
   DeviceMemoryPool& operator=(const DeviceMemoryPool&) = delete;
 
   // Allocates `bytes` ordered on `stream` (usable by work enqueued on it from
-  // now on; other streams must wait for it). `stream` first waits for every
-  // free of this pool enqueued so far, so that the pool reuses their memory. The allocation itself
-  // is recorded as a use of `stream`; whoever then writes or reads the buffer, on `stream` or
-  // elsewhere, calls RecordUse after enqueuing that work. RESOURCE_EXHAUSTED when the device is out
-  // of memory. `on_release` is attached only to a buffer returned: after an error it never runs.
+  // now on; other streams must wait for it). The allocation is made on the
+  // pool's own stream, after every free of this pool enqueued so far, so that
+  // it reuses their memory; `stream` waits for it. Whoever writes or reads
+  // the buffer, on `stream` or elsewhere, calls RecordUse after enqueuing
+  // that work. RESOURCE_EXHAUSTED when the device is out of memory.
+  // `on_release` is attached only to a buffer returned: after an error it
+  // never runs.
   absl::StatusOr<DeviceBuffer> Allocate(uint64_t bytes, cudaStream_t stream,
                                         DeviceBuffer::ReleaseHook on_release = {});
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "client/gpu/device_gatherer.h"
@@ -18,32 +19,32 @@ namespace {
 
 constexpr char kModel[] = "llama:layers=3,hidden=256,ffn=704,vocab=1000,seed=9";
 
-TEST(DeviceGathererTest, LandedBytesAreBitIdenticalToTheHostGather) {
-  LAYERCAST_SKIP_WITHOUT_GPU();
-  TestShards shards(2, kModel);
+// Lands every layer of shards serving `policy` and compares each with the
+// host gather; `compute` is the dtype the policy gives the weight matrices.
+void ExpectLandingsBitIdentical(const std::string& policy, DType compute) {
+  TestShards shards(2, kModel, policy);
   auto set = client::ShardSet::Connect(shards.addresses());
   ASSERT_TRUE(set.ok()) << set.status();
+  const auto& tensors = (*set)->view().layouts[1].tensors();
+  ASSERT_TRUE(
+      std::any_of(tensors.begin(), tensors.end(),
+                  [compute](const AssembledTensor& t) { return t.compute_dtype == compute; }))
+      << "the policy " << policy << " gave no tensor of layer 1 the dtype expected";
   DeviceGathererOptions options;
   options.piece_bytes = 64 << 10;  // ~20 pieces per layer
   auto gatherer = DeviceGatherer::Create(**set, options);
   ASSERT_TRUE(gatherer.ok()) << gatherer.status();
-  ASSERT_TRUE(ExpectLandingsMatchHost(**set, **gatherer).ok());
+  EXPECT_EQ(ExpectLandingsMatchHost(**set, **gatherer), absl::OkStatus());
+}
+
+TEST(DeviceGathererTest, LandedBytesAreBitIdenticalToTheHostGather) {
+  LAYERCAST_SKIP_WITHOUT_GPU();
+  ExpectLandingsBitIdentical(kTestPolicy, DType::kBFloat16);
 }
 
 TEST(DeviceGathererTest, LandedF16BytesAreBitIdenticalToTheHostGather) {
   LAYERCAST_SKIP_WITHOUT_GPU();
-  TestShards shards(2, kModel, "c=f16;*norm*=f32");
-  auto set = client::ShardSet::Connect(shards.addresses());
-  ASSERT_TRUE(set.ok()) << set.status();
-  const auto& tensors = (*set)->view().layouts[1].tensors();
-  ASSERT_TRUE(std::any_of(tensors.begin(), tensors.end(), [](const AssembledTensor& t) {
-    return t.compute_dtype == DType::kFloat16;
-  })) << "the policy made no tensor of layer 1 f16";
-  DeviceGathererOptions options;
-  options.piece_bytes = 64 << 10;
-  auto gatherer = DeviceGatherer::Create(**set, options);
-  ASSERT_TRUE(gatherer.ok()) << gatherer.status();
-  ASSERT_TRUE(ExpectLandingsMatchHost(**set, **gatherer).ok());
+  ExpectLandingsBitIdentical("c=f16;*norm*=f32", DType::kFloat16);
 }
 
 TEST(DeviceGathererTest, BackToBackLandingsPipelineThroughTheStagingSafely) {

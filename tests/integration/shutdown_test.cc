@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -92,6 +93,7 @@ TEST(ShutdownTest, SigtermTheMomentThePortFileAppearsExitsCleanly) {
     const std::string log = absl::StrCat(dir, "/shard-", round, ".log");
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addclosefrom_np(&actions, STDERR_FILENO + 1);
     posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
                                      O_WRONLY | O_CREAT | O_APPEND, 0644);
     pid_t pid = 0;
@@ -110,6 +112,7 @@ TEST(ShutdownTest, SigtermTheMomentThePortFileAppearsExitsCleanly) {
       }
       ASSERT_NE(waitpid(pid, &status, WNOHANG), pid)
           << "the shard exited before listening; see " << log;
+      sched_yield();  // no sleep: the signal must come the instant the file appears
     }
     if (!listening) {
       kill(pid, SIGKILL);
@@ -117,7 +120,16 @@ TEST(ShutdownTest, SigtermTheMomentThePortFileAppearsExitsCleanly) {
       FAIL() << "the shard wrote no port file within 60 s; see " << log;
     }
     kill(pid, SIGTERM);
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    const auto stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (waitpid(pid, &status, WNOHANG) != pid) {
+      if (std::chrono::steady_clock::now() >= stop_deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        FAIL() << "round " << round << ": the shard did not stop within 30 s of SIGTERM; see "
+               << log;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
         << "round " << round << ": "
         << (WIFSIGNALED(status) ? absl::StrCat("killed by signal ", WTERMSIG(status))
