@@ -1,10 +1,26 @@
 #include "server/cast_error_ledger.h"
 
 #include <algorithm>
+#include <bit>
 #include <map>
 #include <tuple>
+#include <utility>
 
 namespace layercast::server {
+
+CastErrorLedger::CastErrorLedger(uint64_t grid_chunks) : grid_chunks_(grid_chunks) {}
+
+uint64_t CastErrorLedger::BytesFor(uint64_t grid_chunks) {
+  // Far past any memory; below it nothing here overflows.
+  if (grid_chunks > (uint64_t{1} << 40)) return UINT64_MAX;
+  // absl grows a table at 7/8 full to a power of two of slots (less one),
+  // each with a control byte, and a group's worth of control bytes more;
+  // while it grows, the old table (half the slots) is still held.
+  constexpr uint64_t kGroup = 16;
+  const uint64_t slots = std::bit_ceil(grid_chunks + grid_chunks / 7 + 1);
+  const uint64_t table = slots * (sizeof(std::pair<const Slot, Measured>) + 1) + kGroup;
+  return table + table / 2;
+}
 
 CastErrorLedger::Slot CastErrorLedger::SlotOf(const ChunkKey& key) {
   return {.layer = key.layer,
@@ -34,7 +50,7 @@ bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
     it->second = {key.version, {error, crc32c}};
     return true;
   }
-  if (chunks_.size() >= kMaxChunks) chunks_.clear();
+  if (chunks_.size() >= grid_chunks_) return false;
   chunks_.emplace(slot, Measured{key.version, {error, crc32c}});
   return true;
 }

@@ -27,15 +27,21 @@ namespace layercast::server {
 // Float32 chunks (a copy of the master, nothing lost) are kept for their CRC
 // only, and left out of the summaries.
 //
-// Keeps the newest version measured of each chunk. Bounded: past
-// kMaxChunks chunks (clients may ask for ranges of their own) it forgets
-// every chunk and starts over, so a chunk may then be measured, and
-// counted, again.
+// Keeps the newest version measured of each chunk of the shard's grid
+// (GridChunks in server/fetch_plan.h: the only chunks streams record), at
+// most the whole grid, which the memory plan counts (BytesFor): it never
+// forgets a chunk, so no chunk is measured or counted twice at one version,
+// however large the model.
 //
 // Thread-safe.
 class CastErrorLedger {
  public:
-  static constexpr size_t kMaxChunks = 1 << 16;
+  // Keeps up to `grid_chunks` chunks; allocates as they come.
+  explicit CastErrorLedger(uint64_t grid_chunks);
+
+  // The most a ledger of `grid_chunks` chunks holds, growing to its last
+  // chunk included. Saturates at UINT64_MAX.
+  static uint64_t BytesFor(uint64_t grid_chunks);
 
   struct Known {
     CastError error;
@@ -49,7 +55,9 @@ class CastErrorLedger {
   // `crc32c` (when given) as its bytes' CRC if none is kept yet. False when
   // the error was known already (another stream measured the same chunk at
   // the same time) or a newer version of the chunk is kept: the caller then
-  // leaves it out of the metrics.
+  // leaves it out of the metrics. False, keeping nothing, for a chunk
+  // beyond the grid_chunks the ledger was made for (which no stream on the
+  // grid reaches): a ledger never grows past what the plan counted.
   bool Record(const ChunkKey& key, const CastError& error,
               std::optional<uint32_t> crc32c = std::nullopt);
   // Keeps `crc32c` as the bytes' CRC of `key` at key.version in place of
@@ -93,6 +101,7 @@ class CastErrorLedger {
   };
   static Slot SlotOf(const ChunkKey& key);
 
+  const uint64_t grid_chunks_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<Slot, Measured> chunks_ ABSL_GUARDED_BY(mu_);
 };

@@ -20,9 +20,6 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
   if (model.layers.empty()) {  // as the shard itself refuses it
     return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, " has no layers"));
   }
-  // A policy the model's tensors cannot take (an 8-bit float block that two
-  // shards would split) stops the shard as it loads: say so here first.
-  RETURN_IF_ERROR(ShardedLayouts(model, settings.policy, config.num_shards()).status());
   std::optional<TrainingPlan> training;
   if (settings.optimizer) {
     training = TrainingPlan{*settings.optimizer, config.data_parallel_workers()};
@@ -37,24 +34,26 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
                               training->workers, " data-parallel workers")
                : "read-only",
       "\n");
-  absl::StrAppend(&report.text,
-                  absl::StrFormat("%-8s %14s %16s %14s %14s %14s %22s\n", "shard", "fp32 master",
-                                  "optimizer state", "step staging", "stream buffers",
-                                  "change bitmaps", "least --memory-budget"));
+  absl::StrAppend(&report.text, absl::StrFormat("%-8s %14s %16s %14s %14s %14s %14s %22s\n",
+                                                "shard", "fp32 master", "optimizer state",
+                                                "step staging", "stream buffers", "change bitmaps",
+                                                "cast ledger", "least --memory-budget"));
   uint64_t most = 0;
   std::string refusal;
   for (uint32_t shard = 0; shard < config.num_shards(); ++shard) {
+    // A policy the model's tensors cannot take (an 8-bit float block that
+    // two shards would split) stops the shard as it plans: so it does here.
     ASSIGN_OR_RETURN(const MemoryPlan plan,
-                     PlanShardMemory(model, shard, config.num_shards(), config.chunk_bytes(),
-                                     config.delta_versions(), training));
+                     PlanShardMemory(model, settings.policy, shard, config.num_shards(),
+                                     config.chunk_bytes(), config.delta_versions(), training));
     most = std::max(most, plan.MinimumBudget());
-    absl::StrAppend(
-        &report.text,
-        absl::StrFormat("%-8s %14s %16s %14s %14s %14s %22s\n",
-                        absl::StrCat(shard, "/", config.num_shards()),
-                        FormatBytes(plan.master_bytes), FormatBytes(plan.state_bytes),
-                        FormatBytes(plan.staging_bytes), FormatBytes(plan.stream_bytes),
-                        FormatBytes(plan.change_bytes), FormatBytes(plan.MinimumBudget())));
+    absl::StrAppend(&report.text,
+                    absl::StrFormat("%-8s %14s %16s %14s %14s %14s %14s %22s\n",
+                                    absl::StrCat(shard, "/", config.num_shards()),
+                                    FormatBytes(plan.master_bytes), FormatBytes(plan.state_bytes),
+                                    FormatBytes(plan.staging_bytes), FormatBytes(plan.stream_bytes),
+                                    FormatBytes(plan.change_bytes), FormatBytes(plan.ledger_bytes),
+                                    FormatBytes(plan.MinimumBudget())));
     if (settings.memory_budget_bytes && refusal.empty()) {
       if (absl::Status fits = CheckPlanFits(plan, training, *settings.memory_budget_bytes);
           !fits.ok()) {

@@ -36,24 +36,6 @@ constexpr uint64_t kCastBlockElements = 24 << 10;
 // the CRC, well under this.
 constexpr uint64_t kDeltaHeaderBytes = 64;
 
-// Elements in one chunk of `tensor`: as many as fit in `chunk_bytes`. An
-// 8-bit float's chunks hold whole blocks, so a chunk on the grid is
-// quantized and measured block by block in one pass, and each block brings
-// its fp32 scale, plus the two more BufferBytes counts for a chunk off the
-// block grid (which touches one block more): those count too, so its stream
-// holds no more than MaxStreamBytes says (from LeastFp8ChunkBytes, the
-// least chunk_bytes ResolveShardConfig accepts).
-uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor) {
-  const uint64_t size = DTypeSize(tensor.compute_dtype);
-  if (tensor.block_size != 0) {
-    constexpr uint64_t kEndScales = 2 * sizeof(float);
-    const uint64_t room = chunk_bytes > kEndScales ? chunk_bytes - kEndScales : 0;
-    const uint64_t blocks = room / (tensor.block_size * size + sizeof(float));
-    return std::max<uint64_t>(1, blocks) * tensor.block_size;
-  }
-  return std::max<uint64_t>(1, chunk_bytes / size);
-}
-
 // The elements of the whole blocks of an 8-bit float tensor that `chunk`
 // touches. They lie within the shard's slice: ParameterStore refuses a
 // layout whose shards split a block.

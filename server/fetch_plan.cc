@@ -1,5 +1,7 @@
 #include "server/fetch_plan.h"
 
+#include <algorithm>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/content_fingerprint.h"
@@ -16,6 +18,32 @@ uint64_t SentBytes(const AssembledTensor& tensor, ElementRange elements) {
     bytes += blocks * sizeof(float);
   }
   return bytes;
+}
+
+uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor) {
+  const uint64_t size = DTypeSize(tensor.compute_dtype);
+  if (tensor.block_size != 0) {
+    constexpr uint64_t kEndScales = 2 * sizeof(float);
+    const uint64_t room = chunk_bytes > kEndScales ? chunk_bytes - kEndScales : 0;
+    const uint64_t blocks = room / (tensor.block_size * size + sizeof(float));
+    return std::max<uint64_t>(1, blocks) * tensor.block_size;
+  }
+  return std::max<uint64_t>(1, chunk_bytes / size);
+}
+
+uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_index,
+                    uint32_t num_shards, uint64_t chunk_bytes) {
+  uint64_t chunks = 0;
+  for (const AssembledLayout& layout : layouts) {
+    for (const AssembledTensor& tensor : layout.tensors()) {
+      const uint64_t owned = ShardElementRange(tensor.num_elements, shard_index, num_shards).size();
+      const uint64_t per_chunk = ElementsPerChunk(chunk_bytes, tensor);
+      if (__builtin_add_overflow(chunks, owned / per_chunk + (owned % per_chunk != 0), &chunks)) {
+        return UINT64_MAX;
+      }
+    }
+  }
+  return chunks;
 }
 
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,

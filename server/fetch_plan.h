@@ -22,6 +22,24 @@ struct FetchPlan {
 // compute dtype, and for an 8-bit float the scale of every block they touch.
 uint64_t SentBytes(const AssembledTensor& tensor, ElementRange elements);
 
+// Elements in one chunk of `tensor`: as many as fit in `chunk_bytes`. An
+// 8-bit float's chunks hold whole blocks, so a chunk on the grid is
+// quantized and measured block by block in one pass, and each block brings
+// its fp32 scale, plus the two more FetchLayerReactor::BufferBytes counts
+// for a chunk off the block grid (which touches one block more): those
+// count too, so a stream holds no more than MaxStreamBytes says (from
+// LeastFp8ChunkBytes, the least chunk_bytes ResolveShardConfig accepts).
+uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor);
+
+// The chunks of the grid shard `shard_index` of `num_shards` cuts its
+// slices of `layouts` (every layer's) into at `chunk_bytes`: each tensor's
+// slice from its first owned element in ElementsPerChunk steps. Every
+// stream casts on this grid, wherever its range starts, so these are all
+// the chunks a shard keeps anything of (its cast-error ledger). Saturates
+// at UINT64_MAX.
+uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_index,
+                    uint32_t num_shards, uint64_t chunk_bytes);
+
 // Validates `request` against the store and plans the stream. Does no work
 // and allocates nothing sized by the request before validation passes.
 //   NOT_FOUND            no such layer;

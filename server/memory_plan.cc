@@ -4,22 +4,24 @@
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/status_macros.h"
+#include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/fetch_layer_reactor.h"
+#include "server/fetch_plan.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
 
 namespace layercast::server {
 
 uint64_t MemoryPlan::MinimumBudget() const {
-  const absl::uint128 sum =
-      absl::uint128(master_bytes) + state_bytes + staging_bytes + stream_bytes + change_bytes;
+  const absl::uint128 sum = absl::uint128(master_bytes) + state_bytes + staging_bytes +
+                            stream_bytes + change_bytes + ledger_bytes;
   return sum > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(sum);
 }
 
-absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shard_index,
-                                           uint32_t num_shards, uint64_t chunk_bytes,
-                                           uint32_t delta_versions,
+absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, const Policy& policy,
+                                           uint32_t shard_index, uint32_t num_shards,
+                                           uint64_t chunk_bytes, uint32_t delta_versions,
                                            const std::optional<TrainingPlan>& training) {
   MemoryPlan plan;
   plan.shard_index = shard_index;
@@ -27,6 +29,10 @@ absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shar
   ASSIGN_OR_RETURN(plan.master_bytes, ParameterStore::MasterBytes(model, shard_index, num_shards));
   plan.stream_bytes = FetchLayerReactor::MaxStreamBytes(chunk_bytes, delta_versions > 0);
   plan.change_bytes = ChangeLog::BytesFor(model, shard_index, num_shards, delta_versions);
+  ASSIGN_OR_RETURN(const std::vector<AssembledLayout> layouts,
+                   ShardedLayouts(model, policy, num_shards));
+  plan.grid_chunks = GridChunks(layouts, shard_index, num_shards, chunk_bytes);
+  plan.ledger_bytes = CastErrorLedger::BytesFor(plan.grid_chunks);
   if (training) {
     const LayerTrainer::Memory memory = LayerTrainer::MemoryFor(
         model, shard_index, num_shards, training->optimizer, training->workers);
@@ -53,20 +59,27 @@ absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingP
         " to stage one step of its largest layer (", training->workers,
         " workers' pushes in fp32) + ", FormatBytes(plan.stream_bytes),
         " for one stream's chunks + ", FormatBytes(plan.change_bytes),
-        " of change bitmaps (--delta-versions): raise the budget or use more shards"));
+        " of change bitmaps (--delta-versions) + ", FormatBytes(plan.ledger_bytes),
+        " of cast-error ledger (a record per chunk of --chunk-bytes): raise the budget or use more "
+        "shards"));
   }
-  if (budget - plan.master_bytes < plan.change_bytes + plan.stream_bytes) {
+  if (absl::uint128(budget - plan.master_bytes) <
+      absl::uint128(plan.change_bytes) + plan.stream_bytes + plan.ledger_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "--memory-budget of ", FormatBytes(budget), " leaves ",
         FormatBytes(budget - plan.master_bytes), " beside ", shard, "'s fp32 master of ",
-        FormatBytes(plan.master_bytes), ", but one stream needs ", FormatBytes(plan.stream_bytes),
-        plan.change_bytes > 0 ? " (two chunks of --chunk-bytes, with a delta's bitmap)"
-                              : " (twice --chunk-bytes)",
-        plan.change_bytes > 0 ? absl::StrCat(" and its change bitmaps (--delta-versions) ",
-                                             FormatBytes(plan.change_bytes))
+        FormatBytes(plan.master_bytes), ", but it needs ", FormatBytes(plan.stream_bytes),
+        " for one stream",
+        plan.change_bytes > 0 ? " (two chunks of --chunk-bytes, with a delta's bitmap), "
+                              : " (twice --chunk-bytes), ",
+        plan.change_bytes > 0 ? absl::StrCat(FormatBytes(plan.change_bytes),
+                                             " of change bitmaps (--delta-versions), ")
                               : "",
-        ": raise the budget or lower --chunk-bytes",
-        plan.change_bytes > 0 ? " or --delta-versions" : ""));
+        "and ", FormatBytes(plan.ledger_bytes), " for the cast-error ledger (a record for each of ",
+        plan.grid_chunks, " chunks of --chunk-bytes): raise the budget or ",
+        plan.ledger_bytes > plan.stream_bytes ? "--chunk-bytes (fewer, larger chunks)"
+                                              : "lower --chunk-bytes",
+        plan.change_bytes > 0 ? ", or lower --delta-versions" : ""));
   }
   return absl::OkStatus();
 }

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "core/model.h"
 #include "core/optimizer_spec.h"
+#include "core/policy.h"
 
 namespace layercast::server {
 
@@ -30,6 +31,8 @@ struct MemoryPlan {
   uint64_t staging_bytes = 0;  // one step of the largest layer, W pushes (+ clip means)
   uint64_t stream_bytes = 0;   // one stream's chunks: FetchLayerReactor::MaxStreamBytes
   uint64_t change_bytes = 0;   // --delta-versions of change bitmaps (server/change_log.h)
+  uint64_t grid_chunks = 0;    // chunks of the shard's grid (GridChunks)
+  uint64_t ledger_bytes = 0;   // what the casts lost, a record per grid chunk (CastErrorLedger)
   // The least --memory-budget the shard starts with; saturates at UINT64_MAX.
   uint64_t MinimumBudget() const;
 };
@@ -41,10 +44,11 @@ struct TrainingPlan {
   uint32_t workers = 1;
 };
 
-// INVALID_ARGUMENT when the master of the shard's slices overflows.
-absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, uint32_t shard_index,
-                                           uint32_t num_shards, uint64_t chunk_bytes,
-                                           uint32_t delta_versions,
+// INVALID_ARGUMENT when the master of the shard's slices overflows; the
+// errors of ShardedLayouts when `policy` cannot lay the model out.
+absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, const Policy& policy,
+                                           uint32_t shard_index, uint32_t num_shards,
+                                           uint64_t chunk_bytes, uint32_t delta_versions,
                                            const std::optional<TrainingPlan>& training);
 
 // RESOURCE_EXHAUSTED, with the arithmetic and what to change, when `plan`

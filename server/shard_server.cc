@@ -77,10 +77,13 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   if (server->settings_.optimizer) {
     training = TrainingPlan{*server->settings_.optimizer, config.data_parallel_workers()};
   }
-  ASSIGN_OR_RETURN(const MemoryPlan plan,
-                   PlanShardMemory(model, config.shard_index(), config.num_shards(),
-                                   config.chunk_bytes(), config.delta_versions(), training));
+  ASSIGN_OR_RETURN(
+      const MemoryPlan plan,
+      PlanShardMemory(model, server->settings_.policy, config.shard_index(), config.num_shards(),
+                      config.chunk_bytes(), config.delta_versions(), training));
   const uint64_t master = plan.master_bytes;
+  server->cast_errors_ = std::make_unique<CastErrorLedger>(plan.grid_chunks);
+  server->ledger_bytes_ = plan.ledger_bytes;
   if (const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes) {
     RETURN_IF_ERROR(CheckPlanFits(plan, training, *budget));
   }
@@ -320,8 +323,9 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                     : ChangeLog::BytesFor(store->model(), store->shard_index(),
                                                           store->num_shards(), delta_versions);
   budget_ = std::make_unique<MemoryBudget>(
-      settings_.memory_budget_bytes, store->master_bytes() + state_bytes + change_bytes,
-      grants_.get_executor(), [this](uint64_t in_use, size_t waiting) {
+      settings_.memory_budget_bytes,
+      store->master_bytes() + state_bytes + change_bytes + ledger_bytes_, grants_.get_executor(),
+      [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
@@ -385,7 +389,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                          .trainer = trainer_.get(),
                          .changes = changes_.get(),
                          .pinned = pinned_.get(),
-                         .cast_errors = &cast_errors_});
+                         .cast_errors = cast_errors_.get()});
   if (trainer_ == nullptr) {
     publications_ =
         std::make_unique<Publications>(Publications::Links{.store = store_.get(),

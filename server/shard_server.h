@@ -91,7 +91,7 @@ class ShardServer {
   // Null before Load() and with --shared-chunk-bytes 0.
   const SharedChunks* shared_chunks() const { return shared_.get(); }
   // What each chunk's cast lost, and its CRC (tests put a fault in it).
-  CastErrorLedger& cast_errors() { return cast_errors_; }
+  CastErrorLedger& cast_errors() { return *cast_errors_; }
 
  private:
   explicit ShardServer(ShardSettings settings);
@@ -111,8 +111,10 @@ class ShardServer {
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
   ServerMetrics metrics_;
-  // What each chunk's cast lost, for GetCastError and the policy's bound.
-  CastErrorLedger cast_errors_;
+  // What each chunk's cast lost, for GetCastError and the policy's bound;
+  // sized by the memory plan (its ledger_bytes are reserved in budget_).
+  std::unique_ptr<CastErrorLedger> cast_errors_;
+  uint64_t ledger_bytes_ = 0;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   int metrics_port_ = 0;
   ServerSecurity security_;

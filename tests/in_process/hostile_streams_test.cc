@@ -18,6 +18,7 @@
 #include "client/shard_set.h"
 #include "core/synthetic_model.h"
 #include "server/shard_server.h"
+#include "tests/in_process/bytes_beside_streams.h"
 
 namespace layercast::server {
 namespace {
@@ -221,13 +222,13 @@ TEST(HostileStreamsTest, ParkingIsBoundedInCountAndInTime) {
 }
 
 TEST(HostileStreamsTest, StalledReadersLoseTheirBudgetToARealWorker) {
-  auto source = SyntheticModel::Create(kBigModel);
-  ASSERT_TRUE(source.ok());
-  const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config = Config(kBigModel);
-  // Room for exactly two streams' chunk buffers beside the master.
-  config.set_delta_versions(0);  // the budget is the master and the streams' chunks
-  config.set_memory_budget(std::to_string(master + 4 * kChunkBytes));
+  // Room for exactly two streams' chunk buffers beside the master and the
+  // ledger (no change bitmaps).
+  config.set_delta_versions(0);
+  config.set_chunk_bytes(kChunkBytes);
+  const uint64_t fixed = BytesBesideStreams(config);
+  config.set_memory_budget(std::to_string(fixed + 4 * kChunkBytes));
   config.set_write_progress_timeout_ms(300);
   config.set_shared_chunk_bytes(0);
   auto server = StartServer(config);
@@ -236,7 +237,7 @@ TEST(HostileStreamsTest, StalledReadersLoseTheirBudgetToARealWorker) {
   grpc::GenericStub stub(NewConnection(server->port()));
   RawFetch first(stub, Request(0, 0), /*read_chunks=*/1);
   RawFetch second(stub, Request(0, 0), /*read_chunks=*/1);
-  ASSERT_TRUE(Eventually([&] { return server->budget()->in_use() == master + 4 * kChunkBytes; }));
+  ASSERT_TRUE(Eventually([&] { return server->budget()->in_use() == fixed + 4 * kChunkBytes; }));
 
   auto set = client::ShardSet::Connect({"127.0.0.1:" + std::to_string(server->port())});
   ASSERT_TRUE(set.ok()) << set.status();
@@ -249,7 +250,7 @@ TEST(HostileStreamsTest, StalledReadersLoseTheirBudgetToARealWorker) {
   // The stalled readers' status waits in their unread messages on their
   // side; the shard has counted them out.
   EXPECT_EQ(server->metrics().streams_stalled().Value(), 2);
-  EXPECT_TRUE(Eventually([&] { return server->budget()->in_use() == master; }));
+  EXPECT_TRUE(Eventually([&] { return server->budget()->in_use() == fixed; }));
 }
 
 // Streams park, get cancelled and finish while the version advances from

@@ -17,6 +17,7 @@
 #include "core/cast.h"
 #include "core/synthetic_model.h"
 #include "server/shard_server.h"
+#include "tests/in_process/bytes_beside_streams.h"
 
 namespace layercast::server {
 namespace {
@@ -55,16 +56,15 @@ class HeldStream {
 std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::string& model = kModel,
                                          std::optional<uint64_t> shared_chunk_bytes = {},
                                          uint32_t shared_chunk_max_idle_ms = 0) {
-  auto source = SyntheticModel::Create(model);
-  const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config;
   config.set_listen("127.0.0.1:0");
   config.set_num_shards(1);
   config.set_synthetic(model);
   config.set_chunk_bytes(kChunkBytes);
-  // No change bitmaps: the budget is the master and the streams' chunks.
+  // No change bitmaps: the budget is the master, the ledger and the
+  // streams' chunks.
   config.set_delta_versions(0);
-  config.set_memory_budget(std::to_string(master + spare_chunks * kChunkBytes));
+  config.set_memory_budget(std::to_string(BytesBesideStreams(config) + spare_chunks * kChunkBytes));
   if (shared_chunk_bytes) config.set_shared_chunk_bytes(*shared_chunk_bytes);
   config.set_shared_chunk_max_idle_ms(shared_chunk_max_idle_ms);
   auto settings = ResolveShardConfig(config);
@@ -98,7 +98,8 @@ bool MatchesMaster(const ParameterSource& source, uint32_t layer, const client::
 }
 
 TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
-  // Room for two streams (each holds two chunks) beside the master.
+  // Room for two streams (each holds two chunks) beside the master and the
+  // ledger.
   auto server = StartServer(4);
   const uint64_t budget = *server->budget()->budget();
   auto set = client::ShardSet::Connect({"127.0.0.1:" + std::to_string(server->port())});
@@ -127,14 +128,15 @@ TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
   EXPECT_GT(server->budget()->peak(), server->budget()->in_use()) << "chunk buffers were counted";
   // A reclaimer posted during the run may still be dropping kept chunks on
   // the budget's thread: wait for the two counts to settle.
-  const uint64_t master = *ParameterStore::MasterBytes((*set)->model(), 0, 1);
+  // The master and the ledger: the budget less the four chunks left.
+  const uint64_t fixed = budget - 4 * kChunkBytes;
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (server->budget()->in_use() != master + server->shared_chunks()->kept_bytes() &&
+  while (server->budget()->in_use() != fixed + server->shared_chunks()->kept_bytes() &&
          std::chrono::steady_clock::now() < give_up) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  EXPECT_EQ(server->budget()->in_use(), master + server->shared_chunks()->kept_bytes())
-      << "only the master and the chunks kept for sharing remain";
+  EXPECT_EQ(server->budget()->in_use(), fixed + server->shared_chunks()->kept_bytes())
+      << "only the master, the ledger and the chunks kept for sharing remain";
   server->Shutdown(std::chrono::seconds(5));
 }
 
@@ -196,18 +198,16 @@ TEST(ShardServerBudgetTest, StreamsBeyondMaxStreamsAreRefused) {
 }
 
 TEST(ShardServerBudgetTest, ABudgetThatCannotServeOneStreamFailsAtStart) {
-  auto source = SyntheticModel::Create(kModel);
-  const uint64_t master = *ParameterStore::MasterBytes((*source)->model(), 0, 1);
   layercast::v1::ShardConfig config;
   config.set_num_shards(1);
   config.set_synthetic(kModel);
   config.set_chunk_bytes(kChunkBytes);
   config.set_delta_versions(0);
-  config.set_memory_budget(std::to_string(master + kChunkBytes));
+  config.set_memory_budget(std::to_string(BytesBesideStreams(config) + kChunkBytes));
   auto server = ShardServer::Create(*ResolveShardConfig(config));
   EXPECT_EQ(server.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(server.status().message()),
-              ::testing::HasSubstr("but one stream needs 32.00 KiB (twice --chunk-bytes)"));
+              ::testing::HasSubstr("but it needs 32.00 KiB for one stream (twice --chunk-bytes)"));
 }
 
 // Cast once, send to many (SharedChunks) over real gRPC streams.
@@ -401,6 +401,47 @@ TEST(ShardServerKeptCrcTest, AWorkersRecastMendsABadKeptCrc) {
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_TRUE(MatchesMaster(**source, 0, *third));
   EXPECT_EQ(data_loss_retries.load(), 1) << "the mended CRC fails no stream";
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+// The ledger keeps a record for every chunk of the shard's grid, so each is
+// measured once however many workers fetch it, and the memory plan counts a
+// record for each: the chunks whole-layer streams send are those the plan
+// counts, and the ledger summarises all of them, once.
+TEST(ShardServerBudgetTest, TheLedgerKeepsEveryChunkOfTheGridThePlanCounts) {
+  auto server = StartServer(8);
+  auto stub = layercast::v1::ShardService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server->port()), grpc::InsecureChannelCredentials()));
+  const auto sum_ledger = [&] {
+    uint64_t chunks = 0;
+    for (const CastErrorLedger::LayerSummary& layer : server->cast_errors().Summarize()) {
+      chunks += layer.chunks;
+    }
+    return chunks;
+  };
+  auto source = SyntheticModel::Create(kModel);
+  ASSERT_TRUE(source.ok()) << source.status();
+  const ModelSpec& model = (*source)->model();
+  uint64_t sent = 0;
+  for (int round = 0; round < 2; ++round) {
+    sent = 0;
+    for (uint32_t layer = 0; layer < model.layers.size(); ++layer) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      layercast::v1::FetchLayerRequest request;
+      request.set_layer(layer);
+      auto reader = stub->FetchLayer(&context, request);
+      layercast::v1::LayerChunk chunk;
+      while (reader->Read(&chunk)) ++sent;
+      const grpc::Status status = reader->Finish();
+      ASSERT_TRUE(status.ok()) << status.error_message();
+    }
+    EXPECT_EQ(sum_ledger(), sent) << "round " << round << ": each chunk recorded once";
+  }
+  const absl::StatusOr<MemoryPlan> plan = PlanShardMemory(
+      model, server->settings().policy, 0, 1, kChunkBytes, /*delta_versions=*/0, std::nullopt);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->grid_chunks, sent);
   server->Shutdown(std::chrono::seconds(5));
 }
 

@@ -14,7 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "client/gradient_sink.h"
 #include "core/layout.h"
+#include "core/safetensors_source.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "server/memory_plan.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 #include "tools/synthetic_gradient.h"
@@ -93,7 +95,8 @@ class TrainingTest : public ::testing::Test {
   }
 
   // One shard, W workers, and a budget with room for the master, one step
-  // of the largest layer (W pushes) and one stream, no more.
+  // of the largest layer (W pushes), one stream and the cast-error ledger,
+  // no more.
   void StartWithRoomForOneStep(uint32_t workers, std::vector<std::string> extra = {}) {
     ASSERT_NO_FATAL_FAILURE(Start(1, workers));
     uint64_t master = 0, largest = 0;
@@ -106,8 +109,17 @@ class TrainingTest : public ::testing::Test {
       if (4 * elements > largest) largest = 4 * elements, largest_layer_ = l;
     }
     ASSERT_EQ(shards_.processes->Stop(), absl::OkStatus());
+    // The cast-error ledger's record for each chunk, as the shard's plan
+    // counts it.
+    auto source = SafetensorsSource::Open(model_.path, "");
+    ASSERT_TRUE(source.ok()) << source.status();
+    const absl::StatusOr<server::MemoryPlan> plan =
+        server::PlanShardMemory((*source)->model(), *Policy::Parse(kPolicy), 0, 1, kChunkBytes,
+                                /*delta_versions=*/0, std::nullopt);
+    ASSERT_TRUE(plan.ok()) << plan.status();
     extra.insert(extra.end(),
-                 {"--memory-budget", std::to_string(master + workers * largest + 3 * kChunkBytes),
+                 {"--memory-budget",
+                  std::to_string(master + workers * largest + 3 * kChunkBytes + plan->ledger_bytes),
                   // no change bitmaps: the budget is exactly the above
                   "--delta-versions", "0"});
     ASSERT_NO_FATAL_FAILURE(Start(1, workers, extra));

@@ -6,11 +6,15 @@
 #include "server/cast_error_ledger.h"
 
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <vector>
 
 namespace layercast::server {
 namespace {
+
+// Room for every chunk the tests below record.
+constexpr uint64_t kGridChunks = 64;
 
 ChunkKey Key(uint32_t layer, uint64_t begin, uint64_t version, DType dtype = DType::kBFloat16) {
   return ChunkKey{.layer = layer,
@@ -32,7 +36,7 @@ CastError Lost(uint64_t flushed, float max) {
 }
 
 TEST(CastErrorLedgerTest, AChunkIsKnownAtTheVersionItWasMeasuredAt) {
-  CastErrorLedger ledger;
+  CastErrorLedger ledger(kGridChunks);
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
   EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
   ASSERT_TRUE(ledger.Find(Key(0, 0, 3)).has_value());
@@ -49,7 +53,7 @@ TEST(CastErrorLedgerTest, AChunkIsKnownAtTheVersionItWasMeasuredAt) {
 }
 
 TEST(CastErrorLedgerTest, RecordsEachChunkAndVersionOnceAndNeverGoesBack) {
-  CastErrorLedger ledger;
+  CastErrorLedger ledger(kGridChunks);
   EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
   EXPECT_FALSE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f))) << "measured twice at once";
   EXPECT_TRUE(ledger.Record(Key(0, 0, 5), Lost(7, 0.25f)));
@@ -60,7 +64,7 @@ TEST(CastErrorLedgerTest, RecordsEachChunkAndVersionOnceAndNeverGoesBack) {
 }
 
 TEST(CastErrorLedgerTest, KeepsAWholeChunksCrcAtItsVersionOnly) {
-  CastErrorLedger ledger;
+  CastErrorLedger ledger(kGridChunks);
   // A delta measures a chunk's values without the whole chunk's bytes.
   ASSERT_TRUE(ledger.Record(Key(0, 0, 3), Lost(0, 0.5f)));
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3))->crc32c.has_value());
@@ -84,7 +88,7 @@ TEST(CastErrorLedgerTest, KeepsAWholeChunksCrcAtItsVersionOnly) {
 }
 
 TEST(CastErrorLedgerTest, ReplacesAKeptCrcAtItsVersionOnly) {
-  CastErrorLedger ledger;
+  CastErrorLedger ledger(kGridChunks);
   EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 0, 3), 1u)) << "nothing kept";
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
   ASSERT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f), 0xBADu));
@@ -103,7 +107,7 @@ TEST(CastErrorLedgerTest, ReplacesAKeptCrcAtItsVersionOnly) {
 }
 
 TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
-  CastErrorLedger ledger;
+  CastErrorLedger ledger(kGridChunks);
   ASSERT_TRUE(ledger.Record(Key(2, 0, 5), Lost(1, 0.125f)));
   ASSERT_TRUE(ledger.Record(Key(2, 100, 5), Lost(2, 0.5f)));
   ASSERT_TRUE(ledger.Record(Key(2, 200, 4), Lost(40, 1)));  // not cast at 5 yet
@@ -131,16 +135,59 @@ TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
   EXPECT_EQ(summary[2].error.flushed_to_zero, 3u);
 }
 
-TEST(CastErrorLedgerTest, AFullLedgerStartsOver) {
-  CastErrorLedger ledger;
-  for (uint64_t i = 0; i < CastErrorLedger::kMaxChunks; ++i) {
-    ASSERT_TRUE(ledger.Record(Key(0, i * 100, 1), Lost(0, 0)));
+// A shard whose grid has more chunks than the 65536 an earlier ledger kept
+// before it forgot them all (and measured and counted them again): every
+// chunk stays known, and one beyond the grid it was made for is refused
+// without displacing any.
+TEST(CastErrorLedgerTest, KeepsEveryChunkOfTheGridItWasMadeFor) {
+  constexpr uint64_t kChunks = 100'000;
+  CastErrorLedger ledger(kChunks);
+  for (uint64_t i = 0; i < kChunks; ++i) {
+    ASSERT_TRUE(ledger.Record(Key(static_cast<uint32_t>(i % 7), i * 100, 1), Lost(0, 0))) << i;
   }
-  EXPECT_TRUE(ledger.Find(Key(0, 0, 1)).has_value());
-  EXPECT_TRUE(ledger.Record(Key(1, 0, 1), Lost(0, 0)));
-  EXPECT_FALSE(ledger.Find(Key(0, 0, 1)).has_value());
-  EXPECT_TRUE(ledger.Find(Key(1, 0, 1)).has_value());
-  ASSERT_EQ(ledger.Summarize().size(), 1u);
+  EXPECT_FALSE(ledger.Record(Key(7, 0, 1), Lost(0, 0)));
+  EXPECT_FALSE(ledger.Find(Key(7, 0, 1)).has_value());
+  // A known chunk at a newer version still takes its slot's place.
+  EXPECT_TRUE(ledger.Record(Key(0, 0, 2), Lost(1, 0.5f)));
+  uint64_t chunks = 0;
+  for (const CastErrorLedger::LayerSummary& layer : ledger.Summarize()) chunks += layer.chunks;
+  EXPECT_EQ(chunks, kChunks - (kChunks + 6) / 7 + 1) << "layer 0 is summarised at version 2 only";
+  for (uint64_t i = 0; i < kChunks; i += 997) {
+    EXPECT_TRUE(ledger.Find(Key(static_cast<uint32_t>(i % 7), i * 100, i == 0 ? 2 : 1)))
+        << "chunk " << i << " was forgotten";
+  }
+}
+
+// Bytes glibc's heap hands out: small blocks and mmapped large ones.
+size_t HeapBytes() {
+  const struct mallinfo2 info = mallinfo2();
+  return info.uordblks + info.hblkhd;
+}
+
+// What the memory plan counts for the ledger covers what its table takes
+// from the heap once the whole grid is recorded.
+TEST(CastErrorLedgerTest, HoldsNoMoreThanBytesForSays) {
+  {
+    const size_t before = HeapBytes();
+    const std::vector<char> probe(1 << 16, 1);
+    if (HeapBytes() - before < probe.size()) {
+      GTEST_SKIP() << "mallinfo2 does not see this heap (a sanitizer's allocator?)";
+    }
+  }
+  // Tables from 21 KiB up (glibc's thread cache hides small blocks from
+  // mallinfo2).
+  for (uint64_t chunks : {uint64_t{100}, uint64_t{4097}, uint64_t{70'000}}) {
+    const size_t before = HeapBytes();
+    CastErrorLedger ledger(chunks);
+    for (uint64_t i = 0; i < chunks; ++i) {
+      ASSERT_TRUE(ledger.Record(Key(0, i * 100, 1), Lost(0, 0)));
+    }
+    const size_t held = HeapBytes() - before;
+    EXPECT_LE(held, CastErrorLedger::BytesFor(chunks)) << chunks << " chunks";
+    EXPECT_GE(held * 4, CastErrorLedger::BytesFor(chunks))
+        << chunks << " chunks: the plan counts far more than the table holds";
+  }
+  EXPECT_EQ(CastErrorLedger::BytesFor(uint64_t{1} << 50), UINT64_MAX);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "server/memory_plan.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -40,8 +41,9 @@ TEST(MemoryPlanTest, AStreamHoldsNoMoreThanThePlanCounts) {
                                    uint64_t{4096}, uint64_t{1} << 20}) {
         for (bool delta : {false, true}) {
           if (delta && !c.deltas) continue;
-          const absl::StatusOr<MemoryPlan> memory = PlanShardMemory(
-              (*source)->model(), shard, c.num_shards, chunk_bytes, delta ? 2 : 0, std::nullopt);
+          const absl::StatusOr<MemoryPlan> memory =
+              PlanShardMemory((*source)->model(), *Policy::Parse(c.policy), shard, c.num_shards,
+                              chunk_bytes, delta ? 2 : 0, std::nullopt);
           ASSERT_TRUE(memory.ok()) << memory.status();
           for (uint32_t layer = 0; layer < 3; ++layer) {
             layercast::v1::FetchLayerRequest request;
@@ -57,6 +59,39 @@ TEST(MemoryPlanTest, AStreamHoldsNoMoreThanThePlanCounts) {
       }
     }
   }
+}
+
+// Tiny chunks make a large grid, and its cast-error ledger a large part of
+// what a shard holds: the plan counts it, and a budget with room for the
+// master and a stream but not the ledger is refused, naming it and the way
+// out (larger chunks).
+TEST(MemoryPlanTest, ABudgetWithoutRoomForTheLedgerIsRefused) {
+  auto source = SyntheticModel::Create("llama:layers=1,hidden=64,ffn=128,vocab=512");
+  ASSERT_TRUE(source.ok());
+  const Policy policy = *Policy::Parse("c=bf16");
+  const absl::StatusOr<MemoryPlan> tiny =
+      PlanShardMemory((*source)->model(), policy, 0, 1, 4, 0, std::nullopt);
+  const absl::StatusOr<MemoryPlan> large =
+      PlanShardMemory((*source)->model(), policy, 0, 1, 1 << 20, 0, std::nullopt);
+  ASSERT_TRUE(tiny.ok() && large.ok());
+  // Two bf16 elements a chunk.
+  uint64_t elements = 0;
+  for (const TensorSpec& tensor : (*source)->model().layers[0].tensors) {
+    elements += tensor.num_elements;
+  }
+  EXPECT_GE(tiny->grid_chunks, elements / 2);
+  EXPECT_GT(tiny->ledger_bytes, tiny->master_bytes) << "a record per two elements";
+  EXPECT_EQ(tiny->MinimumBudget(), tiny->master_bytes + tiny->stream_bytes + tiny->ledger_bytes);
+  EXPECT_LT(large->ledger_bytes, 64u << 10);
+
+  const absl::Status refused =
+      CheckPlanFits(*tiny, std::nullopt, tiny->master_bytes + 4 * tiny->stream_bytes);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.message()),
+              ::testing::AllOf(::testing::HasSubstr("for the cast-error ledger"),
+                               ::testing::HasSubstr("raise the budget or --chunk-bytes")));
+  EXPECT_EQ(CheckPlanFits(*tiny, std::nullopt, tiny->MinimumBudget()), absl::OkStatus());
+  EXPECT_FALSE(CheckPlanFits(*tiny, std::nullopt, tiny->MinimumBudget() - 1).ok());
 }
 
 }  // namespace
