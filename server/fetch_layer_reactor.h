@@ -13,6 +13,7 @@
 #include "layercast/v1/shard.pb.h"
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
+#include "server/chunk_caster.h"
 #include "server/fetch_plan.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
@@ -138,13 +139,6 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   std::optional<grpc::Status> HoldExactVersion(uint64_t current);
   // Why a superseded version is not at hand, for messages.
   std::string WhyNotKept() const;
-  // Casts the key's elements from the master (or copies them from `kept`)
-  // into `out`, and sets `*crc` to their CRC-32C when not null (the first
-  // cast's, from the ledger, when this chunk was cast at this version
-  // before). REQUIRES: *crc == 0, the layer's mutex held shared, and `kept`
-  // from SourceOf under it.
-  absl::Status CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept, uint8_t* out,
-                        uint32_t* crc);
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);
   // Casts (or shares) the next chunk and writes it, or finishes when the
   // plan is done.
@@ -161,6 +155,7 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   ServerMetrics& metrics_;
   const FetchPlan plan_;
   const Options options_;
+  const ChunkCaster caster_;
   const uint64_t buffer_bytes_;
   const std::string peer_;  // the reader, for SharedChunks
 

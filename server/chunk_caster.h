@@ -1,0 +1,53 @@
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "server/cast_error_ledger.h"
+#include "server/parameter_store.h"
+#include "server/pinned_versions.h"
+#include "server/server_metrics.h"
+#include "server/shared_chunks.h"
+
+namespace layercast::server {
+
+// Makes the bytes of one chunk a FetchLayer stream sends: cast from the
+// fp32 master (or copied from a version PinnedVersions kept), measured for
+// what the cast lost and checksummed the first time the chunk is cast at a
+// version, looked up in the ledger after, and held to the policy's
+// max_rel_error. One per stream; the stream's reactor brings the locks.
+class ChunkCaster {
+ public:
+  struct Options {
+    uint64_t chunk_bytes = 1 << 20;
+    // What each chunk's cast lost, measured once per chunk and version.
+    // Null: measured, and counted in the metrics, on every cast.
+    CastErrorLedger* cast_errors = nullptr;
+    // The worker's last stream of this layer failed a checksum: trust no
+    // kept CRC, checksum every chunk, and put that CRC in `cast_errors` in
+    // place of a kept one that differs (which may be what failed).
+    bool recast = false;
+  };
+
+  // Everything referenced must outlive the caster.
+  ChunkCaster(const ParameterStore& store, ServerMetrics& metrics, Options options)
+      : store_(store), metrics_(metrics), options_(options) {}
+
+  // Casts the key's elements from the master (or copies them from `kept`)
+  // into `out`, and sets `*crc` to their CRC-32C when not null (the first
+  // cast's, from the ledger, when this chunk was cast at this version
+  // before). FAILED_PRECONDITION naming the tensor and the figure when the
+  // cast loses more than the policy's max_rel_error; a float16 overflow
+  // under overflow=error as CastFromF32 says, naming the tensor.
+  // REQUIRES: *crc == 0, the layer's mutex held shared, and `kept` from
+  // the stream's SourceOf under it.
+  absl::Status CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept, uint8_t* out,
+                        uint32_t* crc) const;
+
+ private:
+  const ParameterStore& store_;
+  ServerMetrics& metrics_;
+  const Options options_;
+};
+
+}  // namespace layercast::server
