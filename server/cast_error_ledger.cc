@@ -6,6 +6,8 @@
 #include <tuple>
 #include <utility>
 
+#include "core/log.h"
+
 namespace layercast::server {
 
 CastErrorLedger::CastErrorLedger(uint64_t grid_chunks) : grid_chunks_(grid_chunks) {}
@@ -50,7 +52,19 @@ bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
     it->second = {key.version, {error, crc32c}};
     return true;
   }
-  if (chunks_.size() >= grid_chunks_) return false;
+  if (chunks_.size() >= grid_chunks_) {
+    // Only a chunk off the grid the ledger was made for gets here: a bug,
+    // which would otherwise only show as a chunk measured on every cast.
+    if (!warned_beyond_grid_) {
+      warned_beyond_grid_ = true;
+      Log()->error(
+          "layer {} tensor {} elements [{}, {}): the cast-error ledger, made for {} chunks, is "
+          "full; this chunk is measured on every cast and left out of the metrics (please report "
+          "it with the shard's flags)",
+          key.layer, key.tensor, key.element_begin, key.element_begin + key.elements, grid_chunks_);
+    }
+    return false;
+  }
   chunks_.emplace(slot, Measured{key.version, {error, crc32c}});
   return true;
 }

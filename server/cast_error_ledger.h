@@ -104,6 +104,7 @@ class CastErrorLedger {
   const uint64_t grid_chunks_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<Slot, Measured> chunks_ ABSL_GUARDED_BY(mu_);
+  bool warned_beyond_grid_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace layercast::server

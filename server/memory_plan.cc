@@ -61,7 +61,9 @@ absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingP
         " for one stream's chunks + ", FormatBytes(plan.change_bytes),
         " of change bitmaps (--delta-versions) + ", FormatBytes(plan.ledger_bytes),
         " of cast-error ledger (a record per chunk of --chunk-bytes): raise the budget or use more "
-        "shards"));
+        "shards",
+        plan.ledger_bytes > plan.stream_bytes ? ", or raise --chunk-bytes (fewer, larger chunks)"
+                                              : ""));
   }
   if (absl::uint128(budget - plan.master_bytes) <
       absl::uint128(plan.change_bytes) + plan.stream_bytes + plan.ledger_bytes) {
@@ -79,7 +81,7 @@ absl::Status CheckPlanFits(const MemoryPlan& plan, const std::optional<TrainingP
         plan.grid_chunks, " chunks of --chunk-bytes): raise the budget or ",
         plan.ledger_bytes > plan.stream_bytes ? "--chunk-bytes (fewer, larger chunks)"
                                               : "lower --chunk-bytes",
-        plan.change_bytes > 0 ? ", or lower --delta-versions" : ""));
+        plan.change_bytes > 0 ? ", or lower --delta-versions" : "", ", or use more shards"));
   }
   return absl::OkStatus();
 }

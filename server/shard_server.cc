@@ -322,9 +322,13 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                     ? 0
                                     : ChangeLog::BytesFor(store->model(), store->shard_index(),
                                                           store->num_shards(), delta_versions);
+  // Saturating: without --memory-budget nothing checked the plan, and a
+  // ledger for an absurd grid counts UINT64_MAX.
+  const absl::uint128 reserved =
+      absl::uint128(store->master_bytes()) + state_bytes + change_bytes + ledger_bytes_;
   budget_ = std::make_unique<MemoryBudget>(
       settings_.memory_budget_bytes,
-      store->master_bytes() + state_bytes + change_bytes + ledger_bytes_, grants_.get_executor(),
+      reserved > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(reserved), grants_.get_executor(),
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
