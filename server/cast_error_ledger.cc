@@ -2,26 +2,44 @@
 
 #include <algorithm>
 #include <bit>
-#include <map>
-#include <tuple>
 #include <utility>
 
 #include "core/log.h"
 
 namespace layercast::server {
 
-CastErrorLedger::CastErrorLedger(uint64_t grid_chunks) : grid_chunks_(grid_chunks) {}
+namespace {
 
-uint64_t CastErrorLedger::BytesFor(uint64_t grid_chunks) {
+// kLossyDtypes' index of a dtype a cast loses to.
+size_t LossyIndex(DType dtype) { return static_cast<size_t>(dtype) - 2; }
+
+}  // namespace
+
+CastErrorLedger::CastErrorLedger(uint64_t grid_chunks, uint32_t layers)
+    : grid_chunks_(grid_chunks), layers_(layers) {
+  static_assert(static_cast<int>(DType::kBFloat16) == 2 &&
+                static_cast<int>(DType::kFloat8E5M2) == 5);
+  summaries_.resize(size_t{layers} * kLossyDtypes.size());
+  for (uint32_t layer = 0; layer < layers; ++layer) {
+    for (DType dtype : kLossyDtypes) {
+      LayerSummary& summary = summaries_[layer * kLossyDtypes.size() + LossyIndex(dtype)];
+      summary.layer = layer;
+      summary.dtype = dtype;
+    }
+  }
+}
+
+uint64_t CastErrorLedger::BytesFor(uint64_t grid_chunks, uint32_t layers) {
   // Far past any memory; below it nothing here overflows.
   if (grid_chunks > (uint64_t{1} << 40)) return UINT64_MAX;
+  const uint64_t summaries = uint64_t{layers} * kLossyDtypes.size() * sizeof(LayerSummary);
   // absl grows a table at 7/8 full to a power of two of slots (less one),
   // each with a control byte, and a group's worth of control bytes more;
   // while it grows, the old table (half the slots) is still held.
   constexpr uint64_t kGroup = 16;
   const uint64_t slots = std::bit_ceil(grid_chunks + grid_chunks / 7 + 1);
   const uint64_t table = slots * (sizeof(std::pair<const Slot, Measured>) + 1) + kGroup;
-  return table + table / 2;
+  return table + table / 2 + summaries;
 }
 
 CastErrorLedger::Slot CastErrorLedger::SlotOf(const ChunkKey& key) {
@@ -42,6 +60,7 @@ std::optional<CastErrorLedger::Known> CastErrorLedger::Find(const ChunkKey& key)
 bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
                              std::optional<uint32_t> crc32c) {
   absl::MutexLock lock(&mu_);
+  if (key.layer >= layers_) return RefuseOffTheGrid(key, "of a layer beyond the model's");
   const Slot slot = SlotOf(key);
   auto it = chunks_.find(slot);
   if (it != chunks_.end()) {
@@ -50,23 +69,42 @@ bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
     }
     if (it->second.version >= key.version) return false;
     it->second = {key.version, {error, crc32c}};
-    return true;
+  } else {
+    if (chunks_.size() >= grid_chunks_) return RefuseOffTheGrid(key, "beyond the grid's chunks");
+    chunks_.emplace(slot, Measured{key.version, {error, crc32c}});
   }
-  if (chunks_.size() >= grid_chunks_) {
-    // Only a chunk off the grid the ledger was made for gets here: a bug,
-    // which would otherwise only show as a chunk measured on every cast.
-    if (!warned_beyond_grid_) {
-      warned_beyond_grid_ = true;
-      Log()->error(
-          "layer {} tensor {} elements [{}, {}): the cast-error ledger, made for {} chunks, is "
-          "full; this chunk is measured on every cast and left out of the metrics (please report "
-          "it with the shard's flags)",
-          key.layer, key.tensor, key.element_begin, key.element_begin + key.elements, grid_chunks_);
-    }
-    return false;
-  }
-  chunks_.emplace(slot, Measured{key.version, {error, crc32c}});
+  AddToSummary(slot, key.version, error);
   return true;
+}
+
+bool CastErrorLedger::RefuseOffTheGrid(const ChunkKey& key, absl::string_view why) {
+  // Only a chunk off the grid the ledger was made for gets here: a bug,
+  // which would otherwise only show as a chunk measured on every cast.
+  if (!warned_beyond_grid_) {
+    warned_beyond_grid_ = true;
+    Log()->error(
+        "layer {} tensor {} elements [{}, {}): a chunk {} in the cast-error ledger, made for {} "
+        "chunks of {} layers; this chunk is measured on every cast and left out of the metrics "
+        "(please report it with the shard's flags)",
+        key.layer, key.tensor, key.element_begin, key.element_begin + key.elements, why,
+        grid_chunks_, layers_);
+  }
+  return false;
+}
+
+void CastErrorLedger::AddToSummary(const Slot& slot, uint64_t version, const CastError& error) {
+  if (slot.dtype == DType::kFloat32) return;  // kept for the CRC
+  // A chunk's entry only ever moves to a newer version, so the chunks at a
+  // layer's newest version stay there until one moves past it.
+  LayerSummary& summary = summaries_[slot.layer * kLossyDtypes.size() + LossyIndex(slot.dtype)];
+  if (summary.chunks != 0 && version < summary.version) return;
+  if (summary.chunks == 0 || version > summary.version) {
+    summary.version = version;
+    summary.chunks = 0;
+    summary.error = CastError();
+  }
+  ++summary.chunks;
+  summary.error.Add(error);
 }
 
 bool CastErrorLedger::ReplaceCrc(const ChunkKey& key, uint32_t crc32c) {
@@ -80,24 +118,11 @@ bool CastErrorLedger::ReplaceCrc(const ChunkKey& key, uint32_t crc32c) {
 }
 
 std::vector<CastErrorLedger::LayerSummary> CastErrorLedger::Summarize() const {
-  std::map<std::tuple<uint32_t, DType>, LayerSummary> layers;
-  absl::MutexLock lock(&mu_);
-  for (const auto& [slot, measured] : chunks_) {
-    if (slot.dtype == DType::kFloat32) continue;  // kept for the CRC
-    LayerSummary& summary = layers[{slot.layer, slot.dtype}];
-    if (summary.chunks != 0 && measured.version < summary.version) continue;
-    if (summary.chunks == 0 || measured.version > summary.version) {
-      summary = LayerSummary();
-      summary.layer = slot.layer;
-      summary.dtype = slot.dtype;
-      summary.version = measured.version;
-    }
-    ++summary.chunks;
-    summary.error.Add(measured.known.error);
-  }
   std::vector<LayerSummary> out;
-  out.reserve(layers.size());
-  for (auto& [key, summary] : layers) out.push_back(std::move(summary));
+  absl::MutexLock lock(&mu_);
+  for (const LayerSummary& summary : summaries_) {
+    if (summary.chunks != 0) out.push_back(summary);
+  }
   return out;
 }
 

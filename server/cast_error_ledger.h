@@ -1,5 +1,6 @@
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -8,6 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "core/cast_error.h"
 #include "core/dtype.h"
@@ -31,17 +33,20 @@ namespace layercast::server {
 // (GridChunks in server/fetch_plan.h: the only chunks streams record), at
 // most the whole grid, which the memory plan counts (BytesFor): it never
 // forgets a chunk, so no chunk is measured or counted twice at one version,
-// however large the model.
+// however large the model. Each layer's summary is kept up to date as its
+// chunks are recorded, so GetCastError holds the lock, which casts wait on,
+// for the layers, not for the grid's million chunks.
 //
 // Thread-safe.
 class CastErrorLedger {
  public:
-  // Keeps up to `grid_chunks` chunks; allocates as they come.
-  explicit CastErrorLedger(uint64_t grid_chunks);
+  // Keeps up to `grid_chunks` chunks of layers [0, layers); allocates the
+  // chunks' table as they come, the layers' summaries at once.
+  CastErrorLedger(uint64_t grid_chunks, uint32_t layers);
 
-  // The most a ledger of `grid_chunks` chunks holds, growing to its last
-  // chunk included. Saturates at UINT64_MAX.
-  static uint64_t BytesFor(uint64_t grid_chunks);
+  // The most a ledger of `grid_chunks` chunks of `layers` layers holds,
+  // growing to its last chunk included. Saturates at UINT64_MAX.
+  static uint64_t BytesFor(uint64_t grid_chunks, uint32_t layers);
 
   struct Known {
     CastError error;
@@ -56,8 +61,9 @@ class CastErrorLedger {
   // the error was known already (another stream measured the same chunk at
   // the same time) or a newer version of the chunk is kept: the caller then
   // leaves it out of the metrics. False, keeping nothing, for a chunk
-  // beyond the grid_chunks the ledger was made for (which no stream on the
-  // grid reaches): a ledger never grows past what the plan counted.
+  // beyond the grid_chunks the ledger was made for, or of a layer beyond
+  // its layers (which no stream on the grid reaches): a ledger never grows
+  // past what the plan counted.
   bool Record(const ChunkKey& key, const CastError& error,
               std::optional<uint32_t> crc32c = std::nullopt);
   // Keeps `crc32c` as the bytes' CRC of `key` at key.version in place of
@@ -100,10 +106,23 @@ class CastErrorLedger {
     Known known;
   };
   static Slot SlotOf(const ChunkKey& key);
+  // Records nothing; logs the first time only.
+  bool RefuseOffTheGrid(const ChunkKey& key, absl::string_view why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds a chunk newly kept at `version` to its layer's summary.
+  void AddToSummary(const Slot& slot, uint64_t version, const CastError& error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The dtypes a cast loses to (not float32), each with a summary a layer.
+  static constexpr std::array<DType, 4> kLossyDtypes = {DType::kBFloat16, DType::kFloat16,
+                                                        DType::kFloat8E4M3FN, DType::kFloat8E5M2};
 
   const uint64_t grid_chunks_;
+  const uint32_t layers_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<Slot, Measured> chunks_ ABSL_GUARDED_BY(mu_);
+  // Layer l's summary for kLossyDtypes[k] at l * kLossyDtypes.size() + k.
+  std::vector<LayerSummary> summaries_ ABSL_GUARDED_BY(mu_);
   bool warned_beyond_grid_ ABSL_GUARDED_BY(mu_) = false;
 };
 

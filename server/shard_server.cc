@@ -82,7 +82,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
       PlanShardMemory(model, server->settings_.policy, config.shard_index(), config.num_shards(),
                       config.chunk_bytes(), config.delta_versions(), training));
   const uint64_t master = plan.master_bytes;
-  server->cast_errors_ = std::make_unique<CastErrorLedger>(plan.grid_chunks);
+  server->cast_errors_ = std::make_unique<CastErrorLedger>(
+      plan.grid_chunks, static_cast<uint32_t>(model.layers.size()));
   server->ledger_bytes_ = plan.ledger_bytes;
   if (const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes) {
     RETURN_IF_ERROR(CheckPlanFits(plan, training, *budget));

@@ -13,8 +13,9 @@
 namespace layercast::server {
 namespace {
 
-// Room for every chunk the tests below record.
+// Room for every chunk and layer the tests below record.
 constexpr uint64_t kGridChunks = 64;
+constexpr uint32_t kLayers = 8;
 
 ChunkKey Key(uint32_t layer, uint64_t begin, uint64_t version, DType dtype = DType::kBFloat16) {
   return ChunkKey{.layer = layer,
@@ -36,7 +37,7 @@ CastError Lost(uint64_t flushed, float max) {
 }
 
 TEST(CastErrorLedgerTest, AChunkIsKnownAtTheVersionItWasMeasuredAt) {
-  CastErrorLedger ledger(kGridChunks);
+  CastErrorLedger ledger(kGridChunks, kLayers);
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
   EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
   ASSERT_TRUE(ledger.Find(Key(0, 0, 3)).has_value());
@@ -53,7 +54,7 @@ TEST(CastErrorLedgerTest, AChunkIsKnownAtTheVersionItWasMeasuredAt) {
 }
 
 TEST(CastErrorLedgerTest, RecordsEachChunkAndVersionOnceAndNeverGoesBack) {
-  CastErrorLedger ledger(kGridChunks);
+  CastErrorLedger ledger(kGridChunks, kLayers);
   EXPECT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f)));
   EXPECT_FALSE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f))) << "measured twice at once";
   EXPECT_TRUE(ledger.Record(Key(0, 0, 5), Lost(7, 0.25f)));
@@ -64,7 +65,7 @@ TEST(CastErrorLedgerTest, RecordsEachChunkAndVersionOnceAndNeverGoesBack) {
 }
 
 TEST(CastErrorLedgerTest, KeepsAWholeChunksCrcAtItsVersionOnly) {
-  CastErrorLedger ledger(kGridChunks);
+  CastErrorLedger ledger(kGridChunks, kLayers);
   // A delta measures a chunk's values without the whole chunk's bytes.
   ASSERT_TRUE(ledger.Record(Key(0, 0, 3), Lost(0, 0.5f)));
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3))->crc32c.has_value());
@@ -88,7 +89,7 @@ TEST(CastErrorLedgerTest, KeepsAWholeChunksCrcAtItsVersionOnly) {
 }
 
 TEST(CastErrorLedgerTest, ReplacesAKeptCrcAtItsVersionOnly) {
-  CastErrorLedger ledger(kGridChunks);
+  CastErrorLedger ledger(kGridChunks, kLayers);
   EXPECT_FALSE(ledger.ReplaceCrc(Key(0, 0, 3), 1u)) << "nothing kept";
   EXPECT_FALSE(ledger.Find(Key(0, 0, 3)).has_value());
   ASSERT_TRUE(ledger.Record(Key(0, 0, 3), Lost(2, 0.5f), 0xBADu));
@@ -107,7 +108,7 @@ TEST(CastErrorLedgerTest, ReplacesAKeptCrcAtItsVersionOnly) {
 }
 
 TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
-  CastErrorLedger ledger(kGridChunks);
+  CastErrorLedger ledger(kGridChunks, kLayers);
   ASSERT_TRUE(ledger.Record(Key(2, 0, 5), Lost(1, 0.125f)));
   ASSERT_TRUE(ledger.Record(Key(2, 100, 5), Lost(2, 0.5f)));
   ASSERT_TRUE(ledger.Record(Key(2, 200, 4), Lost(40, 1)));  // not cast at 5 yet
@@ -135,13 +136,49 @@ TEST(CastErrorLedgerTest, SummarizesEachLayerAndDtypeAtItsNewestVersion) {
   EXPECT_EQ(summary[2].error.flushed_to_zero, 3u);
 }
 
+// The summaries kept as chunks come give what a walk over the chunks gave:
+// a chunk moving to a newer version leaves the older figures behind, and
+// one recorded late at an older version is kept for its own casts but not
+// summed.
+TEST(CastErrorLedgerTest, ASummaryFollowsItsLayersNewestVersion) {
+  CastErrorLedger ledger(kGridChunks, kLayers);
+  ASSERT_TRUE(ledger.Record(Key(3, 0, 1), Lost(1, 0.25f)));
+  ASSERT_TRUE(ledger.Record(Key(3, 100, 1), Lost(2, 0.125f)));
+  ASSERT_TRUE(ledger.Record(Key(3, 0, 2), Lost(4, 0.0625f)));  // chunk 0 moves on
+  ASSERT_TRUE(ledger.Record(Key(3, 200, 1), Lost(8, 1)));      // late, at version 1
+  std::vector<CastErrorLedger::LayerSummary> summary = ledger.Summarize();
+  ASSERT_EQ(summary.size(), 1u);
+  EXPECT_EQ(summary[0].version, 2u);
+  EXPECT_EQ(summary[0].chunks, 1u);
+  EXPECT_EQ(summary[0].error.flushed_to_zero, 4u);
+  EXPECT_EQ(summary[0].error.max_relative_error, 0.0625f);
+  EXPECT_TRUE(ledger.Find(Key(3, 200, 1)).has_value());
+
+  ASSERT_TRUE(ledger.Record(Key(3, 100, 2), Lost(16, 0.5f)));
+  summary = ledger.Summarize();
+  ASSERT_EQ(summary.size(), 1u);
+  EXPECT_EQ(summary[0].chunks, 2u);
+  EXPECT_EQ(summary[0].error.flushed_to_zero, 20u);
+  EXPECT_EQ(summary[0].error.max_relative_error, 0.5f);
+}
+
+// A layer the ledger was not made for is refused, as a chunk beyond its
+// grid is: nothing is kept for it and no summary grows.
+TEST(CastErrorLedgerTest, RefusesALayerBeyondItsModel) {
+  CastErrorLedger ledger(kGridChunks, kLayers);
+  EXPECT_FALSE(ledger.Record(Key(kLayers, 0, 1), Lost(1, 0.5f)));
+  EXPECT_FALSE(ledger.Find(Key(kLayers, 0, 1)).has_value());
+  EXPECT_TRUE(ledger.Summarize().empty());
+  EXPECT_TRUE(ledger.Record(Key(kLayers - 1, 0, 1), Lost(1, 0.5f)));
+}
+
 // A shard whose grid has more chunks than the 65536 an earlier ledger kept
 // before it forgot them all (and measured and counted them again): every
 // chunk stays known, and one beyond the grid it was made for is refused
 // without displacing any.
 TEST(CastErrorLedgerTest, KeepsEveryChunkOfTheGridItWasMadeFor) {
   constexpr uint64_t kChunks = 100'000;
-  CastErrorLedger ledger(kChunks);
+  CastErrorLedger ledger(kChunks, kLayers);
   for (uint64_t i = 0; i < kChunks; ++i) {
     ASSERT_TRUE(ledger.Record(Key(static_cast<uint32_t>(i % 7), i * 100, 1), Lost(0, 0))) << i;
   }
@@ -178,16 +215,16 @@ TEST(CastErrorLedgerTest, HoldsNoMoreThanBytesForSays) {
   // counted as in use, so a small table's growth cannot be told apart.
   for (uint64_t chunks : {uint64_t{100}, uint64_t{4097}, uint64_t{70'000}}) {
     const size_t before = HeapBytes();
-    CastErrorLedger ledger(chunks);
+    CastErrorLedger ledger(chunks, 1);
     for (uint64_t i = 0; i < chunks; ++i) {
       ASSERT_TRUE(ledger.Record(Key(0, i * 100, 1), Lost(0, 0)));
     }
     const size_t held = HeapBytes() - before;
-    EXPECT_LE(held, CastErrorLedger::BytesFor(chunks)) << chunks << " chunks";
-    EXPECT_GE(held * 4, CastErrorLedger::BytesFor(chunks))
+    EXPECT_LE(held, CastErrorLedger::BytesFor(chunks, 1)) << chunks << " chunks";
+    EXPECT_GE(held * 4, CastErrorLedger::BytesFor(chunks, 1))
         << chunks << " chunks: the plan counts far more than the table holds";
   }
-  EXPECT_EQ(CastErrorLedger::BytesFor(uint64_t{1} << 50), UINT64_MAX);
+  EXPECT_EQ(CastErrorLedger::BytesFor(uint64_t{1} << 50, 1), UINT64_MAX);
 }
 
 }  // namespace
