@@ -13,10 +13,20 @@
 
 namespace layercast::server {
 
-uint64_t MemoryPlan::MinimumBudget() const {
-  const absl::uint128 sum = absl::uint128(master_bytes) + state_bytes + staging_bytes +
-                            stream_bytes + change_bytes + ledger_bytes;
+namespace {
+
+uint64_t Saturated(absl::uint128 sum) {
   return sum > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(sum);
+}
+
+}  // namespace
+
+uint64_t MemoryPlan::ReservedBytes() const {
+  return Saturated(absl::uint128(master_bytes) + state_bytes + change_bytes + ledger_bytes);
+}
+
+uint64_t MemoryPlan::MinimumBudget() const {
+  return Saturated(absl::uint128(ReservedBytes()) + staging_bytes + stream_bytes);
 }
 
 absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, const Policy& policy,

@@ -33,7 +33,12 @@ struct MemoryPlan {
   uint64_t change_bytes = 0;   // --delta-versions of change bitmaps (server/change_log.h)
   uint64_t grid_chunks = 0;    // chunks of the shard's grid (GridChunks)
   uint64_t ledger_bytes = 0;   // what the casts lost, a record per grid chunk (CastErrorLedger)
-  // The least --memory-budget the shard starts with; saturates at UINT64_MAX.
+  // What the shard reserves from its budget at start-up and holds while it
+  // runs: the master, optimizer state, change bitmaps and the ledger.
+  // Saturates at UINT64_MAX.
+  uint64_t ReservedBytes() const;
+  // The least --memory-budget the shard starts with: the reserved bytes, a
+  // step's staging and one stream. Saturates at UINT64_MAX.
   uint64_t MinimumBudget() const;
 };
 

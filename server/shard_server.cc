@@ -7,7 +7,6 @@
 
 #include <thread>
 
-#include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/cast.h"
@@ -78,13 +77,13 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
     training = TrainingPlan{*server->settings_.optimizer, config.data_parallel_workers()};
   }
   ASSIGN_OR_RETURN(
-      const MemoryPlan plan,
+      server->plan_,
       PlanShardMemory(model, server->settings_.policy, config.shard_index(), config.num_shards(),
                       config.chunk_bytes(), config.delta_versions(), training));
+  const MemoryPlan& plan = server->plan_;
   const uint64_t master = plan.master_bytes;
   server->cast_errors_ = std::make_unique<CastErrorLedger>(
       plan.grid_chunks, static_cast<uint32_t>(model.layers.size()));
-  server->ledger_bytes_ = plan.ledger_bytes;
   if (const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes) {
     RETURN_IF_ERROR(CheckPlanFits(plan, training, *budget));
   }
@@ -316,20 +315,9 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     }
   }
   WarnUnmatchedRules(store->model(), settings_.policy, settings_.optimizer);
-  const uint64_t state_bytes =
-      settings_.optimizer ? LayerTrainer::StateBytes(*store, *settings_.optimizer) : 0;
   const uint32_t delta_versions = config.delta_versions();
-  const uint64_t change_bytes = delta_versions == 0
-                                    ? 0
-                                    : ChangeLog::BytesFor(store->model(), store->shard_index(),
-                                                          store->num_shards(), delta_versions);
-  // Saturating: without --memory-budget nothing checked the plan, and a
-  // ledger for an absurd grid counts UINT64_MAX.
-  const absl::uint128 reserved =
-      absl::uint128(store->master_bytes()) + state_bytes + change_bytes + ledger_bytes_;
   budget_ = std::make_unique<MemoryBudget>(
-      settings_.memory_budget_bytes,
-      reserved > UINT64_MAX ? UINT64_MAX : absl::Uint128Low64(reserved), grants_.get_executor(),
+      settings_.memory_budget_bytes, plan_.ReservedBytes(), grants_.get_executor(),
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
@@ -355,7 +343,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     }
     Log()->info(
         "training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
-        settings_.optimizer->ToString(), config.data_parallel_workers(), FormatBytes(state_bytes),
+        settings_.optimizer->ToString(), config.data_parallel_workers(),
+        FormatBytes(plan_.state_bytes),
         checkpoint_source_ != nullptr && checkpoint_source_->training()
             ? absl::StrCat("the checkpoint's state at version ", checkpoint_source_->version())
             : std::string("zero state"));

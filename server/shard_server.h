@@ -14,6 +14,7 @@
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
 #include "server/layer_trainer.h"
+#include "server/memory_plan.h"
 #include "server/metrics_endpoint.h"
 #include "server/parameter_store.h"
 #include "server/pinned_versions.h"
@@ -111,10 +112,12 @@ class ShardServer {
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
   ServerMetrics metrics_;
+  // The start-up check's arithmetic, from the model's shapes (a checkpoint
+  // must have the same): its ReservedBytes are reserved in budget_.
+  MemoryPlan plan_;
   // What each chunk's cast lost, for GetCastError and the policy's bound;
-  // sized by the memory plan (its ledger_bytes are reserved in budget_).
+  // sized by the memory plan.
   std::unique_ptr<CastErrorLedger> cast_errors_;
-  uint64_t ledger_bytes_ = 0;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   int metrics_port_ = 0;
   ServerSecurity security_;
