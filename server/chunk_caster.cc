@@ -89,9 +89,7 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const PinnedVersions::Ke
   // (see WriteNext) are kept and counted: a ranged or resumed stream's part of one would count its
   // elements again.
   const bool narrows = key.dtype != DType::kFloat32;
-  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, placed);
-  const bool on_grid =
-      skip % per_chunk == 0 && key.elements == std::min(per_chunk, owned.end - key.element_begin);
+  const bool on_grid = ChunkGrid(options_.chunk_bytes, placed, owned).IsChunk(elements);
   const std::optional<CastErrorLedger::Known> known =
       on_grid && options_.cast_errors != nullptr ? options_.cast_errors->Find(key) : std::nullopt;
   CastError measured;

@@ -319,20 +319,15 @@ void FetchLayerReactor::WriteNext() {
   const TensorElementRange& run = plan_.runs[run_];
   const AssembledTensor& placed = store_.layout(plan_.layer).tensors()[run.tensor];
   const DType dtype = placed.compute_dtype;
-  // Chunks lie on a grid from the start of this shard's slice, wherever a
-  // request's range starts, so a resumed or ranged stream still meets the
-  // chunks other streams have cast.
-  const uint64_t owned_begin = store_.owned(plan_.layer, run.tensor).begin;
-  const uint64_t per_chunk = ElementsPerChunk(options_.chunk_bytes, placed);
-  const uint64_t grid_end =
-      owned_begin + ((next_element_ - owned_begin) / per_chunk + 1) * per_chunk;
-  const ChunkKey key{.layer = plan_.layer,
-                     .tensor = run.tensor,
-                     .element_begin = next_element_,
-                     .elements = std::min(run.elements.end, grid_end) - next_element_,
-                     .version = version_,
-                     .dtype = dtype,
-                     .base_version = options_.base_version.value_or(ChunkKey::kWhole)};
+  const ChunkGrid grid(options_.chunk_bytes, placed, store_.owned(plan_.layer, run.tensor));
+  const ChunkKey key{
+      .layer = plan_.layer,
+      .tensor = run.tensor,
+      .element_begin = next_element_,
+      .elements = std::min(run.elements.end, grid.ChunkEnd(next_element_)) - next_element_,
+      .version = version_,
+      .dtype = dtype,
+      .base_version = options_.base_version.value_or(ChunkKey::kWhole)};
   pending_dtype_ = dtype;
   pending_elements_ = key.elements;
   const auto cast = [this, &key] { return Cast(key); };

@@ -36,9 +36,9 @@ uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_
   uint64_t chunks = 0;
   for (const AssembledLayout& layout : layouts) {
     for (const AssembledTensor& tensor : layout.tensors()) {
-      const uint64_t owned = ShardElementRange(tensor.num_elements, shard_index, num_shards).size();
-      const uint64_t per_chunk = ElementsPerChunk(chunk_bytes, tensor);
-      if (__builtin_add_overflow(chunks, owned / per_chunk + (owned % per_chunk != 0), &chunks)) {
+      const ChunkGrid grid(chunk_bytes, tensor,
+                           ShardElementRange(tensor.num_elements, shard_index, num_shards));
+      if (__builtin_add_overflow(chunks, grid.chunks(), &chunks)) {
         return UINT64_MAX;
       }
     }

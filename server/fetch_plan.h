@@ -1,5 +1,6 @@
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -31,12 +32,39 @@ uint64_t SentBytes(const AssembledTensor& tensor, ElementRange elements);
 // LeastFp8ChunkBytes, the least chunk_bytes ResolveShardConfig accepts).
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor);
 
+// The chunks a shard cuts its slice of one tensor into: ElementsPerChunk
+// steps from the slice's first element, the last one shorter. Every stream
+// casts on this grid, wherever its range starts, so a resumed or ranged
+// stream meets the chunks other streams have cast, and these are all the
+// chunks a shard keeps anything of (its cast-error ledger).
+class ChunkGrid {
+ public:
+  ChunkGrid(uint64_t chunk_bytes, const AssembledTensor& tensor, ElementRange owned)
+      : owned_(owned), per_chunk_(ElementsPerChunk(chunk_bytes, tensor)) {}
+
+  // How many chunks the slice cuts into.
+  uint64_t chunks() const { return owned_.size() / per_chunk_ + (owned_.size() % per_chunk_ != 0); }
+  // Where the chunk holding `element` ends, within the slice.
+  // REQUIRES: `element` is in the slice.
+  uint64_t ChunkEnd(uint64_t element) const {
+    return std::min(owned_.end,
+                    owned_.begin + ((element - owned_.begin) / per_chunk_ + 1) * per_chunk_);
+  }
+  // Whether `elements` is one whole chunk of the grid.
+  bool IsChunk(ElementRange elements) const {
+    return elements.begin >= owned_.begin && elements.begin < owned_.end &&
+           (elements.begin - owned_.begin) % per_chunk_ == 0 &&
+           elements.end == ChunkEnd(elements.begin);
+  }
+
+ private:
+  ElementRange owned_;
+  uint64_t per_chunk_;
+};
+
 // The chunks of the grid shard `shard_index` of `num_shards` cuts its
 // slices of `layouts` (every layer's) into at `chunk_bytes`: each tensor's
-// slice from its first owned element in ElementsPerChunk steps. Every
-// stream casts on this grid, wherever its range starts, so these are all
-// the chunks a shard keeps anything of (its cast-error ledger). Saturates
-// at UINT64_MAX.
+// ChunkGrid. Saturates at UINT64_MAX.
 uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_index,
                     uint32_t num_shards, uint64_t chunk_bytes);
 

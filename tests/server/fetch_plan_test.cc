@@ -58,5 +58,35 @@ TEST(FetchPlanTest, RefusesWithTheDocumentedCodes) {
   EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A slice of 1000 bf16 elements from element 3000, in chunks of 64 bytes:
+// 32 elements a chunk from the slice's start, whatever a range asks for.
+TEST(ChunkGridTest, CutsTheSliceFromItsFirstElement) {
+  const AssembledTensor tensor{.compute_dtype = DType::kBFloat16, .num_elements = 4000};
+  const ChunkGrid grid(64, tensor, ElementRange{3000, 4000});
+  EXPECT_EQ(grid.chunks(), 32u) << "31 whole chunks and one of 8";
+  EXPECT_EQ(grid.ChunkEnd(3000), 3032u);
+  EXPECT_EQ(grid.ChunkEnd(3031), 3032u);
+  EXPECT_EQ(grid.ChunkEnd(3050), 3064u) << "a ranged stream's first chunk ends on the grid";
+  EXPECT_EQ(grid.ChunkEnd(3995), 4000u) << "the last chunk ends with the slice";
+  EXPECT_TRUE(grid.IsChunk({3032, 3064}));
+  EXPECT_TRUE(grid.IsChunk({3992, 4000}));
+  EXPECT_FALSE(grid.IsChunk({3050, 3064})) << "part of a chunk";
+  EXPECT_FALSE(grid.IsChunk({3032, 3096})) << "two chunks";
+  EXPECT_FALSE(grid.IsChunk({2968, 3000})) << "before the slice";
+  EXPECT_FALSE(grid.IsChunk({4000, 4032})) << "after the slice";
+  EXPECT_EQ(ChunkGrid(64, tensor, ElementRange{5, 5}).chunks(), 0u) << "an empty slice";
+}
+
+// An 8-bit float's chunks hold whole blocks and their scales: 100 bytes fit
+// two blocks of 32 codes (32 + 4 bytes each, and 8 for the end scales).
+TEST(ChunkGridTest, AnEightBitFloatsChunksHoldWholeBlocks) {
+  const AssembledTensor tensor{
+      .compute_dtype = DType::kFloat8E4M3FN, .num_elements = 256, .block_size = 32};
+  const ChunkGrid grid(100, tensor, ElementRange{128, 256});
+  EXPECT_EQ(grid.chunks(), 2u);
+  EXPECT_EQ(grid.ChunkEnd(128), 192u);
+  EXPECT_TRUE(grid.IsChunk({192, 256}));
+}
+
 }  // namespace
 }  // namespace layercast::server
