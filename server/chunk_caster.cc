@@ -86,7 +86,7 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const PinnedVersions::Ke
   const auto cast_start = std::chrono::steady_clock::now();
   // The same chunk at the same version casts to the same bits: measured and
   // checksummed the first time only (checksummed again in a recast stream). Only chunks of the grid
-  // (see WriteNext) are kept and counted: a ranged or resumed stream's part of one would count its
+  // (ChunkGrid) are kept and counted: a ranged or resumed stream's part of one would count its
   // elements again.
   const bool narrows = key.dtype != DType::kFloat32;
   const bool on_grid = ChunkGrid(options_.chunk_bytes, placed, owned).IsChunk(elements);
