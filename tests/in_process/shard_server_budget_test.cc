@@ -406,6 +406,24 @@ TEST(ShardServerKeptCrcTest, AWorkersRecastMendsABadKeptCrc) {
   server->Shutdown(std::chrono::seconds(5));
 }
 
+// Fetches every layer of `model` whole, calling on_chunk(layer, chunk) for
+// each chunk received; a stream that fails fails the test.
+template <typename OnChunk>
+void FetchEveryLayer(layercast::v1::ShardService::Stub& stub, const ModelSpec& model,
+                     OnChunk&& on_chunk) {
+  for (uint32_t layer = 0; layer < model.layers.size(); ++layer) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    layercast::v1::FetchLayerRequest request;
+    request.set_layer(layer);
+    auto reader = stub.FetchLayer(&context, request);
+    layercast::v1::LayerChunk chunk;
+    while (reader->Read(&chunk)) on_chunk(layer, chunk);
+    const grpc::Status status = reader->Finish();
+    EXPECT_TRUE(status.ok()) << "layer " << layer << ": " << status.error_message();
+  }
+}
+
 // The ledger keeps a record for every chunk of the shard's grid, so each is
 // measured once however many workers fetch it, and the memory plan counts a
 // record for each: the chunks whole-layer streams send are those the plan
@@ -427,17 +445,7 @@ TEST(ShardServerBudgetTest, TheLedgerKeepsEveryChunkOfTheGridThePlanCounts) {
   uint64_t sent = 0;
   for (int round = 0; round < 2; ++round) {
     sent = 0;
-    for (uint32_t layer = 0; layer < model.layers.size(); ++layer) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-      layercast::v1::FetchLayerRequest request;
-      request.set_layer(layer);
-      auto reader = stub->FetchLayer(&context, request);
-      layercast::v1::LayerChunk chunk;
-      while (reader->Read(&chunk)) ++sent;
-      const grpc::Status status = reader->Finish();
-      ASSERT_TRUE(status.ok()) << status.error_message();
-    }
+    FetchEveryLayer(*stub, model, [&](uint32_t, const layercast::v1::LayerChunk&) { ++sent; });
     EXPECT_EQ(sum_ledger(), sent) << "round " << round << ": each chunk recorded once";
   }
   const absl::StatusOr<MemoryPlan> plan = PlanShardMemory(
@@ -491,25 +499,15 @@ TEST(ShardServerBudgetTest, TheLedgerSummarisesEveryLossyChunkOfAShardOfSeveral)
     uint64_t sent = 0, lossy = 0, lossy_elements = 0;
     for (int round = 0; round < 2; ++round) {
       sent = lossy = lossy_elements = 0;
-      for (uint32_t layer = 0; layer < model.layers.size(); ++layer) {
-        grpc::ClientContext context;
-        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-        layercast::v1::FetchLayerRequest request;
-        request.set_layer(layer);
-        auto reader = stub->FetchLayer(&context, request);
-        layercast::v1::LayerChunk chunk;
-        while (reader->Read(&chunk)) {
-          ++sent;
-          const TensorSpec& tensor = model.layers[layer].tensors[chunk.tensor()];
-          const DType dtype = (*server)->settings().policy.ComputeDTypeFor(tensor.name);
-          if (dtype != DType::kFloat32) {
-            ++lossy;
-            lossy_elements += chunk.data().size() / DTypeSize(dtype);
-          }
+      FetchEveryLayer(*stub, model, [&](uint32_t layer, const layercast::v1::LayerChunk& chunk) {
+        ++sent;
+        const TensorSpec& tensor = model.layers[layer].tensors[chunk.tensor()];
+        const DType dtype = (*server)->settings().policy.ComputeDTypeFor(tensor.name);
+        if (dtype != DType::kFloat32) {
+          ++lossy;
+          lossy_elements += chunk.data().size() / DTypeSize(dtype);
         }
-        const grpc::Status status = reader->Finish();
-        ASSERT_TRUE(status.ok()) << status.error_message();
-      }
+      });
     }
     uint64_t summarised_chunks = 0, summarised_elements = 0;
     std::vector<DType> dtypes;
