@@ -8,23 +8,16 @@
 
 namespace layercast::server {
 
-namespace {
-
-// kLossyDtypes' index of a dtype a cast loses to.
-size_t LossyIndex(DType dtype) { return static_cast<size_t>(dtype) - 2; }
-
-}  // namespace
-
 CastErrorLedger::CastErrorLedger(uint64_t grid_chunks, uint32_t layers)
     : grid_chunks_(grid_chunks), layers_(layers) {
-  static_assert(static_cast<int>(DType::kBFloat16) == 2 &&
-                static_cast<int>(DType::kFloat8E5M2) == 5);
+  static_assert(LossyIndex(DType::kFloat32) == kLossyDtypes.size());
+  static_assert(std::is_sorted(kLossyDtypes.begin(), kLossyDtypes.end()));
   summaries_.resize(size_t{layers} * kLossyDtypes.size());
   for (uint32_t layer = 0; layer < layers; ++layer) {
-    for (DType dtype : kLossyDtypes) {
-      LayerSummary& summary = summaries_[layer * kLossyDtypes.size() + LossyIndex(dtype)];
+    for (size_t k = 0; k < kLossyDtypes.size(); ++k) {
+      LayerSummary& summary = summaries_[layer * kLossyDtypes.size() + k];
       summary.layer = layer;
-      summary.dtype = dtype;
+      summary.dtype = kLossyDtypes[k];
     }
   }
 }
@@ -80,8 +73,8 @@ bool CastErrorLedger::Record(const ChunkKey& key, const CastError& error,
 bool CastErrorLedger::RefuseOffTheGrid(const ChunkKey& key, absl::string_view why) {
   // Only a chunk off the grid the ledger was made for gets here: a bug,
   // which would otherwise only show as a chunk measured on every cast.
-  if (!warned_beyond_grid_) {
-    warned_beyond_grid_ = true;
+  if (!warned_off_the_grid_) {
+    warned_off_the_grid_ = true;
     Log()->error(
         "layer {} tensor {} elements [{}, {}): a chunk {} in the cast-error ledger, made for {} "
         "chunks of {} layers; this chunk is measured on every cast and left out of the metrics "
@@ -93,10 +86,11 @@ bool CastErrorLedger::RefuseOffTheGrid(const ChunkKey& key, absl::string_view wh
 }
 
 void CastErrorLedger::AddToSummary(const Slot& slot, uint64_t version, const CastError& error) {
-  if (slot.dtype == DType::kFloat32) return;  // kept for the CRC
+  const size_t k = LossyIndex(slot.dtype);
+  if (k == kLossyDtypes.size()) return;  // float32: kept for the CRC
   // A chunk's entry only ever moves to a newer version, so the chunks at a
   // layer's newest version stay there until one moves past it.
-  LayerSummary& summary = summaries_[slot.layer * kLossyDtypes.size() + LossyIndex(slot.dtype)];
+  LayerSummary& summary = summaries_[slot.layer * kLossyDtypes.size() + k];
   if (summary.chunks != 0 && version < summary.version) return;
   if (summary.chunks == 0 || version > summary.version) {
     summary.version = version;

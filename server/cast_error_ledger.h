@@ -113,9 +113,19 @@ class CastErrorLedger {
   void AddToSummary(const Slot& slot, uint64_t version, const CastError& error)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // The dtypes a cast loses to (not float32), each with a summary a layer.
+  // The dtypes a cast loses to (not float32), each with a summary a layer,
+  // in DType's order.
   static constexpr std::array<DType, 4> kLossyDtypes = {DType::kBFloat16, DType::kFloat16,
                                                         DType::kFloat8E4M3FN, DType::kFloat8E5M2};
+  // kLossyDtypes' index of `dtype`; kLossyDtypes.size() for one not in it
+  // (float32), so a dtype added to DType but not here has no summary
+  // rather than another's.
+  static constexpr size_t LossyIndex(DType dtype) {
+    for (size_t k = 0; k < kLossyDtypes.size(); ++k) {
+      if (kLossyDtypes[k] == dtype) return k;
+    }
+    return kLossyDtypes.size();
+  }
 
   const uint64_t grid_chunks_;
   const uint32_t layers_;
@@ -123,7 +133,7 @@ class CastErrorLedger {
   absl::flat_hash_map<Slot, Measured> chunks_ ABSL_GUARDED_BY(mu_);
   // Layer l's summary for kLossyDtypes[k] at l * kLossyDtypes.size() + k.
   std::vector<LayerSummary> summaries_ ABSL_GUARDED_BY(mu_);
-  bool warned_beyond_grid_ ABSL_GUARDED_BY(mu_) = false;
+  bool warned_off_the_grid_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace layercast::server

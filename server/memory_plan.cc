@@ -41,9 +41,9 @@ absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, const Policy&
   plan.change_bytes = ChangeLog::BytesFor(model, shard_index, num_shards, delta_versions);
   ASSIGN_OR_RETURN(const std::vector<AssembledLayout> layouts,
                    ShardedLayouts(model, policy, num_shards));
+  plan.layers = static_cast<uint32_t>(model.layers.size());
   plan.grid_chunks = GridChunks(layouts, shard_index, num_shards, chunk_bytes);
-  plan.ledger_bytes =
-      CastErrorLedger::BytesFor(plan.grid_chunks, static_cast<uint32_t>(model.layers.size()));
+  plan.ledger_bytes = CastErrorLedger::BytesFor(plan.grid_chunks, plan.layers);
   if (training) {
     const LayerTrainer::Memory memory = LayerTrainer::MemoryFor(
         model, shard_index, num_shards, training->optimizer, training->workers);

@@ -31,6 +31,7 @@ struct MemoryPlan {
   uint64_t staging_bytes = 0;  // one step of the largest layer, W pushes (+ clip means)
   uint64_t stream_bytes = 0;   // one stream's chunks: FetchLayerReactor::MaxStreamBytes
   uint64_t change_bytes = 0;   // --delta-versions of change bitmaps (server/change_log.h)
+  uint32_t layers = 0;         // the model's layers
   uint64_t grid_chunks = 0;    // chunks of the shard's grid (GridChunks)
   uint64_t ledger_bytes = 0;   // what the casts lost, a record per grid chunk (CastErrorLedger)
   // What the shard reserves from its budget at start-up and holds while it

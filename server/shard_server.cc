@@ -82,8 +82,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
                       config.chunk_bytes(), config.delta_versions(), training));
   const MemoryPlan& plan = server->plan_;
   const uint64_t master = plan.master_bytes;
-  server->cast_errors_ = std::make_unique<CastErrorLedger>(
-      plan.grid_chunks, static_cast<uint32_t>(model.layers.size()));
+  server->cast_errors_ = std::make_unique<CastErrorLedger>(plan.grid_chunks, plan.layers);
   if (const std::optional<uint64_t> budget = server->settings_.memory_budget_bytes) {
     RETURN_IF_ERROR(CheckPlanFits(plan, training, *budget));
   }

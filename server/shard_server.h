@@ -93,6 +93,8 @@ class ShardServer {
   const SharedChunks* shared_chunks() const { return shared_.get(); }
   // What each chunk's cast lost, and its CRC (tests put a fault in it).
   CastErrorLedger& cast_errors() { return *cast_errors_; }
+  // The memory plan the server sized its budget and ledger by.
+  const MemoryPlan& plan() const { return plan_; }
 
  private:
   explicit ShardServer(ShardSettings settings);

@@ -13,8 +13,9 @@
 namespace layercast::server {
 
 // What a server of `config` as one shard of one (a synthetic model,
-// --delta-versions 0) holds beside its streams' chunk buffers: the fp32 master and the
-// cast-error ledger, as its memory plan counts them. A test that leaves a
+// --delta-versions 0) holds beside its streams' chunk buffers: what its
+// memory plan reserves at start-up (the fp32 master and the cast-error
+// ledger, with no optimizer and no change bitmaps). A test that leaves a
 // budget room for so many chunks adds them to this.
 inline uint64_t BytesBesideStreams(layercast::v1::ShardConfig config) {
   config.set_num_shards(1);
@@ -29,7 +30,7 @@ inline uint64_t BytesBesideStreams(layercast::v1::ShardConfig config) {
       PlanShardMemory((*source)->model(), settings->policy, 0, 1, settings->config.chunk_bytes(),
                       /*delta_versions=*/0, std::nullopt);
   EXPECT_TRUE(plan.ok()) << plan.status();
-  return plan.ok() ? plan->master_bytes + plan->ledger_bytes : 0;
+  return plan.ok() ? plan->ReservedBytes() : 0;
 }
 
 }  // namespace layercast::server

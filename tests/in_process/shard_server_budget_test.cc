@@ -2,7 +2,8 @@
 // for only a few chunk buffers: concurrent fetches all complete bit-exact and
 // the tracked peak never exceeds the budget; a stream that cannot get budget
 // before its deadline is refused with RESOURCE_EXHAUSTED. Also what the
-// server keeps between streams: shared chunks, and chunks' kept CRCs.
+// server keeps between streams: shared chunks, and chunks' kept CRCs
+// (the rest of the ledger: shard_server_ledger_test.cc).
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -404,135 +405,6 @@ TEST(ShardServerKeptCrcTest, AWorkersRecastMendsABadKeptCrc) {
   EXPECT_TRUE(MatchesMaster(**source, 0, *third));
   EXPECT_EQ(data_loss_retries.load(), 1) << "the mended CRC fails no stream";
   server->Shutdown(std::chrono::seconds(5));
-}
-
-// Fetches every layer of `model` whole, calling on_chunk(layer, chunk) for
-// each chunk received; a stream that fails fails the test.
-template <typename OnChunk>
-void FetchEveryLayer(layercast::v1::ShardService::Stub& stub, const ModelSpec& model,
-                     OnChunk&& on_chunk) {
-  for (uint32_t layer = 0; layer < model.layers.size(); ++layer) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    layercast::v1::FetchLayerRequest request;
-    request.set_layer(layer);
-    auto reader = stub.FetchLayer(&context, request);
-    layercast::v1::LayerChunk chunk;
-    while (reader->Read(&chunk)) on_chunk(layer, chunk);
-    const grpc::Status status = reader->Finish();
-    EXPECT_TRUE(status.ok()) << "layer " << layer << ": " << status.error_message();
-  }
-}
-
-// The ledger keeps a record for every chunk of the shard's grid, so each is
-// measured once however many workers fetch it, and the memory plan counts a
-// record for each: the chunks whole-layer streams send are those the plan
-// counts, and the ledger summarises all of them, once.
-TEST(ShardServerBudgetTest, TheLedgerKeepsEveryChunkOfTheGridThePlanCounts) {
-  auto server = StartServer(8);
-  auto stub = layercast::v1::ShardService::NewStub(grpc::CreateChannel(
-      "127.0.0.1:" + std::to_string(server->port()), grpc::InsecureChannelCredentials()));
-  const auto sum_ledger = [&] {
-    uint64_t chunks = 0;
-    for (const CastErrorLedger::LayerSummary& layer : server->cast_errors().Summarize()) {
-      chunks += layer.chunks;
-    }
-    return chunks;
-  };
-  auto source = SyntheticModel::Create(kModel);
-  ASSERT_TRUE(source.ok()) << source.status();
-  const ModelSpec& model = (*source)->model();
-  uint64_t sent = 0;
-  for (int round = 0; round < 2; ++round) {
-    sent = 0;
-    FetchEveryLayer(*stub, model, [&](uint32_t, const layercast::v1::LayerChunk&) { ++sent; });
-    EXPECT_EQ(sum_ledger(), sent) << "round " << round << ": each chunk recorded once";
-  }
-  const absl::StatusOr<MemoryPlan> plan = PlanShardMemory(
-      model, server->settings().policy, 0, 1, kChunkBytes, /*delta_versions=*/0, std::nullopt);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->grid_chunks, sent);
-  server->Shutdown(std::chrono::seconds(5));
-}
-
-// The same on a shard of several, under policies that mix 8-bit, 16-bit and
-// float32 tensors: the plan's grid is every chunk whole-layer streams send,
-// float32 chunks (a copy of the master) are kept for their CRC and left out
-// of the summaries, and the lossy ones are summarised once, in their dtype,
-// at the layer's version.
-TEST(ShardServerBudgetTest, TheLedgerSummarisesEveryLossyChunkOfAShardOfSeveral) {
-  struct Case {
-    std::string policy;
-    uint32_t shard_index;
-    uint32_t num_shards;
-    std::vector<DType> summarised;
-  };
-  const std::vector<Case> cases = {
-      {"p=f32,c=f8e4m3,fp8_block=64;*norm*=f32", 1, 4, {DType::kFloat8E4M3FN}},
-      {"p=f32,c=bf16;*norm*=f16;*embed*=f32", 0, 2, {DType::kBFloat16, DType::kFloat16}},
-      {"p=f32,c=float8_e5m2,fp8_block=128;*mlp*=bf16;*norm*=f32",
-       3,
-       4,
-       {DType::kBFloat16, DType::kFloat8E5M2}},
-  };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.policy + ", shard " + std::to_string(c.shard_index) + " of " +
-                 std::to_string(c.num_shards));
-    layercast::v1::ShardConfig config;
-    config.set_listen("127.0.0.1:0");
-    config.set_num_shards(c.num_shards);
-    config.set_shard_index(c.shard_index);
-    config.set_synthetic(kModel);
-    config.set_chunk_bytes(kChunkBytes);
-    config.set_policy(c.policy);
-    auto settings = ResolveShardConfig(config);
-    ASSERT_TRUE(settings.ok()) << settings.status();
-    auto server = ShardServer::Create(*std::move(settings));
-    ASSERT_TRUE(server.ok()) << server.status();
-    ASSERT_TRUE((*server)->Start().ok());
-    ASSERT_TRUE((*server)->Load(nullptr).ok());
-    auto stub = layercast::v1::ShardService::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
-    auto source = SyntheticModel::Create(kModel);
-    ASSERT_TRUE(source.ok()) << source.status();
-    const ModelSpec& model = (*source)->model();
-    uint64_t sent = 0, lossy = 0, lossy_elements = 0;
-    for (int round = 0; round < 2; ++round) {
-      sent = lossy = lossy_elements = 0;
-      FetchEveryLayer(*stub, model, [&](uint32_t layer, const layercast::v1::LayerChunk& chunk) {
-        ++sent;
-        const TensorSpec& tensor = model.layers[layer].tensors[chunk.tensor()];
-        const DType dtype = (*server)->settings().policy.ComputeDTypeFor(tensor.name);
-        if (dtype != DType::kFloat32) {
-          ++lossy;
-          lossy_elements += chunk.data().size() / DTypeSize(dtype);
-        }
-      });
-    }
-    uint64_t summarised_chunks = 0, summarised_elements = 0;
-    std::vector<DType> dtypes;
-    for (const CastErrorLedger::LayerSummary& layer : (*server)->cast_errors().Summarize()) {
-      summarised_chunks += layer.chunks;
-      summarised_elements += layer.error.elements;
-      EXPECT_EQ(layer.error.elements, layer.error.measured + layer.error.overflowed)
-          << "layer " << layer.layer << ": synthetic weights are finite and nonzero";
-      if (std::find(dtypes.begin(), dtypes.end(), layer.dtype) == dtypes.end()) {
-        dtypes.push_back(layer.dtype);
-      }
-    }
-    std::sort(dtypes.begin(), dtypes.end());
-    EXPECT_EQ(dtypes, c.summarised);
-    EXPECT_GT(lossy, 0u);
-    EXPECT_LT(lossy, sent) << "the policy leaves some tensors in float32";
-    EXPECT_EQ(summarised_chunks, lossy) << "each lossy chunk summarised once over two rounds";
-    EXPECT_EQ(summarised_elements, lossy_elements);
-    const absl::StatusOr<MemoryPlan> plan =
-        PlanShardMemory(model, (*server)->settings().policy, c.shard_index, c.num_shards,
-                        kChunkBytes, config.delta_versions(), std::nullopt);
-    ASSERT_TRUE(plan.ok()) << plan.status();
-    EXPECT_EQ(plan->grid_chunks, sent);
-    (*server)->Shutdown(std::chrono::seconds(5));
-  }
 }
 
 }  // namespace

@@ -224,6 +224,17 @@ TEST(CastErrorLedgerTest, HoldsNoMoreThanBytesForSays) {
     EXPECT_GE(held * 4, CastErrorLedger::BytesFor(chunks, 1))
         << chunks << " chunks: the plan counts far more than the table holds";
   }
+  // Many layers and one chunk: the layers' summaries are what it holds.
+  {
+    constexpr uint32_t kManyLayers = 20'000;
+    const size_t before = HeapBytes();
+    CastErrorLedger ledger(1, kManyLayers);
+    ASSERT_TRUE(ledger.Record(Key(kManyLayers - 1, 0, 1), Lost(0, 0)));
+    const size_t held = HeapBytes() - before;
+    EXPECT_LE(held, CastErrorLedger::BytesFor(1, kManyLayers));
+    EXPECT_GE(held * 2, CastErrorLedger::BytesFor(1, kManyLayers))
+        << "the plan counts far more than the summaries hold";
+  }
   EXPECT_EQ(CastErrorLedger::BytesFor(uint64_t{1} << 50, 1), UINT64_MAX);
 }
 

@@ -77,6 +77,17 @@ TEST(ChunkGridTest, CutsTheSliceFromItsFirstElement) {
   EXPECT_EQ(ChunkGrid(64, tensor, ElementRange{5, 5}).chunks(), 0u) << "an empty slice";
 }
 
+// A slice of whole chunks: nothing at or past its end is a chunk, not even
+// the empty range where a next chunk would begin.
+TEST(ChunkGridTest, NothingPastASliceOfWholeChunksIsAChunk) {
+  const AssembledTensor tensor{.compute_dtype = DType::kBFloat16, .num_elements = 4000};
+  const ChunkGrid grid(64, tensor, ElementRange{3000, 3064});
+  EXPECT_EQ(grid.chunks(), 2u);
+  EXPECT_TRUE(grid.IsChunk({3032, 3064}));
+  EXPECT_FALSE(grid.IsChunk({3064, 3064})) << "the empty range at the slice's end";
+  EXPECT_FALSE(grid.IsChunk({3064, 3096})) << "the chunk after the slice";
+}
+
 // An 8-bit float's chunks hold whole blocks and their scales: 100 bytes fit
 // two blocks of 32 codes (32 + 4 bytes each, and 8 for the end scales).
 TEST(ChunkGridTest, AnEightBitFloatsChunksHoldWholeBlocks) {
