@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <functional>
 #include <utility>
+
+#include <unistd.h>
 
 #include "core/log.h"
 
@@ -11,7 +14,8 @@ namespace layercast::server {
 CastErrorLedger::CastErrorLedger(uint64_t grid_chunks, uint32_t layers)
     : grid_chunks_(grid_chunks), layers_(layers) {
   static_assert(LossyIndex(DType::kFloat32) == kLossyDtypes.size());
-  static_assert(std::is_sorted(kLossyDtypes.begin(), kLossyDtypes.end()));
+  // Strictly increasing: a dtype listed twice would keep a summary never filled.
+  static_assert(std::is_sorted(kLossyDtypes.begin(), kLossyDtypes.end(), std::less_equal<>()));
   summaries_.resize(size_t{layers} * kLossyDtypes.size());
   for (uint32_t layer = 0; layer < layers; ++layer) {
     for (size_t k = 0; k < kLossyDtypes.size(); ++k) {
@@ -25,7 +29,11 @@ CastErrorLedger::CastErrorLedger(uint64_t grid_chunks, uint32_t layers)
 uint64_t CastErrorLedger::BytesFor(uint64_t grid_chunks, uint32_t layers) {
   // Far past any memory; below it nothing here overflows.
   if (grid_chunks > (uint64_t{1} << 40)) return UINT64_MAX;
-  const uint64_t summaries = uint64_t{layers} * kLossyDtypes.size() * sizeof(LayerSummary);
+  // The summaries are one block, which malloc maps on its own when large:
+  // whole pages, a 16-byte header first.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t summaries =
+      (uint64_t{layers} * kLossyDtypes.size() * sizeof(LayerSummary) + 16 + page - 1) / page * page;
   // absl grows a table at 7/8 full to a power of two of slots (less one),
   // each with a control byte, and a group's worth of control bytes more;
   // while it grows, the old table (half the slots) is still held.
@@ -87,7 +95,8 @@ bool CastErrorLedger::RefuseOffTheGrid(const ChunkKey& key, absl::string_view wh
 
 void CastErrorLedger::AddToSummary(const Slot& slot, uint64_t version, const CastError& error) {
   const size_t k = LossyIndex(slot.dtype);
-  if (k == kLossyDtypes.size()) return;  // float32: kept for the CRC
+  // Float32 (kept for its CRC only) or a dtype with no summary.
+  if (k == kLossyDtypes.size()) return;
   // A chunk's entry only ever moves to a newer version, so the chunks at a
   // layer's newest version stay there until one moves past it.
   LayerSummary& summary = summaries_[slot.layer * kLossyDtypes.size() + k];

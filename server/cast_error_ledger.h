@@ -114,7 +114,8 @@ class CastErrorLedger {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The dtypes a cast loses to (not float32), each with a summary a layer,
-  // in DType's order.
+  // in DType's order, so Summarize lists a layer's dtypes in the order
+  // GetCastErrorResponse promises.
   static constexpr std::array<DType, 4> kLossyDtypes = {DType::kBFloat16, DType::kFloat16,
                                                         DType::kFloat8E4M3FN, DType::kFloat8E5M2};
   // kLossyDtypes' index of `dtype`; kLossyDtypes.size() for one not in it

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,7 +17,10 @@
 #include "core/dtype.h"
 #include "core/model.h"
 #include "core/synthetic_model.h"
+#include "layercast/v1/config.pb.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "server/cast_error_ledger.h"
+#include "server/shard_config.h"
 #include "server/shard_server.h"
 
 namespace layercast::server {
@@ -24,6 +28,16 @@ namespace {
 
 constexpr char kModel[] = "llama:layers=2,hidden=256,ffn=512,vocab=4096,seed=4";
 constexpr uint64_t kChunkBytes = 16 << 10;
+
+// Chunks and their elements, of one dtype.
+struct Tally {
+  uint64_t chunks = 0;
+  uint64_t elements = 0;
+  friend bool operator==(const Tally&, const Tally&) = default;
+  friend std::ostream& operator<<(std::ostream& out, const Tally& tally) {
+    return out << tally.chunks << " chunks of " << tally.elements << " elements";
+  }
+};
 
 // Shard `shard_index` of `num_shards` of kModel under `policy` (the default
 // when empty), loaded and serving; null, failing the test, if it cannot be.
@@ -131,10 +145,8 @@ TEST(ShardServerLedgerTest, SummarisesEveryLossyChunkOfAShardOfSeveral) {
                  std::to_string(c.num_shards));
     auto server = StartShard(c.policy, c.shard_index, c.num_shards);
     ASSERT_NE(server, nullptr);
-    // Per dtype: chunks and elements.
-    using Tally = std::map<DType, std::pair<uint64_t, uint64_t>>;
     uint64_t sent = 0;
-    Tally lossy;
+    std::map<DType, Tally> lossy;
     for (int round = 0; round < 2; ++round) {
       sent = 0;
       lossy.clear();
@@ -143,15 +155,15 @@ TEST(ShardServerLedgerTest, SummarisesEveryLossyChunkOfAShardOfSeveral) {
         const TensorSpec& tensor = model.layers[layer].tensors[chunk.tensor()];
         const DType dtype = server->settings().policy.ComputeDTypeFor(tensor.name);
         if (dtype != DType::kFloat32) {
-          ++lossy[dtype].first;
-          lossy[dtype].second += chunk.data().size() / DTypeSize(dtype);
+          ++lossy[dtype].chunks;
+          lossy[dtype].elements += chunk.data().size() / DTypeSize(dtype);
         }
       });
     }
-    Tally summarised;
+    std::map<DType, Tally> summarised;
     for (const CastErrorLedger::LayerSummary& layer : server->cast_errors().Summarize()) {
-      summarised[layer.dtype].first += layer.chunks;
-      summarised[layer.dtype].second += layer.error.elements;
+      summarised[layer.dtype].chunks += layer.chunks;
+      summarised[layer.dtype].elements += layer.error.elements;
       EXPECT_EQ(layer.error.elements, layer.error.measured + layer.error.overflowed)
           << "layer " << layer.layer << ": synthetic weights are finite and nonzero";
     }
@@ -159,7 +171,7 @@ TEST(ShardServerLedgerTest, SummarisesEveryLossyChunkOfAShardOfSeveral) {
     for (const auto& [dtype, tally] : summarised) dtypes.push_back(dtype);
     EXPECT_EQ(dtypes, c.summarised);
     uint64_t lossy_chunks = 0;
-    for (const auto& [dtype, tally] : lossy) lossy_chunks += tally.first;
+    for (const auto& [dtype, tally] : lossy) lossy_chunks += tally.chunks;
     EXPECT_GT(lossy_chunks, 0u);
     EXPECT_LT(lossy_chunks, sent) << "the policy leaves some tensors in float32";
     EXPECT_EQ(summarised, lossy)
