@@ -120,7 +120,10 @@ void BM_ShardCast(benchmark::State& state, DType to, bool measure, size_t piece)
     benchmark::ClobberMemory();
   }
   benchmark::DoNotOptimize(error.measured);
-  state.SetBytesProcessed(state.iterations() * kInputBytes);
+  // The last piece may run past kElements: count what was cast.
+  const int64_t pieces = static_cast<int64_t>((kElements + piece - 1) / piece);
+  state.SetBytesProcessed(state.iterations() * pieces *
+                          static_cast<int64_t>(piece * sizeof(float)));
 }
 
 // fp8 with one fp32 scale per block of 128 (the absolute maximum, then the
