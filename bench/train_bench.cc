@@ -15,14 +15,23 @@
 //   (u) the pushes with their update: (c) on the first set, where each
 //       push completes its layer's step (the optimizer is on the shards'
 //       cores too, on this machine the worker's).
-// It reports time per parameter of (b) against (a), the push against the
-// gather of the same bytes (goal: no more), and how much of the pushes and
-// the optimizer's time (the shards' own layercast_optimizer_step_seconds)
-// the training step hides behind its gathers:
+// It reports time per parameter of (b) against (a) (goal <= 1.8), the push
+// against the gather of the same bytes (goal: no more), and how much of the
+// pushes and the optimizer's time (the shards' own
+// layercast_optimizer_step_seconds) the training step hides behind its
+// gathers:
 //   hidden = ((a) + (u) + update - (b)) / ((u) + update)
+// and the optimizer's step on the slowest shard against AdamW alone on the
+// same slice in this process (TensorOptimizer::Step, no shard around it;
+// goal <= 1.5): what the shard's bookkeeping (the change log that serves
+// delta pulls and pinned reads) adds to the update.
 //
 // Usage: train_bench [--num-shards N] [--synthetic SPEC] [--rounds R]
-//                    [--optimizer SPEC]
+//                    [--optimizer SPEC] [--delta-versions K]
+//                    [--change-recording-idle-ms MS]
+// (both passed to the shards: --delta-versions 0 records no changes;
+// --change-recording-idle-ms 0 records every step, as a shard does while a
+// mirror pulls deltas, which this bench's worker does not).
 
 #include <chrono>
 #include <cstdio>
@@ -35,6 +44,8 @@
 #include "client/shard_set.h"
 #include "core/byte_size.h"
 #include "core/layout.h"
+#include "core/optimizer.h"
+#include "core/optimizer_spec.h"
 #include "core/status_macros.h"
 #include "tools/cli_flags.h"
 #include "tools/local_shard_set.h"
@@ -50,12 +61,15 @@ struct Args {
   std::string synthetic = "llama:layers=4,hidden=1024,ffn=2816,vocab=8000,seed=3";
   uint64_t rounds = 4;
   std::string optimizer = "adamw:lr=1e-4,weight_decay=0.1;*norm*:weight_decay=0";
+  std::string delta_versions;  // the shards' defaults when empty
+  std::string recording_idle_ms;
 };
 
 absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   ASSIGN_OR_RETURN(tools::CliFlags flags,
                    tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                                          {"num-shards", "synthetic", "rounds", "optimizer"}));
+                                          {"num-shards", "synthetic", "rounds", "optimizer",
+                                           "delta-versions", "change-recording-idle-ms"}));
   Args args;
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", args.num_shards));
   ASSIGN_OR_RETURN(args.rounds, flags.GetUint("rounds", args.rounds));
@@ -65,6 +79,8 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   args.num_shards = static_cast<uint32_t>(num_shards);
   args.synthetic = flags.Get("synthetic", args.synthetic);
   args.optimizer = flags.Get("optimizer", args.optimizer);
+  args.delta_versions = flags.Get("delta-versions", "");
+  args.recording_idle_ms = flags.Get("change-recording-idle-ms", "");
   return args;
 }
 
@@ -144,6 +160,14 @@ absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(const Args& ar
                          "p=f32,c=bf16;*norm*=f32",
                          "--data-parallel-workers",
                          std::to_string(workers)};
+  if (!args.delta_versions.empty()) {
+    options.extra_flags.insert(options.extra_flags.end(),
+                               {"--delta-versions", args.delta_versions});
+  }
+  if (!args.recording_idle_ms.empty()) {
+    options.extra_flags.insert(options.extra_flags.end(),
+                               {"--change-recording-idle-ms", args.recording_idle_ms});
+  }
   return tools::LocalShardSet::Start(options);
 }
 
@@ -187,6 +211,48 @@ absl::StatusOr<StagedPushes> MeasureStagedPushes(const Args& args, const std::st
   measured.pushes /= static_cast<double>(args.rounds);
   RETURN_IF_ERROR(shards->Stop());
   return measured;
+}
+
+// Seconds per step of the optimizer alone on the largest shard's slice of
+// `model` (every tensor's), in this process: the floor the shards' step is
+// set against.
+absl::StatusOr<double> MeasureOptimizerAlone(const Args& args, const ModelSpec& model) {
+  ASSIGN_OR_RETURN(const OptimizerSpec spec, OptimizerSpec::Parse(args.optimizer));
+  uint32_t largest = 0;
+  uint64_t largest_elements = 0;
+  for (uint32_t s = 0; s < args.num_shards; ++s) {
+    uint64_t elements = 0;
+    for (const LayerSpec& layer : model.layers) {
+      for (const TensorSpec& tensor : layer.tensors) {
+        elements += ShardElementRange(tensor.num_elements, s, args.num_shards).size();
+      }
+    }
+    if (elements > largest_elements) largest = s, largest_elements = elements;
+  }
+  struct Slice {
+    TensorOptimizer optimizer;
+    std::vector<float> param, grad;
+  };
+  std::vector<Slice> slices;
+  for (const LayerSpec& layer : model.layers) {
+    for (const TensorSpec& tensor : layer.tensors) {
+      const uint64_t n = ShardElementRange(tensor.num_elements, largest, args.num_shards).size();
+      Slice& slice =
+          slices.emplace_back(Slice{TensorOptimizer(spec.kind(), spec.HyperFor(tensor.name), n),
+                                    std::vector<float>(n, 0.02f), std::vector<float>(n, 1e-3f)});
+      for (uint64_t i = 0; i < n; ++i) slice.param[i] += 1e-6f * static_cast<float>(i % 1024);
+    }
+  }
+  double seconds = 0;
+  for (uint64_t round = 0; round <= args.rounds; ++round) {  // round 0: a warm-up
+    const auto start = Clock::now();
+    for (Slice& slice : slices) {
+      RETURN_IF_ERROR(slice.optimizer.Step(spec.LearningRate(slice.optimizer.hyper(), round + 1),
+                                           slice.param, slice.grad));
+    }
+    if (round > 0) seconds += Seconds(start);
+  }
+  return seconds / static_cast<double>(args.rounds);
 }
 
 int Run(const Args& args) {
@@ -258,6 +324,8 @@ int Run(const Args& args) {
   const absl::StatusOr<StagedPushes> staged = MeasureStagedPushes(args, logs);
   if (!staged.ok()) return fail(staged.status());
   const double forward = staged->forward;
+  const absl::StatusOr<double> alone = MeasureOptimizerAlone(args, (*set)->model());
+  if (!alone.ok()) return fail(alone.status());
   std::printf(
       "train_bench: %s, %u shards, optimizer %s, %llu rounds after a warm-up\n"
       "machine: 2 cores shared by shards and worker: compare within this run\n\n",
@@ -276,8 +344,14 @@ int Run(const Args& args) {
   std::printf("(u) the pushes, each completing its step   %8.3f s  %6.2f GB/s\n", pushes,
               gradient_bytes / pushes / 1e9);
   std::printf("    optimizer on the slowest shard         %8.3f s per step\n", update);
-  std::printf("\nb/a %.3f (training step per parameter against a gather-only step)\n",
+  std::printf("    the optimizer alone on its slice       %8.3f s per step (in this process)\n",
+              *alone);
+  std::printf("\nb/a %.3f (training step per parameter against a gather-only step; goal <= 1.8)\n",
               train_step / gather_step);
+  std::printf(
+      "step/alone %.3f (the shards' optimizer step against the optimizer alone; goal <= "
+      "1.5)\n",
+      update / *alone);
   std::printf("c/f %.3f (a push against the gather of the same bytes; goal <= 1)\n",
               staged->pushes / forward);
   std::printf("u/f %.3f (the same with the optimizer's update, on the same cores)\n",

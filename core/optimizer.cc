@@ -98,14 +98,15 @@ absl::Status TensorOptimizer::Restore(uint64_t steps,
 #define LAYERCAST_OPTIMIZER_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 
 LAYERCAST_OPTIMIZER_CLONES
-void TensorOptimizer::SgdStep(double lr, std::span<float> param, std::span<const float> grad) {
+void TensorOptimizer::SgdStep(double lr, float* param, const float* grad, size_t begin,
+                              size_t end) {
   const bool decay = hyper_.weight_decay != 0;
   const bool momentum = hyper_.momentum != 0;
   const bool first_step = steps_ == 0;
   const float weight_decay = static_cast<float>(hyper_.weight_decay);
   const float momentum_f = static_cast<float>(hyper_.momentum);
   const float minus_lr = static_cast<float>(-lr);
-  for (size_t i = 0; i < size_; ++i) {
+  for (size_t i = begin; i < end; ++i) {
     float d_p = grad[i];
     if (decay) d_p = std::fma(param[i], weight_decay, d_p);  // d_p.add(param, alpha=wd)
     if (momentum) {
@@ -121,7 +122,8 @@ void TensorOptimizer::SgdStep(double lr, std::span<float> param, std::span<const
 
 // torch.optim.adamw._single_tensor_adamw, amsgrad off.
 LAYERCAST_OPTIMIZER_CLONES
-void TensorOptimizer::AdamWStep(double lr, std::span<float> param, std::span<const float> grad) {
+void TensorOptimizer::AdamWStep(double lr, float* param, const float* grad, size_t begin,
+                                size_t end) {
   // As in Python: `step` is state['step'].item(), a float, and `**` is C's pow.
   const double step = static_cast<double>(steps_ + 1);
   const double bias_correction1 = 1 - std::pow(hyper_.beta1, step);
@@ -138,11 +140,11 @@ void TensorOptimizer::AdamWStep(double lr, std::span<float> param, std::span<con
   const float bias_correction2_sqrt_f = static_cast<float>(bias_correction2_sqrt);
   const float eps = static_cast<float>(hyper_.eps);
   // Distinct buffers: __restrict lets the loop vectorise without alias checks.
-  float* __restrict const param_p = param.data();
-  const float* __restrict const grad_p = grad.data();
+  float* __restrict const param_p = param;
+  const float* __restrict const grad_p = grad;
   float* __restrict const first_p = first_.data();
   float* __restrict const second_p = second_.data();
-  for (size_t i = 0; i < size_; ++i) {
+  for (size_t i = begin; i < end; ++i) {
     const float g = grad_p[i];
     const float p = param_p[i] * decay;                                // param.mul_(1 - lr * wd)
     const float m = std::fma(g, one_minus_beta1, first_p[i] * beta1);  // .add_(grad, alpha=1-b1)
@@ -154,7 +156,8 @@ void TensorOptimizer::AdamWStep(double lr, std::span<float> param, std::span<con
   }
 }
 
-absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<const float> grad) {
+absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<const float> grad,
+                                   StepObserver* observer) {
   if (param.size() != size_ || grad.size() != size_) {
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer step: param has ", param.size(), " elements and grad ", grad.size(),
@@ -164,10 +167,22 @@ absl::Status TensorOptimizer::Step(double lr, std::span<float> param, std::span<
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer step: lr ", lr, " is not a finite number >= 0"));
   }
-  if (kind_ == OptimizerKind::kSgd) {
-    SgdStep(lr, param, grad);
+  const auto update = [&](size_t begin, size_t end) {
+    if (kind_ == OptimizerKind::kSgd) {
+      SgdStep(lr, param.data(), grad.data(), begin, end);
+    } else {
+      AdamWStep(lr, param.data(), grad.data(), begin, end);
+    }
+  };
+  if (observer == nullptr) {
+    update(0, size_);
   } else {
-    AdamWStep(lr, param, grad);
+    for (size_t begin = 0; begin < size_; begin += kObservedBlock) {
+      const size_t end = std::min(size_, begin + kObservedBlock);
+      observer->Before(begin, param.subspan(begin, end - begin));
+      update(begin, end);
+      observer->After(begin, param.subspan(begin, end - begin));
+    }
   }
   ++steps_;
   return absl::OkStatus();

@@ -38,6 +38,17 @@ float ClipScale(double total_norm, double max_norm);
 // are computed in double as torch's Python code does, then rounded to float as
 // torch's kernels do.
 //
+// Sees a step's parameters a block at a time, just before and just after
+// the block is updated, while the block is still in cache: what the shard's
+// change log compares (server/change_log.h) costs no second pass over
+// memory. `offset` is the block's first element in the tensor (slice).
+class StepObserver {
+ public:
+  virtual ~StepObserver() = default;
+  virtual void Before(size_t offset, std::span<const float> block) = 0;
+  virtual void After(size_t offset, std::span<const float> block) = 0;
+};
+
 // Not thread-safe; distinct instances are independent.
 class TensorOptimizer {
  public:
@@ -48,7 +59,13 @@ class TensorOptimizer {
   // step): updates `param` in place from `grad`. INVALID_ARGUMENT, changing
   // nothing, when `param` or `grad` does not hold size() elements or `lr` is
   // negative or not finite.
-  absl::Status Step(double lr, std::span<float> param, std::span<const float> grad);
+  // With `observer`, the update runs in blocks of kObservedBlock elements,
+  // each shown to it before and after; the bits are the same either way.
+  absl::Status Step(double lr, std::span<float> param, std::span<const float> grad,
+                    StepObserver* observer = nullptr);
+  // A block's fp32 parameters, gradients and state, and the observer's two
+  // compute-dtype copies of it, stay well inside a core's L2 cache.
+  static constexpr size_t kObservedBlock = 4096;
 
   OptimizerKind kind() const { return kind_; }
   const OptimizerHyper& hyper() const { return hyper_; }
@@ -74,8 +91,9 @@ class TensorOptimizer {
   absl::Status Restore(uint64_t steps, const std::vector<std::vector<float>>& buffers);
 
  private:
-  void SgdStep(double lr, std::span<float> param, std::span<const float> grad);
-  void AdamWStep(double lr, std::span<float> param, std::span<const float> grad);
+  // Update elements [begin, end) of `param` (the whole tensor's).
+  void SgdStep(double lr, float* param, const float* grad, size_t begin, size_t end);
+  void AdamWStep(double lr, float* param, const float* grad, size_t begin, size_t end);
 
   OptimizerKind kind_;
   OptimizerHyper hyper_;

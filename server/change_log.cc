@@ -1,11 +1,17 @@
 #include "server/change_log.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <new>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "core/cast.h"
 #include "core/layout.h"
+#include "core/log.h"
 
 namespace layercast::server {
 namespace {
@@ -14,21 +20,88 @@ constexpr uint64_t Words(uint64_t bits) { return (bits + 63) / 64; }
 
 // Compared a cache-sized block at a time: the new values are cast into it
 // and compared with the snapshot while both are in cache.
-constexpr uint64_t kBlockElements = 4096;
+constexpr uint64_t kBlockElements = TensorOptimizer::kObservedBlock;
+
+// Bit i of the result: elements i of `a` and `b` (64 of `element_size`
+// bytes each) differ. SSE2 (every x86-64) compares 16 at a time; a
+// compiler does not vectorise the scalar loop's shift-or reduction.
+uint64_t DifferenceMask64(const uint8_t* a, const uint8_t* b, size_t element_size) {
+#if defined(__SSE2__)
+  if (element_size == 2 || element_size == 4) {
+    uint64_t equal = 0;
+    for (int group = 0; group < 4; ++group) {  // 16 elements each
+      __m128i lanes[4];
+      const int vectors = static_cast<int>(element_size) * 16 / 16;
+      for (int v = 0; v < vectors; ++v) {
+        const size_t at = (static_cast<size_t>(group) * vectors + v) * 16;
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + at));
+        const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
+        lanes[v] = element_size == 2 ? _mm_cmpeq_epi16(x, y) : _mm_cmpeq_epi32(x, y);
+      }
+      // Narrowed to one byte per element (all ones or zero survive the
+      // signed saturation), then one bit per element.
+      const __m128i bytes = element_size == 2
+                                ? _mm_packs_epi16(lanes[0], lanes[1])
+                                : _mm_packs_epi16(_mm_packs_epi32(lanes[0], lanes[1]),
+                                                  _mm_packs_epi32(lanes[2], lanes[3]));
+      equal |= static_cast<uint64_t>(static_cast<uint16_t>(_mm_movemask_epi8(bytes)))
+               << (16 * group);
+    }
+    return ~equal;
+  }
+#endif
+  uint64_t mask = 0;
+  for (size_t i = 0; i < 64; ++i) {
+    if (std::memcmp(a + i * element_size, b + i * element_size, element_size) != 0) {
+      mask |= uint64_t{1} << i;
+    }
+  }
+  return mask;
+}
+
+// ORs `mask` (64 elements' bits) into `bits` from bit `first`.
+void MarkMask(uint64_t mask, uint64_t first, std::vector<uint64_t>& bits) {
+  const uint64_t shift = first % 64;
+  bits[first / 64] |= mask << shift;
+  // Only bits that exist can be shifted into the next word.
+  if (shift != 0 && (mask >> (64 - shift)) != 0) bits[first / 64 + 1] |= mask >> (64 - shift);
+}
 
 // Sets bit `first + i` of `bits` for each i where the elements of
 // `element_size` bytes at `a` and `b` differ; returns how many.
 uint64_t MarkDifferences(const uint8_t* a, const uint8_t* b, uint64_t count, size_t element_size,
                          uint64_t first, std::vector<uint64_t>& bits) {
   uint64_t changed = 0;
-  for (uint64_t i = 0; i < count; ++i) {
-    if (std::memcmp(a + i * element_size, b + i * element_size, element_size) != 0) {
-      const uint64_t bit = first + i;
-      bits[bit / 64] |= uint64_t{1} << (bit % 64);
-      ++changed;
-    }
+  uint64_t i = 0;
+  for (; i + 64 <= count; i += 64) {
+    const uint64_t mask =
+        DifferenceMask64(a + i * element_size, b + i * element_size, element_size);
+    if (mask == 0) continue;
+    changed += static_cast<uint64_t>(std::popcount(mask));
+    MarkMask(mask, first + i, bits);
+  }
+  uint64_t tail = 0;
+  for (uint64_t j = 0; i + j < count; ++j) {
+    const uint64_t at = (i + j) * element_size;
+    if (std::memcmp(a + at, b + at, element_size) != 0) tail |= uint64_t{1} << j;
+  }
+  if (tail != 0) {
+    changed += static_cast<uint64_t>(std::popcount(tail));
+    MarkMask(tail, first + i, bits);
   }
   return changed;
+}
+
+// Marks `count` elements from bit `first` changed.
+void MarkAll(uint64_t first, uint64_t count, std::vector<uint64_t>& bits) {
+  for (uint64_t i = 0; i < count; ++i) bits[(first + i) / 64] |= uint64_t{1} << ((first + i) % 64);
+}
+
+// Scratch for one block's compute-dtype bits, per thread (steps of
+// different layers run in parallel).
+uint8_t* BlockScratch(int which) {
+  alignas(64) thread_local uint8_t scratch[2][kBlockElements * sizeof(float)];
+  return scratch[which];
 }
 
 }  // namespace
@@ -46,8 +119,14 @@ uint64_t ChangeLog::BytesFor(const ModelSpec& model, uint32_t shard_index, uint3
   return bytes * versions;
 }
 
-ChangeLog::ChangeLog(const ParameterStore& store, uint32_t versions, ServerMetrics* metrics)
-    : store_(store), versions_(std::max<uint32_t>(1, versions)), metrics_(metrics) {
+ChangeLog::ChangeLog(const ParameterStore& store, uint32_t versions, ServerMetrics* metrics,
+                     std::chrono::steady_clock::duration idle, Now now)
+    : store_(store),
+      versions_(std::max<uint32_t>(1, versions)),
+      metrics_(metrics),
+      idle_(idle),
+      now_(now),
+      last_asked_(kNeverAsked) {
   for (uint32_t l = 0; l < store.model().layers.size(); ++l) {
     auto log = std::make_unique<LayerLog>();
     for (uint32_t t = 0; t < store.model().layers[l].tensors.size(); ++t) {
@@ -89,14 +168,123 @@ void ChangeLog::Push(LayerLog& log, Entry entry) {
     log.entries.clear();
   }
   log.entries.push_back(std::move(entry));
-  while (log.entries.size() > versions_) log.entries.pop_front();
+  while (log.entries.size() > versions_) {
+    if (log.entries.front().bits.capacity() > log.spare.capacity()) {
+      log.spare = std::move(log.entries.front().bits);
+    }
+    log.entries.pop_front();
+  }
+}
+
+std::vector<uint64_t> ChangeLog::TakeBitmap(LayerLog& log) {
+  std::vector<uint64_t> bits;
+  {
+    absl::MutexLock lock(&log.mu);
+    bits.swap(log.spare);
+  }
+  bits.assign(Words(log.owned), 0);  // no allocation when the spare fits
+  return bits;
+}
+
+void ChangeLog::NoteAsked() const {
+  last_asked_.store(now_().time_since_epoch().count(), std::memory_order_relaxed);
+}
+
+bool ChangeLog::Wanted() const {
+  const std::chrono::steady_clock::rep asked = last_asked_.load(std::memory_order_relaxed);
+  const bool wanted =
+      idle_ == std::chrono::steady_clock::duration::zero() ||
+      (asked != kNeverAsked &&
+       now_() - std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(asked)) <
+           idle_);
+  if (wanted_.exchange(wanted, std::memory_order_relaxed) != wanted) {
+    if (wanted) {
+      Log()->info(
+          "recording what each step changes again: a reader asked for a delta or a "
+          "pinned version");
+    } else {
+      Log()->info(
+          "no delta pull or pinned read for {} s: steps are no longer recorded until one "
+          "comes (the first delta after is pulled in full)",
+          std::chrono::duration_cast<std::chrono::seconds>(idle_).count());
+    }
+  }
+  return wanted;
+}
+
+ChangeLog::Recording::Recording(ChangeLog& log, uint32_t layer, bool keep_before)
+    : log_(log), layer_(layer), bits_(log.TakeBitmap(*log.layers_[layer])) {
+  if (!keep_before) return;
+  const AssembledLayout& layout = log.store_.layout(layer);
+  uint64_t bytes = 0;
+  for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
+    bytes +=
+        log.store_.owned(layer, t).size() * DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
+  }
+  // Not value-initialised: every byte is cast into before it is read.
+  before_.bits_ = std::vector<uint8_t>(bytes);
+}
+
+StepObserver* ChangeLog::Recording::ForTensor(uint32_t tensor) {
+  const AssembledLayout& layout = log_.store_.layout(layer_);
+  before_offset_ = 0;
+  for (uint32_t t = 0; t < tensor; ++t) {
+    before_offset_ += log_.store_.owned(layer_, t).size() *
+                      DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
+  }
+  tensor_ = tensor;
+  dtype_ = KeptDType(layout.tensors()[tensor].compute_dtype);
+  return this;
+}
+
+void ChangeLog::Recording::Before(size_t offset, std::span<const float> block) {
+  uint8_t* out = before_.bits_.empty()
+                     ? BlockScratch(0)
+                     : before_.bits_.data() + before_offset_ + offset * DTypeSize(dtype_);
+  block_cast_ =
+      CastFromF32(block.data(), out, block.size(), dtype_, log_.store_.policy().overflow()).ok();
+  // A version whose bits could not all be cast is not kept whole.
+  if (!block_cast_) before_.whole_ = false;
+}
+
+void ChangeLog::Recording::After(size_t offset, std::span<const float> block) {
+  const size_t size = DTypeSize(dtype_);
+  const uint64_t first = log_.layers_[layer_]->tensor_first[tensor_] + offset;
+  const uint8_t* old_bits = before_.bits_.empty()
+                                ? BlockScratch(0)
+                                : before_.bits_.data() + before_offset_ + offset * size;
+  uint8_t* const fresh = BlockScratch(1);
+  if (block_cast_ &&
+      CastFromF32(block.data(), fresh, block.size(), dtype_, log_.store_.policy().overflow())
+          .ok()) {
+    changed_ += MarkDifferences(fresh, old_bits, block.size(), size, first, bits_);
+  } else {
+    // Either side cannot be cast (a float16 overflow under overflow=error):
+    // a pull of it fails anyway, so marked changed.
+    MarkAll(first, block.size(), bits_);
+    changed_ += block.size();
+  }
+}
+
+uint64_t ChangeLog::Recording::Commit(uint64_t version) {
+  LayerLog& log = *log_.layers_[layer_];
+  Entry entry{version, std::move(bits_)};
+  if (changed_ == 0) entry.bits.clear();
+  log_.Push(log, std::move(entry));
+  if (log_.metrics_ != nullptr) log_.metrics_->RecordVersionChange(changed_, log.owned);
+  return changed_;
+}
+
+ChangeLog::Snapshot ChangeLog::Recording::TakeBefore() && {
+  if (before_.bits_.empty()) before_.whole_ = false;
+  return std::move(before_);
 }
 
 uint64_t ChangeLog::Record(uint32_t layer, uint64_t version, const Snapshot& before) {
   LayerLog& log = *layers_[layer];
   Entry entry{version, {}};
   try {
-    entry.bits.assign(Words(log.owned), 0);
+    entry.bits = TakeBitmap(log);
   } catch (const std::bad_alloc&) {
     // Unrecorded, the log starts afresh at the next version: a delta from
     // before it is refused (the worker pulls in full), never wrong.
@@ -110,7 +298,7 @@ uint64_t ChangeLog::Record(uint32_t layer, uint64_t version, const Snapshot& bef
     std::fill(entry.bits.begin(), entry.bits.end(), ~uint64_t{0});
     changed = log.owned;
   } else {
-    alignas(64) uint8_t block[kBlockElements * sizeof(float)];
+    uint8_t* const block = BlockScratch(0);
     const uint8_t* old_bits = before.bits_.data();
     for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
       const DType dtype = KeptDType(layout.tensors()[t].compute_dtype);
@@ -125,9 +313,7 @@ uint64_t ChangeLog::Record(uint32_t layer, uint64_t version, const Snapshot& bef
         } else {
           // The new value cannot be cast (a float16 overflow under
           // overflow=error): a pull of it fails anyway, so marked changed.
-          for (uint64_t i = 0; i < count; ++i) {
-            entry.bits[(first + i) / 64] |= uint64_t{1} << ((first + i) % 64);
-          }
+          MarkAll(first, count, entry.bits);
           changed += count;
         }
         done += count;

@@ -82,6 +82,10 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
           BufferBytes(store_, plan_, options_.chunk_bytes, options_.base_version.has_value())),
       peer_(context->peer()) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
+  // What keeps a training shard recording its steps (ChangeLog::Wanted).
+  if (options_.changes != nullptr && (options_.base_version || options_.exact_version)) {
+    options_.changes->NoteAsked();
+  }
   if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer, peer_);
   metrics_.streams_waiting_for_version().Increment();
   absl::MutexLock lock(&mu_);
@@ -225,6 +229,8 @@ absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::S
       kept = options_.pinned->Find(key.layer, key.version, *options_.changes);
     }
     if (kept == nullptr) {
+      // Overtaken: the steps after this one keep what such a stream needs.
+      options_.changes->NoteAsked();
       if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
       return absl::AbortedError(absl::StrCat(
           "layer ", key.layer, " moved from parameter version ", key.version, " to ", now,

@@ -482,10 +482,11 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   }
 
   absl::WriterMutexLock master_lock(&store_.layer_mutex(layer));
-  std::optional<ChangeLog::Snapshot> before;
-  if (links_.changes != nullptr) {
+  // Recorded in the update's own pass, and only while readers use it.
+  std::optional<ChangeLog::Recording> recording;
+  if (links_.changes != nullptr && links_.changes->Wanted()) {
     try {
-      before = links_.changes->Take(layer);
+      recording.emplace(*links_.changes, layer, links_.pinned != nullptr);
     } catch (const std::bad_alloc&) {
       // Not recorded: delta pulls from before this step fall back to full.
       Log()->warn("no memory to record what step {} of layer {} changes", step, layer);
@@ -496,8 +497,9 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
     TensorOptimizer& optimizer = state.optimizers[t];
     const std::span<float> master(store_.mutable_master(layer, t), optimizer.size());
     // Cannot fail: sizes match by construction and the lr was checked above.
-    RETURN_IF_ERROR(
-        optimizer.Step(lrs[t], master, std::span<const float>(mean.data() + at, optimizer.size())));
+    RETURN_IF_ERROR(optimizer.Step(lrs[t], master,
+                                   std::span<const float>(mean.data() + at, optimizer.size()),
+                                   recording ? recording->ForTensor(t) : nullptr));
     at += optimizer.size();
   }
   RecycleLocked(state, *std::move(state.pushed[0]));
@@ -507,10 +509,10 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.spare.clear();
   state.reduced = false;
   state.opened.reset();
-  if (before) {
-    const uint64_t changed = links_.changes->Record(layer, state.version + 1, *before);
+  if (recording) {
+    const uint64_t changed = recording->Commit(state.version + 1);
     if (links_.pinned != nullptr) {
-      links_.pinned->Keep(layer, state.version, changed, *std::move(before));
+      links_.pinned->Keep(layer, state.version, changed, std::move(*recording).TakeBefore());
     }
   }
   ++state.version;

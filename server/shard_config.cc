@@ -31,6 +31,8 @@ constexpr uint32_t kDefaultLargeMaxReceiveMessageBytes = 2 << 20;
 constexpr uint32_t kMaxDataParallelWorkers = 4096;
 constexpr uint32_t kDefaultPinRetentionMs = 30000;
 constexpr uint32_t kMaxPinRetentionMs = 3600 * 1000;
+constexpr uint32_t kDefaultChangeRecordingIdleMs = 600 * 1000;
+constexpr uint32_t kMaxChangeRecordingIdleMs = 86400 * 1000;
 constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
 constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
 constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
@@ -358,6 +360,14 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--pin-retention-ms needs --delta-versions of at least 1: the versions kept for pinned "
         "readers are the change log's snapshots; drop --delta-versions 0 or set "
         "--pin-retention-ms 0");
+  }
+  if (!config.has_change_recording_idle_ms()) {
+    config.set_change_recording_idle_ms(kDefaultChangeRecordingIdleMs);
+  }
+  if (config.change_recording_idle_ms() > kMaxChangeRecordingIdleMs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--change-recording-idle-ms ", config.change_recording_idle_ms(),
+        " is out of range: use 0-", kMaxChangeRecordingIdleMs, " (a day; 0 records every step)"));
   }
   if (!config.has_pin_retention_ms()) {
     // Without the change log there is nothing to keep (and the resolved

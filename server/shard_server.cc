@@ -321,7 +321,11 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
-  if (delta_versions > 0) changes_ = std::make_unique<ChangeLog>(*store, delta_versions, &metrics_);
+  if (delta_versions > 0) {
+    changes_ =
+        std::make_unique<ChangeLog>(*store, delta_versions, &metrics_,
+                                    std::chrono::milliseconds(config.change_recording_idle_ms()));
+  }
   if (changes_ != nullptr && config.pin_retention_ms() > 0) {
     pinned_ = std::make_shared<PinnedVersions>(
         *store, std::chrono::milliseconds(config.pin_retention_ms()), *budget_, metrics_);

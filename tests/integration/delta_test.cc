@@ -1,7 +1,8 @@
 // Delta pulls against real training shards: after 1, 2 and K optimizer
 // steps a delta from the older copy is bit for bit the full pull, and
 // smaller; a base older than K (or a shard that keeps no changes) is
-// refused with OUT_OF_RANGE, and the worker library pulls in full.
+// refused with OUT_OF_RANGE, and the worker library pulls in full. A
+// shard records its steps only once a reader has asked for a delta.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -65,13 +66,15 @@ void Step(const client::ShardSet& set, uint64_t step) {
 
 class DeltaTest : public ::testing::Test {
  protected:
-  void Start(uint32_t delta_versions) {
+  // `recording_idle_ms`: --change-recording-idle-ms (0: every step).
+  void Start(uint32_t delta_versions, const std::string& recording_idle_ms = "0") {
     model_ = WriteTestModel(MakeTempDir("delta") + "/model.safetensors", 2, 11);
     // A small learning rate: most bfloat16 values stay as they were, some
     // move, as after a real fine-tuning step.
-    shards_ = StartShards(2, {"--model", model_.path, "--policy", "p=f32,c=bf16;*norm*=f32",
-                              "--optimizer", "sgd:lr=0.002", "--chunk-bytes", "4096",
-                              "--delta-versions", std::to_string(delta_versions)});
+    shards_ = StartShards(
+        2, {"--model", model_.path, "--policy", "p=f32,c=bf16;*norm*=f32", "--optimizer",
+            "sgd:lr=0.002", "--chunk-bytes", "4096", "--delta-versions",
+            std::to_string(delta_versions), "--change-recording-idle-ms", recording_idle_ms});
     ASSERT_NE(shards_.set, nullptr);
   }
 
@@ -152,6 +155,28 @@ TEST_F(DeltaTest, AShardKeepingNoChangesServesFullPullsInstead) {
   EXPECT_TRUE(delta.bytes == full.bytes);
   EXPECT_EQ(delta.received, full.received);
   EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total"), 1.0);
+}
+
+// By default a training shard records nothing until a reader asks for a
+// delta: the first delta after start-up is pulled in full, and the request
+// starts the recording, so the next step's delta is served.
+TEST_F(DeltaTest, StepsAreRecordedFromTheFirstDeltaAsked) {
+  ASSERT_NO_FATAL_FAILURE(Start(kDeltaVersions, "600000"));
+  const client::ShardSet& set = *shards_.set;
+  constexpr char kFallbacks[] = "layercast_client_delta_fallbacks_total";
+  const Pulled at_zero =
+      Pull(set, 1, std::vector<uint8_t>(set.view().layouts[1].total_bytes()), {});
+  ASSERT_NO_FATAL_FAILURE(Step(set, 0));
+  const Pulled first = Pull(set, 1, at_zero.bytes, 0);
+  EXPECT_EQ(first.version, 1u);
+  EXPECT_EQ(CounterValue(*shards_.registry, kFallbacks), 1.0) << "step 1 was not recorded";
+  ASSERT_NO_FATAL_FAILURE(Step(set, 1));
+  const Pulled full = Pull(set, 1, std::vector<uint8_t>(at_zero.bytes.size()), {});
+  const Pulled second = Pull(set, 1, first.bytes, 1);
+  EXPECT_EQ(second.version, 2u);
+  EXPECT_TRUE(second.bytes == full.bytes);
+  EXPECT_LT(second.received, full.received) << "a delta, not a full pull";
+  EXPECT_EQ(CounterValue(*shards_.registry, kFallbacks), 1.0) << "step 2 was recorded";
 }
 
 }  // namespace

@@ -353,11 +353,14 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
 
 // An optimizer step keeps the version it supersedes for pinned readers: a
 // worker walking the model at version 0 still gets 0 for a layer already
-// stepped to 1, bit for bit what it was.
+// stepped to 1, bit for bit what it was. (Its first pinned read is what
+// starts the shards recording their steps.)
 TEST_F(TrainingTest, APinnedReadGetsALayerAtTheVersionAStepSuperseded) {
   ASSERT_NO_FATAL_FAILURE(Start(2, 1));
   const client::ShardSet& set = *shards_.set;
-  absl::StatusOr<client::Layer> before = set.Gather(0);
+  client::GatherOptions pinned;
+  pinned.exact_version = 0;
+  absl::StatusOr<client::Layer> before = set.Gather(0, pinned);
   ASSERT_TRUE(before.ok()) << before.status();
   ASSERT_EQ(before->version(), 0u);
   auto sink = client::GradientSink::Create(set, {.worker = 0, .chunk_bytes = kChunkBytes});
@@ -372,8 +375,6 @@ TEST_F(TrainingTest, APinnedReadGetsALayerAtTheVersionAStepSuperseded) {
   ASSERT_TRUE(pushed->get().ok()) << pushed->get().status();
   ASSERT_EQ(LayerVersion(set, 0), 1u);
 
-  client::GatherOptions pinned;
-  pinned.exact_version = 0;
   absl::StatusOr<client::Layer> at_zero = set.Gather(0, pinned);
   ASSERT_TRUE(at_zero.ok()) << at_zero.status();
   EXPECT_EQ(at_zero->version(), 0u);

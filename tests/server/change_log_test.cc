@@ -10,6 +10,8 @@
 #include <random>
 
 #include "core/cast.h"
+#include "core/optimizer.h"
+#include "core/optimizer_spec.h"
 #include "core/synthetic_model.h"
 
 namespace layercast::server {
@@ -17,8 +19,8 @@ namespace {
 
 constexpr char kModel[] = "llama:layers=1,hidden=40,ffn=56,vocab=44,seed=5";
 
-std::unique_ptr<ParameterStore> Store() {
-  auto model = SyntheticModel::Create(kModel);
+std::unique_ptr<ParameterStore> Store(const char* spec = kModel) {
+  auto model = SyntheticModel::Create(spec);
   EXPECT_TRUE(model.ok()) << model.status();
   auto store = ParameterStore::Load(**model, 1, 3, *Policy::Parse("c=bf16;*norm*=f32"));
   EXPECT_TRUE(store.ok()) << store.status();
@@ -145,6 +147,118 @@ TEST(ChangeLogTest, ChangedNothingLooksOnlyAtTheVersionsBetween) {
   EXPECT_FALSE(log.ChangedNothing(layer, 2, 3)) << "a version not recorded yet";
   EXPECT_TRUE(log.Covers(layer, 0, 1));
   EXPECT_EQ(log.OldestBase(layer, 1), 0u);
+}
+
+// Every owned element of `layer` cast one at a time, tensor by tensor: the
+// bits a snapshot holds, computed without the log's block casts.
+std::vector<uint8_t> CastOneByOne(const ParameterStore& store, uint32_t layer) {
+  std::vector<uint8_t> bits;
+  for (uint32_t t = 0; t < store.model().layers[layer].tensors.size(); ++t) {
+    const DType dtype = KeptDType(store.layout(layer).tensors()[t].compute_dtype);
+    for (uint64_t i = 0; i < store.owned(layer, t).size(); ++i) {
+      uint8_t one[4];
+      EXPECT_TRUE(
+          CastFromF32(&store.master(layer, t)[i], one, 1, dtype, Fp16Overflow::kInfinity).ok());
+      bits.insert(bits.end(), one, one + DTypeSize(dtype));
+    }
+  }
+  return bits;
+}
+
+// An optimizer step recorded in its own pass (ChangeLog::Recording): the
+// same master bits as the step unobserved, exactly the elements whose cast
+// bits changed marked, and the bits before kept whole. The tensors span
+// several of the optimizer's blocks, and the float32 norms sit between
+// bfloat16 matrices at bit offsets that are no multiple of 64.
+TEST(ChangeLogTest, ARecordedStepMarksWhatItChangedAndKeepsTheBitsBefore) {
+  constexpr char kWide[] = "llama:layers=1,hidden=128,ffn=200,vocab=44,seed=5";
+  std::unique_ptr<ParameterStore> store = Store(kWide);
+  std::unique_ptr<ParameterStore> unobserved = Store(kWide);
+  const uint32_t layer = 1;
+  ASSERT_GT(store->owned(layer, 1).size(), 2 * TensorOptimizer::kObservedBlock);
+  ChangeLog log(*store, 2);
+  const OptimizerSpec spec = *OptimizerSpec::Parse("adamw:lr=1e-3");
+  const uint32_t tensors = static_cast<uint32_t>(store->model().layers[layer].tensors.size());
+  for (uint64_t version = 1; version <= 2; ++version) {
+    const std::vector<uint8_t> expected_before = CastOneByOne(*store, layer);
+    ChangeLog::Recording recording(log, layer, /*keep_before=*/true);
+    for (uint32_t t = 0; t < tensors; ++t) {
+      const uint64_t n = store->owned(layer, t).size();
+      std::vector<float> grad(n);
+      for (uint64_t i = 0; i < n; ++i) grad[i] = (i % 7 == 0 ? -1e-2f : 1e-3f) * (1 + i % 3);
+      const OptimizerHyper hyper = spec.HyperFor(store->model().layers[layer].tensors[t].name);
+      TensorOptimizer observed(spec.kind(), hyper, n), plain(spec.kind(), hyper, n);
+      std::vector<float> scratch(n, 0.5f);
+      for (uint64_t s = 1; s < version; ++s) {  // state as after the steps before
+        ASSERT_TRUE(plain.Step(1e-3, scratch, grad).ok());
+      }
+      ASSERT_TRUE(
+          observed
+              .Restore(plain.steps(),
+                       {std::vector<float>(plain.exp_avg().begin(), plain.exp_avg().end()),
+                        std::vector<float>(plain.exp_avg_sq().begin(), plain.exp_avg_sq().end())})
+              .ok());
+      ASSERT_TRUE(
+          observed.Step(1e-3, {store->mutable_master(layer, t), n}, grad, recording.ForTensor(t))
+              .ok());
+      ASSERT_TRUE(plain.Step(1e-3, {unobserved->mutable_master(layer, t), n}, grad).ok());
+      ASSERT_EQ(std::memcmp(store->master(layer, t), unobserved->master(layer, t), n * 4), 0)
+          << "version " << version << " tensor " << t << ": observing changed the update";
+      // The next version's store starts from the same values.
+      std::memcpy(unobserved->mutable_master(layer, t), store->master(layer, t), n * 4);
+    }
+    const std::vector<uint8_t> after = CastOneByOne(*store, layer);
+    const uint64_t changed = recording.Commit(version);
+    ChangeLog::Snapshot before = std::move(recording).TakeBefore();
+    ASSERT_TRUE(before.whole());
+    EXPECT_EQ(std::move(before).TakeBits(), expected_before);
+
+    uint64_t expected_changed = 0, at = 0;
+    std::vector<uint64_t> bits;
+    for (uint32_t t = 0; t < tensors; ++t) {
+      const ElementRange owned = store->owned(layer, t);
+      const size_t size = DTypeSize(KeptDType(store->layout(layer).tensors()[t].compute_dtype));
+      log.ChangedSince(layer, version - 1, version, t, owned.begin, owned.size(), bits);
+      for (uint64_t i = 0; i < owned.size(); ++i, at += size) {
+        const bool differs = std::memcmp(&expected_before[at], &after[at], size) != 0;
+        expected_changed += differs;
+        ASSERT_EQ(Bit(bits, i), differs)
+            << "version " << version << " tensor " << t << " element " << i;
+      }
+    }
+    EXPECT_EQ(changed, expected_changed);
+    ASSERT_GT(changed, 0u);
+    ASSERT_LT(changed, at / 2) << "lr 1e-3 leaves most bfloat16 values as they were";
+  }
+  EXPECT_TRUE(log.Covers(layer, 0, 2)) << "two consecutive records";
+}
+
+// Without a reader of deltas or pinned versions for `idle`, steps are not
+// worth recording; a request starts it again. The clock is the test's.
+std::chrono::steady_clock::time_point test_now;
+std::chrono::steady_clock::time_point TestNow() { return test_now; }
+
+TEST(ChangeLogTest, WantedOnlyWhileReadersAskedWithinTheIdleTime) {
+  std::unique_ptr<ParameterStore> store = Store();
+  test_now = std::chrono::steady_clock::time_point(std::chrono::hours(1));
+  ChangeLog log(*store, 2, nullptr, std::chrono::minutes(10), &TestNow);
+  EXPECT_FALSE(log.Wanted()) << "no reader has asked yet";
+  log.NoteAsked();
+  EXPECT_TRUE(log.Wanted());
+  test_now += std::chrono::minutes(9);
+  EXPECT_TRUE(log.Wanted());
+  test_now += std::chrono::minutes(1);
+  EXPECT_FALSE(log.Wanted()) << "ten minutes without a request";
+  test_now += std::chrono::hours(1000);
+  EXPECT_FALSE(log.Wanted());
+  log.NoteAsked();
+  EXPECT_TRUE(log.Wanted());
+  test_now += std::chrono::minutes(10);
+  EXPECT_FALSE(log.Wanted());
+
+  ChangeLog always(*store, 2, nullptr, std::chrono::steady_clock::duration::zero(), &TestNow);
+  test_now += std::chrono::hours(100);
+  EXPECT_TRUE(always.Wanted()) << "an idle time of 0 records every step";
 }
 
 }  // namespace
