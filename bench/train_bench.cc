@@ -22,16 +22,17 @@
 // gathers:
 //   hidden = ((a) + (u) + update - (b)) / ((u) + update)
 // and the optimizer's step on the slowest shard against AdamW alone on the
-// same slice in this process (TensorOptimizer::Step, no shard around it;
-// goal <= 1.5): what the shard's bookkeeping (the change log that serves
-// delta pulls and pinned reads) adds to the update.
+// same slices in this process (TensorOptimizer::Step, no shard around it,
+// a thread per shard stepping at once as the shards do; goal <= 1.5): what
+// the shard's bookkeeping (the change log that serves delta pulls and
+// pinned reads) and the worker's gathers beside it add to the update.
 //
 // Usage: train_bench [--num-shards N] [--synthetic SPEC] [--rounds R]
-//                    [--optimizer SPEC] [--delta-versions K]
-//                    [--change-recording-idle-ms MS]
-// (both passed to the shards: --delta-versions 0 records no changes;
-// --change-recording-idle-ms 0 records every step, as a shard does while a
-// mirror pulls deltas, which this bench's worker does not).
+//                    [--optimizer SPEC] [--shard-flags "FLAG VALUE ..."]
+// --shard-flags are added to every shard's command line (split at spaces):
+// "--change-recording-idle-ms 0" records every step, as a shard does while
+// a mirror pulls deltas (this bench's worker does not); "--delta-versions
+// 0" records nothing.
 
 #include <chrono>
 #include <cstdio>
@@ -39,6 +40,7 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/process_probes.h"
 #include "client/gradient_sink.h"
 #include "client/shard_set.h"
@@ -61,15 +63,14 @@ struct Args {
   std::string synthetic = "llama:layers=4,hidden=1024,ffn=2816,vocab=8000,seed=3";
   uint64_t rounds = 4;
   std::string optimizer = "adamw:lr=1e-4,weight_decay=0.1;*norm*:weight_decay=0";
-  std::string delta_versions;  // the shards' defaults when empty
-  std::string recording_idle_ms;
+  std::vector<std::string> shard_flags;
 };
 
 absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
-  ASSIGN_OR_RETURN(tools::CliFlags flags,
-                   tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                                          {"num-shards", "synthetic", "rounds", "optimizer",
-                                           "delta-versions", "change-recording-idle-ms"}));
+  ASSIGN_OR_RETURN(
+      tools::CliFlags flags,
+      tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                             {"num-shards", "synthetic", "rounds", "optimizer", "shard-flags"}));
   Args args;
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", args.num_shards));
   ASSIGN_OR_RETURN(args.rounds, flags.GetUint("rounds", args.rounds));
@@ -79,8 +80,7 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   args.num_shards = static_cast<uint32_t>(num_shards);
   args.synthetic = flags.Get("synthetic", args.synthetic);
   args.optimizer = flags.Get("optimizer", args.optimizer);
-  args.delta_versions = flags.Get("delta-versions", "");
-  args.recording_idle_ms = flags.Get("change-recording-idle-ms", "");
+  args.shard_flags = absl::StrSplit(flags.Get("shard-flags", ""), ' ', absl::SkipEmpty());
   return args;
 }
 
@@ -160,14 +160,8 @@ absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(const Args& ar
                          "p=f32,c=bf16;*norm*=f32",
                          "--data-parallel-workers",
                          std::to_string(workers)};
-  if (!args.delta_versions.empty()) {
-    options.extra_flags.insert(options.extra_flags.end(),
-                               {"--delta-versions", args.delta_versions});
-  }
-  if (!args.recording_idle_ms.empty()) {
-    options.extra_flags.insert(options.extra_flags.end(),
-                               {"--change-recording-idle-ms", args.recording_idle_ms});
-  }
+  options.extra_flags.insert(options.extra_flags.end(), args.shard_flags.begin(),
+                             args.shard_flags.end());
   return tools::LocalShardSet::Start(options);
 }
 
@@ -213,46 +207,48 @@ absl::StatusOr<StagedPushes> MeasureStagedPushes(const Args& args, const std::st
   return measured;
 }
 
-// Seconds per step of the optimizer alone on the largest shard's slice of
-// `model` (every tensor's), in this process: the floor the shards' step is
-// set against.
+// Seconds per step of the optimizer alone on each shard's slice of `model`
+// (every tensor's), the slowest of them: one thread per shard, all stepping
+// at once as the shards do, on the same cores, in this process. The floor
+// the shards' step is set against.
 absl::StatusOr<double> MeasureOptimizerAlone(const Args& args, const ModelSpec& model) {
   ASSIGN_OR_RETURN(const OptimizerSpec spec, OptimizerSpec::Parse(args.optimizer));
-  uint32_t largest = 0;
-  uint64_t largest_elements = 0;
-  for (uint32_t s = 0; s < args.num_shards; ++s) {
-    uint64_t elements = 0;
-    for (const LayerSpec& layer : model.layers) {
-      for (const TensorSpec& tensor : layer.tensors) {
-        elements += ShardElementRange(tensor.num_elements, s, args.num_shards).size();
-      }
-    }
-    if (elements > largest_elements) largest = s, largest_elements = elements;
-  }
   struct Slice {
     TensorOptimizer optimizer;
     std::vector<float> param, grad;
   };
-  std::vector<Slice> slices;
-  for (const LayerSpec& layer : model.layers) {
-    for (const TensorSpec& tensor : layer.tensors) {
-      const uint64_t n = ShardElementRange(tensor.num_elements, largest, args.num_shards).size();
-      Slice& slice =
-          slices.emplace_back(Slice{TensorOptimizer(spec.kind(), spec.HyperFor(tensor.name), n),
-                                    std::vector<float>(n, 0.02f), std::vector<float>(n, 1e-3f)});
-      for (uint64_t i = 0; i < n; ++i) slice.param[i] += 1e-6f * static_cast<float>(i % 1024);
+  std::vector<std::vector<Slice>> shards(args.num_shards);
+  for (uint32_t s = 0; s < args.num_shards; ++s) {
+    for (const LayerSpec& layer : model.layers) {
+      for (const TensorSpec& tensor : layer.tensors) {
+        const uint64_t n = ShardElementRange(tensor.num_elements, s, args.num_shards).size();
+        Slice& slice = shards[s].emplace_back(
+            Slice{TensorOptimizer(spec.kind(), spec.HyperFor(tensor.name), n),
+                  std::vector<float>(n, 0.02f), std::vector<float>(n, 1e-3f)});
+        for (uint64_t i = 0; i < n; ++i) slice.param[i] += 1e-6f * static_cast<float>(i % 1024);
+      }
     }
   }
-  double seconds = 0;
-  for (uint64_t round = 0; round <= args.rounds; ++round) {  // round 0: a warm-up
-    const auto start = Clock::now();
-    for (Slice& slice : slices) {
-      RETURN_IF_ERROR(slice.optimizer.Step(spec.LearningRate(slice.optimizer.hyper(), round + 1),
-                                           slice.param, slice.grad));
+  const auto step_all = [&](std::vector<Slice>& slices) {
+    double seconds = 0;
+    for (uint64_t round = 0; round <= args.rounds; ++round) {  // round 0: a warm-up
+      const auto start = Clock::now();
+      for (Slice& slice : slices) {
+        const double lr = spec.LearningRate(slice.optimizer.hyper(), round + 1);
+        if (!slice.optimizer.Step(lr, slice.param, slice.grad).ok()) return -1.0;
+      }
+      if (round > 0) seconds += Seconds(start);
     }
-    if (round > 0) seconds += Seconds(start);
+    return seconds / static_cast<double>(args.rounds);
+  };
+  std::vector<std::future<double>> stepping;
+  for (auto& slices : shards) {
+    stepping.push_back(std::async(std::launch::async, step_all, std::ref(slices)));
   }
-  return seconds / static_cast<double>(args.rounds);
+  double slowest = 0;
+  for (auto& seconds : stepping) slowest = std::max(slowest, seconds.get());
+  if (slowest < 0) return absl::InternalError("the optimizer refused its own slice");
+  return slowest;
 }
 
 int Run(const Args& args) {
@@ -344,7 +340,7 @@ int Run(const Args& args) {
   std::printf("(u) the pushes, each completing its step   %8.3f s  %6.2f GB/s\n", pushes,
               gradient_bytes / pushes / 1e9);
   std::printf("    optimizer on the slowest shard         %8.3f s per step\n", update);
-  std::printf("    the optimizer alone on its slice       %8.3f s per step (in this process)\n",
+  std::printf("    the optimizer alone on the slices      %8.3f s per step (a thread a shard)\n",
               *alone);
   std::printf("\nb/a %.3f (training step per parameter against a gather-only step; goal <= 1.8)\n",
               train_step / gather_step);

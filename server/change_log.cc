@@ -212,7 +212,8 @@ bool ChangeLog::Wanted() const {
   return wanted;
 }
 
-ChangeLog::Recording::Recording(ChangeLog& log, uint32_t layer, bool keep_before)
+ChangeLog::Recording::Recording(ChangeLog& log, uint32_t layer, bool keep_before,
+                                std::vector<uint8_t> reuse)
     : log_(log), layer_(layer), bits_(log.TakeBitmap(*log.layers_[layer])) {
   if (!keep_before) return;
   const AssembledLayout& layout = log.store_.layout(layer);
@@ -221,8 +222,10 @@ ChangeLog::Recording::Recording(ChangeLog& log, uint32_t layer, bool keep_before
     bytes +=
         log.store_.owned(layer, t).size() * DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
   }
-  // Not value-initialised: every byte is cast into before it is read.
-  before_.bits_ = std::vector<uint8_t>(bytes);
+  // A reused buffer of the right size is taken as it is: every byte is
+  // cast into before it is read.
+  if (reuse.size() != bytes) reuse = std::vector<uint8_t>(bytes);
+  before_.bits_ = std::move(reuse);
 }
 
 StepObserver* ChangeLog::Recording::ForTensor(uint32_t tensor) {

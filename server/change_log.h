@@ -110,12 +110,13 @@ class ChangeLog {
   // One optimizer step of one layer, recorded as it updates: observe each
   // tensor's Step with ForTensor(t), then Commit. With `keep_before`, the
   // compute-dtype bits before the step are kept as they are cast (what
-  // PinnedVersions keeps). REQUIRES: the layer's mutex held exclusively
-  // from construction to Commit. Throws std::bad_alloc when its bitmap or
+  // PinnedVersions keeps), into `reuse` (PinnedVersions::TakeSpare) when it
+  // is the right size. REQUIRES: the layer's mutex held exclusively from
+  // construction to Commit. Throws std::bad_alloc when its bitmap or
   // snapshot cannot be allocated.
   class Recording : public StepObserver {
    public:
-    Recording(ChangeLog& log, uint32_t layer, bool keep_before);
+    Recording(ChangeLog& log, uint32_t layer, bool keep_before, std::vector<uint8_t> reuse = {});
     StepObserver* ForTensor(uint32_t tensor);
     // Records the step as version `version` (as Record); returns the
     // elements that changed.

@@ -486,7 +486,9 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   std::optional<ChangeLog::Recording> recording;
   if (links_.changes != nullptr && links_.changes->Wanted()) {
     try {
-      recording.emplace(*links_.changes, layer, links_.pinned != nullptr);
+      recording.emplace(
+          *links_.changes, layer, links_.pinned != nullptr,
+          links_.pinned != nullptr ? links_.pinned->TakeSpare(layer) : std::vector<uint8_t>());
     } catch (const std::bad_alloc&) {
       // Not recorded: delta pulls from before this step fall back to full.
       Log()->warn("no memory to record what step {} of layer {} changes", step, layer);

@@ -17,6 +17,14 @@ PinnedVersions::~PinnedVersions() {
   std::map<Key, Entry> dropped;  // released after the lock
   absl::MutexLock lock(&mu_);
   dropped = TakeAllLocked();
+  ReleaseSparesLocked();
+}
+
+void PinnedVersions::ReleaseSparesLocked() {
+  uint64_t bytes = 0;
+  for (const auto& [layer, spare] : spare_) bytes += spare.size();
+  spare_.clear();
+  budget_.Release(bytes);
 }
 
 bool PinnedVersions::Affordable(uint64_t bytes) const {
@@ -54,6 +62,11 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
     timers_.Cancel(first->second.expiry);
     entries_.erase(first);
     metrics_.RecordPinnedVersionDropped("evicted");
+    // Only the map held it, and Find cannot hand it out now (the lock): its
+    // bytes move to the spare with their charge (the Kept releases none).
+    if (evicted.use_count() == 1 && spare_[layer].empty()) {
+      spare_[layer] = std::move(const_cast<Kept&>(*evicted).bits_);
+    }
   }
   const Key key{layer, version};
   Entry& entry = entries_[key];
@@ -89,11 +102,25 @@ void PinnedVersions::Expire(Key key) {
   ObserveLocked();
 }
 
+std::vector<uint8_t> PinnedVersions::TakeSpare(uint32_t layer) {
+  std::vector<uint8_t> spare;
+  {
+    absl::MutexLock lock(&mu_);
+    const auto it = spare_.find(layer);
+    if (it == spare_.end()) return spare;
+    spare = std::move(it->second);
+    spare_.erase(it);
+  }
+  budget_.Release(spare.size());
+  return spare;
+}
+
 void PinnedVersions::DropAll() {
   std::map<Key, Entry> dropped;  // released after the lock
   {
     absl::MutexLock lock(&mu_);
     dropped = TakeAllLocked();
+    ReleaseSparesLocked();
     for (size_t i = 0; i < dropped.size(); ++i) metrics_.RecordPinnedVersionDropped("reclaimed");
   }
   if (!dropped.empty()) {

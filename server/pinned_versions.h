@@ -57,7 +57,9 @@ class PinnedVersions {
     friend class PinnedVersions;
     Kept(std::vector<uint8_t> bits, std::vector<uint64_t> offsets, MemoryBudget& budget)
         : bits_(std::move(bits)), offsets_(std::move(offsets)), budget_(budget) {}
-    const std::vector<uint8_t> bits_;
+    // Not const: an evicted version no reader holds gives its bytes (and
+    // their charge) to the next snapshot of its layer (TakeSpare).
+    std::vector<uint8_t> bits_;
     const std::vector<uint64_t> offsets_;
     MemoryBudget& budget_;
   };
@@ -86,6 +88,13 @@ class PinnedVersions {
   // stream has to wait for memory).
   void DropAll();
 
+  // The bytes of `layer`'s last evicted version, when no reader held it,
+  // for the next snapshot of the layer to be cast into (ChangeLog::
+  // Recording): a training step allocates and faults in no fresh memory
+  // once its layer has two kept versions. Empty when there are none. Their
+  // charge is given back here; Keep charges them again.
+  std::vector<uint8_t> TakeSpare(uint32_t layer);
+
  private:
   struct Entry {
     std::shared_ptr<const Kept> kept;
@@ -99,6 +108,9 @@ class PinnedVersions {
   void Expire(Key key);
   // Removes every entry; returns them, to be released after the lock.
   std::map<Key, Entry> TakeAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the spares and gives their charge back (lock order: this, then
+  // the budget, which runs no other code inline).
+  void ReleaseSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets the gauges from what is kept now (at most kPerLayer entries a
   // layer, so the scan is short).
   void ObserveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -110,6 +122,8 @@ class PinnedVersions {
 
   mutable absl::Mutex mu_;
   std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // Per layer, at most one evicted version's bytes, still charged.
+  std::map<uint32_t, std::vector<uint8_t>> spare_ ABSL_GUARDED_BY(mu_);
   DeadlineTimers timers_;  // last: see DeadlineTimers
 };
 

@@ -158,7 +158,27 @@ TEST(PinnedVersionsTest, KeepsTheTwoNewestVersionsOfALayer) {
   EXPECT_NE(f.Find(1), nullptr);
   EXPECT_NE(f.Find(2), nullptr);
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 2);
-  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + 2 * SliceBytes(*f.store, kLayer));
+  // The evicted version's bytes wait, charged, for the layer's next
+  // snapshot; taken, their charge goes with them.
+  const uint64_t slice = SliceBytes(*f.store, kLayer);
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + 3 * slice);
+  EXPECT_EQ(f.pinned.TakeSpare(kLayer).size(), slice);
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + 2 * slice);
+  EXPECT_TRUE(f.pinned.TakeSpare(kLayer).empty()) << "one spare, taken once";
+  EXPECT_TRUE(f.pinned.TakeSpare(0).empty()) << "nothing of another layer was evicted";
+
+  // A version a reader holds when it is evicted stays the reader's.
+  const std::shared_ptr<const PinnedVersions::Kept> held = f.Find(1);
+  ASSERT_NE(held, nullptr);
+  const std::vector<uint8_t> held_bits(held->tensor(0), held->tensor(0) + held->bytes());
+  f.Change(3);
+  EXPECT_EQ(f.Find(1), nullptr);
+  EXPECT_TRUE(f.pinned.TakeSpare(kLayer).empty());
+  EXPECT_EQ(std::memcmp(held->tensor(0), held_bits.data(), held_bits.size()), 0);
+  // Dropping everything gives the spare's charge back too.
+  f.Change(4);
+  f.pinned.DropAll();
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + held->bytes());
 }
 
 TEST(PinnedVersionsTest, AVersionAChangeLeftAsItWasIsFoundInTheNextKeptOne) {
