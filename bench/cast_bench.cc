@@ -258,6 +258,10 @@ void PrintPairedTelemetryCosts() {
 }
 
 // Prints as usual, and keeps each benchmark's median throughput for the table.
+// --smoke (bench/smoke.py): a few hundredths of a second a repetition,
+// three of them, for a regression guard that runs in seconds.
+bool smoke = false;
+
 class TableReporter : public benchmark::ConsoleReporter {
  public:
   TableReporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
@@ -276,8 +280,8 @@ class TableReporter : public benchmark::ConsoleReporter {
   void PrintTable() const {
     if (medians_.empty() || medians_.front().first != "memcpy") return;
     const double baseline = medians_.front().second;
-    std::printf("\nfp32 bytes per second, median of 5\n%-28s %8s %10s\n", "variant", "GB/s",
-                "vs memcpy");
+    std::printf("\nfp32 bytes per second, median of %d\n%-28s %8s %10s\n", smoke ? 3 : 5, "variant",
+                "GB/s", "vs memcpy");
     for (const auto& [name, gb_per_s] : medians_) {
       std::printf("%-28s %8.2f %9.2fx\n", name.c_str(), gb_per_s, gb_per_s / baseline);
     }
@@ -311,8 +315,8 @@ class TableReporter : public benchmark::ConsoleReporter {
 void Register(benchmark::internal::Benchmark* benchmark) {
   benchmark->Unit(benchmark::kMillisecond)
       ->UseRealTime()
-      ->MinTime(0.3)
-      ->Repetitions(5)
+      ->MinTime(smoke ? 0.03 : 0.3)
+      ->Repetitions(smoke ? 3 : 5)
       ->ReportAggregatesOnly(true);
 }
 
@@ -321,6 +325,14 @@ void Register(benchmark::internal::Benchmark* benchmark) {
 
 int main(int argc, char** argv) {
   using namespace layercast;
+  // Taken out before Google Benchmark reads the rest.
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) != "--smoke") continue;
+    smoke = true;
+    std::copy(argv + i + 1, argv + argc, argv + i);
+    --argc;
+    break;
+  }
   Register(benchmark::RegisterBenchmark("memcpy", BM_Memcpy));
   for (CastIsa isa : SupportedCastIsas()) {
     const std::string name(CastIsaName(isa));

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every test: installs what is missing, checks formatting, builds with
-# warnings as errors and runs the whole suite; then again under
+# warnings as errors and runs the whole suite; then the benchmarks briefly as
+# regression guards (bench/smoke.py: a figure worse than twice its goal
+# fails); then the suite again under
 # AddressSanitizer + UndefinedBehaviorSanitizer; then each libFuzzer target
 # (tests/fuzz) for LAYERCAST_FUZZ_SECONDS (default 45:
 # six targets, and CI keeps the whole run under an hour on 2 cores).
@@ -16,9 +18,29 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 jobs=$(nproc)
 
+# Each stage's time, printed at the end (and when a stage fails).
+stage_names=()
+stage_seconds=()
+stage_started=$SECONDS
+stage_done() {
+  stage_names+=("$1")
+  stage_seconds+=($((SECONDS - stage_started)))
+  stage_started=$SECONDS
+}
+print_stage_times() {
+  echo "== stage times (total ${SECONDS}s)"
+  local i
+  for i in "${!stage_names[@]}"; do
+    printf '   %-44s %5ss\n' "${stage_names[$i]}" "${stage_seconds[$i]}"
+  done
+}
+trap print_stage_times EXIT
+stage_done "install dependencies"
+
 echo "== clang-format"
 sources=$(git ls-files '*.cc' '*.h' 2>/dev/null || find core server client tests bench -name '*.cc' -o -name '*.h')
 clang-format --dry-run --Werror $sources
+stage_done "clang-format"
 
 # run_suite DIR "CTEST ARGS" "TARGETS" CMAKE_ARGS...: configure, build TARGETS
 # (all when empty) and run ctest with CTEST ARGS.
@@ -31,13 +53,19 @@ run_suite() {
   else
     cmake --build "$dir" -j"$jobs"
   fi
+  stage_done "build $dir"
   echo "== test $dir (built at ${SECONDS}s)"
   # shellcheck disable=SC2086
   ctest --test-dir "$dir" --output-on-failure --timeout 600 -j"$jobs" $ctest_args
+  stage_done "test $dir"
   echo "== $dir done at ${SECONDS}s"
 }
 
 run_suite build "-LE image" "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# On quiet cores, before the image's compile starts beside the ASan build.
+echo "== bench smoke"
+bench/smoke.py build
+stage_done "bench smoke"
 image_log=build/image-test.log
 run_image_test() {
   ctest --test-dir build --output-on-failure --timeout 2400 -L image >"$image_log" 2>&1
@@ -46,6 +74,7 @@ if [ "${LAYERCAST_SKIP_SANITIZERS:-0}" = 1 ]; then
   echo "== image test (built at ${SECONDS}s)"
   run_image_test || { cat "$image_log"; exit 1; }
   cat "$image_log"
+  stage_done "image test"
 else
   echo "== image test, in the background beside the ASan build (started at ${SECONDS}s)"
   run_image_test &
@@ -60,6 +89,7 @@ else
   cmake --build build-asan -j"$jobs"
   image_status=0
   wait "$image_pid" || image_status=$?
+  stage_done "build build-asan, image test beside it"
   echo "== image test done at ${SECONDS}s"
   cat "$image_log"
   [ "$image_status" = 0 ] || exit 1
@@ -71,4 +101,5 @@ else
   # `concurrency` marks the tests to run under TSan with an instrumented
   # abseil: LAYERCAST_SANITIZE=thread, ctest -L concurrency.
   tests/fuzz/run_fuzzers.sh "${LAYERCAST_FUZZ_SECONDS:-45}"
+  stage_done "fuzzers"
 fi
