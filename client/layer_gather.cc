@@ -58,6 +58,7 @@ layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
   request.set_recast(recast);
   if (options_.base_version) request.set_base_version(*options_.base_version);
   if (options_.exact_version) request.set_exact_version(*options_.exact_version);
+  request.set_will_pull_deltas(options_.will_pull_deltas);
   // A resumed stream asks for the range from its first missing element: the
   // shard sends what it owns of a range, so that is exactly the runs still
   // owed.

@@ -35,6 +35,11 @@ struct GatherOptions {
   // answers ABORTED naming the version it is at, and the gather returns
   // that (it is not gathered again at another version).
   std::optional<uint64_t> exact_version;
+  // The caller keeps the layer and will pull deltas of it
+  // (FetchLayerRequest.will_pull_deltas): training shards record their
+  // steps from now on, so the next delta is not refused. ModelMirror sets
+  // it, and so does the full pull that replaces a refused delta.
+  bool will_pull_deltas = false;
   // Only this byte range [first, second) of the assembled layout (for K local
   // GPUs each fetching 1/K); the rest of the buffer is left untouched.
   std::optional<std::pair<uint64_t, uint64_t>> byte_range;

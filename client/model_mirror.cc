@@ -26,6 +26,7 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
     GatherOptions gather;
     gather.timeout = options.layer_timeout;
     gather.exact_version = start;
+    gather.will_pull_deltas = true;
     absl::StatusOr<Layer> pulled = shards.Gather(layer, gather);
     if (absl::IsAborted(pulled.status())) {
       gather.exact_version.reset();
@@ -107,6 +108,7 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
     // longer keeps it (ABORTED) gives the layer at its newest instead.
     gather.exact_version = target;
     gather.base_version = layer.version();
+    gather.will_pull_deltas = true;
     gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
     absl::StatusOr<uint64_t> version = shards_.GatherInto(i, gather, layer.mutable_bytes());
     // Chunks applied before the refusal are repaired by the second pull: a

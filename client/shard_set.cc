@@ -242,6 +242,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
       Log()->info("gathering layer {} in full: {}", layer, version.status().message());
       fell_back = true;
       attempt.base_version.reset();
+      attempt.will_pull_deltas = true;  // the next delta should be served
       attempt.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
       continue;

@@ -83,7 +83,8 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
       peer_(context->peer()) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
   // What keeps a training shard recording its steps (ChangeLog::Wanted).
-  if (options_.changes != nullptr && (options_.base_version || options_.exact_version)) {
+  if (options_.changes != nullptr &&
+      (options_.base_version || options_.exact_version || options_.will_pull_deltas)) {
     options_.changes->NoteAsked();
   }
   if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer, peer_);

@@ -68,6 +68,9 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // this version, waiting for it first (min_version must be it); set
     // `changes` with it.
     std::optional<uint64_t> exact_version;
+    // FetchLayerRequest.will_pull_deltas: tells `changes` (ChangeLog::
+    // NoteAsked), as a delta pull or a pinned read does.
+    bool will_pull_deltas = false;
     // Where versions a change superseded are kept: a stream at a version its
     // layer has moved past (pinned, or overtaken mid-layer) sends from
     // there. Null: such a stream ends with ABORTED.

@@ -284,6 +284,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   if (request->has_base_version()) {
     reactor_options.base_version = request->base_version();
   }
+  reactor_options.will_pull_deltas = request->will_pull_deltas();
   // The worker saw a chunk of this layer fail its checksum: the kept copy,
   // or a kept CRC, may be the corrupted one.
   reactor_options.recast = request->recast();

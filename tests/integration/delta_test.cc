@@ -32,11 +32,12 @@ struct Pulled {
 
 // Pulls `layer` into a copy of `start` (nullopt base: a full pull).
 Pulled Pull(const client::ShardSet& set, uint32_t layer, std::vector<uint8_t> start,
-            std::optional<uint64_t> base) {
+            std::optional<uint64_t> base, bool will_pull_deltas = false) {
   Pulled pulled{std::move(start)};
   std::atomic<uint64_t> received{0};
   client::GatherOptions options;
   options.base_version = base;
+  options.will_pull_deltas = will_pull_deltas;
   options.on_chunk = [&received](uint64_t bytes) { received += bytes; };
   absl::StatusOr<uint64_t> version = set.GatherInto(layer, options, pulled.bytes);
   EXPECT_TRUE(version.ok()) << version.status();
@@ -158,8 +159,9 @@ TEST_F(DeltaTest, AShardKeepingNoChangesServesFullPullsInstead) {
 }
 
 // By default a training shard records nothing until a reader asks for a
-// delta: the first delta after start-up is pulled in full, and the request
-// starts the recording, so the next step's delta is served.
+// delta: the first delta after start-up is pulled in full, and that pull
+// (or the refused request) starts the recording on every shard, so the
+// next step's delta is served.
 TEST_F(DeltaTest, StepsAreRecordedFromTheFirstDeltaAsked) {
   ASSERT_NO_FATAL_FAILURE(Start(kDeltaVersions, "600000"));
   const client::ShardSet& set = *shards_.set;
@@ -177,6 +179,22 @@ TEST_F(DeltaTest, StepsAreRecordedFromTheFirstDeltaAsked) {
   EXPECT_TRUE(second.bytes == full.bytes);
   EXPECT_LT(second.received, full.received) << "a delta, not a full pull";
   EXPECT_EQ(CounterValue(*shards_.registry, kFallbacks), 1.0) << "step 2 was recorded";
+}
+
+// A full pull that says it will pull deltas (as a mirror's does) starts the
+// recording: the first delta after it is served.
+TEST_F(DeltaTest, AFullPullThatWillPullDeltasStartsTheRecording) {
+  ASSERT_NO_FATAL_FAILURE(Start(kDeltaVersions, "600000"));
+  const client::ShardSet& set = *shards_.set;
+  const Pulled at_zero = Pull(set, 1, std::vector<uint8_t>(set.view().layouts[1].total_bytes()), {},
+                              /*will_pull_deltas=*/true);
+  ASSERT_NO_FATAL_FAILURE(Step(set, 0));
+  const Pulled full = Pull(set, 1, std::vector<uint8_t>(at_zero.bytes.size()), {});
+  const Pulled delta = Pull(set, 1, at_zero.bytes, 0);
+  EXPECT_EQ(delta.version, 1u);
+  EXPECT_TRUE(delta.bytes == full.bytes);
+  EXPECT_LT(delta.received, full.received) << "a delta, not a full pull";
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total"), 0.0);
 }
 
 }  // namespace
