@@ -17,6 +17,7 @@ build_packages=(
 )
 test_packages=(
   build-essential pkg-config clang clang-format
+  ccache    # the test builds compile through it (CMakeLists.txt): a rebuild compiles what changed
   libclang-rt-14-dev  # libFuzzer and the sanitizer runtimes for clang (tests/fuzz)
   libgtest-dev libgmock-dev libbenchmark-dev libeigen3-dev
   openssl  # the command: tests/integration/security_test makes its certificates with it

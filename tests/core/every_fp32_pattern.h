@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/sanitized_build.h"
+
 namespace layercast::exhaustive {
 
 inline constexpr uint64_t kAllPatterns = uint64_t{1} << 32;
@@ -21,7 +23,7 @@ inline constexpr size_t kBlock = size_t{1} << 16;  // fits in L2 with its output
 // exponent spans 128 blocks, every exponent of both signs is still tested.
 #if !defined(__OPTIMIZE__)
 inline constexpr uint64_t kBlockStride = 61;
-#elif defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#elif defined(LAYERCAST_UNDER_SANITIZER)  // tests/sanitized_build.h
 inline constexpr uint64_t kBlockStride = 13;
 #else
 inline constexpr uint64_t kBlockStride = 1;

@@ -87,12 +87,15 @@ TEST(OptimizerTest, SlicesUpdateLikeTheWholeTensor) {
 // What a checkpoint saves and restores: an optimizer rebuilt from its state
 // buffers and step count continues with the same bits as the original.
 TEST(OptimizerTest, RestoredStateContinuesBitForBit) {
-  for (const auto& [kind, hyper] :
+  for (const auto& tried :
        {std::pair{OptimizerKind::kAdamW,
                   OptimizerHyper{.lr = 1e-2, .weight_decay = 0.1, .beta2 = 0.95}},
         std::pair{OptimizerKind::kSgd,
                   OptimizerHyper{.lr = 0.1, .momentum = 0.9, .nesterov = true}},
         std::pair{OptimizerKind::kSgd, OptimizerHyper{.lr = 0.1}}}) {
+    // Not a structured binding: clang 14 cannot capture one in the lambda.
+    const OptimizerKind kind = tried.first;
+    const OptimizerHyper& hyper = tried.second;
     constexpr size_t kSize = 97;
     std::vector<float> param(kSize), grad(kSize);
     for (size_t i = 0; i < kSize; ++i) param[i] = std::sin(static_cast<float>(i));

@@ -6,15 +6,7 @@
 
 #include "core/byte_size.h"
 #include "tests/integration/shard_fixture.h"
-
-// GCC says __SANITIZE_ADDRESS__; clang says __has_feature.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define LAYERCAST_UNDER_SANITIZER 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define LAYERCAST_UNDER_SANITIZER 1
-#endif
-#endif
+#include "tests/sanitized_build.h"
 
 namespace layercast::testing {
 namespace {

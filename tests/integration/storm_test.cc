@@ -32,6 +32,7 @@
 #include "core/byte_size.h"
 #include "layercast/v1/shard.pb.h"
 #include "tests/integration/shard_fixture.h"
+#include "tests/sanitized_build.h"
 
 namespace layercast::testing {
 namespace {
@@ -39,15 +40,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Sanitizer shadow memory and ASan's quarantine (which holds freed memory
-// back on purpose) make RSS meaningless: GCC says so with __SANITIZE_*__,
-// clang only through __has_feature.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-constexpr bool kSanitized = __has_feature(address_sanitizer) || __has_feature(thread_sanitizer);
-#else
-constexpr bool kSanitized = false;
-#endif
+// back on purpose) make RSS meaningless (kSanitized, tests/sanitized_build.h).
 
 constexpr char kFetchLayer[] = "/layercast.v1.ShardService/FetchLayer";
 // One storm: kChannels connections (alternating between the shards), each
