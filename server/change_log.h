@@ -70,8 +70,9 @@ class ChangeLog {
 
   uint32_t versions() const { return versions_; }
 
-  // A reader asked for what the log keeps: a delta pull, a pinned read, or
-  // a stream a change overtook. Cheap: one relaxed store.
+  // A reader asked for what the log keeps: a delta pull, a pinned read, a
+  // stream a change overtook, or a pull whose caller will pull deltas
+  // (FetchLayerRequest.will_pull_deltas). Cheap: one relaxed store.
   void NoteAsked() const;
   // Whether an optimizer step should be recorded now (see the class comment).
   bool Wanted() const;

@@ -23,8 +23,10 @@ namespace layercast::server {
 // mid-layer finishes at the version it started with instead of failing.
 //
 // What is kept is the compute-dtype bits of this shard's slice of the layer
-// as they were before the change: the snapshot ChangeLog::Take makes anyway
-// to find what changed, so keeping it costs no cast and no copy. A change
+// as they were before the change: what the change log casts anyway to find
+// what changed (ChangeLog::Take for a publish; for an optimizer step,
+// ChangeLog::Recording writes its casts into the snapshot, often the bytes
+// of the version evicted last: TakeSpare), so keeping it costs no cast. A change
 // that changed no value keeps nothing: the next kept version (or the master)
 // holds the same bits, and Find looks there.
 //
