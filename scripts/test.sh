@@ -17,10 +17,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 jobs=$(nproc)
-# Every shard the tests start takes the widest cast kernels this CPU runs
-# instead of measuring them (about 0.1 s a start, and hundreds of starts);
-# core's cast tests still cover the measurement.
-export LAYERCAST_CAST_ISA=${LAYERCAST_CAST_ISA:-widest}
 
 # Each stage's time, printed at the end (and when a stage fails).
 stage_names=()
@@ -31,14 +27,20 @@ stage_done() {
   stage_seconds+=($((SECONDS - stage_started)))
   stage_started=$SECONDS
 }
-print_stage_times() {
+image_pid=
+on_exit() {
+  # A failed build leaves no image test running behind it.
+  if [ -n "$image_pid" ]; then
+    pkill -TERM -P "$image_pid" 2>/dev/null || true
+    kill "$image_pid" 2>/dev/null || true
+  fi
   echo "== stage times (total ${SECONDS}s)"
   local i
   for i in "${!stage_names[@]}"; do
     printf '   %-44s %5ss\n' "${stage_names[$i]}" "${stage_seconds[$i]}"
   done
 }
-trap print_stage_times EXIT
+trap on_exit EXIT
 stage_done "install dependencies"
 
 echo "== clang-format"
@@ -98,6 +100,7 @@ else
   cmake --build build-san -j"$jobs"
   image_status=0
   wait "$image_pid" || image_status=$?
+  image_pid=
   stage_done "build build-san, image test beside it"
   echo "== image test done at ${SECONDS}s"
   cat "$image_log"

@@ -31,9 +31,10 @@ uint64_t DifferenceMask64(const uint8_t* a, const uint8_t* b, size_t element_siz
     uint64_t equal = 0;
     for (int group = 0; group < 4; ++group) {  // 16 elements each
       __m128i lanes[4];
-      const int vectors = static_cast<int>(element_size) * 16 / 16;
-      for (int v = 0; v < vectors; ++v) {
-        const size_t at = (static_cast<size_t>(group) * vectors + v) * 16;
+      // 16 elements of element_size bytes fill that many 16-byte vectors.
+      const int vectors_per_group = static_cast<int>(element_size);
+      for (int v = 0; v < vectors_per_group; ++v) {
+        const size_t at = (static_cast<size_t>(group) * vectors_per_group + v) * 16;
         const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + at));
         const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
         lanes[v] = element_size == 2 ? _mm_cmpeq_epi16(x, y) : _mm_cmpeq_epi32(x, y);
@@ -116,7 +117,9 @@ uint64_t ChangeLog::BytesFor(const ModelSpec& model, uint32_t shard_index, uint3
     }
     bytes += Words(owned) * sizeof(uint64_t);
   }
-  return bytes * versions;
+  // The K records, and the one the next step fills: the record dropped
+  // last, kept for it (LayerLog::spare), or a new one while K are held.
+  return versions == 0 ? 0 : bytes * (versions + 1);
 }
 
 ChangeLog::ChangeLog(const ParameterStore& store, uint32_t versions, ServerMetrics* metrics,
@@ -126,7 +129,8 @@ ChangeLog::ChangeLog(const ParameterStore& store, uint32_t versions, ServerMetri
       metrics_(metrics),
       idle_(idle),
       now_(now),
-      last_asked_(kNeverAsked) {
+      last_asked_(kNeverAsked),
+      wanted_(idle == std::chrono::steady_clock::duration::zero()) {
   for (uint32_t l = 0; l < store.model().layers.size(); ++l) {
     auto log = std::make_unique<LayerLog>();
     for (uint32_t t = 0; t < store.model().layers[l].tensors.size(); ++t) {

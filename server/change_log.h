@@ -46,8 +46,9 @@ inline DType KeptDType(DType compute) { return IsFloat8(compute) ? DType::kFloat
 // does not are not covered (a delta from them is refused, and the worker
 // pulls in full, which asks for the next).
 //
-// Memory: K bitmaps of every layer, charged by the caller as
-// BytesFor(...) when the shard starts (it is part of the memory plan).
+// Memory: K + 1 bitmaps of every layer (the K records and the one the next
+// change fills), charged by the caller as BytesFor(...) when the shard
+// starts (it is part of the memory plan).
 //
 // Thread-safe (a mutex per layer).
 class ChangeLog {
@@ -185,7 +186,7 @@ class ChangeLog {
   static constexpr std::chrono::steady_clock::rep kNeverAsked =
       std::numeric_limits<std::chrono::steady_clock::rep>::min();
   mutable std::atomic<std::chrono::steady_clock::rep> last_asked_;
-  mutable std::atomic<bool> wanted_{false};  // for logging each change of it once
+  mutable std::atomic<bool> wanted_;  // for logging each change of it once
   std::vector<std::unique_ptr<LayerLog>> layers_;
 };
 

@@ -481,10 +481,12 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
     for (float& value : mean) value *= *clip_scale;
   }
 
+  // Recorded in the update's own pass, and only while readers use it (asked
+  // before the layer's lock: Wanted may log).
+  const bool record = links_.changes != nullptr && links_.changes->Wanted();
   absl::WriterMutexLock master_lock(&store_.layer_mutex(layer));
-  // Recorded in the update's own pass, and only while readers use it.
   std::optional<ChangeLog::Recording> recording;
-  if (links_.changes != nullptr && links_.changes->Wanted()) {
+  if (record) {
     try {
       recording.emplace(
           *links_.changes, layer, links_.pinned != nullptr,

@@ -1,6 +1,7 @@
 #include "server/pinned_versions.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "core/log.h"
 
@@ -25,6 +26,7 @@ void PinnedVersions::ReleaseSparesLocked() {
   for (const auto& [layer, spare] : spare_) bytes += spare.size();
   spare_.clear();
   budget_.Release(bytes);
+  ObserveLocked();
 }
 
 bool PinnedVersions::Affordable(uint64_t bytes) const {
@@ -63,8 +65,13 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
     entries_.erase(first);
     metrics_.RecordPinnedVersionDropped("evicted");
     // Only the map held it, and Find cannot hand it out now (the lock): its
-    // bytes move to the spare with their charge (the Kept releases none).
+    // bytes move to the spare with their charge (the Kept releases none),
+    // counted in the gauge until the next snapshot takes them or the
+    // layer's last version expires.
     if (evicted.use_count() == 1 && spare_[layer].empty()) {
+      // use_count() is a relaxed load: the last reader's reads of the bytes
+      // happen before the next snapshot writes into them only with this.
+      std::atomic_thread_fence(std::memory_order_acquire);
       spare_[layer] = std::move(const_cast<Kept&>(*evicted).bits_);
     }
   }
@@ -99,6 +106,14 @@ void PinnedVersions::Expire(Key key) {
   dropped = std::move(it->second.kept);
   entries_.erase(it);
   metrics_.RecordPinnedVersionDropped("expired");
+  // A layer no longer stepped keeps no spare either: retention bounds both.
+  const auto next = entries_.lower_bound({key.first, 0});
+  if (next == entries_.end() || next->first.first != key.first) {
+    if (const auto spare = spare_.find(key.first); spare != spare_.end()) {
+      budget_.Release(spare->second.size());
+      spare_.erase(spare);
+    }
+  }
   ObserveLocked();
 }
 
@@ -110,6 +125,7 @@ std::vector<uint8_t> PinnedVersions::TakeSpare(uint32_t layer) {
     if (it == spare_.end()) return spare;
     spare = std::move(it->second);
     spare_.erase(it);
+    ObserveLocked();
   }
   budget_.Release(spare.size());
   return spare;
@@ -143,6 +159,7 @@ void PinnedVersions::ObserveLocked() {
     bytes += entry.kept->bytes();
     oldest = std::min(oldest, entry.superseded);
   }
+  for (const auto& [layer, spare] : spare_) bytes += spare.size();
   metrics_.pinned_version_bytes().Set(static_cast<double>(bytes));
   metrics_.pinned_versions().Set(static_cast<double>(entries_.size()));
   metrics_.pinned_version_oldest_timestamp().Set(

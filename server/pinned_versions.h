@@ -21,6 +21,10 @@ namespace layercast::server {
 // the model at version v gets v for every layer even after v+1 is committed
 // (FetchLayerRequest.exact_version), and a stream that a change overtakes
 // mid-layer finishes at the version it started with instead of failing.
+// On a training shard, only the steps it records keep anything
+// (ChangeLog::Wanted: after a pinned read, a delta pull or an overtaken
+// stream); one not recording ends an overtaken stream with ABORTED, which
+// the worker library gathers again, and that starts the recording.
 //
 // What is kept is the compute-dtype bits of this shard's slice of the layer
 // as they were before the change: what the change log casts anyway to find

@@ -3,7 +3,6 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <charconv>
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -339,20 +338,14 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         absl::StrCat("--data-parallel-workers ", config.data_parallel_workers(),
                      " is out of range: use 1-", kMaxDataParallelWorkers));
   }
-  // The environment's choice for a shard not told one: test harnesses start
-  // hundreds of shards, and each would measure its kernels again.
-  if (const char* from_env = std::getenv("LAYERCAST_CAST_ISA");
-      config.cast_isa().empty() && from_env != nullptr) {
-    config.set_cast_isa(from_env);
-  }
   if (config.cast_isa() == "widest") {
     config.set_cast_isa(std::string(CastIsaName(SupportedCastIsas().back())));
   }
   if (!config.cast_isa().empty()) {
     absl::StatusOr<CastIsa> isa = CastIsaFromName(config.cast_isa());
     if (!isa.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--cast-isa (or LAYERCAST_CAST_ISA): ", isa.status().message(), ", or widest"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cast-isa: ", isa.status().message(), ", or widest"));
     }
     settings.cast_isa = *isa;
   }

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <string_view>
 
 #include "core/cast.h"
 #include "core/optimizer.h"
@@ -19,10 +20,11 @@ namespace {
 
 constexpr char kModel[] = "llama:layers=1,hidden=40,ffn=56,vocab=44,seed=5";
 
-std::unique_ptr<ParameterStore> Store(const char* spec = kModel) {
+std::unique_ptr<ParameterStore> Store(const char* spec = kModel,
+                                      const char* policy = "c=bf16;*norm*=f32") {
   auto model = SyntheticModel::Create(spec);
   EXPECT_TRUE(model.ok()) << model.status();
-  auto store = ParameterStore::Load(**model, 1, 3, *Policy::Parse("c=bf16;*norm*=f32"));
+  auto store = ParameterStore::Load(**model, 1, 3, *Policy::Parse(policy));
   EXPECT_TRUE(store.ok()) << store.status();
   return *std::move(store);
 }
@@ -118,7 +120,8 @@ TEST(ChangeLogTest, CoversTheLastKConsecutiveVersions) {
   EXPECT_EQ(std::count(bits.begin(), bits.end(), 0u), static_cast<ptrdiff_t>(bits.size()));
 }
 
-TEST(ChangeLogTest, BytesForIsOneBitPerOwnedElementPerVersion) {
+// K records and the one the next change fills.
+TEST(ChangeLogTest, BytesForIsOneBitPerOwnedElementPerVersionAndOneMore) {
   std::unique_ptr<ParameterStore> store = Store();
   uint64_t words = 0;
   for (uint32_t l = 0; l < store->model().layers.size(); ++l) {
@@ -128,7 +131,8 @@ TEST(ChangeLogTest, BytesForIsOneBitPerOwnedElementPerVersion) {
     }
     words += (owned + 63) / 64;
   }
-  EXPECT_EQ(ChangeLog::BytesFor(store->model(), 1, 3, 4), 4 * 8 * words);
+  EXPECT_EQ(ChangeLog::BytesFor(store->model(), 1, 3, 4), 5 * 8 * words);
+  EXPECT_EQ(ChangeLog::BytesFor(store->model(), 1, 3, 0), 0u) << "no log, no bitmaps";
 }
 
 TEST(ChangeLogTest, ChangedNothingLooksOnlyAtTheVersionsBetween) {
@@ -167,70 +171,87 @@ std::vector<uint8_t> CastOneByOne(const ParameterStore& store, uint32_t layer) {
 
 // An optimizer step recorded in its own pass (ChangeLog::Recording): the
 // same master bits as the step unobserved, exactly the elements whose cast
-// bits changed marked, and the bits before kept whole. The tensors span
-// several of the optimizer's blocks, and the float32 norms sit between
-// bfloat16 matrices at bit offsets that are no multiple of 64.
+// bits changed marked, and the bits before kept whole: into a new buffer,
+// into the last snapshot's bytes handed back (as PinnedVersions::TakeSpare
+// does), or not at all. The tensors span several of the optimizer's blocks
+// and sit at bit offsets that are no multiple of 64, in 2-byte (bfloat16)
+// and 4-byte (float32) kept dtypes both.
 TEST(ChangeLogTest, ARecordedStepMarksWhatItChangedAndKeepsTheBitsBefore) {
   constexpr char kWide[] = "llama:layers=1,hidden=128,ffn=200,vocab=44,seed=5";
-  std::unique_ptr<ParameterStore> store = Store(kWide);
-  std::unique_ptr<ParameterStore> unobserved = Store(kWide);
-  const uint32_t layer = 1;
-  ASSERT_GT(store->owned(layer, 1).size(), 2 * TensorOptimizer::kObservedBlock);
-  ChangeLog log(*store, 2);
-  const OptimizerSpec spec = *OptimizerSpec::Parse("adamw:lr=1e-3");
-  const uint32_t tensors = static_cast<uint32_t>(store->model().layers[layer].tensors.size());
-  for (uint64_t version = 1; version <= 2; ++version) {
-    const std::vector<uint8_t> expected_before = CastOneByOne(*store, layer);
-    ChangeLog::Recording recording(log, layer, /*keep_before=*/true);
-    for (uint32_t t = 0; t < tensors; ++t) {
-      const uint64_t n = store->owned(layer, t).size();
-      std::vector<float> grad(n);
-      for (uint64_t i = 0; i < n; ++i) grad[i] = (i % 7 == 0 ? -1e-2f : 1e-3f) * (1 + i % 3);
-      const OptimizerHyper hyper = spec.HyperFor(store->model().layers[layer].tensors[t].name);
-      TensorOptimizer observed(spec.kind(), hyper, n), plain(spec.kind(), hyper, n);
-      std::vector<float> scratch(n, 0.5f);
-      for (uint64_t s = 1; s < version; ++s) {  // state as after the steps before
-        ASSERT_TRUE(plain.Step(1e-3, scratch, grad).ok());
+  for (const char* policy : {"c=bf16;*norm*=f32", "c=f32;*norm*=bf16"}) {
+    SCOPED_TRACE(policy);
+    std::unique_ptr<ParameterStore> store = Store(kWide, policy);
+    std::unique_ptr<ParameterStore> unobserved = Store(kWide, policy);
+    const uint32_t layer = 1;
+    ASSERT_GT(store->owned(layer, 1).size(), 2 * TensorOptimizer::kObservedBlock);
+    ChangeLog log(*store, 2);
+    const OptimizerSpec spec = *OptimizerSpec::Parse("adamw:lr=1e-5");
+    const uint32_t tensors = static_cast<uint32_t>(store->model().layers[layer].tensors.size());
+    std::vector<uint8_t> last_snapshot;
+    for (uint64_t version = 1; version <= 3; ++version) {
+      const std::vector<uint8_t> expected_before = CastOneByOne(*store, layer);
+      // Version 1 keeps into a new buffer, 2 into version 1's, 3 nothing.
+      const bool keep = version < 3;
+      const uint8_t* reused = last_snapshot.data();
+      ChangeLog::Recording recording(log, layer, keep, std::move(last_snapshot));
+      for (uint32_t t = 0; t < tensors; ++t) {
+        const uint64_t n = store->owned(layer, t).size();
+        std::vector<float> grad(n);
+        for (uint64_t i = 0; i < n; ++i) grad[i] = (i % 7 == 0 ? -1e-2f : 1e-5f) * (1 + i % 3);
+        const OptimizerHyper hyper = spec.HyperFor(store->model().layers[layer].tensors[t].name);
+        TensorOptimizer observed(spec.kind(), hyper, n), plain(spec.kind(), hyper, n);
+        std::vector<float> scratch(n, 0.5f);
+        for (uint64_t s = 1; s < version; ++s) {  // state as after the steps before
+          ASSERT_TRUE(plain.Step(1e-5, scratch, grad).ok());
+        }
+        ASSERT_TRUE(
+            observed
+                .Restore(plain.steps(),
+                         {std::vector<float>(plain.exp_avg().begin(), plain.exp_avg().end()),
+                          std::vector<float>(plain.exp_avg_sq().begin(), plain.exp_avg_sq().end())})
+                .ok());
+        ASSERT_TRUE(
+            observed.Step(1e-5, {store->mutable_master(layer, t), n}, grad, recording.ForTensor(t))
+                .ok());
+        ASSERT_TRUE(plain.Step(1e-5, {unobserved->mutable_master(layer, t), n}, grad).ok());
+        ASSERT_EQ(std::memcmp(store->master(layer, t), unobserved->master(layer, t), n * 4), 0)
+            << "version " << version << " tensor " << t << ": observing changed the update";
+        // The next version's store starts from the same values.
+        std::memcpy(unobserved->mutable_master(layer, t), store->master(layer, t), n * 4);
       }
-      ASSERT_TRUE(
-          observed
-              .Restore(plain.steps(),
-                       {std::vector<float>(plain.exp_avg().begin(), plain.exp_avg().end()),
-                        std::vector<float>(plain.exp_avg_sq().begin(), plain.exp_avg_sq().end())})
-              .ok());
-      ASSERT_TRUE(
-          observed.Step(1e-3, {store->mutable_master(layer, t), n}, grad, recording.ForTensor(t))
-              .ok());
-      ASSERT_TRUE(plain.Step(1e-3, {unobserved->mutable_master(layer, t), n}, grad).ok());
-      ASSERT_EQ(std::memcmp(store->master(layer, t), unobserved->master(layer, t), n * 4), 0)
-          << "version " << version << " tensor " << t << ": observing changed the update";
-      // The next version's store starts from the same values.
-      std::memcpy(unobserved->mutable_master(layer, t), store->master(layer, t), n * 4);
-    }
-    const std::vector<uint8_t> after = CastOneByOne(*store, layer);
-    const uint64_t changed = recording.Commit(version);
-    ChangeLog::Snapshot before = std::move(recording).TakeBefore();
-    ASSERT_TRUE(before.whole());
-    EXPECT_EQ(std::move(before).TakeBits(), expected_before);
+      const std::vector<uint8_t> after = CastOneByOne(*store, layer);
+      const uint64_t changed = recording.Commit(version);
+      ChangeLog::Snapshot before = std::move(recording).TakeBefore();
+      ASSERT_EQ(before.whole(), keep) << "version " << version;
+      last_snapshot = std::move(before).TakeBits();
+      if (keep) {
+        EXPECT_EQ(last_snapshot, expected_before) << "version " << version;
+      }
+      if (version == 2) {
+        EXPECT_EQ(last_snapshot.data(), reused) << "cast into the bytes given";
+      }
 
-    uint64_t expected_changed = 0, at = 0;
-    std::vector<uint64_t> bits;
-    for (uint32_t t = 0; t < tensors; ++t) {
-      const ElementRange owned = store->owned(layer, t);
-      const size_t size = DTypeSize(KeptDType(store->layout(layer).tensors()[t].compute_dtype));
-      log.ChangedSince(layer, version - 1, version, t, owned.begin, owned.size(), bits);
-      for (uint64_t i = 0; i < owned.size(); ++i, at += size) {
-        const bool differs = std::memcmp(&expected_before[at], &after[at], size) != 0;
-        expected_changed += differs;
-        ASSERT_EQ(Bit(bits, i), differs)
-            << "version " << version << " tensor " << t << " element " << i;
+      uint64_t expected_changed = 0, elements = 0, at = 0;
+      std::vector<uint64_t> bits;
+      for (uint32_t t = 0; t < tensors; ++t) {
+        const ElementRange owned = store->owned(layer, t);
+        const size_t size = DTypeSize(KeptDType(store->layout(layer).tensors()[t].compute_dtype));
+        log.ChangedSince(layer, version - 1, version, t, owned.begin, owned.size(), bits);
+        for (uint64_t i = 0; i < owned.size(); ++i, at += size, ++elements) {
+          const bool differs = std::memcmp(&expected_before[at], &after[at], size) != 0;
+          expected_changed += differs;
+          ASSERT_EQ(Bit(bits, i), differs)
+              << "version " << version << " tensor " << t << " element " << i;
+        }
+      }
+      EXPECT_EQ(changed, expected_changed);
+      ASSERT_GT(changed, 0u);
+      if (std::string_view(policy) == "c=bf16;*norm*=f32") {
+        ASSERT_LT(changed, elements / 2) << "lr 1e-5 leaves most bfloat16 values as they were";
       }
     }
-    EXPECT_EQ(changed, expected_changed);
-    ASSERT_GT(changed, 0u);
-    ASSERT_LT(changed, at / 2) << "lr 1e-3 leaves most bfloat16 values as they were";
+    EXPECT_TRUE(log.Covers(layer, 1, 3)) << "consecutive records";
   }
-  EXPECT_TRUE(log.Covers(layer, 0, 2)) << "two consecutive records";
 }
 
 // Without a reader of deltas or pinned versions for `idle`, steps are not

@@ -136,6 +136,25 @@ TEST(PinnedVersionsTest, AnExpiredVersionGoesButAReaderKeepsItsBytesUntilItLetsG
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
 }
 
+// An evicted version's bytes wait for the layer's next snapshot, counted in
+// the gauge, and go when the layer's last kept version expires.
+TEST(PinnedVersionsTest, ASpareGoesWithItsLayersLastVersion) {
+  Fixture f(std::nullopt, milliseconds(100));
+  f.Change(0);
+  f.Change(1);
+  f.Change(2);  // evicts version 0: its bytes become the spare
+  const uint64_t slice = SliceBytes(*f.store, kLayer);
+  EXPECT_EQ(f.metrics.pinned_version_bytes().Value(), static_cast<double>(3 * slice));
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + 3 * slice);
+  // Bounded: the timers fire after 100 ms.
+  for (int i = 0; i < 200 && f.budget.in_use() != f.store->master_bytes(); ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
+  EXPECT_EQ(f.metrics.pinned_version_bytes().Value(), 0);
+  EXPECT_TRUE(f.pinned.TakeSpare(kLayer).empty());
+}
+
 TEST(PinnedVersionsTest, DropAllGivesEveryKeptVersionBack) {
   Fixture f;
   f.Change(0);
