@@ -99,10 +99,25 @@ void MarkAll(uint64_t first, uint64_t count, std::vector<uint64_t>& bits) {
 }
 
 // Scratch for one block's compute-dtype bits, per thread (steps of
-// different layers run in parallel).
+// different layers run in parallel): 0 holds the bits before a change, 1
+// the bits after.
 uint8_t* BlockScratch(int which) {
   alignas(64) thread_local uint8_t scratch[2][kBlockElements * sizeof(float)];
   return scratch[which];
+}
+
+// Casts `count` (at most kBlockElements) values `now` to `dtype` and marks,
+// from bit `first`, those whose bits differ from `old_bits`; returns how
+// many. A value that cannot be cast (a float16 overflow under
+// overflow=error) is marked changed: a pull of it fails anyway.
+uint64_t MarkChangedBlock(const float* now, uint64_t count, const uint8_t* old_bits, DType dtype,
+                          Fp16Overflow overflow, uint64_t first, std::vector<uint64_t>& bits) {
+  uint8_t* const fresh = BlockScratch(1);
+  if (!CastFromF32(now, fresh, count, dtype, overflow).ok()) {
+    MarkAll(first, count, bits);
+    return count;
+  }
+  return MarkDifferences(fresh, old_bits, count, DTypeSize(dtype), first, bits);
 }
 
 }  // namespace
@@ -136,6 +151,9 @@ ChangeLog::ChangeLog(const ParameterStore& store, uint32_t versions, ServerMetri
     for (uint32_t t = 0; t < store.model().layers[l].tensors.size(); ++t) {
       log->tensor_first.push_back(log->owned);
       log->owned += store.owned(l, t).size();
+      log->kept_first.push_back(log->kept_bytes);
+      log->kept_bytes += store.owned(l, t).size() *
+                         DTypeSize(KeptDType(store.layout(l).tensors()[t].compute_dtype));
     }
     layers_.push_back(std::move(log));
   }
@@ -144,12 +162,7 @@ ChangeLog::ChangeLog(const ParameterStore& store, uint32_t versions, ServerMetri
 ChangeLog::Snapshot ChangeLog::Take(uint32_t layer) const {
   Snapshot snapshot;
   const AssembledLayout& layout = store_.layout(layer);
-  uint64_t bytes = 0;
-  for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-    bytes +=
-        store_.owned(layer, t).size() * DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
-  }
-  snapshot.bits_.resize(bytes);
+  snapshot.bits_.resize(layers_[layer]->kept_bytes);
   uint8_t* out = snapshot.bits_.data();
   for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
     const DType dtype = KeptDType(layout.tensors()[t].compute_dtype);
@@ -220,12 +233,7 @@ ChangeLog::Recording::Recording(ChangeLog& log, uint32_t layer, bool keep_before
                                 std::vector<uint8_t> reuse)
     : log_(log), layer_(layer), bits_(log.TakeBitmap(*log.layers_[layer])) {
   if (!keep_before) return;
-  const AssembledLayout& layout = log.store_.layout(layer);
-  uint64_t bytes = 0;
-  for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
-    bytes +=
-        log.store_.owned(layer, t).size() * DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
-  }
+  const uint64_t bytes = log.layers_[layer]->kept_bytes;
   // A reused buffer of the right size is taken as it is: every byte is
   // cast into before it is read.
   if (reuse.size() != bytes) reuse = std::vector<uint8_t>(bytes);
@@ -233,14 +241,9 @@ ChangeLog::Recording::Recording(ChangeLog& log, uint32_t layer, bool keep_before
 }
 
 StepObserver* ChangeLog::Recording::ForTensor(uint32_t tensor) {
-  const AssembledLayout& layout = log_.store_.layout(layer_);
-  before_offset_ = 0;
-  for (uint32_t t = 0; t < tensor; ++t) {
-    before_offset_ += log_.store_.owned(layer_, t).size() *
-                      DTypeSize(KeptDType(layout.tensors()[t].compute_dtype));
-  }
+  before_offset_ = log_.layers_[layer_]->kept_first[tensor];
   tensor_ = tensor;
-  dtype_ = KeptDType(layout.tensors()[tensor].compute_dtype);
+  dtype_ = KeptDType(log_.store_.layout(layer_).tensors()[tensor].compute_dtype);
   return this;
 }
 
@@ -260,17 +263,13 @@ void ChangeLog::Recording::After(size_t offset, std::span<const float> block) {
   const uint8_t* old_bits = before_.bits_.empty()
                                 ? BlockScratch(0)
                                 : before_.bits_.data() + before_offset_ + offset * size;
-  uint8_t* const fresh = BlockScratch(1);
-  if (block_cast_ &&
-      CastFromF32(block.data(), fresh, block.size(), dtype_, log_.store_.policy().overflow())
-          .ok()) {
-    changed_ += MarkDifferences(fresh, old_bits, block.size(), size, first, bits_);
-  } else {
-    // Either side cannot be cast (a float16 overflow under overflow=error):
-    // a pull of it fails anyway, so marked changed.
+  if (!block_cast_) {  // the bits before are unknown: marked changed
     MarkAll(first, block.size(), bits_);
     changed_ += block.size();
+    return;
   }
+  changed_ += MarkChangedBlock(block.data(), block.size(), old_bits, dtype_,
+                               log_.store_.policy().overflow(), first, bits_);
 }
 
 uint64_t ChangeLog::Recording::Commit(uint64_t version) {
@@ -305,27 +304,17 @@ uint64_t ChangeLog::Record(uint32_t layer, uint64_t version, const Snapshot& bef
     std::fill(entry.bits.begin(), entry.bits.end(), ~uint64_t{0});
     changed = log.owned;
   } else {
-    uint8_t* const block = BlockScratch(0);
-    const uint8_t* old_bits = before.bits_.data();
     for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
       const DType dtype = KeptDType(layout.tensors()[t].compute_dtype);
-      const size_t size = DTypeSize(dtype);
+      const uint8_t* old_bits = before.bits_.data() + log.kept_first[t];
       const uint64_t owned = store_.owned(layer, t).size();
       const float* master = store_.master(layer, t);
-      for (uint64_t done = 0; done < owned;) {
+      for (uint64_t done = 0; done < owned; done += kBlockElements) {
         const uint64_t count = std::min(kBlockElements, owned - done);
-        const uint64_t first = log.tensor_first[t] + done;
-        if (CastFromF32(master + done, block, count, dtype, store_.policy().overflow()).ok()) {
-          changed += MarkDifferences(block, old_bits + done * size, count, size, first, entry.bits);
-        } else {
-          // The new value cannot be cast (a float16 overflow under
-          // overflow=error): a pull of it fails anyway, so marked changed.
-          MarkAll(first, count, entry.bits);
-          changed += count;
-        }
-        done += count;
+        changed +=
+            MarkChangedBlock(master + done, count, old_bits + done * DTypeSize(dtype), dtype,
+                             store_.policy().overflow(), log.tensor_first[t] + done, entry.bits);
       }
-      old_bits += owned * size;
     }
   }
   if (changed == 0) entry.bits.clear();

@@ -168,6 +168,10 @@ class ChangeLog {
     mutable absl::Mutex mu;
     std::vector<uint64_t> tensor_first;  // bit index of each tensor's first owned element
     uint64_t owned = 0;
+    // Byte offset of each tensor's first element in a Snapshot (KeptDType
+    // bits, tensor by tensor), and a Snapshot's size.
+    std::vector<uint64_t> kept_first;
+    uint64_t kept_bytes = 0;
     std::deque<Entry> entries ABSL_GUARDED_BY(mu);  // oldest first, consecutive versions
     // The bitmap of the last record dropped, reused by the next: a step
     // allocates nothing once the log is full.

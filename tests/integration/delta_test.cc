@@ -158,6 +158,17 @@ TEST_F(DeltaTest, AShardKeepingNoChangesServesFullPullsInstead) {
   EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total"), 1.0);
 }
 
+// Pulls layer 1 as a delta onto `base` (at `base_version`) and checks that
+// it arrived at `version` as a delta: the full pull's bytes, fewer received.
+void ExpectDelta(const client::ShardSet& set, const Pulled& base, uint64_t base_version,
+                 uint64_t version) {
+  const Pulled full = Pull(set, 1, std::vector<uint8_t>(base.bytes.size()), {});
+  const Pulled delta = Pull(set, 1, base.bytes, base_version);
+  EXPECT_EQ(delta.version, version);
+  EXPECT_TRUE(delta.bytes == full.bytes);
+  EXPECT_LT(delta.received, full.received) << "a delta, not a full pull";
+}
+
 // By default a training shard records nothing until a reader asks for a
 // delta: the first delta after start-up is pulled in full, and that pull
 // (or the refused request) starts the recording on every shard, so the
@@ -173,11 +184,7 @@ TEST_F(DeltaTest, StepsAreRecordedFromTheFirstDeltaAsked) {
   EXPECT_EQ(first.version, 1u);
   EXPECT_EQ(CounterValue(*shards_.registry, kFallbacks), 1.0) << "step 1 was not recorded";
   ASSERT_NO_FATAL_FAILURE(Step(set, 1));
-  const Pulled full = Pull(set, 1, std::vector<uint8_t>(at_zero.bytes.size()), {});
-  const Pulled second = Pull(set, 1, first.bytes, 1);
-  EXPECT_EQ(second.version, 2u);
-  EXPECT_TRUE(second.bytes == full.bytes);
-  EXPECT_LT(second.received, full.received) << "a delta, not a full pull";
+  ExpectDelta(set, first, 1, 2);
   EXPECT_EQ(CounterValue(*shards_.registry, kFallbacks), 1.0) << "step 2 was recorded";
 }
 
@@ -189,11 +196,7 @@ TEST_F(DeltaTest, AFullPullThatWillPullDeltasStartsTheRecording) {
   const Pulled at_zero = Pull(set, 1, std::vector<uint8_t>(set.view().layouts[1].total_bytes()), {},
                               /*will_pull_deltas=*/true);
   ASSERT_NO_FATAL_FAILURE(Step(set, 0));
-  const Pulled full = Pull(set, 1, std::vector<uint8_t>(at_zero.bytes.size()), {});
-  const Pulled delta = Pull(set, 1, at_zero.bytes, 0);
-  EXPECT_EQ(delta.version, 1u);
-  EXPECT_TRUE(delta.bytes == full.bytes);
-  EXPECT_LT(delta.received, full.received) << "a delta, not a full pull";
+  ExpectDelta(set, at_zero, 0, 1);
   EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total"), 0.0);
 }
 
