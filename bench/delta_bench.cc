@@ -209,7 +209,7 @@ absl::Status Run(const Args& args) {
     mirrors.push_back(std::move(mirror));
   }
 
-  client::WeightPublisher publisher(*set, {.admin_token = kToken});
+  client::WeightPublisher publisher(*set, {.admin_token = kToken, .insecure = true});
   std::vector<pid_t> pids;
   for (uint32_t i = 0; i < args.num_shards; ++i) pids.push_back(shards->pid(i));
   std::vector<LrFigures> table;

@@ -127,6 +127,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   if (addresses.empty()) return absl::InvalidArgumentError("a shard set needs at least one shard");
   auto set = std::unique_ptr<ShardSet>(new ShardSet());
   set->addresses_ = std::move(addresses);
+  set->tls_ = options.credentials != nullptr;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
   // Reconnect quickly to a shard that restarts at the same address: gRPC's

@@ -45,6 +45,9 @@ class ShardSet final : public LayerSource {
   const ShardSetView& view() const override { return view_; }
   const ModelSpec& model() const { return view_.model; }
   const std::vector<std::string>& addresses() const { return addresses_; }
+  // Connected with channel credentials (ShardSetOptions::credentials), so
+  // over TLS, rather than in plaintext.
+  bool tls() const { return tls_; }
   // The manifests as fetched, in shard order.
   const std::vector<layercast::v1::Manifest>& manifests() const { return manifests_; }
 
@@ -92,6 +95,7 @@ class ShardSet final : public LayerSource {
                                          std::span<uint8_t> buffer) const;
 
   std::vector<std::string> addresses_;
+  bool tls_ = false;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> stubs_;
   // FetchLayer goes through raw ByteBuffers (see ShardStream).

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/bearer_token.h"
 #include "core/crc32c.h"
 #include "core/layout.h"
 #include "core/log.h"
@@ -75,6 +76,8 @@ absl::StatusOr<uint64_t> WeightPublisher::CurrentVersion(
 
 absl::StatusOr<PublishResult> WeightPublisher::Publish(const TensorValues& values,
                                                        std::optional<uint64_t> base_version) {
+  ASSIGN_OR_RETURN(token_, CleanBearerToken(options_.admin_token, "the admin token"));
+  RETURN_IF_ERROR(CheckTokenTransport(shards_.tls(), options_.insecure, "insecure"));
   const ModelSpec& model = shards_.model();
   std::vector<uint32_t> layers;
   size_t matched = 0;
@@ -149,8 +152,8 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
     if (staged[shard].ok()) continue;
     OnEveryShard(n, [&](uint32_t other) {
       auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(other));
-      auto context = AdminContext(options_.admin_token,
-                                  std::chrono::steady_clock::now() + std::chrono::seconds(5));
+      auto context =
+          AdminContext(token_, std::chrono::steady_clock::now() + std::chrono::seconds(5));
       layercast::v1::AbortPublishRequest request;
       request.set_publish_id(id);
       layercast::v1::AbortPublishResponse response;
@@ -168,7 +171,7 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
     auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
     absl::Status status;
     for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
-      auto context = AdminContext(options_.admin_token, deadline);
+      auto context = AdminContext(token_, deadline);
       layercast::v1::CommitPublishRequest request;
       request.set_publish_id(id);
       layercast::v1::CommitPublishResponse response;
@@ -206,7 +209,7 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
   const auto n = static_cast<uint32_t>(shards_.addresses().size());
   auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
   {
-    auto context = AdminContext(options_.admin_token, deadline);
+    auto context = AdminContext(token_, deadline);
     layercast::v1::BeginPublishRequest request;
     request.set_publish_id(id);
     request.set_base_version(base_version);
@@ -219,7 +222,7 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
     RETURN_IF_ERROR(
         wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe));
   }
-  auto context = AdminContext(options_.admin_token, deadline);
+  auto context = AdminContext(token_, deadline);
   layercast::v1::StagePublishResponse response;
   auto writer = stub->StagePublish(context.get(), &response);
   const uint64_t per_chunk = std::max<uint64_t>(1, options_.chunk_bytes / sizeof(float));

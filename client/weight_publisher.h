@@ -14,8 +14,12 @@
 namespace layercast::client {
 
 struct PublishOptions {
-  // The shards' admin token (--admin-token-file), sent as a bearer token.
+  // The shards' admin token (--admin-token-file), sent as a bearer token;
+  // surrounding whitespace is trimmed (CleanBearerToken).
   std::string admin_token;
+  // Send the token even though the shard set is connected without TLS
+  // (loopback testing only); otherwise Publish refuses, sending nothing.
+  bool insecure = false;
   // The whole publish ends by then; the shards abort it by themselves if
   // it is not committed by then (a publisher that died).
   std::chrono::milliseconds timeout{120000};
@@ -58,7 +62,9 @@ class WeightPublisher {
   // keep their values. INVALID_ARGUMENT, changing nothing, for an unknown
   // name, a wrong size or a layer given in part. `base_version`: the
   // version the values replace (FAILED_PRECONDITION on a shard at another);
-  // by default the one the shards serve now.
+  // by default the one the shards serve now. INVALID_ARGUMENT, before
+  // anything is sent, for a token no header can carry or a token over
+  // plaintext without `insecure`.
   absl::StatusOr<PublishResult> Publish(const TensorValues& values,
                                         std::optional<uint64_t> base_version = std::nullopt);
 
@@ -77,6 +83,8 @@ class WeightPublisher {
 
   const ShardSet& shards_;
   const PublishOptions options_;
+  // options_.admin_token as sent: checked and trimmed by Publish.
+  std::string token_;
 };
 
 }  // namespace layercast::client

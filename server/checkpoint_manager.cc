@@ -11,17 +11,19 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "server/checkpoint_format.h"
 
 namespace layercast::server {
 
 CheckpointManager::CheckpointManager(std::string dir, uint32_t shard_index, uint32_t num_shards,
-                                     FileSystem& fs)
+                                     FileSystem& fs, DirectoryLock lock)
     : dir_(std::move(dir)),
       shard_index_(shard_index),
       num_shards_(num_shards),
       path_(CheckpointPath(dir_, shard_index, num_shards)),
-      fs_(fs) {}
+      fs_(fs),
+      lock_(std::move(lock)) {}
 
 absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(std::string dir,
                                                                              uint32_t shard_index,
@@ -33,8 +35,13 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(std
         absl::StrCat("--checkpoint-dir '", dir,
                      "' does not exist: create it, on storage that outlives the process"));
   }
+  // The lock is the file system's, not the FileSystem seam's: no test
+  // double needs it.
+  ASSIGN_OR_RETURN(DirectoryLock lock,
+                   DirectoryLock::Acquire(absl::StrCat(dir, "/shard-", shard_index, ".lock"),
+                                          absl::StrCat("shard index ", shard_index, " of ", dir)));
   return std::unique_ptr<CheckpointManager>(
-      new CheckpointManager(std::move(dir), shard_index, num_shards, fs));
+      new CheckpointManager(std::move(dir), shard_index, num_shards, fs, std::move(lock)));
 }
 
 // Listing a directory is not part of the FileSystem seam (nothing else needs

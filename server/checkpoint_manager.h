@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/file_system.h"
 #include "server/checkpoint_writer.h"
+#include "server/directory_lock.h"
 #include "server/parameter_store.h"
 
 namespace layercast::server {
@@ -21,7 +22,9 @@ namespace layercast::server {
 // Thread-safe.
 class CheckpointManager {
  public:
-  // NOT_FOUND unless `dir` exists. `fs` must outlive the manager.
+  // NOT_FOUND unless `dir` exists. Holds DIR/shard-<index>.lock while it
+  // lives: FAILED_PRECONDITION, naming the other process, when a live one
+  // holds it (DirectoryLock). `fs` must outlive the manager.
   static absl::StatusOr<std::unique_ptr<CheckpointManager>> Create(
       std::string dir, uint32_t shard_index, uint32_t num_shards,
       FileSystem& fs = DefaultFileSystem());
@@ -57,7 +60,8 @@ class CheckpointManager {
                                           const CheckpointExtras& extras = {});
 
  private:
-  CheckpointManager(std::string dir, uint32_t shard_index, uint32_t num_shards, FileSystem& fs);
+  CheckpointManager(std::string dir, uint32_t shard_index, uint32_t num_shards, FileSystem& fs,
+                    DirectoryLock lock);
   absl::StatusOr<CheckpointInfo> WriteLocked(const ParameterStore& store, uint64_t version,
                                              const CheckpointExtras& extras)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
@@ -67,6 +71,7 @@ class CheckpointManager {
   const uint32_t num_shards_;
   const std::string path_;
   FileSystem& fs_;
+  const DirectoryLock lock_;
   // Held for the whole of a write.
   absl::Mutex write_mu_;
   mutable absl::Mutex mu_;

@@ -78,6 +78,7 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
       auto state = std::make_unique<LayerState>();
       absl::MutexLock lock(&state->mu);
       state->pushed.resize(workers);
+      state->in_flight.assign(workers, kNoPush);
       if (links.gate != nullptr) state->version = links.gate->version(l);
       for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) {
         const uint64_t owned = store.owned(l, t).size();
@@ -238,11 +239,33 @@ bool LayerTrainer::CancelReservationWait(uint32_t layer, uint64_t id) {
   return true;
 }
 
-absl::Status LayerTrainer::CheckPush(uint32_t layer, uint32_t worker, uint64_t step) const {
+absl::Status LayerTrainer::BeginPush(uint32_t layer, uint32_t worker, uint64_t step) {
   RETURN_IF_ERROR(CheckIndices(layer, worker));
-  const LayerState& state = *layers_[layer];
+  LayerState& state = *layers_[layer];
   absl::MutexLock lock(&state.mu);
-  return CheckStepLocked(layer, worker, step, state);
+  RETURN_IF_ERROR(CheckStepLocked(layer, worker, step, state));
+  if (state.in_flight[worker] == step) {
+    return absl::AbortedError(absl::StrCat(
+        "worker ", worker, "'s push of layer ", layer, " for step ", step,
+        " is already in flight on this shard; nothing of this one was staged. A push whose worker "
+        "stopped sending is cut off after the shard's --write-progress-timeout-ms: retry then (if "
+        "that worker is alive, two workers share index ",
+        worker, ")"));
+  }
+  state.in_flight[worker] = step;
+  return absl::OkStatus();
+}
+
+void LayerTrainer::EndPush(uint32_t layer, uint32_t worker, uint64_t step,
+                           std::vector<float> unused) {
+  LayerState& state = *layers_[layer];
+  absl::MutexLock lock(&state.mu);
+  if (state.in_flight[worker] == step) state.in_flight[worker] = kNoPush;
+  // Still charged to the open step's reservation: its next push takes it
+  // instead of allocating another.
+  if (!unused.empty() && state.version == step && state.reserved) {
+    state.spare.push_back(std::move(unused));
+  }
 }
 
 absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite write)

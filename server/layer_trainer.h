@@ -103,9 +103,16 @@ class LayerTrainer {
     double step_seconds = 0;       // since the step's first push, when applied
   };
 
-  // The error Push would return for this (layer, worker, step) now, before
-  // anything is staged; OK if it would be taken.
-  absl::Status CheckPush(uint32_t layer, uint32_t worker, uint64_t step) const;
+  // Admits one push stream of (layer, worker, step) before anything is
+  // staged: the error Push would return now, or ABORTED while another
+  // stream of the same (step, worker, layer) is in flight (a second would
+  // stage the layer slice again, outside the step's reservation). OK marks
+  // it in flight until EndPush. REQUIRES for an OK answer: EndPush follows.
+  absl::Status BeginPush(uint32_t layer, uint32_t worker, uint64_t step);
+  // The stream BeginPush admitted has ended, taken by Push or not;
+  // `unused` is its staging if Push did not take it (empty otherwise),
+  // kept for the step's next push while the step's reservation holds it.
+  void EndPush(uint32_t layer, uint32_t worker, uint64_t step, std::vector<float> unused);
   // Takes worker `worker`'s gradient of `layer` computed at version `step`:
   // the shard's owned elements of every tensor, back to back in tensor
   // order, widened to fp32 (as wire::GradientDecoder stages them).
@@ -193,12 +200,16 @@ class LayerTrainer {
   OpenStep OldestOpenStep() const;
 
  private:
+  static constexpr uint64_t kNoPush = UINT64_MAX;
   struct LayerState {
     mutable absl::Mutex mu;
     uint64_t owned_elements = 0;
     uint64_t version ABSL_GUARDED_BY(mu) = 0;
     // Per worker, its gradient for step `version`, until the step applies.
     std::vector<std::optional<std::vector<float>>> pushed ABSL_GUARDED_BY(mu);
+    // Per worker, the step its push stream in flight is for (BeginPush to
+    // EndPush); kNoPush when none is.
+    std::vector<uint64_t> in_flight ABSL_GUARDED_BY(mu);
     // Every worker pushed and pushed[0] holds the mean (clipping: it waits
     // for the scale), with the sum of its squares.
     bool reduced ABSL_GUARDED_BY(mu) = false;
@@ -226,7 +237,7 @@ class LayerTrainer {
 
   // Workers whose push the layer's current step still waits for.
   static uint32_t MissingLocked(const LayerState& state) ABSL_SHARED_LOCKS_REQUIRED(state.mu);
-  // CheckPush's checks. REQUIRES: layer < layers, worker < workers.
+  // BeginPush's checks of the step. REQUIRES: layer < layers, worker < workers.
   absl::Status CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
                                const LayerState& state) const ABSL_SHARED_LOCKS_REQUIRED(state.mu);
   // NOT_FOUND / INVALID_ARGUMENT for a layer or worker out of range.

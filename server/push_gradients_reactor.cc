@@ -4,6 +4,7 @@
 #include <grpcpp/impl/codegen/proto_utils.h>
 
 #include <algorithm>
+#include <utility>
 
 #include <new>
 
@@ -67,10 +68,11 @@ void PushGradientsReactor::Begin() {
   layer_ = view_.layer;
   worker_ = view_.worker;
   step_ = view_.step;
-  if (absl::Status check = trainer_.CheckPush(layer_, worker_, step_); !check.ok()) {
-    FinishOnce(wire::ToGrpcStatus(check));
+  if (absl::Status admitted = trainer_.BeginPush(layer_, worker_, step_); !admitted.ok()) {
+    FinishOnce(wire::ToGrpcStatus(admitted));
     return;
   }
+  admitted_ = true;
   // The step's staging, for every worker's push, is reserved once; this
   // push waits for it (without blocking a thread) unless it is there.
   const uint64_t step_bytes = trainer_.StepBytes(layer_);
@@ -194,7 +196,7 @@ void PushGradientsReactor::Complete() {
     return;
   }
   absl::StatusOr<LayerTrainer::Pushed> pushed =
-      trainer_.Push(layer_, worker_, step_, std::move(staging_));
+      trainer_.Push(layer_, worker_, step_, std::exchange(staging_, {}));
   if (!pushed.ok()) {
     FinishOnce(wire::ToGrpcStatus(pushed.status()));
     return;
@@ -226,6 +228,10 @@ void PushGradientsReactor::OnCancel() {
 
 void PushGradientsReactor::FinishOnce(const grpc::Status& status) {
   if (finished_.exchange(true)) return;
+  // Before the worker hears the status, so that its next push of the same
+  // layer is admitted. No read is in flight and nothing else touches the
+  // staging: every caller is the stream's last step.
+  if (admitted_) trainer_.EndPush(layer_, worker_, step_, std::move(staging_));
   final_status_ = status;
   Finish(status);
 }

@@ -22,14 +22,15 @@ namespace layercast::server {
 // Takes one PushGradients stream: one worker's gradient of one layer for one
 // step. The first chunk names (step, worker, layer); the trainer checks them
 // before anything is staged, so a wrong step or a repeated push costs one
-// chunk. Raw: chunks arrive as gRPC's receive buffers and are read in place
-// (wire::ReadGradientChunk); the response is encoded here. The push that opens a layer step waits
-// (without blocking a thread) for budget for the whole step's staging (LayerTrainer::StepBytes);
-// the step's later pushes need none. wire::GradientDecoder widens every chunk into the push's
-// staging, one fp32 value per element the shard owns of the layer. Only a stream that half-closes
-// with every owned element covered exactly once reaches the trainer; a stream that fails, is
-// cancelled or ends short leaves nothing behind (a reservation it made stays with its step, which
-// returns it as it applies).
+// chunk, and a second stream of the same push while one is in flight is
+// refused, so one push is staged at most once. Raw: chunks arrive as gRPC's receive buffers and are
+// read in place (wire::ReadGradientChunk); the response is encoded here. The push that opens a
+// layer step waits (without blocking a thread) for budget for the whole step's staging
+// (LayerTrainer::StepBytes); the step's later pushes need none. wire::GradientDecoder widens every
+// chunk into the push's staging, one fp32 value per element the shard owns of the layer. Only a
+// stream that half-closes with every owned element covered exactly once reaches the trainer; a
+// stream that fails, is cancelled or ends short leaves nothing behind (a reservation it made stays
+// with its step, which returns it as it applies).
 //
 // Owns itself: deletes itself in OnDone. OnReadDone and the budget's grant
 // never overlap (no read is in flight while the stream waits for budget);
@@ -104,6 +105,9 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   grpc::ByteBuffer chunk_;
   wire::GradientChunkView view_;  // of chunk_
   bool begun_ = false;
+  // The trainer took this stream in (BeginPush): FinishOnce ends it
+  // (EndPush).
+  bool admitted_ = false;
   uint32_t layer_ = 0;
   uint32_t worker_ = 0;
   uint64_t step_ = 0;

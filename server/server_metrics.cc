@@ -101,6 +101,8 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                          .Register(r)
                          .Add({}, FetchBuckets());
   streams_in_flight_ = Gauge(r, "layercast_streams_in_flight", "FetchLayer streams open now");
+  push_streams_in_flight_ = Gauge(r, "layercast_push_streams_in_flight",
+                                  "PushGradients streams open now (at most --max-push-streams)");
   streams_waiting_version_ =
       Gauge(r, "layercast_streams_waiting_for_version",
             "Streams parked until the parameter version reaches min_version");

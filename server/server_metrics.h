@@ -55,6 +55,7 @@ class ServerMetrics {
   const prometheus::Counter& chunks_shared() const { return *chunks_shared_; }
   prometheus::Gauge& shared_chunk_bytes() { return *shared_chunk_bytes_; }
   prometheus::Gauge& streams_in_flight() { return *streams_in_flight_; }
+  prometheus::Gauge& push_streams_in_flight() { return *push_streams_in_flight_; }
   prometheus::Gauge& streams_waiting_for_version() { return *streams_waiting_version_; }
   prometheus::Gauge& streams_waiting_for_budget() { return *streams_waiting_budget_; }
   prometheus::Gauge& memory_budget_bytes() { return *memory_budget_bytes_; }
@@ -113,6 +114,7 @@ class ServerMetrics {
   prometheus::Gauge* shared_chunk_bytes_;
   prometheus::Histogram* fetch_duration_;
   prometheus::Gauge* streams_in_flight_;
+  prometheus::Gauge* push_streams_in_flight_;
   prometheus::Gauge* streams_waiting_version_;
   prometheus::Counter* streams_stalled_;
   prometheus::Gauge* streams_waiting_budget_;

@@ -38,6 +38,8 @@ constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
 constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
 constexpr uint32_t kDefaultMaxStreams = 1024;
 constexpr uint32_t kDefaultMaxParkedStreams = 4096;
+constexpr uint32_t kDefaultMaxPushStreams = 1024;
+constexpr uint32_t kDefaultMaxWaitsPerConnection = 8;
 constexpr uint32_t kDefaultMaxVersionLead = 64;
 constexpr uint32_t kDefaultDeltaVersions = 4;
 constexpr uint32_t kMaxDeltaVersions = 1024;
@@ -304,6 +306,10 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
   }
   if (config.max_streams() == 0) config.set_max_streams(kDefaultMaxStreams);
   if (config.max_parked_streams() == 0) config.set_max_parked_streams(kDefaultMaxParkedStreams);
+  if (config.max_push_streams() == 0) config.set_max_push_streams(kDefaultMaxPushStreams);
+  if (config.max_waits_per_connection() == 0) {
+    config.set_max_waits_per_connection(kDefaultMaxWaitsPerConnection);
+  }
   if (config.max_version_lead() == 0) config.set_max_version_lead(kDefaultMaxVersionLead);
   if (config.max_version_wait_ms() == 0) config.set_max_version_wait_ms(kDefaultMaxVersionWaitMs);
   if (config.write_progress_timeout_ms() == 0) {

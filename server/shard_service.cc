@@ -10,6 +10,7 @@
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
 #include "server/push_gradients_reactor.h"
+#include "server/wait_version_reactor.h"
 #include "wire/cast_error_report.h"
 #include "wire/grpc_status.h"
 
@@ -378,6 +379,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
     {
       absl::MutexLock lock(&streams_mu_);
       pushes_.erase(push);
+      metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
     }
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
     if (!pushed) {
@@ -391,9 +393,17 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   };
   // Registered under the lock its on_done takes, as FetchLayer streams are.
   absl::MutexLock lock(&streams_mu_);
+  if (pushes_.size() >= options_.max_push_streams) {
+    return refuse(grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("this shard already has ", options_.max_push_streams,
+                     " PushGradients streams open (--max-push-streams); nothing of this push was "
+                     "staged: retry with backoff")));
+  }
   auto* push = new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
                                         std::move(options));
   pushes_.insert(push);
+  metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
   return push;
 }
 
@@ -474,7 +484,29 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
                                   options_.max_version_lead, " versions ahead of the shard's ",
                                   current, " (--max-version-lead): wait for a nearer one")));
   }
+  const std::string peer = context->peer();
+  const auto leave = [this, peer] {
+    absl::MutexLock lock(&streams_mu_);
+    if (auto it = waits_by_peer_.find(peer); it != waits_by_peer_.end() && --it->second == 0) {
+      waits_by_peer_.erase(it);
+    }
+  };
+  {
+    absl::MutexLock lock(&streams_mu_);
+    uint32_t& waits = waits_by_peer_[peer];
+    if (waits >= options_.max_waits_per_connection) {
+      return FinishUnary(
+          context, "WaitVersion",
+          grpc::Status(
+              grpc::StatusCode::RESOURCE_EXHAUSTED,
+              absl::StrCat("this connection already has ", options_.max_waits_per_connection,
+                           " WaitVersion calls waiting (--max-waits-per-connection); one "
+                           "at a time sees every version: wait for it to end")));
+    }
+    ++waits;
+  }
   if (grpc::Status admitted = Admit(/*parked=*/true); !admitted.ok()) {
+    leave();
     return FinishUnary(context, "WaitVersion", admitted);
   }
   // Answer a little before the caller's deadline, so that a version that
@@ -490,22 +522,14 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
     wait = std::min(wait, std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               std::max<std::chrono::system_clock::duration>(left - margin, {})));
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  gate_.Wait(request->min_version(), steady_now + wait,
-             [this, reactor, response](VersionGate::Outcome outcome, uint64_t version) {
-               grpc::Status status = grpc::Status::OK;
-               if (outcome == VersionGate::Outcome::kClosed) {
-                 status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                       "this shard is shutting down; wait on its replacement");
-               }
-               response->set_version(version);
-               metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
-               {
-                 absl::MutexLock lock(&streams_mu_);
-                 --parked_;
-               }
-               reactor->Finish(status);
-             });
+  auto* reactor =
+      new WaitVersionReactor(gate_, response, [this, leave](const grpc::Status& status) {
+        metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
+        leave();
+        absl::MutexLock lock(&streams_mu_);
+        --parked_;
+      });
+  reactor->Start(request->min_version(), steady_now + wait);
   return reactor;
 }
 

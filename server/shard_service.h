@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
@@ -57,6 +58,11 @@ class ShardService final
     uint32_t max_streams = 1024;
     // Streams parked for a future min_version at most (--max-parked-streams).
     uint32_t max_parked_streams = 4096;
+    // PushGradients streams open at most (--max-push-streams).
+    uint32_t max_push_streams = 1024;
+    // WaitVersion calls one connection may have parked at once
+    // (--max-waits-per-connection).
+    uint32_t max_waits_per_connection = 8;
     // How far ahead of the shard's version a min_version may be.
     uint32_t max_version_lead = 64;
     std::chrono::milliseconds max_version_wait{5 * 60 * 1000};
@@ -122,7 +128,8 @@ class ShardService final
       grpc::CallbackServerContext* context, const layercast::v1::ApplyClippedStepRequest* request,
       layercast::v1::ApplyClippedStepResponse* response) override;
   // Parks like a FetchLayer stream waiting for its min_version, and answers
-  // the version when it comes or the wait ends.
+  // the version when it comes or the wait ends; a cancelled call frees its
+  // slot at once (WaitVersionReactor).
   grpc::ServerUnaryReactor* WaitVersion(grpc::CallbackServerContext* context,
                                         const layercast::v1::WaitVersionRequest* request,
                                         layercast::v1::WaitVersionResponse* response) override;
@@ -161,6 +168,8 @@ class ShardService final
   absl::flat_hash_set<FetchLayerReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
   // Every PushGradients stream not yet done, likewise.
   absl::flat_hash_set<PushGradientsReactor*> pushes_ ABSL_GUARDED_BY(streams_mu_);
+  // Parked WaitVersion calls by connection (the peer's address and port).
+  absl::flat_hash_map<std::string, uint32_t> waits_by_peer_ ABSL_GUARDED_BY(streams_mu_);
   bool stopping_ ABSL_GUARDED_BY(streams_mu_) = false;
   mutable absl::Mutex mu_;
   Parts parts_ ABSL_GUARDED_BY(mu_);

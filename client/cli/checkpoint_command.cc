@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "client/bearer_token.h"
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
 #include "core/byte_size.h"
@@ -30,11 +31,7 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
   std::string token(file->size(), '\0');
   RETURN_IF_ERROR(
       file->ReadAt(0, std::span<uint8_t>(reinterpret_cast<uint8_t*>(token.data()), token.size())));
-  const std::string trimmed(absl::StripAsciiWhitespace(token));
-  if (trimmed.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--token-file ", path, " holds no token"));
-  }
-  return trimmed;
+  return client::CleanBearerToken(token, absl::StrCat("--token-file ", path));
 }
 
 struct Target {
@@ -77,17 +74,11 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(uint64_t timeout_s, flags.GetUint("timeout-seconds", 3600));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentialsFromFlags(flags));
-  if (credentials == nullptr) {
-    // Whoever reads the token off the wire can write checkpoints, and later
-    // push parameters: plaintext is for loopback, and must be asked for.
-    if (!flags.Has("insecure")) {
-      return absl::InvalidArgumentError(
-          "the admin token would cross the network in clear text; use --tls-ca-file CA.pem (the "
-          "CA of the shards' --tls-cert-file) to reach them over TLS, or pass --insecure for "
-          "loopback testing");
-    }
-    credentials = grpc::InsecureChannelCredentials();
-  }
+  // Whoever reads the token off the wire can write checkpoints, and later
+  // push parameters: plaintext is for loopback, and must be asked for.
+  RETURN_IF_ERROR(
+      client::CheckTokenTransport(credentials != nullptr, flags.Has("insecure"), "--insecure"));
+  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
   ASSIGN_OR_RETURN(std::string token, ReadToken(flags.Get("token-file")));
 
   std::vector<Target> targets;

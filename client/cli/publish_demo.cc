@@ -175,7 +175,8 @@ absl::Status RunPublishDemo(const tools::CliFlags& flags) {
         [&report, m](const client::MirrorUpdate& update) { report.Updated(m, update); });
   }
 
-  client::WeightPublisher publisher(*set, {.admin_token = token});
+  // Loopback: the demo's shards listen on 127.0.0.1 only.
+  client::WeightPublisher publisher(*set, {.admin_token = token, .insecure = true});
   const auto start = std::chrono::steady_clock::now();
   uint64_t version = 0, changed = 0;
   for (uint64_t step = 0; step < steps; ++step) {

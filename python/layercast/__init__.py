@@ -291,16 +291,21 @@ class ShardSet:
         return Mirror(self._native.mirror(timeout, poll))
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,
-                base_version: Optional[int] = None, timeout: float = 120.0) -> Dict[str, object]:
+                base_version: Optional[int] = None, timeout: float = 120.0,
+                insecure: bool = False) -> Dict[str, object]:
         """Publishes new fp32 values, {tensor name: tensor}, to read-only
         shards as the next version of every layer: all shards commit it or
         none does. Every tensor of a layer named must be given, each in host
         memory, contiguous, float32 and of its shape (taken without a copy);
         the other layers keep their values. `admin_token`: the shards'
-        --admin-token-file. `base_version`: the version the values replace
-        (default: the one the shards serve). Returns {version,
+        --admin-token-file (surrounding whitespace, such as a file's
+        newline, is trimmed; a token no header can carry raises Error with
+        code INVALID_ARGUMENT).
+        `base_version`: the version the values replace (default: the one
+        the shards serve). The token is refused over a connection without
+        TLS unless `insecure` (loopback testing only). Returns {version,
         changed_elements, layer_by_layer, versions}."""
-        return self._native.publish(dict(values), admin_token, base_version, timeout)
+        return self._native.publish(dict(values), admin_token, base_version, timeout, insecure)
 
     def close(self) -> None:
         self._native.close()

@@ -134,7 +134,7 @@ PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout
 
 py::dict Publish(const Connection& connection, const py::dict& values,
                  const std::string& admin_token, std::optional<uint64_t> base_version,
-                 double timeout) {
+                 double timeout, bool insecure) {
   const ModelSpec& model = connection.set->model();
   std::map<std::string, const TensorSpec*> specs;
   for (const LayerSpec& layer : model.layers) {
@@ -156,7 +156,8 @@ py::dict Publish(const Connection& connection, const py::dict& values,
   {
     py::gil_scoped_release release;
     client::WeightPublisher publisher(
-        *connection.set, {.admin_token = admin_token, .timeout = Milliseconds(timeout)});
+        *connection.set,
+        {.admin_token = admin_token, .insecure = insecure, .timeout = Milliseconds(timeout)});
     published = publisher.Publish(view, base_version);
   }
   const client::PublishResult result = ValueOrRaise(std::move(published));

@@ -59,9 +59,10 @@ class PyMirror {
 // ShardSet.mirror: pulls every layer in full (without the GIL).
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll);
 
-// ShardSet.publish: `values` {tensor name: fp32 tensor}, taken without a copy.
+// ShardSet.publish: `values` {tensor name: fp32 tensor}, taken without a copy;
+// `insecure` lets the token go over a plaintext connection.
 pybind11::dict Publish(const Connection& connection, const pybind11::dict& values,
                        const std::string& admin_token, std::optional<uint64_t> base_version,
-                       double timeout);
+                       double timeout, bool insecure);
 
 }  // namespace layercast::python

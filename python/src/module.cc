@@ -102,11 +102,11 @@ PYBIND11_MODULE(_layercast, module) {
       .def(
           "publish",
           [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,
-             std::optional<uint64_t> base_version, double timeout) {
-            return Publish(*self.Held(), values, admin_token, base_version, timeout);
+             std::optional<uint64_t> base_version, double timeout, bool insecure) {
+            return Publish(*self.Held(), values, admin_token, base_version, timeout, insecure);
           },
           py::arg("values"), py::arg("admin_token"), py::arg("base_version") = py::none(),
-          py::arg("timeout") = 120.0);
+          py::arg("timeout") = 120.0, py::arg("insecure") = false);
 
   py::class_<PyMirrorReading>(module, "MirrorReading")
       .def_property_readonly("version", &PyMirrorReading::version)

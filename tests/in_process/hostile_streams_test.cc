@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <memory>
 #include <random>
 #include <thread>
@@ -219,6 +220,81 @@ TEST(HostileStreamsTest, ParkingIsBoundedInCountAndInTime) {
   std::optional<grpc::Status> served = now.Wait(absl::Seconds(10));
   ASSERT_TRUE(served.has_value());
   EXPECT_TRUE(served->ok()) << served->error_message();
+}
+
+// One WaitVersion call on `channel`'s connection, on the callback API.
+class VersionWait {
+ public:
+  VersionWait(layercast::v1::ShardService::Stub& stub, uint64_t min_version,
+              milliseconds timeout = milliseconds(60000)) {
+    context_.set_deadline(std::chrono::system_clock::now() + timeout);
+    request_.set_min_version(min_version);
+    stub.async()->WaitVersion(&context_, &request_, &response_,
+                              [this](grpc::Status status) { done_.set_value(std::move(status)); });
+  }
+  ~VersionWait() {
+    context_.TryCancel();
+    future_.wait();
+  }
+  void Cancel() { context_.TryCancel(); }
+  // The call's status once it ended within `timeout`; nullopt otherwise.
+  std::optional<grpc::Status> Wait(milliseconds timeout) {
+    if (future_.wait_for(timeout) != std::future_status::ready) return std::nullopt;
+    return future_.get();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  layercast::v1::WaitVersionRequest request_;
+  layercast::v1::WaitVersionResponse response_;
+  std::promise<grpc::Status> done_;
+  std::shared_future<grpc::Status> future_ = done_.get_future().share();
+};
+
+// A client that cancels its long polls gives their slots back at once (they
+// used to stay parked for the whole server-side wait, minutes, so eight
+// cancelled calls shut every mirror out), and one connection cannot take
+// every parked slot.
+TEST(HostileStreamsTest, CancelledVersionWaitsFreeTheirSlotsAtOnce) {
+  layercast::v1::ShardConfig config = Config(kSmallModel);
+  config.set_max_parked_streams(8);
+  config.set_max_waits_per_connection(4);
+  config.set_max_version_wait_ms(120000);
+  auto server = StartServer(config);
+  ASSERT_NE(server, nullptr);
+  std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> connections;
+  for (int c = 0; c < 3; ++c) {
+    connections.push_back(layercast::v1::ShardService::NewStub(NewConnection(server->port())));
+  }
+  std::vector<std::unique_ptr<VersionWait>> waits;
+  for (int i = 0; i < 8; ++i)
+    waits.push_back(std::make_unique<VersionWait>(*connections[i / 4], 1));
+  ASSERT_TRUE(Eventually([&] { return server->service().streams_in_flight() == 8; }));
+  // A fifth on a connection that has four is refused; so is any beyond the
+  // shard's eight.
+  for (int c : {0, 2}) {
+    VersionWait more(*connections[c], 1);
+    std::optional<grpc::Status> refused = more.Wait(milliseconds(10000));
+    ASSERT_TRUE(refused.has_value());
+    EXPECT_EQ(refused->error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(refused->error_message(), ::testing::HasSubstr(c == 0 ? "--max-waits-per-connection"
+                                                                      : "--max-parked-streams"));
+  }
+  for (auto& wait : waits) wait->Cancel();
+  for (auto& wait : waits) {
+    std::optional<grpc::Status> status = wait->Wait(milliseconds(10000));
+    ASSERT_TRUE(status.has_value());
+    EXPECT_EQ(status->error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(
+      Eventually([&] { return server->service().streams_in_flight() == 0; }, milliseconds(5000)))
+      << "cancelled waits still hold " << server->service().streams_in_flight() << " slots";
+  // A mirror's wait is parked again; at its deadline it is answered with
+  // the version now.
+  VersionWait mirror(*connections[2], 1, milliseconds(1000));
+  std::optional<grpc::Status> answered = mirror.Wait(milliseconds(10000));
+  ASSERT_TRUE(answered.has_value());
+  EXPECT_TRUE(answered->ok()) << answered->error_message();
 }
 
 TEST(HostileStreamsTest, StalledReadersLoseTheirBudgetToARealWorker) {

@@ -175,6 +175,29 @@ TEST(CheckpointTest, SigtermWritesTheCheckpointUnlessTurnedOff) {
                                       HasSubstr("checkpoint version 0 written to")));
 }
 
+// A second process started as the same shard on the same checkpoint
+// directory (another port, a copied manifest) would write the same file:
+// it refuses to start, naming the process that serves it.
+TEST(CheckpointTest, ASecondShardOfTheSameIndexAndDirectoryRefusesToStart) {
+  const std::string dir = MakeTempDir("checkpoints");
+  const std::string spec = "llama:layers=1,hidden=64,seed=3";
+  auto processes = StartProcesses(2, {"--synthetic", spec, "--checkpoint-dir", dir});
+  ASSERT_NE(processes, nullptr);
+  std::string output;
+  EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 2 --synthetic ", spec,
+                                  " --checkpoint-dir ", dir),
+                     &output),
+            2);
+  EXPECT_THAT(output, HasSubstr(absl::StrCat("another live process (pid ", processes->pid(1),
+                                             ") holds ", dir, "/shard-1.lock")));
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
+  // Once it is gone (here stopped; a killed one's lock goes with it), the
+  // shard starts.
+  processes = StartProcesses(2, {"--synthetic", spec, "--checkpoint-dir", dir});
+  ASSERT_NE(processes, nullptr);
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
+}
+
 TEST(CheckpointTest, CorruptOrMismatchedCheckpointsStopTheShardWithExitStatusTwo) {
   const std::string dir = MakeTempDir("checkpoints");
   const std::string spec = "llama:layers=1,hidden=64,seed=3";

@@ -113,7 +113,7 @@ class PublishTest : public ::testing::Test {
 };
 
 TEST_F(PublishTest, ACommitMakesTheNewValuesOneVersionOnEveryShard) {
-  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
   ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
   std::vector<std::vector<uint8_t>> before;
   for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
@@ -164,8 +164,8 @@ TEST_F(PublishTest, ACommitMakesTheNewValuesOneVersionOnEveryShard) {
 
 TEST_F(PublishTest, AShardKilledMidPublishLeavesTheVersionBeforeServingEverywhere) {
   shards_.processes->KillForTest(1);
-  client::WeightPublisher publisher(*shards_.set,
-                                    {.admin_token = kToken, .timeout = std::chrono::seconds(3)});
+  client::WeightPublisher publisher(
+      *shards_.set, {.admin_token = kToken, .insecure = true, .timeout = std::chrono::seconds(3)});
   // The trainer publishes on top of the version it read (0): shard 0
   // begins and stages, shard 1 is gone.
   const absl::StatusOr<client::PublishResult> published =
@@ -177,7 +177,7 @@ TEST_F(PublishTest, AShardKilledMidPublishLeavesTheVersionBeforeServingEverywher
   EXPECT_EQ(ManifestVersion(0), 0u);
   ASSERT_TRUE(shards_.processes->RestartForTest(1).ok());
   ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
-  client::WeightPublisher again(*shards_.set, {.admin_token = kToken});
+  client::WeightPublisher again(*shards_.set, {.admin_token = kToken, .insecure = true});
   const auto values = Nudged(0.25f);
   ASSERT_TRUE(again.Publish(View(values)).ok()) << "a publish was left open";
   ASSERT_NO_FATAL_FAILURE(ExpectServes(values, 1));
@@ -263,7 +263,7 @@ TEST_F(PublishTest, WaitVersionAnswersWhenAPublishCommits) {
   std::pair<grpc::Status, uint64_t> answer;
   std::thread waiter([&] { answer = wait(1, std::chrono::seconds(30)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
   ASSERT_TRUE(publisher.Publish(View(Nudged(1.0f / 8))).ok());
   waiter.join();
   EXPECT_TRUE(answer.first.ok()) << answer.first.error_message();
@@ -303,7 +303,7 @@ TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
     updates.push_back(update);
   });
 
-  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
   auto values = model_.values;
   for (uint64_t version = 1; version <= 3; ++version) {
     // A small step: a few values change, most of their bf16 bits do not.
@@ -370,7 +370,7 @@ TEST_F(PublishTest, APinnedWalkGetsItsVersionForEveryLayerWhileNewerOnesCommit) 
   ASSERT_NO_FATAL_FAILURE(ExpectHolds(*first, model_.values, 0));
 
   // Two versions commit while the walk is at layer 0.
-  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken});
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
   const auto v1 = Nudged(1.0f / 8);
   const auto v2 = Nudged(1.0f / 4);
   ASSERT_TRUE(publisher.Publish(View(v1)).ok());
@@ -430,7 +430,7 @@ TEST(PinnedReadTest, AVersionNoLongerKeptIsRefusedNamingTheVersionToWalkAgainAt)
   }
   client::TensorValues view;
   for (const auto& [name, tensor] : values) view.emplace(name, tensor);
-  client::WeightPublisher publisher(*shards.set, {.admin_token = kToken});
+  client::WeightPublisher publisher(*shards.set, {.admin_token = kToken, .insecure = true});
   ASSERT_TRUE(publisher.Publish(view).ok());
   // Kept for 200 ms after the commit, then dropped: asked again (bounded)
   // until it is gone.

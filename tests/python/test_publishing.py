@@ -59,7 +59,8 @@ def test_a_mirror_follows_publishes_in_place(served):
         for step in range(1, 3):
             for t in values.values():
                 t.view(-1)[step::5] *= 1 + 1 / 16
-            published = shard_set.publish(values, TOKEN)
+            # The token as a file gives it, newline and all.
+            published = shard_set.publish(values, token_text(shards), insecure=True)
             assert published["version"] == start + step
             assert published["changed_elements"] > 0
             assert not published["layer_by_layer"]
@@ -84,17 +85,18 @@ def test_a_bad_publish_raises_and_changes_nothing(served):
         version = before.version
         name = "model.layers.0.self_attn.q_proj.weight"
         with pytest.raises(TypeError, match="float32"):
-            shard_set.publish({name: tensors[name].double()}, TOKEN)
+            shard_set.publish({name: tensors[name].double()}, TOKEN, insecure=True)
         with pytest.raises(ValueError, match="shape"):
-            shard_set.publish({name: tensors[name].view(-1)}, TOKEN)
+            shard_set.publish({name: tensors[name].view(-1)}, TOKEN, insecure=True)
         with pytest.raises(KeyError, match="not in the model"):
-            shard_set.publish({"no.such.weight": torch.zeros(1)}, TOKEN)
+            shard_set.publish({"no.such.weight": torch.zeros(1)}, TOKEN, insecure=True)
         with pytest.raises(layercast.Error) as partial:
-            shard_set.publish({name: tensors[name]}, TOKEN)
+            shard_set.publish({name: tensors[name]}, TOKEN, insecure=True)
         assert partial.value.code == "INVALID_ARGUMENT"
         assert "given in part" in partial.value.message
         with pytest.raises(layercast.Error) as refused:
-            shard_set.publish(dict(tensors), "not-the-token-0123456789abcdef")
+            shard_set.publish(dict(tensors), "not-the-token-0123456789abcdef",
+                              insecure=True)
         assert refused.value.code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
         after = shard_set.mirror()
         assert after.version == version
@@ -103,6 +105,32 @@ def test_a_bad_publish_raises_and_changes_nothing(served):
                 for tensor_name, view in old.layer(index).tensors.items():
                     assert torch.equal(bits(torch.from_dlpack(view)),
                                        bits(torch.from_dlpack(new.layer(index)[tensor_name])))
+
+
+def token_text(shards):
+    with open(shards.directory / "token") as f:
+        return f.read()
+
+
+def test_a_token_is_checked_before_anything_is_sent(served, capfd):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        version = shard_set.version()
+        with pytest.raises(layercast.Error) as clear_text:
+            shard_set.publish(dict(tensors), token_text(shards))
+        assert clear_text.value.code == "INVALID_ARGUMENT"
+        assert "clear text" in clear_text.value.message
+        assert "insecure" in clear_text.value.message
+        # A newline inside: gRPC aborted the process on such a header.
+        bad = TOKEN[:10] + "\n" + TOKEN[10:]
+        with pytest.raises(layercast.Error) as invalid:
+            shard_set.publish(dict(tensors), bad, insecure=True)
+        assert invalid.value.code == "INVALID_ARGUMENT"
+        assert "control character" in invalid.value.message
+        assert shard_set.version() == version
+    captured = capfd.readouterr()
+    for text in (str(clear_text.value), str(invalid.value), captured.out, captured.err):
+        assert TOKEN[10:] not in text, "a message printed the token"
 
 
 def test_a_pinned_walk_gets_its_version_while_newer_ones_commit(served):
@@ -117,7 +145,7 @@ def test_a_pinned_walk_gets_its_version_while_newer_ones_commit(served):
         first = next(walk)
         assert first.version == start
         newer = {name: t * 1.25 for name, t in tensors.items()}
-        assert shard_set.publish(newer, TOKEN)["version"] == start + 1
+        assert shard_set.publish(newer, TOKEN, insecure=True)["version"] == start + 1
         seen = [first] + list(walk)
         assert [layer.index for layer in seen] == list(range(layers))
         for layer in seen:

@@ -263,9 +263,11 @@ TEST_P(CheckpointFaultTest, EveryFailurePointKeepsThePreviousCheckpoint) {
     EXPECT_EQ(existing->has_value(), fault.with_previous || fs.renamed());
     ASSERT_TRUE((*manager)->Write(*new_store, 3).ok());
     ExpectLoads(dir, new_values, 3);
+    // The checkpoint, and the lock of the manager that wrote it.
     EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
                             std::filesystem::directory_iterator()),
-              1);
+              2);
+    EXPECT_TRUE(std::filesystem::exists(dir + "/shard-" + std::to_string(kShard) + ".lock"));
   }
 }
 
@@ -293,6 +295,21 @@ TEST(CheckpointManagerTest, OneWriteAtATimeAndTracksTheVersionOnDisk) {
   EXPECT_FALSE((*manager)->HoldsVersion(6));
   std::filesystem::remove((*manager)->path());
   EXPECT_FALSE((*manager)->HoldsVersion(5)) << "the file is gone";
+}
+
+// Two managers of one shard index in one directory would write one file:
+// the second is refused while the first lives, naming its process.
+TEST(CheckpointManagerTest, OneManagerPerShardIndexAndDirectory) {
+  const std::string dir = FreshDir("lock");
+  auto first = CheckpointManager::Create(dir, 0, 2);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = CheckpointManager::Create(dir, 0, 2);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr(absl::StrCat("(pid ", getpid(), ") holds ", dir, "/shard-0.lock")));
+  EXPECT_TRUE(CheckpointManager::Create(dir, 1, 2).ok()) << "another index has its own lock";
+  first->reset();
+  EXPECT_TRUE(CheckpointManager::Create(dir, 0, 2).ok()) << "the lock went with its manager";
 }
 
 TEST(CheckpointManagerTest, RefusesAMissingDirectoryAndAnotherShardCount) {

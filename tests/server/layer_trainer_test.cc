@@ -289,6 +289,27 @@ TEST(LayerTrainerTest, EveryBadPushIsRefusedAndChangesNothing) {
   EXPECT_EQ(t.missing_workers(0), 1u) << "worker 1's staged push survived the refusals";
 }
 
+// One stream per push at a time: a second stream of the same (step,
+// worker, layer) would stage the slice again outside the step's
+// reservation.
+TEST(LayerTrainerTest, OnePushStreamOfAPushAtATime) {
+  auto store = Store(0, 2);
+  auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  LayerTrainer& t = **trainer;
+  ASSERT_TRUE(t.BeginPush(0, 0, 0).ok());
+  const absl::Status second = t.BeginPush(0, 0, 0);
+  EXPECT_EQ(second.code(), absl::StatusCode::kAborted) << second;
+  EXPECT_THAT(std::string(second.message()), HasSubstr("already in flight"));
+  EXPECT_TRUE(t.BeginPush(0, 1, 0).ok()) << "another worker's push is another push";
+  EXPECT_TRUE(t.BeginPush(1, 0, 0).ok()) << "so is another layer's";
+  t.EndPush(0, 0, 0, {});  // the first stream failed: a retry is admitted
+  EXPECT_TRUE(t.BeginPush(0, 0, 0).ok());
+  ASSERT_TRUE(t.Push(0, 0, 0, Gradient(t, 0, 0, 0)).ok());
+  t.EndPush(0, 0, 0, {});
+  EXPECT_EQ(t.BeginPush(0, 0, 0).code(), absl::StatusCode::kAlreadyExists) << "it counted";
+}
+
 TEST(LayerTrainerTest, RefusesWhatItCannotDo) {
   auto store = Store(0, 1);
   EXPECT_EQ(LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=1"), 0).status().code(),
