@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/bearer_token.h"
 #include "core/optimizer.h"
 #include "core/status_macros.h"
 #include "wire/gradient_chunks.h"
@@ -52,6 +53,11 @@ absl::StatusOr<std::unique_ptr<GradientSink>> GradientSink::Create(const ShardSe
   if (options.chunk_bytes < 4) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_bytes ", options.chunk_bytes, " cannot hold one element: use >= 4"));
+  }
+  if (!options.worker_token.empty()) {
+    ASSIGN_OR_RETURN(options.worker_token,
+                     CleanBearerToken(options.worker_token, "the worker token"));
+    RETURN_IF_ERROR(CheckTokenTransport(shards.tls(), options.insecure, "insecure"));
   }
   return std::unique_ptr<GradientSink>(new GradientSink(shards, options));
 }
@@ -158,6 +164,12 @@ absl::Status WithRetries(const std::string& who, std::chrono::steady_clock::time
 
 }  // namespace
 
+void GradientSink::AddWorkerToken(grpc::ClientContext& context) const {
+  if (!options_.worker_token.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.worker_token));
+  }
+}
+
 absl::StatusOr<GradientSink::StepEnd> GradientSink::FinishStep(uint64_t step) {
   RETURN_IF_ERROR(Flush());
   StepEnd end;
@@ -212,6 +224,7 @@ absl::StatusOr<GradientSink::StepEnd> GradientSink::FinishStep(uint64_t step) {
     request.set_scale(end.scale);
     layercast::v1::ApplyClippedStepResponse response;
     RETURN_IF_ERROR(WithRetries(who, deadline, [&](grpc::ClientContext& context) {
+      AddWorkerToken(context);
       return shards_.stub(shard).ApplyClippedStep(&context, request, &response);
     }));
   }
@@ -245,6 +258,7 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(u
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          (task.deadline - std::chrono::steady_clock::now()));
+    AddWorkerToken(context);
     layercast::v1::PushGradientsResponse response;
     std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>> writer =
         shards_.stub(shard).PushGradients(&context, &response);

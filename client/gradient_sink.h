@@ -33,6 +33,13 @@ struct GradientSinkOptions {
   // the one before (a push's answer waits for its step when it is the last
   // worker's).
   uint32_t streams_per_shard = 2;
+  // This worker's token, when the shards were started with
+  // --worker-token-dir (their worker-<worker> file): sent with every push
+  // and clip scale. Surrounding whitespace is trimmed.
+  std::string worker_token = {};
+  // Send worker_token even though the shard set is connected without TLS
+  // (loopback testing only); otherwise Create refuses.
+  bool insecure = false;
 };
 
 // What a shard set said to one layer's push.
@@ -103,6 +110,8 @@ class GradientSink {
  private:
   struct Task;
   GradientSink(const ShardSet& shards, GradientSinkOptions options);
+  // Sends this worker's token with the call, when it has one.
+  void AddWorkerToken(grpc::ClientContext& context) const;
   void RunShard(uint32_t shard);
   // One layer to one shard, retries included.
   absl::StatusOr<layercast::v1::PushGradientsResponse> PushToShard(uint32_t shard,

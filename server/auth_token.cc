@@ -21,6 +21,14 @@ std::array<uint8_t, 32> Digest(absl::string_view text) {
 
 }  // namespace
 
+std::optional<absl::string_view> BearerTokenOf(const std::string* authorization) {
+  constexpr absl::string_view kScheme = "bearer ";
+  if (authorization == nullptr || !absl::StartsWithIgnoreCase(*authorization, kScheme)) {
+    return std::nullopt;
+  }
+  return absl::StripAsciiWhitespace(absl::string_view(*authorization).substr(kScheme.size()));
+}
+
 absl::StatusOr<AdminToken> AdminToken::FromFile(const std::string& path, FileSystem& fs) {
   // Room for a kMaxLength token and a generous amount of surrounding space.
   ASSIGN_OR_RETURN(std::string content, ReadCredentialFile(path, "admin-token-file", 2 * kMaxLength,
@@ -46,17 +54,19 @@ absl::StatusOr<AdminToken> AdminToken::FromString(absl::string_view token,
   return AdminToken(Digest(token));
 }
 
+bool AdminToken::Matches(absl::string_view presented) const {
+  const std::array<uint8_t, 32> digest = Digest(presented);
+  return CRYPTO_memcmp(digest.data(), digest_.data(), digest.size()) == 0;
+}
+
 absl::Status AdminToken::Check(const std::string* authorization) const {
-  constexpr absl::string_view kScheme = "bearer ";
-  if (authorization == nullptr || !absl::StartsWithIgnoreCase(*authorization, kScheme)) {
+  const std::optional<absl::string_view> presented = BearerTokenOf(authorization);
+  if (!presented) {
     return absl::UnauthenticatedError(
         "this call needs the shard's admin token: send the metadata 'authorization: Bearer "
         "<token>' with the token from the shard's --admin-token-file (layercast: --token-file)");
   }
-  const absl::string_view presented =
-      absl::StripAsciiWhitespace(absl::string_view(*authorization).substr(kScheme.size()));
-  const std::array<uint8_t, 32> digest = Digest(presented);
-  if (CRYPTO_memcmp(digest.data(), digest_.data(), digest.size()) != 0) {
+  if (!Matches(*presented)) {
     return absl::PermissionDeniedError(
         "the bearer token does not match this shard's --admin-token-file; send the token from "
         "that file");

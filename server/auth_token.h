@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -17,6 +18,10 @@ namespace layercast::server {
 // content nor its length leaks through timing.
 //
 // Immutable; thread-safe.
+// The token of an "authorization" metadata value "Bearer <token>" (the
+// scheme in any case); nullopt when absent (nullptr) or another scheme.
+std::optional<absl::string_view> BearerTokenOf(const std::string* authorization);
+
 class AdminToken {
  public:
   // Shortest token accepted: 16 characters (e.g. `openssl rand -hex 16`
@@ -38,6 +43,8 @@ class AdminToken {
   // UNAUTHENTICATED when absent or not a bearer credential; PERMISSION_DENIED
   // for another token. Each message says what to send.
   absl::Status Check(const std::string* authorization) const;
+  // Whether `presented` (a bearer credential's token) is this token.
+  bool Matches(absl::string_view presented) const;
 
  private:
   explicit AdminToken(const std::array<uint8_t, 32>& digest) : digest_(digest) {}

@@ -68,6 +68,12 @@ void PushGradientsReactor::Begin() {
   layer_ = view_.layer;
   worker_ = view_.worker;
   step_ = view_.step;
+  if (options_.authorize) {
+    if (absl::Status authorized = options_.authorize(worker_); !authorized.ok()) {
+      FinishOnce(wire::ToGrpcStatus(authorized));
+      return;
+    }
+  }
   if (absl::Status admitted = trainer_.BeginPush(layer_, worker_, step_); !admitted.ok()) {
     FinishOnce(wire::ToGrpcStatus(admitted));
     return;

@@ -48,6 +48,9 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
     std::function<void(PushGradientsReactor*, const grpc::Status&, uint64_t bytes,
                        const std::optional<LayerTrainer::Pushed>&)>
         on_done;
+    // Set: whether the call may push as the worker its first chunk names
+    // (--worker-token-dir); checked before the trainer sees the push.
+    std::function<absl::Status(uint32_t worker)> authorize;
   };
 
   // Everything referenced must outlive the reactor.

@@ -338,6 +338,10 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(
         "--data-parallel-workers needs --optimizer SPEC: a shard without an optimizer takes no "
         "gradients");
+  } else if (!config.worker_token_dir().empty()) {
+    return absl::InvalidArgumentError(
+        "--worker-token-dir needs --optimizer SPEC: a shard without an optimizer takes no "
+        "gradients, so no worker needs a token");
   }
   if (config.data_parallel_workers() > kMaxDataParallelWorkers) {
     return absl::InvalidArgumentError(

@@ -19,6 +19,7 @@
 #include "server/memory_plan.h"
 #include "server/model_source.h"
 #include "server/shard_checkpoint.h"
+#include "server/worker_tokens.h"
 
 namespace layercast::server {
 namespace {
@@ -104,6 +105,16 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           "--tls-cert-file and --tls-key-file beyond loopback");
     }
   }
+  std::optional<WorkerTokens> worker_tokens;
+  if (!config.worker_token_dir().empty()) {
+    ASSIGN_OR_RETURN(worker_tokens, WorkerTokens::FromDir(config.worker_token_dir(),
+                                                          config.data_parallel_workers()));
+    if (!server->security_.tls) {
+      Log()->warn(
+          "--worker-token-dir without TLS: the workers' tokens cross the network in clear text; "
+          "use --tls-cert-file and --tls-key-file beyond loopback");
+    }
+  }
   RETURN_IF_ERROR(server->UseCheckpoint());
   admin.checkpoints = server->checkpoints_.get();
   server->service_ = std::make_unique<ShardService>(
@@ -115,7 +126,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           .max_waits_per_connection = config.max_waits_per_connection(),
           .max_version_lead = config.max_version_lead(),
           .max_version_wait = std::chrono::milliseconds(config.max_version_wait_ms()),
-          .write_progress_timeout = std::chrono::milliseconds(config.write_progress_timeout_ms())},
+          .write_progress_timeout = std::chrono::milliseconds(config.write_progress_timeout_ms()),
+          .worker_tokens = std::move(worker_tokens)},
       server->metrics_, server->grants_.get_executor());
   server->admin_ = std::make_unique<ShardAdminService>(
       std::move(admin), server->service_->version_gate(), server->metrics_);

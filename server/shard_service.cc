@@ -371,6 +371,13 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   if (!trainer.ok()) return refuse(wire::ToGrpcStatus(trainer.status()));
   const Parts now = loaded();
   PushGradientsReactor::Options options;
+  if (options_.worker_tokens) {
+    // The worker is named by the first chunk: checked then, before
+    // anything is staged.
+    options.authorize = [this, context](uint32_t worker) {
+      return AuthorizeWorker(*context, worker, "a push");
+    };
+  }
   // As long as a parked stream may wait for a version: a push waiting for
   // budget waits for other workers' pushes to complete a step.
   options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
@@ -418,6 +425,16 @@ absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
   return now.trainer;
 }
 
+absl::Status ShardService::AuthorizeWorker(const grpc::CallbackServerContext& context,
+                                           uint32_t worker, absl::string_view what) const {
+  if (!options_.worker_tokens) return absl::OkStatus();
+  const auto& metadata = context.client_metadata();
+  const auto entry = metadata.find("authorization");
+  std::optional<std::string> authorization;
+  if (entry != metadata.end()) authorization.emplace(entry->second.data(), entry->second.size());
+  return options_.worker_tokens->Check(worker, authorization ? &*authorization : nullptr, what);
+}
+
 grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext* context,
                                                     const char* method,
                                                     const grpc::Status& status) {
@@ -449,6 +466,10 @@ grpc::ServerUnaryReactor* ShardService::ApplyClippedStep(
   absl::StatusOr<LayerTrainer*> trainer = Trainer();
   if (!trainer.ok()) {
     return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(trainer.status()));
+  }
+  // Worker 0 applies the clip scale (the worker library's FinishStep).
+  if (absl::Status authorized = AuthorizeWorker(*context, 0, "a clip scale"); !authorized.ok()) {
+    return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(authorized));
   }
   // Every layer's optimizer step runs here, on this gRPC thread: the
   // workers wait for this version anyway.

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -22,6 +23,7 @@
 #include "server/server_metrics.h"
 #include "server/shared_chunks.h"
 #include "server/version_gate.h"
+#include "server/worker_tokens.h"
 
 namespace layercast::server {
 
@@ -67,6 +69,9 @@ class ShardService final
     uint32_t max_version_lead = 64;
     std::chrono::milliseconds max_version_wait{5 * 60 * 1000};
     std::chrono::milliseconds write_progress_timeout{30 * 1000};
+    // Set (--worker-token-dir): a push for worker k, and a clip scale
+    // (worker 0's), need worker k's token.
+    std::optional<WorkerTokens> worker_tokens;
   };
 
   // `metrics` must outlive the service; `grants` (the shard's grant
@@ -152,6 +157,10 @@ class ShardService final
   absl::StatusOr<LayerTrainer*> Trainer() const;
   grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, const char* method,
                                         const grpc::Status& status);
+  // With worker tokens, whether the call carries worker `worker`'s; OK
+  // without them.
+  absl::Status AuthorizeWorker(const grpc::CallbackServerContext& context, uint32_t worker,
+                               absl::string_view what) const;
   // Sets the gauges of the oldest open layer step.
   void UpdateStepGauges();
 

@@ -382,6 +382,25 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
       }
     }
 
+    // Worker tokens: worker_token_dir is a Secret volume mounted there (one
+    // file per key), with a mode the shard accepts for a token.
+    const tokenDir = effective.worker_token_dir?.replace(/\/?$/, "");
+    if (tokenDir) {
+      const tokenMount = (shard.volumeMounts ?? []).find((m) => m.mountPath.replace(/\/?$/, "") === tokenDir);
+      const tokenVolume = (pod.volumes ?? []).find((v) => v.name === tokenMount?.name);
+      const mode = tokenVolume?.secret?.defaultMode ?? 0o644;
+      if (!tokenVolume?.secret) {
+        fail(sts, `the server's worker_token_dir ${tokenDir} must be a Secret volume mounted at ` +
+          `that path in container ${shard.name} (keys worker-0 .. worker-<N-1>)`);
+      } else if ((mode & 0o037) !== 0 || (tokenVolume.secret.items ?? []).some((i) => ((i.mode ?? mode) & 0o037) !== 0)) {
+        fail(sts, `volume ${tokenVolume.name} gives the worker tokens mode ${mode.toString(8).padStart(4, "0")}: ` +
+          "the shard refuses a token that other users may read; set defaultMode: 0400");
+      } else if (runAsUser !== 0 && podSecurity.fsGroup === undefined) {
+        fail(sts, `Secret files belong to root, so the non-root shard cannot read the worker tokens: ` +
+          "set the pod's securityContext.fsGroup (to its runAsGroup)");
+      }
+    }
+
     // Checkpoints must outlive the pod: checkpoint_dir on a volume from the
     // StatefulSet's volumeClaimTemplates (or an existing claim), never on an
     // emptyDir or the container's own filesystem, which die with the pod.

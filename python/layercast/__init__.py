@@ -318,12 +318,17 @@ class ShardSet:
 
 
 def connect(shards: Sequence[str], *, tls: Optional[Mapping[str, str]] = None,
-            timeout: float = 30.0) -> ShardSet:
+            timeout: float = 30.0, worker_token: Optional[str] = None,
+            insecure: bool = False) -> ShardSet:
     """Connects to the shard set at `shards` (host:port, in shard order) and
     checks its shards agree. `tls`: {root_certificates, certificate_chain,
     private_key} as PEM strings (mutual TLS with the last two); plaintext
-    without. Waits up to `timeout` seconds for shards still starting."""
+    without. Waits up to `timeout` seconds for shards still starting.
+    `worker_token`: this worker's token when the shards were started with
+    --worker-token-dir (their worker-<index> file; surrounding whitespace is
+    trimmed), sent with its gradient pushes and clip scales; refused without
+    `tls` unless `insecure` (loopback testing only)."""
     if isinstance(shards, str):
         shards = [s.strip() for s in shards.split(",") if s.strip()]
     return ShardSet(_layercast.connect(list(shards), dict(tls) if tls is not None else None,
-                                       timeout))
+                                       timeout, worker_token or "", insecure))

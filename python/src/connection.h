@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -19,6 +20,10 @@ namespace layercast::python {
 // and every layer gathered from it, so whichever of them goes last frees it.
 struct Connection {
   std::unique_ptr<client::ShardSet> set;
+  // Sent with this process's pushes and clip scales (--worker-token-dir);
+  // empty: none.
+  std::string worker_token;
+  bool insecure = false;  // the token may go over plaintext
   absl::Mutex mu;
   std::map<uint32_t, std::unique_ptr<client::GradientSink>> sinks ABSL_GUARDED_BY(mu);
 

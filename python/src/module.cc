@@ -125,5 +125,5 @@ PYBIND11_MODULE(_layercast, module) {
       .def("read", &PyMirror::Read);
 
   module.def("connect", &Connect, py::arg("shards"), py::arg("tls") = py::none(),
-             py::arg("timeout") = 30.0);
+             py::arg("timeout") = 30.0, py::arg("worker_token") = "", py::arg("insecure") = false);
 }

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/bearer_token.h"
 #include "python/src/errors.h"
 
 namespace layercast::python {
@@ -212,7 +213,10 @@ PyPush PyShardSet::PushGradients(uint64_t step, uint32_t worker, uint32_t layer,
     absl::MutexLock lock(&connection->mu);
     std::unique_ptr<client::GradientSink>& slot = connection->sinks[worker];
     if (slot == nullptr) {
-      slot = ValueOrRaise(client::GradientSink::Create(*connection->set, {.worker = worker}));
+      slot = ValueOrRaise(
+          client::GradientSink::Create(*connection->set, {.worker = worker,
+                                                          .worker_token = connection->worker_token,
+                                                          .insecure = connection->insecure}));
     }
     sink = slot.get();  // lives as long as `connection`, held here
   }
@@ -259,8 +263,17 @@ void PyShardSet::Close() {
   for (auto& [worker, sink] : connection->sinks) sink->Flush().IgnoreError();
 }
 
-PyShardSet Connect(std::vector<std::string> addresses, std::optional<py::dict> tls,
-                   double timeout) {
+PyShardSet Connect(std::vector<std::string> addresses, std::optional<py::dict> tls, double timeout,
+                   const std::string& worker_token, bool insecure) {
+  std::string token;
+  if (!worker_token.empty()) {
+    token = ValueOrRaise(client::CleanBearerToken(worker_token, "worker_token"));
+    if (absl::Status plain =
+            client::CheckTokenTransport(tls.has_value(), insecure, "insecure=True");
+        !plain.ok()) {
+      Raise(plain);
+    }
+  }
   client::ShardSetOptions options;
   options.connect_timeout = Milliseconds(timeout);
   options.credentials = Credentials(tls);
@@ -271,6 +284,8 @@ PyShardSet Connect(std::vector<std::string> addresses, std::optional<py::dict> t
   }
   auto connection = std::make_shared<Connection>();
   connection->set = ValueOrRaise(std::move(set));
+  connection->worker_token = std::move(token);
+  connection->insecure = insecure;
   return PyShardSet(std::move(connection));
 }
 

@@ -96,7 +96,9 @@ class PyShardSet {
 };
 
 // `tls`: {root_certificates, certificate_chain, private_key}, PEM strings.
+// `worker_token` (empty: none): sent with this connection's pushes and clip
+// scales; refused over plaintext unless `insecure`.
 PyShardSet Connect(std::vector<std::string> addresses, std::optional<pybind11::dict> tls,
-                   double timeout);
+                   double timeout, const std::string& worker_token, bool insecure);
 
 }  // namespace layercast::python

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Offline checks of deploy/ (no cluster, no Docker engine):
-#  1. kubectl kustomize renders the base and the example overlay;
+#  1. kubectl kustomize renders the base and the example and training overlays;
 #  2. deploy/validate checks every rendered object against the Kubernetes and
 #     Prometheus Operator schemas (strict about field names) and across
 #     objects (headless Service, probe ports, shard count, memory, drain...);
@@ -69,13 +69,17 @@ step "npm ci (deploy/validate)" npm_install
 step "kubectl kustomize deploy/k8s/base" sh -c "kubectl kustomize deploy/k8s/base > '$tmp/base.yaml'"
 step "kubectl kustomize deploy/k8s/overlays/example" \
   sh -c "kubectl kustomize deploy/k8s/overlays/example > '$tmp/example.yaml'"
+step "kubectl kustomize deploy/k8s/overlays/training" \
+  sh -c "kubectl kustomize deploy/k8s/overlays/training > '$tmp/training.yaml'"
 
 step "validate rendered manifests (schemas, field names, cross-object, memory by dry run)" \
   node deploy/validate/validate.mjs --repo "$root" \
-  ${bin_dir:+--shard-binary "$bin_dir/layercast-shard"} "$tmp/base.yaml" "$tmp/example.yaml"
+  ${bin_dir:+--shard-binary "$bin_dir/layercast-shard"} "$tmp/base.yaml" "$tmp/example.yaml" \
+  "$tmp/training.yaml"
 
 step "yamllint deploy/ tests/deploy/ and the rendered manifests" \
-  yamllint -c deploy/.yamllint deploy tests/deploy "$tmp/base.yaml" "$tmp/example.yaml"
+  yamllint -c deploy/.yamllint deploy tests/deploy "$tmp/base.yaml" "$tmp/example.yaml" \
+  "$tmp/training.yaml"
 
 step "Dockerfile" node deploy/validate/dockerfile.mjs --repo "$root" ${bin_dir:+--bin-dir "$bin_dir"} \
   deploy/docker/Dockerfile

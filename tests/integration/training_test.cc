@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <thread>
@@ -57,9 +58,11 @@ struct PushOutcome {
 // Sends `chunks` on one PushGradients stream to shard `shard` and
 // half-closes it.
 PushOutcome Push(const client::ShardSet& set, uint32_t shard,
-                 const std::vector<layercast::v1::GradientChunk>& chunks) {
+                 const std::vector<layercast::v1::GradientChunk>& chunks,
+                 const std::string& token = "") {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
   PushOutcome outcome;
   auto writer = set.stub(shard).PushGradients(&context, &outcome.response);
   for (const auto& chunk : chunks) {
@@ -396,6 +399,59 @@ TEST_F(TrainingTest, APushThatStopsSendingIsCutOffAndLeavesNothing) {
   outcome = Push(set, 0, Chunks(set, layer, 1, 0, 0));
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
   EXPECT_TRUE(outcome.response.applied());
+}
+
+// With --worker-token-dir a push or a clip scale for worker k needs worker
+// k's token: another peer, or another worker, can neither poison worker k's
+// share of the mean nor take its place (the real worker k used to get
+// ALREADY_EXISTS), and the real worker's push counts.
+TEST_F(TrainingTest, WorkerTokensKeepEachWorkersPushItsOwn) {
+  const std::string dir = MakeTempDir("worker-tokens");
+  const std::vector<std::string> tokens = {"worker-zero-token-0123456789abcdef",
+                                           "worker-one-token-0123456789abcdef"};
+  for (size_t k = 0; k < tokens.size(); ++k) {
+    const std::string path = absl::StrCat(dir, "/worker-", k);
+    std::ofstream(path) << tokens[k] << "\n";
+    std::filesystem::permissions(
+        path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  }
+  ASSERT_NO_FATAL_FAILURE(Start(1, 2, {"--worker-token-dir", dir}));
+  const client::ShardSet& set = *shards_.set;
+  const std::vector<layercast::v1::GradientChunk> good = Chunks(set, 1, 0, 0, 0);
+  PushOutcome outcome = Push(set, 0, good);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("needs that worker's token"));
+  outcome = Push(set, 0, good, tokens[1]);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("a push for worker 0"));
+  {
+    grpc::ClientContext context;
+    layercast::v1::ApplyClippedStepRequest request;
+    request.set_scale(1.0f);
+    layercast::v1::ApplyClippedStepResponse response;
+    EXPECT_EQ(set.stub(0).ApplyClippedStep(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // The worker library sends its token, over plaintext only when told to.
+  EXPECT_EQ(
+      client::GradientSink::Create(set, {.worker = 0, .worker_token = tokens[0]}).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  for (uint32_t w = 0; w < 2; ++w) {
+    auto sink = client::GradientSink::Create(set, {.worker = w,
+                                                   .chunk_bytes = kChunkBytes,
+                                                   .worker_token = tokens[w] + "\n",
+                                                   .insecure = true});
+    ASSERT_TRUE(sink.ok()) << sink.status();
+    auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[1].total_bytes());
+    ASSERT_TRUE(gradient.ok());
+    ASSERT_TRUE(tools::FillSyntheticGradient(set.view().gradient_layouts[1], w, 0, 1,
+                                             {gradient->data(), gradient->size()})
+                    .ok());
+    ASSERT_TRUE((*sink)->Push(1, 0, *std::move(gradient)).ok());
+    const absl::Status flushed = (*sink)->Flush();
+    ASSERT_TRUE(flushed.ok()) << flushed;
+  }
+  EXPECT_EQ(LayerVersion(set, 1), 1u);
 }
 
 // The worker library's sink: W workers' pushes advance every layer once per

@@ -128,8 +128,14 @@ def test_a_token_is_checked_before_anything_is_sent(served, capfd):
         assert invalid.value.code == "INVALID_ARGUMENT"
         assert "control character" in invalid.value.message
         assert shard_set.version() == version
+    # A worker's token, likewise, before the connection is made.
+    with pytest.raises(layercast.Error) as worker_clear_text:
+        layercast.connect(shards.addresses, worker_token=token_text(shards))
+    assert worker_clear_text.value.code == "INVALID_ARGUMENT"
+    assert "insecure=True" in worker_clear_text.value.message
     captured = capfd.readouterr()
-    for text in (str(clear_text.value), str(invalid.value), captured.out, captured.err):
+    for text in (str(clear_text.value), str(invalid.value), str(worker_clear_text.value),
+                 captured.out, captured.err):
         assert TOKEN[10:] not in text, "a message printed the token"
 
 
