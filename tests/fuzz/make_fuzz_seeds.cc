@@ -16,8 +16,10 @@
 #include "core/crc32c.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
+#include "layercast/v1/admin.pb.h"
 #include "server/parameter_store.h"
 #include "server/shard_service.h"
+#include "tests/fuzz/publish_stage_fixture.h"
 #include "tests/fuzz/safetensors_input.h"
 #include "wire/chunk_encoder.h"
 #include "wire/gradient_chunks.h"
@@ -287,6 +289,42 @@ void GradientDecoderSeeds(const fs::path& dir) {
   Write(dir, "invalid_corrupt", header + corrupt);
 }
 
+// Inputs of publish_stage_fuzzer (see there): the whole publish of the
+// fixture shard, as its publisher would send it, and broken variants.
+void PublishStageSeeds(const fs::path& dir) {
+  server::ParameterStore& store = PublishStageFixture();
+  std::vector<std::string> frames;
+  for (uint32_t l = 0; l < store.model().layers.size(); ++l) {
+    for (uint32_t t = 0; t < store.model().layers[l].tensors.size(); ++t) {
+      const ElementRange owned = store.owned(l, t);
+      std::vector<float> values(owned.size());
+      for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i % 7);
+      layercast::v1::PublishChunk chunk;
+      chunk.set_publish_id("p");
+      chunk.set_layer(l);
+      chunk.set_tensor(t);
+      chunk.set_element_offset(owned.begin);
+      chunk.set_dtype(layercast::v1::FLOAT32);
+      chunk.set_data(values.data(), values.size() * sizeof(float));
+      chunk.set_crc32c(Crc32c(chunk.data().data(), chunk.data().size()));
+      const std::string bytes = chunk.SerializeAsString();
+      frames.push_back(std::string{static_cast<char>(bytes.size() & 0xff),
+                                   static_cast<char>(bytes.size() >> 8)} +
+                       bytes);
+    }
+  }
+  std::string all;
+  for (const std::string& frame : frames) all += frame;
+  Write(dir, "valid_whole", std::string(1, '\0') + all);
+  Write(dir, "valid_right_id", std::string(1, '\1') + all);
+  Write(dir, "invalid_missing_last",
+        std::string(1, '\0') + all.substr(0, all.size() - frames.back().size()));
+  Write(dir, "invalid_layer_outside", std::string(1, '\2') + all);
+  std::string corrupt = frames[0];
+  corrupt[corrupt.size() - 8] ^= 0x40;
+  Write(dir, "invalid_corrupt", std::string(1, '\0') + corrupt + all);
+}
+
 }  // namespace
 }  // namespace layercast::fuzz
 
@@ -305,6 +343,7 @@ int main(int argc, char** argv) {
   layercast::fuzz::FetchPlanSeeds(out / "fetch_plan");
   layercast::fuzz::ChunkDecoderSeeds(out / "chunk_decoder");
   layercast::fuzz::GradientDecoderSeeds(out / "gradient_decoder");
+  layercast::fuzz::PublishStageSeeds(out / "publish_stage");
   fs::remove_all(scratch);
   return 0;
 }
