@@ -56,7 +56,12 @@ layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
   request.set_min_version(options_.min_version);
   request.set_expect_content_fingerprint(shards_[shard].content_fingerprint);
   request.set_recast(recast);
-  if (options_.base_version) request.set_base_version(*options_.base_version);
+  if (options_.base_version) {
+    request.set_base_version(*options_.base_version);
+    if (shard < options_.base_incarnations.size() && options_.base_incarnations[shard] != 0) {
+      request.set_base_incarnation(options_.base_incarnations[shard]);
+    }
+  }
   if (options_.exact_version) request.set_exact_version(*options_.exact_version);
   request.set_will_pull_deltas(options_.will_pull_deltas);
   // A resumed stream asks for the range from its first missing element: the
@@ -104,6 +109,12 @@ void LayerGather::Settle(uint32_t shard) {
   // One place decides that a gather never mixes versions: every stream of
   // every shard and attempt must match the first version any stream sent.
   if (const std::optional<uint64_t> version = s.stream->version(); version) {
+    // The incarnation of the last stream that delivered: a resumed stream
+    // of a shard restarted mid-gather at the same version serves the same
+    // values (the model's, or its checkpoint's), so the gather resumes.
+    if (const std::optional<uint64_t> incarnation = s.stream->incarnation(); incarnation) {
+      s.incarnation = *incarnation;
+    }
     newest_version_ = std::max(newest_version_, *version);
     if (version_ && *version != *version_) {
       if (failure_.ok()) {
@@ -213,6 +224,10 @@ absl::StatusOr<uint64_t> LayerGather::Run() {
   if (!failure_.ok()) {
     return absl::Status(failure_.code(),
                         absl::StrCat("gathering layer ", layer_, ": ", failure_.message()));
+  }
+  if (options_.incarnations != nullptr) {
+    options_.incarnations->clear();
+    for (const ShardState& s : state_) options_.incarnations->push_back(s.incarnation);
   }
   return version_.value_or(default_version_);
 }

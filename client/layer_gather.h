@@ -63,6 +63,8 @@ class LayerGather {
     int attempts = 0;
     std::optional<std::chrono::steady_clock::time_point> retry_at;
     absl::Status last_error;
+    // Of the shard's streams that delivered chunks; 0 before one did.
+    uint64_t incarnation = 0;
   };
 
   // The runs shard `shard` owns within the requested range.

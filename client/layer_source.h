@@ -6,6 +6,7 @@
 #include <optional>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/cancellation.h"
@@ -28,6 +29,15 @@ struct GatherOptions {
   // (and counts it: layercast_client_delta_fallbacks_total). A layer with
   // an 8-bit float tensor is always pulled in full: no delta carries scales.
   std::optional<uint64_t> base_version;
+  // With base_version: per shard, the incarnation that served the base (as
+  // `incarnations` of that gather gave it; empty or 0: unknown). A shard
+  // that restarted since refuses the delta, since its version numbers may
+  // name other values, and the layer is pulled in full.
+  std::vector<uint64_t> base_incarnations;
+  // If set, filled once the gather succeeds: per shard, the incarnation
+  // that served it (0 when the shard did not say), for the next delta's
+  // base_incarnations.
+  std::vector<uint64_t>* incarnations = nullptr;
   // A pinned read: the layer at exactly this version (waited for when the
   // shards are not there yet), as a walk of the whole model at one version
   // asks for every layer (FetchLayerRequest.exact_version). A shard whose

@@ -21,12 +21,14 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
   // brings the rest there.
   ASSIGN_OR_RETURN(const uint64_t start, shards.CurrentVersion());
   std::vector<Layer> layers;
+  std::vector<std::vector<uint64_t>> incarnations(shards.model().layers.size());
   uint64_t newest = start;
   for (uint32_t layer = 0; layer < shards.model().layers.size(); ++layer) {
     GatherOptions gather;
     gather.timeout = options.layer_timeout;
     gather.exact_version = start;
     gather.will_pull_deltas = true;
+    gather.incarnations = &incarnations[layer];
     absl::StatusOr<Layer> pulled = shards.Gather(layer, gather);
     if (absl::IsAborted(pulled.status())) {
       gather.exact_version.reset();
@@ -37,18 +39,21 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
     newest = std::max(newest, pulled->version());
     layers.push_back(*std::move(pulled));
   }
-  std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, options, std::move(layers)));
+  std::unique_ptr<ModelMirror> mirror(
+      new ModelMirror(shards, options, std::move(layers), std::move(incarnations)));
   // A publish committed during the walk: the layers before it are brought
   // to the same version.
   if (mirror->version() < newest) RETURN_IF_ERROR(mirror->Update(newest).status());
   return mirror;
 }
 
-ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers)
+ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers,
+                         std::vector<std::vector<uint64_t>> incarnations)
     : shards_(shards),
       options_(options),
       layers_(std::move(layers)),
-      torn_(layers_.size(), false) {}
+      torn_(layers_.size(), false),
+      incarnations_(std::move(incarnations)) {}
 
 ModelMirror::~ModelMirror() { StopFollowing(); }
 
@@ -108,6 +113,11 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
     // longer keeps it (ABORTED) gives the layer at its newest instead.
     gather.exact_version = target;
     gather.base_version = layer.version();
+    // A shard restarted since refuses the delta (its versions may name
+    // other values) and the layer comes in full.
+    gather.base_incarnations = incarnations_[i];
+    std::vector<uint64_t> served;
+    gather.incarnations = &served;
     gather.will_pull_deltas = true;
     gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
     absl::StatusOr<uint64_t> version = shards_.GatherInto(i, gather, layer.mutable_bytes());
@@ -126,6 +136,7 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
       return version.status();
     }
     layer.set_version(*version);
+    incarnations_[i] = std::move(served);
     torn_[i] = false;
     ++update.layers;
   }

@@ -114,7 +114,8 @@ class ModelMirror {
   Reading Read() const { return Reading(this); }
 
  private:
-  ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers);
+  ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers,
+              std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The follower's long poll: the version shard 0 serves once it reaches
   // `min_version` or the poll ends (then below it); StopFollowing cancels it.
@@ -128,6 +129,9 @@ class ModelMirror {
   mutable absl::Mutex mu_;
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> torn_ ABSL_GUARDED_BY(mu_);
+  // Per layer, per shard: the incarnation that served the layer's version,
+  // named as the base of its next delta.
+  std::vector<std::vector<uint64_t>> incarnations_ ABSL_GUARDED_BY(mu_);
 
   absl::Mutex follow_mu_;
   bool stopping_ ABSL_GUARDED_BY(follow_mu_) = false;

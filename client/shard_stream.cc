@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "wire/grpc_status.h"
+#include "wire/incarnation.h"
 
 namespace layercast::client {
 namespace {
@@ -48,6 +49,10 @@ void ShardStream::OnReadDone(bool ok) {
 }
 
 void ShardStream::OnDone(const grpc::Status& status) {
+  const auto& metadata = context_.GetServerInitialMetadata();
+  if (const auto it = metadata.find(wire::kIncarnationMetadata); it != metadata.end()) {
+    incarnation_ = wire::ParseIncarnation(absl::string_view(it->second.data(), it->second.size()));
+  }
   if (!protocol_error_.ok()) {
     status_ = absl::Status(protocol_error_.code(),
                            absl::StrCat(describe_, " ", protocol_error_.message()));

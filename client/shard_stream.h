@@ -45,6 +45,10 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   const absl::Status& status() const { return status_; }
   // Version of the chunks received; nullopt if the shard sent none.
   std::optional<uint64_t> version() const { return decoder_.version(); }
+  // Valid after on_done: the incarnation of the shard that served the
+  // stream (its "layercast-incarnation" metadata); nullopt when it sent
+  // none.
+  std::optional<uint64_t> incarnation() const { return incarnation_; }
   // Valid after on_done: what has not arrived intact yet, for resuming.
   std::vector<Run> RemainingRuns() const { return decoder_.RemainingRuns(); }
 
@@ -62,6 +66,7 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   grpc::ByteBuffer incoming_;
   absl::Status protocol_error_;  // set when the shard broke the contract
   absl::Status status_;
+  std::optional<uint64_t> incarnation_;
 };
 
 }  // namespace layercast::client

@@ -88,6 +88,15 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
     }
   }
 
+  if (request.has_base_version() && request.has_base_incarnation() &&
+      request.base_incarnation() != store.incarnation()) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "the delta's base, version ", request.base_version(), " of layer ", request.layer(),
+        ", was served by an earlier start of this shard (incarnation ", request.base_incarnation(),
+        "; now ", store.incarnation(),
+        "): version numbers restart with the shard, so that "
+        "version may name other values here; pull the layer in full"));
+  }
   if (request.has_base_version()) {
     for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
       const DType dtype = layout.tensors()[t].compute_dtype;

@@ -1,5 +1,7 @@
 #include "server/parameter_store.h"
 
+#include <random>
+
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +36,10 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Load(
   store->policy_ = std::move(policy);
   store->shard_index_ = shard_index;
   store->num_shards_ = num_shards;
+  std::random_device random;
+  do {
+    store->incarnation_ = uint64_t{random()} << 32 | random();
+  } while (store->incarnation_ == 0);
   const std::vector<LayerSpec>& layers = store->model_.layers;
   ASSIGN_OR_RETURN(store->layouts_, ShardedLayouts(store->model_, store->policy_, num_shards));
   ASSIGN_OR_RETURN(store->layout_digest_, LayoutDigest(store->model_, store->policy_));

@@ -52,6 +52,10 @@ class ParameterStore {
   // The source's ParameterSource::Fingerprint(), read once at Load.
   const ContentFingerprint& content_fingerprint() const { return content_fingerprint_; }
   uint64_t master_bytes() const { return master_bytes_; }
+  // Random and never 0, drawn at Load: which start of the shard holds these
+  // values (Manifest.incarnation). A version names one set of values only
+  // within one incarnation.
+  uint64_t incarnation() const { return incarnation_; }
 
   // REQUIRES: layer < model().layers.size().
   const AssembledLayout& layout(uint32_t layer) const { return layouts_[layer]; }
@@ -87,6 +91,7 @@ class ParameterStore {
   std::array<uint8_t, 32> layout_digest_{};
   ContentFingerprint content_fingerprint_{};
   uint64_t master_bytes_ = 0;
+  uint64_t incarnation_ = 0;
   std::vector<AssembledLayout> layouts_;
   std::vector<std::vector<Slice>> slices_;
   std::vector<std::unique_ptr<absl::Mutex>> layer_mutexes_;

@@ -13,6 +13,7 @@
 #include "server/wait_version_reactor.h"
 #include "wire/cast_error_report.h"
 #include "wire/grpc_status.h"
+#include "wire/incarnation.h"
 
 namespace layercast::server {
 namespace {
@@ -48,6 +49,7 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
       std::string(store.layout_digest().begin(), store.layout_digest().end()));
   manifest.set_content_fingerprint(
       std::string(store.content_fingerprint().begin(), store.content_fingerprint().end()));
+  manifest.set_incarnation(store.incarnation());
   for (uint32_t l = 0; l < model.layers.size(); ++l) {
     const LayerSpec& spec = model.layers[l];
     const AssembledLayout& layout = store.layout(l);
@@ -229,6 +231,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   }
   auto [store, budget, shared, trainer, changes, pinned, cast_errors] = loaded();
   if (store == nullptr) return Refuse(kLoading);
+  // Which start of the shard serves the stream: the worker names it again
+  // as the base of its next delta (FetchLayerRequest.base_incarnation).
+  context->AddInitialMetadata(wire::kIncarnationMetadata, absl::StrCat(store->incarnation()));
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
 

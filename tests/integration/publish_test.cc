@@ -349,6 +349,64 @@ TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
   EXPECT_EQ(update->layers, 0u) << "nothing new to pull";
 }
 
+// Version numbers restart with a shard's process: after the set restarts
+// without checkpoints, version 1 names other values than it did before. A
+// mirror that held the old version 1 asks for a delta from 1 to 2; the
+// shards, now another incarnation, refuse it and the mirror pulls in full,
+// ending with exactly what they serve. (It used to apply the delta to its
+// old values and end with every value that changed between the two version
+// 1s wrong, while reporting version 2.)
+TEST_F(PublishTest, AMirrorPullsInFullFromShardsThatRestartedInsteadOfAWrongDelta) {
+  // Every `every`-th value of each tensor nudged by a quarter.
+  const auto nudged_every = [this](size_t every) {
+    auto values = model_.values;
+    for (auto& [name, tensor] : values) {
+      for (size_t i = 0; i < tensor.size(); i += every) tensor[i] *= 1.25f;
+    }
+    return values;
+  };
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  ASSERT_TRUE(publisher.Publish(View(nudged_every(3))).ok());
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> created =
+      client::ModelMirror::Create(*shards_.set);
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::ModelMirror& mirror = **created;
+  ASSERT_EQ(mirror.version(), 1u);
+  for (uint32_t shard = 0; shard < 2; ++shard) {
+    shards_.processes->KillForTest(shard);
+    ASSERT_EQ(shards_.processes->RestartForTest(shard), absl::OkStatus());
+  }
+  // Loaded again (a gather waits out shards still loading), at version 0.
+  absl::StatusOr<client::Layer> restarted = shards_.set->Gather(0);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  ASSERT_EQ(restarted->version(), 0u);
+  // Version 1 again, now the model's own values; then version 2.
+  ASSERT_TRUE(publisher.Publish(View(model_.values)).ok());
+  absl::StatusOr<client::PublishResult> second = publisher.Publish(View(nudged_every(5)));
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->version, 2u);
+  const std::optional<double> fallbacks_before =
+      CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total");
+  absl::StatusOr<client::MirrorUpdate> update = mirror.Update();
+  ASSERT_TRUE(update.ok()) << update.status();
+  auto reading = mirror.Read();
+  EXPECT_EQ(reading.version(), 2u);
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    const client::Layer& held = reading.layer(l);
+    const std::vector<uint8_t> full = Bytes(l);
+    for (size_t t = 0; t < held.num_tensors(); ++t) {
+      const std::span<const uint8_t> tensor = held.tensor(t).bytes;
+      EXPECT_EQ(std::memcmp(tensor.data(), full.data() + (tensor.data() - held.bytes().data()),
+                            tensor.size()),
+                0)
+          << held.tensor(t).name;
+    }
+  }
+  EXPECT_GE(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total").value_or(0),
+            fallbacks_before.value_or(0) + shards_.set->model().layers.size())
+      << "every layer came in full";
+}
+
 // A gather pinned to `version`, a delta from `base` when given.
 client::GatherOptions Pinned(uint64_t version, std::optional<uint64_t> base = std::nullopt) {
   client::GatherOptions options;

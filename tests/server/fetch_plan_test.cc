@@ -56,6 +56,17 @@ TEST(FetchPlanTest, RefusesWithTheDocumentedCodes) {
   request.set_range_end(0);
   request.set_expect_dtype(layercast::v1::FLOAT16);
   EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kFailedPrecondition);
+  request.clear_expect_dtype();
+  // A delta whose base another start of the shard served: its version may
+  // name other values here.
+  request.set_base_version(0);
+  request.set_base_incarnation(store->incarnation() ^ 1);
+  const absl::Status restarted = PlanFetch(*store, request).status();
+  EXPECT_EQ(restarted.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(restarted.message()), ::testing::HasSubstr("earlier start"));
+  request.set_base_incarnation(store->incarnation());
+  EXPECT_TRUE(PlanFetch(*store, request).ok()) << "the same start: the delta is planned";
+  EXPECT_NE(store->incarnation(), Store(0, 2)->incarnation()) << "every load is a new start";
 }
 
 // A slice of 1000 bf16 elements from element 3000, in chunks of 64 bytes:
