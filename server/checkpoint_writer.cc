@@ -46,10 +46,14 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
   return metadata;
 }
 
-absl::Status AppendFloats(SafetensorsWriter& writer, std::span<const float> values) {
+// Appends `values`, hashing each piece into `written` as it goes out: the
+// hash of what the file holds, from the same pass as its data.
+absl::Status AppendFloats(SafetensorsWriter& writer, std::span<const float> values,
+                          Sha256& written) {
   std::span<const uint8_t> bytes = FloatBytes(values);
   while (!bytes.empty()) {
     const size_t n = std::min(bytes.size(), kAppendBytes);
+    written.Update(bytes.first(n));
     RETURN_IF_ERROR(writer.Append(bytes.first(n)));
     bytes = bytes.subspan(n);
   }
@@ -81,12 +85,24 @@ absl::StatusOr<uint64_t> WriteAndRename(const ParameterStore& store,
   *created = true;
   ASSIGN_OR_RETURN(auto writer, SafetensorsWriter::Create(std::move(file), tmp, headers, metadata));
   const std::vector<LayerSpec>& layers = store.model().layers;
+  Sha256 hashed;
   for (uint32_t l = 0; l < layers.size(); ++l) {
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
-      RETURN_IF_ERROR(AppendFloats(*writer, Owned(store, l, t)));
+      RETURN_IF_ERROR(AppendFloats(*writer, Owned(store, l, t), hashed));
     }
   }
-  for (const auto& [name, values] : extras.tensors) RETURN_IF_ERROR(AppendFloats(*writer, values));
+  for (const auto& [name, values] : extras.tensors) {
+    RETURN_IF_ERROR(AppendFloats(*writer, values, hashed));
+  }
+  // The header's checksum was computed in a first pass: data that changed
+  // since (a writer of the master that did not wait for the checkpoint)
+  // would make a file that fails its own check at the next start. Such a
+  // file never replaces the previous checkpoint.
+  if (const std::string checksum = hashed.Finish(); checksum != metadata.at("checksum")) {
+    return absl::AbortedError("the master changed while it was written (its data hashes to " +
+                              checksum + ", not the header's " + metadata.at("checksum") +
+                              "); write the checkpoint again");
+  }
   RETURN_IF_ERROR(writer->Finish());
   ASSIGN_OR_RETURN(auto written, fs.OpenForRead(tmp));
   const uint64_t size = written->size();

@@ -44,6 +44,10 @@ struct CheckpointExtras {
 //   3. rename it to `shard-<i>-of-<N>.safetensors`, which so is 0600 too;
 //   4. fsync `dir`.
 //
+// The data is hashed again as it is written; a file whose data does not
+// hash to its header's checksum (the store changed between the passes) is
+// ABORTED before step 3.
+//
 // A failure before step 3 leaves the previous checkpoint untouched and
 // removes the temporary file if this call created it (best effort: a crash
 // leaves it, and nothing reads it). A failure in step 4 is reported, though

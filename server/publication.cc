@@ -228,6 +228,11 @@ absl::StatusOr<Publications::Committed> Publications::CommitLocked(Open& open) {
   return committed;
 }
 
+void Publications::WithoutCommits(absl::FunctionRef<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  fn();
+}
+
 void Publications::Abort(const std::string& publish_id, const std::string& why) {
   absl::MutexLock lock(&mu_);
   if (!open_ || open_->id != publish_id) return;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/admin.pb.h"
@@ -69,6 +70,11 @@ class Publications {
   // FAILED_PRECONDITION naming the first tensor not staged whole; NOT_FOUND
   // for a publish neither open nor the last committed.
   absl::StatusOr<Committed> Commit(const std::string& publish_id);
+  // Runs `fn` while no publish commits (a commit, and staging, wait for it):
+  // a checkpoint of a read-only shard is written under it, so that the file
+  // holds the master of one version, the one read inside.
+  void WithoutCommits(absl::FunctionRef<void()> fn);
+
   // Drops publish `publish_id` if it is open.
   void Abort(const std::string& publish_id, const std::string& why = "aborted by the publisher");
 

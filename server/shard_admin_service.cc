@@ -84,30 +84,31 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
   // The previous writer has finished (writing_ is false); reap it.
   if (writer_.joinable()) writer_.join();
   writing_ = true;
-  writer_ = std::thread([this, reactor, response, store = store_, trainer = trainer_] {
-    absl::StatusOr<CheckpointInfo> info =
-        WriteShardCheckpoint(*options_.checkpoints, *store, trainer, gate_.version(), true);
-    grpc::Status status;
-    if (info.ok()) {
-      response->set_path(info->path);
-      response->set_bytes(info->bytes);
-      response->set_version(info->version);
-      response->set_seconds(info->seconds);
-      response->set_shard_index(store->shard_index());
-      response->set_num_shards(store->num_shards());
-      response->set_checksum(info->checksum);
-      Log()->info("checkpoint version {} written to {} in {:.2f} s", info->version, info->path,
-                  info->seconds);
-    } else {
-      status = wire::ToGrpcStatus(info.status());
-      Log()->error("{}", info.status().message());
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-    }
-    Finish(reactor, status);
-  });
+  writer_ = std::thread(
+      [this, reactor, response, store = store_, trainer = trainer_, publications = publications_] {
+        absl::StatusOr<CheckpointInfo> info =
+            WriteShardCheckpoint(*options_.checkpoints, *store, trainer, publications, gate_, true);
+        grpc::Status status;
+        if (info.ok()) {
+          response->set_path(info->path);
+          response->set_bytes(info->bytes);
+          response->set_version(info->version);
+          response->set_seconds(info->seconds);
+          response->set_shard_index(store->shard_index());
+          response->set_num_shards(store->num_shards());
+          response->set_checksum(info->checksum);
+          Log()->info("checkpoint version {} written to {} in {:.2f} s", info->version, info->path,
+                      info->seconds);
+        } else {
+          status = wire::ToGrpcStatus(info.status());
+          Log()->error("{}", info.status().message());
+        }
+        {
+          absl::MutexLock lock(&mu_);
+          writing_ = false;
+        }
+        Finish(reactor, status);
+      });
   return reactor;
 }
 

@@ -6,17 +6,22 @@
 #include "server/checkpoint_manager.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
+#include "server/publication.h"
+#include "server/version_gate.h"
 
 namespace layercast::server {
 
-// Writes the shard's checkpoint through `checkpoints`: its fp32 master at
-// `version`, or, for a training shard (`trainer` not null), its master and
-// optimizer state with every layer's steps paused for the write, at the
-// model's version (see LayerTrainer::WriteWithState). `try_only`: ABORTED at
-// once while another write is in progress (CheckpointManager::TryWrite).
+// Writes the shard's checkpoint through `checkpoints`, holding one version
+// of the master for the whole write: a read-only shard's with no publish
+// committing meanwhile (`publications`, when not null), at the model's
+// version in `gate` then; a training shard's (`trainer` not null) master
+// and optimizer state with every layer's steps paused, at the model's
+// version (see LayerTrainer::WriteWithState). `try_only`: ABORTED at once
+// while another write is in progress (CheckpointManager::TryWrite).
 absl::StatusOr<CheckpointInfo> WriteShardCheckpoint(CheckpointManager& checkpoints,
                                                     const ParameterStore& store,
-                                                    LayerTrainer* trainer, uint64_t version,
-                                                    bool try_only);
+                                                    LayerTrainer* trainer,
+                                                    Publications* publications,
+                                                    const VersionGate& gate, bool try_only);
 
 }  // namespace layercast::server

@@ -502,7 +502,8 @@ absl::Status ShardServer::CheckpointOnExit() {
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(CheckpointInfo info,
-                   WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), version, false));
+                   WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), publications_.get(),
+                                        service_->version_gate(), false));
   Log()->info("checkpoint version {} written to {} ({}) in {:.2f} s", info.version, info.path,
               FormatBytes(info.bytes), info.seconds);
   return absl::OkStatus();

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -16,8 +17,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/weight_publisher.h"
 #include "core/cast.h"
+#include "core/policy.h"
+#include "core/synthetic_model.h"
 #include "layercast/v1/admin.grpc.pb.h"
+#include "server/checkpoint_source.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 
@@ -173,6 +178,97 @@ TEST(CheckpointTest, SigtermWritesTheCheckpointUnlessTurnedOff) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/shard-0-of-1.safetensors"));
   EXPECT_THAT(ReadLog(logs, 0), AllOf(HasSubstr("received SIGTERM, draining"),
                                       HasSubstr("checkpoint version 0 written to")));
+}
+
+// Checkpoints taken while publishes commit each hold one version: the
+// version they are labelled with, and exactly that version's values, under
+// a checksum that matches. (Checkpoints read the master twice, without
+// waiting for commits: 296 of 349 taken during a publish loop were torn or
+// mislabelled, and a torn one kept the shard from starting.)
+TEST(CheckpointTest, CheckpointsTakenDuringPublishesHoldOneVersionEach) {
+  const std::string dir = MakeTempDir("checkpoints");
+  // 7M parameters: a checkpoint takes long enough for commits to land in it.
+  const std::string spec = "llama:layers=2,hidden=512,ffn=1536,vocab=64,seed=5";
+  auto processes = StartProcesses(
+      1, {"--synthetic", spec, "--policy", kPolicy, "--checkpoint-dir", dir, "--admin-token-file",
+          WriteToken(dir), "--checkpoint-on-sigterm", "false"});
+  ASSERT_NE(processes, nullptr);
+  auto set = Connect(*processes);
+  ASSERT_NE(set, nullptr);
+  auto source = SyntheticModel::Create(spec);
+  ASSERT_TRUE(source.ok()) << source.status();
+  std::map<std::string, std::vector<float>> initial;
+  for (uint32_t l = 0; l < (*source)->model().layers.size(); ++l) {
+    for (uint32_t t = 0; t < (*source)->model().layers[l].tensors.size(); ++t) {
+      const TensorSpec& tensor = (*source)->model().layers[l].tensors[t];
+      std::vector<float>& values = initial[tensor.name];
+      values.resize(tensor.num_elements);
+      ASSERT_TRUE((*source)->Read(l, t, ElementRange{0, tensor.num_elements}, values).ok());
+    }
+  }
+  // Version k holds every value times 1 + k/64.
+  const auto values_at = [&initial](uint64_t k) {
+    auto values = initial;
+    for (auto& [name, tensor] : values) {
+      for (float& value : tensor) value *= 1.0f + static_cast<float>(k) / 64;
+    }
+    return values;
+  };
+  constexpr uint64_t kVersions = 8;
+  std::atomic<bool> published{false};
+  std::thread publisher([&] {
+    client::WeightPublisher publisher(*set, {.admin_token = kToken, .insecure = true});
+    for (uint64_t k = 1; k <= kVersions; ++k) {
+      const auto values = values_at(k);
+      client::TensorValues view;
+      for (const auto& [name, tensor] : values) view.emplace(name, tensor);
+      const absl::StatusOr<client::PublishResult> result = publisher.Publish(view);
+      EXPECT_TRUE(result.ok()) << result.status();
+    }
+    published = true;
+  });
+  auto admin = layercast::v1::ShardAdmin::NewStub(set->channel(0));
+  // Checkpoints back to back while the publishes go on, each kept as a
+  // copy (the next one replaces the file), checked once both are done.
+  std::vector<std::pair<std::string, uint64_t>> copies;  // (file, version answered)
+  while (!published.load() && copies.size() < 100) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    layercast::v1::CheckpointResponse response;
+    const grpc::Status status = admin->Checkpoint(&context, {}, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    const std::string copy = absl::StrCat(dir, "/copy-", copies.size(), ".safetensors");
+    std::filesystem::copy_file(response.path(), copy);
+    copies.emplace_back(copy, response.version());
+  }
+  publisher.join();
+  std::printf("%zu checkpoints taken during %llu publishes\n", copies.size(),
+              static_cast<unsigned long long>(kVersions));
+  EXPECT_GE(copies.size(), 3u) << "too few checkpoints overlapped the publishes to show anything";
+  for (size_t c = 0; c < copies.size(); ++c) {
+    const auto& [copy, answered] = copies[c];
+    auto checkpoint =
+        server::CheckpointSource::Open(copy, (*source)->model(), 0, 1, *Policy::Parse(kPolicy));
+    ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+    const uint64_t version = (*checkpoint)->version();
+    EXPECT_EQ(version, answered);
+    const auto expected = values_at(version);
+    for (uint32_t l = 0; l < (*source)->model().layers.size(); ++l) {
+      for (uint32_t t = 0; t < (*source)->model().layers[l].tensors.size(); ++t) {
+        const TensorSpec& tensor = (*source)->model().layers[l].tensors[t];
+        std::vector<float> read(tensor.num_elements);
+        ASSERT_TRUE((*checkpoint)->Read(l, t, ElementRange{0, tensor.num_elements}, read).ok());
+        EXPECT_EQ(
+            std::memcmp(read.data(), expected.at(tensor.name).data(), read.size() * sizeof(float)),
+            0)
+            << "checkpoint " << c << " labelled version " << version << ": " << tensor.name;
+      }
+    }
+    EXPECT_TRUE((*checkpoint)->VerifyChecksum().ok()) << "checkpoint " << c;
+    std::filesystem::remove(copy);
+  }
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 // A second process started as the same shard on the same checkpoint
