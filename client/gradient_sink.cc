@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
+#include "core/log.h"
 #include "core/optimizer.h"
 #include "core/status_macros.h"
 #include "wire/gradient_chunks.h"
@@ -279,9 +280,18 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(u
       bytes_pushed_ += sent;
     }
     if (status.ok()) return response;
-    // An earlier attempt that failed on its way back did arrive: the push
-    // counted once, which is what was asked.
-    if (attempt > 0 && status.code() == absl::StatusCode::kAlreadyExists) {
+    // The push counted once already, which is what was asked: an earlier
+    // attempt that failed on its way back did arrive, or this worker pushed
+    // the layer before it died and was restarted with its index, and now
+    // pushes the step again to rejoin it (the layers it had not pushed
+    // complete the step).
+    if (status.code() == absl::StatusCode::kAlreadyExists) {
+      if (attempt == 0) {
+        Log()->info(
+            "layer {} of step {} counted already on {} (this worker pushed it before a "
+            "restart; if it did not, another process uses worker index {})",
+            task.layer, task.step, describe, options_.worker);
+      }
       response.set_layer_version(task.step);
       response.set_applied(false);
       return response;

@@ -3,6 +3,7 @@
 #include "core/content_fingerprint.h"
 
 #include <algorithm>
+#include <bit>
 #include <charconv>
 
 #include "absl/strings/str_cat.h"
@@ -212,6 +213,16 @@ absl::Status CheckpointSource::ParseTraining() {
                                               "', not a positive number", kWhatToDo));
     }
     training.workers = value;
+  }
+  if (const auto clip = metadata.find("last_clip"); clip != metadata.end()) {
+    const std::vector<std::string> fields = absl::StrSplit(clip->second, ',');
+    uint64_t step = 0, bits = 0;
+    if (fields.size() != 2 || !ParseDecimal(fields[0], &step) || !ParseDecimal(fields[1], &bits) ||
+        bits > UINT32_MAX) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", path_, " records last_clip '",
+                                              clip->second, "', not STEP,SCALE_BITS", kWhatToDo));
+    }
+    training.last_clip.emplace(step, std::bit_cast<float>(static_cast<uint32_t>(bits)));
   }
   for (absl::string_view part : absl::StrSplit(staged, ',', absl::SkipEmpty())) {
     const std::vector<std::string> fields = absl::StrSplit(part, '/');

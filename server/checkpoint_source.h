@@ -67,6 +67,9 @@ class CheckpointSource final : public ParameterSource {
     std::vector<std::pair<uint32_t, std::string>> staged;
     // The --data-parallel-workers it trained with; 0 when not recorded.
     uint64_t workers = 0;
+    // The last clipped step and the scale it was applied with; nullopt when
+    // none was (or not recorded).
+    std::optional<std::pair<uint64_t, float>> last_clip;
   };
   const std::optional<Training>& training() const { return training_; }
   // Reads optimizer state or staged push tensor `name` (OptimizerStateName,

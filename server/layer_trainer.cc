@@ -1,6 +1,7 @@
 #include "server/layer_trainer.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <new>
@@ -303,12 +304,22 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
                      {"optimizer_steps", absl::StrJoin(steps, ",")},
                      {"staged_pushes", absl::StrJoin(staged, ",")},
                      {"data_parallel_workers", absl::StrCat(workers_)}};
+  // The last clipped step and its scale's bits, so that a restarted shard
+  // reports (and keeps) the scale it applied.
+  if (last_clip_) {
+    extras.metadata.emplace("last_clip", absl::StrCat(last_clip_->first, ",",
+                                                      std::bit_cast<uint32_t>(last_clip_->second)));
+  }
   return write(version, extras);
 }
 
 absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
   const std::optional<CheckpointSource::Training>& saved = source.training();
   if (!saved) return absl::OkStatus();
+  {
+    absl::MutexLock clip_lock(&clip_mu_);
+    last_clip_ = saved->last_clip;
+  }
   ASSIGN_OR_RETURN(const OptimizerSpec saved_spec, OptimizerSpec::Parse(saved->optimizer));
   const ModelSpec& model = store_.model();
   for (uint32_t l = 0; l < layers_.size(); ++l) {
@@ -581,6 +592,10 @@ absl::StatusOr<uint64_t> LayerTrainer::ApplyClippedStep(uint64_t step, float sca
                      "nothing was applied (find the worker whose gradients overflowed)"));
   }
   absl::MutexLock clip_lock(&clip_mu_);
+  // A step applied (or begun) with a scale keeps it: a second call, such as
+  // a restarted worker 0's with a scale it computed afresh, applies and
+  // reports the first one, so no two layers or shards step with two.
+  if (last_clip_ && last_clip_->first == step) scale = last_clip_->second;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const LayerState& state = *layers_[l];
     absl::MutexLock lock(&state.mu);

@@ -454,6 +454,41 @@ TEST_F(TrainingTest, WorkerTokensKeepEachWorkersPushItsOwn) {
   EXPECT_EQ(LayerVersion(set, 1), 1u);
 }
 
+// A worker that dies mid-step and is restarted with its index pushes the
+// step again: the layers it pushed before count once (they used to come
+// back ALREADY_EXISTS, failing the restarted worker while the other waited
+// for ever), the rest complete the step.
+TEST_F(TrainingTest, ARestartedWorkerRejoinsTheStepItDiedIn) {
+  ASSERT_NO_FATAL_FAILURE(Start(2, 2));
+  const client::ShardSet& set = *shards_.set;
+  const auto layers = static_cast<uint32_t>(set.model().layers.size());
+  const auto push_all = [&](client::GradientSink& sink, uint32_t worker, uint32_t count) {
+    for (uint32_t l = layers; l-- > layers - count;) {
+      auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[l].total_bytes());
+      ASSERT_TRUE(gradient.ok());
+      ASSERT_TRUE(tools::FillSyntheticGradient(set.view().gradient_layouts[l], worker, 0, l,
+                                               {gradient->data(), gradient->size()})
+                      .ok());
+      ASSERT_TRUE(sink.Push(l, 0, *std::move(gradient)).ok());
+    }
+    const absl::Status flushed = sink.Flush();
+    ASSERT_TRUE(flushed.ok()) << flushed;
+  };
+  {
+    // Worker 0 pushes the last two layers of its backward pass, then dies.
+    auto dying = client::GradientSink::Create(set, {.worker = 0, .chunk_bytes = kChunkBytes});
+    ASSERT_TRUE(dying.ok()) << dying.status();
+    ASSERT_NO_FATAL_FAILURE(push_all(**dying, 0, 2));
+  }
+  auto restarted = client::GradientSink::Create(set, {.worker = 0, .chunk_bytes = kChunkBytes});
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  ASSERT_NO_FATAL_FAILURE(push_all(**restarted, 0, layers));
+  auto other = client::GradientSink::Create(set, {.worker = 1, .chunk_bytes = kChunkBytes});
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_NO_FATAL_FAILURE(push_all(**other, 1, layers));
+  for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ(LayerVersion(set, l), 1u) << "layer " << l;
+}
+
 // The worker library's sink: W workers' pushes advance every layer once per
 // step, and a gather at min_version = step + 1 waits for the update.
 TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
@@ -495,12 +530,17 @@ TEST_F(TrainingTest, GradientSinksOfTwoWorkersAdvanceEveryLayerOncePerStep) {
     EXPECT_EQ(applied, layers * set.addresses().size());
     for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ(LayerVersion(set, l), step + 1);
   }
-  // A push of a step the layer is past is refused, not applied again.
+  // A push of a step the layer is past counted once already: the sink
+  // reports it so (a restarted worker pushing again rejoins), and nothing
+  // is applied again.
   auto gradient = client::LayerBuffer::Allocate(set.view().gradient_layouts[0].total_bytes());
   ASSERT_TRUE(gradient.ok());
   auto pushed = sinks[0]->Push(0, 1, *std::move(gradient));
   ASSERT_TRUE(pushed.ok());
-  EXPECT_EQ(pushed->get().status().code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(pushed->get().ok()) << pushed->get().status();
+  EXPECT_FALSE(pushed->get()->applied);
+  EXPECT_EQ(pushed->get()->shards_applied, 0u);
+  EXPECT_EQ(LayerVersion(set, 0), 3u) << "not applied again";
 }
 
 // An optimizer step keeps the version it supersedes for pinned readers: a

@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <bit>
+
 #include <filesystem>
 #include <fstream>
 
@@ -189,6 +191,36 @@ TEST_F(CheckpointSourceTest, StagedPushesAreReadBackAndCheckedAgainstTheirList) 
     std::vector<float> values;
     ASSERT_TRUE((*source)->ReadState(StagedPushName(0, "1"), values).ok());
     EXPECT_EQ(values, push);
+  }
+}
+
+// The last clipped step's scale comes back bit for bit; a checkpoint
+// without it has none, and a garbled one is damage.
+TEST_F(CheckpointSourceTest, TheLastClipScaleIsReadBack) {
+  const auto store = LoadStore(values_, 1, 2);
+  const float scale = 0.3f;
+  for (const std::string& recorded : {absl::StrCat("7,", std::bit_cast<uint32_t>(scale)),
+                                      std::string("(absent)"), std::string("7;1")}) {
+    SCOPED_TRACE(recorded);
+    const std::string dir = FreshDir("clip");
+    CheckpointExtras extras = TrainingExtras(*store, "(absent)");
+    if (recorded != "(absent)") extras.metadata["last_clip"] = recorded;
+    auto info = WriteCheckpoint(*store, 3, dir, DefaultFileSystem(), extras);
+    ASSERT_TRUE(info.ok()) << info.status();
+    auto source = CheckpointSource::Open(info->path, store->model(), 1, 2, TestPolicy());
+    if (recorded == "7;1") {
+      EXPECT_EQ(source.status().code(), absl::StatusCode::kDataLoss);
+      continue;
+    }
+    ASSERT_TRUE(source.ok()) << source.status();
+    const auto& clip = (*source)->training()->last_clip;
+    if (recorded == "(absent)") {
+      EXPECT_FALSE(clip.has_value());
+    } else {
+      ASSERT_TRUE(clip.has_value());
+      EXPECT_EQ(clip->first, 7u);
+      EXPECT_EQ(std::bit_cast<uint32_t>(clip->second), std::bit_cast<uint32_t>(scale));
+    }
   }
 }
 

@@ -232,7 +232,21 @@ TEST(LayerTrainerTest, AClippedStepWaitsForEveryLayerAndItsScale) {
   const float scale = 0.25f;
   ASSERT_EQ((*trainer)->ApplyClippedStep(0, scale).value_or(0), 1u);
   ASSERT_EQ((*trainer)->ApplyClippedStep(0, scale).value_or(0), 1u) << "applied once";
+  // Another scale for the applied step (a restarted worker 0 computing it
+  // afresh) changes nothing: the step keeps, and reports, its first.
+  ASSERT_EQ((*trainer)->ApplyClippedStep(0, 0.75f).value_or(0), 1u);
   EXPECT_EQ((*trainer)->NormOfStep(0).applied_scale.value_or(0), scale);
+  // And a checkpoint carries it, for a restarted shard to report.
+  std::map<std::string, std::string> saved;
+  ASSERT_TRUE(
+      (*trainer)
+          ->WriteWithState(
+              [&](uint64_t, const CheckpointExtras& extras) -> absl::StatusOr<CheckpointInfo> {
+                saved = extras.metadata;
+                return CheckpointInfo{};
+              })
+          .ok());
+  EXPECT_EQ(saved["last_clip"], absl::StrCat("0,", std::bit_cast<uint32_t>(scale)));
   for (uint32_t l = 0; l < layers; ++l) {
     EXPECT_EQ((*trainer)->version(l), 1u);
     uint64_t at = 0;
