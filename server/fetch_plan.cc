@@ -88,15 +88,6 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
     }
   }
 
-  if (request.has_base_version() && request.has_base_incarnation() &&
-      request.base_incarnation() != store.incarnation()) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "the delta's base, version ", request.base_version(), " of layer ", request.layer(),
-        ", was served by an earlier start of this shard (incarnation ", request.base_incarnation(),
-        "; now ", store.incarnation(),
-        "): version numbers restart with the shard, so that "
-        "version may name other values here; pull the layer in full"));
-  }
   if (request.has_base_version()) {
     for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
       const DType dtype = layout.tensors()[t].compute_dtype;
@@ -119,8 +110,20 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   }
   FetchPlan plan;
   plan.layer = request.layer();
-  if (end == 0) return plan;  // a layer with no tensors
-  ASSIGN_OR_RETURN(std::vector<TensorElementRange> selected, layout.MapByteRange(begin, end));
+  std::vector<TensorElementRange> selected;
+  if (end != 0) {  // else a layer with no tensors
+    ASSIGN_OR_RETURN(selected, layout.MapByteRange(begin, end));
+  }
+  // Last: a malformed request is told so first.
+  if (request.has_base_version() && request.has_base_incarnation() &&
+      request.base_incarnation() != store.incarnation()) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "the delta's base, version ", request.base_version(), " of layer ", request.layer(),
+        ", was served by an earlier start of this shard (incarnation ", request.base_incarnation(),
+        "; now ", store.incarnation(),
+        "): version numbers restart with the shard, so that "
+        "version may name other values here; pull the layer in full"));
+  }
   plan.runs = wire::OwnedRuns(layout, selected, store.shard_index(), store.num_shards());
   for (const TensorElementRange& run : plan.runs) {
     plan.bytes += SentBytes(layout.tensors()[run.tensor], run.elements);

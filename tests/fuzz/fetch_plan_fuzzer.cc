@@ -4,7 +4,8 @@
 // scalars, empty tensors, tensors smaller than the shard count), under mixed
 // policies. Properties: every shard answers the same code; refusals are
 // NOT_FOUND (exactly when the layer does not exist), INVALID_ARGUMENT or
-// FAILED_PRECONDITION, with a message; an accepted plan's runs are non-empty,
+// FAILED_PRECONDITION, with a message (and OUT_OF_RANGE for a delta whose
+// base another start of the shard served); an accepted plan's runs are non-empty,
 // in tensor order, inside the layer and inside the shard's owned range, and
 // its byte count is theirs; and the plans of all shards together cover
 // exactly the elements the requested byte range selects, each once.
@@ -176,14 +177,40 @@ void CheckSet(const ShardSet& set, const layercast::v1::FetchLayerRequest& reque
   }
 }
 
+// A delta's base_incarnation names one start of one shard (random, so no
+// two shards share it): a shard of another incarnation refuses the delta
+// with OUT_OF_RANGE, whatever else the request says; the checks above run
+// on the request without it.
+void CheckIncarnation(const ShardSet& set, const layercast::v1::FetchLayerRequest& request) {
+  if (!request.has_base_version() || !request.has_base_incarnation()) return;
+  layercast::v1::FetchLayerRequest without = request;
+  without.clear_base_incarnation();
+  for (const auto& store : set.shards) {
+    const absl::StatusOr<server::FetchPlan> plain = server::PlanFetch(*store, without);
+    const absl::StatusOr<server::FetchPlan> named = server::PlanFetch(*store, request);
+    if (!plain.ok() || request.base_incarnation() == store->incarnation()) {
+      FUZZ_CHECK(named.status().code() == plain.status().code(),
+                 "%s: %s with the incarnation, %s without", set.name.c_str(),
+                 named.status().ToString().c_str(), plain.status().ToString().c_str());
+    } else {
+      FUZZ_CHECK(named.status().code() == absl::StatusCode::kOutOfRange,
+                 "%s: a delta from another incarnation answered %s", set.name.c_str(),
+                 named.status().ToString().c_str());
+    }
+  }
+}
+
 }  // namespace
 }  // namespace layercast::fuzz
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   layercast::v1::FetchLayerRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  layercast::v1::FetchLayerRequest same_start = request;
+  same_start.clear_base_incarnation();
   for (const layercast::fuzz::ShardSet& set : layercast::fuzz::ShardSets()) {
-    layercast::fuzz::CheckSet(set, request);
+    layercast::fuzz::CheckSet(set, same_start);
+    layercast::fuzz::CheckIncarnation(set, request);
   }
   return 0;
 }

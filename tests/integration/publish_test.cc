@@ -100,6 +100,19 @@ class PublishTest : public ::testing::Test {
     return bytes;
   }
 
+  // A mirror's `held` layer has every tensor's bytes as a full pull gives
+  // them now (padding aside).
+  void ExpectHoldsAFullPull(const client::Layer& held) const {
+    const std::vector<uint8_t> full = Bytes(held.index());
+    for (size_t t = 0; t < held.num_tensors(); ++t) {
+      const std::span<const uint8_t> tensor = held.tensor(t).bytes;
+      EXPECT_EQ(std::memcmp(tensor.data(), full.data() + (tensor.data() - held.bytes().data()),
+                            tensor.size()),
+                0)
+          << held.tensor(t).name << " at version " << held.version();
+    }
+  }
+
   std::unique_ptr<layercast::v1::ShardAdmin::Stub> Admin(uint32_t shard) const {
     return layercast::v1::ShardAdmin::NewStub(shards_.set->channel(shard));
   }
@@ -317,14 +330,7 @@ TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
     EXPECT_TRUE(reading.status().ok()) << reading.status();
     for (uint32_t l = 0; l < layers; ++l) {
       const client::Layer& held = reading.layer(l);
-      const std::vector<uint8_t> full = Bytes(l);
-      for (size_t t = 0; t < held.num_tensors(); ++t) {
-        const std::span<const uint8_t> tensor = held.tensor(t).bytes;
-        EXPECT_EQ(std::memcmp(tensor.data(), full.data() + (tensor.data() - held.bytes().data()),
-                              tensor.size()),
-                  0)
-            << held.tensor(t).name << " at version " << version;
-      }
+      ExpectHoldsAFullPull(held);
       EXPECT_EQ(held.tensor(0).bytes.data(), views[l]) << "the buffer moved";
     }
   }
@@ -392,15 +398,7 @@ TEST_F(PublishTest, AMirrorPullsInFullFromShardsThatRestartedInsteadOfAWrongDelt
   auto reading = mirror.Read();
   EXPECT_EQ(reading.version(), 2u);
   for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
-    const client::Layer& held = reading.layer(l);
-    const std::vector<uint8_t> full = Bytes(l);
-    for (size_t t = 0; t < held.num_tensors(); ++t) {
-      const std::span<const uint8_t> tensor = held.tensor(t).bytes;
-      EXPECT_EQ(std::memcmp(tensor.data(), full.data() + (tensor.data() - held.bytes().data()),
-                            tensor.size()),
-                0)
-          << held.tensor(t).name;
-    }
+    ExpectHoldsAFullPull(reading.layer(l));
   }
   EXPECT_GE(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total").value_or(0),
             fallbacks_before.value_or(0) + shards_.set->model().layers.size())
