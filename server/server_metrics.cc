@@ -287,12 +287,14 @@ void ServerMetrics::RecordPushApplied(uint64_t bytes, double optimizer_seconds,
 }
 
 void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_index,
-                                 uint32_t num_shards, const std::string& policy, uint64_t layers) {
+                                 uint32_t num_shards, const std::string& policy, uint64_t layers,
+                                 uint64_t incarnation) {
   shard_info_
       ->Add({{"model_id", model_id},
              {"shard_index", std::to_string(shard_index)},
              {"num_shards", std::to_string(num_shards)},
-             {"policy", policy}})
+             {"policy", policy},
+             {"incarnation", std::to_string(incarnation)}})
       .Set(1);
   layers_->Set(static_cast<double>(layers));
   layers_known_.store(layers, std::memory_order_relaxed);

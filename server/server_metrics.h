@@ -97,7 +97,7 @@ class ServerMetrics {
 
   // Sets layercast_shard_info and layercast_layers once the model is known.
   void SetShardInfo(const std::string& model_id, uint32_t shard_index, uint32_t num_shards,
-                    const std::string& policy, uint64_t layers);
+                    const std::string& policy, uint64_t layers, uint64_t incarnation);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;

@@ -141,7 +141,7 @@ void ShardService::AttachStore(Parts parts) {
   gate_.SetLayers(static_cast<uint32_t>(parts.store->model().layers.size()));
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*parts.store));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
-                        manifest->policy(), manifest->layers_size());
+                        manifest->policy(), manifest->layers_size(), manifest->incarnation());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
   absl::MutexLock lock(&mu_);
   parts_ = parts;

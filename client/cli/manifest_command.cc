@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/escaping.h"
@@ -19,7 +20,26 @@ absl::Status RunManifest(const std::vector<std::string>& args) {
   }
   std::printf("model     %s\n", manifest.model_id().c_str());
   std::printf("shards    %u\n", manifest.num_shards());
-  std::printf("version   %llu\n", static_cast<unsigned long long>(manifest.version()));
+  // Each shard's version and start: a split set, or a shard that restarted
+  // (a new incarnation counts its versions from its start or checkpoint).
+  uint64_t lowest = UINT64_MAX, highest = 0;
+  for (size_t i = 0; i < set->manifests().size(); ++i) {
+    const layercast::v1::Manifest& shard = set->manifests()[i];
+    lowest = std::min<uint64_t>(lowest, shard.version());
+    highest = std::max<uint64_t>(highest, shard.version());
+    std::printf("  shard %zu  %s  version %llu, incarnation %016llx\n", i,
+                set->addresses()[i].c_str(), static_cast<unsigned long long>(shard.version()),
+                static_cast<unsigned long long>(shard.incarnation()));
+  }
+  if (lowest != highest) {
+    std::printf(
+        "version   the shards disagree (%llu to %llu): a gather waits for one version on every "
+        "shard and times out meanwhile; a shard behind restarted without its checkpoint, or a "
+        "publish was not committed everywhere\n",
+        static_cast<unsigned long long>(lowest), static_cast<unsigned long long>(highest));
+  } else {
+    std::printf("version   %llu\n", static_cast<unsigned long long>(manifest.version()));
+  }
   std::printf("policy    %s\n", manifest.policy().c_str());
   std::printf("digest    %s\n", absl::BytesToHexString(manifest.layout_digest()).c_str());
   std::printf("params    %llu (%s fp32, %s assembled)\n", static_cast<unsigned long long>(elements),

@@ -405,6 +405,24 @@ TEST_F(PublishTest, AMirrorPullsInFullFromShardsThatRestartedInsteadOfAWrongDelt
       << "every layer came in full";
 }
 
+// `layercast manifest` shows each shard's version and incarnation, and says
+// so when the shards disagree: here shard 1 restarted without a checkpoint
+// after a publish, and serves version 0 beside shard 0's 1.
+TEST_F(PublishTest, TheManifestCommandShowsASplitSetShardByShard) {
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  ASSERT_TRUE(publisher.Publish(View(Nudged(0.25f))).ok());
+  shards_.processes->KillForTest(1);
+  ASSERT_EQ(shards_.processes->RestartForTest(1), absl::OkStatus());
+  const std::string list =
+      absl::StrCat(shards_.processes->addresses()[0], ",", shards_.processes->addresses()[1]);
+  std::string output;
+  ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " manifest --shards ", list), &output), 0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("the shards disagree (0 to 1)"));
+  EXPECT_THAT(output, HasSubstr(absl::StrCat(shards_.processes->addresses()[0], "  version 1")));
+  EXPECT_THAT(output, HasSubstr(absl::StrCat(shards_.processes->addresses()[1], "  version 0")));
+}
+
 // A gather pinned to `version`, a delta from `base` when given.
 client::GatherOptions Pinned(uint64_t version, std::optional<uint64_t> base = std::nullopt) {
   client::GatherOptions options;

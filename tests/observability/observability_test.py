@@ -394,7 +394,8 @@ def check_shards(checks, args, tmp, shards):
         info = [l for n, l, _ in samples if n == "layercast_shard_info"]
         checks.check(f"shard {s.index} layercast_shard_info labels",
                      len(info) == 1 and info[0].get("shard_index") == str(s.index)
-                     and info[0].get("num_shards") == str(NUM_SHARDS) and info[0].get("policy") == POLICY,
+                     and info[0].get("num_shards") == str(NUM_SHARDS) and info[0].get("policy") == POLICY
+                     and int(info[0].get("incarnation", "0")) > 0,
                      str(info))
         checks.check(f"shard {s.index} layercast_memory_budget_bytes",
                      total(samples, "layercast_memory_budget_bytes") == BUDGET_BYTES)
