@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 #include "core/log.h"
+#include "server/call_authorization.h"
 #include "server/shard_checkpoint.h"
 #include "wire/grpc_status.h"
 
@@ -35,10 +36,7 @@ grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& con
                         "this shard has no admin token, so it refuses every ShardAdmin call: "
                         "start it with --admin-token-file FILE (see docs/security.md)");
   }
-  const auto& metadata = context.client_metadata();
-  const auto entry = metadata.find("authorization");
-  std::optional<std::string> authorization;
-  if (entry != metadata.end()) authorization.emplace(entry->second.data(), entry->second.size());
+  const std::optional<std::string> authorization = AuthorizationOf(context);
   return wire::ToGrpcStatus(options_.token->Check(authorization ? &*authorization : nullptr));
 }
 

@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "server/call_authorization.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
 #include "server/push_gradients_reactor.h"
@@ -433,10 +434,7 @@ absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
 absl::Status ShardService::AuthorizeWorker(const grpc::CallbackServerContext& context,
                                            uint32_t worker, absl::string_view what) const {
   if (!options_.worker_tokens) return absl::OkStatus();
-  const auto& metadata = context.client_metadata();
-  const auto entry = metadata.find("authorization");
-  std::optional<std::string> authorization;
-  if (entry != metadata.end()) authorization.emplace(entry->second.data(), entry->second.size());
+  const std::optional<std::string> authorization = AuthorizationOf(context);
   return options_.worker_tokens->Check(worker, authorization ? &*authorization : nullptr, what);
 }
 
