@@ -1,5 +1,6 @@
 #include "client/weight_publisher.h"
 
+#include <algorithm>
 #include <random>
 #include <thread>
 
@@ -7,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "client/bearer_token.h"
 #include "core/crc32c.h"
+#include "core/failpoint.h"
 #include "core/layout.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -47,7 +49,7 @@ std::vector<absl::Status> OnEveryShard(uint32_t shards,
 WeightPublisher::WeightPublisher(const ShardSet& shards, PublishOptions options)
     : shards_(shards), options_(std::move(options)) {}
 
-absl::StatusOr<uint64_t> WeightPublisher::CurrentVersion(
+absl::StatusOr<std::vector<uint64_t>> WeightPublisher::ShardVersions(
     std::chrono::steady_clock::time_point deadline) const {
   const auto n = static_cast<uint32_t>(shards_.addresses().size());
   std::vector<uint64_t> versions(n);
@@ -62,16 +64,7 @@ absl::StatusOr<uint64_t> WeightPublisher::CurrentVersion(
         status, absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")"));
   });
   for (const absl::Status& answer : answers) RETURN_IF_ERROR(answer);
-  for (uint32_t shard = 1; shard < n; ++shard) {
-    if (versions[shard] != versions[0]) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("shard 0 serves version ", versions[0], " and shard ", shard, " version ",
-                       versions[shard],
-                       ": a publish is committed on some shards only; commit it on the rest "
-                       "(CommitPublish with its publish_id) before publishing again"));
-    }
-  }
-  return versions[0];
+  return versions;
 }
 
 absl::StatusOr<PublishResult> WeightPublisher::Publish(const TensorValues& values,
@@ -116,7 +109,18 @@ absl::StatusOr<PublishResult> WeightPublisher::Publish(const TensorValues& value
   }
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   if (!base_version) {
-    ASSIGN_OR_RETURN(base_version, CurrentVersion(deadline));
+    ASSIGN_OR_RETURN(const std::vector<uint64_t> versions, ShardVersions(deadline));
+    const auto [lowest, highest] = std::minmax_element(versions.begin(), versions.end());
+    // A shard behind the set (restarted without its checkpoint) takes a
+    // publish of every layer on the set's version: it comes out level.
+    if (*lowest != *highest && layers.size() != model.layers.size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shard ", lowest - versions.begin(), " serves version ", *lowest, " and shard ",
+          highest - versions.begin(), " version ", *highest,
+          ": a shard is behind the set (it restarted without its checkpoint); publish every "
+          "layer, which brings it level, before publishing some"));
+    }
+    base_version = *highest;
   }
   const uint64_t base = *base_version;
   absl::StatusOr<PublishResult> whole = PublishLayers(values, layers, base, deadline);
@@ -150,54 +154,93 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
   });
   for (uint32_t shard = 0; shard < n; ++shard) {
     if (staged[shard].ok()) continue;
-    OnEveryShard(n, [&](uint32_t other) {
-      auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(other));
-      auto context =
-          AdminContext(token_, std::chrono::steady_clock::now() + std::chrono::seconds(5));
-      layercast::v1::AbortPublishRequest request;
-      request.set_publish_id(id);
-      layercast::v1::AbortPublishResponse response;
-      // Best effort: a shard that cannot be told aborts at its timeout.
-      (void)stub->AbortPublish(context.get(), request, &response);
-      return absl::OkStatus();
-    });
+    AbortEverywhere(id);
     return absl::Status(staged[shard].code(),
                         absl::StrCat("publish ", id, " aborted on every shard, which still serve ",
                                      "version ", base_version, ": ", staged[shard].message()));
   }
-  // Phase two: commit everywhere, retrying a shard that does not answer.
+  FailPoint("publish.after_stage");
+  // Phase two. Shard 0 first: its commit decides the publish, and it hands
+  // the commit on to the others (--peers) should this publisher die now.
   std::vector<uint64_t> changed(n);
-  const std::vector<absl::Status> committed = OnEveryShard(n, [&](uint32_t shard) {
-    auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
-    absl::Status status;
-    for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
-      auto context = AdminContext(token_, deadline);
-      layercast::v1::CommitPublishRequest request;
-      request.set_publish_id(id);
-      layercast::v1::CommitPublishResponse response;
-      status = wire::FromGrpcStatus(stub->CommitPublish(context.get(), request, &response),
-                                    describe(shard));
-      if (status.ok()) {
-        changed[shard] = response.changed_elements();
-        return status;
-      }
-      if (!absl::IsUnavailable(status)) return status;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
+  const auto commit = [&](uint32_t shard) {
+    absl::Status status = CommitOnShard(shard, id, deadline, &changed[shard]);
+    // The shard restarted since it staged: this publisher still holds the
+    // values, so it stages them there again (the publish is decided).
+    if (absl::IsNotFound(status)) {
+      Log()->warn("publish {}: {} lost what it staged ({}); staging it there again", id,
+                  describe(shard), status.message());
+      status = StageOnShard(shard, id, values, layers, base_version, deadline);
+      if (status.ok()) status = CommitOnShard(shard, id, deadline, &changed[shard]);
     }
     return status;
-  });
+  };
+  std::vector<absl::Status> committed(n);
+  committed[0] = commit(0);
+  if (committed[0].ok()) {
+    FailPoint("publish.after_first_commit");
+    const std::vector<absl::Status> rest =
+        OnEveryShard(n - 1, [&](uint32_t other) { return commit(other + 1); });
+    std::copy(rest.begin(), rest.end(), committed.begin() + 1);
+  } else if (!absl::IsUnavailable(committed[0]) && !absl::IsDeadlineExceeded(committed[0])) {
+    // Shard 0 refused it, so no shard commits it: drop it everywhere.
+    AbortEverywhere(id);
+    return absl::Status(committed[0].code(),
+                        absl::StrCat("publish ", id, " aborted on every shard, which still serve ",
+                                     "version ", base_version, ": ", committed[0].message()));
+  }
   PublishResult result{.version = base_version + 1};
   for (uint32_t shard = 0; shard < n; ++shard) {
     if (!committed[shard].ok()) {
-      return absl::Status(committed[shard].code(),
-                          absl::StrCat("publish ", id, " staged everywhere but not committed on ",
-                                       describe(shard), ": ", committed[shard].message(),
-                                       "; readers of it wait for version ", base_version + 1,
-                                       "; commit it there with CommitPublish before its timeout"));
+      return absl::Status(
+          committed[shard].code(),
+          absl::StrCat("publish ", id, " staged everywhere but not committed on ", describe(shard),
+                       ": ", committed[shard].message(),
+                       shard == 0 ? "; shard 0 decides it: its peers settle it with it once it "
+                                    "answers (docs/recovery.md)"
+                                  : "; shard 0 committed it and hands it on (with --peers); a "
+                                    "shard that cannot take it is brought level by the next "
+                                    "publish of every layer"));
     }
     result.changed_elements += changed[shard];
   }
   return result;
+}
+
+absl::Status WeightPublisher::CommitOnShard(uint32_t shard, const std::string& id,
+                                            std::chrono::steady_clock::time_point deadline,
+                                            uint64_t* changed) const {
+  auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
+  const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
+  absl::Status status;
+  for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
+    auto context = AdminContext(token_, deadline);
+    layercast::v1::CommitPublishRequest request;
+    request.set_publish_id(id);
+    layercast::v1::CommitPublishResponse response;
+    status = wire::FromGrpcStatus(stub->CommitPublish(context.get(), request, &response), describe);
+    if (status.ok()) {
+      *changed = response.changed_elements();
+      return status;
+    }
+    if (!absl::IsUnavailable(status)) return status;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
+  }
+  return status;
+}
+
+void WeightPublisher::AbortEverywhere(const std::string& id) const {
+  const auto n = static_cast<uint32_t>(shards_.addresses().size());
+  OnEveryShard(n, [&](uint32_t shard) {
+    auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
+    auto context = AdminContext(token_, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+    layercast::v1::AbortPublishRequest request;
+    request.set_publish_id(id);
+    layercast::v1::AbortPublishResponse response;
+    // Best effort: a shard that cannot be told settles it by itself.
+    (void)stub->AbortPublish(context.get(), request, &response);
+    return absl::OkStatus();
+  });
 }
 
 absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id,
@@ -209,7 +252,6 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
   const auto n = static_cast<uint32_t>(shards_.addresses().size());
   auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
   {
-    auto context = AdminContext(token_, deadline);
     layercast::v1::BeginPublishRequest request;
     request.set_publish_id(id);
     request.set_base_version(base_version);
@@ -218,9 +260,17 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
         1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
                                                                  std::chrono::steady_clock::now())
                .count())));
-    layercast::v1::BeginPublishResponse response;
-    RETURN_IF_ERROR(
-        wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe));
+    // UNAVAILABLE: the shard is restarting, or settles a publish whose
+    // publisher stopped (it says so); both pass.
+    absl::Status begun;
+    for (int attempt = 0; attempt < 60 && std::chrono::steady_clock::now() < deadline; ++attempt) {
+      auto context = AdminContext(token_, deadline);
+      layercast::v1::BeginPublishResponse response;
+      begun = wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe);
+      if (!absl::IsUnavailable(begun)) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 4)));
+    }
+    RETURN_IF_ERROR(begun);
   }
   auto context = AdminContext(token_, deadline);
   layercast::v1::StagePublishResponse response;

@@ -44,11 +44,15 @@ using TensorValues = std::map<std::string, std::span<const float>>;
 
 // Publishes new weights from a trainer that keeps its own optimizer to a
 // shard set, in two phases (admin.proto): begin on every shard, stream each
-// shard the values it owns, and commit on every shard only once all have
-// staged everything. A failure before the commit aborts the publish on
-// every shard, and every shard goes on serving the version before: readers
-// never see some shards at the new version and others at the old. Commits
-// are idempotent and retried until the timeout.
+// shard the values it owns, and commit only once all have staged
+// everything: on shard 0 first, whose commit decides the publish, then on
+// the rest. A failure before shard 0's commit aborts the publish on every
+// shard, and every shard goes on serving the version before. After it, the
+// publish is rolled forward: a shard that restarted and lost what it
+// staged is staged again, and commits are idempotent and retried until the
+// timeout. With --peers, shard 0 hands its commit on to the others itself,
+// so a publisher that dies after it leaves no shard behind
+// (docs/recovery.md).
 //
 // Thread-compatible: one Publish at a time.
 class WeightPublisher {
@@ -62,7 +66,9 @@ class WeightPublisher {
   // keep their values. INVALID_ARGUMENT, changing nothing, for an unknown
   // name, a wrong size or a layer given in part. `base_version`: the
   // version the values replace (FAILED_PRECONDITION on a shard at another);
-  // by default the one the shards serve now. INVALID_ARGUMENT, before
+  // by default the one the shards serve now, or, when one is behind the
+  // others, the newest: a publish of every layer brings it level
+  // (FAILED_PRECONDITION for one of some layers). INVALID_ARGUMENT, before
   // anything is sent, for a token no header can carry or a token over
   // plaintext without `insecure`.
   absl::StatusOr<PublishResult> Publish(const TensorValues& values,
@@ -78,8 +84,15 @@ class WeightPublisher {
   absl::Status StageOnShard(uint32_t shard, const std::string& id, const TensorValues& values,
                             const std::vector<uint32_t>& layers, uint64_t base_version,
                             std::chrono::steady_clock::time_point deadline);
-  // The version every shard serves now (they must agree).
-  absl::StatusOr<uint64_t> CurrentVersion(std::chrono::steady_clock::time_point deadline) const;
+  // The version each shard serves now, in shard order.
+  absl::StatusOr<std::vector<uint64_t>> ShardVersions(
+      std::chrono::steady_clock::time_point deadline) const;
+  // Commits on shard `shard`, retrying while it does not answer.
+  absl::Status CommitOnShard(uint32_t shard, const std::string& id,
+                             std::chrono::steady_clock::time_point deadline,
+                             uint64_t* changed) const;
+  // Best effort; a shard not told settles it by itself.
+  void AbortEverywhere(const std::string& id) const;
 
   const ShardSet& shards_;
   const PublishOptions options_;

@@ -327,6 +327,12 @@ void ChangeLog::RecordUnchanged(uint32_t layer, uint64_t version) {
   Push(*layers_[layer], Entry{version, {}});
 }
 
+void ChangeLog::Forget(uint32_t layer) {
+  LayerLog& log = *layers_[layer];
+  absl::MutexLock lock(&log.mu);
+  log.entries.clear();
+}
+
 bool ChangeLog::Covers(uint32_t layer, uint64_t base, uint64_t current) const {
   if (base == current) return true;
   if (base > current) return false;

@@ -108,6 +108,10 @@ class ChangeLog {
   // Records a change of version that changed no value (a publish that left
   // the layer as it was).
   void RecordUnchanged(uint32_t layer, uint64_t version);
+  // Forgets every record of `layer`: its values jumped over versions this
+  // shard never held (a shard brought level by a publish), so no delta may
+  // start from a version before the jump.
+  void Forget(uint32_t layer);
 
   // One optimizer step of one layer, recorded as it updates: observe each
   // tensor's Step with ForTensor(t), then Commit. With `keep_before`, the

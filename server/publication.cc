@@ -1,5 +1,6 @@
 #include "server/publication.h"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -7,7 +8,9 @@
 #include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/crc32c.h"
+#include "core/failpoint.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 
 namespace layercast::server {
 namespace {
@@ -16,11 +19,16 @@ constexpr std::chrono::milliseconds kDefaultTimeout{60000};
 
 }  // namespace
 
-Publications::Publications(Links links) : links_(links) {}
+Publications::Publications(Links links) : Publications(links, SetOptions{}) {}
+
+Publications::Publications(Links links, SetOptions set)
+    : links_(links), idle_(set.idle), peers_(std::move(set.peers)) {}
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);
+  // Reset, so that a settle that ends while peers_ is joined finds nothing.
   if (open_) links_.budget->Release(open_->staging_bytes);
+  open_.reset();
 }
 
 absl::StatusOr<uint64_t> Publications::Begin(const layercast::v1::BeginPublishRequest& request) {
@@ -30,11 +38,33 @@ absl::StatusOr<uint64_t> Publications::Begin(const layercast::v1::BeginPublishRe
     return absl::InvalidArgumentError("a publish needs a publish_id, the same on every shard");
   }
   absl::MutexLock lock(&mu_);
-  if (open_) {
-    if (open_->id == request.publish_id()) return open_->staging_bytes;
+  const auto now = std::chrono::steady_clock::now();
+  if (open_ && open_->id == request.publish_id()) {
+    open_->last_call = now;
+    return open_->staging_bytes;
+  }
+  if (open_ && peers_ == nullptr) {
     return absl::AbortedError(absl::StrCat(
         "publish ", open_->id, " is open on this shard; commit or abort it first (it times out ",
         "by itself)"));
+  }
+  if (open_) {
+    const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(now - open_->last_call);
+    if (idle >= idle_) {
+      SettleOpen(absl::StrCat("its publisher stopped (no call for ", idle.count(),
+                              " ms) and publish ", request.publish_id(), " begins"));
+    }
+    if (open_) {
+      return absl::UnavailableError(absl::StrCat(
+          "publish ", open_->id, " is open on this shard (its last call ", idle.count(),
+          " ms ago); once ", idle_.count(),
+          " ms idle it is settled with the set, committed or aborted: begin again shortly"));
+    }
+  }
+  if (const Decision* decided = Decided(request.publish_id())) {
+    return absl::AbortedError(absl::StrCat("publish ", request.publish_id(), " was ",
+                                           decided->committed ? "committed" : "aborted",
+                                           " here already: publish again under a new publish_id"));
   }
   std::vector<bool> selected(layers, request.layers().empty());
   for (const uint32_t layer : request.layers()) {
@@ -44,14 +74,25 @@ absl::StatusOr<uint64_t> Publications::Begin(const layercast::v1::BeginPublishRe
     }
     selected[layer] = true;
   }
+  const bool every_layer =
+      std::all_of(selected.begin(), selected.end(), [](bool layer) { return layer; });
+  bool levels = false;
   for (uint32_t l = 0; l < layers; ++l) {
-    if (const uint64_t version = links_.gate->version(l); version != request.base_version()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("layer ", l, " of this shard is at version ", version,
-                       ", not the publish's base_version ", request.base_version(),
-                       ": publish on top of the version the shards serve (the "
-                       "manifest's)"));
+    const uint64_t version = links_.gate->version(l);
+    if (version == request.base_version()) continue;
+    // A shard behind the set (restarted without its checkpoint) takes a
+    // publish that replaces every layer: afterwards it holds the set's values.
+    if (version < request.base_version() && every_layer) {
+      levels = true;
+      continue;
     }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", l, " of this shard is at version ", version, ", not the publish's base_version ",
+        request.base_version(), ": publish on top of the version the shards serve (the ",
+        "manifest's)",
+        version < request.base_version()
+            ? "; this shard is behind the set: a publish of every layer brings it level"
+            : ""));
   }
   uint64_t bytes = 0;
   for (uint32_t l = 0; l < layers; ++l) {
@@ -73,7 +114,9 @@ absl::StatusOr<uint64_t> Publications::Begin(const layercast::v1::BeginPublishRe
   open.base_version = request.base_version();
   open.selected = selected;
   open.staging_bytes = bytes;
-  open.begun = std::chrono::steady_clock::now();
+  open.levels = levels;
+  open.begun = now;
+  open.last_call = now;
   try {
     open.staged.resize(layers);
     open.next.resize(layers);
@@ -93,13 +136,15 @@ absl::StatusOr<uint64_t> Publications::Begin(const layercast::v1::BeginPublishRe
   }
   const std::chrono::milliseconds timeout =
       request.timeout_ms() == 0 ? kDefaultTimeout : std::chrono::milliseconds(request.timeout_ms());
-  open.timer = timers_.Schedule(
-      std::chrono::steady_clock::now() + timeout, [this, id = request.publish_id(), timeout] {
-        Abort(id, absl::StrCat("not committed within its timeout of ", timeout.count(), " ms"));
-      });
+  open.timer = timers_.Schedule(now + timeout, [this, id = request.publish_id(), timeout] {
+    absl::MutexLock lock(&mu_);
+    if (!open_ || open_->id != id) return;
+    SettleOpen(absl::StrCat("not committed within its timeout of ", timeout.count(), " ms"));
+  });
   open_ = std::move(open);
-  Log()->info("publish {}: staging {} for version {}", request.publish_id(), FormatBytes(bytes),
-              request.base_version() + 1);
+  Log()->info("publish {}: staging {} for version {}{}", request.publish_id(), FormatBytes(bytes),
+              request.base_version() + 1,
+              levels ? " (this shard is behind: the publish brings it level)" : "");
   return bytes;
 }
 
@@ -112,6 +157,7 @@ absl::Status Publications::Stage(const layercast::v1::PublishChunk& chunk) {
         "aborted or timed out since): begin it again"));
   }
   Open& open = *open_;
+  open.last_call = std::chrono::steady_clock::now();
   if (chunk.layer() >= open.selected.size() || !open.selected[chunk.layer()]) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", chunk.layer(), " is not one publish ", open.id, " replaces"));
@@ -156,13 +202,28 @@ absl::Status Publications::Stage(const layercast::v1::PublishChunk& chunk) {
 
 absl::StatusOr<Publications::Committed> Publications::Commit(const std::string& publish_id) {
   absl::MutexLock lock(&mu_);
-  if (last_committed_ && last_committed_->first == publish_id) return last_committed_->second;
+  if (const Decision* decided = Decided(publish_id)) {
+    if (decided->committed) return *decided->committed;
+    return absl::AbortedError(absl::StrCat(
+        "publish ", publish_id, " was aborted on this shard",
+        peers_ != nullptr && peers_->decides() ? " (the set's decision: it is never committed)"
+                                               : "",
+        "; the shards keep their version: publish again under a new publish_id"));
+  }
   if (!open_ || open_->id != publish_id) {
     return absl::NotFoundError(
         absl::StrCat("publish ", publish_id,
-                     " is not open on this shard (never begun, aborted or timed out); "
-                     "abort it on every shard and publish again"));
+                     " is not open on this shard (never begun, aborted, timed out, or the shard "
+                     "restarted): stage it here again, or abort it everywhere and publish again"));
   }
+  FailPoint("publish.shard_before_commit", links_.store->shard_index());
+  ASSIGN_OR_RETURN(const Committed committed, CommitOpen("committed"));
+  FailPoint("publish.shard_after_commit", links_.store->shard_index());
+  if (peers_ != nullptr && peers_->decides()) peers_->HandOn(publish_id);
+  return committed;
+}
+
+absl::StatusOr<Publications::Committed> Publications::CommitOpen(absl::string_view outcome) {
   const auto commit_start = std::chrono::steady_clock::now();
   absl::StatusOr<Committed> committed = CommitLocked(*open_);
   if (!committed.ok()) return committed.status();
@@ -172,9 +233,11 @@ absl::StatusOr<Publications::Committed> Publications::Commit(const std::string& 
     links_.metrics->RecordPublish(
         std::chrono::duration<double>(commit_start - open_->begun).count(),
         std::chrono::duration<double>(std::chrono::steady_clock::now() - commit_start).count());
+    links_.metrics->RecordPublishOutcome(outcome);
+    if (open_->levels) links_.metrics->RecordPublishOutcome("leveled");
   }
+  Remember({.id = open_->id, .committed = *committed});
   open_.reset();
-  last_committed_.emplace(publish_id, *committed);
   return committed;
 }
 
@@ -195,7 +258,16 @@ absl::StatusOr<Publications::Committed> Publications::CommitLocked(Open& open) {
   Committed committed{.version = open.base_version + 1};
   for (uint32_t l = 0; l < layers; ++l) {
     absl::WriterMutexLock master_lock(&store.layer_mutex(l));
-    if (open.selected[l]) {
+    if (open.levels) {
+      // The values jump over versions this shard never held: no delta or
+      // pinned read may start before the jump.
+      if (links_.changes != nullptr) links_.changes->Forget(l);
+      for (uint32_t t = 0; t < open.staged[l].size(); ++t) {
+        if (open.staged[l][t].empty()) continue;
+        std::memcpy(store.mutable_master(l, t), open.staged[l][t].data(),
+                    open.staged[l][t].size() * sizeof(float));
+      }
+    } else if (open.selected[l]) {
       std::optional<ChangeLog::Snapshot> before;
       if (links_.changes != nullptr) {
         try {
@@ -236,10 +308,85 @@ void Publications::WithoutCommits(absl::FunctionRef<void()> fn) {
 void Publications::Abort(const std::string& publish_id, const std::string& why) {
   absl::MutexLock lock(&mu_);
   if (!open_ || open_->id != publish_id) return;
+  AbortOpen(why, "aborted");
+}
+
+void Publications::AbortOpen(const std::string& why, absl::string_view outcome) {
   timers_.Cancel(open_->timer);
   links_.budget->Release(open_->staging_bytes);
-  Log()->warn("publish {} {}; version {} still serves", publish_id, why, open_->base_version);
+  Log()->warn("publish {} {}; version {} still serves", open_->id, why, open_->base_version);
+  if (links_.metrics != nullptr) links_.metrics->RecordPublishOutcome(outcome);
+  Remember({.id = open_->id, .committed = std::nullopt});
   open_.reset();
+}
+
+const Publications::Decision* Publications::Decided(const std::string& id) const {
+  for (const Decision& decision : decided_) {
+    if (decision.id == id) return &decision;
+  }
+  return nullptr;
+}
+
+void Publications::Remember(Decision decision) {
+  decided_.push_back(std::move(decision));
+  while (decided_.size() > kDecisionsKept) decided_.pop_front();
+}
+
+void Publications::SettleOpen(const std::string& why) {
+  if (peers_ == nullptr || peers_->decides()) {
+    // Shard 0 has not committed it, so nobody has: the set drops it.
+    AbortOpen(why, peers_ == nullptr ? "aborted" : "settled_aborted");
+    return;
+  }
+  if (open_->settling) return;
+  open_->settling = true;
+  Log()->warn("publish {}: {}; asking the set whether it was committed", open_->id, why);
+  peers_->Settle(open_->id,
+                 [this, id = open_->id](std::optional<bool> committed) { Settled(id, committed); });
+}
+
+void Publications::Settled(const std::string& id, std::optional<bool> committed) {
+  absl::MutexLock lock(&mu_);
+  if (!open_ || open_->id != id) return;
+  open_->settling = false;
+  if (!committed) return;
+  if (!*committed) {
+    AbortOpen("was aborted by the set (shard 0 never committed it)", "settled_aborted");
+    return;
+  }
+  const absl::StatusOr<Committed> done = CommitOpen("settled_committed");
+  if (!done.ok()) {
+    Log()->error(
+        "publish {} is committed on the set but cannot be here: {}; the next publish "
+        "of every layer brings this shard level",
+        id, done.status().message());
+    AbortOpen("could not be committed here", "aborted");
+  }
+}
+
+layercast::v1::ResolvePublishResponse Publications::Resolve(const std::string& publish_id,
+                                                            bool fence) {
+  using layercast::v1::ResolvePublishResponse;
+  ResolvePublishResponse response;
+  absl::MutexLock lock(&mu_);
+  if (const Decision* decided = Decided(publish_id)) {
+    response.set_state(decided->committed ? ResolvePublishResponse::COMMITTED
+                                          : ResolvePublishResponse::ABORTED);
+    if (decided->committed) response.set_version(decided->committed->version);
+    return response;
+  }
+  const bool open = open_ && open_->id == publish_id;
+  if (!fence || peers_ == nullptr || !peers_->decides()) {
+    response.set_state(open ? ResolvePublishResponse::OPEN : ResolvePublishResponse::UNKNOWN);
+    return response;
+  }
+  if (open) {
+    AbortOpen("was fenced: another shard found its publisher gone", "settled_aborted");
+  } else {
+    Remember({.id = publish_id, .committed = std::nullopt});
+  }
+  response.set_state(ResolvePublishResponse::ABORTED);
+  return response;
 }
 
 }  // namespace layercast::server

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/pinned_versions.h"
+#include "server/publish_peers.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
 
@@ -28,6 +31,12 @@ namespace layercast::server {
 // publish's timeout) drops them. Nothing a publish stages is visible before
 // its commit, so a publisher that fails before committing everywhere
 // leaves every shard at the base version.
+//
+// With peers (--peers), the set settles a publish whose publisher stopped
+// (PublishPeers): shard 0's commit decides and is handed on, and a shard
+// asks the set before it drops what it staged. A publish whose base is the
+// set's version and that replaces every layer also brings a shard that is
+// behind (one restarted without its checkpoint) to the new version.
 //
 // A commit holds each layer's ParameterStore::layer_mutex exclusively while
 // it copies the layer's values in, records what changed (ChangeLog) and
@@ -45,15 +54,26 @@ class Publications {
     ServerMetrics* metrics = nullptr;
     PinnedVersions* pinned = nullptr;  // null: --pin-retention-ms 0 or no change log
   };
+  struct SetOptions {
+    std::unique_ptr<PublishPeers> peers;  // null: no --peers, settle alone
+    // --publish-idle-ms: an open publish idle this long counts as stopped
+    // when another begins.
+    std::chrono::milliseconds idle{3000};
+  };
   // Everything linked must outlive this.
   explicit Publications(Links links);
+  Publications(Links links, SetOptions set);
   // Returns the staging of a publish still open.
   ~Publications();
 
   // Opens publish `request.publish_id()`; returns its staging bytes. Again
   // for the publish already open: the same answer, nothing changed.
-  //   ABORTED              another publish is open (naming it);
-  //   FAILED_PRECONDITION  a layer is not at base_version;
+  //   ABORTED              another publish is open (naming it), without
+  //                        peers; or this one was aborted here;
+  //   UNAVAILABLE          with peers, another publish is open: it is
+  //                        settled once idle, so begin again shortly;
+  //   FAILED_PRECONDITION  a layer is not at base_version (a layer behind it
+  //                        is accepted when the publish replaces every layer);
   //   INVALID_ARGUMENT     no id, or a layer out of range;
   //   RESOURCE_EXHAUSTED   the staging does not fit the budget's room now.
   absl::StatusOr<uint64_t> Begin(const layercast::v1::BeginPublishRequest& request);
@@ -68,7 +88,8 @@ class Publications {
     uint64_t changed_elements = 0;
   };
   // FAILED_PRECONDITION naming the first tensor not staged whole; NOT_FOUND
-  // for a publish neither open nor the last committed.
+  // for a publish neither open nor recently committed; ABORTED for one
+  // aborted here (shard 0 never commits a publish it fenced).
   absl::StatusOr<Committed> Commit(const std::string& publish_id);
   // Runs `fn` while no publish commits (a commit, and staging, wait for it):
   // a checkpoint of a read-only shard is written under it, so that the file
@@ -78,6 +99,10 @@ class Publications {
   // Drops publish `publish_id` if it is open.
   void Abort(const std::string& publish_id, const std::string& why = "aborted by the publisher");
 
+  // What this shard knows of publish `publish_id` (ShardAdmin.ResolvePublish);
+  // with `fence` on shard 0, aborts it for good unless committed.
+  layercast::v1::ResolvePublishResponse Resolve(const std::string& publish_id, bool fence);
+
  private:
   struct Open {
     std::string id;
@@ -86,15 +111,43 @@ class Publications {
     std::vector<std::vector<std::vector<float>>> staged;  // [layer][tensor], owned elements
     std::vector<std::vector<uint64_t>> next;              // [layer][tensor]: next element due
     uint64_t staging_bytes = 0;
+    // Some layer was below base_version: this commit brings the shard level.
+    bool levels = false;
     std::chrono::steady_clock::time_point begun;
+    std::chrono::steady_clock::time_point last_call;  // Begin or Stage
+    bool settling = false;                            // PublishPeers::Settle is asking the set
     DeadlineTimers::Handle timer;
   };
+  // How a publish ended here, kept for the last kDecisionsKept publishes:
+  // commits answer again, and an aborted one is never committed.
+  struct Decision {
+    std::string id;
+    std::optional<Committed> committed;  // nullopt: aborted
+  };
+  static constexpr size_t kDecisionsKept = 64;
+
+  // Commits the open publish and records it; the caller checked the id.
+  absl::StatusOr<Committed> CommitOpen(absl::string_view outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Committed> CommitLocked(Open& open) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the open publish and records it aborted.
+  void AbortOpen(const std::string& why, absl::string_view outcome)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Decision* Decided(const std::string& id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void Remember(Decision decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The open publish's publisher looks gone (idle, or past its timeout):
+  // shard 0 aborts it; another shard asks the set.
+  void SettleOpen(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PublishPeers' answer for publish `id`.
+  void Settled(const std::string& id, std::optional<bool> committed);
 
   const Links links_;
+  const std::chrono::milliseconds idle_;
   absl::Mutex mu_;
   std::optional<Open> open_ ABSL_GUARDED_BY(mu_);
-  std::optional<std::pair<std::string, Committed>> last_committed_ ABSL_GUARDED_BY(mu_);
+  std::deque<Decision> decided_ ABSL_GUARDED_BY(mu_);  // oldest first
+  // After mu_ and open_: its thread settles into them until it is joined.
+  std::unique_ptr<PublishPeers> peers_;
   DeadlineTimers timers_;  // last: see DeadlineTimers
 };
 

@@ -179,6 +179,21 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                       .Register(r);
   publish_stage_seconds_ = &publish.Add({{"phase", "stage"}}, FetchBuckets());
   publish_commit_seconds_ = &publish.Add({{"phase", "commit"}}, FetchBuckets());
+  publish_outcomes_ = &BuildCounter()
+                           .Name("layercast_publishes_total")
+                           .Help(
+                               "Publishes this shard finished, by outcome: committed (by its "
+                               "publisher or handed on by shard 0), aborted (by the publisher, "
+                               "or at its timeout without peers), settled_committed and "
+                               "settled_aborted (a publish whose publisher stopped, settled with "
+                               "the set), leveled (a commit that brought a shard behind the set "
+                               "to its version)")
+                           .Register(r);
+  // Every outcome from the start, at zero: rate() and alerts see the first.
+  for (const char* outcome :
+       {"committed", "aborted", "settled_committed", "settled_aborted", "leveled"}) {
+    publish_outcomes_->Add({{"outcome", outcome}});
+  }
   pinned_version_bytes_ = Gauge(r, "layercast_pinned_version_bytes",
                                 "Bytes of layer versions kept for pinned readers (part of memory "
                                 "in use)");
@@ -313,6 +328,10 @@ void ServerMetrics::RecordDeltaChunk(uint64_t bytes, uint64_t full_bytes) {
 void ServerMetrics::RecordPublish(double stage_seconds, double commit_seconds) {
   publish_stage_seconds_->Observe(stage_seconds);
   publish_commit_seconds_->Observe(commit_seconds);
+}
+
+void ServerMetrics::RecordPublishOutcome(absl::string_view outcome) {
+  publish_outcomes_->Add({{"outcome", std::string(outcome)}}).Increment();
 }
 
 void ServerMetrics::RecordPinnedRead(absl::string_view result) {

@@ -85,6 +85,8 @@ class ServerMetrics {
   void RecordDeltaChunk(uint64_t bytes, uint64_t full_bytes);
   // A publish committed: from begin to the commit's call, and the commit.
   void RecordPublish(double stage_seconds, double commit_seconds);
+  // committed, aborted, settled_committed, settled_aborted or leveled.
+  void RecordPublishOutcome(absl::string_view outcome);
 
   // Pinned reads (PinnedVersions). `result`: served or gone; `reason`:
   // no_room, evicted, expired or reclaimed.
@@ -136,6 +138,7 @@ class ServerMetrics {
   prometheus::Counter* delta_full_bytes_;
   prometheus::Histogram* publish_stage_seconds_;
   prometheus::Histogram* publish_commit_seconds_;
+  prometheus::Family<prometheus::Counter>* publish_outcomes_;
   prometheus::Gauge* pinned_version_bytes_;
   prometheus::Gauge* pinned_versions_;
   prometheus::Gauge* pinned_version_oldest_timestamp_;

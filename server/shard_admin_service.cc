@@ -243,4 +243,16 @@ grpc::ServerUnaryReactor* ShardAdminService::AbortPublish(
   return Finish(reactor, grpc::Status::OK, "AbortPublish");
 }
 
+grpc::ServerUnaryReactor* ShardAdminService::ResolvePublish(
+    grpc::CallbackServerContext* context, const layercast::v1::ResolvePublishRequest* request,
+    layercast::v1::ResolvePublishResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Publications*> publications = PublicationsFor(*context);
+  if (!publications.ok()) {
+    return Finish(reactor, wire::ToGrpcStatus(publications.status()), "ResolvePublish");
+  }
+  *response = (*publications)->Resolve(request->publish_id(), request->fence());
+  return Finish(reactor, grpc::Status::OK, "ResolvePublish");
+}
+
 }  // namespace layercast::server

@@ -60,6 +60,9 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   grpc::ServerUnaryReactor* AbortPublish(grpc::CallbackServerContext* context,
                                          const layercast::v1::AbortPublishRequest* request,
                                          layercast::v1::AbortPublishResponse* response) override;
+  grpc::ServerUnaryReactor* ResolvePublish(
+      grpc::CallbackServerContext* context, const layercast::v1::ResolvePublishRequest* request,
+      layercast::v1::ResolvePublishResponse* response) override;
 
  private:
   grpc::Status Authorize(const grpc::CallbackServerContext& context) const;

@@ -40,6 +40,7 @@ constexpr uint32_t kDefaultMaxStreams = 1024;
 constexpr uint32_t kDefaultMaxParkedStreams = 4096;
 constexpr uint32_t kDefaultMaxPushStreams = 1024;
 constexpr uint32_t kDefaultMaxWaitsPerConnection = 8;
+constexpr uint32_t kDefaultPublishIdleMs = 3000;
 constexpr uint32_t kDefaultMaxVersionLead = 64;
 constexpr uint32_t kDefaultDeltaVersions = 4;
 constexpr uint32_t kMaxDeltaVersions = 1024;
@@ -311,6 +312,7 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     config.set_max_waits_per_connection(kDefaultMaxWaitsPerConnection);
   }
   if (config.max_version_lead() == 0) config.set_max_version_lead(kDefaultMaxVersionLead);
+  if (config.publish_idle_ms() == 0) config.set_publish_idle_ms(kDefaultPublishIdleMs);
   if (config.max_version_wait_ms() == 0) config.set_max_version_wait_ms(kDefaultMaxVersionWaitMs);
   if (config.write_progress_timeout_ms() == 0) {
     config.set_write_progress_timeout_ms(kDefaultWriteProgressTimeoutMs);

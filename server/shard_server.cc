@@ -115,6 +115,11 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           "use --tls-cert-file and --tls-key-file beyond loopback");
     }
   }
+  // A training shard takes no publishes: nothing to settle.
+  if (config.optimizer().empty()) {
+    ASSIGN_OR_RETURN(server->peers_, PublishPeers::FromConfig(config));
+  }
+  server->publish_idle_ms_ = config.publish_idle_ms();
   RETURN_IF_ERROR(server->UseCheckpoint());
   admin.checkpoints = server->checkpoints_.get();
   server->service_ = std::make_unique<ShardService>(
@@ -410,13 +415,15 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                          .pinned = pinned_.get(),
                          .cast_errors = cast_errors_.get()});
   if (trainer_ == nullptr) {
-    publications_ =
-        std::make_unique<Publications>(Publications::Links{.store = store_.get(),
-                                                           .gate = &service_->version_gate(),
-                                                           .budget = budget_.get(),
-                                                           .changes = changes_.get(),
-                                                           .metrics = &metrics_,
-                                                           .pinned = pinned_.get()});
+    publications_ = std::make_unique<Publications>(
+        Publications::Links{.store = store_.get(),
+                            .gate = &service_->version_gate(),
+                            .budget = budget_.get(),
+                            .changes = changes_.get(),
+                            .metrics = &metrics_,
+                            .pinned = pinned_.get()},
+        Publications::SetOptions{.peers = std::move(peers_),
+                                 .idle = std::chrono::milliseconds(publish_idle_ms_)});
   }
   admin_->AttachStore(store_.get(), trainer_.get(), publications_.get());
   SetReadiness(true);

@@ -142,6 +142,9 @@ class ShardServer {
   // after budget_: its kept bytes go back before the budget goes. Shared
   // with the budget's reclaimer, which holds it weakly.
   std::shared_ptr<PinnedVersions> pinned_;
+  // The set, for settling publishes (--peers), until publications_ takes it.
+  std::unique_ptr<PublishPeers> peers_;
+  uint32_t publish_idle_ms_ = 0;
   // A read-only shard's publishes; null on a training shard.
   std::unique_ptr<Publications> publications_;
   // After budget_: destroyed first, giving its bytes back. Shared with the

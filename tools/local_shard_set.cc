@@ -64,10 +64,17 @@ std::string DefaultShardBinary() {
 absl::StatusOr<pid_t> LocalShardSet::Spawn(uint32_t shard, const std::string& listen) {
   const std::string port_file = absl::StrCat(temp_dir_, "/shard-", shard, ".port");
   std::remove(port_file.c_str());
-  std::vector<std::string> args = {
-      options_.shard_binary, "--listen",     listen,
-      "--port-file",         port_file,      "--shard-index",
-      absl::StrCat(shard),   "--num-shards", absl::StrCat(options_.num_shards)};
+  std::vector<std::string> args = {options_.shard_binary,
+                                   "--listen",
+                                   listen,
+                                   "--port-file",
+                                   port_file,
+                                   "--shard-index",
+                                   absl::StrCat(shard),
+                                   "--num-shards",
+                                   absl::StrCat(options_.num_shards),
+                                   "--peers-file",
+                                   absl::StrCat(temp_dir_, "/peers")};
   args.insert(args.end(), options_.extra_flags.begin(), options_.extra_flags.end());
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
@@ -82,8 +89,12 @@ absl::StatusOr<pid_t> LocalShardSet::Spawn(uint32_t shard, const std::string& li
     posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
                                      O_WRONLY | O_CREAT | O_APPEND, 0644);
   }
+  std::vector<char*> envp;
+  for (char** entry = environ; *entry != nullptr; ++entry) envp.push_back(*entry);
+  for (std::string& entry : options_.environment) envp.push_back(entry.data());
+  envp.push_back(nullptr);
   pid_t pid = 0;
-  const int error = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  const int error = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   if (error != 0) {
     return absl::InternalError(
@@ -142,7 +153,26 @@ absl::StatusOr<std::unique_ptr<LocalShardSet>> LocalShardSet::Start(Options opti
   }
   const auto deadline = std::chrono::steady_clock::now() + set->options_.start_timeout;
   for (uint32_t i = 0; i < n; ++i) RETURN_IF_ERROR(set->AwaitPort(i, deadline));
+  RETURN_IF_ERROR(set->WritePeers());
   return set;
+}
+
+absl::Status LocalShardSet::WritePeers() const {
+  // Written whole, then renamed: a shard reading it never sees part of it.
+  const std::string path = absl::StrCat(temp_dir_, "/peers");
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream file(partial);
+    for (const std::string& address : addresses_) file << address << "\n";
+    if (!file.flush()) {
+      return absl::InternalError(absl::StrCat("cannot write the shards' peer list ", partial));
+    }
+  }
+  if (std::rename(partial.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", partial, " to ", path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LocalShardSet::RestartForTest(size_t shard, std::chrono::milliseconds timeout) {

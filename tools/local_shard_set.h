@@ -29,11 +29,15 @@ class LocalShardSet {
     std::string shard_binary;  // path to layercast-shard
     uint32_t num_shards = 2;
     // Flags passed to every shard besides --listen, --port-file,
-    // --shard-index and --num-shards, e.g. {"--synthetic", "llama:"}.
+    // --shard-index, --num-shards and --peers-file (the set's addresses,
+    // for settling publishes), e.g. {"--synthetic", "llama:"}.
     std::vector<std::string> extra_flags;
     std::chrono::milliseconds start_timeout{60000};
     // Where shards' stderr goes; empty: inherited.
     std::string log_dir;
+    // NAME=VALUE entries added to the shards' environment (e.g. the fault
+    // tests' LAYERCAST_FAILPOINT), besides this process's own.
+    std::vector<std::string> environment;
   };
 
   // Starts every shard and waits until each has written its port file (it is
@@ -74,6 +78,9 @@ class LocalShardSet {
   LocalShardSet() = default;
   // Spawns shard `shard` listening on `listen`; returns its pid.
   absl::StatusOr<pid_t> Spawn(uint32_t shard, const std::string& listen);
+  // Writes every shard's address to the file each shard reads as its
+  // --peers-file, once all listen (their ports are their own choice).
+  absl::Status WritePeers() const;
   // Waits for shard `shard`'s port file; fills addresses_[shard].
   absl::Status AwaitPort(uint32_t shard, std::chrono::steady_clock::time_point deadline);
 

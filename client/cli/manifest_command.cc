@@ -34,8 +34,9 @@ absl::Status RunManifest(const std::vector<std::string>& args) {
   if (lowest != highest) {
     std::printf(
         "version   the shards disagree (%llu to %llu): a gather waits for one version on every "
-        "shard and times out meanwhile; a shard behind restarted without its checkpoint, or a "
-        "publish was not committed everywhere\n",
+        "shard and times out meanwhile. A shard behind restarted without its checkpoint: the "
+        "next publish of every layer brings it level (a publish in progress settles by itself "
+        "within seconds; docs/recovery.md)\n",
         static_cast<unsigned long long>(lowest), static_cast<unsigned long long>(highest));
   } else {
     std::printf("version   %llu\n", static_cast<unsigned long long>(manifest.version()));

@@ -330,6 +330,24 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
       }
     }
 
+    // A publishing set settles a publish whose publisher died through its
+    // peers (docs/recovery.md): every shard's stable name, in shard order.
+    if (effective.admin_token_file && !effective.optimizer && replicas > 1) {
+      // The full name: what a wildcard certificate *.SERVICE.NAMESPACE.svc names.
+      const port = portsByName.get("grpc");
+      const expected = `${sts.metadata.name}-{i}.${sts.spec.serviceName}.${ns(sts)}.svc:${port}`;
+      if (!effective.peers && !effective.peers_file) {
+        fail(sts, `the shards take publishes (admin_token_file) but have no peers: set peers to ` +
+          `"${expected}", or a publisher that dies mid-publish can leave the set split`);
+      } else if (effective.peers && effective.peers !== expected) {
+        fail(sts, `peers is ${effective.peers}: the shards' stable names are "${expected}"`);
+      }
+      if (effective.tls_cert_file && !effective.peer_tls_ca_file && !effective.tls_client_ca_file) {
+        fail(sts, "the shards serve TLS and call each other (peers): set peer_tls_ca_file to the " +
+          "CA that signed their certificates (e.g. ca.crt of the TLS Secret)");
+      }
+    }
+
     for (const pdb of byKind("PodDisruptionBudget")) {
       checkSelector(pdb, pdb.spec.selector?.matchLabels, "spec.selector");
       if (pdb.spec.maxUnavailable !== 1) fail(pdb, "maxUnavailable must be 1 (one shard at a time)");
@@ -354,7 +372,7 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
     const podSecurity = pod.securityContext ?? {};
     const runAsUser = shard.securityContext?.runAsUser ?? podSecurity.runAsUser;
     for (const [field, secret] of [["tls_cert_file", false], ["tls_key_file", true],
-      ["tls_client_ca_file", false], ["admin_token_file", true]]) {
+      ["tls_client_ca_file", false], ["peer_tls_ca_file", false], ["admin_token_file", true]]) {
       const file = effective[field];
       if (!file) continue;
       const fileMount = (shard.volumeMounts ?? []).find((m) => file.startsWith(m.mountPath.replace(/\/?$/, "/")));

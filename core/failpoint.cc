@@ -1,0 +1,49 @@
+#include "core/failpoint.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "core/log.h"
+
+namespace layercast {
+namespace {
+
+#ifdef LAYERCAST_FAILPOINTS
+// Whether the armed spec `armed` (NAME or NAME@I) names this point.
+bool Matches(absl::string_view armed, absl::string_view name, std::optional<uint32_t> shard) {
+  const std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(armed, '@');
+  if (parts.first != name) return false;
+  if (parts.second.empty()) return true;
+  uint32_t index = 0;
+  return shard && absl::SimpleAtoi(parts.second, &index) && index == *shard;
+}
+#endif
+
+}  // namespace
+
+void FailPoint(absl::string_view name, std::optional<uint32_t> shard) {
+#ifdef LAYERCAST_FAILPOINTS
+  static const char* const armed = std::getenv("LAYERCAST_FAILPOINT");
+  if (armed == nullptr || !Matches(armed, name, shard)) return;
+  if (const char* once = std::getenv("LAYERCAST_FAILPOINT_ONCE"); once != nullptr) {
+    // O_EXCL: of two processes reaching the point, one dies.
+    const int fd = ::open(once, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) return;
+    ::close(fd);
+  }
+  Log()->warn("failpoint {}: killing this process (SIGKILL)", name);
+  Log()->flush();
+  ::raise(SIGKILL);
+#else
+  (void)name;
+  (void)shard;
+#endif
+}
+
+}  // namespace layercast

@@ -1,0 +1,257 @@
+#include "server/publish_peers.h"
+
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "server/auth_file.h"
+#include "wire/grpc_status.h"
+
+namespace layercast::server {
+namespace {
+
+using layercast::v1::ResolvePublishResponse;
+
+// One call to a peer: long enough for a commit of a large layer set, short
+// enough that a dead peer does not hold up the others for long.
+constexpr std::chrono::seconds kCallDeadline{10};
+// A peer that is restarting (UNAVAILABLE) is tried again for this long.
+constexpr std::chrono::seconds kHandOnFor{15};
+constexpr uint64_t kMaxCredentialBytes = 1 << 20;
+
+std::vector<std::string> SplitAddresses(absl::string_view text, absl::string_view separators) {
+  std::vector<std::string> addresses;
+  for (absl::string_view part : absl::StrSplit(text, absl::ByAnyChar(separators))) {
+    part = absl::StripAsciiWhitespace(part);
+    if (!part.empty()) addresses.emplace_back(part);
+  }
+  return addresses;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PublishPeers>> PublishPeers::FromConfig(
+    const layercast::v1::ShardConfig& config) {
+  if (config.peers().empty() && config.peers_file().empty()) return nullptr;
+  if (!config.peers().empty() && !config.peers_file().empty()) {
+    return absl::InvalidArgumentError("give --peers or --peers-file, not both");
+  }
+  if (config.admin_token_file().empty()) {
+    // Without a token ShardAdmin takes no publishes: nothing to settle.
+    return nullptr;
+  }
+  Options options;
+  options.self = config.shard_index();
+  options.num_shards = config.num_shards();
+  options.addresses_file = config.peers_file();
+  if (absl::StrContains(config.peers(), "{i}")) {
+    // One name for the set, e.g. the StatefulSet's layercast-{i}.layercast:7070.
+    for (uint32_t shard = 0; shard < config.num_shards(); ++shard) {
+      options.addresses.push_back(
+          absl::StrReplaceAll(config.peers(), {{"{i}", absl::StrCat(shard)}}));
+    }
+  } else if (!config.peers().empty()) {
+    options.addresses = SplitAddresses(config.peers(), ",");
+    if (options.addresses.size() != config.num_shards()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--peers lists ", options.addresses.size(), " addresses for --num-shards ",
+          config.num_shards(), ": list every shard of the set in shard order, this one included"));
+    }
+  }
+  ASSIGN_OR_RETURN(const std::string token,
+                   ReadCredentialFile(config.admin_token_file(), "admin-token-file",
+                                      kMaxCredentialBytes, CredentialKind::kSecret));
+  options.token = std::string(absl::StripAsciiWhitespace(token));
+  if (config.tls_cert_file().empty()) {
+    options.credentials = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                     ReadCredentialFile(config.tls_cert_file(), "tls-cert-file",
+                                        kMaxCredentialBytes, CredentialKind::kPublic));
+    ASSIGN_OR_RETURN(ssl.pem_private_key,
+                     ReadCredentialFile(config.tls_key_file(), "tls-key-file", kMaxCredentialBytes,
+                                        CredentialKind::kSecret));
+    const bool own_ca = !config.peer_tls_ca_file().empty();
+    if (own_ca || !config.tls_client_ca_file().empty()) {
+      ASSIGN_OR_RETURN(
+          ssl.pem_root_certs,
+          ReadCredentialFile(own_ca ? config.peer_tls_ca_file() : config.tls_client_ca_file(),
+                             own_ca ? "peer-tls-ca-file" : "tls-client-ca-file",
+                             kMaxCredentialBytes, CredentialKind::kPublic));
+    }
+    options.credentials = grpc::SslCredentials(ssl);
+  }
+  return std::unique_ptr<PublishPeers>(new PublishPeers(std::move(options)));
+}
+
+PublishPeers::PublishPeers(Options options) : options_(std::move(options)), self_(options_.self) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+PublishPeers::~PublishPeers() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    work_.clear();
+  }
+  thread_.join();
+}
+
+absl::StatusOr<std::vector<std::string>> PublishPeers::Addresses() const {
+  if (!options_.addresses.empty()) return options_.addresses;
+  std::ifstream file(options_.addresses_file);
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::vector<std::string> addresses = SplitAddresses(text, "\n");
+  if (addresses.size() != options_.num_shards) {
+    return absl::UnavailableError(absl::StrCat("--peers-file ", options_.addresses_file, " lists ",
+                                               addresses.size(), " of the ", options_.num_shards,
+                                               " shards"));
+  }
+  return addresses;
+}
+
+layercast::v1::ShardAdmin::Stub& PublishPeers::Stub(const std::string& address) {
+  absl::MutexLock lock(&stubs_mu_);
+  std::unique_ptr<layercast::v1::ShardAdmin::Stub>& stub = stubs_[address];
+  if (stub == nullptr) {
+    stub = layercast::v1::ShardAdmin::NewStub(grpc::CreateChannel(address, options_.credentials));
+  }
+  return *stub;
+}
+
+absl::StatusOr<ResolvePublishResponse> PublishPeers::Ask(const std::string& address,
+                                                         const std::string& id, bool fence) {
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
+  context.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  layercast::v1::ResolvePublishRequest request;
+  request.set_publish_id(id);
+  request.set_fence(fence);
+  ResolvePublishResponse response;
+  RETURN_IF_ERROR(wire::FromGrpcStatus(Stub(address).ResolvePublish(&context, request, &response),
+                                       absl::StrCat("shard ", address)));
+  return response;
+}
+
+absl::Status PublishPeers::Commit(const std::string& address, const std::string& id) {
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
+  context.set_deadline(std::chrono::system_clock::now() + kCallDeadline);
+  layercast::v1::CommitPublishRequest request;
+  request.set_publish_id(id);
+  layercast::v1::CommitPublishResponse response;
+  return wire::FromGrpcStatus(Stub(address).CommitPublish(&context, request, &response),
+                              absl::StrCat("shard ", address));
+}
+
+void PublishPeers::HandOn(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  work_.push_back([this, id] {
+    absl::StatusOr<std::vector<std::string>> addresses = Addresses();
+    if (!addresses.ok()) {
+      Log()->warn("publish {}: cannot hand the commit on: {}", id, addresses.status().message());
+      return;
+    }
+    std::vector<std::jthread> calls;
+    for (uint32_t shard = 0; shard < addresses->size(); ++shard) {
+      if (shard == self_) continue;
+      calls.emplace_back([this, &id, address = (*addresses)[shard], shard] {
+        const auto give_up = std::chrono::steady_clock::now() + kHandOnFor;
+        absl::Status status;
+        for (int attempt = 0; attempt < 30; ++attempt) {
+          status = Commit(address, id);
+          if (!absl::IsUnavailable(status) || std::chrono::steady_clock::now() >= give_up ||
+              Stopped(absl::Milliseconds(100 << std::min(attempt, 3)))) {
+            break;
+          }
+        }
+        if (!status.ok()) {
+          Log()->warn(
+              "publish {}: shard {} did not take the commit ({}); its publisher stages "
+              "it there again, or the next publish brings it level",
+              id, shard, status.message());
+        }
+      });
+    }
+  });
+}
+
+absl::StatusOr<bool> PublishPeers::SettleOnce(const std::string& id) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> addresses, Addresses());
+  // Any shard that committed it: shard 0 did before it (or before its
+  // restart), so the publish is decided.
+  for (uint32_t shard = 0; shard < addresses.size(); ++shard) {
+    if (shard == self_) continue;
+    absl::StatusOr<ResolvePublishResponse> answer = Ask(addresses[shard], id, /*fence=*/false);
+    if (answer.ok() && answer->state() == ResolvePublishResponse::COMMITTED) return true;
+  }
+  ASSIGN_OR_RETURN(const ResolvePublishResponse decision, Ask(addresses[0], id, /*fence=*/true));
+  switch (decision.state()) {
+    case ResolvePublishResponse::COMMITTED:
+      return true;
+    case ResolvePublishResponse::ABORTED:
+      return false;
+    default:
+      return absl::UnavailableError(absl::StrCat("shard 0 answered state ", decision.state()));
+  }
+}
+
+void PublishPeers::Settle(const std::string& id, std::function<void(std::optional<bool>)> settled) {
+  absl::MutexLock lock(&mu_);
+  work_.push_back([this, id, settled = std::move(settled)] {
+    const auto give_up = std::chrono::steady_clock::now() + kSettleFor;
+    for (int attempt = 0;; ++attempt) {
+      absl::StatusOr<bool> committed = SettleOnce(id);
+      if (committed.ok()) {
+        Log()->info("publish {}: settled with the set: {}", id,
+                    *committed ? "committed" : "aborted");
+        settled(*committed);
+        return;
+      }
+      if (attempt == 0 || attempt % 30 == 0) {
+        Log()->warn("publish {}: cannot settle it with the set yet ({}); trying every second", id,
+                    committed.status().message());
+      }
+      if (Stopped(absl::Seconds(1))) return;
+      if (std::chrono::steady_clock::now() >= give_up) {
+        Log()->error(
+            "publish {}: not settled within {} min; its staging is kept until "
+            "another publish begins and settles it",
+            id, kSettleFor.count());
+        settled(std::nullopt);
+        return;
+      }
+    }
+  });
+}
+
+bool PublishPeers::Stopped(absl::Duration wait) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
+}
+
+void PublishPeers::Run() {
+  for (;;) {
+    std::function<void()> work;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](PublishPeers* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+            return self->stopping_ || !self->work_.empty();
+          },
+          this));
+      if (stopping_) return;
+      work = std::move(work_.front());
+      work_.pop_front();
+    }
+    work();
+  }
+}
+
+}  // namespace layercast::server

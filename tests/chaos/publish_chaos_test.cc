@@ -1,0 +1,259 @@
+// Publishes that outlive any one participant (docs/recovery.md): the
+// publisher, shard 0 (which decides) or another shard is killed at a named
+// failpoint (core/failpoint.h) and, for a shard, restarted as Kubernetes
+// would, with the same flags; within a few seconds every shard serves one
+// version, bit for bit, and the next publish works, with no human action.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/weight_publisher.h"
+#include "core/cast.h"
+#include "tests/chaos/nudged_model.h"
+#include "tests/integration/shard_fixture.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "chaos-token-0123456789abcdef";
+constexpr int kLayers = 2;
+constexpr uint64_t kSeed = 23;
+// How long the set may take to come back to one version: the failpoint's
+// death, a restart, and the settling (publish_idle_ms below).
+constexpr auto kRecovery = std::chrono::seconds(20);
+
+class PublishChaosTest : public ::testing::Test {
+ protected:
+  // Three shards, so that a shard other than the one deciding (0) and the
+  // one killed is there to follow. `failpoint`, armed in the shards only,
+  // fires once over the set's life: a restarted shard runs on past it.
+  void StartSet(const std::string& failpoint = "") {
+    dir_ = MakeTempDir("set");
+    model_ = WriteTestModel(dir_ + "/model.safetensors", kLayers, kSeed);
+    tools::LocalShardSet::Options options;
+    options.shard_binary = ShardBinary();
+    options.num_shards = 3;
+    options.extra_flags = {"--model",
+                           model_.path,
+                           "--chunk-bytes",
+                           "4096",
+                           "--cast-isa",
+                           "widest",
+                           "--publish-idle-ms",
+                           "1000",
+                           "--admin-token-file",
+                           WriteAdminToken(dir_, kToken)};
+    options.log_dir = dir_;
+    if (!failpoint.empty()) {
+      options.environment = {"LAYERCAST_FAILPOINT=" + failpoint,
+                             "LAYERCAST_FAILPOINT_ONCE=" + dir_ + "/fired"};
+    }
+    auto processes = tools::LocalShardSet::Start(options);
+    ASSERT_TRUE(processes.ok()) << processes.status();
+    processes_ = *std::move(processes);
+    client::ShardSetOptions connect;
+    connect.connect_timeout = std::chrono::seconds(30);
+    auto set = client::ShardSet::Connect(processes_->addresses(), connect);
+    ASSERT_TRUE(set.ok()) << set.status();
+    set_ = *std::move(set);
+  }
+
+  // Restarts every shard that dies, as a StatefulSet's controller would,
+  // until the test ends.
+  void RestartWhatDies() {
+    restarter_ = std::jthread([this](std::stop_token stop) {
+      while (!stop.stop_requested()) {
+        for (size_t shard = 0; shard < processes_->addresses().size(); ++shard) {
+          if (processes_->WaitForExitForTest(shard, std::chrono::milliseconds(20)).ok()) {
+            EXPECT_TRUE(processes_->RestartForTest(shard).ok()) << "shard " << shard;
+          }
+        }
+      }
+    });
+  }
+  void StopRestarting() {
+    restarter_.request_stop();
+    if (restarter_.joinable()) restarter_.join();
+  }
+  void TearDown() override { StopRestarting(); }
+
+  std::vector<uint64_t> Versions() const {
+    std::vector<uint64_t> versions;
+    for (uint32_t shard = 0; shard < processes_->addresses().size(); ++shard) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      layercast::v1::Manifest manifest;
+      const grpc::Status status = set_->stub(shard).GetManifest(&context, {}, &manifest);
+      versions.push_back(status.ok() ? manifest.version() : UINT64_MAX);
+    }
+    return versions;
+  }
+
+  // Waits until every shard serves `version`; how long that took.
+  std::chrono::milliseconds AwaitOneVersion(uint64_t version) const {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<uint64_t> versions;
+    while (std::chrono::steady_clock::now() - start < kRecovery) {
+      versions = Versions();
+      if (std::all_of(versions.begin(), versions.end(), [&](uint64_t v) { return v == version; })) {
+        return std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::steady_clock::now() - start);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "the shards serve versions " << absl::StrJoin(versions, ", ") << ", not all "
+                  << version << ", after " << kRecovery.count() << " s";
+    return kRecovery;
+  }
+
+  // Every layer gathered whole holds `values` cast to its compute dtypes.
+  void ExpectServes(const std::map<std::string, std::vector<float>>& values,
+                    uint64_t version) const {
+    for (uint32_t l = 0; l < set_->model().layers.size(); ++l) {
+      absl::StatusOr<client::Layer> layer = set_->Gather(l);
+      ASSERT_TRUE(layer.ok()) << layer.status();
+      EXPECT_EQ(layer->version(), version);
+      const AssembledLayout& layout = set_->view().layouts[l];
+      for (uint32_t t = 0; t < layout.tensors().size(); ++t) {
+        const AssembledTensor& tensor = layout.tensors()[t];
+        const std::vector<float>& expected = values.at(set_->model().layers[l].tensors[t].name);
+        std::vector<uint8_t> cast(expected.size() * DTypeSize(tensor.compute_dtype));
+        ASSERT_TRUE(CastFromF32(expected.data(), cast.data(), expected.size(), tensor.compute_dtype,
+                                Fp16Overflow::kInfinity)
+                        .ok());
+        ASSERT_EQ(std::memcmp(layer->bytes().data() + tensor.byte_offset, cast.data(), cast.size()),
+                  0)
+            << set_->model().layers[l].tensors[t].name << " at version " << version;
+      }
+    }
+  }
+
+  // The test model nudged by `nudge`, as the publisher process computes it.
+  std::map<std::string, std::vector<float>> Nudged(float nudge) const {
+    return NudgedModel(MakeTempDir("nudged") + "/model.safetensors", kLayers, kSeed, nudge);
+  }
+
+  // Runs the publisher process with `failpoint` armed in it; its exit code
+  // (128 + 9 when the failpoint killed it).
+  int RunPublisher(float nudge, const std::string& failpoint) const {
+    std::string output;
+    const int code =
+        RunCommand(absl::StrCat("LAYERCAST_FAILPOINT=", failpoint, " ", LAYERCAST_CHAOS_PUBLISHER,
+                                " ", absl::StrJoin(processes_->addresses(), ","), " ", kToken, " ",
+                                kLayers, " ", kSeed, " ", nudge, " ", MakeTempDir("publisher")),
+                   &output);
+    EXPECT_THAT(output, HasSubstr(failpoint.empty() ? "published" : "killing this process"))
+        << output;
+    return code;
+  }
+
+  absl::StatusOr<client::PublishResult> Publish(
+      const std::map<std::string, std::vector<float>>& values) const {
+    client::WeightPublisher publisher(
+        *set_, {.admin_token = kToken, .insecure = true, .timeout = std::chrono::seconds(30)});
+    client::TensorValues view;
+    for (const auto& [name, tensor] : values) view.emplace(name, tensor);
+    return publisher.Publish(view);
+  }
+
+  std::string dir_;
+  TestModel model_;
+  std::unique_ptr<tools::LocalShardSet> processes_;
+  std::unique_ptr<client::ShardSet> set_;
+  std::jthread restarter_;
+};
+
+// The publisher dies right after shard 0 committed: shard 0 hands the
+// commit on, and every shard serves the new version.
+TEST_F(PublishChaosTest, APublisherKilledAfterTheFirstCommitLeavesTheNewVersionEverywhere) {
+  ASSERT_NO_FATAL_FAILURE(StartSet());
+  EXPECT_NE(RunPublisher(0.5f, "publish.after_first_commit"), 0);
+  const auto took = AwaitOneVersion(1);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(Nudged(0.5f), 1));
+  std::printf("one version %lld ms after the publisher died\n",
+              static_cast<long long>(took.count()));
+  const auto next = Nudged(0.25f);
+  ASSERT_TRUE(Publish(next).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(next, 2));
+}
+
+// The publisher dies with everything staged and nothing committed: every
+// shard still serves the version before, and the next publish settles the
+// dead one with the set (aborted) and commits.
+TEST_F(PublishChaosTest, APublisherKilledBeforeAnyCommitLeavesTheVersionBeforeAndAWayOn) {
+  ASSERT_NO_FATAL_FAILURE(StartSet());
+  EXPECT_NE(RunPublisher(0.5f, "publish.after_stage"), 0);
+  EXPECT_EQ(Versions(), (std::vector<uint64_t>{0, 0, 0}));
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
+  const auto start = std::chrono::steady_clock::now();
+  const auto next = Nudged(0.25f);
+  const absl::StatusOr<client::PublishResult> published = Publish(next);
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(published->version, 1u);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(next, 1));
+}
+
+// Shard 1 dies holding a whole staging, before its commit: restarted, it
+// has lost it, and the publisher stages it there again.
+TEST_F(PublishChaosTest, AShardKilledBetweenStageAndCommitIsStagedAgain) {
+  ASSERT_NO_FATAL_FAILURE(StartSet("publish.shard_before_commit@1"));
+  RestartWhatDies();
+  const auto values = Nudged(0.5f);
+  const absl::StatusOr<client::PublishResult> published = Publish(values);
+  ASSERT_TRUE(published.ok()) << published.status();
+  AwaitOneVersion(1);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(values, 1));
+}
+
+// Shard 0 dies after its own commit, before it answers or hands it on:
+// the publisher stages it again on the restarted shard 0, then commits the
+// rest.
+TEST_F(PublishChaosTest, ShardZeroKilledAfterItsCommitIsStagedAgainAndTheRestFollow) {
+  ASSERT_NO_FATAL_FAILURE(StartSet("publish.shard_after_commit@0"));
+  RestartWhatDies();
+  const auto values = Nudged(0.5f);
+  const absl::StatusOr<client::PublishResult> published = Publish(values);
+  ASSERT_TRUE(published.ok()) << published.status();
+  AwaitOneVersion(1);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(values, 1));
+}
+
+// Shard 2 dies after its commit, before it answers: the publisher stages it
+// again on the restarted shard. Later it dies again and comes back from the
+// model file, behind the set: a publish of some layers says what to do, and
+// one of every layer brings it level.
+TEST_F(PublishChaosTest, AShardRestartedBehindTheSetIsBroughtLevelByTheNextPublish) {
+  ASSERT_NO_FATAL_FAILURE(StartSet("publish.shard_after_commit@2"));
+  RestartWhatDies();
+  const auto first = Nudged(0.5f);
+  ASSERT_TRUE(Publish(first).ok());
+  AwaitOneVersion(1);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(first, 1));
+  StopRestarting();
+  processes_->KillForTest(2);
+  ASSERT_TRUE(processes_->RestartForTest(2).ok());
+  ASSERT_EQ(Versions(), (std::vector<uint64_t>{1, 1, 0}));
+  std::map<std::string, std::vector<float>> some;
+  for (const TensorSpec& tensor : set_->model().layers[1].tensors) {
+    some[tensor.name] = first.at(tensor.name);
+  }
+  const absl::StatusOr<client::PublishResult> refused = Publish(some);
+  EXPECT_THAT(refused.status().message(), HasSubstr("publish every layer"));
+  const auto second = Nudged(0.25f);
+  const absl::StatusOr<client::PublishResult> published = Publish(second);
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(published->version, 2u);
+  AwaitOneVersion(2);
+  ASSERT_NO_FATAL_FAILURE(ExpectServes(second, 2));
+}
+
+}  // namespace
+}  // namespace layercast::testing
