@@ -68,6 +68,7 @@ BENCHES = [
         # The worst of the three learning rates' rows.
         Figure("delta bytes / goal", r"^1e-0\d\s+\S+%\s+([\d.]+)", 1.0, True),
         Figure("cold pull / plain gathers", r"^cold pull .*: ([\d.]+)", 1.0, True),
+        Figure("delta B/param at 1% changed", r"^\s*1\.0%\s+\S+\s+([\d.]+)", 0.035, True),
     ], 180),
 ]
 

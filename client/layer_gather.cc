@@ -58,6 +58,7 @@ layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
   request.set_recast(recast);
   if (options_.base_version) {
     request.set_base_version(*options_.base_version);
+    request.set_accepts_changed_gaps(options_.changed_gaps);
     if (shard < options_.base_incarnations.size() && options_.base_incarnations[shard] != 0) {
       request.set_base_incarnation(options_.base_incarnations[shard]);
     }

@@ -34,6 +34,11 @@ struct GatherOptions {
   // that restarted since refuses the delta, since its version numbers may
   // name other values, and the layer is pulled in full.
   std::vector<uint64_t> base_incarnations;
+  // With base_version: let the shards code which elements changed as gaps
+  // where that is smaller than the bitmap (FetchLayerRequest.
+  // accepts_changed_gaps; 10x smaller when 1% change). false asks for the
+  // bitmap only, as workers before it did: for comparing the two.
+  bool changed_gaps = true;
   // If set, filled once the gather succeeds: per shard, the incarnation
   // that served it (0 when the shard did not say), for the next delta's
   // base_incarnations.

@@ -303,7 +303,8 @@ absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
                                              .element_offset = key.element_begin,
                                              .span_elements = key.elements,
                                              .version = key.version,
-                                             .base_version = key.base_version},
+                                             .base_version = key.base_version,
+                                             .gaps_allowed = key.gaps},
                                             values, DTypeSize(key.dtype), changed),
                      0, /*framed=*/true};
   } catch (const std::bad_alloc&) {
@@ -334,7 +335,8 @@ void FetchLayerReactor::WriteNext() {
       .elements = std::min(run.elements.end, grid.ChunkEnd(next_element_)) - next_element_,
       .version = version_,
       .dtype = dtype,
-      .base_version = options_.base_version.value_or(ChunkKey::kWhole)};
+      .base_version = options_.base_version.value_or(ChunkKey::kWhole),
+      .gaps = options_.base_version.has_value() && options_.changed_gaps};
   pending_dtype_ = dtype;
   pending_elements_ = key.elements;
   const auto cast = [this, &key] { return Cast(key); };

@@ -63,6 +63,9 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
     // A delta pull from this version (FetchLayerRequest.base_version): what
     // changed since is read from `changes`, which must be set with it.
     std::optional<uint64_t> base_version;
+    // With base_version: the reader takes positions as gaps
+    // (FetchLayerRequest.accepts_changed_gaps).
+    bool changed_gaps = false;
     const ChangeLog* changes = nullptr;
     // A pinned read (FetchLayerRequest.exact_version): the stream sends
     // this version, waiting for it first (min_version must be it); set

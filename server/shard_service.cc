@@ -290,6 +290,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   reactor_options.shared = shared;
   if (request->has_base_version()) {
     reactor_options.base_version = request->base_version();
+    reactor_options.changed_gaps = request->accepts_changed_gaps();
   }
   reactor_options.will_pull_deltas = request->will_pull_deltas();
   // The worker saw a chunk of this layer fail its checksum: the kept copy,

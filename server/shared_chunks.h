@@ -48,12 +48,14 @@ struct ChunkKey {
   uint64_t version = 0;
   DType dtype = DType::kFloat32;
   uint64_t base_version = kWhole;
+  // A delta chunk whose positions may go as gaps (its reader takes them).
+  bool gaps = false;
 
   friend bool operator==(const ChunkKey&, const ChunkKey&) = default;
   template <typename H>
   friend H AbslHashValue(H h, const ChunkKey& key) {
     return H::combine(std::move(h), key.layer, key.tensor, key.element_begin, key.elements,
-                      key.version, key.dtype, key.base_version);
+                      key.version, key.dtype, key.base_version, key.gaps);
   }
 };
 

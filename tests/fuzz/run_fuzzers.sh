@@ -6,7 +6,7 @@
 # fails the run; the input that caused it is kept under
 # BUILD/fuzz-artifacts/<target>/ with the command that reproduces it.
 #
-#   tests/fuzz/run_fuzzers.sh [SECONDS] [TARGET...]    (targets: safetensors policy manifest chunk_decoder gradient_decoder fetch_plan publish_stage)
+#   tests/fuzz/run_fuzzers.sh [SECONDS] [TARGET...]    (targets: safetensors policy manifest chunk_decoder delta_chunk gradient_decoder fetch_plan publish_stage)
 #
 # LAYERCAST_FUZZ_BUILD=DIR uses a build already configured with clang,
 # -DLAYERCAST_FUZZ=ON and -DLAYERCAST_SANITIZE=address,undefined,fuzzer-no-link
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-if [ "${#targets[@]}" -eq 0 ]; then targets=(safetensors policy manifest chunk_decoder gradient_decoder fetch_plan publish_stage); fi
+if [ "${#targets[@]}" -eq 0 ]; then targets=(safetensors policy manifest chunk_decoder delta_chunk gradient_decoder fetch_plan publish_stage); fi
 build=${LAYERCAST_FUZZ_BUILD:-build-fuzz}
 jobs=$(nproc)
 

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -173,6 +174,51 @@ TEST_F(PublishTest, ACommitMakesTheNewValuesOneVersionOnEveryShard) {
   std::map<std::string, std::vector<float>> unknown{{"no.such.tensor", {1.0f}}};
   EXPECT_THAT(publisher.Publish(View(unknown)).status().message(), HasSubstr("not in the model"));
   EXPECT_EQ(ManifestVersion(0), 2u);
+}
+
+// Deltas in either form of the changed positions (gaps where smaller, or
+// the bitmap an older worker asks for) are the full pull after 1, 2 and 3
+// versions, whatever share of the values changed, anywhere in a chunk.
+TEST_F(PublishTest, DeltasInEitherFormAreTheFullPullAtEveryShareChanged) {
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  const auto layers = static_cast<uint32_t>(shards_.set->model().layers.size());
+  std::vector<std::vector<std::vector<uint8_t>>> held(1);  // [version][layer]
+  for (uint32_t l = 0; l < layers; ++l) held[0].push_back(Bytes(l));
+  auto values = model_.values;
+  std::mt19937 random(7);
+  for (const double share : {0.0, 0.001, 0.01, 0.1, 0.9}) {
+    std::bernoulli_distribution pick(share);
+    for (auto& [name, tensor] : values) {
+      // Negated, a value changes in every dtype (zero becomes one).
+      for (float& value : tensor) {
+        if (pick(random)) value = value == 0 ? 1 : -value;
+      }
+    }
+    absl::StatusOr<client::PublishResult> published = publisher.Publish(View(values));
+    ASSERT_TRUE(published.ok()) << published.status();
+    const uint64_t version = published->version;
+    held.emplace_back();
+    for (uint32_t l = 0; l < layers; ++l) held[version].push_back(Bytes(l));
+    for (uint64_t back = 1; back <= std::min<uint64_t>(version, 3); ++back) {
+      for (const bool gaps : {true, false}) {
+        for (uint32_t l = 0; l < layers; ++l) {
+          client::GatherOptions options;
+          options.base_version = version - back;
+          options.changed_gaps = gaps;
+          std::vector<uint8_t> copy = held[version - back][l];
+          absl::StatusOr<uint64_t> pulled = shards_.set->GatherInto(l, options, copy);
+          ASSERT_TRUE(pulled.ok()) << pulled.status();
+          EXPECT_EQ(*pulled, version);
+          EXPECT_TRUE(copy == held[version][l])
+              << "layer " << l << " from version " << version - back << " to " << version
+              << " with " << share << " changed, " << (gaps ? "gaps allowed" : "bitmap only");
+        }
+      }
+    }
+  }
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total").value_or(0),
+            0)
+      << "every delta served as a delta";
 }
 
 TEST_F(PublishTest, AShardKilledMidPublishLeavesTheVersionBeforeServingEverywhere) {

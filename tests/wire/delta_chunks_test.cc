@@ -1,5 +1,7 @@
-// Delta chunks alone: what is encoded applies back exactly, and a chunk
-// whose bitmap, values or checksum do not hold is refused writing nothing.
+// Delta chunks alone: what is encoded applies back exactly, in either form
+// of the changed positions (a bitmap, or gaps for a reader that takes
+// them, whichever is smaller), and a chunk whose positions, values or
+// checksum do not hold is refused writing nothing.
 
 #include "wire/delta_chunks.h"
 
@@ -9,7 +11,12 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <optional>
 #include <random>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace layercast::wire {
 namespace {
@@ -28,15 +35,17 @@ struct Example {
   uint64_t count = 0;
 };
 
-// `span` bfloat16 elements, about `share` of them changed.
-Example MakeExample(uint64_t span, double share) {
+// `span` bfloat16 elements, about `share` of them changed; with `in`, only
+// those in [in->first, in->second).
+Example MakeExample(uint64_t span, double share,
+                    std::optional<std::pair<uint64_t, uint64_t>> in = std::nullopt) {
   std::mt19937 random(static_cast<uint32_t>(span));
   std::bernoulli_distribution pick(share);
   Example example{std::vector<uint8_t>(span * 2), {}, std::vector<uint64_t>((span + 63) / 64)};
   for (uint8_t& byte : example.old_values) byte = static_cast<uint8_t>(random());
   example.new_values = example.old_values;
   for (uint64_t i = 0; i < span; ++i) {
-    if (!pick(random)) continue;
+    if (!pick(random) || (in && (i < in->first || i >= in->second))) continue;
     example.new_values[2 * i] ^= 1;
     example.changed[i / 64] |= uint64_t{1} << (i % 64);
     ++example.count;
@@ -103,6 +112,99 @@ TEST(DeltaChunksTest, RefusesABrokenChunkWritingNothing) {
   EXPECT_EQ(refused(chunk, "moved bit").empty(), false);
   std::vector<uint8_t> wrong_size(10);
   EXPECT_FALSE(ApplyDeltaChunk(good, 2, wrong_size).ok()) << "a destination not the span's";
+}
+
+// The shard's chunk size in bf16 elements: 1 MiB.
+constexpr uint64_t kSpan = 1 << 19;
+
+TEST(DeltaChunksTest, GapsWhereSmallerTheBitmapElseAndBothApplyExactly) {
+  const uint64_t bitmap = kSpan / 8;
+  for (const double share : {0.0, 0.001, 0.01, 0.1, 0.9}) {
+    for (const auto& [where, range] :
+         std::vector<std::pair<std::string, std::pair<uint64_t, uint64_t>>>{
+             {"everywhere", {0, kSpan}},
+             {"at the start", {0, kSpan / 16}},
+             {"in the middle", {kSpan / 2 - kSpan / 32, kSpan / 2 + kSpan / 32}},
+             {"at the end", {kSpan - kSpan / 16, kSpan}}}) {
+      // A sixteenth of the span changes at 16x the share: the same count.
+      const double local = range.second - range.first == kSpan ? share : std::min(1.0, share * 16);
+      Example example = MakeExample(kSpan, local, range);
+      const DeltaSpan span{.span_elements = kSpan, .version = 2, .base_version = 1};
+      DeltaSpan gaps_allowed = span;
+      gaps_allowed.gaps_allowed = true;
+      const grpc::Slice as_bitmap = EncodeDeltaChunk(span, example.new_values, 2, example.changed);
+      const grpc::Slice adaptive =
+          EncodeDeltaChunk(gaps_allowed, example.new_values, 2, example.changed);
+      const layercast::v1::LayerChunk chunk = Parse(adaptive);
+      // The gaps' size, counted here the plain way: a varint per changed
+      // element, 7 bits a byte.
+      uint64_t gap_bytes = 0;
+      for (uint64_t i = 0, next = 0; i < kSpan; ++i) {
+        if ((example.changed[i / 64] >> (i % 64) & 1) == 0) continue;
+        for (uint64_t gap = i - next;; gap >>= 7) {
+          ++gap_bytes;
+          if (gap < 0x80) break;
+        }
+        next = i + 1;
+      }
+      const std::string label = absl::StrCat(share, " changed ", where);
+      EXPECT_EQ(chunk.changed().empty(), gap_bytes < bitmap) << label << ": the smaller form";
+      if (chunk.changed().empty()) {
+        EXPECT_EQ(chunk.changed_gaps().size(), gap_bytes) << label;
+      }
+      EXPECT_LE(adaptive.size(), as_bitmap.size()) << label;
+      if (share <= 0.01) {
+        EXPECT_TRUE(chunk.changed().empty()) << label << ": few changes, gaps";
+      }
+      if (share == 0.9 && where == "everywhere") {
+        EXPECT_FALSE(chunk.changed().empty()) << label << ": most changed, the bitmap";
+      }
+      for (const grpc::Slice* slice : {&as_bitmap, &adaptive}) {
+        std::vector<uint8_t> copy = example.old_values;
+        absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(Parse(*slice), 2, copy);
+        ASSERT_TRUE(applied.ok()) << label << ": " << applied.status();
+        EXPECT_EQ(*applied, example.count) << label;
+        EXPECT_TRUE(copy == example.new_values) << label;
+      }
+    }
+  }
+}
+
+TEST(DeltaChunksTest, RefusesBrokenGapsWritingNothing) {
+  Example example = MakeExample(1000, 0.01);
+  example.new_values[2 * 999] ^= 1;  // the last element too
+  example.changed[999 / 64] |= uint64_t{1} << (999 % 64);
+  ++example.count;
+  const layercast::v1::LayerChunk good = Parse(EncodeDeltaChunk(
+      {.span_elements = 1000, .version = 1, .base_version = 0, .gaps_allowed = true},
+      example.new_values, 2, example.changed));
+  ASSERT_TRUE(good.changed().empty()) << "coded as gaps";
+  ASSERT_FALSE(good.changed_gaps().empty());
+  const auto refused = [&](layercast::v1::LayerChunk chunk, const std::string& why) {
+    std::vector<uint8_t> copy = example.old_values;
+    absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 2, copy);
+    EXPECT_EQ(applied.status().code(), absl::StatusCode::kDataLoss) << why;
+    EXPECT_EQ(copy, example.old_values) << why << ": something was written";
+    return std::string(applied.status().message());
+  };
+  layercast::v1::LayerChunk chunk = good;
+  chunk.mutable_changed_gaps()->push_back(static_cast<char>(0x80));
+  EXPECT_THAT(refused(chunk, "a varint cut short"), HasSubstr("inside a varint"));
+  chunk = good;
+  chunk.mutable_changed_gaps()->push_back(0);  // element 1000 of 1000
+  EXPECT_THAT(refused(chunk, "a gap past the span"), HasSubstr("past its span"));
+  chunk = good;
+  *chunk.mutable_changed_gaps() = std::string(10, static_cast<char>(0xff)) + '\x01';
+  EXPECT_THAT(refused(chunk, "a varint over 64 bits"), HasSubstr("over 64 bits"));
+  chunk = good;
+  chunk.mutable_data()->resize(chunk.data().size() - 2);
+  EXPECT_THAT(refused(chunk, "one value fewer"), HasSubstr("bytes of values"));
+  chunk = good;
+  (*chunk.mutable_changed_gaps())[0] ^= 1;
+  EXPECT_THAT(refused(chunk, "a moved position"), HasSubstr("CRC-32C"));
+  chunk = good;
+  chunk.set_changed(std::string(125, '\0'));
+  EXPECT_THAT(refused(chunk, "both forms"), HasSubstr("bytes of gaps"));
 }
 
 }  // namespace
