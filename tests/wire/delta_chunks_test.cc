@@ -53,6 +53,17 @@ Example MakeExample(uint64_t span, double share,
   return example;
 }
 
+// Applies `chunk` to a copy of `old_values`, expecting DATA_LOSS and nothing
+// written; its message.
+std::string RefusedWritingNothing(const layercast::v1::LayerChunk& chunk,
+                                  const std::vector<uint8_t>& old_values, const std::string& why) {
+  std::vector<uint8_t> copy = old_values;
+  absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 2, copy);
+  EXPECT_EQ(applied.status().code(), absl::StatusCode::kDataLoss) << why;
+  EXPECT_EQ(copy, old_values) << why << ": something was written";
+  return std::string(applied.status().message());
+}
+
 TEST(DeltaChunksTest, AppliesBackToTheNewValues) {
   for (const uint64_t span : {1, 7, 64, 65, 1000}) {
     for (const double share : {0.0, 0.01, 0.5, 1.0}) {
@@ -87,12 +98,8 @@ TEST(DeltaChunksTest, RefusesABrokenChunkWritingNothing) {
   const layercast::v1::LayerChunk good =
       Parse(EncodeDeltaChunk({.span_elements = 100, .version = 1, .base_version = 0},
                              example.new_values, 2, example.changed));
-  const auto refused = [&](layercast::v1::LayerChunk chunk, const std::string& why) {
-    std::vector<uint8_t> copy = example.old_values;
-    absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 2, copy);
-    EXPECT_EQ(applied.status().code(), absl::StatusCode::kDataLoss) << why;
-    EXPECT_EQ(copy, example.old_values) << why << ": something was written";
-    return std::string(applied.status().message());
+  const auto refused = [&](const layercast::v1::LayerChunk& chunk, const std::string& why) {
+    return RefusedWritingNothing(chunk, example.old_values, why);
   };
   layercast::v1::LayerChunk chunk = good;
   chunk.mutable_changed()->pop_back();
@@ -180,12 +187,8 @@ TEST(DeltaChunksTest, RefusesBrokenGapsWritingNothing) {
       example.new_values, 2, example.changed));
   ASSERT_TRUE(good.changed().empty()) << "coded as gaps";
   ASSERT_FALSE(good.changed_gaps().empty());
-  const auto refused = [&](layercast::v1::LayerChunk chunk, const std::string& why) {
-    std::vector<uint8_t> copy = example.old_values;
-    absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 2, copy);
-    EXPECT_EQ(applied.status().code(), absl::StatusCode::kDataLoss) << why;
-    EXPECT_EQ(copy, example.old_values) << why << ": something was written";
-    return std::string(applied.status().message());
+  const auto refused = [&](const layercast::v1::LayerChunk& chunk, const std::string& why) {
+    return RefusedWritingNothing(chunk, example.old_values, why);
   };
   layercast::v1::LayerChunk chunk = good;
   chunk.mutable_changed_gaps()->push_back(static_cast<char>(0x80));
