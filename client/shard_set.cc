@@ -24,23 +24,6 @@ std::string Describe(const std::vector<std::string>& addresses, size_t i) {
   return absl::StrCat("shard ", i, " (", addresses[i], ")");
 }
 
-// Why a shard could not be reached, in words, from gRPC's UNAVAILABLE
-// message (which names the transport's last error); empty when the message
-// names no cause this knows.
-std::string KnownCause(const std::string& message, const std::string& address) {
-  if (absl::StrContains(message, "Connection refused")) {
-    return absl::StrCat("connection refused: nothing listens at ", address,
-                        " (is the shard running, on that port?)");
-  }
-  if (absl::StrContains(message, "DNS resolution failed") ||
-      absl::StrContains(message, "Name or service not known") ||
-      absl::StrContains(message, "not resolve")) {
-    return absl::StrCat("no such host: the name in ", address, " does not resolve");
-  }
-  if (absl::StrContains(message, "still loading")) return message;
-  return "";
-}
-
 // Asks one shard for its manifest until it answers or `deadline` passes,
 // retrying while it is unreachable or still loading, and saying once, after
 // a second, what it waits for.
@@ -68,7 +51,7 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardServic
     layercast::v1::Manifest manifest;
     status = stub.GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
     if (status.ok()) return manifest;
-    if (std::string known = KnownCause(status.error_message(), address); !known.empty()) {
+    if (std::string known = UnreachableCause(status.error_message(), address); !known.empty()) {
       cause = std::move(known);
     }
     const auto now = std::chrono::system_clock::now();
@@ -274,6 +257,20 @@ absl::StatusOr<uint64_t> ShardSet::CurrentVersion(std::chrono::milliseconds time
   RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[0]->WaitVersion(&context, request, &response),
                                        Describe(addresses_, 0)));
   return response.version();
+}
+
+std::string UnreachableCause(const std::string& message, const std::string& address) {
+  if (absl::StrContains(message, "Connection refused")) {
+    return absl::StrCat("connection refused: nothing listens at ", address,
+                        " (is the shard running, on that port?)");
+  }
+  if (absl::StrContains(message, "DNS resolution failed") ||
+      absl::StrContains(message, "Name or service not known") ||
+      absl::StrContains(message, "not resolve")) {
+    return absl::StrCat("no such host: the name in ", address, " does not resolve");
+  }
+  if (absl::StrContains(message, "still loading")) return message;
+  return "";
 }
 
 }  // namespace layercast::client

@@ -114,4 +114,9 @@ absl::StatusOr<std::vector<std::string>> ParseShardList(absl::string_view list);
 absl::StatusOr<std::vector<std::string>> ExpandShardPattern(absl::string_view pattern,
                                                             uint64_t num_shards);
 
+// Why `address` could not be reached, in words, from gRPC's UNAVAILABLE
+// message (which names the transport's last error), e.g. "connection
+// refused: nothing listens at ..."; empty when it names no cause known here.
+std::string UnreachableCause(const std::string& message, const std::string& address);
+
 }  // namespace layercast::client

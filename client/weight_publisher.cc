@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
 #include "core/crc32c.h"
 #include "core/failpoint.h"
@@ -157,7 +158,7 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
     AbortEverywhere(id);
     return absl::Status(staged[shard].code(),
                         absl::StrCat("publish ", id, " aborted on every shard, which still serve ",
-                                     "version ", base_version, ": ", staged[shard].message()));
+                                     ServedNow(), ": ", staged[shard].message()));
   }
   FailPoint("publish.after_stage");
   // Phase two. Shard 0 first: its commit decides the publish, and it hands
@@ -187,7 +188,7 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
     AbortEverywhere(id);
     return absl::Status(committed[0].code(),
                         absl::StrCat("publish ", id, " aborted on every shard, which still serve ",
-                                     "version ", base_version, ": ", committed[0].message()));
+                                     ServedNow(), ": ", committed[0].message()));
   }
   PublishResult result{.version = base_version + 1};
   for (uint32_t shard = 0; shard < n; ++shard) {
@@ -227,6 +228,16 @@ absl::Status WeightPublisher::CommitOnShard(uint32_t shard, const std::string& i
     std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
   }
   return status;
+}
+
+std::string WeightPublisher::ServedNow() const {
+  // The publish's base may be stale (the reason it failed): ask.
+  const absl::StatusOr<std::vector<uint64_t>> versions =
+      ShardVersions(std::chrono::steady_clock::now() + std::chrono::seconds(5));
+  if (!versions.ok()) return "the version they served before it";
+  const auto [lowest, highest] = std::minmax_element(versions->begin(), versions->end());
+  if (*lowest == *highest) return absl::StrCat("version ", *lowest);
+  return absl::StrCat("versions ", absl::StrJoin(*versions, ", "), " (shard by shard)");
 }
 
 void WeightPublisher::AbortEverywhere(const std::string& id) const {

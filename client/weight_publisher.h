@@ -93,6 +93,8 @@ class WeightPublisher {
                              uint64_t* changed) const;
   // Best effort; a shard not told settles it by itself.
   void AbortEverywhere(const std::string& id) const;
+  // "version V" the shards serve now, for messages.
+  std::string ServedNow() const;
 
   const ShardSet& shards_;
   const PublishOptions options_;

@@ -91,8 +91,12 @@ absl::Status CheckpointSource::CheckHeader(const Policy& policy) {
                                  " and this server reads version ", kCheckpointFormatVersion));
   }
   if (field("model_id") != model_.model_id) {
+    // Before model ids were file stems, a file's id was its whole name.
     return Mismatch(path_, absl::StrCat("it holds model '", field("model_id"),
-                                        "' and this shard serves '", model_.model_id, "'"));
+                                        "' and this shard serves '", model_.model_id,
+                                        "' (if it is the same model under an older id, start "
+                                        "with --model-id '",
+                                        field("model_id"), "')"));
   }
   if (field("num_shards") != absl::StrCat(num_shards_) ||
       field("shard_index") != absl::StrCat(shard_index_)) {

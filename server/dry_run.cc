@@ -12,6 +12,19 @@
 #include "server/model_source.h"
 
 namespace layercast::server {
+namespace {
+
+// "68.98 G", "17.04 M", "4.10 k" or "950": a tiny synthetic model does not
+// read as "0.00 G".
+std::string ParameterCount(uint64_t count) {
+  const double n = static_cast<double>(count);
+  if (n >= 1e9) return absl::StrFormat("%.2f G", n / 1e9);
+  if (n >= 1e6) return absl::StrFormat("%.2f M", n / 1e6);
+  if (n >= 1e3) return absl::StrFormat("%.2f k", n / 1e3);
+  return absl::StrCat(count);
+}
+
+}  // namespace
 
 absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
   const auto& config = settings.config;
@@ -28,8 +41,9 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
   DryRunReport report;
   absl::StrAppend(
       &report.text, "model ", model.model_id, ": ", model.layers.size(), " layers, ",
-      absl::StrFormat("%.2f", TotalElements(model) / 1e9), " G parameters, on ",
-      config.num_shards(), " shards; policy ", settings.policy.ToString(), "; ",
+      ParameterCount(TotalElements(model)), " parameters, on ", config.num_shards(),
+      config.num_shards() == 1 ? " shard" : " shards", "; policy ", settings.policy.ToString(),
+      "; ",
       training ? absl::StrCat("training with ", OptimizerKindName(training->optimizer.kind()), ", ",
                               training->workers, " data-parallel workers")
                : "read-only",

@@ -28,6 +28,7 @@
 #include "server/dry_run.h"
 #include "server/shard_config.h"
 #include "server/shard_server.h"
+#include "wire/grpc_log.h"
 
 namespace {
 
@@ -41,6 +42,7 @@ int Fail(const absl::Status& status, int code) {
 int main(int argc, char** argv) {
   layercast::TuneOwnProcess();
   layercast::ConfigureLogging("layercast-shard", layercast::LogFormat::kText);
+  layercast::wire::RouteGrpcLogs();
   using layercast::server::ShardServer;
   std::vector<std::string> args(argv + 1, argv + argc);
   // --dry-run is a mode, not a setting: it is no field of the config.
@@ -56,6 +58,13 @@ int main(int argc, char** argv) {
       std::puts(layercast::VersionLine("layercast-shard").c_str());
       return 0;
     }
+  }
+  if (args.empty() && !dry) {
+    // The usage line, not a complaint about the first missing flag.
+    const std::string help = layercast::server::ShardFlagsHelp();
+    std::fprintf(stderr, "%s\nlayercast-shard --help lists every flag; docs/shard-flags.md too.\n",
+                 help.substr(0, help.find('\n') + 1).c_str());
+    return 2;
   }
   auto config = layercast::server::ParseShardFlags(args);
   if (!config.ok()) return Fail(config.status(), 2);
@@ -81,7 +90,8 @@ int main(int argc, char** argv) {
   boost::asio::signal_set signals(io, SIGINT, SIGTERM);
   auto server = ShardServer::Create(*std::move(settings));
   if (!server.ok()) return Fail(server.status(), 2);
-  if (absl::Status started = (*server)->Start(); !started.ok()) return Fail(started, 1);
+  // A port in use is the operator's to change, like a bad flag: exit 2.
+  if (absl::Status started = (*server)->Start(); !started.ok()) return Fail(started, 2);
 
   std::atomic<bool> stopping{false};
   int exit_code = 0;

@@ -46,8 +46,12 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   try {
     endpoint->exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
   } catch (const std::exception& error) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ",
-                                               error.what(), "; choose another --metrics-listen"));
+    // civetweb says only "null context when constructing CivetServer".
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve metrics on ", listen,
+        ": the address is in use or not local; choose another --metrics-listen (port 0 picks a "
+        "free one) (prometheus-cpp: ",
+        error.what(), ")"));
   }
   const std::vector<int> ports = endpoint->exposer_->GetListeningPorts();
   endpoint->port_ = ports.empty() ? 0 : ports[0];

@@ -1,8 +1,10 @@
 #include "server/model_source.h"
 
+#include <cstring>
 #include <filesystem>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/glob.h"
 #include "core/log.h"
@@ -44,6 +46,22 @@ absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings&
       model_id = std::filesystem::absolute(dir).parent_path().filename().string();
     Log()->info("--model {}: serving {} as model '{}'", path, found, model_id);
     path = found;
+  } else if (model_id.empty()) {
+    // A file's stem ("llama-7b" of llama-7b.safetensors), or for a file
+    // named as Hugging Face names them, its folder's name.
+    const std::filesystem::path file = std::filesystem::absolute(path).lexically_normal();
+    std::string name = file.filename().string();
+    if (name == "model.safetensors" || name == "model.safetensors.index.json") {
+      model_id = file.parent_path().filename().string();
+    } else {
+      for (const char* suffix : {".safetensors.index.json", ".safetensors"}) {
+        if (absl::EndsWith(name, suffix) && name.size() > std::strlen(suffix)) {
+          name.resize(name.size() - std::strlen(suffix));
+          break;
+        }
+      }
+      model_id = name;
+    }
   }
   ASSIGN_OR_RETURN(auto file, SafetensorsSource::Open(path, model_id, settings.grouping));
   const ModelSpec& model = file->model();

@@ -40,6 +40,10 @@ class ServerMetrics {
   // dtype and layer range (a label per eighth of the model, not per layer,
   // so a model of any depth has at most 8 ranges a dtype).
   void RecordCastError(uint64_t layer, DType dtype, const CastError& error);
+  // Every series that sending layer `layer` in `dtype` adds to, at zero,
+  // so that a dashboard of a fresh set shows zeros, not "No data". After
+  // SetShardInfo (the layer ranges need the layer count).
+  void PrepareSeries(uint64_t layer, DType dtype);
   // "0-9" for layer 3 of 80; the label RecordCastError files `layer` under.
   std::string LayerRange(uint64_t layer) const;
 

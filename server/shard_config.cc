@@ -223,7 +223,10 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     RETURN_IF_ERROR(CheckListenAddress("health-listen", config.health_listen()));
   }
   if (config.num_shards() == 0) {
-    return absl::InvalidArgumentError("--num-shards must be at least 1");
+    return absl::InvalidArgumentError(
+        "--num-shards N is required: how many shards the set has (at least 1), with "
+        "--shard-index I and --model PATH or --synthetic SPEC; layercast-shard --help lists "
+        "every flag");
   }
   if (config.shard_index() >= config.num_shards()) {
     return absl::InvalidArgumentError(

@@ -144,6 +144,11 @@ void ShardService::AttachStore(Parts parts) {
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size(), manifest->incarnation());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
+  for (uint32_t l = 0; l < parts.store->model().layers.size(); ++l) {
+    for (const AssembledTensor& tensor : parts.store->layout(l).tensors()) {
+      metrics_.PrepareSeries(l, tensor.compute_dtype);
+    }
+  }
   absl::MutexLock lock(&mu_);
   parts_ = parts;
   manifest_ = std::move(manifest);

@@ -12,6 +12,9 @@ absl::Status RunBench(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(tools::CliFlags flags,
                    tools::CliFlags::Parse(args, WithShardSetFlags({"rounds", "budget-layers"})));
   ASSIGN_OR_RETURN(uint64_t rounds, flags.GetUint("rounds", 3));
+  if (rounds == 0) {
+    return absl::InvalidArgumentError("--rounds must be at least 1: the walks over every layer");
+  }
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   std::vector<uint32_t> order;
   for (uint64_t r = 0; r < rounds; ++r) {

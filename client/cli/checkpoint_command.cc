@@ -8,6 +8,7 @@
 #include "client/bearer_token.h"
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
+#include "client/shard_set.h"
 #include "core/byte_size.h"
 #include "core/file_system.h"
 #include "core/secret_file.h"
@@ -36,6 +37,7 @@ absl::StatusOr<std::string> ReadToken(const std::string& path) {
 
 struct Target {
   std::string describe;  // "shard i (host:port)"
+  std::string address;   // "host:port"
   std::shared_ptr<grpc::Channel> channel;
 };
 
@@ -43,9 +45,19 @@ absl::StatusOr<layercast::v1::CheckpointResponse> CheckpointOne(
     const Target& target, const std::string& token, std::chrono::milliseconds connect_timeout,
     std::chrono::seconds timeout) {
   if (!target.channel->WaitForConnected(std::chrono::system_clock::now() + connect_timeout)) {
+    // One call that fails at once says why: nothing listens, no such host,
+    // or (a connection that never became a channel) TLS.
+    grpc::ClientContext probe;
+    probe.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    layercast::v1::CheckpointResponse ignored;
+    const grpc::Status failed =
+        layercast::v1::ShardAdmin::NewStub(target.channel)->Checkpoint(&probe, {}, &ignored);
+    const std::string cause = client::UnreachableCause(failed.error_message(), target.address);
     return absl::UnavailableError(absl::StrCat(
-        target.describe, " did not accept a connection within ", connect_timeout.count(),
-        " ms: is it running, and do --tls-ca-file/--tls-cert-file match its TLS settings?"));
+        target.describe, " did not accept a connection within ", connect_timeout.count(), " ms: ",
+        cause.empty() ? "is it running, and do --tls-ca-file/--tls-cert-file match its TLS "
+                        "settings?"
+                      : cause));
   }
   auto stub = layercast::v1::ShardAdmin::NewStub(target.channel);
   grpc::ClientContext context;
@@ -83,7 +95,7 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
 
   std::vector<Target> targets;
   for (size_t i = 0; i < addresses.size(); ++i) {
-    targets.push_back({absl::StrCat("shard ", i, " (", addresses[i], ")"),
+    targets.push_back({absl::StrCat("shard ", i, " (", addresses[i], ")"), addresses[i],
                        grpc::CreateChannel(addresses[i], credentials)});
   }
   // Every shard writes at once: the checkpoint takes as long as the slowest.

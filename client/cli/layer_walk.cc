@@ -50,6 +50,12 @@ absl::StatusOr<WalkStats> WalkLayers(const client::ShardSet& set,
     stats.wire_bytes += wire;
     stats.fp32_bytes += fp32;
     stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Off a terminal (a log file, CI) a line per tenth of the walk, not one
+    // per layer.
+    const size_t done = step + 1;
+    if (!terminal && done != order.size() && done * 10 / order.size() == step * 10 / order.size()) {
+      continue;
+    }
     std::fprintf(stderr, "%s[%s] %3zu/%zu %-8s layer %3u %-24s %10s  %6.2f GB/s so far%s",
                  terminal ? "\r" : "", Bar(step + 1, order.size(), 24).c_str(), step + 1,
                  order.size(), label(step), layer.index(), layer.name().c_str(),

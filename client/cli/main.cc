@@ -8,6 +8,7 @@
 #include "core/build_info.h"
 #include "core/log.h"
 #include "core/process_tuning.h"
+#include "wire/grpc_log.h"
 
 namespace {
 
@@ -96,7 +97,7 @@ void PrintUsage(FILE* out) {
 
 void PrintCommandUsage(const Command& command, FILE* out) {
   std::fprintf(out, "%s: %s\n\nusage: %s", command.name, command.summary, command.usage);
-  if (command.reaches_shards) std::fprintf(out, "\nSHARDS is:\n%s", kShardSetUsage);
+  if (command.reaches_shards) std::fprintf(out, "\n%s", kShardSetUsage);
 }
 
 const Command* Find(const std::string& name) {
@@ -113,6 +114,7 @@ int main(int argc, char** argv) {
   // The worker library's messages (connections, retries): warnings and
   // worse, so they do not crowd the command's own output.
   layercast::ConfigureLogging("layercast", layercast::LogFormat::kText, spdlog::level::warn);
+  layercast::wire::RouteGrpcLogs();
   const std::vector<std::string> words(argv + 1, argv + argc);
   if (words.empty()) {
     PrintUsage(stderr);

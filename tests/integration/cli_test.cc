@@ -1,6 +1,8 @@
 // The command-line tools as a newcomer meets them: help for every command
 // with its defaults, --version on both binaries, a layer fetched by name,
-// the publishing demo.
+// the publishing demo, and the frictions an operator met: a shard started
+// with nothing, a bench of no rounds, a checkpoint of a shard that is down,
+// progress written to a file, the dry run's wording, a file's model id.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -9,9 +11,12 @@
 #include <fstream>
 #include <iterator>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "tests/integration/shard_fixture.h"
+#include "tests/integration/test_model.h"
 
 namespace layercast::testing {
 namespace {
@@ -19,6 +24,7 @@ namespace {
 using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
+using ::testing::Not;
 
 TEST(CliTest, VersionNamesReleaseCommitBuildAndCastKernel) {
   // One variant where every cast uses it, else each cast's.
@@ -87,6 +93,94 @@ TEST(CliTest, FetchTakesALayerByName) {
                        &output),
             1);
   EXPECT_THAT(output, HasSubstr("the model has no layer named 'model.layers.9'"));
+}
+
+TEST(CliTest, AShardStartedWithoutWhatItNeedsSaysHowToStartIt) {
+  std::string output;
+  EXPECT_EQ(RunCommand(ShardBinary(), &output), 2);
+  EXPECT_THAT(output, HasSubstr("usage: layercast-shard"));
+  EXPECT_THAT(output, HasSubstr("--help lists every flag"));
+  EXPECT_EQ(RunCommand(ShardBinary() + " --dry-run --synthetic llama:layers=1,hidden=64", &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("--num-shards N is required"));
+}
+
+TEST(CliTest, TheDryRunNamesAFilesModelByItsStemAndCountsSmallModels) {
+  const std::string dir = MakeTempDir("cli_model_id");
+  WriteTestModel(dir + "/tiny-llama.safetensors", 1, 3);
+  std::filesystem::create_directories(dir + "/my-model");
+  WriteTestModel(dir + "/my-model/model.safetensors", 1, 3);
+  std::string output;
+  ASSERT_EQ(RunCommand(absl::StrCat(ShardBinary(), " --dry-run --num-shards 1 --model ", dir,
+                                    "/tiny-llama.safetensors"),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("model tiny-llama: "));
+  EXPECT_THAT(output, ContainsRegex("[0-9.]+ k parameters, on 1 shard;"));
+  ASSERT_EQ(RunCommand(absl::StrCat(ShardBinary(), " --dry-run --num-shards 2 --model ", dir,
+                                    "/my-model/model.safetensors"),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("model my-model: "));
+  EXPECT_THAT(output, HasSubstr("on 2 shards;"));
+}
+
+// A port in use: one clear line (gRPC's own through the shard's logger, so
+// JSON stays JSON) and exit 2, like any other start-up mistake.
+TEST(CliTest, ABusyPortIsOneClearErrorInTheLogsFormat) {
+  RunningShards running = StartShards(1, {"--synthetic", "llama:layers=1,hidden=64"});
+  ASSERT_NE(running.set, nullptr);
+  const std::string taken = running.processes->addresses()[0];
+  const std::string start =
+      absl::StrCat(ShardBinary(), " --num-shards 1 --synthetic llama:layers=1,hidden=64 ");
+  std::string output;
+  EXPECT_EQ(RunCommand(start + "--log-format json --listen " + taken, &output), 2);
+  EXPECT_THAT(output, HasSubstr("cannot listen on " + taken));
+  for (const absl::string_view line : absl::StrSplit(output, '\n', absl::SkipEmpty())) {
+    EXPECT_TRUE(absl::StartsWith(line, "{") && absl::EndsWith(line, "}"))
+        << "not a JSON line: " << line;
+  }
+  EXPECT_EQ(RunCommand(start + "--listen 127.0.0.1:0 --metrics-listen " + taken, &output), 2);
+  EXPECT_THAT(output, HasSubstr("cannot serve metrics on " + taken +
+                                ": the address is in use or not local"));
+}
+
+TEST(CliTest, BenchRefusesNoRoundsAndCheckpointSaysNothingListens) {
+  std::string output;
+  EXPECT_EQ(RunCommand(CliBinary() + " bench --shards 127.0.0.1:1 --rounds 0", &output), 2);
+  EXPECT_THAT(output, HasSubstr("--rounds must be at least 1"));
+  const std::string dir = MakeTempDir("cli_checkpoint_down");
+  EXPECT_NE(RunCommand(absl::StrCat(CliBinary(), " checkpoint --shards 127.0.0.1:1 --insecure ",
+                                    "--connect-timeout-ms 500 --token-file ",
+                                    WriteAdminToken(dir, "checkpoint-token-0123456789")),
+                       &output),
+            0);
+  EXPECT_THAT(output, HasSubstr("connection refused: nothing listens at 127.0.0.1:1"));
+  EXPECT_THAT(output, Not(HasSubstr("TLS")));
+}
+
+TEST(CliTest, ProgressWrittenToAFileIsALineATenth) {
+  RunningShards shards =
+      StartShards(1, {"--synthetic", "llama:layers=4,hidden=64,ffn=96,vocab=50"});
+  ASSERT_NE(shards.set, nullptr);
+  std::string output;
+  // 6 layers x 10 rounds: 60 layers gathered, output not a terminal.
+  ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " bench --rounds 10 --shards ",
+                                    shards.processes->addresses()[0]),
+                       &output),
+            0)
+      << output;
+  size_t lines = 0;
+  for (size_t at = output.find("so far"); at != std::string::npos;
+       at = output.find("so far", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 5u) << output;
+  EXPECT_LE(lines, 10u) << output;
+  EXPECT_THAT(output, HasSubstr(" 60/60 "));
+  EXPECT_THAT(output, Not(HasSubstr("\r")));
 }
 
 TEST(CliTest, ThePublishDemoKeepsEveryMirrorBitIdenticalAndStopsCleanly) {

@@ -15,8 +15,9 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
+// Both under one model id, as a trainer's checkpoints of one model are.
 std::unique_ptr<tools::LocalShardSet> StartSet(const std::string& model_path) {
-  return StartProcesses(2, {"--model", model_path});
+  return StartProcesses(2, {"--model", model_path, "--model-id", "the-model"});
 }
 
 TEST(IdentityTest, ShardsOfTwoCheckpointsOfOneModelAreNotOneSet) {

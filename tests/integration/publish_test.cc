@@ -174,6 +174,9 @@ TEST_F(PublishTest, ACommitMakesTheNewValuesOneVersionOnEveryShard) {
   std::map<std::string, std::vector<float>> unknown{{"no.such.tensor", {1.0f}}};
   EXPECT_THAT(publisher.Publish(View(unknown)).status().message(), HasSubstr("not in the model"));
   EXPECT_EQ(ManifestVersion(0), 2u);
+  // A publish on a stale base names the version the shards do serve.
+  const absl::StatusOr<client::PublishResult> stale = publisher.Publish(View(second), 0);
+  EXPECT_THAT(stale.status().message(), HasSubstr("which still serve version 2"));
 }
 
 // Deltas in either form of the changed positions (gaps where smaller, or

@@ -412,6 +412,15 @@ def check_shards(checks, args, tmp, shards):
         checks.check(f"shard {s.index} PushGradients OK series at zero from start-up",
                      any(n == "layercast_rpcs_total" and l == {"method": "PushGradients", "code": "OK"}
                          and v == 0 for n, l, v in samples))
+        # A fresh set's dashboard shows zeros, not "No data": every dtype the
+        # policy sends, and the cast error of every narrowing one, from start.
+        checks.check(f"shard {s.index} sent_bytes_total per compute dtype at zero from start-up",
+                     {l.get("dtype") for n, l, v in samples
+                      if n == "layercast_sent_bytes_total" and v == 0}
+                     >= {"bfloat16", "float32", "float8_e4m3fn"}, "")
+        checks.check(f"shard {s.index} cast_relative_error series from start-up",
+                     any(n == "layercast_cast_relative_error_count" and l.get("dtype") == "bfloat16"
+                         and v == 0 for n, l, v in samples), "")
 
     # One round: gather every layer with `layercast fetch`, so the expected
     # byte count comes from the files' safetensors headers, not from the

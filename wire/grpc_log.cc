@@ -1,0 +1,24 @@
+#include "wire/grpc_log.h"
+
+#include <grpc/support/log.h>
+
+#include "core/log.h"
+
+namespace layercast::wire {
+namespace {
+
+void ToLog(gpr_log_func_args* args) {
+  // gRPC's ERROR lines are mostly what a caller is also told as a status
+  // (a bind that failed, a peer that went away): a warning, not an error.
+  const spdlog::level::level_enum level =
+      args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::warn
+      : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                : spdlog::level::debug;
+  Log()->log(level, "gRPC: {} ({}:{})", args->message, args->file, args->line);
+}
+
+}  // namespace
+
+void RouteGrpcLogs() { gpr_set_log_function(ToLog); }
+
+}  // namespace layercast::wire
