@@ -364,7 +364,13 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     }
     settings.cast_isa = *isa;
   }
-  if (!config.has_delta_versions()) config.set_delta_versions(kDefaultDeltaVersions);
+  if (!config.has_delta_versions()) {
+    // A shard nobody can change (no optimizer, no admin token to publish
+    // with) never has a delta to serve: its bitmaps would be dead weight
+    // (4 GiB of a Llama-2-70B set of 8).
+    const bool changes = !config.optimizer().empty() || !config.admin_token_file().empty();
+    config.set_delta_versions(changes ? kDefaultDeltaVersions : 0);
+  }
   if (config.delta_versions() > kMaxDeltaVersions) {
     return absl::InvalidArgumentError(absl::StrCat("--delta-versions ", config.delta_versions(),
                                                    " is out of range: use 0-", kMaxDeltaVersions));

@@ -89,9 +89,22 @@ TEST(ShardConfigTest, TrainingNeedsAnOptimizerAndAValidWorkerCount) {
 }
 
 TEST(ShardConfigTest, PinnedReadsKeepVersionsForAWhileAndNeedTheChangeLog) {
-  absl::StatusOr<ShardSettings> settings = Resolve({});
+  // A shard that can change (publishes here) keeps 4 versions' changes.
+  absl::StatusOr<ShardSettings> settings = Resolve({"--admin-token-file", "/run/token"});
   ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->config.delta_versions(), 4u);
   EXPECT_EQ(settings->config.pin_retention_ms(), 30000u);
+  settings = Resolve({"--optimizer", "sgd:lr=0.1"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->config.delta_versions(), 4u);
+  // One nobody can change records nothing, unless asked to.
+  settings = Resolve({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->config.delta_versions(), 0u);
+  EXPECT_EQ(settings->config.pin_retention_ms(), 0u);
+  settings = Resolve({"--delta-versions", "2"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->config.delta_versions(), 2u);
   settings = Resolve({"--delta-versions", "0"});
   ASSERT_TRUE(settings.ok()) << settings.status() << ": the default gives way";
   EXPECT_EQ(settings->config.pin_retention_ms(), 0u);
