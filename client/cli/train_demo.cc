@@ -1,13 +1,19 @@
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <future>
 #include <memory>
+#include <optional>
+#include <span>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/commands.h"
 #include "client/gradient_sink.h"
 #include "core/byte_size.h"
+#include "core/cast.h"
+#include "core/dtype.h"
 #include "core/layout.h"
 #include "core/status_macros.h"
 #include "tools/local_shard_set.h"
@@ -21,6 +27,36 @@ constexpr char kDefaultTrainModel[] = "llama:layers=4,hidden=1024,ffn=2816,vocab
 constexpr char kDefaultOptimizer[] =
     "adamw:lr=1e-4,beta1=0.9,beta2=0.95,eps=1e-8,weight_decay=0.1,warmup_steps=2,clip=1.0;"
     "*norm*:weight_decay=0";
+
+// The demo's loss: 0.5 * sum(w^2) over every weight, the pull weight decay
+// alone would give, whose gradient is w itself. Fills `gradient` (the
+// layer's gradient layout) from the gathered layer and returns the layer's
+// loss; nullopt for a layer with 8-bit floats (no plain values to square),
+// whose gradient is the synthetic one.
+absl::StatusOr<std::optional<double>> QuadraticLoss(const client::Layer& layer,
+                                                    const AssembledLayout& gradient_layout,
+                                                    uint64_t step, std::span<uint8_t> gradient) {
+  for (size_t t = 0; t < layer.num_tensors(); ++t) {
+    if (IsFloat8(layer.tensor(t).dtype)) {
+      RETURN_IF_ERROR(
+          tools::FillSyntheticGradient(gradient_layout, 0, step, layer.index(), gradient));
+      return std::nullopt;
+    }
+  }
+  std::fill(gradient.begin(), gradient.end(), 0);
+  double loss = 0;
+  std::vector<float> values;
+  for (size_t t = 0; t < layer.num_tensors(); ++t) {
+    const client::Layer::TensorView tensor = layer.tensor(t);
+    values.resize(tensor.num_elements);
+    CastToF32(tensor.bytes.data(), tensor.dtype, values.data(), values.size());
+    for (const float w : values) loss += 0.5 * static_cast<double>(w) * w;
+    const AssembledTensor& placed = gradient_layout.tensors()[t];
+    RETURN_IF_ERROR(CastFromF32(values.data(), gradient.data() + placed.byte_offset, values.size(),
+                                placed.compute_dtype, Fp16Overflow::kInfinity));
+  }
+  return loss;
+}
 
 }  // namespace
 
@@ -71,6 +107,7 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
       gathered += layer.bytes().size();
     }
     const uint64_t pushed_before = sink->bytes_pushed();
+    double loss = 0;
     std::vector<std::shared_future<absl::StatusOr<client::PushResult>>> pushes;
     for (uint32_t l = num_layers; l-- > 0;) {  // backward: gather, compute, push
       ASSIGN_OR_RETURN(client::Layer layer, set->Gather(l, gather));
@@ -78,8 +115,10 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
       const AssembledLayout& gradient_layout = set->view().gradient_layouts[l];
       ASSIGN_OR_RETURN(client::LayerBuffer gradient,
                        client::LayerBuffer::Allocate(gradient_layout.total_bytes()));
-      RETURN_IF_ERROR(tools::FillSyntheticGradient(
-          gradient_layout, 0, step, l, std::span<uint8_t>(gradient.data(), gradient.size())));
+      ASSIGN_OR_RETURN(const std::optional<double> layer_loss,
+                       QuadraticLoss(layer, gradient_layout, step,
+                                     std::span<uint8_t>(gradient.data(), gradient.size())));
+      if (layer_loss) loss += *layer_loss;
       ASSIGN_OR_RETURN(auto pushed, sink->Push(l, step, std::move(gradient)));
       pushes.push_back(std::move(pushed));
     }
@@ -95,9 +134,9 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
                                                            end.total_norm, end.scale)
                                          : "";
     std::printf(
-        "  step %3llu  %6.2f s  gathered %10s  pushed %10s  version %llu -> %llu%s\n",
+        "  step %3llu  %6.2f s  loss %.6g  gathered %10s  pushed %10s  version %llu -> %llu%s\n",
         static_cast<unsigned long long>(step),
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count(),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count(), loss,
         FormatBytes(gathered).c_str(), FormatBytes(pushed).c_str(),
         static_cast<unsigned long long>(step), static_cast<unsigned long long>(version),
         clip.c_str());
@@ -109,6 +148,9 @@ absl::Status RunTrainDemo(const tools::CliFlags& flags) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // The worker's side is closed while the shards still answer.
+  sink.reset();
+  set.reset();
   const absl::Status stopped = shards->Stop();
   std::printf("layercast demo --train summary\n");
   std::printf("  steps             %llu of forward gather, backward gather and gradient push\n",

@@ -12,6 +12,7 @@
 #include <iterator>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -181,6 +182,30 @@ TEST(CliTest, ProgressWrittenToAFileIsALineATenth) {
   EXPECT_LE(lines, 10u) << output;
   EXPECT_THAT(output, HasSubstr(" 60/60 "));
   EXPECT_THAT(output, Not(HasSubstr("\r")));
+}
+
+// The training demo trains something: its loss (0.5 * sum of the squared
+// weights, whose gradient the worker pushes) falls at every step.
+TEST(CliTest, TheTrainingDemosLossFalls) {
+  std::string output;
+  ASSERT_EQ(RunCommand(CliBinary() + " demo --train --steps 4 --synthetic " +
+                           "llama:layers=1,hidden=128,ffn=256,vocab=512,seed=2",
+                       &output),
+            0)
+      << output;
+  std::vector<double> losses;
+  for (const absl::string_view line : absl::StrSplit(output, '\n')) {
+    const size_t at = line.find(" loss ");
+    if (at == absl::string_view::npos) continue;
+    double loss = 0;
+    const absl::string_view rest = line.substr(at + 6);
+    ASSERT_TRUE(absl::SimpleAtod(rest.substr(0, rest.find(' ')), &loss)) << line;
+    losses.push_back(loss);
+  }
+  ASSERT_EQ(losses.size(), 4u) << output;
+  for (size_t i = 1; i < losses.size(); ++i) {
+    EXPECT_LT(losses[i], losses[i - 1]) << output;
+  }
 }
 
 TEST(CliTest, ThePublishDemoKeepsEveryMirrorBitIdenticalAndStopsCleanly) {
