@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "core/byte_size.h"
 #include "core/layout.h"
 #include "core/status_macros.h"
@@ -22,6 +25,24 @@ std::string ParameterCount(uint64_t count) {
   if (n >= 1e6) return absl::StrFormat("%.2f M", n / 1e6);
   if (n >= 1e3) return absl::StrFormat("%.2f k", n / 1e3);
   return absl::StrCat(count);
+}
+
+// How the tensors were grouped into layers (by --layer-regex): each layer's
+// name and tensor count, the middle of a long model elided.
+std::string LayerGrouping(const ModelSpec& model) {
+  std::vector<std::string> shown;
+  const size_t n = model.layers.size();
+  for (size_t l = 0; l < n; ++l) {
+    if (n > 6 && l == 3) {
+      shown.push_back(absl::StrCat("... (", n - 5, " more)"));
+      l = n - 3;
+      continue;
+    }
+    const size_t tensors = model.layers[l].tensors.size();
+    shown.push_back(
+        absl::StrCat(model.layers[l].name, " (", tensors, tensors == 1 ? " tensor)" : " tensors)"));
+  }
+  return absl::StrJoin(shown, ", ");
 }
 
 }  // namespace
@@ -48,6 +69,7 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
                               training->workers, " data-parallel workers")
                : "read-only",
       "\n");
+  absl::StrAppend(&report.text, "layers: ", LayerGrouping(model), "\n");
   absl::StrAppend(&report.text, absl::StrFormat("%-8s %14s %16s %14s %14s %14s %14s %22s\n",
                                                 "shard", "fp32 master", "optimizer state",
                                                 "step staging", "stream buffers", "change bitmaps",

@@ -125,6 +125,9 @@ TEST(CliTest, TheDryRunNamesAFilesModelByItsStemAndCountsSmallModels) {
             0)
       << output;
   EXPECT_THAT(output, HasSubstr("model my-model: "));
+  // How the tensors were grouped into layers.
+  EXPECT_THAT(output, ContainsRegex("layers: model.embed_tokens \\(1 tensor\\), model.layers.0 "
+                                    "\\([0-9]+ tensors\\)"));
   EXPECT_THAT(output, HasSubstr("on 2 shards;"));
 }
 
