@@ -92,8 +92,8 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
                      "' must start with 'llama:', e.g. "
                      "'llama:layers=8,hidden=2048,ffn=5632,vocab=32000,seed=1'"));
   }
-  std::map<std::string, uint64_t> values = {
-      {"layers", 2}, {"hidden", 256}, {"ffn", 688}, {"vocab", 1024}, {"seed", 0}};
+  std::map<std::string, uint64_t> values = {{"layers", 2},   {"hidden", 256}, {"ffn", 688},
+                                            {"vocab", 1024}, {"seed", 0},     {"kv", 0}};
   const absl::string_view body = spec.substr(kPrefix.size());
   if (!body.empty()) {
     for (absl::string_view part : absl::StrSplit(body, ',')) {
@@ -103,7 +103,7 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
       if (it == values.end()) {
         return absl::InvalidArgumentError(
             absl::StrCat("synthetic spec '", spec, "': '", part,
-                         "' is not one of layers=N, hidden=N, ffn=N, vocab=N, seed=N"));
+                         "' is not one of layers=N, hidden=N, ffn=N, vocab=N, kv=N, seed=N"));
       }
       uint64_t v = 0;
       auto [end, ec] = std::from_chars(kv[1].data(), kv[1].data() + kv[1].size(), v);
@@ -122,12 +122,15 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
   const int64_t hidden = static_cast<int64_t>(values["hidden"]);
   const int64_t ffn = static_cast<int64_t>(values["ffn"]);
   const int64_t vocab = static_cast<int64_t>(values["vocab"]);
+  // k_proj's and v_proj's rows: kv heads x head dim under grouped-query
+  // attention (1024 for Llama-2-70B's 8 x 128), else hidden.
+  const int64_t kv = values["kv"] == 0 ? hidden : static_cast<int64_t>(values["kv"]);
 
   auto model = std::unique_ptr<SyntheticModel>(new SyntheticModel());
   model->seed_ = values["seed"];
-  model->model_.model_id =
-      absl::StrCat("synthetic:llama:layers=", values["layers"], ",hidden=", hidden, ",ffn=", ffn,
-                   ",vocab=", vocab, ",seed=", model->seed_);
+  model->model_.model_id = absl::StrCat(
+      "synthetic:llama:layers=", values["layers"], ",hidden=", hidden, ",ffn=", ffn,
+      ",vocab=", vocab, values["kv"] == 0 ? "" : absl::StrCat(",kv=", kv), ",seed=", model->seed_);
   model->model_.layers.push_back(
       LayerSpec{"model.embed_tokens", {Tensor("model.embed_tokens.weight", {vocab, hidden})}});
   for (uint64_t i = 0; i < values["layers"]; ++i) {
@@ -141,10 +144,10 @@ absl::StatusOr<std::unique_ptr<SyntheticModel>> SyntheticModel::Create(absl::str
                       Tensor(p + "mlp.gate_proj.weight", {ffn, hidden}),
                       Tensor(p + "mlp.up_proj.weight", {ffn, hidden}),
                       Tensor(p + "post_attention_layernorm.weight", {hidden}),
-                      Tensor(p + "self_attn.k_proj.weight", {hidden, hidden}),
+                      Tensor(p + "self_attn.k_proj.weight", {kv, hidden}),
                       Tensor(p + "self_attn.o_proj.weight", {hidden, hidden}),
                       Tensor(p + "self_attn.q_proj.weight", {hidden, hidden}),
-                      Tensor(p + "self_attn.v_proj.weight", {hidden, hidden}),
+                      Tensor(p + "self_attn.v_proj.weight", {kv, hidden}),
                   }});
   }
   model->model_.layers.push_back(LayerSpec{

@@ -16,7 +16,9 @@ namespace layercast {
 //   llama:layers=8,hidden=2048,ffn=5632,vocab=32000,seed=1
 //
 // Every key is optional: absent keys take layers=2, hidden=256, ffn=688,
-// vocab=1024, seed=0. Layers: the embedding
+// vocab=1024, seed=0, and kv=hidden (the rows of k_proj and v_proj: kv
+// heads x head dim under grouped-query attention, e.g. kv=1024 for
+// Llama-2-70B; the model id names it only when given). Layers: the embedding
 // (`model.embed_tokens.weight` [vocab, hidden]); `layers` decoder layers
 // (`model.layers.<i>.{input_layernorm, self_attn.{q,k,v,o}_proj,
 // post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`); and "final"

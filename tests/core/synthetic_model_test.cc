@@ -25,6 +25,20 @@ TEST(SyntheticModelTest, LlamaShapes) {
   EXPECT_EQ(TotalElements(spec), 2 * 100 * 64 + 64 + 3 * per_layer);
 }
 
+// kv= sizes k_proj and v_proj as grouped-query attention does: a synthetic
+// "70B" has Llama-2-70B's 68.98 G parameters, not 78.37 G.
+TEST(SyntheticModelTest, KvSetsTheKeyAndValueProjections) {
+  auto model = SyntheticModel::Create("llama:layers=80,hidden=8192,ffn=28672,vocab=32000,kv=1024");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ModelSpec& spec = (*model)->model();
+  EXPECT_EQ(spec.model_id,
+            "synthetic:llama:layers=80,hidden=8192,ffn=28672,vocab=32000,kv=1024,seed=0");
+  EXPECT_EQ(spec.layers[1].tensors[5].name, "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_EQ(spec.layers[1].tensors[5].shape, (std::vector<int64_t>{1024, 8192}));
+  EXPECT_EQ(spec.layers[1].tensors[8].shape, (std::vector<int64_t>{1024, 8192}));
+  EXPECT_EQ(TotalElements(spec), uint64_t{68976648192});
+}
+
 TEST(SyntheticModelTest, AnyRangeMatchesTheElementFunction) {
   auto model = SyntheticModel::Create("llama:layers=1,hidden=32,ffn=48,vocab=16,seed=9");
   ASSERT_TRUE(model.ok());
