@@ -55,7 +55,7 @@ inline constexpr CastKind kCastKinds[] = {CastKind::kF32ToBF16, CastKind::kF32To
 absl::string_view CastKindName(CastKind kind);
 
 // The variant the functions without a CastIsa argument use for `kind`: the
-// widest this CPU runs within 5% of the fastest at that cast
+// widest this CPU runs within 12% of the fastest at that cast
 // (internal::PickMeasured), measured once, at first use, unless
 // ChooseCastIsa named one before. Passing a variant this CPU lacks to a
 // function runs kScalar (same bits).
