@@ -2,6 +2,8 @@
 
 #include <grpc/support/log.h>
 
+#include <cstdlib>
+
 #include "core/log.h"
 
 namespace layercast::wire {
@@ -19,6 +21,11 @@ void ToLog(gpr_log_func_args* args) {
 
 }  // namespace
 
-void RouteGrpcLogs() { gpr_set_log_function(ToLog); }
+void RouteGrpcLogs() {
+  // Someone tracing gRPC (GRPC_TRACE, GRPC_VERBOSITY=debug) wants every
+  // line as gRPC writes it, not filtered by this program's log level.
+  if (std::getenv("GRPC_TRACE") != nullptr || std::getenv("GRPC_VERBOSITY") != nullptr) return;
+  gpr_set_log_function(ToLog);
+}
 
 }  // namespace layercast::wire
