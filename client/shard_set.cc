@@ -1,6 +1,7 @@
 #include "client/shard_set.h"
 
 #include <algorithm>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -26,11 +27,15 @@ std::string Describe(const std::vector<std::string>& addresses, size_t i) {
 
 // Asks one shard for its manifest until it answers or `deadline` passes,
 // retrying while it is unreachable or still loading, and saying once, after
-// a second, what it waits for.
-absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardService::Stub& stub,
-                                                      const std::string& describe,
-                                                      const std::string& address,
-                                                      std::chrono::milliseconds timeout) {
+// a second, what it waits for. `channel` is the shard's, and is replaced by
+// one from `make_channel` after a refused connection: gRPC 1.51's channel,
+// once its first connect was refused, took 5 s to connect to a shard that
+// had come up in the meantime (a fresh channel connects at once).
+absl::StatusOr<layercast::v1::Manifest> FetchManifest(
+    std::shared_ptr<grpc::Channel>& channel,
+    const std::function<std::shared_ptr<grpc::Channel>()>& make_channel,
+    const std::string& describe, const std::string& address, std::chrono::milliseconds timeout) {
+  auto stub = layercast::v1::ShardService::NewStub(channel);
   const auto start = std::chrono::system_clock::now();
   const auto deadline = start + timeout;
   std::chrono::milliseconds backoff(50);
@@ -49,10 +54,14 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(layercast::v1::ShardServic
     context.set_deadline(
         std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(10)));
     layercast::v1::Manifest manifest;
-    status = stub.GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
+    status = stub->GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
     if (status.ok()) return manifest;
     if (std::string known = UnreachableCause(status.error_message(), address); !known.empty()) {
       cause = std::move(known);
+    }
+    if (absl::StrContains(status.error_message(), "Connection refused")) {
+      channel = make_channel();
+      stub = layercast::v1::ShardService::NewStub(channel);
     }
     const auto now = std::chrono::system_clock::now();
     const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
@@ -121,25 +130,29 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   // Each ShardSet gets connections of its own: several workers in one
   // process should not share (and serialise on) one HTTP/2 connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  for (const std::string& address : set->addresses_) {
-    auto channel = grpc::CreateCustomChannel(
+  const auto make_channel = [&](const std::string& address) {
+    return grpc::CreateCustomChannel(
         address, options.credentials ? options.credentials : grpc::InsecureChannelCredentials(),
         args);
-    set->channels_.push_back(channel);
-    set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
-    set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
-  }
-
+  };
   const size_t n = set->addresses_.size();
+  set->channels_.resize(n);
   std::vector<absl::StatusOr<layercast::v1::Manifest>> answers(n);
   {
     std::vector<std::jthread> askers;
     for (size_t i = 0; i < n; ++i) {
       askers.emplace_back([&, i] {
-        answers[i] = FetchManifest(*set->stubs_[i], Describe(set->addresses_, i),
-                                   set->addresses_[i], options.connect_timeout);
+        const std::string& address = set->addresses_[i];
+        set->channels_[i] = make_channel(address);
+        answers[i] = FetchManifest(
+            set->channels_[i], [&] { return make_channel(address); }, Describe(set->addresses_, i),
+            address, options.connect_timeout);
       });
     }
+  }
+  for (const std::shared_ptr<grpc::Channel>& channel : set->channels_) {
+    set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
+    set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
   }
   for (auto& answer : answers) {
     if (!answer.ok()) return answer.status();
