@@ -266,15 +266,8 @@ std::string ServerMetrics::LayerRange(uint64_t layer) const {
 
 void ServerMetrics::PrepareSeries(uint64_t layer, DType dtype) {
   sent_bytes_->Add({{"dtype", std::string(DTypeName(dtype))}});
-  if (dtype == DType::kFloat32) return;
-  const prometheus::Labels labels = {{"dtype", std::string(DTypeName(dtype))},
-                                     {"layers", LayerRange(layer)}};
-  cast_relative_error_->Add(labels, RelativeErrorBuckets());
-  for (const char* how : {"overflowed", "flushed_to_zero", "became_subnormal"}) {
-    prometheus::Labels with_how = labels;
-    with_how.emplace("how", how);
-    cast_lost_elements_->Add(with_how);
-  }
+  // Nothing cast yet: every cast-error series of the layer, at zero.
+  RecordCastError(layer, dtype, CastError{});
 }
 
 void ServerMetrics::RecordCastError(uint64_t layer, DType dtype, const CastError& error) {

@@ -62,7 +62,7 @@ grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> val
     gaps->clear();
     chunk.set_changed(reinterpret_cast<const char*>(changed.data()), bitmap_bytes);
   }
-  const std::string& positions = try_gaps && chunk.changed().empty() ? *gaps : chunk.changed();
+  const std::string& positions = chunk.changed().empty() ? *gaps : chunk.changed();
   chunk.set_crc32c(Crc32c(positions.data(), positions.size(), Crc32c(data->data(), data->size())));
   const size_t bytes = chunk.ByteSizeLong();
   auto* message = static_cast<uint8_t*>(std::malloc(bytes));
