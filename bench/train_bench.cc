@@ -27,6 +27,10 @@
 // the shard's bookkeeping (the change log that serves delta pulls and
 // pinned reads) and the worker's gathers beside it add to the update.
 //
+// And (j), the training step (b) again on shards that journal every push
+// (--push-journal), against (b): what not losing an acknowledged push to a
+// shard's death costs a step.
+//
 // Usage: train_bench [--num-shards N] [--synthetic SPEC] [--rounds R]
 //                    [--optimizer SPEC] [--shard-flags "FLAG VALUE ..."]
 // --shard-flags are added to every shard's command line (split at spaces).
@@ -143,9 +147,9 @@ class Worker {
   uint64_t version_ = 0;
 };
 
-absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(const Args& args,
-                                                                  const std::string& logs,
-                                                                  uint32_t workers) {
+absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(
+    const Args& args, const std::string& logs, uint32_t workers,
+    const std::vector<std::string>& more_flags = {}) {
   tools::LocalShardSet::Options options;
   options.shard_binary = LAYERCAST_SHARD_BINARY;
   options.num_shards = args.num_shards;
@@ -162,6 +166,7 @@ absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> StartShards(const Args& ar
                          std::to_string(workers)};
   options.extra_flags.insert(options.extra_flags.end(), args.shard_flags.begin(),
                              args.shard_flags.end());
+  options.extra_flags.insert(options.extra_flags.end(), more_flags.begin(), more_flags.end());
   return tools::LocalShardSet::Start(options);
 }
 
@@ -256,76 +261,92 @@ absl::StatusOr<double> MeasureOptimizerAlone(const Args& args, const ModelSpec& 
   return slowest;
 }
 
+// (a), (b) and (u) on a shard set with one worker, started with
+// `more_flags`, per round; the model's sizes with them.
+struct Steps {
+  double gather_step = 0, train_step = 0, pushes = 0, update = 0;
+  ModelSpec model;
+  uint64_t params = 0, bytes = 0, gradient_bytes = 0;
+};
+
+absl::StatusOr<Steps> MeasureSteps(const Args& args, const std::string& logs,
+                                   const std::vector<std::string>& more_flags = {}) {
+  ASSIGN_OR_RETURN(std::unique_ptr<tools::LocalShardSet> shards,
+                   StartShards(args, logs, 1, more_flags));
+  const std::vector<int> ports = bench::MetricsPorts(logs, args.num_shards);
+  ASSIGN_OR_RETURN(std::unique_ptr<client::ShardSet> set,
+                   client::ShardSet::Connect(shards->addresses()));
+  ASSIGN_OR_RETURN(std::unique_ptr<client::GradientSink> sink,
+                   client::GradientSink::Create(*set, {}));
+  Worker worker(*set, *sink);
+  Steps steps;
+  steps.model = set->model();
+  for (const LayerSpec& layer : set->model().layers) {
+    for (const TensorSpec& tensor : layer.tensors) steps.params += tensor.num_elements;
+  }
+  for (const AssembledLayout& layout : set->view().layouts) steps.bytes += layout.total_bytes();
+  // Wider than the gathers' only for 8-bit floats.
+  for (const AssembledLayout& layout : set->view().gradient_layouts) {
+    steps.gradient_bytes += layout.total_bytes();
+  }
+  // A warm-up round first (connections, page faults), not counted.
+  for (uint64_t round = 0; round <= args.rounds; ++round) {
+    const bool counted = round > 0;
+    auto start = Clock::now();
+    RETURN_IF_ERROR(worker.GatherPass(false));
+    RETURN_IF_ERROR(worker.GatherPass(true));
+    if (counted) steps.gather_step += Seconds(start);
+
+    ASSIGN_OR_RETURN(auto gradients, Gradients(*set, worker.version()));
+    const double optimizer_before = bench::ScrapeShards(ports).optimizer_seconds_max;
+    start = Clock::now();
+    RETURN_IF_ERROR(worker.GatherPass(false));
+    RETURN_IF_ERROR(worker.BackwardPushes(std::move(gradients), true));
+    if (counted) steps.train_step += Seconds(start);
+    const double optimizer_after = bench::ScrapeShards(ports).optimizer_seconds_max;
+    if (counted) steps.update += optimizer_after - optimizer_before;
+
+    ASSIGN_OR_RETURN(gradients, Gradients(*set, worker.version()));
+    start = Clock::now();
+    RETURN_IF_ERROR(worker.BackwardPushes(std::move(gradients), false));
+    if (counted) steps.pushes += Seconds(start);
+  }
+  const double n = static_cast<double>(args.rounds);
+  steps.gather_step /= n, steps.train_step /= n, steps.pushes /= n, steps.update /= n;
+  RETURN_IF_ERROR(shards->Stop());
+  return steps;
+}
+
 int Run(const Args& args) {
   std::error_code ignored;
   const std::string logs =
       (std::filesystem::temp_directory_path(ignored) / "train_bench_logs").string();
   std::filesystem::create_directories(logs, ignored);
-  auto shards = StartShards(args, logs, 1);
-  if (!shards.ok()) {
-    std::fprintf(stderr, "starting shards: %s\n", shards.status().ToString().c_str());
-    return 1;
-  }
-  const std::vector<int> ports = bench::MetricsPorts(logs, args.num_shards);
-  auto set = client::ShardSet::Connect((*shards)->addresses());
-  if (!set.ok()) {
-    std::fprintf(stderr, "connecting: %s\n", set.status().ToString().c_str());
-    return 1;
-  }
-  auto sink = client::GradientSink::Create(**set, {});
-  if (!sink.ok()) return 1;
-  Worker worker(**set, **sink);
-  uint64_t params = 0, bytes = 0, gradient_bytes = 0;
-  for (const LayerSpec& layer : (*set)->model().layers) {
-    for (const TensorSpec& tensor : layer.tensors) params += tensor.num_elements;
-  }
-  for (const AssembledLayout& layout : (*set)->view().layouts) bytes += layout.total_bytes();
-  // Wider than the gathers' only for 8-bit floats.
-  for (const AssembledLayout& layout : (*set)->view().gradient_layouts) {
-    gradient_bytes += layout.total_bytes();
-  }
-
-  double gather_step = 0, train_step = 0, pushes = 0, update = 0;
   const auto fail = [](const absl::Status& status) {
     std::fprintf(stderr, "train_bench: %s\n", status.ToString().c_str());
     return 1;
   };
-  // A warm-up round first (connections, page faults), not counted.
-  for (uint64_t round = 0; round <= args.rounds; ++round) {
-    const bool counted = round > 0;
-    auto start = Clock::now();
-    if (absl::Status s = worker.GatherPass(false); !s.ok()) return fail(s);
-    if (absl::Status s = worker.GatherPass(true); !s.ok()) return fail(s);
-    if (counted) gather_step += Seconds(start);
-
-    auto gradients = Gradients(**set, worker.version());
-    if (!gradients.ok()) return fail(gradients.status());
-    const double optimizer_before = bench::ScrapeShards(ports).optimizer_seconds_max;
-    start = Clock::now();
-    if (absl::Status s = worker.GatherPass(false); !s.ok()) return fail(s);
-    if (absl::Status s = worker.BackwardPushes(*std::move(gradients), true); !s.ok()) {
-      return fail(s);
-    }
-    if (counted) train_step += Seconds(start);
-    const double optimizer_after = bench::ScrapeShards(ports).optimizer_seconds_max;
-    if (counted) update += optimizer_after - optimizer_before;
-
-    gradients = Gradients(**set, worker.version());
-    if (!gradients.ok()) return fail(gradients.status());
-    start = Clock::now();
-    if (absl::Status s = worker.BackwardPushes(*std::move(gradients), false); !s.ok()) {
-      return fail(s);
-    }
-    if (counted) pushes += Seconds(start);
-  }
-  const double n = static_cast<double>(args.rounds);
-  gather_step /= n, train_step /= n, pushes /= n, update /= n;
+  const absl::StatusOr<Steps> plain = MeasureSteps(args, logs);
+  if (!plain.ok()) return fail(plain.status());
+  const auto [gather_step, train_step, pushes, update, model, params, bytes, gradient_bytes] =
+      *plain;
   const double hidden = (gather_step + pushes + update - train_step) / (pushes + update);
-  if (absl::Status stopped = (*shards)->Stop(); !stopped.ok()) return fail(stopped);
+  // The same steps on shards that journal every push (--push-journal, on
+  // with --checkpoint-dir), in a fresh directory, so that a shard killed
+  // between checkpoints loses no acknowledged push: what that costs a step.
+  const std::string journal_dir = logs + "/journal";
+  std::filesystem::remove_all(journal_dir, ignored);
+  std::filesystem::create_directories(journal_dir, ignored);
+  const absl::StatusOr<Steps> journaled =
+      MeasureSteps(args, logs,
+                   {"--checkpoint-dir", journal_dir, "--push-journal", "true",
+                    "--checkpoint-on-sigterm", "false"});
+  std::filesystem::remove_all(journal_dir, ignored);
+  if (!journaled.ok()) return fail(journaled.status());
   const absl::StatusOr<StagedPushes> staged = MeasureStagedPushes(args, logs);
   if (!staged.ok()) return fail(staged.status());
   const double forward = staged->forward;
-  const absl::StatusOr<double> alone = MeasureOptimizerAlone(args, (*set)->model());
+  const absl::StatusOr<double> alone = MeasureOptimizerAlone(args, model);
   if (!alone.ok()) return fail(alone.status());
   std::printf(
       "train_bench: %s, %u shards, optimizer %s, %llu rounds after a warm-up\n"
@@ -359,6 +380,10 @@ int Run(const Args& args) {
               pushes / forward);
   std::printf("hidden %.0f%% of push + update time overlapped with the gathers\n",
               100 * std::clamp(hidden, 0.0, 1.0));
+  std::printf("(j) training step, every push journaled   %8.3f s  %6.2f ns/param\n",
+              journaled->train_step, journaled->train_step / params * 1e9);
+  std::printf("j/b %.3f (a training step with --push-journal against (b) without)\n",
+              journaled->train_step / train_step);
   return 0;
 }
 

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -15,7 +16,8 @@ namespace layercast {
 namespace {
 
 #ifdef LAYERCAST_FAILPOINTS
-// Whether the armed spec `armed` (NAME or NAME@I) names this point.
+// Whether the armed spec `armed` (NAME or NAME@I, without its :N) names
+// this point.
 bool Matches(absl::string_view armed, absl::string_view name, std::optional<uint32_t> shard) {
   const std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(armed, '@');
   if (parts.first != name) return false;
@@ -30,7 +32,14 @@ bool Matches(absl::string_view armed, absl::string_view name, std::optional<uint
 void FailPoint(absl::string_view name, std::optional<uint32_t> shard) {
 #ifdef LAYERCAST_FAILPOINTS
   static const char* const armed = std::getenv("LAYERCAST_FAILPOINT");
-  if (armed == nullptr || !Matches(armed, name, shard)) return;
+  if (armed == nullptr) return;
+  const std::pair<absl::string_view, absl::string_view> spec = absl::StrSplit(armed, ':');
+  if (!Matches(spec.first, name, shard)) return;
+  // NAME:N fires on the N-th time this process reaches the point.
+  static std::atomic<uint64_t> reached{0};
+  uint64_t nth = 1;
+  if (!spec.second.empty() && !absl::SimpleAtoi(spec.second, &nth)) return;
+  if (reached.fetch_add(1) + 1 != nth) return;
   if (const char* once = std::getenv("LAYERCAST_FAILPOINT_ONCE"); once != nullptr) {
     // O_EXCL: of two processes reaching the point, one dies.
     const int fd = ::open(once, O_WRONLY | O_CREAT | O_EXCL, 0600);

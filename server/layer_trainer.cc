@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/byte_size.h"
+#include "core/failpoint.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_format.h"
@@ -269,147 +270,6 @@ void LayerTrainer::EndPush(uint32_t layer, uint32_t worker, uint64_t step,
   }
 }
 
-absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite write)
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // holds every layer's lock, which the analysis cannot follow
-  // Not in the middle of a clipped step, which moves every layer: the same
-  // order as ApplyClippedStep's, clip_mu_ first.
-  absl::MutexLock clip_lock(&clip_mu_);
-  std::vector<std::unique_ptr<absl::MutexLock>> locks;
-  for (auto& layer : layers_) locks.push_back(std::make_unique<absl::MutexLock>(&layer->mu));
-  CheckpointExtras extras;
-  std::vector<std::string> versions, steps, staged;
-  uint64_t version = UINT64_MAX;
-  const ModelSpec& model = store_.model();
-  for (uint32_t l = 0; l < layers_.size(); ++l) {
-    const LayerState& state = *layers_[l];
-    version = std::min(version, state.version);
-    versions.push_back(absl::StrCat(state.version));
-    steps.push_back(absl::StrCat(state.optimizers.empty() ? 0 : state.optimizers[0].steps()));
-    for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
-      for (const auto& [buffer, values] : state.optimizers[t].StateBuffers()) {
-        extras.tensors.emplace_back(OptimizerStateName(buffer, model.layers[l].tensors[t].name),
-                                    values);
-      }
-    }
-    // The open step's pushes, so that a shard stopped mid-step completes it.
-    for (uint32_t w = 0; w < workers_; ++w) {
-      if (!state.pushed[w]) continue;
-      const std::string part = state.reduced ? kStagedMean : absl::StrCat(w);
-      staged.push_back(absl::StrCat(l, "/", part));
-      extras.tensors.emplace_back(StagedPushName(l, part), *state.pushed[w]);
-    }
-  }
-  extras.metadata = {{"optimizer", spec_.ToString()},
-                     {"layer_versions", absl::StrJoin(versions, ",")},
-                     {"optimizer_steps", absl::StrJoin(steps, ",")},
-                     {"staged_pushes", absl::StrJoin(staged, ",")},
-                     {"data_parallel_workers", absl::StrCat(workers_)}};
-  // The last clipped step and its scale's bits, so that a restarted shard
-  // reports (and keeps) the scale it applied.
-  if (last_clip_) {
-    extras.metadata.emplace("last_clip", absl::StrCat(last_clip_->first, ",",
-                                                      std::bit_cast<uint32_t>(last_clip_->second)));
-  }
-  return write(version, extras);
-}
-
-absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
-  const std::optional<CheckpointSource::Training>& saved = source.training();
-  if (!saved) return absl::OkStatus();
-  {
-    absl::MutexLock clip_lock(&clip_mu_);
-    last_clip_ = saved->last_clip;
-  }
-  ASSIGN_OR_RETURN(const OptimizerSpec saved_spec, OptimizerSpec::Parse(saved->optimizer));
-  const ModelSpec& model = store_.model();
-  for (uint32_t l = 0; l < layers_.size(); ++l) {
-    LayerState& state = *layers_[l];
-    absl::MutexLock lock(&state.mu);
-    for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
-      TensorOptimizer& optimizer = state.optimizers[t];
-      const std::string& name = model.layers[l].tensors[t].name;
-      if (saved_spec.kind() != spec_.kind() ||
-          StateFloatsPerElement(saved_spec.kind(), saved_spec.HyperFor(name)) !=
-              optimizer.StateBuffers().size()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint ", source.path(), " was trained with --optimizer ", saved->optimizer,
-            ", whose state for tensor ", name, " this shard's --optimizer ", spec_.ToString(),
-            " does not keep: resume with the checkpoint's optimizer (the learning rate and "
-            "schedule may change), or start from a fresh --checkpoint-dir"));
-      }
-      std::vector<std::vector<float>> buffers;
-      for (const auto& [buffer, values] : optimizer.StateBuffers()) {
-        RETURN_IF_ERROR(source.ReadState(OptimizerStateName(buffer, name), buffers.emplace_back()));
-      }
-      if (absl::Status restored = optimizer.Restore(saved->optimizer_steps[l], buffers);
-          !restored.ok()) {
-        return absl::DataLossError(absl::StrCat(
-            "checkpoint ", source.path(), ": the optimizer state of tensor ", name, " is damaged (",
-            restored.message(), "); start from a fresh --checkpoint-dir or restore the file"));
-      }
-    }
-    state.version = saved->layer_versions[l];
-    if (links_.gate != nullptr) links_.gate->Advance(l, state.version);
-    // Right after the layer's state, in file order: read out of order, the
-    // checksum would need a second pass over the whole file.
-    RETURN_IF_ERROR(RestoreStagedLocked(source, *saved, l, state));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointSource& source,
-                                               const CheckpointSource::Training& saved,
-                                               uint32_t layer, LayerState& state) {
-  for (const auto& staged : saved.staged) {
-    if (staged.first != layer) continue;
-    const std::string& part =
-        staged.second;  // not a structured binding: clang 14 cannot capture one
-    const auto refuse = [&](absl::string_view why) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint ", source.path(), " holds a push staged for layer ", layer, " (", part,
-          ") that this shard cannot take: ", why,
-          "; resume with the checkpoint's --data-parallel-workers and --optimizer, or from a "
-          "fresh --checkpoint-dir"));
-    };
-    if (saved.workers != 0 && saved.workers != workers_) {
-      return refuse(absl::StrCat("it was trained with ", saved.workers,
-                                 " data-parallel workers, this shard has ", workers_));
-    }
-    const bool mean = part == kStagedMean;
-    if (mean && !spec_.clip()) return refuse("a mean waiting for the clip scale, and no clip=");
-    uint64_t worker = 0;
-    if (!mean && (!absl::SimpleAtoi(part, &worker) || worker >= workers_)) {
-      return refuse("no such worker");
-    }
-    std::vector<float> values;
-    RETURN_IF_ERROR(source.ReadState(StagedPushName(layer, part), values));
-    if (values.size() != state.owned_elements || state.reduced || state.pushed[worker]) {
-      return absl::DataLossError(absl::StrCat("checkpoint ", source.path(), ": staged push ", layer,
-                                              "/", part, " does not fit layer ", layer,
-                                              "; start from a fresh --checkpoint-dir"));
-    }
-    // Charged as when it was written: the step's reservation, or, for a
-    // reduced mean, the one push's share the reduction kept.
-    if (!state.reserved) {
-      const uint64_t bytes = mean ? StagingBytes(layer) : StepBytes(layer);
-      if (links_.budget != nullptr && !links_.budget->TryAcquire(bytes)) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "checkpoint ", source.path(), " holds pushes of an open step of layer ", layer,
-            ", whose staging (", FormatBytes(bytes),
-            ") no longer fits --memory-budget beside what is loaded: raise --memory-budget"));
-      }
-      state.reserved = true;
-      state.opened = std::chrono::steady_clock::now();
-    }
-    state.pushed[worker] = std::move(values);
-    if (mean) {
-      state.reduced = true;
-      state.sum_of_squares = SumOfSquares(*state.pushed[0]);
-    }
-  }
-  return absl::OkStatus();
-}
-
 LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {
   const auto now = std::chrono::steady_clock::now();
   OpenStep oldest;
@@ -439,6 +299,19 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
   }
   absl::MutexLock lock(&state.mu);
   RETURN_IF_ERROR(CheckStepLocked(layer, worker, step, state));
+  // Before it is taken, under the layer's lock: a checkpoint (which holds
+  // every lock while it starts a journal generation) has either both the
+  // record and the push, or neither.
+  if (journal_ != nullptr) {
+    RETURN_IF_ERROR(journal_->AppendPush(layer, worker, step, gradient));
+    FailPoint("step.after_journal", store_.shard_index());
+  }
+  return TakeLocked(layer, worker, state, std::move(gradient));
+}
+
+absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::TakeLocked(uint32_t layer, uint32_t worker,
+                                                              LayerState& state,
+                                                              std::vector<float> gradient) {
   const auto start = std::chrono::steady_clock::now();
   state.pushed[worker] = std::move(gradient);
   if (!state.opened) state.opened = start;
@@ -539,6 +412,9 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
                                    std::span<const float>(mean.data() + at, optimizer.size()),
                                    recording ? recording->ForTensor(t) : nullptr));
     at += optimizer.size();
+    // A death with some tensors stepped: the restart takes the layer from
+    // the checkpoint and the journal, never from this half.
+    if (t == 0 && state.optimizers.size() > 1) FailPoint("step.mid_apply", store_.shard_index());
   }
   RecycleLocked(state, *std::move(state.pushed[0]));
   state.pushed[0].reset();
@@ -604,6 +480,9 @@ absl::StatusOr<uint64_t> LayerTrainer::ApplyClippedStep(uint64_t step, float sca
         "layer ", l, " is at version ", state.version, " and ",
         state.version == step ? "still waits for pushes" : "not at this step", ": a clipped step ",
         step, " applies once every layer has every worker's push"));
+  }
+  if (journal_ != nullptr && !(last_clip_ && last_clip_->first == step)) {
+    RETURN_IF_ERROR(journal_->AppendClipScale(step, scale));
   }
   // Before any layer applies: should one fail, a retry still learns the
   // scale the others used.

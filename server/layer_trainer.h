@@ -21,6 +21,7 @@
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/pinned_versions.h"
+#include "server/push_journal.h"
 #include "server/staging_pool.h"
 #include "server/version_gate.h"
 
@@ -171,6 +172,24 @@ class LayerTrainer {
   // of optimizer, or with state this spec does not keep.
   absl::Status Restore(const CheckpointSource& source);
 
+  // Takes again what `journal` holds (after Restore, before any push): each
+  // push as Push takes it, each clip scale as ApplyClippedStep, skipping
+  // those the checkpoint holds already. The open steps' staging is charged
+  // to the budget: RESOURCE_EXHAUSTED when it no longer fits.
+  // FAILED_PRECONDITION for a push ahead of its layer (a journal that does
+  // not follow the checkpoint restored).
+  struct Replayed {
+    uint64_t taken = 0;    // pushes and scales taken again
+    uint64_t skipped = 0;  // held by the checkpoint already
+    uint64_t steps = 0;    // layer steps they applied
+  };
+  absl::StatusOr<Replayed> Replay(PushJournal& journal);
+  // From now on every push and clip scale is appended to `journal` before
+  // it is taken (the shard answers a push after Push returns); each
+  // checkpoint starts a new generation and retires what it holds. Before
+  // any push; `journal` must outlive the trainer.
+  void JournalTo(PushJournal& journal) { journal_ = &journal; }
+
   // Global gradient-norm clipping (a spec with clip=). A layer whose W
   // pushes are in is reduced to its mean, which is held (one fp32 value per
   // owned element, the gradient accumulator) until ApplyClippedStep: every
@@ -254,6 +273,18 @@ class LayerTrainer {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // The mean's sum of squares in fp64, in element order (clipping's norm).
   static double SumOfSquares(const std::vector<float>& mean);
+  // Push's part once the step is checked: stages `gradient`, and reduces
+  // or applies the step when it was the last push.
+  absl::StatusOr<Pushed> TakeLocked(uint32_t layer, uint32_t worker, LayerState& state,
+                                    std::vector<float> gradient)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  // Charges the open step's staging to the budget if nothing has yet
+  // (restored or replayed pushes, which no reservation brought).
+  absl::Status ChargeRestoredLocked(uint32_t layer, LayerState& state, uint64_t bytes,
+                                    absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  // Replay's part for one push record.
+  absl::Status ReplayPushLocked(const PushJournal::Record& record, LayerState& state,
+                                Replayed& replayed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Restore's part for `layer`: the pushes of its open step, staged again.
   absl::Status RestoreStagedLocked(const CheckpointSource& source,
                                    const CheckpointSource::Training& saved, uint32_t layer,
@@ -276,6 +307,7 @@ class LayerTrainer {
   void OnReservation(uint32_t layer, bool granted);
 
   std::atomic<uint64_t> next_wait_id_{1};
+  PushJournal* journal_ = nullptr;  // set before any push
   // Serialises clipped steps; the last one applied and its scale.
   mutable absl::Mutex clip_mu_;
   std::optional<std::pair<uint64_t, float>> last_clip_ ABSL_GUARDED_BY(clip_mu_);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
+#include "core/failpoint.h"
 #include "wire/grpc_status.h"
 #include "wire/owned_runs.h"
 
@@ -243,6 +244,9 @@ void PushGradientsReactor::FinishOnce(const grpc::Status& status) {
 }
 
 void PushGradientsReactor::OnDone() {
+  // The worker has its OK: what the shard owes it from here is in the
+  // push journal.
+  if (final_status_.ok() && pushed_) FailPoint("step.after_push_ack", store_.shard_index());
   if (options_.on_done) options_.on_done(this, final_status_, received_bytes_, pushed_);
   delete this;
 }

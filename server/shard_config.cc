@@ -288,6 +288,19 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(
         "--checkpoint-on-sigterm true needs --checkpoint-dir DIR to write to");
   }
+  const bool training = !config.optimizer().empty();
+  if (!config.has_push_journal()) {
+    config.set_push_journal(training && !config.checkpoint_dir().empty());
+  } else if (config.push_journal() && (!training || config.checkpoint_dir().empty())) {
+    return absl::InvalidArgumentError(
+        "--push-journal true needs --optimizer SPEC and --checkpoint-dir DIR: it keeps a training "
+        "shard's pushes beside its checkpoint");
+  }
+  if (config.checkpoint_every() > 0 && (!training || config.checkpoint_dir().empty())) {
+    return absl::InvalidArgumentError(
+        "--checkpoint-every needs --optimizer SPEC and --checkpoint-dir DIR: it counts training "
+        "steps (a read-only shard is checkpointed by ShardAdmin.Checkpoint and on SIGTERM)");
+  }
   if (config.max_receive_message_bytes() == 0) {
     config.set_max_receive_message_bytes(config.optimizer().empty() &&
                                                  config.admin_token_file().empty()

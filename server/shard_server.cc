@@ -312,6 +312,28 @@ absl::Status ShardServer::WritePortFile() {
   return absl::OkStatus();
 }
 
+absl::Status ShardServer::ReplayJournal(LayerTrainer& trainer) {
+  const auto& config = settings_.config;
+  ASSIGN_OR_RETURN(journal_, PushJournal::Open(config.checkpoint_dir(), config.shard_index(),
+                                               config.num_shards()));
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal_);
+  if (!replayed.ok()) {
+    return absl::Status(replayed.status().code(),
+                        absl::StrCat("replaying the push journal in --checkpoint-dir ",
+                                     config.checkpoint_dir(), ": ", replayed.status().message()));
+  }
+  if (replayed->taken + replayed->skipped > 0) {
+    Log()->info(
+        "push journal: {} push(es) and clip scale(s) taken again, {} already in the checkpoint, "
+        "{} layer step(s) applied, in {:.2f} s",
+        replayed->taken, replayed->skipped, replayed->steps,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  trainer.JournalTo(*journal_);
+  return absl::OkStatus();
+}
+
 absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   const auto& config = settings_.config;
   const auto started = std::chrono::steady_clock::now();
@@ -371,6 +393,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         return restored;
       }
     }
+    if (config.push_journal()) RETURN_IF_ERROR(ReplayJournal(*trainer));
     Log()->info(
         "training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
         settings_.optimizer->ToString(), config.data_parallel_workers(),
@@ -426,6 +449,13 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                  .idle = std::chrono::milliseconds(publish_idle_ms_)});
   }
   admin_->AttachStore(store_.get(), trainer_.get(), publications_.get());
+  if (trainer_ != nullptr && config.checkpoint_every() > 0) {
+    periodic_checkpoints_ = std::make_unique<PeriodicCheckpoints>(
+        service_->version_gate(), config.checkpoint_every(), [this] {
+          return WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), nullptr,
+                                      service_->version_gate(), /*try_only=*/false);
+        });
+  }
   SetReadiness(true);
   metrics_.ready().Set(1);
   const double seconds =
@@ -443,6 +473,9 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   // cancels whatever the drain deadline left.
   service_->StartDraining();
   admin_->StartDraining();
+  // A periodic write in progress finishes; none starts after (the exit
+  // checkpoint, if any, is written below).
+  periodic_checkpoints_.reset();
   metrics_.ready().Set(0);
   SetReadiness(false);
   const int64_t in_flight = service_->streams_in_flight();

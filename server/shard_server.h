@@ -17,9 +17,11 @@
 #include "server/memory_plan.h"
 #include "server/metrics_endpoint.h"
 #include "server/parameter_store.h"
+#include "server/periodic_checkpoints.h"
 #include "server/pinned_versions.h"
 #include "server/process_metrics.h"
 #include "server/publication.h"
+#include "server/push_journal.h"
 #include "server/server_metrics.h"
 #include "server/shard_admin_service.h"
 #include "server/shard_config.h"
@@ -105,6 +107,9 @@ class ShardServer {
   void SetReadiness(bool serving);
   // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
   absl::Status UseCheckpoint();
+  // Opens --checkpoint-dir's push journal, takes again what it holds over
+  // the checkpoint `trainer` restored, and journals `trainer`'s pushes.
+  absl::Status ReplayJournal(LayerTrainer& trainer);
   // Writes the bound port to --port-file.
   absl::Status WritePortFile();
 
@@ -153,7 +158,13 @@ class ShardServer {
   std::shared_ptr<ProcessMetrics> process_metrics_ = std::make_shared<ProcessMetrics>();
   // After budget_ and store_: gives staged pushes' bytes back to the one and
   // steps the other. Null without --optimizer.
+  // Every push trainer_ takes, until a checkpoint holds it
+  // (--push-journal). Before trainer_, which appends to it.
+  std::unique_ptr<PushJournal> journal_;
   std::unique_ptr<LayerTrainer> trainer_;
+  // --checkpoint-every. After trainer_ and store_, which it writes: stopped
+  // before they go.
+  std::unique_ptr<PeriodicCheckpoints> periodic_checkpoints_;
   int port_ = 0;
 };
 

@@ -1,0 +1,268 @@
+#include "server/push_journal.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <system_error>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+
+namespace layercast::server {
+namespace {
+
+constexpr uint32_t kMagic = 0x314a434c;  // "LCJ1", little-endian
+constexpr uint8_t kFloat32 = 0;
+constexpr uint8_t kBfloat16 = 1;
+
+// The fixed part of a record, as it lies in the file (little-endian, as
+// every machine layercast builds for).
+struct Header {
+  uint32_t magic = kMagic;
+  uint8_t kind = 0;
+  uint8_t encoding = kFloat32;
+  uint16_t reserved = 0;
+  uint32_t layer = 0;
+  uint32_t worker = 0;
+  uint64_t step = 0;
+  uint64_t count = 0;
+};
+static_assert(sizeof(Header) == 32);
+
+std::span<const uint8_t> BytesOf(const void* data, size_t size) {
+  return {static_cast<const uint8_t*>(data), size};
+}
+
+// Whether each value is a bf16 value exactly (its low 16 bits are zero):
+// a bf16 gradient widened on the shard then costs half the disk.
+bool AllBf16(std::span<const float> values) {
+  uint32_t low = 0;
+  for (const float value : values) low |= std::bit_cast<uint32_t>(value) & 0xffff;
+  return low == 0;
+}
+
+}  // namespace
+
+PushJournal::PushJournal(std::string dir, std::string prefix, FileSystem& fs,
+                         std::vector<uint64_t> existing)
+    : dir_(std::move(dir)), prefix_(std::move(prefix)), fs_(fs) {
+  generations_ = std::move(existing);
+  for (const uint64_t generation : generations_) {
+    std::error_code error;
+    const auto size = std::filesystem::file_size(PathOf(generation), error);
+    sizes_.push_back(error ? 0 : size);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(std::string dir,
+                                                               uint32_t shard_index,
+                                                               uint32_t num_shards,
+                                                               FileSystem& fs) {
+  const std::string prefix = absl::StrCat("shard-", shard_index, "-of-", num_shards, ".journal-");
+  // Listing a directory is not part of the FileSystem seam; as in
+  // CheckpointManager, only names are read here.
+  std::vector<uint64_t> generations;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    uint64_t generation = 0;
+    if (absl::StartsWith(name, prefix) && name.size() == prefix.size() + 16 &&
+        absl::SimpleHexAtoi(absl::string_view(name).substr(prefix.size()), &generation)) {
+      generations.push_back(generation);
+    }
+  }
+  if (error) {
+    return absl::Status(absl::ErrnoToStatusCode(error.value()),
+                        absl::StrCat("cannot list --checkpoint-dir ", dir,
+                                     " for the push journal: ", error.message()));
+  }
+  std::sort(generations.begin(), generations.end());
+  return std::unique_ptr<PushJournal>(
+      new PushJournal(std::move(dir), prefix, fs, std::move(generations)));
+}
+
+std::string PushJournal::PathOf(uint64_t generation) const {
+  return absl::StrCat(dir_, "/", prefix_, absl::Hex(generation, absl::kZeroPad16));
+}
+
+absl::StatusOr<PushJournal::Replayed> PushJournal::Replay(
+    absl::FunctionRef<absl::Status(Record)> visit) {
+  std::vector<uint64_t> generations;
+  {
+    absl::MutexLock lock(&mu_);
+    generations = generations_;
+  }
+  Replayed replayed;
+  for (const uint64_t generation : generations) {
+    RETURN_IF_ERROR(ReplayGeneration(generation, visit, replayed));
+  }
+  return replayed;
+}
+
+absl::Status PushJournal::ReplayGeneration(uint64_t generation,
+                                           absl::FunctionRef<absl::Status(Record)> visit,
+                                           Replayed& replayed) {
+  ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, fs_.OpenForRead(PathOf(generation)));
+  uint64_t offset = 0;
+  const auto torn = [&] {
+    ++replayed.torn_tails;
+    Log()->warn(
+        "push journal {}: a partial record at byte {} (a death while it was written; "
+        "that push was never answered), {} bytes after it ignored",
+        file->path(), offset, file->size() - offset);
+    return absl::OkStatus();
+  };
+  while (offset < file->size()) {
+    Header header;
+    if (file->size() - offset < sizeof(Header) + sizeof(uint32_t)) return torn();
+    RETURN_IF_ERROR(file->ReadAt(offset, {reinterpret_cast<uint8_t*>(&header), sizeof(header)}));
+    const uint64_t width = header.encoding == kBfloat16 ? 2 : 4;
+    if (header.magic != kMagic || header.encoding > kBfloat16 ||
+        header.count > (file->size() - offset) / width) {
+      return torn();
+    }
+    const uint64_t payload_bytes = header.count * width;
+    if (file->size() - offset - sizeof(Header) < payload_bytes + sizeof(uint32_t)) return torn();
+    std::vector<uint8_t> payload(payload_bytes);
+    RETURN_IF_ERROR(file->ReadAt(offset + sizeof(Header), payload));
+    uint32_t stored_crc = 0;
+    RETURN_IF_ERROR(file->ReadAt(offset + sizeof(Header) + payload_bytes,
+                                 {reinterpret_cast<uint8_t*>(&stored_crc), sizeof(stored_crc)}));
+    const uint32_t crc = Crc32c(payload.data(), payload.size(), Crc32c(&header, sizeof(header)));
+    if (crc != stored_crc) return torn();
+    Record record;
+    record.kind = static_cast<Record::Kind>(header.kind);
+    record.layer = header.layer;
+    record.worker = header.worker;
+    record.step = header.step;
+    record.values.resize(header.count);
+    if (header.encoding == kBfloat16) {
+      for (uint64_t i = 0; i < header.count; ++i) {
+        uint16_t narrow = 0;
+        std::memcpy(&narrow, payload.data() + 2 * i, 2);
+        record.values[i] = std::bit_cast<float>(static_cast<uint32_t>(narrow) << 16);
+      }
+    } else {
+      std::memcpy(record.values.data(), payload.data(), payload.size());
+    }
+    offset += sizeof(Header) + payload_bytes + sizeof(uint32_t);
+    ++replayed.records;
+    RETURN_IF_ERROR(visit(std::move(record)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PushJournal::AppendPush(uint32_t layer, uint32_t worker, uint64_t step,
+                                     std::span<const float> values) {
+  Record header;
+  header.layer = layer;
+  header.worker = worker;
+  header.step = step;
+  const bool bf16 = AllBf16(values);
+  absl::MutexLock lock(&mu_);
+  if (!bf16) return AppendLocked(header, BytesOf(values.data(), values.size_bytes()), kFloat32);
+  // Narrowed a block at a time into a buffer kept for the next push: no
+  // copy of the whole gradient, and no fresh pages to fault in.
+  narrow_.resize(std::min<size_t>(values.size(), kNarrowBlock));
+  return AppendLocked(header, {}, kBfloat16, values);
+}
+
+absl::Status PushJournal::AppendClipScale(uint64_t step, float scale) {
+  Record header;
+  header.kind = Record::Kind::kClipScale;
+  header.step = step;
+  absl::MutexLock lock(&mu_);
+  return AppendLocked(header, BytesOf(&scale, sizeof(scale)), kFloat32);
+}
+
+absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uint8_t> payload,
+                                       uint8_t encoding, std::span<const float> to_narrow) {
+  if (file_ == nullptr) {
+    // A generation of this process's own, after any on disk.
+    const uint64_t generation = generations_.empty() ? 1 : generations_.back() + 1;
+    ASSIGN_OR_RETURN(file_, fs_.OpenForWrite(PathOf(generation)));
+    generations_.push_back(generation);
+    sizes_.push_back(0);
+  }
+  Header header;
+  header.kind = static_cast<uint8_t>(record.kind);
+  header.encoding = encoding;
+  header.layer = record.layer;
+  header.worker = record.worker;
+  header.step = record.step;
+  header.count = encoding == kBfloat16 ? to_narrow.size() : payload.size() / sizeof(float);
+  uint32_t crc = Crc32c(&header, sizeof(header));
+  absl::Status written = file_->Append(BytesOf(&header, sizeof(header)));
+  uint64_t payload_bytes = payload.size();
+  if (encoding == kBfloat16) {
+    payload_bytes = 2 * to_narrow.size();
+    for (size_t at = 0; written.ok() && at < to_narrow.size(); at += narrow_.size()) {
+      const size_t n = std::min(narrow_.size(), to_narrow.size() - at);
+      for (size_t i = 0; i < n; ++i) {
+        narrow_[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(to_narrow[at + i]) >> 16);
+      }
+      crc = Crc32c(narrow_.data(), 2 * n, crc);
+      written = file_->Append(BytesOf(narrow_.data(), 2 * n));
+    }
+  } else {
+    crc = Crc32c(payload.data(), payload.size(), crc);
+    if (written.ok()) written = file_->Append(payload);
+  }
+  if (written.ok()) written = file_->Append(BytesOf(&crc, sizeof(crc)));
+  if (!written.ok()) {
+    // Whatever part was written stays at this generation's end, where a
+    // replay stops; the next record goes to a new one.
+    (void)file_->Close();
+    file_.reset();
+    return absl::Status(written.code(),
+                        absl::StrCat("the push could not be journaled (", written.message(),
+                                     "), so it was not taken: free space in --checkpoint-dir, "
+                                     "then push again"));
+  }
+  sizes_.back() += sizeof(header) + payload_bytes + sizeof(crc);
+  return absl::OkStatus();
+}
+
+uint64_t PushJournal::Rotate() {
+  absl::MutexLock lock(&mu_);
+  if (file_ != nullptr) {
+    (void)file_->Close();
+    file_.reset();
+  }
+  // The next append opens generation back() + 1: what is on disk now is
+  // what the checkpoint will hold.
+  return generations_.empty() ? 1 : generations_.back() + 1;
+}
+
+void PushJournal::Retire(uint64_t generation) {
+  absl::MutexLock lock(&mu_);
+  size_t kept = 0;
+  for (size_t i = 0; i < generations_.size(); ++i) {
+    if (generations_[i] < generation) {
+      if (absl::Status removed = fs_.Remove(PathOf(generations_[i])); !removed.ok()) {
+        Log()->warn("push journal: {} (replaying it again is harmless)", removed.message());
+      }
+      continue;
+    }
+    generations_[kept] = generations_[i];
+    sizes_[kept] = sizes_[i];
+    ++kept;
+  }
+  generations_.resize(kept);
+  sizes_.resize(kept);
+}
+
+uint64_t PushJournal::bytes() const {
+  absl::MutexLock lock(&mu_);
+  uint64_t total = 0;
+  for (const uint64_t size : sizes_) total += size;
+  return total;
+}
+
+}  // namespace layercast::server
