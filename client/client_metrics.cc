@@ -46,6 +46,18 @@ ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
                               "back to the base) that were then gathered in full")
                           .Register(registry)
                           .Add({});
+  version_skew_ = &prometheus::BuildGauge()
+                       .Name("layercast_client_version_skew")
+                       .Help(
+                           "The highest minus the lowest parameter version the shards sent in "
+                           "this worker's last gather (over its attempts): 0 while the set serves "
+                           "one version")
+                       .Register(registry)
+                       .Add({});
+}
+
+void ClientMetrics::RecordVersionSkew(uint64_t skew) {
+  version_skew_->Set(static_cast<double>(skew));
 }
 
 void ClientMetrics::RecordGather(bool ok, uint64_t bytes, double seconds) {

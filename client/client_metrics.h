@@ -1,6 +1,7 @@
 #pragma once
 
 #include <prometheus/counter.h>
+#include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
@@ -24,6 +25,8 @@ class ClientMetrics {
   // A delta pull was refused (a shard keeps no changes, or none back to its
   // base) and the layer was then gathered in full.
   void RecordDeltaFallback();
+  // The shards sent versions up to `skew` apart in a gather's attempts.
+  void RecordVersionSkew(uint64_t skew);
 
  private:
   prometheus::Histogram* gather_duration_;
@@ -34,6 +37,7 @@ class ClientMetrics {
   prometheus::Counter* prefetch_hits_;
   prometheus::Counter* prefetch_misses_;
   prometheus::Counter* delta_fallbacks_;
+  prometheus::Gauge* version_skew_;
 };
 
 }  // namespace layercast::client

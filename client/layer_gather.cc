@@ -117,6 +117,7 @@ void LayerGather::Settle(uint32_t shard) {
       s.incarnation = *incarnation;
     }
     newest_version_ = std::max(newest_version_, *version);
+    oldest_version_ = std::min(oldest_version_, *version);
     if (version_ && *version != *version_) {
       if (failure_.ok()) {
         failure_ = absl::AbortedError(absl::StrCat(
@@ -162,6 +163,11 @@ void LayerGather::Settle(uint32_t shard) {
 uint64_t LayerGather::newest_version() const {
   absl::MutexLock lock(&mu_);
   return newest_version_;
+}
+
+uint64_t LayerGather::version_skew() const {
+  absl::MutexLock lock(&mu_);
+  return oldest_version_ == UINT64_MAX ? 0 : newest_version_ - oldest_version_;
 }
 
 absl::StatusOr<uint64_t> LayerGather::Run() {

@@ -55,6 +55,8 @@ class LayerGather {
   // The newest version any stream sent (0 if none): after Run() failed with
   // ABORTED because versions moved, the min_version to gather again with.
   uint64_t newest_version() const;
+  // The newest minus the oldest version any stream sent; 0 before any.
+  uint64_t version_skew() const;
 
  private:
   struct ShardState {
@@ -100,6 +102,7 @@ class LayerGather {
   std::optional<uint64_t> version_ ABSL_GUARDED_BY(mu_);
   // The newest version any stream sent.
   uint64_t newest_version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t oldest_version_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 

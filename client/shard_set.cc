@@ -228,9 +228,11 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   bool fell_back = false;
   // The fallback to a full pull is no version retry: it spends none of them.
   int retries = 0;
+  uint64_t skew = 0;  // over every attempt
   for (;;) {
     LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
     absl::StatusOr<uint64_t> version = gather.Run();
+    skew = std::max(skew, gather.version_skew());
     const bool cancelled = options.cancellation != nullptr && options.cancellation->cancelled();
     if (!version.ok() && absl::IsOutOfRange(version.status()) && attempt.base_version &&
         !cancelled && std::chrono::steady_clock::now() < deadline) {
@@ -251,6 +253,7 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
       // Counted once the full pull got the layer: an OUT_OF_RANGE it shares
       // with the delta (a min_version too far ahead) was no delta refusal.
       if (fell_back && version.ok() && metrics_ != nullptr) metrics_->RecordDeltaFallback();
+      if (metrics_ != nullptr) metrics_->RecordVersionSkew(skew);
       return version;
     }
     Log()->info("gathering layer {} again at version {} or newer: {}", layer,

@@ -475,6 +475,13 @@ TEST_F(PublishTest, TheManifestCommandShowsASplitSetShardByShard) {
   EXPECT_THAT(output, HasSubstr("the shards disagree (0 to 1)"));
   EXPECT_THAT(output, HasSubstr(absl::StrCat(shards_.processes->addresses()[0], "  version 1")));
   EXPECT_THAT(output, HasSubstr(absl::StrCat(shards_.processes->addresses()[1], "  version 0")));
+
+  // A worker's gather sees the same split, and its skew gauge says so.
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_version_skew"), 0);
+  client::GatherOptions options;
+  options.timeout = std::chrono::seconds(3);
+  EXPECT_FALSE(shards_.set->Gather(0, options).ok()) << "shard 1 never reaches version 1";
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_version_skew"), 1);
 }
 
 // A gather pinned to `version`, a delta from `base` when given.

@@ -58,7 +58,10 @@ std::optional<double> CounterValue(const prometheus::Registry& registry, const s
   for (const prometheus::MetricFamily& family : registry.Collect()) {
     if (family.name != name) continue;
     total = 0;
-    for (const prometheus::ClientMetric& metric : family.metric) *total += metric.counter.value;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      *total +=
+          family.type == prometheus::MetricType::Gauge ? metric.gauge.value : metric.counter.value;
+    }
   }
   return total;
 }

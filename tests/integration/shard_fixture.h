@@ -37,8 +37,8 @@ struct RunningShards {
 };
 RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);
 
-// The sum of the counter `name` over its label sets in `registry`; nullopt
-// when nothing registered it.
+// The sum of the counter (or gauge) `name` over its label sets in
+// `registry`; nullopt when nothing registered it.
 std::optional<double> CounterValue(const prometheus::Registry& registry, const std::string& name);
 
 // Writes `token` to DIR/token, readable by its owner only (the shard and the
