@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/failpoint.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "server/checkpoint_format.h"
@@ -91,6 +92,8 @@ absl::StatusOr<uint64_t> WriteAndRename(const ParameterStore& store,
       RETURN_IF_ERROR(AppendFloats(*writer, Owned(store, l, t), hashed));
     }
   }
+  // The master written, the optimizer state not, nothing renamed.
+  FailPoint("checkpoint.mid_write", store.shard_index());
   for (const auto& [name, values] : extras.tensors) {
     RETURN_IF_ERROR(AppendFloats(*writer, values, hashed));
   }

@@ -207,7 +207,11 @@ INSTANTIATE_TEST_SUITE_P(Deaths, TrainingChaosTest,
                              // One tensor of a layer stepped, the rest not.
                              "step.mid_apply@1:3",
                              // Shard 0 mid-apply, after a checkpoint.
-                             "step.mid_apply@0:6"),
+                             "step.mid_apply@0:6",
+                             // Shard 1 in the middle of its second checkpoint
+                             // (version 4): it comes back from the first, and
+                             // the journal the second would have retired.
+                             "checkpoint.mid_write@1:2"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            std::string name = info.param;
                            for (char& c : name) {
