@@ -164,7 +164,12 @@ TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {
   bytes += chunk.data().size();
 
   shards->SignalForTest(0, SIGTERM);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Draining once its health says so (bounded).
+  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       Health(address, "layercast.v1.ShardService") == HealthCheckResponse::SERVING &&
+       std::chrono::steady_clock::now() < give_up;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   // A new stream is refused while the old one drains.
   {
     auto fresh = layercast::v1::ShardService::NewStub(
