@@ -13,8 +13,9 @@ gathers each layer again, recomputes the stage with autograd, back-propagates
 the gradient of its output, and pushes the gradient of the layer's weights to
 the shards as soon as that stage is done, while the stages below run. The
 shards average the W workers' gradients in fp32 and step the optimizer on the
-fp32 master. Recomputing a stage repeats the same kernels on the same inputs,
-so on the CPU the result is bit for bit what one autograd graph through the
+fp32 master. Recomputing a stage repeats the same kernels on the same inputs
+with the random state of its forward run (dropout draws the same masks), so
+on the CPU the result is bit for bit what one autograd graph through the
 whole model gives (the Python package's tests check it against plain
 PyTorch with an fp32 master and a bf16 compute copy).
 """
@@ -99,6 +100,29 @@ def layer_weights(layer: Layer, requires_grad: bool = False) -> Dict[str, torch.
     return weights
 
 
+class _RngState:
+    """Torch's random state (CPU, and every CUDA device once CUDA is in
+    use) at one point, to run code again with the same draws."""
+
+    def __init__(self, cpu: torch.Tensor, cuda: Optional[List[torch.Tensor]]):
+        self.cpu = cpu
+        self.cuda = cuda
+
+    @classmethod
+    def now(cls) -> "_RngState":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def restored(self):
+        devices = list(range(len(self.cuda))) if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
+
+
 class LayerwiseTrainer:
     """Runs `stages` of `model` with weights gathered from `shard_set`, and
     trains it through the shards as worker `worker` of their
@@ -164,10 +188,16 @@ class LayerwiseTrainer:
         The next step gathers the layers at the version this one produced."""
         step = self.version
         saved: List[torch.Tensor] = []
+        # The random state each stage ran its forward pass with: the
+        # backward pass runs the stage again with the same (dropout's masks),
+        # as torch.utils.checkpoint does, so the gradients are those of the
+        # forward pass that gave the loss.
+        rng_states: List[_RngState] = []
         x = inputs
         with torch.no_grad(), self._stream([index for index, _ in self.stages]) as stream:
             for _, fn in self.stages:
                 saved.append(x)
+                rng_states.append(_RngState.now())
                 layer = self._next(stream)
                 with bound(self.model, layer_weights(layer)):
                     x = fn(x)
@@ -184,7 +214,11 @@ class LayerwiseTrainer:
                 if stage_input.is_floating_point():
                     stage_input = stage_input.detach().requires_grad_()
                 with bound(self.model, weights):
-                    output = fn(stage_input)
+                    # Forked: the run again draws what the forward pass drew,
+                    # and leaves the random state where the forward pass left
+                    # it, as a plain PyTorch step would.
+                    with rng_states[position].restored():
+                        output = fn(stage_input)
                     if position == len(self.stages) - 1:
                         output = loss_fn(output, targets)
                         loss_value = output.item()

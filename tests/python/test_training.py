@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import layercast
 import layercast.torch
@@ -24,27 +25,35 @@ RESTART_AFTER = 25  # shard 1, between two steps
 RESTART_MID_STEP = 37  # shard 0, after worker 0 pushed the step and before worker 1
 
 
-def reference(initial):
+def with_dropout(stages, p=0.1):
+    """`stages` with dropout on the output of each but the last."""
+    last = len(stages) - 1
+    return [(name, fn if i == last else (lambda x, fn=fn: F.dropout(fn(x), p, training=True)))
+            for i, (name, fn) in enumerate(stages)]
+
+
+def reference(initial, workers=WORKERS, steps=STEPS, dropout=False):
     """Plain PyTorch: the fp32 master, a bf16 copy (norms fp32, as the
     policy says) per worker per step, the workers' gradients averaged in fp32
     in worker order, torch.optim.AdamW(foreach=False) with the shards' spec."""
     model = example.LlamaForCausalLM(device="meta")
+    stages = with_dropout(model.stages()) if dropout else model.stages()
     masters = {name: tensor.clone() for name, tensor in initial.items()}
     decay = [t for n, t in masters.items() if "norm" not in n]
     no_decay = [t for n, t in masters.items() if "norm" in n]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=3e-3, foreach=False)
-    losses = {w: [] for w in range(WORKERS)}
-    for step in range(STEPS):
+    losses = {w: [] for w in range(workers)}
+    for step in range(steps):
         grads = []
-        for worker in range(WORKERS):
+        for worker in range(workers):
             compute = {n: (m.clone() if "norm" in n else m.to(torch.bfloat16)).requires_grad_()
                        for n, m in masters.items()}
             inputs, targets = example.batch(step, worker)
             with layercast.torch.bound(model, compute):
                 x = inputs
-                for _, fn in model.stages():
+                for _, fn in stages:
                     x = fn(x)
                 loss = example.loss_fn(x, targets)
                 loss.backward()
@@ -54,7 +63,7 @@ def reference(initial):
             total = grads[0][name].float()
             for g in grads[1:]:
                 total = total + g[name].float()
-            master.grad = total / WORKERS
+            master.grad = total / workers
         optimizer.step()
     return masters, losses
 
@@ -100,6 +109,30 @@ def test_training_through_layercast_is_plain_pytorch_bit_for_bit(initial, tmp_pa
         assert got.numel() == master.numel(), name
         assert torch.equal(got.view(torch.int32), master.detach().flatten().view(torch.int32)), name
     assert losses[0][-1] < 0.5 * losses[0][0], "the model learns the task"
+
+
+def test_dropout_in_the_backward_pass_draws_the_forward_passs_masks(initial, tmp_path):
+    """Each stage runs again in the backward pass with the random state of
+    its forward run: the gradients are those of the forward pass that gave
+    the loss, so the loss curve is plain PyTorch's bit for bit, and the
+    random state after a step is where plain PyTorch leaves it."""
+    directory, weights = initial
+    steps = 4
+    flags = ["--model", str(directory), "--policy", example.POLICY, "--optimizer",
+             example.OPTIMIZER, "--data-parallel-workers", "1"]
+    with ShardSet(tmp_path, 2, flags) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            model = example.LlamaForCausalLM(device="meta")
+            trainer = layercast.torch.LayerwiseTrainer(shard_set, model,
+                                                       with_dropout(model.stages()))
+            torch.manual_seed(7)
+            losses = [trainer.train_step(*example.batch(step, 0), example.loss_fn)
+                      for step in range(steps)]
+            after = torch.get_rng_state()
+    torch.manual_seed(7)
+    _, want = reference(weights, workers=1, steps=steps, dropout=True)
+    assert losses == want[0], "the loss curve with dropout, bit for bit"
+    assert torch.equal(after, torch.get_rng_state()), "the random state a plain step leaves"
 
 
 def test_the_example_trains_with_two_worker_processes(initial, tmp_path):
