@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
+#include "client/retry_backoff.h"
 #include "core/log.h"
 #include "core/optimizer.h"
 #include "core/status_macros.h"
@@ -148,18 +149,17 @@ namespace {
 // code no retry helps, or `deadline` passes.
 absl::Status WithRetries(const std::string& who, std::chrono::steady_clock::time_point deadline,
                          const std::function<grpc::Status(grpc::ClientContext&)>& rpc) {
-  std::chrono::milliseconds backoff(20);
+  RetryBackoff backoff;
   for (;;) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          (deadline - std::chrono::steady_clock::now()));
     const absl::Status status = wire::FromGrpcStatus(rpc(context), who);
-    if (status.ok() || !Retryable(status.code()) ||
-        std::chrono::steady_clock::now() + backoff >= deadline) {
+    const std::chrono::milliseconds wait = backoff.Next();
+    if (status.ok() || !Retryable(status.code()) || RetryBackoff::GivesUpBefore(wait, deadline)) {
       return status;
     }
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    std::this_thread::sleep_for(wait);
   }
 }
 
@@ -254,7 +254,7 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(u
   const ShardSetView& view = shards_.view();
   const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
   const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
-  std::chrono::milliseconds backoff(50);
+  RetryBackoff backoff;
   for (int attempt = 0;; ++attempt) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
@@ -296,16 +296,15 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(u
       response.set_applied(false);
       return response;
     }
-    const auto now = std::chrono::steady_clock::now();
-    if (!Retryable(status.code()) || now + backoff >= task.deadline) {
+    const std::chrono::milliseconds wait = backoff.Next();
+    if (!Retryable(status.code()) || RetryBackoff::GivesUpBefore(wait, task.deadline)) {
       return absl::Status(
           status.code(),
           absl::StrCat("pushing the gradient of layer ", task.layer, " (step ", task.step, ") to ",
                        status.message(),
                        attempt > 0 ? absl::StrCat(" (after ", attempt + 1, " attempts)") : ""));
     }
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+    std::this_thread::sleep_for(wait);
   }
 }
 

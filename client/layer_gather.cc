@@ -16,13 +16,6 @@ bool Retryable(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsDataLoss(status) || absl::IsCancelled(status);
 }
 
-// 50 ms doubling to at most 2 s, each drawn from [half, full] so shards and
-// workers that failed together do not retry in lockstep.
-std::chrono::milliseconds Backoff(int attempt, std::mt19937_64& rng) {
-  const int64_t full = std::min<int64_t>(2000, int64_t{50} << std::min(attempt, 10));
-  return std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(full / 2, full)(rng));
-}
-
 }  // namespace
 
 LayerGather::LayerGather(std::vector<Shard> shards, const AssembledLayout& layout, uint32_t layer,
@@ -33,8 +26,7 @@ LayerGather::LayerGather(std::vector<Shard> shards, const AssembledLayout& layou
       layer_(layer),
       options_(options),
       buffer_(buffer),
-      default_version_(default_version),
-      jitter_(std::random_device{}()) {}
+      default_version_(default_version) {}
 
 std::vector<ShardStream::Run> LayerGather::OwnedRuns(uint32_t shard) const {
   std::vector<ShardStream::Run> runs;
@@ -140,7 +132,7 @@ void LayerGather::Settle(uint32_t shard) {
   s.last_error = status;
   if (!failure_.ok() || cancelled_) return;  // already failing: just count it out
   const auto now = std::chrono::steady_clock::now();
-  const auto delay = Backoff(s.attempts, jitter_);
+  const auto delay = s.backoff.Next();
   const bool time_left = std::chrono::system_clock::now() + delay < deadline_;
   if (Retryable(status) && time_left) {
     s.retry_at = now + delay;

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/layer_source.h"
+#include "client/retry_backoff.h"
 #include "client/shard_stream.h"
 #include "core/layout.h"
 
@@ -63,6 +64,7 @@ class LayerGather {
     std::vector<ShardStream::Run> runs;  // what this shard still owes
     std::unique_ptr<ShardStream> stream;
     int attempts = 0;
+    RetryBackoff backoff;
     std::optional<std::chrono::steady_clock::time_point> retry_at;
     absl::Status last_error;
     // Of the shard's streams that delivered chunks; 0 before one did.
@@ -91,7 +93,6 @@ class LayerGather {
   uint64_t range_begin_ = 0, range_end_ = 0;
   std::vector<TensorElementRange> selected_;
   std::chrono::system_clock::time_point deadline_;
-  std::mt19937_64 jitter_;
 
   mutable absl::Mutex mu_;
   std::vector<ShardState> state_ ABSL_GUARDED_BY(mu_);

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "client/retry_backoff.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "wire/grpc_status.h"
@@ -176,7 +177,7 @@ void ModelMirror::StopFollowing() {
 }
 
 void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update) {
-  std::chrono::milliseconds backoff = options_.backoff;
+  RetryBackoff backoff(options_.backoff, options_.max_backoff);
   // Bounded by StopFollowing: each turn is one poll (at most options_.poll)
   // or one update, and every wait ends at stopping_.
   for (;;) {
@@ -196,14 +197,14 @@ void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update)
     absl::MutexLock lock(&follow_mu_);
     if (stopping_) return;
     if (failed.ok()) {
-      backoff = options_.backoff;
+      backoff.Reset();
       continue;
     }
+    const std::chrono::milliseconds wait = backoff.Next();
     Log()->warn("mirror at version {}: {}; retrying in {} ms", held, failed.message(),
-                backoff.count());
-    follow_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(backoff));
+                wait.count());
+    follow_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::FromChrono(wait));
     if (stopping_) return;
-    backoff = std::min(backoff * 2, options_.max_backoff);
   }
 }
 

@@ -23,8 +23,9 @@ struct MirrorOptions {
   // it is asked again; what Stop waits at most for a poll in flight is far
   // less (the poll is cancelled).
   std::chrono::milliseconds poll{10000};
-  // After a failed poll or update, the follower waits this long, doubling up
-  // to max_backoff, before trying again.
+  // After a failed poll or update, the follower waits about this long,
+  // doubling up to max_backoff (client/retry_backoff.h), before trying
+  // again.
   std::chrono::milliseconds backoff{100};
   std::chrono::milliseconds max_backoff{5000};
 };

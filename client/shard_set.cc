@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/layer_gather.h"
+#include "client/retry_backoff.h"
 #include "core/dtype.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -38,7 +39,7 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(
   auto stub = layercast::v1::ShardService::NewStub(channel);
   const auto start = std::chrono::system_clock::now();
   const auto deadline = start + timeout;
-  std::chrono::milliseconds backoff(50);
+  RetryBackoff backoff;
   grpc::Status status;
   // The clearest cause seen: the last attempt may have been cut short by
   // the deadline, which says nothing of why.
@@ -66,14 +67,14 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(
     const auto now = std::chrono::system_clock::now();
     const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-    if (!retry || now + backoff >= deadline) break;
+    const std::chrono::milliseconds wait = backoff.Next();
+    if (!retry || RetryBackoff::GivesUpBefore(wait, deadline)) break;
     if (!said && now - start >= std::chrono::seconds(1)) {
       Log()->warn("waiting for {}: {}; retrying for up to {} ms (--connect-timeout-ms)", describe,
                   why(), timeout.count());
       said = true;
     }
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    std::this_thread::sleep_for(wait);
   }
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {

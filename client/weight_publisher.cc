@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
+#include "client/retry_backoff.h"
 #include "core/crc32c.h"
 #include "core/failpoint.h"
 #include "core/layout.h"
@@ -214,6 +215,7 @@ absl::Status WeightPublisher::CommitOnShard(uint32_t shard, const std::string& i
   auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
   const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
   absl::Status status;
+  RetryBackoff backoff;
   for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
     auto context = AdminContext(token_, deadline);
     layercast::v1::CommitPublishRequest request;
@@ -225,7 +227,7 @@ absl::Status WeightPublisher::CommitOnShard(uint32_t shard, const std::string& i
       return status;
     }
     if (!absl::IsUnavailable(status)) return status;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 5)));
+    std::this_thread::sleep_for(backoff.Next());
   }
   return status;
 }
@@ -274,12 +276,13 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
     // UNAVAILABLE: the shard is restarting, or settles a publish whose
     // publisher stopped (it says so); both pass.
     absl::Status begun;
+    RetryBackoff backoff(std::chrono::milliseconds(50), std::chrono::milliseconds(800));
     for (int attempt = 0; attempt < 60 && std::chrono::steady_clock::now() < deadline; ++attempt) {
       auto context = AdminContext(token_, deadline);
       layercast::v1::BeginPublishResponse response;
       begun = wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe);
       if (!absl::IsUnavailable(begun)) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50 << std::min(attempt, 4)));
+      std::this_thread::sleep_for(backoff.Next());
     }
     RETURN_IF_ERROR(begun);
   }

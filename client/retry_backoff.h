@@ -1,0 +1,46 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <random>
+
+namespace layercast::client {
+
+// How long the worker library waits before each retry of a call to a shard,
+// in every retry loop (gathers, pushes, clip scales, connecting, a mirror
+// following the set): from `first`, doubling to at most `cap`, each wait
+// drawn from [half, full] so that workers that failed together do not retry
+// in lockstep. A loop gives up when the next wait would end past its
+// deadline (GivesUpBefore): the one margin.
+//
+// Not thread-safe: one per loop.
+class RetryBackoff {
+ public:
+  explicit RetryBackoff(std::chrono::milliseconds first = std::chrono::milliseconds(50),
+                        std::chrono::milliseconds cap = std::chrono::milliseconds(2000))
+      : first_(first), cap_(cap), rng_(std::random_device{}()) {}
+
+  // The wait before the next attempt; each call doubles the next.
+  std::chrono::milliseconds Next() {
+    const int64_t full =
+        std::min<int64_t>(cap_.count(), first_.count() << std::min<uint32_t>(attempts_++, 20));
+    return std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(full / 2, full)(rng_));
+  }
+  // After a success: the next wait is `first` again.
+  void Reset() { attempts_ = 0; }
+
+  // Whether waiting `wait` from now ends at or past `deadline`.
+  template <typename Clock, typename Duration>
+  static bool GivesUpBefore(std::chrono::milliseconds wait,
+                            std::chrono::time_point<Clock, Duration> deadline) {
+    return Clock::now() + wait >= deadline;
+  }
+
+ private:
+  const std::chrono::milliseconds first_;
+  const std::chrono::milliseconds cap_;
+  uint32_t attempts_ = 0;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace layercast::client
