@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/byte_size.h"
 #include "core/status_macros.h"
+#include "server/refusals.h"
 #include "wire/chunk_encoder.h"
 #include "wire/delta_chunks.h"
 #include "wire/grpc_status.h"
@@ -119,11 +120,9 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
       finish = CancelledWhileWaiting(absl::StrCat(
           "waiting for parameter version ", options_.min_version, " (current ", version, ")"));
     } else if (outcome == VersionGate::Outcome::kClosed) {
-      finish = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            absl::StrCat("this shard is shutting down while the stream waited "
-                                         "for parameter version ",
-                                         options_.min_version, " (current ", version,
-                                         "); retry against its replacement"));
+      finish = ShuttingDownRefusal(absl::StrCat("the stream waited for parameter version ",
+                                                options_.min_version, " (current ", version,
+                                                "); retry against its replacement"));
     } else if (outcome == VersionGate::Outcome::kTimedOut) {
       finish = grpc::Status(
           grpc::StatusCode::DEADLINE_EXCEEDED,
@@ -319,9 +318,8 @@ void FetchLayerReactor::WriteNext() {
     return;
   }
   if (stop_) {
-    FinishOnce(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            "this shard is shutting down and its drain timeout has passed; "
-                            "resume the rest of the layer against its replacement"));
+    FinishOnce(ShuttingDownRefusal(
+        "its drain timeout has passed; resume the rest of the layer against its replacement"));
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];

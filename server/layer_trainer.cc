@@ -155,138 +155,6 @@ absl::Status LayerTrainer::CheckStepLocked(uint32_t layer, uint32_t worker, uint
   return absl::OkStatus();
 }
 
-uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
-                                   std::chrono::steady_clock::time_point give_up_at,
-                                   ReservationReady ready) {
-  LayerState& state = *layers_[layer];
-  {
-    absl::MutexLock lock(&state.mu);
-    if (state.version == step && !state.reserved) {
-      if ((state.budget_wait == 0 && ReserveFromPoolLocked(layer, state)) ||
-          links_.budget == nullptr) {
-        state.reserved = true;
-      } else {
-        const uint64_t id = next_wait_id_++;
-        state.waiting.emplace(id, std::move(ready));
-        if (state.budget_wait == 0) {
-          // Posted, never run here: the lock is held.
-          state.budget_wait = links_.budget->Acquire(
-              StepBytes(layer), give_up_at,
-              [this, layer](bool granted) { OnReservation(layer, granted); });
-        }
-        return id;
-      }
-    }
-  }
-  ready(true);
-  return 0;
-}
-
-bool LayerTrainer::ReserveFromPoolLocked(uint32_t layer, LayerState& state) {
-  // Never ahead of a request already waiting for budget: the pool's bytes
-  // may be what it waits for (the reclaimer is about to drain the pool).
-  if (links_.budget != nullptr && links_.budget->waiting() > 0) return false;
-  std::vector<std::vector<float>> claimed = pool_->Claim(state.owned_elements, workers_);
-  if (claimed.empty()) return false;
-  const uint64_t rest = StepBytes(layer) - claimed.size() * StagingBytes(layer);
-  // A reservation that has to wait holds nothing: the pooled buffers go
-  // back (to the pool, or to whoever waits) and the budget is asked for the
-  // whole step.
-  if (rest > 0 && links_.budget != nullptr && !links_.budget->TryAcquire(rest)) {
-    for (std::vector<float>& buffer : claimed) pool_->Give(std::move(buffer));
-    return false;
-  }
-  state.spare = std::move(claimed);
-  return true;
-}
-
-std::vector<float> LayerTrainer::TakeStaging(uint32_t layer) {
-  LayerState& state = *layers_[layer];
-  {
-    absl::MutexLock lock(&state.mu);
-    if (!state.spare.empty()) {
-      std::vector<float> buffer = std::move(state.spare.back());
-      state.spare.pop_back();
-      return buffer;
-    }
-  }
-  return std::vector<float>(state.owned_elements);
-}
-
-void LayerTrainer::RecycleLocked(LayerState& state, std::vector<float> buffer) {
-  if (links_.budget != nullptr && !state.reserved) return;  // not charged: freed here
-  pool_->Give(std::move(buffer));
-}
-
-void LayerTrainer::OnReservation(uint32_t layer, bool granted) {
-  LayerState& state = *layers_[layer];
-  std::map<uint64_t, ReservationReady> waiting;
-  {
-    absl::MutexLock lock(&state.mu);
-    state.budget_wait = 0;
-    state.reserved = granted;
-    waiting.swap(state.waiting);
-  }
-  // Outside the lock: each push goes on to read its chunks.
-  for (auto& [id, ready] : waiting) ready(granted);
-}
-
-bool LayerTrainer::CancelReservationWait(uint32_t layer, uint64_t id) {
-  LayerState& state = *layers_[layer];
-  absl::MutexLock lock(&state.mu);
-  if (state.waiting.erase(id) == 0) return false;
-  if (state.waiting.empty() && state.budget_wait != 0 && links_.budget->Cancel(state.budget_wait)) {
-    state.budget_wait = 0;
-  }
-  return true;
-}
-
-absl::Status LayerTrainer::BeginPush(uint32_t layer, uint32_t worker, uint64_t step) {
-  RETURN_IF_ERROR(CheckIndices(layer, worker));
-  LayerState& state = *layers_[layer];
-  absl::MutexLock lock(&state.mu);
-  RETURN_IF_ERROR(CheckStepLocked(layer, worker, step, state));
-  if (state.in_flight[worker] == step) {
-    return absl::AbortedError(absl::StrCat(
-        "worker ", worker, "'s push of layer ", layer, " for step ", step,
-        " is already in flight on this shard; nothing of this one was staged. A push whose worker "
-        "stopped sending is cut off after the shard's --write-progress-timeout-ms: retry then (if "
-        "that worker is alive, two workers share index ",
-        worker, ")"));
-  }
-  state.in_flight[worker] = step;
-  return absl::OkStatus();
-}
-
-void LayerTrainer::EndPush(uint32_t layer, uint32_t worker, uint64_t step,
-                           std::vector<float> unused) {
-  LayerState& state = *layers_[layer];
-  absl::MutexLock lock(&state.mu);
-  if (state.in_flight[worker] == step) state.in_flight[worker] = kNoPush;
-  // Still charged to the open step's reservation: its next push takes it
-  // instead of allocating another.
-  if (!unused.empty() && state.version == step && state.reserved) {
-    state.spare.push_back(std::move(unused));
-  }
-}
-
-LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {
-  const auto now = std::chrono::steady_clock::now();
-  OpenStep oldest;
-  std::optional<std::chrono::steady_clock::time_point> oldest_opened;
-  for (const auto& layer : layers_) {
-    // Skipped while a step or a checkpoint holds it: a gauge can wait.
-    if (!layer->mu.TryLock()) continue;
-    if (layer->opened && (!oldest_opened || *layer->opened < *oldest_opened)) {
-      oldest_opened = layer->opened;
-      oldest.waited_seconds = std::chrono::duration<double>(now - *layer->opened).count();
-      oldest.missing_workers = MissingLocked(*layer);
-    }
-    layer->mu.Unlock();
-  }
-  return oldest;
-}
-
 absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t worker,
                                                         uint64_t step,
                                                         std::vector<float> gradient) {
@@ -388,34 +256,25 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
     for (float& value : mean) value *= *clip_scale;
   }
 
-  // Recorded in the update's own pass, and only while readers use it (asked
-  // before the layer's lock: Wanted may log).
-  const bool record = links_.changes != nullptr && links_.changes->Wanted();
-  absl::WriterMutexLock master_lock(&store_.layer_mutex(layer));
-  std::optional<ChangeLog::Recording> recording;
-  if (record) {
-    try {
-      recording.emplace(
-          *links_.changes, layer, links_.pinned != nullptr,
-          links_.pinned != nullptr ? links_.pinned->TakeSpare(layer) : std::vector<uint8_t>());
-    } catch (const std::bad_alloc&) {
-      // Not recorded: delta pulls from before this step fall back to full.
-      Log()->warn("no memory to record what step {} of layer {} changes", step, layer);
+  // Bound here, where the analysis sees state.mu held (the lambda runs
+  // within this call).
+  std::vector<TensorOptimizer>& optimizers = state.optimizers;
+  RETURN_IF_ERROR(master_.Step(layer, state.version, [&](ChangeLog::Recording* recording) {
+    uint64_t at = 0;
+    for (uint32_t t = 0; t < optimizers.size(); ++t) {
+      TensorOptimizer& optimizer = optimizers[t];
+      const std::span<float> master(store_.mutable_master(layer, t), optimizer.size());
+      // Cannot fail: sizes match by construction and the lr was checked above.
+      RETURN_IF_ERROR(optimizer.Step(lrs[t], master,
+                                     std::span<const float>(mean.data() + at, optimizer.size()),
+                                     recording != nullptr ? recording->ForTensor(t) : nullptr));
+      at += optimizer.size();
+      // A death with some tensors stepped: the restart takes the layer from
+      // the checkpoint and the journal, never from this half.
+      if (t == 0 && optimizers.size() > 1) FailPoint("step.mid_apply", store_.shard_index());
     }
-  }
-  uint64_t at = 0;
-  for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
-    TensorOptimizer& optimizer = state.optimizers[t];
-    const std::span<float> master(store_.mutable_master(layer, t), optimizer.size());
-    // Cannot fail: sizes match by construction and the lr was checked above.
-    RETURN_IF_ERROR(optimizer.Step(lrs[t], master,
-                                   std::span<const float>(mean.data() + at, optimizer.size()),
-                                   recording ? recording->ForTensor(t) : nullptr));
-    at += optimizer.size();
-    // A death with some tensors stepped: the restart takes the layer from
-    // the checkpoint and the journal, never from this half.
-    if (t == 0 && state.optimizers.size() > 1) FailPoint("step.mid_apply", store_.shard_index());
-  }
+    return absl::OkStatus();
+  }));
   RecycleLocked(state, *std::move(state.pushed[0]));
   state.pushed[0].reset();
   // Left only by pushes that brought their own buffers (Push called
@@ -423,14 +282,7 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.spare.clear();
   state.reduced = false;
   state.opened.reset();
-  if (recording) {
-    const uint64_t changed = recording->Commit(state.version + 1);
-    if (links_.pinned != nullptr) {
-      links_.pinned->Keep(layer, state.version, changed, std::move(*recording).TakeBefore());
-    }
-  }
-  ++state.version;
-  if (links_.gate != nullptr) links_.gate->Advance(layer, state.version);
+  ++state.version;  // the gate advanced with the master
   state.reserved = false;
   return absl::OkStatus();
 }

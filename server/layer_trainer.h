@@ -24,6 +24,7 @@
 #include "server/push_journal.h"
 #include "server/staging_pool.h"
 #include "server/version_gate.h"
+#include "server/versioned_master.h"
 
 namespace layercast::server {
 
@@ -252,6 +253,10 @@ class LayerTrainer {
         spec_(std::move(spec)),
         workers_(workers),
         links_(links),
+        master_({.store = &store,
+                 .gate = links.gate,
+                 .changes = links.changes,
+                 .pinned = links.pinned}),
         pool_(std::make_shared<StagingPool>(pool_bytes, links.budget)) {}
 
   // Workers whose push the layer's current step still waits for.
@@ -301,6 +306,7 @@ class LayerTrainer {
   const OptimizerSpec spec_;
   const uint32_t workers_;
   const Links links_;
+  VersionedMaster master_;  // how a step changes each layer
   std::vector<std::unique_ptr<LayerState>> layers_;
   const std::shared_ptr<StagingPool> pool_;
   // The budget's answer to layer `layer`'s reservation request.

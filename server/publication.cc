@@ -22,7 +22,13 @@ constexpr std::chrono::milliseconds kDefaultTimeout{60000};
 Publications::Publications(Links links) : Publications(links, SetOptions{}) {}
 
 Publications::Publications(Links links, SetOptions set)
-    : links_(links), idle_(set.idle), peers_(std::move(set.peers)) {}
+    : links_(links),
+      master_({.store = links.store,
+               .gate = links.gate,
+               .changes = links.changes,
+               .pinned = links.pinned}),
+      idle_(set.idle),
+      peers_(std::move(set.peers)) {}
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);
@@ -257,43 +263,15 @@ absl::StatusOr<Publications::Committed> Publications::CommitLocked(Open& open) {
   }
   Committed committed{.version = open.base_version + 1};
   for (uint32_t l = 0; l < layers; ++l) {
-    absl::WriterMutexLock master_lock(&store.layer_mutex(l));
     if (open.levels) {
-      // The values jump over versions this shard never held: no delta or
-      // pinned read may start before the jump.
-      if (links_.changes != nullptr) links_.changes->Forget(l);
-      for (uint32_t t = 0; t < open.staged[l].size(); ++t) {
-        if (open.staged[l][t].empty()) continue;
-        std::memcpy(store.mutable_master(l, t), open.staged[l][t].data(),
-                    open.staged[l][t].size() * sizeof(float));
-      }
+      master_.Jump(l, committed.version, open.staged[l]);
     } else if (open.selected[l]) {
-      std::optional<ChangeLog::Snapshot> before;
-      if (links_.changes != nullptr) {
-        try {
-          before = links_.changes->Take(l);
-        } catch (const std::bad_alloc&) {
-          Log()->warn("no memory to record what publish {} changes in layer {}", open.id, l);
-        }
-      }
-      for (uint32_t t = 0; t < open.staged[l].size(); ++t) {
-        // A tensor this shard owns none of stages nothing (and has no data()).
-        if (open.staged[l][t].empty()) continue;
-        std::memcpy(store.mutable_master(l, t), open.staged[l][t].data(),
-                    open.staged[l][t].size() * sizeof(float));
-      }
-      if (before) {
-        const uint64_t changed = links_.changes->Record(l, committed.version, *before);
-        committed.changed_elements += changed;
-        // Every layer is at the base Begin checked until this commit.
-        if (links_.pinned != nullptr) {
-          links_.pinned->Keep(l, open.base_version, changed, *std::move(before));
-        }
-      }
-    } else if (links_.changes != nullptr) {
-      links_.changes->RecordUnchanged(l, committed.version);
+      // Every layer is at the base Begin checked until this commit.
+      committed.changed_elements +=
+          master_.Replace(l, open.base_version, committed.version, open.staged[l]);
+    } else {
+      master_.Keep(l, committed.version);
     }
-    links_.gate->Advance(l, committed.version);
   }
   Log()->info("publish {}: committed version {} ({} elements changed on this shard)", open.id,
               committed.version, committed.changed_elements);

@@ -21,6 +21,7 @@
 #include "server/publish_peers.h"
 #include "server/server_metrics.h"
 #include "server/version_gate.h"
+#include "server/versioned_master.h"
 
 namespace layercast::server {
 
@@ -142,6 +143,7 @@ class Publications {
   void Settled(const std::string& id, std::optional<bool> committed);
 
   const Links links_;
+  VersionedMaster master_;  // how a commit changes each layer
   const std::chrono::milliseconds idle_;
   absl::Mutex mu_;
   std::optional<Open> open_ ABSL_GUARDED_BY(mu_);

@@ -139,6 +139,13 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                      .Register(r);
   pushes_staged_ = &pushes.Add({{"result", "staged"}});
   pushes_applied_ = &pushes.Add({{"result", "applied"}});
+  journal_replayed_ = &BuildCounter()
+                           .Name("layercast_push_journal_replayed_total")
+                           .Help(
+                               "Pushes and clip scales a training shard took again from its push "
+                               "journal when it started (a restart after a death)")
+                           .Register(r)
+                           .Add({});
   optimizer_seconds_ = &BuildHistogram()
                             .Name("layercast_optimizer_step_seconds")
                             .Help("Time to average a layer's gradients and step its optimizer")

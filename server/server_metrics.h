@@ -76,6 +76,10 @@ class ServerMetrics {
   void RecordPushApplied(uint64_t bytes, double optimizer_seconds, double step_seconds);
   // Bytes of gradient that arrived on a push that was not taken.
   void RecordPushRefused(uint64_t bytes) { gradient_bytes_->Increment(static_cast<double>(bytes)); }
+  // `taken` records of the push journal were taken again at start.
+  void RecordJournalReplayed(uint64_t taken) {
+    journal_replayed_->Increment(static_cast<double>(taken));
+  }
   // The oldest open step (some workers pushed, some not): its missing
   // workers and how long it has waited (both 0 when none is open).
   prometheus::Gauge& step_missing_workers() { return *step_missing_workers_; }
@@ -132,6 +136,7 @@ class ServerMetrics {
   prometheus::Counter* gradient_bytes_;
   prometheus::Counter* pushes_staged_;
   prometheus::Counter* pushes_applied_;
+  prometheus::Counter* journal_replayed_;
   prometheus::Histogram* optimizer_seconds_;
   prometheus::Histogram* step_seconds_;
   prometheus::Gauge* step_missing_workers_;

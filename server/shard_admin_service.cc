@@ -4,6 +4,7 @@
 #include "core/dtype.h"
 #include "core/log.h"
 #include "server/call_authorization.h"
+#include "server/refusals.h"
 #include "server/shard_checkpoint.h"
 #include "wire/grpc_status.h"
 
@@ -61,16 +62,12 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
                                         "--checkpoint-dir DIR"));
   }
   if (draining_.load()) {
-    return Finish(reactor,
-                  grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                               "this shard is shutting down; it writes its checkpoint on exit "
-                               "unless started with --checkpoint-on-sigterm false"));
+    return Finish(reactor, ShuttingDownRefusal("it writes its checkpoint on exit unless started "
+                                               "with --checkpoint-on-sigterm false"));
   }
   absl::MutexLock lock(&mu_);
   if (store_ == nullptr) {
-    return Finish(reactor, grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                        "this shard is still loading its parameters; retry when "
-                                        "its readiness health check is SERVING"));
+    return Finish(reactor, LoadingRefusal());
   }
   if (writing_) {
     return Finish(reactor, grpc::Status(grpc::StatusCode::ABORTED,
@@ -117,15 +114,13 @@ absl::StatusOr<Publications*> ShardAdminService::PublicationsFor(
                         authorized.error_message());
   }
   if (draining_.load()) {
-    return absl::UnavailableError(
-        "this shard is shutting down and takes no publish calls; an open publish is not "
-        "committed: abort it everywhere and publish again to the shard's replacement");
+    return absl::UnavailableError(ShuttingDownMessage(
+        "it takes no publish calls; an open publish is not committed: abort it everywhere and "
+        "publish again to the shard's replacement"));
   }
   absl::MutexLock lock(&mu_);
   if (store_ == nullptr) {
-    return absl::UnavailableError(
-        "this shard is still loading its parameters; retry when its readiness health check is "
-        "SERVING");
+    return absl::UnavailableError(kLoadingMessage);
   }
   if (trainer_ != nullptr || publications_ == nullptr) {
     return absl::FailedPreconditionError(

@@ -7,10 +7,10 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "server/call_authorization.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
 #include "server/push_gradients_reactor.h"
+#include "server/refusals.h"
 #include "server/wait_version_reactor.h"
 #include "wire/cast_error_report.h"
 #include "wire/grpc_status.h"
@@ -19,21 +19,10 @@
 namespace layercast::server {
 namespace {
 
-const grpc::Status kLoading(grpc::StatusCode::UNAVAILABLE,
-                            "this shard is still loading its parameters; retry shortly (the "
-                            "readiness health check turns SERVING when it is done)");
-
 // A write reactor that only finishes with `status`: how a refused stream ends.
 class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   explicit RefusedStream(const grpc::Status& status) { Finish(status); }
-  void OnDone() override { delete this; }
-};
-
-// A PushGradients call refused before reading anything.
-class RefusedPush final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
- public:
-  explicit RefusedPush(const grpc::Status& status) { Finish(status); }
   void OnDone() override { delete this; }
 };
 
@@ -184,8 +173,8 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
   {
     absl::MutexLock lock(&mu_);
     if (manifest_ == nullptr) {
-      metrics_.RecordRpc("GetManifest", wire::StatusCodeName(kLoading.error_code()));
-      reactor->Finish(kLoading);
+      metrics_.RecordRpc("GetManifest", wire::StatusCodeName(grpc::StatusCode::UNAVAILABLE));
+      reactor->Finish(LoadingRefusal());
       return reactor;
     }
     *response = *manifest_;
@@ -200,7 +189,7 @@ grpc::ServerUnaryReactor* ShardService::GetCastError(
     grpc::CallbackServerContext* context, const layercast::v1::GetCastErrorRequest*,
     layercast::v1::GetCastErrorResponse* response) {
   const Parts parts = loaded();
-  if (parts.store == nullptr) return FinishUnary(context, "GetCastError", kLoading);
+  if (parts.store == nullptr) return FinishUnary(context, "GetCastError", LoadingRefusal());
   for (float bound : CastError::kBounds) response->add_bounds(bound);
   if (parts.cast_errors != nullptr) {
     for (const CastErrorLedger::LayerSummary& summary : parts.cast_errors->Summarize()) {
@@ -231,12 +220,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   }
   const layercast::v1::FetchLayerRequest* request = &parsed;
   if (draining_.load()) {
-    return Refuse(grpc::Status(
-        grpc::StatusCode::UNAVAILABLE,
-        "this shard is shutting down and takes no new streams; retry against its replacement"));
+    return Refuse(ShuttingDownRefusal("it takes no new streams; retry against its replacement"));
   }
   auto [store, budget, shared, trainer, changes, pinned, cast_errors] = loaded();
-  if (store == nullptr) return Refuse(kLoading);
+  if (store == nullptr) return Refuse(LoadingRefusal());
   // Which start of the shard serves the stream: the worker names it again
   // as the base of its next delta (FetchLayerRequest.base_incarnation).
   context->AddInitialMetadata(wire::kIncarnationMetadata, absl::StrCat(store->incarnation()));
@@ -360,90 +347,6 @@ grpc::Status ShardService::Admit(bool parked) {
                                    "raise --max-streams"));
 }
 
-void ShardService::UpdateStepGauges() {
-  LayerTrainer* trainer = loaded().trainer;
-  if (trainer == nullptr) return;
-  const LayerTrainer::OpenStep oldest = trainer->OldestOpenStep();
-  metrics_.step_missing_workers().Set(oldest.missing_workers);
-  metrics_.step_wait_seconds().Set(oldest.waited_seconds);
-}
-
-grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
-    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
-  const auto refuse = [this](const grpc::Status& status) {
-    metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
-    return new RefusedPush(status);
-  };
-  if (draining_.load()) {
-    return refuse(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                               "this shard is shutting down and takes no new pushes; nothing of "
-                               "this one was staged: push it again to the shard's replacement"));
-  }
-  absl::StatusOr<LayerTrainer*> trainer = Trainer();
-  if (!trainer.ok()) return refuse(wire::ToGrpcStatus(trainer.status()));
-  const Parts now = loaded();
-  PushGradientsReactor::Options options;
-  if (options_.worker_tokens) {
-    // The worker is named by the first chunk: checked then, before
-    // anything is staged.
-    options.authorize = [this, context](uint32_t worker) {
-      return AuthorizeWorker(*context, worker, "a push");
-    };
-  }
-  // As long as a parked stream may wait for a version: a push waiting for
-  // budget waits for other workers' pushes to complete a step.
-  options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
-  options.on_done = [this](PushGradientsReactor* push, const grpc::Status& status, uint64_t bytes,
-                           const std::optional<LayerTrainer::Pushed>& pushed) {
-    {
-      absl::MutexLock lock(&streams_mu_);
-      pushes_.erase(push);
-      metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
-    }
-    metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
-    if (!pushed) {
-      metrics_.RecordPushRefused(bytes);
-    } else if (pushed->applied) {
-      metrics_.RecordPushApplied(bytes, pushed->optimizer_seconds, pushed->step_seconds);
-      metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
-    } else {
-      metrics_.RecordPushStaged(bytes);
-    }
-  };
-  // Registered under the lock its on_done takes, as FetchLayer streams are.
-  absl::MutexLock lock(&streams_mu_);
-  if (pushes_.size() >= options_.max_push_streams) {
-    return refuse(grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("this shard already has ", options_.max_push_streams,
-                     " PushGradients streams open (--max-push-streams); nothing of this push was "
-                     "staged: retry with backoff")));
-  }
-  auto* push = new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
-                                        std::move(options));
-  pushes_.insert(push);
-  metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
-  return push;
-}
-
-absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
-  const Parts now = loaded();
-  if (now.store == nullptr) return absl::UnavailableError(kLoading.error_message());
-  if (now.trainer == nullptr) {
-    return absl::FailedPreconditionError(
-        "this shard has no optimizer: it serves its parameters read-only and takes no gradients "
-        "(start it with --optimizer to train)");
-  }
-  return now.trainer;
-}
-
-absl::Status ShardService::AuthorizeWorker(const grpc::CallbackServerContext& context,
-                                           uint32_t worker, absl::string_view what) const {
-  if (!options_.worker_tokens) return absl::OkStatus();
-  const std::optional<std::string> authorization = AuthorizationOf(context);
-  return options_.worker_tokens->Check(worker, authorization ? &*authorization : nullptr, what);
-}
-
 grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext* context,
                                                     const char* method,
                                                     const grpc::Status& status) {
@@ -453,54 +356,13 @@ grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext*
   return reactor;
 }
 
-grpc::ServerUnaryReactor* ShardService::GetGradientNorm(
-    grpc::CallbackServerContext* context, const layercast::v1::GetGradientNormRequest* request,
-    layercast::v1::GetGradientNormResponse* response) {
-  absl::StatusOr<LayerTrainer*> trainer = Trainer();
-  if (!trainer.ok()) {
-    return FinishUnary(context, "GetGradientNorm", wire::ToGrpcStatus(trainer.status()));
-  }
-  const LayerTrainer::StepNorm norm = (*trainer)->NormOfStep(request->step());
-  response->set_ready(norm.ready);
-  if (norm.ready) response->set_sum_of_squares(norm.sum_of_squares);
-  for (uint32_t layer : norm.waiting_layers) response->add_waiting_layers(layer);
-  response->set_clip_max_norm(norm.max_norm);
-  if (norm.applied_scale) response->set_applied_scale(*norm.applied_scale);
-  return FinishUnary(context, "GetGradientNorm", grpc::Status::OK);
-}
-
-grpc::ServerUnaryReactor* ShardService::ApplyClippedStep(
-    grpc::CallbackServerContext* context, const layercast::v1::ApplyClippedStepRequest* request,
-    layercast::v1::ApplyClippedStepResponse* response) {
-  absl::StatusOr<LayerTrainer*> trainer = Trainer();
-  if (!trainer.ok()) {
-    return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(trainer.status()));
-  }
-  // Worker 0 applies the clip scale (the worker library's FinishStep).
-  if (absl::Status authorized = AuthorizeWorker(*context, 0, "a clip scale"); !authorized.ok()) {
-    return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(authorized));
-  }
-  // Every layer's optimizer step runs here, on this gRPC thread: the
-  // workers wait for this version anyway.
-  absl::StatusOr<uint64_t> version =
-      (*trainer)->ApplyClippedStep(request->step(), request->scale());
-  if (!version.ok()) {
-    return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(version.status()));
-  }
-  response->set_version(*version);
-  metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
-  return FinishUnary(context, "ApplyClippedStep", grpc::Status::OK);
-}
-
 grpc::ServerUnaryReactor* ShardService::WaitVersion(
     grpc::CallbackServerContext* context, const layercast::v1::WaitVersionRequest* request,
     layercast::v1::WaitVersionResponse* response) {
   if (draining_.load()) {
-    return FinishUnary(context, "WaitVersion",
-                       grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                    "this shard is shutting down; wait on its replacement"));
+    return FinishUnary(context, "WaitVersion", ShuttingDownRefusal("wait on its replacement"));
   }
-  if (loaded().store == nullptr) return FinishUnary(context, "WaitVersion", kLoading);
+  if (loaded().store == nullptr) return FinishUnary(context, "WaitVersion", LoadingRefusal());
   const uint64_t current = gate_.version();
   if (request->min_version() <= current) {
     response->set_version(current);

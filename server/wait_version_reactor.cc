@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "server/refusals.h"
+
 namespace layercast::server {
 namespace {
 
@@ -42,8 +44,7 @@ void WaitVersionReactor::OnVersion(VersionGate::Outcome outcome, uint64_t versio
   }
   response_->set_version(version);
   FinishOnce(outcome == VersionGate::Outcome::kClosed
-                 ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                "this shard is shutting down; wait on its replacement")
+                 ? ShuttingDownRefusal("wait on its replacement")
                  : grpc::Status::OK);
 }
 

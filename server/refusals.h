@@ -1,0 +1,34 @@
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace layercast::server {
+
+// The shard's two refusals of a call it cannot serve yet, or any more,
+// worded once: UNAVAILABLE, which every client of the shard retries.
+
+// Parameters not loaded yet.
+inline constexpr char kLoadingMessage[] =
+    "this shard is still loading its parameters; retry shortly (the readiness health check turns "
+    "SERVING when it is done)";
+
+// Draining for shutdown; `what_now` says what became of the call and what
+// the caller does next.
+inline std::string ShuttingDownMessage(absl::string_view what_now) {
+  return absl::StrCat("this shard is shutting down: ", what_now);
+}
+
+inline grpc::Status LoadingRefusal() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, kLoadingMessage);
+}
+inline grpc::Status ShuttingDownRefusal(absl::string_view what_now) {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, ShuttingDownMessage(what_now));
+}
+
+}  // namespace layercast::server

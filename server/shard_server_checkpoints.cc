@@ -1,0 +1,101 @@
+#include "server/shard_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/byte_size.h"
+#include "core/content_fingerprint.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "server/shard_checkpoint.h"
+
+// ShardServer's durable state: the checkpoint it starts from, the push
+// journal it replays over it, and the checkpoint it writes on exit.
+
+namespace layercast::server {
+
+absl::Status ShardServer::UseCheckpoint() {
+  const auto& config = settings_.config;
+  if (config.checkpoint_dir().empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(checkpoints_,
+                   CheckpointManager::Create(config.checkpoint_dir(), config.shard_index(),
+                                             config.num_shards()));
+  if (const int removed = checkpoints_->RemoveStaleTemporaries(); removed > 0) {
+    Log()->info("removed {} temporary file(s) of interrupted checkpoint writes from {}", removed,
+                checkpoints_->dir());
+  }
+  ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
+  if (!existing) return absl::OkStatus();
+  // The values the shard was started with: a checkpoint descending from
+  // another model is not silently served in their place.
+  ASSIGN_OR_RETURN(const ContentFingerprint model_fingerprint, source_->Fingerprint());
+  ASSIGN_OR_RETURN(auto checkpoint, CheckpointSource::Open(
+                                        *existing, source_->model(), config.shard_index(),
+                                        config.num_shards(), settings_.policy, model_fingerprint));
+  if (const auto& recorded = checkpoint->recorded_fingerprint();
+      recorded && *recorded != model_fingerprint) {
+    const std::string what =
+        absl::StrCat("checkpoint ", *existing, " descends from a model with content fingerprint ",
+                     FingerprintHex(*recorded, 8), "..., but ",
+                     config.synthetic().empty() ? "--model" : "--synthetic",
+                     " now holds other values (", FingerprintHex(model_fingerprint, 8), "...)");
+    if (!config.checkpoint_over_changed_model()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what,
+                       ": the model was replaced. Remove the checkpoint (or point --checkpoint-dir "
+                       "elsewhere) to serve the new model, or pass --checkpoint-over-changed-model "
+                       "true to keep serving the checkpoint"));
+    }
+    Log()->warn("{}; serving the checkpoint as told", what);
+  }
+  Log()->info("loading checkpoint {} (version {}) instead of {}", *existing, checkpoint->version(),
+              config.synthetic().empty() ? "--model's values" : "--synthetic's values");
+  checkpoint_source_ = checkpoint.get();
+  source_ = std::move(checkpoint);
+  return absl::OkStatus();
+}
+
+absl::Status ShardServer::ReplayJournal(LayerTrainer& trainer) {
+  const auto& config = settings_.config;
+  ASSIGN_OR_RETURN(journal_, PushJournal::Open(config.checkpoint_dir(), config.shard_index(),
+                                               config.num_shards()));
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal_);
+  if (!replayed.ok()) {
+    return absl::Status(replayed.status().code(),
+                        absl::StrCat("replaying the push journal in --checkpoint-dir ",
+                                     config.checkpoint_dir(), ": ", replayed.status().message()));
+  }
+  metrics_.RecordJournalReplayed(replayed->taken);
+  if (replayed->taken + replayed->skipped > 0) {
+    Log()->info(
+        "push journal: {} push(es) and clip scale(s) taken again, {} already in the checkpoint, "
+        "{} layer step(s) applied, in {:.2f} s",
+        replayed->taken, replayed->skipped, replayed->steps,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  trainer.JournalTo(*journal_);
+  return absl::OkStatus();
+}
+
+absl::Status ShardServer::CheckpointOnExit() {
+  const auto& config = settings_.config;
+  if (checkpoints_ == nullptr || !config.checkpoint_on_sigterm()) return absl::OkStatus();
+  if (store_ == nullptr) {
+    Log()->warn("parameters were not loaded; no checkpoint written");
+    return absl::OkStatus();
+  }
+  const uint64_t version = service_->version_gate().version();
+  // A training shard's layers may have moved past the model's version, and
+  // its optimizer state with them: it always writes.
+  if (trainer_ == nullptr && checkpoints_->HoldsVersion(version)) {
+    Log()->info("checkpoint {} already holds version {}", checkpoints_->path(), version);
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(CheckpointInfo info,
+                   WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), publications_.get(),
+                                        service_->version_gate(), false));
+  Log()->info("checkpoint version {} written to {} ({}) in {:.2f} s", info.version, info.path,
+              FormatBytes(info.bytes), info.seconds);
+  return absl::OkStatus();
+}
+
+}  // namespace layercast::server
