@@ -142,10 +142,16 @@ class LayerwiseTrainer:
         manifest = shard_set.manifest
         by_name = {layer["name"]: layer for layer in manifest["layers"]}
         self.stages: List[Tuple[int, Callable]] = []
-        for name, fn in stages:
+        for position, (name, fn) in enumerate(stages):
             if name not in by_name:
                 raise KeyError(f"the shards serve no layer {name!r}; they serve "
                                f"{sorted(by_name)}")
+            if any(name == earlier for earlier, _ in stages[:position]):
+                # Its gradient would be pushed twice for one step: the first
+                # push would count as the whole step's and the second be
+                # refused.
+                raise ValueError(f"layer {name!r} is listed twice in stages; list each layer "
+                                 f"once, with one fn that does all it does")
             self.stages.append((by_name[name]["index"], fn))
         self._grad_nbytes = {layer["index"]: layer["grad_nbytes"] for layer in manifest["layers"]}
         sizes = sorted((by_name[name]["nbytes"] for name, _ in stages), reverse=True)
@@ -247,19 +253,39 @@ class LayerwiseTrainer:
         return loss_value
 
 
+# The safetensors dtype of each torch dtype a shard reads: floats it serves
+# (widened exactly to its fp32 master), and integers and booleans it skips
+# (buffers such as BatchNorm's num_batches_tracked, position ids, masks).
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
 def save_safetensors(path, tensors: Dict[str, torch.Tensor]) -> None:
-    """Writes fp32 tensors ({name: tensor}) as a safetensors file, a model the
-    shards can serve (--model). By hand, since the format is small (an 8-byte
-    header length, a JSON header, the raw little-endian bytes) and Debian
-    ships no safetensors package."""
+    """Writes tensors ({name: tensor}, e.g. a model's state_dict()) as a
+    safetensors file, a model the shards can serve (--model): float32,
+    bfloat16 and float16 tensors are its parameters; integer and boolean ones
+    (buffers such as num_batches_tracked) are written too, and the shards
+    skip them. Other dtypes (float64, 8-bit floats) are refused: the shards
+    cannot serve them. By hand, since the format is small (an 8-byte header
+    length, a JSON header, the raw little-endian bytes) and Debian ships no
+    safetensors package."""
     import json
 
     header, blobs, offset = {}, [], 0
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.float32:
-            raise TypeError(f"{name} is {tensor.dtype}; the shards' master is float32")
-        data = tensor.detach().contiguous().cpu().numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensor.shape),
+        dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise TypeError(f"{name} is {tensor.dtype}, which the shards cannot serve; convert it "
+                            f"to float32 (or bfloat16, float16) first")
+        flat = tensor.detach().contiguous().cpu().reshape(-1)
+        # Through bytes of the same width: numpy has no bfloat16.
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            flat = flat.view(torch.int16)
+        data = flat.numpy().tobytes()
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import layercast
+import layercast.torch
 from layercast.torch import dequantize, save_safetensors
 from shards import ShardSet, bits, llama_tensors
 
@@ -52,6 +53,39 @@ def test_every_tensor_is_torchs_cast_bit_for_bit(served):
                 assert torch.equal(bits(got), bits(want)), name
                 seen.add(name)
         assert seen == set(tensors), "every tensor of the model came through"
+
+
+def test_a_state_dict_with_bf16_weights_and_integer_buffers_is_saved_and_served(tmp_path):
+    tensors = llama_tensors(layers=1)
+    narrow = "model.layers.0.mlp.up_proj.weight"
+    tensors[narrow] = tensors[narrow].to(torch.bfloat16)
+    tensors["model.layers.0.norm.num_batches_tracked"] = torch.tensor(7)  # int64
+    with pytest.raises(TypeError, match="float64, which the shards cannot serve"):
+        save_safetensors(tmp_path / "wide.safetensors", {"x": torch.zeros(2, dtype=torch.float64)})
+    assert not (tmp_path / "wide.safetensors").exists()
+    model = tmp_path / "model"
+    model.mkdir()
+    save_safetensors(model / "model.safetensors", tensors)
+    (tmp_path / "shards").mkdir()
+    with ShardSet(tmp_path / "shards", 2, ["--model", str(model), "--policy", "c=f32"]) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            manifest = shard_set.manifest
+            seen = {}
+            for layer in shard_set.stream(range(len(manifest["layers"])), budget_bytes=1 << 20):
+                for name, view in layer.tensors.items():
+                    seen[name] = torch.from_dlpack(view).clone()
+    assert "model.layers.0.norm.num_batches_tracked" not in seen, "integer buffers are skipped"
+    assert seen.keys() == {n for n in tensors if tensors[n].is_floating_point()}
+    for name, got in seen.items():
+        assert torch.equal(bits(got), bits(tensors[name].float())), name  # bf16 widened exactly
+
+
+def test_a_trainer_refuses_a_layer_listed_twice(served):
+    shards, _ = served
+    with layercast.connect(shards.addresses) as shard_set:
+        stages = [("model.layers.0", lambda x: x), ("model.layers.0", lambda x: x)]
+        with pytest.raises(ValueError, match="'model.layers.0' is listed twice"):
+            layercast.torch.LayerwiseTrainer(shard_set, torch.nn.Module(), stages)
 
 
 def test_views_are_zero_copy_and_outlive_the_stream(served):
