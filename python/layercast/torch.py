@@ -123,6 +123,19 @@ class _RngState:
             yield
 
 
+_POLICY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
+
+
+def _policy_dtypes(policy: str) -> Tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    """The policy's compute and output dtypes (its default part, before the
+    per-tensor rules); None for an 8-bit float compute dtype, whose layers
+    run dequantized."""
+    default = dict(item.split("=", 1) for item in policy.split(";")[0].split(",") if "=" in item)
+    return _POLICY_DTYPES.get(default.get("compute", "")), _POLICY_DTYPES.get(
+        default.get("output", ""))
+
+
 class LayerwiseTrainer:
     """Runs `stages` of `model` with weights gathered from `shard_set`, and
     trains it through the shards as worker `worker` of their
@@ -132,6 +145,11 @@ class LayerwiseTrainer:
     the model uses; fn(activations) -> activations. The last stage's output
     goes to the loss. `budget_bytes`: host memory for gathered layers
     (default: the two largest layers, so one gathers while one runs).
+
+    As the shards' precision policy says (jmp's convention): floating-point
+    inputs are cast to its compute dtype before the first stage (token ids
+    pass as they are), and the last stage's output to its output dtype
+    before it is returned or goes to the loss.
     """
 
     def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
@@ -158,6 +176,7 @@ class LayerwiseTrainer:
         self.budget_bytes = budget_bytes or sum(sizes[:2])
         self.lookahead = lookahead
         self.version = manifest["version"]
+        self._compute_dtype, self._output_dtype = _policy_dtypes(manifest["policy"])
         self.bytes_fetched = 0
         self.bytes_pushed = 0
         self.fetch_seconds = 0.0
@@ -166,6 +185,16 @@ class LayerwiseTrainer:
     def _stream(self, indices: List[int]):
         return self.shard_set.stream(indices, self.budget_bytes, lookahead=self.lookahead,
                                      min_version=self.version)
+
+    def _input(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.is_floating_point() and self._compute_dtype is not None:
+            return inputs.to(self._compute_dtype)
+        return inputs
+
+    def _output(self, outputs: torch.Tensor) -> torch.Tensor:
+        if outputs.is_floating_point() and self._output_dtype is not None:
+            return outputs.to(self._output_dtype)
+        return outputs
 
     def _next(self, stream) -> Layer:
         start = time.perf_counter()
@@ -177,14 +206,14 @@ class LayerwiseTrainer:
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output for `inputs` at the shards' current version."""
-        x = inputs
+        x = self._input(inputs)
         with self._stream([index for index, _ in self.stages]) as stream:
             for _, fn in self.stages:
                 layer = self._next(stream)
                 with bound(self.model, layer_weights(layer)):
                     x = fn(x)
                 del layer
-        return x
+        return self._output(x)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
@@ -199,7 +228,7 @@ class LayerwiseTrainer:
         # as torch.utils.checkpoint does, so the gradients are those of the
         # forward pass that gave the loss.
         rng_states: List[_RngState] = []
-        x = inputs
+        x = self._input(inputs)
         with torch.no_grad(), self._stream([index for index, _ in self.stages]) as stream:
             for _, fn in self.stages:
                 saved.append(x)
@@ -226,7 +255,7 @@ class LayerwiseTrainer:
                     with rng_states[position].restored():
                         output = fn(stage_input)
                     if position == len(self.stages) - 1:
-                        output = loss_fn(output, targets)
+                        output = loss_fn(self._output(output), targets)
                         loss_value = output.item()
                         output.backward()
                     else:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import layercast
 import layercast.torch
-from shards import ShardSet, read_safetensors
+from shards import ShardSet, llama_tensors, read_safetensors
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 import llama_train as example  # noqa: E402
@@ -133,6 +133,34 @@ def test_dropout_in_the_backward_pass_draws_the_forward_passs_masks(initial, tmp
     _, want = reference(weights, workers=1, steps=steps, dropout=True)
     assert losses == want[0], "the loss curve with dropout, bit for bit"
     assert torch.equal(after, torch.get_rng_state()), "the random state a plain step leaves"
+
+
+def test_float_inputs_take_the_policys_compute_dtype_and_outputs_its_output_dtype(tmp_path):
+    """A float32 input into bf16 weights ("mat1 and mat2 must have the same
+    dtype" in a plain call) is cast to the policy's compute dtype, and the
+    result to its output dtype, float32."""
+    tensors = llama_tensors(layers=1, hidden=64, ffn=96)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    layercast.torch.save_safetensors(model_dir / "model.safetensors", tensors)
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([example.Block(64, 4, 96, device="meta")])
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    (tmp_path / "shards").mkdir()
+    policy = "params=float32,compute=bfloat16,output=float32;*norm*=float32"
+    with ShardSet(tmp_path / "shards", 2, ["--model", str(model_dir), "--policy",
+                                           policy]) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            trainer = layercast.torch.LayerwiseTrainer(
+                shard_set, root, [("model.layers.0", root.model.layers[0])])
+            got = trainer.forward(x)
+    compute = {n: (t if "norm" in n else t.to(torch.bfloat16))
+               for n, t in tensors.items() if n.startswith("model.layers.0.")}
+    with torch.no_grad(), layercast.torch.bound(root, compute):
+        want = root.model.layers[0](x.to(torch.bfloat16)).float()
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
 
 
 def test_the_example_trains_with_two_worker_processes(initial, tmp_path):
