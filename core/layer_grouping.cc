@@ -98,7 +98,9 @@ absl::StatusOr<ModelSpec> GroupIntoLayers(std::string model_id, std::vector<Tens
       return Invalid(model_id, absl::StrCat("layer_regex '", rule.layer_regex,
                                             "' failed on tensor '", tensor.name, "': ", e.what()));
     }
-    if (!matched) {
+    // A match whose optional group took no part ('^(?:blocks\.(\d+)\.)?')
+    // names no layer index: the tensor is one of the rest.
+    if (!matched || !match[1].matched) {
       last.tensors.push_back(std::move(tensor));
       continue;
     }

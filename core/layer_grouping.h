@@ -20,8 +20,9 @@ struct LayerGroupingRule {
   // prefix without its trailing '.'. Empty: no first layer.
   std::string first_prefix = "model.embed_tokens.";
   // ECMAScript regex searched in each name; exactly one capture group, the
-  // decimal layer index. The layer is named after the whole match without its
-  // trailing '.' (e.g. "model.layers.3").
+  // decimal layer index (a match in which an optional group took no part
+  // names no layer: the tensor goes to the last layer). The layer is named after the whole match
+  // without its trailing '.' (e.g. "model.layers.3").
   std::string layer_regex = R"(^model\.layers\.(\d+)\.)";
   // Name of the layer holding every other tensor.
   std::string last_name = "final";

@@ -256,9 +256,9 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
     for (float& value : mean) value *= *clip_scale;
   }
 
-  // Bound here, where the analysis sees state.mu held (the lambda runs
-  // within this call).
-  std::vector<TensorOptimizer>& optimizers = state.optimizers;
+  // Taken here, where the analysis sees state.mu held: the lambda runs
+  // within this call, which the analysis cannot follow.
+  std::vector<TensorOptimizer>& optimizers = *&state.optimizers;
   RETURN_IF_ERROR(master_.Step(layer, state.version, [&](ChangeLog::Recording* recording) {
     uint64_t at = 0;
     for (uint32_t t = 0; t < optimizers.size(); ++t) {

@@ -84,7 +84,8 @@ absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings&
     Log()->warn(
         "no tensor name of {} matched the layer rules (first prefix '{}', --layer-regex '{}'): "
         "the whole model is one layer '{}', gathered at once. Set --layer-regex for its naming, "
-        "e.g. '^transformer\\.h\\.(\\d+)\\.' for GPT-2 (docs/models.md)",
+        "e.g. '^transformer\\.h\\.(\\d+)\\.' for GPT-2, and --first-layer-prefix for its "
+        "embedding, e.g. 'transformer.wte.' (docs/models.md)",
         model.model_id, settings.grouping.first_prefix, settings.grouping.layer_regex,
         settings.grouping.last_name);
   }

@@ -274,6 +274,9 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
   if (config.shared_chunk_max_idle_ms() == 0) config.set_shared_chunk_max_idle_ms(5000);
   if (config.drain_timeout_seconds() == 0) config.set_drain_timeout_seconds(20);
   if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();
+  if (config.has_first_layer_prefix()) {
+    settings.grouping.first_prefix = config.first_layer_prefix();
+  }
   if (!config.memory_budget().empty()) {
     absl::StatusOr<uint64_t> budget = ParseByteSize(config.memory_budget());
     if (!budget.ok()) {

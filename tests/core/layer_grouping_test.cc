@@ -107,6 +107,16 @@ TEST(LayerGroupingTest, RejectsRegexWithoutExactlyOneCaptureGroup) {
   ExpectInvalid(GroupIntoLayers("m", {Tensor("a")}, rule), "has 2 capture groups");
 }
 
+TEST(LayerGroupingTest, AnOptionalGroupThatTookNoPartNamesNoLayer) {
+  LayerGroupingRule rule;
+  rule.first_prefix = "embed.";
+  rule.layer_regex = R"(^(?:blocks\.(\d+)\.)?)";
+  absl::StatusOr<ModelSpec> model = GroupIntoLayers(
+      "m", {Tensor("blocks.1.w"), Tensor("head.w"), Tensor("embed.w"), Tensor("blocks.0.w")}, rule);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_THAT(LayerNames(*model), ElementsAre("embed", "blocks.0", "blocks.1", "final"));
+}
+
 TEST(LayerGroupingTest, RejectsCaptureThatIsNotAnIndex) {
   LayerGroupingRule rule;
   rule.layer_regex = R"(^model\.layers\.(\w+)\.)";

@@ -88,6 +88,41 @@ TEST(ShardConfigTest, TrainingNeedsAnOptimizerAndAValidWorkerCount) {
   EXPECT_THAT(settings.status().message(), HasSubstr("use 1-4096"));
 }
 
+TEST(ShardConfigTest, ThePushJournalAndPeriodicCheckpointsNeedTrainingAndACheckpointDir) {
+  absl::StatusOr<ShardSettings> settings =
+      Resolve({"--optimizer", "sgd:lr=1", "--checkpoint-dir", "/tmp"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_TRUE(settings->config.push_journal()) << "on by default where it can be kept";
+  settings = Resolve({"--optimizer", "sgd:lr=1"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_FALSE(settings->config.push_journal()) << "nowhere to keep it";
+  settings = Resolve({"--checkpoint-dir", "/tmp"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_FALSE(settings->config.push_journal()) << "a read-only shard takes no pushes";
+
+  settings = Resolve({"--push-journal", "true", "--checkpoint-dir", "/tmp"});
+  EXPECT_THAT(settings.status().message(), HasSubstr("--push-journal true needs --optimizer"));
+  settings = Resolve({"--checkpoint-every", "10", "--optimizer", "sgd:lr=1"});
+  EXPECT_THAT(settings.status().message(), HasSubstr("--checkpoint-every needs"));
+  settings =
+      Resolve({"--checkpoint-every", "10", "--optimizer", "sgd:lr=1", "--checkpoint-dir", "/tmp"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->config.checkpoint_every(), 10u);
+}
+
+TEST(ShardConfigTest, LayerGroupingFollowsTheFlags) {
+  absl::StatusOr<ShardSettings> settings = Resolve({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->grouping.first_prefix, "model.embed_tokens.");
+  settings = Resolve({"--layer-regex", R"(^blocks\.(\d+)\.)", "--first-layer-prefix", "embed."});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->grouping.first_prefix, "embed.");
+  EXPECT_EQ(settings->grouping.layer_regex, R"(^blocks\.(\d+)\.)");
+  settings = Resolve({"--first-layer-prefix", ""});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->grouping.first_prefix, "") << "empty: no first layer";
+}
+
 TEST(ShardConfigTest, PinnedReadsKeepVersionsForAWhileAndNeedTheChangeLog) {
   // A shard that can change (publishes here) keeps 4 versions' changes.
   absl::StatusOr<ShardSettings> settings = Resolve({"--admin-token-file", "/run/token"});
