@@ -15,8 +15,8 @@ namespace layercast {
 //
 // Armed by the environment: LAYERCAST_FAILPOINT=NAME kills the process the
 // first time it reaches NAME; NAME@I only in shard I (a `shard` argument of
-// I); a suffix :N (NAME:N, NAME@I:N) the N-th time instead. With LAYERCAST_FAILPOINT_ONCE=FILE it fires only if FILE does not
-// exist and creates it first, so a process restarted with the same
+// I); a suffix :N (NAME:N, NAME@I:N) the N-th time instead. With LAYERCAST_FAILPOINT_ONCE=FILE it
+// fires only if FILE does not exist and creates it first, so a process restarted with the same
 // environment (as Kubernetes restarts a pod) runs on past the point.
 //
 // The names in use, and what each death tests, are listed in
