@@ -155,6 +155,7 @@ class LayerTrainer {
   // Workers whose push for `layer`'s current step has not arrived.
   uint32_t missing_workers(uint32_t layer) const;
   uint32_t workers() const { return workers_; }
+  const OptimizerSpec& spec() const { return spec_; }
 
   // Runs `write` with every layer's steps paused (a push arriving meanwhile
   // waits) and this trainer's state as CheckpointExtras: the spec, every

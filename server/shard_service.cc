@@ -130,6 +130,10 @@ void ShardService::StopStreams() {
 void ShardService::AttachStore(Parts parts) {
   gate_.SetLayers(static_cast<uint32_t>(parts.store->model().layers.size()));
   auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*parts.store));
+  if (parts.trainer != nullptr) {
+    manifest->set_data_parallel_workers(parts.trainer->workers());
+    manifest->set_optimizer(parts.trainer->spec().ToString());
+  }
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size(), manifest->incarnation());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));

@@ -158,6 +158,14 @@ class LayerwiseTrainer:
         self.model = model
         self.worker = worker
         manifest = shard_set.manifest
+        # Said now, not after a whole forward and backward pass (the first
+        # push's refusal) or a minute waiting for workers that never come.
+        # Read-only shards serve forward() alone (train_step refuses).
+        self._trains = bool(manifest["optimizer"])
+        workers = manifest["data_parallel_workers"]
+        if self._trains and not 0 <= worker < workers:
+            raise ValueError(f"worker {worker} is not one of the {workers} the shards expect "
+                             f"(--data-parallel-workers {workers}): use 0 to {workers - 1}")
         by_name = {layer["name"]: layer for layer in manifest["layers"]}
         self.stages: List[Tuple[int, Callable]] = []
         for position, (name, fn) in enumerate(stages):
@@ -221,6 +229,10 @@ class LayerwiseTrainer:
         soon as it is known, and the step finished on the shards (with
         clipping, worker 0 completes it for every worker). Returns the loss.
         The next step gathers the layers at the version this one produced."""
+        if not self._trains:
+            raise ValueError("the shards run no optimizer (started without --optimizer): they "
+                             "serve forward() only; train against shards started with "
+                             "--optimizer")
         step = self.version
         saved: List[torch.Tensor] = []
         # The random state each stage ran its forward pass with: the

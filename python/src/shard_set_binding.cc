@@ -151,6 +151,9 @@ py::dict PyShardSet::Manifest() const {
   out["num_shards"] = view.num_shards;
   out["policy"] = view.policy.ToString();
   out["version"] = version;
+  // What a training set expects of its workers (0 and "" when read-only).
+  out["data_parallel_workers"] = set.manifests()[0].data_parallel_workers();
+  out["optimizer"] = set.manifests()[0].optimizer();
   out["layers"] = layers;
   return out;
 }

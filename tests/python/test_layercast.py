@@ -80,12 +80,29 @@ def test_a_state_dict_with_bf16_weights_and_integer_buffers_is_saved_and_served(
         assert torch.equal(bits(got), bits(tensors[name].float())), name  # bf16 widened exactly
 
 
-def test_a_trainer_refuses_a_layer_listed_twice(served):
+def test_a_trainer_is_refused_at_once_what_the_shards_would_refuse_later(served, model,
+                                                                         tmp_path):
+    """Training against read-only shards, a worker index the set does not
+    expect and a layer listed twice are refused before any gather."""
+    stages = [("model.layers.0", lambda x: x)]
     shards, _ = served
     with layercast.connect(shards.addresses) as shard_set:
-        stages = [("model.layers.0", lambda x: x), ("model.layers.0", lambda x: x)]
-        with pytest.raises(ValueError, match="'model.layers.0' is listed twice"):
-            layercast.torch.LayerwiseTrainer(shard_set, torch.nn.Module(), stages)
+        assert shard_set.manifest["optimizer"] == ""
+        assert shard_set.manifest["data_parallel_workers"] == 0
+        reader = layercast.torch.LayerwiseTrainer(shard_set, torch.nn.Module(), stages)
+        with pytest.raises(ValueError, match="the shards run no optimizer"):
+            reader.train_step(torch.zeros(1), torch.zeros(1), lambda out, target: out.sum())
+        assert reader.bytes_fetched == 0, "refused before gathering anything"
+    directory, _ = model
+    with ShardSet(tmp_path, 2, ["--model", str(directory), "--policy", POLICY, "--optimizer",
+                                "sgd:lr=0.1", "--data-parallel-workers", "2"]) as training:
+        with layercast.connect(training.addresses) as shard_set:
+            assert shard_set.manifest["optimizer"].startswith("sgd:lr=0.1")
+            assert shard_set.manifest["data_parallel_workers"] == 2
+            with pytest.raises(ValueError, match="worker 2 is not one of the 2 the shards expect"):
+                layercast.torch.LayerwiseTrainer(shard_set, torch.nn.Module(), stages, worker=2)
+            with pytest.raises(ValueError, match="'model.layers.0' is listed twice"):
+                layercast.torch.LayerwiseTrainer(shard_set, torch.nn.Module(), stages * 2)
 
 
 def test_views_are_zero_copy_and_outlive_the_stream(served):
