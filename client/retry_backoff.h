@@ -1,7 +1,9 @@
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <random>
 
 namespace layercast::client {
@@ -18,13 +20,16 @@ class RetryBackoff {
  public:
   explicit RetryBackoff(std::chrono::milliseconds first = std::chrono::milliseconds(50),
                         std::chrono::milliseconds cap = std::chrono::milliseconds(2000))
-      : first_(first), cap_(cap), rng_(std::random_device{}()) {}
+      : first_(first), cap_(cap) {}
 
   // The wait before the next attempt; each call doubles the next.
   std::chrono::milliseconds Next() {
+    // Seeded at the first retry: a gather holds one of these per shard, and
+    // most never retry.
+    if (!rng_) rng_.emplace(std::random_device{}());
     const int64_t full =
         std::min<int64_t>(cap_.count(), first_.count() << std::min<uint32_t>(attempts_++, 20));
-    return std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(full / 2, full)(rng_));
+    return std::chrono::milliseconds(std::uniform_int_distribution<int64_t>(full / 2, full)(*rng_));
   }
   // After a success: the next wait is `first` again.
   void Reset() { attempts_ = 0; }
@@ -40,7 +45,7 @@ class RetryBackoff {
   const std::chrono::milliseconds first_;
   const std::chrono::milliseconds cap_;
   uint32_t attempts_ = 0;
-  std::mt19937_64 rng_;
+  std::optional<std::mt19937_64> rng_;
 };
 
 }  // namespace layercast::client

@@ -289,8 +289,8 @@ class LayerTrainer {
   absl::Status ChargeRestoredLocked(uint32_t layer, LayerState& state, uint64_t bytes,
                                     absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Replay's part for one push record.
-  absl::Status ReplayPushLocked(const PushJournal::Record& record, LayerState& state,
-                                Replayed& replayed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  absl::Status ReplayPushLocked(PushJournal::Record record, LayerState& state, Replayed& replayed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Restore's part for `layer`: the pushes of its open step, staged again.
   absl::Status RestoreStagedLocked(const CheckpointSource& source,
                                    const CheckpointSource::Training& saved, uint32_t layer,

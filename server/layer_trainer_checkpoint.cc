@@ -92,13 +92,13 @@ absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(PushJournal& journal
                      RETURN_IF_ERROR(CheckIndices(record.layer, record.worker));
                      LayerState& state = *layers_[record.layer];
                      absl::MutexLock lock(&state.mu);
-                     return ReplayPushLocked(record, state, replayed);
+                     return ReplayPushLocked(std::move(record), state, replayed);
                    }));
   (void)read;
   return replayed;
 }
 
-absl::Status LayerTrainer::ReplayPushLocked(const PushJournal::Record& record, LayerState& state,
+absl::Status LayerTrainer::ReplayPushLocked(PushJournal::Record record, LayerState& state,
                                             Replayed& replayed) {
   const uint32_t layer = record.layer;
   if (record.values.size() != state.owned_elements) {
@@ -118,7 +118,8 @@ absl::Status LayerTrainer::ReplayPushLocked(const PushJournal::Record& record, L
         "remove the journal files (losing the pushes they hold)"));
   }
   RETURN_IF_ERROR(ChargeRestoredLocked(layer, state, StepBytes(layer), "the push journal"));
-  ASSIGN_OR_RETURN(const Pushed pushed, TakeLocked(layer, record.worker, state, record.values));
+  ASSIGN_OR_RETURN(const Pushed pushed,
+                   TakeLocked(layer, record.worker, state, std::move(record.values)));
   ++replayed.taken;
   if (pushed.applied) ++replayed.steps;
   return absl::OkStatus();
