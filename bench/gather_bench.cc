@@ -46,11 +46,11 @@
 #include "bench/baseline_server.h"
 #include "bench/process_probes.h"
 #include "client/shard_set.h"
-#include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/layout.h"
-#include "core/process_tuning.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/process_tuning.h"
+#include "platform/status_macros.h"
 #include "tools/cli_flags.h"
 #include "tools/local_shard_set.h"
 
@@ -537,7 +537,7 @@ int RunFp8(const Args& args) {
 }  // namespace layercast
 
 int main(int argc, char** argv) {
-  layercast::TuneOwnProcess();  // as in layercast and layercast-shard
+  layercast::TuneOwnProcess(/*keep_lock_order_checks=*/false);  // as layercast-shard
   const absl::StatusOr<layercast::Args> parsed = layercast::ParseArgs(argc, argv);
   if (!parsed.ok()) {
     std::fprintf(stderr, "gather_bench: %s\nusage: see the top of bench/gather_bench.cc\n",

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/layer_stream.h"
 #include "client/shard_set.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "tools/cli_flags.h"
 #include "tools/local_shard_set.h"
 

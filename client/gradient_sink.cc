@@ -8,9 +8,9 @@
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
 #include "client/retry_backoff.h"
-#include "core/log.h"
 #include "core/optimizer.h"
-#include "core/status_macros.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "wire/gradient_chunks.h"
 #include "wire/grpc_status.h"
 

@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
+#include "platform/byte_size.h"
 
 namespace layercast::client {
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "wire/owned_runs.h"
 
 namespace layercast::client {

@@ -3,7 +3,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast::client {
 namespace {

@@ -8,8 +8,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/retry_backoff.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::client {

@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/prefetch_options.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::client {
 

@@ -12,8 +12,8 @@
 #include "client/layer_gather.h"
 #include "client/retry_backoff.h"
 #include "core/dtype.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::client {

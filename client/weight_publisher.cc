@@ -10,11 +10,11 @@
 #include "client/bearer_token.h"
 #include "client/retry_backoff.h"
 #include "core/crc32c.h"
-#include "core/failpoint.h"
 #include "core/layout.h"
-#include "core/log.h"
-#include "core/status_macros.h"
 #include "layercast/v1/admin.grpc.pb.h"
+#include "platform/failpoint.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::client {

@@ -63,7 +63,7 @@ struct OptimizerHyper {
 //
 // An override sets the per-tensor keys (lr, weight_decay, and momentum and
 // nesterov for sgd or beta1, beta2 and eps for adamw) of every tensor whose
-// whole name matches its glob (core/glob.h), on top of the first part.
+// whole name matches its glob (platform/glob.h), on top of the first part.
 // As in Policy, the FIRST matching override wins and a tensor gets only that
 // override's keys: "adamw:lr=1e-3;*norm*:weight_decay=0;*:lr=1e-4" gives
 // "layers.0.norm.weight" weight_decay 0 and lr 1e-3.

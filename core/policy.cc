@@ -8,8 +8,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "core/glob.h"
-#include "core/status_macros.h"
+#include "platform/glob.h"
+#include "platform/status_macros.h"
 
 namespace layercast {
 namespace {

@@ -42,7 +42,7 @@ bool IsValidFp8Block(uint64_t block);
 // block of `fp8_block` elements (a power of two from 16 to 256, default
 // 128; core/fp8.h); an 8-bit compute leaves output defaulting to params.
 // Overrides match whole tensor names with fnmatch(3) globs
-// (core/glob.h: `*` also matches dots) and the first match wins.
+// (platform/glob.h: `*` also matches dots) and the first match wins.
 //
 // Immutable value type; thread-safe for concurrent reads.
 class Policy {

@@ -9,8 +9,8 @@
 
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
-#include "core/file_system.h"
 #include "core/layout.h"
+#include "platform/file_system.h"
 
 namespace layercast {
 

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
 #include "core/safetensors.h"
-#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "platform/status_macros.h"
 
 namespace layercast {
 namespace {

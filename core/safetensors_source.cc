@@ -3,7 +3,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast {
 

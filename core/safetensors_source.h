@@ -6,10 +6,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/file_system.h"
 #include "core/layer_grouping.h"
 #include "core/parameter_source.h"
 #include "core/safetensors.h"
+#include "platform/file_system.h"
 
 namespace layercast {
 

@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
-#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "platform/status_macros.h"
 
 namespace layercast {
 namespace {

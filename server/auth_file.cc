@@ -1,8 +1,8 @@
 #include "server/auth_file.h"
 
 #include "absl/strings/str_cat.h"
-#include "core/secret_file.h"
-#include "core/status_macros.h"
+#include "platform/secret_file.h"
+#include "platform/status_macros.h"
 
 namespace layercast::server {
 

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast::server {
 

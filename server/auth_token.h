@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast::server {
 

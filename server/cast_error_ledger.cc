@@ -7,7 +7,7 @@
 
 #include <unistd.h>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace layercast::server {
 

@@ -11,7 +11,7 @@
 
 #include "core/cast.h"
 #include "core/layout.h"
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace layercast::server {
 namespace {

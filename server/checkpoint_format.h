@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 // OpenSSL's EVP_MD_CTX, kept out of this header.
 struct evp_md_ctx_st;

@@ -8,7 +8,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 #include "server/checkpoint_writer.h"
 #include "server/directory_lock.h"
 #include "server/parameter_store.h"

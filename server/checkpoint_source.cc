@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/layout.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 #include "server/checkpoint_format.h"
 
 namespace layercast::server {

@@ -9,10 +9,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/file_system.h"
 #include "core/parameter_source.h"
 #include "core/policy.h"
 #include "core/safetensors.h"
+#include "platform/file_system.h"
 #include "server/checkpoint_format.h"
 
 namespace layercast::server {

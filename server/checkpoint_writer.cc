@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/failpoint.h"
 #include "core/safetensors.h"
-#include "core/status_macros.h"
+#include "platform/failpoint.h"
+#include "platform/status_macros.h"
 #include "server/checkpoint_format.h"
 
 namespace layercast::server {

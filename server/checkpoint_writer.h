@@ -9,7 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 #include "server/parameter_store.h"
 
 namespace layercast::server {

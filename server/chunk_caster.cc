@@ -14,7 +14,7 @@
 #include "core/cast_error.h"
 #include "core/crc32c.h"
 #include "core/fp8.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/fetch_plan.h"
 
 namespace layercast::server {

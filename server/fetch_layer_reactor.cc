@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "server/refusals.h"
 #include "wire/chunk_encoder.h"
 #include "wire/delta_chunks.h"

@@ -5,7 +5,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/content_fingerprint.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 #include "wire/owned_runs.h"
 
 namespace layercast::server {

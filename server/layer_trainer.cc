@@ -11,10 +11,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/byte_size.h"
-#include "core/failpoint.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/failpoint.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "server/checkpoint_format.h"
 
 namespace layercast::server {

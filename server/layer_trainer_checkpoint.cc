@@ -8,9 +8,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/byte_size.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "server/checkpoint_format.h"
 
 // LayerTrainer's durability: its checkpoints, what it takes back from one,

@@ -3,7 +3,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 // LayerTrainer's staging: a push admitted (BeginPush, EndPush), its step's
 // staging reserved whole from the budget or the pool, and the buffers

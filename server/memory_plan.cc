@@ -2,8 +2,8 @@
 
 #include "absl/numeric/int128.h"
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/fetch_layer_reactor.h"

@@ -6,11 +6,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/glob.h"
-#include "core/log.h"
 #include "core/safetensors_source.h"
-#include "core/status_macros.h"
 #include "core/synthetic_model.h"
+#include "platform/glob.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 
 namespace layercast::server {
 

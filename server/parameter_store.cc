@@ -5,7 +5,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast::server {
 

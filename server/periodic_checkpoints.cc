@@ -2,7 +2,7 @@
 
 #include <chrono>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace layercast::server {
 

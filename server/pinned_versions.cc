@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <atomic>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace layercast::server {
 

@@ -5,12 +5,12 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/crc32c.h"
-#include "core/failpoint.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/failpoint.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 
 namespace layercast::server {
 namespace {

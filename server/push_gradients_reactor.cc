@@ -9,8 +9,8 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
-#include "core/failpoint.h"
+#include "platform/byte_size.h"
+#include "platform/failpoint.h"
 #include "wire/grpc_status.h"
 #include "wire/owned_runs.h"
 

@@ -11,8 +11,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 
 namespace layercast::server {
 namespace {

@@ -10,7 +10,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast::server {
 

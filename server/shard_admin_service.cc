@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
-#include "core/log.h"
+#include "platform/log.h"
 #include "server/call_authorization.h"
 #include "server/refusals.h"
 #include "server/shard_checkpoint.h"

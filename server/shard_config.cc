@@ -10,10 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
-#include "core/byte_size.h"
 #include "core/cast.h"
-#include "core/flag_value.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/flag_value.h"
+#include "platform/status_macros.h"
 #include "server/memory_plan.h"
 
 namespace layercast::server {

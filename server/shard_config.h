@@ -8,10 +8,10 @@
 #include "absl/status/statusor.h"
 #include "core/cast.h"
 #include "core/layer_grouping.h"
-#include "core/log.h"
 #include "core/optimizer_spec.h"
 #include "core/policy.h"
 #include "layercast/v1/config.pb.h"
+#include "platform/log.h"
 
 namespace layercast::server {
 

@@ -9,11 +9,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
 #include "core/cast.h"
-#include "core/file_system.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/file_system.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "server/auth_token.h"
 #include "server/memory_plan.h"
 #include "server/model_source.h"

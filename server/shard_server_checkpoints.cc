@@ -1,10 +1,10 @@
 #include "server/shard_server.h"
 
 #include "absl/strings/str_cat.h"
-#include "core/byte_size.h"
 #include "core/content_fingerprint.h"
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 #include "server/shard_checkpoint.h"
 
 // ShardServer's durable state: the checkpoint it starts from, the push

@@ -7,7 +7,7 @@
 #include <openssl/x509.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 #include "server/auth_file.h"
 
 namespace layercast::server {

@@ -6,8 +6,8 @@
 #include <grpcpp/security/server_credentials.h>
 
 #include "absl/status/statusor.h"
-#include "core/file_system.h"
 #include "layercast/v1/config.pb.h"
+#include "platform/file_system.h"
 
 namespace layercast::server {
 

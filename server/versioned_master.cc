@@ -4,8 +4,8 @@
 #include <new>
 #include <optional>
 
-#include "core/log.h"
-#include "core/status_macros.h"
+#include "platform/log.h"
+#include "platform/status_macros.h"
 
 namespace layercast::server {
 

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 #include "server/auth_token.h"
 
 namespace layercast::server {

@@ -5,8 +5,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/flag_value.h"
-#include "core/status_macros.h"
+#include "platform/flag_value.h"
+#include "platform/status_macros.h"
 
 namespace layercast::tools {
 

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 extern char** environ;
 

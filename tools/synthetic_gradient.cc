@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "core/cast.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast::tools {
 

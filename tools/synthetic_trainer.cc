@@ -3,8 +3,8 @@
 #include <memory>
 
 #include "core/optimizer_spec.h"
-#include "core/status_macros.h"
 #include "core/synthetic_model.h"
+#include "platform/status_macros.h"
 
 namespace layercast::tools {
 

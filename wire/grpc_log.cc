@@ -4,7 +4,7 @@
 
 #include <cstdlib>
 
-#include "core/log.h"
+#include "platform/log.h"
 
 namespace layercast::wire {
 namespace {
@@ -21,10 +21,8 @@ void ToLog(gpr_log_func_args* args) {
 
 }  // namespace
 
-void RouteGrpcLogs() {
-  // Someone tracing gRPC (GRPC_TRACE, GRPC_VERBOSITY=debug) wants every
-  // line as gRPC writes it, not filtered by this program's log level.
-  if (std::getenv("GRPC_TRACE") != nullptr || std::getenv("GRPC_VERBOSITY") != nullptr) return;
+void RouteGrpcLogs(bool grpc_traced) {
+  if (grpc_traced) return;
   gpr_set_log_function(ToLog);
 }
 

@@ -32,8 +32,8 @@
 #include "client/gpu/device_layer_stream.h"
 #include "client/layer_stream.h"
 #include "client/shard_set.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "tools/local_shard_set.h"
 
 namespace layercast {

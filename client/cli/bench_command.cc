@@ -3,8 +3,8 @@
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
 #include "client/cli/layer_walk.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::cli {
 

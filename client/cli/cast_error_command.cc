@@ -3,7 +3,7 @@
 #include "client/cast_error_report.h"
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast::cli {
 

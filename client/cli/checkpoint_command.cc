@@ -9,11 +9,11 @@
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
 #include "client/shard_set.h"
-#include "core/byte_size.h"
-#include "core/file_system.h"
-#include "core/secret_file.h"
-#include "core/status_macros.h"
 #include "layercast/v1/admin.grpc.pb.h"
+#include "platform/byte_size.h"
+#include "platform/file_system.h"
+#include "platform/secret_file.h"
+#include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::cli {

@@ -1,9 +1,9 @@
 #include "client/cli/connect.h"
 
 #include "absl/strings/str_cat.h"
-#include "core/file_system.h"
-#include "core/secret_file.h"
-#include "core/status_macros.h"
+#include "platform/file_system.h"
+#include "platform/secret_file.h"
+#include "platform/status_macros.h"
 
 namespace layercast::cli {
 namespace {

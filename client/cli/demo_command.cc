@@ -6,11 +6,11 @@
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
 #include "client/cli/layer_walk.h"
-#include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/safetensors_source.h"
-#include "core/status_macros.h"
 #include "core/synthetic_model.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "tools/local_shard_set.h"
 
 namespace layercast::cli {

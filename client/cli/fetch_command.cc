@@ -5,9 +5,9 @@
 #include "absl/strings/str_cat.h"
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
-#include "core/byte_size.h"
 #include "core/safetensors.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::cli {
 namespace {

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <string>
 
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::cli {
 namespace {

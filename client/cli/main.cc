@@ -1,13 +1,16 @@
 // layercast: the worker-side command-line tool over the client library.
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "client/cli/commands.h"
 #include "core/build_info.h"
-#include "core/log.h"
-#include "core/process_tuning.h"
+#include "platform/failpoint.h"
+#include "platform/log.h"
+#include "platform/process_tuning.h"
 #include "wire/grpc_log.h"
 
 namespace {
@@ -110,11 +113,17 @@ const Command* Find(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  layercast::TuneOwnProcess();
+  // The environment is read here, in the program, never in the libraries.
+  const char* lock_order_checks = std::getenv("LAYERCAST_LOCK_ORDER_CHECKS");
+  layercast::TuneOwnProcess(lock_order_checks != nullptr &&
+                            std::string_view(lock_order_checks) == "1");
+  layercast::ArmFailPoints(std::getenv("LAYERCAST_FAILPOINT"),
+                           std::getenv("LAYERCAST_FAILPOINT_ONCE"));
   // The worker library's messages (connections, retries): warnings and
   // worse, so they do not crowd the command's own output.
   layercast::ConfigureLogging("layercast", layercast::LogFormat::kText, spdlog::level::warn);
-  layercast::wire::RouteGrpcLogs();
+  layercast::wire::RouteGrpcLogs(std::getenv("GRPC_TRACE") != nullptr ||
+                                 std::getenv("GRPC_VERBOSITY") != nullptr);
   const std::vector<std::string> words(argv + 1, argv + argc);
   if (words.empty()) {
     PrintUsage(stderr);

@@ -4,8 +4,8 @@
 #include "absl/strings/escaping.h"
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::cli {
 

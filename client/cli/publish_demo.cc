@@ -19,8 +19,8 @@
 #include "client/cli/commands.h"
 #include "client/model_mirror.h"
 #include "client/weight_publisher.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "tools/local_shard_set.h"
 #include "tools/synthetic_trainer.h"
 

@@ -11,11 +11,11 @@
 #include "absl/strings/str_format.h"
 #include "client/cli/commands.h"
 #include "client/gradient_sink.h"
-#include "core/byte_size.h"
 #include "core/cast.h"
 #include "core/dtype.h"
 #include "core/layout.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "tools/local_shard_set.h"
 #include "tools/synthetic_gradient.h"
 

@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/gpu/cuda_status.h"
-#include "core/byte_size.h"
+#include "platform/byte_size.h"
 
 namespace layercast::gpu {
 

@@ -3,8 +3,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/gpu/cuda_status.h"
 #include "client/prefetch_scheduler.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::gpu {
 

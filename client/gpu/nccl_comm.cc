@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/gpu/cuda_status.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast::gpu {
 namespace {

@@ -9,7 +9,7 @@ export function parseQuantity(text) {
   return Number(m[1]) * k8sUnits[m[2] ?? ""];
 }
 
-// Mirrors core/byte_size.cc: a decimal number, no space, optional suffix,
+// Mirrors platform/byte_size.cc: a decimal number, no space, optional suffix,
 // Kubernetes' binary and decimal ones (up to T) included.
 const budgetUnits = { "": 1, B: 1, KB: 1e3, MB: 1e6, GB: 1e9, TB: 1e12,
   KiB: 2 ** 10, MiB: 2 ** 20, GiB: 2 ** 30, TiB: 2 ** 40,

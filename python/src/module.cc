@@ -12,7 +12,7 @@
 
 #include <cstdlib>
 
-#include "core/process_tuning.h"
+#include "platform/process_tuning.h"
 #include "python/src/dlpack_views.h"
 #include "python/src/errors.h"
 #include "python/src/mirror_binding.h"

@@ -1,7 +1,7 @@
 // The publisher the fault tests kill: publishes the test model of
 // tests/integration/test_model.h, every value nudged, to a shard set, as a
 // trainer with its own optimizer would. Its failpoints are armed by the
-// environment its test starts it with (core/failpoint.h).
+// environment its test starts it with (platform/failpoint.h).
 //
 //   chaos_publisher SHARDS TOKEN NUM_LAYERS SEED NUDGE SCRATCH_DIR
 //
@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_split.h"
 #include "client/weight_publisher.h"
+#include "platform/failpoint.h"
 #include "tests/chaos/nudged_model.h"
 
 int main(int argc, char** argv) {
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   using namespace layercast;
+  ArmFailPoints(std::getenv("LAYERCAST_FAILPOINT"), std::getenv("LAYERCAST_FAILPOINT_ONCE"));
   const std::vector<std::string> addresses = absl::StrSplit(argv[1], ',');
   const auto values =
       testing::NudgedModel(std::string(argv[6]) + "/model.safetensors", std::atoi(argv[3]),

@@ -1,6 +1,6 @@
 // Publishes that outlive any one participant (docs/recovery.md): the
 // publisher, shard 0 (which decides) or another shard is killed at a named
-// failpoint (core/failpoint.h) and, for a shard, restarted as Kubernetes
+// failpoint (platform/failpoint.h) and, for a shard, restarted as Kubernetes
 // would, with the same flags; within a few seconds every shard serves one
 // version, bit for bit, and the next publish works, with no human action.
 

@@ -1,6 +1,6 @@
 // Training that survives a shard's death at any point of a step
 // (docs/recovery.md): a shard of a two-worker training set is killed at a
-// named failpoint (core/failpoint.h) and restarted as Kubernetes would, with
+// named failpoint (platform/failpoint.h) and restarted as Kubernetes would, with
 // the same flags and checkpoint directory. The workers are not told: they
 // retry, the restarted shard replays its push journal over its checkpoint,
 // and the run ends bit for bit where the same run without a death ends.

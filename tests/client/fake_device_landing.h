@@ -14,8 +14,8 @@
 #include "absl/synchronization/mutex.h"
 #include "client/layer_source.h"
 #include "client/prefetch_scheduler.h"
-#include "core/byte_size.h"
-#include "core/status_macros.h"
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 
 namespace layercast::client {
 

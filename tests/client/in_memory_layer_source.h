@@ -8,8 +8,8 @@
 
 #include "client/layer_source.h"
 #include "core/cast.h"
-#include "core/status_macros.h"
 #include "core/synthetic_model.h"
+#include "platform/status_macros.h"
 
 namespace layercast::client {
 

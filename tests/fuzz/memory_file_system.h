@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast::fuzz {
 

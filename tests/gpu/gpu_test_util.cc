@@ -10,7 +10,7 @@
 #include "client/gpu/nccl_layer_gatherer.h"
 #include "client/gpu/nccl_unique_id.h"
 #include "client/layer_stream.h"
-#include "core/status_macros.h"
+#include "platform/status_macros.h"
 
 namespace layercast::gpu {
 

@@ -16,8 +16,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "core/log.h"
 #include "core/safetensors.h"
+#include "platform/log.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 

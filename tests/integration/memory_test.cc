@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "core/byte_size.h"
+#include "platform/byte_size.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/sanitized_build.h"
 

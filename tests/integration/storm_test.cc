@@ -29,8 +29,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/byte_size.h"
 #include "layercast/v1/shard.pb.h"
+#include "platform/byte_size.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/sanitized_build.h"
 

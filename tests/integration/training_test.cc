@@ -14,10 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/gradient_sink.h"
-#include "core/byte_size.h"
 #include "core/layout.h"
 #include "core/safetensors_source.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "platform/byte_size.h"
 #include "server/memory_plan.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"

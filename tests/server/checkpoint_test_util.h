@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "core/file_system.h"
 #include "core/parameter_source.h"
 #include "core/policy.h"
+#include "platform/file_system.h"
 #include "server/parameter_store.h"
 
 namespace layercast::server::testing {

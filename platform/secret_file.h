@@ -3,7 +3,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast {
 

@@ -1,6 +1,7 @@
 // Abseil's lock-order checks: on in the test binaries, off after
-// SkipLockOrderChecks, and kept by LAYERCAST_LOCK_ORDER_CHECKS=1 (which the
-// tests that start the programs set). Each case runs in a child process, so
+// SkipLockOrderChecks or TuneOwnProcess, and kept by TuneOwnProcess(true)
+// (what a program passes when the tests that start it set
+// LAYERCAST_LOCK_ORDER_CHECKS=1). Each case runs in a child process, so
 // the switch never reaches the other tests.
 
 #include <gtest/gtest.h>
@@ -8,7 +9,7 @@
 #include <cstdlib>
 
 #include "absl/synchronization/mutex.h"
-#include "core/process_tuning.h"
+#include "platform/process_tuning.h"
 
 namespace layercast {
 namespace {
@@ -31,22 +32,20 @@ TEST(ProcessTuningDeathTest, TheTestsKeepTheLockOrderChecks) {
   EXPECT_DEATH(InvertLockOrder(), "deadlock");
 }
 
-TEST(ProcessTuningDeathTest, SkipLockOrderChecksTurnsThemOff) {
+TEST(ProcessTuningDeathTest, TuningTheProcessTurnsThemOff) {
   EXPECT_EXIT(
       {
-        unsetenv("LAYERCAST_LOCK_ORDER_CHECKS");
-        SkipLockOrderChecks();
+        TuneOwnProcess(/*keep_lock_order_checks=*/false);
         InvertLockOrder();
         std::_Exit(0);  // no exit handlers: a sanitizer's leak check is not the question
       },
       ::testing::ExitedWithCode(0), "");
 }
 
-TEST(ProcessTuningDeathTest, TheVariableKeepsThem) {
+TEST(ProcessTuningDeathTest, AProgramAskedToKeepThemKeepsThem) {
   EXPECT_DEATH(
       {
-        setenv("LAYERCAST_LOCK_ORDER_CHECKS", "1", 1);
-        SkipLockOrderChecks();
+        TuneOwnProcess(/*keep_lock_order_checks=*/true);
         InvertLockOrder();
       },
       "deadlock");

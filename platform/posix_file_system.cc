@@ -13,7 +13,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast {
 namespace {

@@ -1,4 +1,4 @@
-#include "core/flag_value.h"
+#include "platform/flag_value.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -1,4 +1,4 @@
-#include "core/secret_file.h"
+#include "platform/secret_file.h"
 
 #include "absl/strings/str_cat.h"
 

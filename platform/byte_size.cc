@@ -1,4 +1,4 @@
-#include "core/byte_size.h"
+#include "platform/byte_size.h"
 
 #include <cctype>
 #include <cmath>

@@ -12,7 +12,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/file_system.h"
+#include "platform/file_system.h"
 
 namespace layercast {
 namespace {

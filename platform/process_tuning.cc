@@ -1,9 +1,6 @@
-#include "core/process_tuning.h"
+#include "platform/process_tuning.h"
 
 #include <malloc.h>
-
-#include <cstdlib>
-#include <string_view>
 
 #include "absl/synchronization/mutex.h"
 
@@ -17,17 +14,11 @@ void KeepChunkBuffersInHeap() {
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
 }
 
-void SkipLockOrderChecks() {
-  if (const char* keep = std::getenv("LAYERCAST_LOCK_ORDER_CHECKS");
-      keep != nullptr && std::string_view(keep) == "1") {
-    return;
-  }
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-}
+void SkipLockOrderChecks() { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); }
 
-void TuneOwnProcess() {
+void TuneOwnProcess(bool keep_lock_order_checks) {
   KeepChunkBuffersInHeap();
-  SkipLockOrderChecks();
+  if (!keep_lock_order_checks) SkipLockOrderChecks();
 }
 
 }  // namespace layercast

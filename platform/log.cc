@@ -1,4 +1,4 @@
-#include "core/log.h"
+#include "platform/log.h"
 
 #include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/base_sink.h>

@@ -2,7 +2,7 @@
 // its group for reading; anything else is refused with a message that names
 // the file, its mode and the chmod that fixes it.
 
-#include "core/secret_file.h"
+#include "platform/secret_file.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

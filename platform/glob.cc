@@ -1,4 +1,4 @@
-#include "core/glob.h"
+#include "platform/glob.h"
 
 #include <fnmatch.h>
 

@@ -1,4 +1,4 @@
-#include "core/log.h"
+#include "platform/log.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
