@@ -174,7 +174,7 @@ absl::StatusOr<Result> Measure(const std::vector<std::string>& addresses,
     if (!set.ok()) return set.status();
     sets.push_back(*std::move(set));
   }
-  const client::ShardSetView& view = sets[0]->view();
+  const wire::ShardSetView& view = sets[0]->view();
   const uint32_t num_layers = static_cast<uint32_t>(view.layouts.size());
   uint64_t largest = 0;
   std::vector<uint64_t> layer_wire(num_layers), layer_params(num_layers);

@@ -93,7 +93,7 @@ uint64_t GradientSink::bytes_pushed() const {
 
 absl::StatusOr<std::shared_future<absl::StatusOr<PushResult>>> GradientSink::Push(
     uint32_t layer, uint64_t step, LayerBuffer gradient) {
-  const ShardSetView& view = shards_.view();
+  const wire::ShardSetView& view = shards_.view();
   if (layer >= view.gradient_layouts.size()) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer,
                                                    " does not exist: this model has ",
@@ -251,7 +251,7 @@ void GradientSink::RunShard(uint32_t shard) {
 
 absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(uint32_t shard,
                                                                                const Task& task) {
-  const ShardSetView& view = shards_.view();
+  const wire::ShardSetView& view = shards_.view();
   const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
   const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
   RetryBackoff backoff;

@@ -12,7 +12,7 @@
 #include "client/cancellation.h"
 #include "client/client_metrics.h"
 #include "client/layer.h"
-#include "client/manifest_check.h"
+#include "wire/manifest.h"
 
 namespace layercast::client {
 
@@ -81,7 +81,7 @@ class LayerSource {
   virtual ~LayerSource() = default;
 
   // The model, policy and every layer's assembled layout.
-  virtual const ShardSetView& view() const = 0;
+  virtual const wire::ShardSetView& view() const = 0;
 
   // Fills `buffer` (at least the layer's assembled bytes) with layer `layer`;
   // returns the parameter version it was cast from.

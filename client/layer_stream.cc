@@ -33,7 +33,7 @@ class HostLanding final : public PrefetchScheduler<Layer>::Landing {
  public:
   explicit HostLanding(const LayerSource& source) : source_(source) {}
 
-  const ShardSetView& view() const override { return source_.view(); }
+  const wire::ShardSetView& view() const override { return source_.view(); }
   ClientMetrics* metrics() const override { return source_.metrics(); }
   uint64_t Bytes(uint32_t layer) const override {
     return source_.view().layouts[layer].total_bytes();

@@ -56,7 +56,7 @@ class PrefetchScheduler : public std::enable_shared_from_this<PrefetchScheduler<
   class Landing {
    public:
     virtual ~Landing() = default;
-    virtual const ShardSetView& view() const = 0;
+    virtual const wire::ShardSetView& view() const = 0;
     virtual ClientMetrics* metrics() const = 0;
     // Bytes a landing of `layer` charges the budget. REQUIRES: layer exists.
     virtual uint64_t Bytes(uint32_t layer) const = 0;
@@ -73,7 +73,7 @@ class PrefetchScheduler : public std::enable_shared_from_this<PrefetchScheduler<
   // Refuses an order naming a layer that does not exist (NOT_FOUND), or one
   // that needs more than the budget (RESOURCE_EXHAUSTED naming the sizes).
   static absl::Status CheckOrder(const Landing& landing, const PrefetchOptions& options) {
-    const ShardSetView& view = landing.view();
+    const wire::ShardSetView& view = landing.view();
     for (uint32_t layer : options.order) {
       if (layer >= view.layouts.size()) {
         return absl::NotFoundError(absl::StrCat("the order names layer ", layer,

@@ -159,7 +159,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
     if (!answer.ok()) return answer.status();
     set->manifests_.push_back(*std::move(answer));
   }
-  ASSIGN_OR_RETURN(set->view_, CheckShardSet(set->manifests_, set->addresses_));
+  ASSIGN_OR_RETURN(set->view_, wire::CheckShardSet(set->manifests_, set->addresses_));
   if (options.registry) set->metrics_ = std::make_unique<ClientMetrics>(*options.registry);
   Log()->info("connected to {} shard(s) serving {} ({} layers, policy {})", n,
               set->view_.model.model_id, set->view_.model.layers.size(),

@@ -14,8 +14,8 @@
 #include "absl/status/statusor.h"
 #include "client/layer.h"
 #include "client/layer_source.h"
-#include "client/manifest_check.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "wire/manifest.h"
 
 namespace layercast::client {
 
@@ -42,7 +42,7 @@ class ShardSet final : public LayerSource {
   static absl::StatusOr<std::unique_ptr<ShardSet>> Connect(std::vector<std::string> addresses,
                                                            ShardSetOptions options = {});
 
-  const ShardSetView& view() const override { return view_; }
+  const wire::ShardSetView& view() const override { return view_; }
   const ModelSpec& model() const { return view_.model; }
   const std::vector<std::string>& addresses() const { return addresses_; }
   // Connected with channel credentials (ShardSetOptions::credentials), so
@@ -101,7 +101,7 @@ class ShardSet final : public LayerSource {
   // FetchLayer goes through raw ByteBuffers (see ShardStream).
   std::vector<std::unique_ptr<grpc::GenericStub>> generic_stubs_;
   std::vector<layercast::v1::Manifest> manifests_;
-  ShardSetView view_;
+  wire::ShardSetView view_;
   std::unique_ptr<ClientMetrics> metrics_;
 };
 

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "core/layout.h"
 #include "core/model.h"
 #include "core/parameter_source.h"
@@ -59,6 +60,7 @@ class ParameterStore {
 
   // REQUIRES: layer < model().layers.size().
   const AssembledLayout& layout(uint32_t layer) const { return layouts_[layer]; }
+  absl::Span<const AssembledLayout> layouts() const { return layouts_; }
 
   // The elements of a tensor this shard owns.
   ElementRange owned(uint32_t layer, uint32_t tensor) const { return slices_[layer][tensor].owned; }

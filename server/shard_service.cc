@@ -15,6 +15,7 @@
 #include "wire/cast_error_report.h"
 #include "wire/grpc_status.h"
 #include "wire/incarnation.h"
+#include "wire/manifest.h"
 
 namespace layercast::server {
 namespace {
@@ -28,39 +29,19 @@ class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 }  // namespace
 
-layercast::v1::Manifest BuildManifest(const ParameterStore& store) {
-  layercast::v1::Manifest manifest;
-  const ModelSpec& model = store.model();
-  manifest.set_model_id(model.model_id);
-  manifest.set_num_shards(store.num_shards());
-  manifest.set_shard_index(store.shard_index());
-  manifest.set_policy(store.policy().ToString());
-  manifest.set_layout_digest(
-      std::string(store.layout_digest().begin(), store.layout_digest().end()));
-  manifest.set_content_fingerprint(
-      std::string(store.content_fingerprint().begin(), store.content_fingerprint().end()));
-  manifest.set_incarnation(store.incarnation());
-  for (uint32_t l = 0; l < model.layers.size(); ++l) {
-    const LayerSpec& spec = model.layers[l];
-    const AssembledLayout& layout = store.layout(l);
-    layercast::v1::Layer* layer = manifest.add_layers();
-    layer->set_index(l);
-    layer->set_name(spec.name);
-    layer->set_assembled_bytes(layout.total_bytes());
-    for (uint32_t t = 0; t < spec.tensors.size(); ++t) {
-      layercast::v1::Tensor* tensor = layer->add_tensors();
-      tensor->set_name(spec.tensors[t].name);
-      for (int64_t dim : spec.tensors[t].shape) tensor->add_shape(dim);
-      tensor->set_param_dtype(layercast::v1::FLOAT32);
-      tensor->set_compute_dtype(
-          static_cast<layercast::v1::DType>(layout.tensors()[t].compute_dtype));
-      tensor->set_byte_offset(layout.tensors()[t].byte_offset);
-      tensor->set_num_elements(spec.tensors[t].num_elements);
-      tensor->set_block_size(layout.tensors()[t].block_size);
-      tensor->set_scale_offset(layout.tensors()[t].scale_offset);
-    }
-  }
-  return manifest;
+layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer) {
+  return wire::BuildManifest({
+      .model = &store.model(),
+      .policy = &store.policy(),
+      .layouts = store.layouts(),
+      .num_shards = store.num_shards(),
+      .shard_index = store.shard_index(),
+      .layout_digest = store.layout_digest(),
+      .content_fingerprint = store.content_fingerprint(),
+      .incarnation = store.incarnation(),
+      .data_parallel_workers = trainer != nullptr ? trainer->workers() : 0,
+      .optimizer = trainer != nullptr ? trainer->spec().ToString() : "",
+  });
 }
 
 ShardService::ShardService(Options options, ServerMetrics& metrics,
@@ -129,11 +110,8 @@ void ShardService::StopStreams() {
 
 void ShardService::AttachStore(Parts parts) {
   gate_.SetLayers(static_cast<uint32_t>(parts.store->model().layers.size()));
-  auto manifest = std::make_unique<layercast::v1::Manifest>(BuildManifest(*parts.store));
-  if (parts.trainer != nullptr) {
-    manifest->set_data_parallel_workers(parts.trainer->workers());
-    manifest->set_optimizer(parts.trainer->spec().ToString());
-  }
+  auto manifest =
+      std::make_unique<layercast::v1::Manifest>(BuildManifest(*parts.store, parts.trainer));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size(), manifest->incarnation());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));

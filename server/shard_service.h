@@ -187,7 +187,8 @@ class ShardService final
   std::thread watchdog_;  // last: starts once everything above is set
 };
 
-// The manifest of `store`, version 0.
-layercast::v1::Manifest BuildManifest(const ParameterStore& store);
+// The manifest of `store` (wire::BuildManifest), with the training set's
+// workers and optimizer when `trainer` is not null.
+layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer);
 
 }  // namespace layercast::server

@@ -83,7 +83,7 @@ double GBps(uint64_t bytes, double seconds) { return bytes / seconds / 1e9; }
 class PreStagedSource final : public client::LayerSource {
  public:
   explicit PreStagedSource(const client::LayerSource& real) : real_(real) {}
-  const client::ShardSetView& view() const override { return real_.view(); }
+  const wire::ShardSetView& view() const override { return real_.view(); }
   absl::StatusOr<uint64_t> GatherInto(uint32_t, const client::GatherOptions&,
                                       std::span<uint8_t>) const override {
     return 0;

@@ -37,7 +37,7 @@ class DeviceLanding final : public client::PrefetchScheduler<DeviceLayer>::Landi
     return absl::OkStatus();
   }
 
-  const client::ShardSetView& view() const override { return lander_.source().view(); }
+  const wire::ShardSetView& view() const override { return lander_.source().view(); }
   client::ClientMetrics* metrics() const override { return lander_.source().metrics(); }
   uint64_t Bytes(uint32_t layer) const override { return lander_.DeviceBytes(layer); }
   std::string Needs(uint32_t layer) const override {
@@ -69,7 +69,7 @@ class DeviceLanding final : public client::PrefetchScheduler<DeviceLayer>::Landi
     ASSIGN_OR_RETURN(CudaEvent ready, CudaEvent::Create());
     CUDA_RETURN_IF_ERROR(cudaEventRecord(ready.get(), lander_.stream()),
                          "cudaEventRecord (layer ready)");
-    const client::ShardSetView& view = lander_.source().view();
+    const wire::ShardSetView& view = lander_.source().view();
     return DeviceLayer(layer, &view.model.layers[layer], &view.layouts[layer], *version,
                        std::move(buffer), std::move(ready));
   }

@@ -120,7 +120,7 @@ std::shared_ptr<Connection> PyShardSet::Held() const {
 py::dict PyShardSet::Manifest() const {
   const std::shared_ptr<Connection> connection = Held();
   const client::ShardSet& set = *connection->set;
-  const client::ShardSetView& view = set.view();
+  const wire::ShardSetView& view = set.view();
   py::list layers;
   for (uint32_t l = 0; l < view.model.layers.size(); ++l) {
     const LayerSpec& spec = view.model.layers[l];
@@ -186,7 +186,7 @@ uint64_t PyShardSet::Version() const {
 PyPush PyShardSet::PushGradients(uint64_t step, uint32_t worker, uint32_t layer,
                                  const py::dict& gradients) {
   const std::shared_ptr<Connection> connection = Held();
-  const client::ShardSetView& view = connection->set->view();
+  const wire::ShardSetView& view = connection->set->view();
   if (layer >= view.layouts.size()) {
     Raise(absl::NotFoundError(
         absl::StrCat("there is no layer ", layer, "; the model has ", view.layouts.size())));

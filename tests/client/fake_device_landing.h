@@ -116,7 +116,7 @@ class FakeDeviceLanding final : public PrefetchScheduler<FakeDeviceLayer>::Landi
   FakeDeviceLanding(const LayerSource& source, std::shared_ptr<FakeDevice> device)
       : source_(source), device_(std::move(device)) {}
 
-  const ShardSetView& view() const override { return source_.view(); }
+  const wire::ShardSetView& view() const override { return source_.view(); }
   ClientMetrics* metrics() const override { return nullptr; }
   uint64_t Bytes(uint32_t layer) const override {
     return source_.view().layouts[layer].total_bytes();

@@ -29,7 +29,7 @@ class InMemoryLayerSource final : public LayerSource {
     }
   }
 
-  const ShardSetView& view() const override { return view_; }
+  const wire::ShardSetView& view() const override { return view_; }
   ClientMetrics* metrics() const override { return nullptr; }
 
   absl::StatusOr<uint64_t> GatherInto(uint32_t layer, const GatherOptions& options,
@@ -58,7 +58,7 @@ class InMemoryLayerSource final : public LayerSource {
  private:
   std::unique_ptr<SyntheticModel> model_;
   std::chrono::milliseconds delay_;
-  ShardSetView view_;
+  wire::ShardSetView view_;
   mutable std::atomic<int> gathers_{0};
 };
 

@@ -179,7 +179,7 @@ class HugeLayerSource final : public LayerSource {
     view_.gradient_layouts.push_back(view_.layouts.back());
     view_.num_shards = 1;
   }
-  const ShardSetView& view() const override { return view_; }
+  const wire::ShardSetView& view() const override { return view_; }
   ClientMetrics* metrics() const override { return nullptr; }
   absl::StatusOr<uint64_t> GatherInto(uint32_t, const GatherOptions&,
                                       std::span<uint8_t>) const override {
@@ -189,7 +189,7 @@ class HugeLayerSource final : public LayerSource {
   int gathers() const { return gathers_.load(); }
 
  private:
-  ShardSetView view_;
+  wire::ShardSetView view_;
   mutable std::atomic<int> gathers_{0};
 };
 

@@ -163,12 +163,13 @@ std::unique_ptr<server::ParameterStore> Store(const std::string& spec, const std
 void ManifestSeeds(const fs::path& dir) {
   const std::string tiny = "llama:layers=1,hidden=8,ffn=12,vocab=10";
   const layercast::v1::Manifest bf16 =
-      server::BuildManifest(*Store(tiny, "p=f32,c=bf16;*norm*=f32", 1, 2));
+      server::BuildManifest(*Store(tiny, "p=f32,c=bf16;*norm*=f32", 1, 2), nullptr);
   Write(dir, "valid_bf16", bf16.SerializeAsString());
   Write(dir, "valid_f16",
-        server::BuildManifest(*Store(tiny, "c=f16,overflow=saturate", 0, 3)).SerializeAsString());
+        server::BuildManifest(*Store(tiny, "c=f16,overflow=saturate", 0, 3), nullptr)
+            .SerializeAsString());
   Write(dir, "valid_f32",
-        server::BuildManifest(*Store("llama:layers=1,hidden=4,ffn=4,vocab=2", "f32", 0, 1))
+        server::BuildManifest(*Store("llama:layers=1,hidden=4,ffn=4,vocab=2", "f32", 0, 1), nullptr)
             .SerializeAsString());
 
   auto broken = [&](const char* name, auto&& edit) {

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "client/manifest_check.h"
 #include "core/dtype.h"
 #include "tests/fuzz/fuzz_check.h"
+#include "wire/manifest.h"
 
 namespace layercast::fuzz {
 namespace {
@@ -27,14 +27,14 @@ bool IsRefusal(const absl::Status& status) {
   return status.code() == absl::StatusCode::kFailedPrecondition && !status.message().empty();
 }
 
-void CheckView(const layercast::v1::Manifest& manifest, const client::ShardSetView& view) {
+void CheckView(const layercast::v1::Manifest& manifest, const wire::ShardSetView& view) {
   FUZZ_CHECK(view.num_shards == manifest.num_shards() && manifest.shard_index() < view.num_shards,
              "accepted shard %u of %u", manifest.shard_index(), manifest.num_shards());
-  FUZZ_CHECK(view.layouts.size() <= client::kMaxManifestLayers, "accepted %zu layers",
+  FUZZ_CHECK(view.layouts.size() <= wire::kMaxManifestLayers, "accepted %zu layers",
              view.layouts.size());
   size_t num_tensors = 0;
   for (const AssembledLayout& layout : view.layouts) num_tensors += layout.tensors().size();
-  FUZZ_CHECK(num_tensors <= client::kMaxManifestTensors, "accepted %zu tensors", num_tensors);
+  FUZZ_CHECK(num_tensors <= wire::kMaxManifestTensors, "accepted %zu tensors", num_tensors);
   FUZZ_CHECK(view.model.layers.size() == static_cast<size_t>(manifest.layers_size()) &&
                  view.layouts.size() == view.model.layers.size(),
              "view has %zu layers and %zu layouts for %d manifest layers", view.model.layers.size(),
@@ -138,14 +138,14 @@ layercast::v1::Manifest Repaired(layercast::v1::Manifest manifest) {
 }
 
 void CheckAll(const layercast::v1::Manifest& manifest) {
-  const absl::StatusOr<client::ShardSetView> view = client::CheckManifest(manifest);
+  const absl::StatusOr<wire::ShardSetView> view = wire::CheckManifest(manifest);
   FUZZ_CHECK(view.ok() || IsRefusal(view.status()), "CheckManifest gave %s",
              view.status().ToString().c_str());
   if (view.ok()) CheckView(manifest, *view);
 
   const std::vector<std::string> addresses = {"a:1", "b:2"};
-  const absl::StatusOr<client::ShardSetView> same =
-      client::CheckShardSet({manifest, manifest}, addresses);
+  const absl::StatusOr<wire::ShardSetView> same =
+      wire::CheckShardSet({manifest, manifest}, addresses);
   FUZZ_CHECK(!same.ok(), "a set of one manifest twice (shard %u of %u) was accepted",
              manifest.shard_index(), manifest.num_shards());
   FUZZ_CHECK(IsRefusal(same.status()), "CheckShardSet gave %s", same.status().ToString().c_str());
@@ -155,14 +155,13 @@ void CheckAll(const layercast::v1::Manifest& manifest) {
   first.set_shard_index(0);
   second.set_num_shards(2);
   second.set_shard_index(1);
-  const absl::StatusOr<client::ShardSetView> alone = client::CheckManifest(first);
-  const absl::StatusOr<client::ShardSetView> pair =
-      client::CheckShardSet({first, second}, addresses);
+  const absl::StatusOr<wire::ShardSetView> alone = wire::CheckManifest(first);
+  const absl::StatusOr<wire::ShardSetView> pair = wire::CheckShardSet({first, second}, addresses);
   FUZZ_CHECK(pair.ok() == alone.ok(),
              "two copies numbered 0 and 1 of 2: the set says %s, one copy alone says %s",
              pair.status().ToString().c_str(), alone.status().ToString().c_str());
   if (pair.ok()) CheckView(first, *pair);
-  FUZZ_CHECK(client::CheckShardSet({}, {}).status().code() == absl::StatusCode::kInvalidArgument,
+  FUZZ_CHECK(wire::CheckShardSet({}, {}).status().code() == absl::StatusCode::kInvalidArgument,
              "an empty set was not INVALID_ARGUMENT");
 }
 

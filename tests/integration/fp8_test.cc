@@ -246,7 +246,7 @@ TEST(Fp8WireTest, AnFp8LayerTrainsFromFloat32GradientsOnTheMaster) {
       StartShards(2, {"--synthetic", kModel, "--policy", kFp8Policy, "--optimizer", "sgd:lr=0.5",
                       "--data-parallel-workers", "1", "--chunk-bytes", "1000"});
   ASSERT_NE(shards.set, nullptr);
-  const client::ShardSetView& view = shards.set->view();
+  const wire::ShardSetView& view = shards.set->view();
   auto sink = client::GradientSink::Create(*shards.set, {.chunk_bytes = 1000});
   ASSERT_TRUE(sink.ok()) << sink.status();
   MasterValues stepped = master;

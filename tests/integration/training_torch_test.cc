@@ -139,7 +139,7 @@ void WriteDescription(const std::string& path, const client::ShardSet& view_of,
   description["workers"] = kWorkers;
   description["num_shards"] = kShards;
   std::ofstream initial(path + ".f32", std::ios::binary);
-  const client::ShardSetView& view = view_of.view();
+  const wire::ShardSetView& view = view_of.view();
   for (uint32_t l = 0; l < view.model.layers.size(); ++l) {
     for (uint32_t t = 0; t < view.model.layers[l].tensors.size(); ++t) {
       const TensorSpec& tensor = view.model.layers[l].tensors[t];

@@ -2,7 +2,7 @@
 // code would make: offsets and sizes laid out with the wrapping arithmetic a
 // forger may use, and a layout digest recomputed to match them.
 
-#include "client/manifest_check.h"
+#include "wire/manifest.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -13,8 +13,9 @@
 
 #include "core/layout.h"
 #include "core/policy.h"
+#include "core/synthetic_model.h"
 
-namespace layercast::client {
+namespace layercast::wire {
 namespace {
 
 using ::testing::HasSubstr;
@@ -99,6 +100,46 @@ layercast::v1::Manifest Forge(const std::vector<std::vector<ForgedTensor>>& laye
 
 ForgedTensor F32(std::string name, uint64_t n) {
   return ForgedTensor{std::move(name), {static_cast<int64_t>(n)}, n, layercast::v1::FLOAT32};
+}
+
+// The two halves of the contract: what a shard builds, a worker accepts, and
+// recomputes every layout the shard stated.
+TEST(ManifestTest, WhatAShardBuildsAWorkerAccepts) {
+  auto model = SyntheticModel::Create("llama:layers=2,hidden=8,ffn=12,vocab=10");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const absl::StatusOr<Policy> policy = Policy::Parse("p=f32,c=bf16;*norm*=f32");
+  ASSERT_TRUE(policy.ok());
+  const ModelSpec& spec = (*model)->model();
+  std::vector<AssembledLayout> layouts;
+  for (const LayerSpec& layer : spec.layers) {
+    absl::StatusOr<AssembledLayout> layout = AssembledLayout::Build(layer, *policy);
+    ASSERT_TRUE(layout.ok());
+    layouts.push_back(*std::move(layout));
+  }
+  const absl::StatusOr<std::array<uint8_t, 32>> digest = LayoutDigest(spec, *policy);
+  ASSERT_TRUE(digest.ok());
+  const layercast::v1::Manifest manifest = BuildManifest({.model = &spec,
+                                                          .policy = &*policy,
+                                                          .layouts = layouts,
+                                                          .num_shards = 3,
+                                                          .shard_index = 1,
+                                                          .layout_digest = *digest,
+                                                          .incarnation = 7,
+                                                          .data_parallel_workers = 2,
+                                                          .optimizer = "sgd:lr=0.5"});
+  EXPECT_EQ(manifest.data_parallel_workers(), 2u);
+  EXPECT_EQ(manifest.optimizer(), "sgd:lr=0.5");
+  const absl::StatusOr<ShardSetView> view = CheckManifest(manifest);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->num_shards, 3u);
+  ASSERT_EQ(view->layouts.size(), layouts.size());
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    EXPECT_EQ(view->layouts[l].total_bytes(), layouts[l].total_bytes()) << "layer " << l;
+  }
+  // A field changed on the way is caught.
+  layercast::v1::Manifest changed = manifest;
+  changed.mutable_layers(0)->mutable_tensors(0)->set_byte_offset(2);
+  EXPECT_FALSE(CheckManifest(changed).ok());
 }
 
 TEST(ManifestCheckTest, ForgerDigestMatchesLayoutDigest) {
@@ -205,4 +246,4 @@ TEST(ManifestCheckTest, RefusesAShardCountThatSplitsAFloat8Block) {
 }
 
 }  // namespace
-}  // namespace layercast::client
+}  // namespace layercast::wire

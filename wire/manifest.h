@@ -1,15 +1,42 @@
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/content_fingerprint.h"
 #include "core/layout.h"
 #include "core/model.h"
 #include "core/policy.h"
 #include "layercast/v1/shard.pb.h"
 
-namespace layercast::client {
+namespace layercast::wire {
+
+// The manifest is one contract with two halves, both here: a shard builds it
+// (BuildManifest) and a worker checks it (CheckManifest, CheckShardSet), so a
+// field added to one side is seen beside the other.
+
+// What a shard says of itself in its manifest.
+struct ManifestFacts {
+  const ModelSpec* model = nullptr;
+  const Policy* policy = nullptr;
+  absl::Span<const AssembledLayout> layouts;  // one per layer of `model`
+  uint32_t num_shards = 1;
+  uint32_t shard_index = 0;
+  std::array<uint8_t, 32> layout_digest{};
+  ContentFingerprint content_fingerprint{};
+  uint64_t incarnation = 0;
+  // A training set's: 0 and empty on read-only shards.
+  uint32_t data_parallel_workers = 0;
+  std::string optimizer;
+};
+
+// The manifest a shard serves: every tensor's shape, dtypes, offset and
+// size in the assembled layer, as CheckManifest recomputes them.
+layercast::v1::Manifest BuildManifest(const ManifestFacts& facts);
 
 // The most layers a manifest may list. The deepest models have a few hundred;
 // the cap bounds what a forged manifest makes a worker hold (a LayerSpec and a
@@ -51,4 +78,4 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
 absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Manifest>& manifests,
                                            const std::vector<std::string>& addresses);
 
-}  // namespace layercast::client
+}  // namespace layercast::wire

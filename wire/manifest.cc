@@ -1,11 +1,11 @@
-#include "client/manifest_check.h"
+#include "wire/manifest.h"
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "platform/status_macros.h"
 
-namespace layercast::client {
+namespace layercast::wire {
 namespace {
 
 absl::Status Bad(absl::string_view what) {
@@ -13,6 +13,42 @@ absl::Status Bad(absl::string_view what) {
 }
 
 }  // namespace
+
+layercast::v1::Manifest BuildManifest(const ManifestFacts& facts) {
+  layercast::v1::Manifest manifest;
+  const ModelSpec& model = *facts.model;
+  manifest.set_model_id(model.model_id);
+  manifest.set_num_shards(facts.num_shards);
+  manifest.set_shard_index(facts.shard_index);
+  manifest.set_policy(facts.policy->ToString());
+  manifest.set_layout_digest(std::string(facts.layout_digest.begin(), facts.layout_digest.end()));
+  manifest.set_content_fingerprint(
+      std::string(facts.content_fingerprint.begin(), facts.content_fingerprint.end()));
+  manifest.set_incarnation(facts.incarnation);
+  manifest.set_data_parallel_workers(facts.data_parallel_workers);
+  manifest.set_optimizer(facts.optimizer);
+  for (uint32_t l = 0; l < model.layers.size(); ++l) {
+    const LayerSpec& spec = model.layers[l];
+    const AssembledLayout& layout = facts.layouts[l];
+    layercast::v1::Layer* layer = manifest.add_layers();
+    layer->set_index(l);
+    layer->set_name(spec.name);
+    layer->set_assembled_bytes(layout.total_bytes());
+    for (uint32_t t = 0; t < spec.tensors.size(); ++t) {
+      layercast::v1::Tensor* tensor = layer->add_tensors();
+      tensor->set_name(spec.tensors[t].name);
+      for (int64_t dim : spec.tensors[t].shape) tensor->add_shape(dim);
+      tensor->set_param_dtype(layercast::v1::FLOAT32);
+      tensor->set_compute_dtype(
+          static_cast<layercast::v1::DType>(layout.tensors()[t].compute_dtype));
+      tensor->set_byte_offset(layout.tensors()[t].byte_offset);
+      tensor->set_num_elements(spec.tensors[t].num_elements);
+      tensor->set_block_size(layout.tensors()[t].block_size);
+      tensor->set_scale_offset(layout.tensors()[t].scale_offset);
+    }
+  }
+  return manifest;
+}
 
 absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manifest) {
   ShardSetView view;
@@ -215,4 +251,4 @@ absl::StatusOr<ShardSetView> CheckShardSet(const std::vector<layercast::v1::Mani
   return view;
 }
 
-}  // namespace layercast::client
+}  // namespace layercast::wire
