@@ -13,15 +13,15 @@
 #include "absl/synchronization/mutex.h"
 #include "client/layer.h"
 #include "client/shard_set.h"
+#include "wire/gradient_chunks.h"
 
 namespace layercast::client {
 
 struct GradientSinkOptions {
   // This worker's index among the shard set's --data-parallel-workers.
   uint32_t worker = 0;
-  // Gradient data per GradientChunk. A training shard accepts messages up
-  // to 2 MiB by default (--max-receive-message-bytes).
-  uint64_t chunk_bytes = 1 << 20;
+  // Gradient data per GradientChunk.
+  uint64_t chunk_bytes = wire::kWriteChunkBytes;
   // Gradient bytes handed over and not yet pushed to every shard; Push
   // blocks while one more layer would exceed it (a layer larger than the
   // whole budget is taken when nothing else is queued).

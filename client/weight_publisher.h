@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/shard_set.h"
+#include "wire/gradient_chunks.h"
 
 namespace layercast::client {
 
@@ -24,7 +25,7 @@ struct PublishOptions {
   // it is not committed by then (a publisher that died).
   std::chrono::milliseconds timeout{120000};
   // Value bytes per PublishChunk.
-  uint64_t chunk_bytes = 1 << 20;
+  uint64_t chunk_bytes = wire::kWriteChunkBytes;
 };
 
 struct PublishResult {

@@ -19,7 +19,7 @@ namespace layercast::server {
 class ChunkCaster {
  public:
   struct Options {
-    uint64_t chunk_bytes = 1 << 20;
+    uint64_t chunk_bytes = 0;  // the resolved --chunk-bytes
     // What each chunk's cast lost, measured once per chunk and version.
     // Null: measured, and counted in the metrics, on every cast.
     CastErrorLedger* cast_errors = nullptr;

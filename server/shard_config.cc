@@ -15,41 +15,17 @@
 #include "platform/flag_value.h"
 #include "platform/status_macros.h"
 #include "server/memory_plan.h"
+#include "wire/gradient_chunks.h"
 
 namespace layercast::server {
 namespace {
 
 using google::protobuf::FieldDescriptor;
 
-constexpr uint64_t kDefaultChunkBytes = 1 << 20;
-constexpr uint32_t kDefaultMaxReceiveMessageBytes = 64 << 10;
-// A training shard receives gradient chunks, which the worker library cuts
-// at 1 MiB of data (GradientSinkOptions::chunk_bytes), framing included; a
-// shard with an admin token, publish chunks of the same size
-// (PublishOptions::chunk_bytes).
-constexpr uint32_t kDefaultLargeMaxReceiveMessageBytes = 2 << 20;
-constexpr uint32_t kMaxDataParallelWorkers = 4096;
-constexpr uint32_t kDefaultPinRetentionMs = 30000;
-constexpr uint32_t kMaxPinRetentionMs = 3600 * 1000;
-constexpr uint32_t kDefaultChangeRecordingIdleMs = 600 * 1000;
-constexpr uint32_t kMaxChangeRecordingIdleMs = 86400 * 1000;
-constexpr uint32_t kMinReceiveMessageBytes = 1 << 10;
-constexpr uint32_t kMaxReceiveMessageBytes = 64 << 20;
-constexpr uint32_t kDefaultMaxConcurrentStreamsPerConnection = 100;
-constexpr uint32_t kDefaultMaxStreams = 1024;
-constexpr uint32_t kDefaultMaxParkedStreams = 4096;
-constexpr uint32_t kDefaultMaxPushStreams = 1024;
-constexpr uint32_t kDefaultMaxWaitsPerConnection = 8;
-constexpr uint32_t kDefaultPublishIdleMs = 3000;
-constexpr uint32_t kDefaultMaxVersionLead = 64;
-constexpr uint32_t kDefaultDeltaVersions = 4;
-constexpr uint32_t kMaxDeltaVersions = 1024;
-constexpr uint32_t kDefaultMaxVersionWaitMs = 5 * 60 * 1000;
-constexpr uint32_t kDefaultWriteProgressTimeoutMs = 30 * 1000;
-constexpr uint32_t kDefaultKeepaliveTimeMs = 60 * 1000;
-constexpr uint32_t kDefaultMaxConnectionIdleMs = 10 * 60 * 1000;
-// Below gRPC's default 4 MiB receive limit with room for the framing.
-constexpr uint64_t kMaxChunkBytes = 3 << 20;
+// A training shard receives gradient chunks, a shard with an admin token
+// publish chunks, which the worker library cuts at kWriteChunkBytes of data:
+// room for one and its framing. The other defaults are config.proto's.
+constexpr uint32_t kLargeMaxReceiveMessageBytes = 2 * wire::kWriteChunkBytes;
 
 template <typename T>
 absl::StatusOr<T> ParseUnsigned(const std::string& flag, const std::string& value) {
@@ -137,6 +113,51 @@ absl::Status CheckListenAddress(const char* flag, const std::string& address) {
   return absl::OkStatus();
 }
 
+std::string FlagName(const FieldDescriptor& field) {
+  return absl::StrReplaceAll(field.name(), {{"_", "-"}});
+}
+
+// Applies every default and range config.proto writes (its default_value,
+// min_value, max_value and default_text options), so each is written once.
+absl::Status ApplyDefaultsAndRanges(layercast::v1::ShardConfig& config) {
+  const google::protobuf::Reflection& reflection = *config.GetReflection();
+  const google::protobuf::Descriptor& descriptor = *config.GetDescriptor();
+  for (int i = 0; i < descriptor.field_count(); ++i) {
+    const FieldDescriptor& field = *descriptor.field(i);
+    const google::protobuf::FieldOptions& options = field.options();
+    if (field.cpp_type() == FieldDescriptor::CPPTYPE_STRING) {
+      if (options.HasExtension(layercast::v1::default_text) &&
+          reflection.GetString(config, &field).empty()) {
+        reflection.SetString(&config, &field, options.GetExtension(layercast::v1::default_text));
+      }
+      continue;
+    }
+    const bool wide = field.cpp_type() == FieldDescriptor::CPPTYPE_UINT64;
+    if (!wide && field.cpp_type() != FieldDescriptor::CPPTYPE_UINT32) continue;
+    const auto get = [&] {
+      return wide ? reflection.GetUInt64(config, &field) : reflection.GetUInt32(config, &field);
+    };
+    const bool unset = field.has_presence() ? !reflection.HasField(config, &field) : get() == 0;
+    if (unset && options.HasExtension(layercast::v1::default_value)) {
+      const uint64_t value = options.GetExtension(layercast::v1::default_value);
+      if (wide) {
+        reflection.SetUInt64(&config, &field, value);
+      } else {
+        reflection.SetUInt32(&config, &field, static_cast<uint32_t>(value));
+      }
+    }
+    const uint64_t least = options.GetExtension(layercast::v1::min_value);
+    const uint64_t most = options.HasExtension(layercast::v1::max_value)
+                              ? options.GetExtension(layercast::v1::max_value)
+                              : (wide ? UINT64_MAX : UINT32_MAX);
+    if (const uint64_t value = get(); value < least || value > most) {
+      return absl::InvalidArgumentError(absl::StrCat("--", FlagName(field), " ", value,
+                                                     " is out of range: use ", least, "-", most));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<layercast::v1::ShardConfig> ParseShardFlags(const std::vector<std::string>& args) {
@@ -202,9 +223,16 @@ std::string ShardFlagsHelp() {
   const auto* descriptor = layercast::v1::ShardConfig::descriptor();
   for (int i = 0; i < descriptor->field_count(); ++i) {
     const google::protobuf::FieldDescriptor* field = descriptor->field(i);
-    absl::StrAppend(&help, "  --", absl::StrReplaceAll(field->name(), {{"_", "-"}}), " (",
-                    field->type_name(), ")\n",
-                    Wrap(field->options().GetExtension(layercast::v1::help), 6, 80));
+    const google::protobuf::FieldOptions& options = field->options();
+    const std::string text = absl::StrReplaceAll(
+        options.GetExtension(layercast::v1::help),
+        {{"{default}", options.HasExtension(layercast::v1::default_text)
+                           ? options.GetExtension(layercast::v1::default_text)
+                           : absl::StrCat(options.GetExtension(layercast::v1::default_value))},
+         {"{min}", absl::StrCat(options.GetExtension(layercast::v1::min_value))},
+         {"{max}", absl::StrCat(options.GetExtension(layercast::v1::max_value))}});
+    absl::StrAppend(&help, "  --", FlagName(*field), " (", field->type_name(), ")\n",
+                    Wrap(text, 6, 80));
   }
   absl::StrAppend(&help,
                   "\ndocs/security.md says more of TLS, admin tokens, limits and checkpoints;\n"
@@ -214,14 +242,6 @@ std::string ShardFlagsHelp() {
 
 absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig config) {
   ShardSettings settings;
-  if (config.listen().empty()) config.set_listen("127.0.0.1:7070");
-  RETURN_IF_ERROR(CheckListenAddress("listen", config.listen()));
-  if (!config.metrics_listen().empty()) {
-    RETURN_IF_ERROR(CheckListenAddress("metrics-listen", config.metrics_listen()));
-  }
-  if (!config.health_listen().empty()) {
-    RETURN_IF_ERROR(CheckListenAddress("health-listen", config.health_listen()));
-  }
   if (config.num_shards() == 0) {
     return absl::InvalidArgumentError(
         "--num-shards N is required: how many shards the set has (at least 1), with "
@@ -242,48 +262,30 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(
         "--model-id names a checkpoint; a synthetic model's id is its canonical spec");
   }
-  if (config.log_format().empty()) config.set_log_format("text");
-  if (config.log_level().empty()) config.set_log_level("info");
-  ASSIGN_OR_RETURN(settings.log_format, ParseLogFormat(config.log_format()));
-  ASSIGN_OR_RETURN(settings.log_level, ParseLogLevel(config.log_level()));
-  if (config.policy().empty()) config.set_policy("params=float32,compute=bfloat16,output=float32");
-  ASSIGN_OR_RETURN(settings.policy, Policy::Parse(config.policy()));
-  if (settings.policy.params() != DType::kFloat32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "policy '", config.policy(), "' keeps params in ", DTypeName(settings.policy.params()),
-        ", but shard servers hold float32 masters: use params=float32"));
+  const bool training = !config.optimizer().empty();
+  // A shard nobody can change (no optimizer, no admin token to publish with).
+  const bool changes = training || !config.admin_token_file().empty();
+  if (!training && config.data_parallel_workers() != 0) {
+    return absl::InvalidArgumentError(
+        "--data-parallel-workers needs --optimizer SPEC: a shard without an optimizer takes no "
+        "gradients");
   }
-  if (config.chunk_bytes() == 0) config.set_chunk_bytes(kDefaultChunkBytes);
-  if (config.chunk_bytes() < 4 || config.chunk_bytes() > kMaxChunkBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("--chunk-bytes ", config.chunk_bytes(),
-                                                   " is out of range: use 4-", kMaxChunkBytes));
+  if (!training && !config.worker_token_dir().empty()) {
+    return absl::InvalidArgumentError(
+        "--worker-token-dir needs --optimizer SPEC: a shard without an optimizer takes no "
+        "gradients, so no worker needs a token");
   }
-  // Below LeastFp8ChunkBytes an 8-bit float chunk would outgrow what the
-  // memory plan counts for a stream.
-  const Policy& policy = settings.policy;
-  const uint64_t least_fp8_chunk = LeastFp8ChunkBytes(policy.fp8_block());
-  if (policy.UsesFloat8() && config.chunk_bytes() < least_fp8_chunk) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--chunk-bytes ", config.chunk_bytes(), " cannot hold one block of ", policy.fp8_block(),
-        " 8-bit codes and three scales (its block's and one for each end of a chunk off the block "
-        "grid) under policy '",
-        config.policy(), "': use at least ", least_fp8_chunk));
+  // The defaults that depend on other fields, before config.proto's own.
+  if (config.max_receive_message_bytes() == 0 && changes) {
+    config.set_max_receive_message_bytes(kLargeMaxReceiveMessageBytes);
   }
-  // Workers of one data-parallel step fetch a layer within moments of each
-  // other; a chunk unused for 5 s is unlikely to be asked for again.
-  if (config.shared_chunk_max_idle_ms() == 0) config.set_shared_chunk_max_idle_ms(5000);
-  if (config.drain_timeout_seconds() == 0) config.set_drain_timeout_seconds(20);
-  if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();
-  if (config.has_first_layer_prefix()) {
-    settings.grouping.first_prefix = config.first_layer_prefix();
-  }
-  if (!config.memory_budget().empty()) {
-    absl::StatusOr<uint64_t> budget = ParseByteSize(config.memory_budget());
-    if (!budget.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--memory-budget: ", budget.status().message()));
-    }
-    settings.memory_budget_bytes = *budget;
+  // Such a shard never has a delta to serve: its bitmaps would be dead
+  // weight (4 GiB of a Llama-2-70B set of 8), and without them there is
+  // nothing to keep for pinned readers (the resolved config says so).
+  if (!config.has_delta_versions() && !changes) config.set_delta_versions(0);
+  if (!config.has_pin_retention_ms() && config.has_delta_versions() &&
+      config.delta_versions() == 0) {
+    config.set_pin_retention_ms(0);
   }
   if (!config.has_checkpoint_on_sigterm()) {
     config.set_checkpoint_on_sigterm(!config.checkpoint_dir().empty());
@@ -291,7 +293,6 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
     return absl::InvalidArgumentError(
         "--checkpoint-on-sigterm true needs --checkpoint-dir DIR to write to");
   }
-  const bool training = !config.optimizer().empty();
   if (!config.has_push_journal()) {
     config.set_push_journal(training && !config.checkpoint_dir().empty());
   } else if (config.push_journal() && (!training || config.checkpoint_dir().empty())) {
@@ -304,70 +305,58 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--checkpoint-every needs --optimizer SPEC and --checkpoint-dir DIR: it counts training "
         "steps (a read-only shard is checkpointed by ShardAdmin.Checkpoint and on SIGTERM)");
   }
-  if (config.max_receive_message_bytes() == 0) {
-    config.set_max_receive_message_bytes(config.optimizer().empty() &&
-                                                 config.admin_token_file().empty()
-                                             ? kDefaultMaxReceiveMessageBytes
-                                             : kDefaultLargeMaxReceiveMessageBytes);
+  RETURN_IF_ERROR(ApplyDefaultsAndRanges(config));
+  if (config.pin_retention_ms() > 0 && config.delta_versions() == 0) {
+    return absl::InvalidArgumentError(
+        "--pin-retention-ms needs --delta-versions of at least 1: the versions kept for pinned "
+        "readers are the change log's snapshots; drop --delta-versions 0 or set "
+        "--pin-retention-ms 0");
   }
-  if (config.max_receive_message_bytes() < kMinReceiveMessageBytes ||
-      config.max_receive_message_bytes() > kMaxReceiveMessageBytes) {
+
+  RETURN_IF_ERROR(CheckListenAddress("listen", config.listen()));
+  if (!config.metrics_listen().empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("metrics-listen", config.metrics_listen()));
+  }
+  if (!config.health_listen().empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("health-listen", config.health_listen()));
+  }
+  ASSIGN_OR_RETURN(settings.log_format, ParseLogFormat(config.log_format()));
+  ASSIGN_OR_RETURN(settings.log_level, ParseLogLevel(config.log_level()));
+  ASSIGN_OR_RETURN(settings.policy, Policy::Parse(config.policy()));
+  if (settings.policy.params() != DType::kFloat32) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--max-receive-message-bytes ", config.max_receive_message_bytes(),
-        " is out of range: use ", kMinReceiveMessageBytes, "-", kMaxReceiveMessageBytes));
+        "policy '", config.policy(), "' keeps params in ", DTypeName(settings.policy.params()),
+        ", but shard servers hold float32 masters: use params=float32"));
   }
-  if (config.max_concurrent_streams_per_connection() == 0) {
-    config.set_max_concurrent_streams_per_connection(kDefaultMaxConcurrentStreamsPerConnection);
+  // Below LeastFp8ChunkBytes an 8-bit float chunk would outgrow what the
+  // memory plan counts for a stream.
+  const Policy& policy = settings.policy;
+  const uint64_t least_fp8_chunk = LeastFp8ChunkBytes(policy.fp8_block());
+  if (policy.UsesFloat8() && config.chunk_bytes() < least_fp8_chunk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--chunk-bytes ", config.chunk_bytes(), " cannot hold one block of ", policy.fp8_block(),
+        " 8-bit codes and three scales (its block's and one for each end of a chunk off the block "
+        "grid) under policy '",
+        config.policy(), "': use at least ", least_fp8_chunk));
   }
-  if (config.max_concurrent_streams_per_connection() > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-concurrent-streams-per-connection ",
-                                                   config.max_concurrent_streams_per_connection(),
-                                                   " is out of range: use 1-", INT32_MAX));
+  if (!config.layer_regex().empty()) settings.grouping.layer_regex = config.layer_regex();
+  if (config.has_first_layer_prefix()) {
+    settings.grouping.first_prefix = config.first_layer_prefix();
   }
-  if (config.max_streams() == 0) config.set_max_streams(kDefaultMaxStreams);
-  if (config.max_parked_streams() == 0) config.set_max_parked_streams(kDefaultMaxParkedStreams);
-  if (config.max_push_streams() == 0) config.set_max_push_streams(kDefaultMaxPushStreams);
-  if (config.max_waits_per_connection() == 0) {
-    config.set_max_waits_per_connection(kDefaultMaxWaitsPerConnection);
-  }
-  if (config.max_version_lead() == 0) config.set_max_version_lead(kDefaultMaxVersionLead);
-  if (config.publish_idle_ms() == 0) config.set_publish_idle_ms(kDefaultPublishIdleMs);
-  if (config.max_version_wait_ms() == 0) config.set_max_version_wait_ms(kDefaultMaxVersionWaitMs);
-  if (config.write_progress_timeout_ms() == 0) {
-    config.set_write_progress_timeout_ms(kDefaultWriteProgressTimeoutMs);
-  }
-  if (config.keepalive_time_ms() == 0) config.set_keepalive_time_ms(kDefaultKeepaliveTimeMs);
-  if (config.max_connection_idle_ms() == 0) {
-    config.set_max_connection_idle_ms(kDefaultMaxConnectionIdleMs);
-  }
-  for (const auto& [flag, value] :
-       {std::pair{"keepalive-time-ms", config.keepalive_time_ms()},
-        std::pair{"max-connection-idle-ms", config.max_connection_idle_ms()}}) {
-    if (value > INT32_MAX) {
+  if (!config.memory_budget().empty()) {
+    absl::StatusOr<uint64_t> budget = ParseByteSize(config.memory_budget());
+    if (!budget.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--", flag, " ", value, " is out of range: use 1-", INT32_MAX));
+          absl::StrCat("--memory-budget: ", budget.status().message()));
     }
+    settings.memory_budget_bytes = *budget;
   }
-  if (!config.optimizer().empty()) {
+  if (training) {
     absl::StatusOr<OptimizerSpec> spec = OptimizerSpec::Parse(config.optimizer());
     if (!spec.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--optimizer: ", spec.status().message()));
     }
     settings.optimizer = *std::move(spec);
-    if (config.data_parallel_workers() == 0) config.set_data_parallel_workers(1);
-  } else if (config.data_parallel_workers() != 0) {
-    return absl::InvalidArgumentError(
-        "--data-parallel-workers needs --optimizer SPEC: a shard without an optimizer takes no "
-        "gradients");
-  } else if (!config.worker_token_dir().empty()) {
-    return absl::InvalidArgumentError(
-        "--worker-token-dir needs --optimizer SPEC: a shard without an optimizer takes no "
-        "gradients, so no worker needs a token");
-  }
-  if (config.data_parallel_workers() > kMaxDataParallelWorkers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--data-parallel-workers ", config.data_parallel_workers(),
-                     " is out of range: use 1-", kMaxDataParallelWorkers));
   }
   if (config.cast_isa() == "widest") {
     config.set_cast_isa(std::string(CastIsaName(SupportedCastIsas().back())));
@@ -379,42 +368,6 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
           absl::StrCat("--cast-isa: ", isa.status().message(), ", or widest"));
     }
     settings.cast_isa = *isa;
-  }
-  if (!config.has_delta_versions()) {
-    // A shard nobody can change (no optimizer, no admin token to publish
-    // with) never has a delta to serve: its bitmaps would be dead weight
-    // (4 GiB of a Llama-2-70B set of 8).
-    const bool changes = !config.optimizer().empty() || !config.admin_token_file().empty();
-    config.set_delta_versions(changes ? kDefaultDeltaVersions : 0);
-  }
-  if (config.delta_versions() > kMaxDeltaVersions) {
-    return absl::InvalidArgumentError(absl::StrCat("--delta-versions ", config.delta_versions(),
-                                                   " is out of range: use 0-", kMaxDeltaVersions));
-  }
-  if (config.pin_retention_ms() > kMaxPinRetentionMs) {
-    return absl::InvalidArgumentError(absl::StrCat("--pin-retention-ms ", config.pin_retention_ms(),
-                                                   " is out of range: use 0-", kMaxPinRetentionMs,
-                                                   " (an hour)"));
-  }
-  if (config.has_pin_retention_ms() && config.pin_retention_ms() > 0 &&
-      config.delta_versions() == 0) {
-    return absl::InvalidArgumentError(
-        "--pin-retention-ms needs --delta-versions of at least 1: the versions kept for pinned "
-        "readers are the change log's snapshots; drop --delta-versions 0 or set "
-        "--pin-retention-ms 0");
-  }
-  if (!config.has_change_recording_idle_ms()) {
-    config.set_change_recording_idle_ms(kDefaultChangeRecordingIdleMs);
-  }
-  if (config.change_recording_idle_ms() > kMaxChangeRecordingIdleMs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--change-recording-idle-ms ", config.change_recording_idle_ms(),
-        " is out of range: use 0-", kMaxChangeRecordingIdleMs, " (a day; 0 records every step)"));
-  }
-  if (!config.has_pin_retention_ms()) {
-    // Without the change log there is nothing to keep (and the resolved
-    // config says so).
-    config.set_pin_retention_ms(config.delta_versions() == 0 ? 0 : kDefaultPinRetentionMs);
   }
   settings.config = std::move(config);
   return settings;

@@ -53,22 +53,24 @@ class ShardService final
                               layercast::v1::ShardService::WithCallbackMethod_GetCastError<
                                   layercast::v1::ShardService::Service>>>>>>> {
  public:
+  // Each from the resolved ShardConfig of the same name; config.proto holds
+  // the defaults, so none is written here.
   struct Options {
-    uint64_t chunk_bytes = 1 << 20;
+    uint64_t chunk_bytes = 0;
     // FetchLayer streams streaming at most (--max-streams); more are refused
     // with RESOURCE_EXHAUSTED.
-    uint32_t max_streams = 1024;
+    uint32_t max_streams = 0;
     // Streams parked for a future min_version at most (--max-parked-streams).
-    uint32_t max_parked_streams = 4096;
+    uint32_t max_parked_streams = 0;
     // PushGradients streams open at most (--max-push-streams).
-    uint32_t max_push_streams = 1024;
+    uint32_t max_push_streams = 0;
     // WaitVersion calls one connection may have parked at once
     // (--max-waits-per-connection).
-    uint32_t max_waits_per_connection = 8;
+    uint32_t max_waits_per_connection = 0;
     // How far ahead of the shard's version a min_version may be.
-    uint32_t max_version_lead = 64;
-    std::chrono::milliseconds max_version_wait{5 * 60 * 1000};
-    std::chrono::milliseconds write_progress_timeout{30 * 1000};
+    uint32_t max_version_lead = 0;
+    std::chrono::milliseconds max_version_wait{0};
+    std::chrono::milliseconds write_progress_timeout{0};
     // Set (--worker-token-dir): a push for worker k, and a clip scale
     // (worker 0's), need worker k's token.
     std::optional<WorkerTokens> worker_tokens;

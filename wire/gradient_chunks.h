@@ -15,6 +15,12 @@
 
 namespace layercast::wire {
 
+// Data bytes per chunk a worker sends a shard by default, gradients and
+// publishes alike. A shard that takes writes (a training shard, or one with
+// an admin token) accepts messages of twice this by default, framing
+// included (--max-receive-message-bytes).
+inline constexpr uint64_t kWriteChunkBytes = 1 << 20;
+
 // Cuts one worker's gradient of one layer, given in the layer's gradient
 // layout (core/layout.h GradientLayout: each tensor in its compute dtype,
 // an 8-bit float one in float32), into the GradientChunks one shard must receive: exactly the

@@ -11,24 +11,27 @@ const HEADROOM_ANNOTATION = "layercast/memory-headroom";
 // The served model's shapes as a synthetic spec, for a set that serves a
 // file (--model): what the shard's dry run sizes.
 const MODEL_SHAPE_ANNOTATION = "layercast/model-shape";
-const DEFAULT_DRAIN_SECONDS = 20; // server/shard_config.cc
 const DEFAULT_GRACE_SECONDS = 30; // Kubernetes' default
 const EXIT_MARGIN_SECONDS = 5; // time to exit after the drain ends
 // Time to write the checkpoint on SIGTERM (checkpoint_dir set, and
 // checkpoint_on_sigterm not false): a few GB to a network volume.
 const CHECKPOINT_MARGIN_SECONDS = 30;
 
-// Field names of layercast.v1.ShardConfig, read from the proto so that they
-// cannot drift: proto3 JSON accepts each as snake_case or lowerCamelCase.
+// Field names of layercast.v1.ShardConfig and their defaults, read from the
+// proto so that they cannot drift (the proto writes each default once):
+// proto3 JSON accepts each name as snake_case or lowerCamelCase.
 export function shardConfigFields(repoRoot) {
   const proto = fs.readFileSync(path.join(repoRoot, "proto/layercast/v1/config.proto"), "utf8");
   const body = /message ShardConfig \{([\s\S]*?)\n\}/.exec(proto)[1];
-  const fields = new Map(); // json key -> { name, type }
-  // "[optional] TYPE NAME = N;" or "... = N [(help) = ...];"
-  for (const [, type, name] of body.matchAll(/^\s*(?:optional\s+)?(\w+)\s+(\w+)\s*=\s*\d+\s*[;[]/gm)) {
+  const fields = new Map(); // json key -> { name, type, defaultValue }
+  // "[optional] TYPE NAME = N;" or "... = N [(help) = ..., (default_value) = D];"
+  const declaration = /^\s*(?:optional\s+)?(\w+)\s+(\w+)\s*=\s*\d+\s*(?:;|\[([\s\S]*?)\];)/gm;
+  for (const [, type, name, options] of body.matchAll(declaration)) {
     const camel = name.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
-    fields.set(name, { name, type });
-    fields.set(camel, { name, type });
+    const found = /\(default_value\)\s*=\s*(\d+)/.exec(options ?? "");
+    const field = { name, type, defaultValue: found ? Number(found[1]) : undefined };
+    fields.set(name, field);
+    fields.set(camel, field);
   }
   return fields;
 }
@@ -244,7 +247,8 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
     }
 
     // SIGKILL must not cut the drain short.
-    const drain = Number(effective.drain_timeout_seconds || DEFAULT_DRAIN_SECONDS);
+    const drain = Number(effective.drain_timeout_seconds ||
+                         shardFields.get("drain_timeout_seconds").defaultValue);
     const grace = pod.terminationGracePeriodSeconds ?? DEFAULT_GRACE_SECONDS;
     const checkpointsOnExit = Boolean(effective.checkpoint_dir) &&
       String(effective.checkpoint_on_sigterm ?? "true") !== "false";

@@ -10,6 +10,7 @@ namespace layercast::server {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 absl::StatusOr<ShardSettings> Resolve(std::vector<std::string> flags) {
   std::vector<std::string> args = {"--num-shards", "1", "--synthetic", "llama:layers=1"};
@@ -150,6 +151,29 @@ TEST(ShardConfigTest, PinnedReadsKeepVersionsForAWhileAndNeedTheChangeLog) {
   EXPECT_THAT(settings.status().message(), HasSubstr("needs --delta-versions of at least 1"));
   settings = Resolve({"--pin-retention-ms", "3600001"});
   EXPECT_THAT(settings.status().message(), HasSubstr("use 0-3600000"));
+}
+
+// config.proto writes each default once; --help and the resolved config
+// both come from it.
+TEST(ShardConfigTest, DefaultsComeFromTheProtoIntoHelpAndConfig) {
+  const std::string help = ShardFlagsHelp();
+  EXPECT_THAT(help, Not(HasSubstr("{default}")));
+  EXPECT_THAT(help, Not(HasSubstr("{max}")));
+  EXPECT_THAT(help, HasSubstr("default 1048576, at least"));
+  const absl::StatusOr<ShardSettings> settings = Resolve({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  const google::protobuf::FieldOptions& chunk =
+      layercast::v1::ShardConfig::descriptor()->FindFieldByName("chunk_bytes")->options();
+  EXPECT_EQ(settings->config.chunk_bytes(), chunk.GetExtension(layercast::v1::default_value));
+  EXPECT_EQ(settings->config.listen(), "127.0.0.1:7070");
+  EXPECT_EQ(settings->config.max_streams(), 1024u);
+  EXPECT_EQ(settings->config.max_receive_message_bytes(), 65536u);
+  const absl::StatusOr<ShardSettings> training = Resolve({"--optimizer", "sgd:lr=0.1"});
+  ASSERT_TRUE(training.ok()) << training.status();
+  EXPECT_EQ(training->config.max_receive_message_bytes(), 2u << 20);
+  EXPECT_EQ(training->config.data_parallel_workers(), 1u);
+  EXPECT_EQ(training->config.delta_versions(), 4u);
+  EXPECT_EQ(training->config.pin_retention_ms(), 30000u);
 }
 
 TEST(ShardConfigTest, LogFormatAndLevel) {
