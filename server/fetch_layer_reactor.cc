@@ -13,57 +13,13 @@
 #include "absl/strings/str_cat.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "server/answer_before.h"
 #include "server/refusals.h"
 #include "wire/chunk_encoder.h"
 #include "wire/delta_chunks.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
-namespace {
-
-// A delta chunk's fields beside its values and bitmap: tags, varints and
-// the CRC, well under this.
-constexpr uint64_t kDeltaHeaderBytes = 64;
-
-// When a stream waiting for budget gives up: a little before the client's
-// deadline, so RESOURCE_EXHAUSTED reaches the client instead of its own
-// DEADLINE_EXCEEDED.
-std::chrono::steady_clock::time_point GiveUpAt(std::chrono::system_clock::time_point deadline) {
-  const auto now = std::chrono::system_clock::now();
-  if (deadline >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
-    return std::chrono::steady_clock::time_point::max();
-  }
-  const auto remaining = std::max(deadline - now, std::chrono::system_clock::duration::zero());
-  const auto margin =
-      std::min<std::chrono::system_clock::duration>(std::chrono::milliseconds(500), remaining / 10);
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(remaining - margin);
-}
-
-}  // namespace
-
-uint64_t FetchLayerReactor::MaxStreamBytes(uint64_t chunk_bytes, bool deltas) {
-  // A delta chunk of 16-bit values (the smallest with deltas: 8-bit floats
-  // have none) adds a bit per 2 bytes of values.
-  return 2 * (deltas ? chunk_bytes + chunk_bytes / 16 + kDeltaHeaderBytes : chunk_bytes);
-}
-
-uint64_t FetchLayerReactor::BufferBytes(const ParameterStore& store, const FetchPlan& plan,
-                                        uint64_t chunk_bytes, bool delta) {
-  uint64_t largest = 0;
-  for (const TensorElementRange& run : plan.runs) {
-    const AssembledTensor& placed = store.layout(plan.layer).tensors()[run.tensor];
-    const uint64_t elements = std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, placed));
-    // A chunk off the block grid (a ranged stream's first) touches one
-    // block more than whole blocks would.
-    const uint64_t scales =
-        placed.block_size == 0 ? 0 : (elements / placed.block_size + 2) * sizeof(float);
-    largest = std::max(largest, elements * DTypeSize(placed.compute_dtype) + scales +
-                                    (delta ? elements / 8 + kDeltaHeaderBytes : 0));
-  }
-  return 2 * largest;
-}
-
 FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
                                      const ParameterStore& store, VersionGate& gate,
                                      MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
@@ -79,8 +35,8 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
               {.chunk_bytes = options_.chunk_bytes,
                .cast_errors = options_.cast_errors,
                .recast = options_.recast}),
-      buffer_bytes_(
-          BufferBytes(store_, plan_, options_.chunk_bytes, options_.base_version.has_value())),
+      buffer_bytes_(StreamBufferBytes(store_, plan_, options_.chunk_bytes,
+                                      options_.base_version.has_value())),
       peer_(context->peer()) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
   // What keeps a training shard recording its steps (ChangeLog::Wanted).
@@ -150,7 +106,7 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
         phase_ = Phase::kStreaming;
         streaming = true;
       } else {
-        wait_id_ = budget_.Acquire(buffer_bytes_, GiveUpAt(context_->deadline()),
+        wait_id_ = budget_.Acquire(buffer_bytes_, AnswerBefore(context_->deadline()),
                                    [this](bool granted) { OnBudget(granted); });
       }
     }
@@ -348,7 +304,7 @@ void FetchLayerReactor::WriteNext() {
   std::optional<absl::StatusOr<CastChunk>> chunk = options_.shared->GetOrCast(
       key,
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements}) +
-          (options_.base_version ? key.elements / 8 + kDeltaHeaderBytes : 0),
+          (options_.base_version ? DeltaExtraBytes(key.elements) : 0),
       peer_, cast, [this](absl::StatusOr<CastChunk> shared) { Write(shared); });
   if (chunk) Write(*std::move(chunk));
 }

@@ -46,7 +46,7 @@ namespace layercast::server {
 class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   struct Options {
-    uint64_t chunk_bytes = 1 << 20;
+    uint64_t chunk_bytes = 0;  // the resolved --chunk-bytes
     uint64_t min_version = 0;
     // When a stream parked for min_version gives up on the server's side
     // (--max-version-wait-ms), whatever the client's deadline.
@@ -92,19 +92,6 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   FetchLayerReactor(grpc::CallbackServerContext* context, const ParameterStore& store,
                     VersionGate& gate, MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
                     Options options);
-
-  // Budgeted bytes one stream of `plan` holds while it runs: its largest
-  // chunk, twice, since the transport may still hold the previous chunk's
-  // slice when the next one is cast. A delta chunk may hold its whole
-  // span's values, its bitmap and its header.
-  static uint64_t BufferBytes(const ParameterStore& store, const FetchPlan& plan,
-                              uint64_t chunk_bytes, bool delta = false);
-  // The most BufferBytes gives for any plan with `chunk_bytes` of at least
-  // LeastFp8ChunkBytes (server/memory_plan.h) under 8-bit floats: two
-  // chunks of values (an 8-bit float's with its scales), and with `deltas`
-  // (the shard keeps changes, so any stream may be a delta) a delta chunk's
-  // bitmap and header. The memory plan counts one stream as this.
-  static uint64_t MaxStreamBytes(uint64_t chunk_bytes, bool deltas);
 
   // When a write has been in flight for longer than `limit` at `now`
   // (once per stream): a new reference to the call, for the caller to cancel

@@ -131,4 +131,36 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   return plan;
 }
 
+namespace {
+
+// A delta chunk's fields beside its values and bitmap: tags, varints and
+// the CRC, well under this.
+constexpr uint64_t kDeltaHeaderBytes = 64;
+
+}  // namespace
+
+uint64_t DeltaExtraBytes(uint64_t elements) { return elements / 8 + kDeltaHeaderBytes; }
+
+uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas) {
+  // A delta chunk of 16-bit values (the smallest with deltas: 8-bit floats
+  // have none) adds a bit per 2 bytes of values.
+  return 2 * (deltas ? chunk_bytes + chunk_bytes / 16 + kDeltaHeaderBytes : chunk_bytes);
+}
+
+uint64_t StreamBufferBytes(const ParameterStore& store, const FetchPlan& plan, uint64_t chunk_bytes,
+                           bool delta) {
+  uint64_t largest = 0;
+  for (const TensorElementRange& run : plan.runs) {
+    const AssembledTensor& placed = store.layout(plan.layer).tensors()[run.tensor];
+    const uint64_t elements = std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, placed));
+    // A chunk off the block grid (a ranged stream's first) touches one
+    // block more than whole blocks would.
+    const uint64_t scales =
+        placed.block_size == 0 ? 0 : (elements / placed.block_size + 2) * sizeof(float);
+    largest = std::max(largest, elements * DTypeSize(placed.compute_dtype) + scales +
+                                    (delta ? DeltaExtraBytes(elements) : 0));
+  }
+  return 2 * largest;
+}
+
 }  // namespace layercast::server

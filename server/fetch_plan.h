@@ -26,9 +26,9 @@ uint64_t SentBytes(const AssembledTensor& tensor, ElementRange elements);
 // Elements in one chunk of `tensor`: as many as fit in `chunk_bytes`. An
 // 8-bit float's chunks hold whole blocks, so a chunk on the grid is
 // quantized and measured block by block in one pass, and each block brings
-// its fp32 scale, plus the two more FetchLayerReactor::BufferBytes counts
+// its fp32 scale, plus the two more StreamBufferBytes counts
 // for a chunk off the block grid (which touches one block more): those
-// count too, so a stream holds no more than MaxStreamBytes says (from
+// count too, so a stream holds no more than MaxStreamBufferBytes says (from
 // LeastFp8ChunkBytes, the least chunk_bytes ResolveShardConfig accepts).
 uint64_t ElementsPerChunk(uint64_t chunk_bytes, const AssembledTensor& tensor);
 
@@ -67,6 +67,24 @@ class ChunkGrid {
 // ChunkGrid. Saturates at UINT64_MAX.
 uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_index,
                     uint32_t num_shards, uint64_t chunk_bytes);
+
+// What a delta chunk of `elements` values holds beside them: its bitmap and
+// a header (tags, varints and the CRC).
+uint64_t DeltaExtraBytes(uint64_t elements);
+
+// Budgeted bytes one stream of `plan` holds while it runs: its largest
+// chunk, twice, since the transport may still hold the previous chunk's
+// slice when the next one is cast. A delta chunk may hold its whole span's
+// values, its bitmap and its header.
+uint64_t StreamBufferBytes(const ParameterStore& store, const FetchPlan& plan, uint64_t chunk_bytes,
+                           bool delta = false);
+
+// The most StreamBufferBytes gives for any plan with `chunk_bytes` of at
+// least LeastFp8ChunkBytes (server/memory_plan.h) under 8-bit floats: two
+// chunks of values (an 8-bit float's with its scales), and with `deltas`
+// (the shard keeps changes, so any stream may be a delta) a delta chunk's
+// bitmap and header. The memory plan counts one stream as this.
+uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas);
 
 // Validates `request` against the store and plans the stream. Does no work
 // and allocates nothing sized by the request before validation passes.

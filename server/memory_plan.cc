@@ -6,7 +6,6 @@
 #include "platform/status_macros.h"
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
-#include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
@@ -37,7 +36,7 @@ absl::StatusOr<MemoryPlan> PlanShardMemory(const ModelSpec& model, const Policy&
   plan.shard_index = shard_index;
   plan.num_shards = num_shards;
   ASSIGN_OR_RETURN(plan.master_bytes, ParameterStore::MasterBytes(model, shard_index, num_shards));
-  plan.stream_bytes = FetchLayerReactor::MaxStreamBytes(chunk_bytes, delta_versions > 0);
+  plan.stream_bytes = MaxStreamBufferBytes(chunk_bytes, delta_versions > 0);
   plan.change_bytes = ChangeLog::BytesFor(model, shard_index, num_shards, delta_versions);
   ASSIGN_OR_RETURN(const std::vector<AssembledLayout> layouts,
                    ShardedLayouts(model, policy, num_shards));

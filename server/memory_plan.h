@@ -16,7 +16,7 @@ namespace layercast::server {
 // `fp8_block`: one block of codes and the three scales a chunk may bring
 // (its block's, and one more for each end of a chunk that starts or ends
 // inside a block). From there a stream holds no more than the plan's
-// stream_bytes (FetchLayerReactor::MaxStreamBytes); ResolveShardConfig
+// stream_bytes (MaxStreamBufferBytes); ResolveShardConfig
 // refuses less.
 constexpr uint64_t LeastFp8ChunkBytes(uint32_t fp8_block) { return fp8_block + 3 * sizeof(float); }
 
@@ -29,7 +29,7 @@ struct MemoryPlan {
   uint64_t master_bytes = 0;   // the fp32 master of this shard's slices
   uint64_t state_bytes = 0;    // optimizer state (training shards)
   uint64_t staging_bytes = 0;  // one step of the largest layer, W pushes (+ clip means)
-  uint64_t stream_bytes = 0;   // one stream's chunks: FetchLayerReactor::MaxStreamBytes
+  uint64_t stream_bytes = 0;   // one stream's chunks: MaxStreamBufferBytes
   uint64_t change_bytes = 0;   // --delta-versions of change bitmaps (server/change_log.h)
   uint32_t layers = 0;         // the model's layers
   uint64_t grid_chunks = 0;    // chunks of the shard's grid (GridChunks)

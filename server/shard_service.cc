@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "server/answer_before.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
 #include "server/push_gradients_reactor.h"
@@ -383,19 +384,10 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
     leave();
     return FinishUnary(context, "WaitVersion", admitted);
   }
-  // Answer a little before the caller's deadline, so that a version that
-  // did not come reads as the version now rather than DEADLINE_EXCEEDED.
-  const auto steady_now = std::chrono::steady_clock::now();
-  auto wait =
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(options_.max_version_wait);
-  if (const auto deadline = context->deadline();
-      deadline != std::chrono::system_clock::time_point::max()) {
-    const auto left = deadline - std::chrono::system_clock::now();
-    const auto margin =
-        std::min<std::chrono::system_clock::duration>(std::chrono::milliseconds(100), left / 10);
-    wait = std::min(wait, std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::max<std::chrono::system_clock::duration>(left - margin, {})));
-  }
+  // A version that did not come reads as the version now, never as
+  // DEADLINE_EXCEEDED.
+  const auto answer_at = std::min(std::chrono::steady_clock::now() + options_.max_version_wait,
+                                  AnswerBefore(context->deadline()));
   auto* reactor =
       new WaitVersionReactor(gate_, response, [this, leave](const grpc::Status& status) {
         metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
@@ -403,7 +395,7 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
         absl::MutexLock lock(&streams_mu_);
         --parked_;
       });
-  reactor->Start(request->min_version(), steady_now + wait);
+  reactor->Start(request->min_version(), answer_at);
   return reactor;
 }
 

@@ -1,0 +1,155 @@
+// A mirror (client::ModelMirror) following publishes to real shards: by
+// delta pulls in place, answered by WaitVersion, and in full from shards
+// that restarted; the manifest command shows a set split between versions.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/integration/publish_fixture.h"
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> created =
+      client::ModelMirror::Create(*shards_.set, {.poll = std::chrono::seconds(20)});
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::ModelMirror& mirror = **created;
+  EXPECT_EQ(mirror.version(), 0u);
+  const uint32_t layers = static_cast<uint32_t>(shards_.set->model().layers.size());
+  std::vector<const uint8_t*> views;
+  uint64_t full_bytes = 0;
+  {
+    auto reading = mirror.Read();
+    for (uint32_t l = 0; l < layers; ++l) {
+      views.push_back(reading.layer(l).tensor(0).bytes.data());
+      full_bytes += reading.layer(l).bytes().size();
+    }
+  }
+  absl::Mutex mu;
+  std::vector<client::MirrorUpdate> updates;
+  mirror.Follow([&](const client::MirrorUpdate& update) {
+    absl::MutexLock lock(&mu);
+    updates.push_back(update);
+  });
+
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  auto values = model_.values;
+  for (uint64_t version = 1; version <= 3; ++version) {
+    // A small step: a few values change, most of their bf16 bits do not.
+    for (auto& [name, tensor] : values) {
+      for (size_t i = version; i < tensor.size(); i += 7) tensor[i] *= 1.0f + 1.0f / 32;
+    }
+    ASSERT_TRUE(publisher.Publish(View(values)).ok());
+    ASSERT_TRUE(mirror.WaitForVersion(version, std::chrono::seconds(30))) << version;
+    auto reading = mirror.Read();
+    EXPECT_EQ(reading.version(), version);
+    EXPECT_TRUE(reading.status().ok()) << reading.status();
+    for (uint32_t l = 0; l < layers; ++l) {
+      const client::Layer& held = reading.layer(l);
+      ExpectHoldsAFullPull(held);
+      EXPECT_EQ(held.tensor(0).bytes.data(), views[l]) << "the buffer moved";
+    }
+  }
+  {
+    // on_update runs after the update lets waiters go: wait for the third.
+    absl::MutexLock lock(&mu);
+    const auto three = [&updates] { return updates.size() >= 3; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&three), absl::Seconds(30)));
+    ASSERT_EQ(updates.size(), 3u);
+    for (const client::MirrorUpdate& update : updates) {
+      EXPECT_EQ(update.layers, layers);
+      EXPECT_GT(update.bytes, 0u);
+      EXPECT_LT(update.bytes, full_bytes) << "an update pulled more than the whole model";
+    }
+  }
+  // The follower is parked in a 20 s poll: stopping cancels it.
+  const auto start = std::chrono::steady_clock::now();
+  mirror.StopFollowing();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  absl::StatusOr<client::MirrorUpdate> update = mirror.Update();
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_EQ(update->layers, 0u) << "nothing new to pull";
+}
+
+// Version numbers restart with a shard's process: after the set restarts
+// without checkpoints, version 1 names other values than it did before. A
+// mirror that held the old version 1 asks for a delta from 1 to 2; the
+// shards, now another incarnation, refuse it and the mirror pulls in full,
+// ending with exactly what they serve. (It used to apply the delta to its
+// old values and end with every value that changed between the two version
+// 1s wrong, while reporting version 2.)
+TEST_F(PublishTest, AMirrorPullsInFullFromShardsThatRestartedInsteadOfAWrongDelta) {
+  // Every `every`-th value of each tensor nudged by a quarter.
+  const auto nudged_every = [this](size_t every) {
+    auto values = model_.values;
+    for (auto& [name, tensor] : values) {
+      for (size_t i = 0; i < tensor.size(); i += every) tensor[i] *= 1.25f;
+    }
+    return values;
+  };
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  ASSERT_TRUE(publisher.Publish(View(nudged_every(3))).ok());
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> created =
+      client::ModelMirror::Create(*shards_.set);
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::ModelMirror& mirror = **created;
+  ASSERT_EQ(mirror.version(), 1u);
+  for (uint32_t shard = 0; shard < 2; ++shard) {
+    shards_.processes->KillForTest(shard);
+    ASSERT_EQ(shards_.processes->RestartForTest(shard), absl::OkStatus());
+  }
+  // Loaded again (a gather waits out shards still loading), at version 0.
+  absl::StatusOr<client::Layer> restarted = shards_.set->Gather(0);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  ASSERT_EQ(restarted->version(), 0u);
+  // Version 1 again, now the model's own values; then version 2.
+  ASSERT_TRUE(publisher.Publish(View(model_.values)).ok());
+  absl::StatusOr<client::PublishResult> second = publisher.Publish(View(nudged_every(5)));
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->version, 2u);
+  const std::optional<double> fallbacks_before =
+      CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total");
+  absl::StatusOr<client::MirrorUpdate> update = mirror.Update();
+  ASSERT_TRUE(update.ok()) << update.status();
+  auto reading = mirror.Read();
+  EXPECT_EQ(reading.version(), 2u);
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    ExpectHoldsAFullPull(reading.layer(l));
+  }
+  EXPECT_GE(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total").value_or(0),
+            fallbacks_before.value_or(0) + shards_.set->model().layers.size())
+      << "every layer came in full";
+}
+
+// `layercast manifest` shows each shard's version and incarnation, and says
+// so when the shards disagree: here shard 1 restarted without a checkpoint
+// after a publish, and serves version 0 beside shard 0's 1.
+TEST_F(PublishTest, TheManifestCommandShowsASplitSetShardByShard) {
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  ASSERT_TRUE(publisher.Publish(View(Nudged(0.25f))).ok());
+  shards_.processes->KillForTest(1);
+  ASSERT_EQ(shards_.processes->RestartForTest(1), absl::OkStatus());
+  const std::string list =
+      absl::StrCat(shards_.processes->addresses()[0], ",", shards_.processes->addresses()[1]);
+  std::string output;
+  ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " manifest --shards ", list), &output), 0)
+      << output;
+  EXPECT_THAT(output, HasSubstr("the shards disagree (0 to 1)"));
+  EXPECT_THAT(output, HasSubstr(absl::StrCat(shards_.processes->addresses()[0], "  version 1")));
+  EXPECT_THAT(output, HasSubstr(absl::StrCat(shards_.processes->addresses()[1], "  version 0")));
+
+  // A worker's gather sees the same split, and its skew gauge says so.
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_version_skew"), 0);
+  client::GatherOptions options;
+  options.timeout = std::chrono::seconds(3);
+  EXPECT_FALSE(shards_.set->Gather(0, options).ok()) << "shard 1 never reaches version 1";
+  EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_version_skew"), 1);
+}
+
+// A gather pinned to `version`, a delta from `base` when given.
+
+}  // namespace
+}  // namespace layercast::testing
