@@ -163,4 +163,35 @@ uint64_t StreamBufferBytes(const ParameterStore& store, const FetchPlan& plan, u
   return 2 * largest;
 }
 
+absl::StatusOr<FetchWait> PlanWait(const layercast::v1::FetchLayerRequest& request,
+                                   uint64_t current, uint32_t max_version_lead,
+                                   bool keeps_changes) {
+  if (request.has_exact_version() && request.min_version() > request.exact_version()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "min_version ", request.min_version(), " is above exact_version ", request.exact_version(),
+        ": give one of them, or a min_version at most ", "the exact one"));
+  }
+  if (request.has_exact_version() && request.has_base_version() &&
+      request.base_version() > request.exact_version()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("base_version ", request.base_version(), " is above exact_version ",
+                     request.exact_version(), ": a delta goes from an older version to a newer"));
+  }
+  const uint64_t wait_for =
+      request.has_exact_version() ? request.exact_version() : request.min_version();
+  if (wait_for > current && wait_for - current > max_version_lead) {
+    return absl::OutOfRangeError(absl::StrCat(
+        request.has_exact_version() ? "exact_version " : "min_version ", wait_for, " is more than ",
+        max_version_lead, " versions ahead of layer ", request.layer(), "'s version ", current,
+        " (--max-version-lead): it cannot come soon. If this shard ",
+        "restarted from older parameters, restart the job from its checkpoint"));
+  }
+  if (request.has_base_version() && !keeps_changes) {
+    return absl::OutOfRangeError(
+        "this shard keeps no changes between versions (started with --delta-versions 0), so it "
+        "serves no delta pulls; pull the layer in full");
+  }
+  return FetchWait{.version = wait_for, .parked = wait_for > current};
+}
+
 }  // namespace layercast::server

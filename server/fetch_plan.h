@@ -99,4 +99,22 @@ uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas);
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                                     const layercast::v1::FetchLayerRequest& request);
 
+// What a stream of `request` waits for before it sends: the version it
+// asks for (its exact_version when pinned, else its min_version), and
+// whether that is past `current` (the layer's version now), so the stream
+// parks: it holds no budget, and a slot of its own kind.
+struct FetchWait {
+  uint64_t version = 0;
+  bool parked = false;
+};
+
+// Validates `request`'s versions against the layer's `current` one:
+//   INVALID_ARGUMENT  min_version or base_version above exact_version;
+//   OUT_OF_RANGE      a version more than `max_version_lead` ahead (it
+//                     cannot come soon), or a delta from a shard that keeps
+//                     no changes (`keeps_changes` false).
+// Every message says what to ask for instead.
+absl::StatusOr<FetchWait> PlanWait(const layercast::v1::FetchLayerRequest& request,
+                                   uint64_t current, uint32_t max_version_lead, bool keeps_changes);
+
 }  // namespace layercast::server

@@ -47,67 +47,22 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTr
 
 ShardService::ShardService(Options options, ServerMetrics& metrics,
                            boost::asio::any_io_executor grants)
-    : options_(options), metrics_(metrics), gate_(grants), watchdog_([this] { Watchdog(); }) {}
-
-ShardService::~ShardService() {
-  {
-    absl::MutexLock lock(&streams_mu_);
-    stopping_ = true;
-  }
-  watchdog_.join();
-}
-
-void ShardService::Watchdog() {
-  // Four looks per timeout: a stalled stream is caught within 1.25 of it.
-  const absl::Duration period =
-      std::max(absl::Milliseconds(50), absl::FromChrono(options_.write_progress_timeout) / 4);
-  streams_mu_.Lock();
-  while (!streams_mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
-    streams_mu_.Unlock();
-    UpdateStepGauges();
-    streams_mu_.Lock();
-    const auto now = std::chrono::steady_clock::now();
-    // (call, why): readers that stopped draining, pushers that stopped
-    // sending.
-    std::vector<std::pair<grpc_call*, const char*>> stalled;
-    for (FetchLayerReactor* stream : streams_) {
-      if (grpc_call* call = stream->RefIfStalled(now, options_.write_progress_timeout)) {
-        stalled.emplace_back(call,
-                             "the client did not drain a chunk within the shard's "
-                             "--write-progress-timeout-ms");
-      }
-    }
-    for (PushGradientsReactor* push : pushes_) {
-      if (grpc_call* call = push->RefIfIdle(now, options_.write_progress_timeout)) {
-        stalled.emplace_back(call,
-                             "the worker sent no chunk within the shard's "
-                             "--write-progress-timeout-ms; nothing of the push was staged");
-      }
-    }
-    if (stalled.empty()) continue;
-    // Cancelled outside the lock: gRPC may run OnCancel and OnDone, which
-    // take it, on this thread. The calls' own references keep them valid
-    // even when their streams finish meanwhile.
-    streams_mu_.Unlock();
-    for (const auto& [call, why] : stalled) {
-      grpc_call_cancel_with_status(call, GRPC_STATUS_CANCELLED, why, nullptr);
-      grpc_call_unref(call);
-      metrics_.RecordStalledStream();
-    }
-    streams_mu_.Lock();
-  }
-  streams_mu_.Unlock();
-}
+    : options_(options),
+      metrics_(metrics),
+      gate_(grants),
+      streams_({.max_streams = options.max_streams,
+                .max_parked_streams = options.max_parked_streams,
+                .max_push_streams = options.max_push_streams,
+                .max_waits_per_connection = options.max_waits_per_connection,
+                .write_progress_timeout = options.write_progress_timeout},
+               metrics, [this] { UpdateStepGauges(); }) {}
 
 void ShardService::StartDraining() {
   draining_.store(true);
   gate_.Close();
 }
 
-void ShardService::StopStreams() {
-  absl::MutexLock lock(&streams_mu_);
-  for (FetchLayerReactor* stream : streams_) stream->StopAtNextChunk();
-}
+void ShardService::StopStreams() { streams_.StopStreams(); }
 
 void ShardService::AttachStore(Parts parts) {
   gate_.SetLayers(static_cast<uint32_t>(parts.store->model().layers.size()));
@@ -126,22 +81,12 @@ void ShardService::AttachStore(Parts parts) {
   manifest_ = std::move(manifest);
 }
 
-int64_t ShardService::streams_in_flight() const {
-  absl::MutexLock lock(&streams_mu_);
-  return streaming_ + parked_;
-}
+int64_t ShardService::streams_in_flight() const { return streams_.in_flight(); }
 
-int64_t ShardService::streams_streaming() const {
-  absl::MutexLock lock(&streams_mu_);
-  return streaming_;
-}
+int64_t ShardService::streams_streaming() const { return streams_.streaming(); }
 
 bool ShardService::WaitForStreams(absl::Time deadline) const {
-  absl::MutexLock lock(&streams_mu_);
-  const auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(streams_mu_) {
-    return streaming_ + parked_ == 0;
-  };
-  return streams_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  return streams_.WaitUntilIdle(deadline);
 }
 
 ShardService::Parts ShardService::loaded() const {
@@ -213,48 +158,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
 
-  // A stream that must wait for its version is parked: it holds no budget
-  // and no streaming slot, but it may not ask for a version that cannot
-  // come, and it takes a slot of its own kind.
-  const uint64_t current = gate_.version(request->layer());
-  if (request->has_exact_version() && request->min_version() > request->exact_version()) {
-    return Refuse(grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("min_version ", request->min_version(), " is above exact_version ",
-                     request->exact_version(), ": give one of them, or a min_version at most ",
-                     "the exact one")));
-  }
-  if (request->has_exact_version() && request->has_base_version() &&
-      request->base_version() > request->exact_version()) {
-    return Refuse(grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("base_version ", request->base_version(), " is above exact_version ",
-                     request->exact_version(), ": a delta goes from an older version to a newer")));
-  }
-  // The version the stream waits for: a pinned read waits for its own.
-  const uint64_t wait_for =
-      request->has_exact_version() ? request->exact_version() : request->min_version();
-  if (wait_for > current && wait_for - current > options_.max_version_lead) {
-    return Refuse(grpc::Status(
-        grpc::StatusCode::OUT_OF_RANGE,
-        absl::StrCat(request->has_exact_version() ? "exact_version " : "min_version ", wait_for,
-                     " is more than ", options_.max_version_lead, " versions ahead of layer ",
-                     request->layer(), "'s version ", current,
-                     " (--max-version-lead): it cannot come soon. If this shard ",
-                     "restarted from older parameters, restart the job from its checkpoint")));
-  }
-  if (request->has_base_version() && changes == nullptr) {
-    return Refuse(grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
-                               "this shard keeps no changes between versions (started with "
-                               "--delta-versions 0), so it serves no delta pulls; pull the layer "
-                               "in full"));
-  }
-  const bool parked = wait_for > current;
-  if (grpc::Status admitted = Admit(parked); !admitted.ok()) return Refuse(admitted);
+  const absl::StatusOr<FetchWait> wait = PlanWait(*request, gate_.version(request->layer()),
+                                                  options_.max_version_lead, changes != nullptr);
+  if (!wait.ok()) return Refuse(wire::ToGrpcStatus(wait.status()));
+  const bool parked = wait->parked;
+  if (grpc::Status admitted = streams_.Admit(parked); !admitted.ok()) return Refuse(admitted);
   metrics_.streams_in_flight().Increment();
   FetchLayerReactor::Options reactor_options;
   reactor_options.chunk_bytes = options_.chunk_bytes;
-  reactor_options.min_version = wait_for;
+  reactor_options.min_version = wait->version;
   if (request->has_exact_version()) reactor_options.exact_version = request->exact_version();
   // Also for a stream at a version its layer left: a layer whose change
   // changed no value is still served from the master.
@@ -278,12 +190,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // Whether the stream still holds a parked slot rather than a streaming one.
   auto still_parked = std::make_shared<std::atomic<bool>>(parked);
   reactor_options.on_unparked = [this, still_parked] {
-    if (!still_parked->exchange(false)) return;
-    // Past --max-streams for a moment when many parked streams wake at once:
-    // they were admitted already, and the budget still bounds their memory.
-    absl::MutexLock lock(&streams_mu_);
-    --parked_;
-    ++streaming_;
+    if (still_parked->exchange(false)) streams_.Unpark();
   };
   reactor_options.on_done = [this, still_parked, start = std::chrono::steady_clock::now()](
                                 FetchLayerReactor* stream, const grpc::Status& status) {
@@ -293,41 +200,14 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     metrics_.streams_in_flight().Decrement();
-    absl::MutexLock lock(&streams_mu_);
-    --(still_parked->load() ? parked_ : streaming_);
-    streams_.erase(stream);
+    streams_.RemoveStream(stream, still_parked->load());
   };
-  // Registered under the lock its on_done takes, so OnDone, which may come
-  // as soon as a posted grant runs (gRPC holds a reactor's calls until
-  // FetchLayer returns it, then replays them), always finds it registered.
-  absl::MutexLock lock(&streams_mu_);
-  auto* stream = new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
-                                       std::move(reactor_options));
-  streams_.insert(stream);
-  return stream;
-}
-
-grpc::Status ShardService::Admit(bool parked) {
-  absl::MutexLock lock(&streams_mu_);
-  if (parked) {
-    if (parked_ < static_cast<int64_t>(options_.max_parked_streams)) {
-      ++parked_;
-      return grpc::Status::OK;
-    }
-    return grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("this shard already has ", options_.max_parked_streams,
-                     " FetchLayer streams parked for a future min_version "
-                     "(--max-parked-streams); retry with backoff once its version advances"));
-  }
-  if (streaming_ < static_cast<int64_t>(options_.max_streams)) {
-    ++streaming_;
-    return grpc::Status::OK;
-  }
-  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      absl::StrCat("this shard already serves ", options_.max_streams,
-                                   " FetchLayer streams (--max-streams); retry with backoff, or "
-                                   "raise --max-streams"));
+  // OnDone may come as soon as a posted grant runs (gRPC holds a reactor's
+  // calls until FetchLayer returns it, then replays them).
+  return streams_.AddStream([&] {
+    return new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
+                                 std::move(reactor_options));
+  });
 }
 
 grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext* context,
@@ -360,41 +240,18 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
                                   current, " (--max-version-lead): wait for a nearer one")));
   }
   const std::string peer = context->peer();
-  const auto leave = [this, peer] {
-    absl::MutexLock lock(&streams_mu_);
-    if (auto it = waits_by_peer_.find(peer); it != waits_by_peer_.end() && --it->second == 0) {
-      waits_by_peer_.erase(it);
-    }
-  };
-  {
-    absl::MutexLock lock(&streams_mu_);
-    uint32_t& waits = waits_by_peer_[peer];
-    if (waits >= options_.max_waits_per_connection) {
-      return FinishUnary(
-          context, "WaitVersion",
-          grpc::Status(
-              grpc::StatusCode::RESOURCE_EXHAUSTED,
-              absl::StrCat("this connection already has ", options_.max_waits_per_connection,
-                           " WaitVersion calls waiting (--max-waits-per-connection); one "
-                           "at a time sees every version: wait for it to end")));
-    }
-    ++waits;
-  }
-  if (grpc::Status admitted = Admit(/*parked=*/true); !admitted.ok()) {
-    leave();
+  if (grpc::Status admitted = streams_.AddWait(peer); !admitted.ok()) {
     return FinishUnary(context, "WaitVersion", admitted);
   }
   // A version that did not come reads as the version now, never as
   // DEADLINE_EXCEEDED.
   const auto answer_at = std::min(std::chrono::steady_clock::now() + options_.max_version_wait,
                                   AnswerBefore(context->deadline()));
-  auto* reactor =
-      new WaitVersionReactor(gate_, response, [this, leave](const grpc::Status& status) {
-        metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
-        leave();
-        absl::MutexLock lock(&streams_mu_);
-        --parked_;
-      });
+  auto* reactor = new WaitVersionReactor(gate_, response, [this, peer](const grpc::Status& status) {
+    metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
+    streams_.RemoveWait(peer);
+    streams_.Leave(/*parked=*/true);
+  });
   reactor->Start(request->min_version(), answer_at);
   return reactor;
 }

@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -22,6 +21,7 @@
 #include "server/push_gradients_reactor.h"
 #include "server/server_metrics.h"
 #include "server/shared_chunks.h"
+#include "server/stream_registry.h"
 #include "server/version_gate.h"
 #include "server/worker_tokens.h"
 
@@ -38,7 +38,7 @@ namespace layercast::server {
 // most --max-version-wait-ms, and only for a version at most
 // --max-version-lead ahead; a streaming one holds a --max-streams slot and
 // two chunks of budget, and loses both when its reader does not drain a
-// chunk within --write-progress-timeout-ms (a watchdog thread checks). A
+// chunk within --write-progress-timeout-ms (StreamRegistry's sweep). A
 // PushGradients stream holds its staging, and loses it when its worker sends
 // no chunk within the same timeout.
 //
@@ -79,9 +79,8 @@ class ShardService final
   // `metrics` must outlive the service; `grants` (the shard's grant
   // executor, see VersionGate) must outlive every stream.
   ShardService(Options options, ServerMetrics& metrics, boost::asio::any_io_executor grants);
-  // Stops the watchdog. REQUIRES: no stream in flight (the server has
-  // shut down).
-  ~ShardService();
+  // REQUIRES: no stream in flight (the server has shut down).
+  ~ShardService() = default;
 
   // What the loaded shard serves from. All must outlive the service;
   // `shared` may be null (every stream casts its own chunks), `trainer` too
@@ -149,11 +148,6 @@ class ShardService final
   Parts loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
-  // Takes a streaming (or parked) slot; an error when none is free.
-  grpc::Status Admit(bool parked);
-  // Cancels streams whose reader stopped, and keeps the training gauges
-  // current, until the service is destroyed.
-  void Watchdog();
   // The trainer, or the status a training RPC is refused with: loading,
   // or no optimizer.
   absl::StatusOr<LayerTrainer*> Trainer() const;
@@ -170,23 +164,13 @@ class ShardService final
   ServerMetrics& metrics_;
   VersionGate gate_;
   std::atomic<bool> draining_{false};
-  mutable absl::Mutex streams_mu_;
-  int64_t streaming_ ABSL_GUARDED_BY(streams_mu_) = 0;
-  int64_t parked_ ABSL_GUARDED_BY(streams_mu_) = 0;
-  // Every stream not yet done; a reactor leaves it in OnDone, under the
-  // lock, before it deletes itself, so the watchdog and StopStreams may call
-  // into any reactor they find here while they hold the lock.
-  absl::flat_hash_set<FetchLayerReactor*> streams_ ABSL_GUARDED_BY(streams_mu_);
-  // Every PushGradients stream not yet done, likewise.
-  absl::flat_hash_set<PushGradientsReactor*> pushes_ ABSL_GUARDED_BY(streams_mu_);
-  // Parked WaitVersion calls by connection (the peer's address and port).
-  absl::flat_hash_map<std::string, uint32_t> waits_by_peer_ ABSL_GUARDED_BY(streams_mu_);
-  bool stopping_ ABSL_GUARDED_BY(streams_mu_) = false;
   mutable absl::Mutex mu_;
   Parts parts_ ABSL_GUARDED_BY(mu_);
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
-  std::thread watchdog_;  // last: starts once everything above is set
+  // Last: its sweep (UpdateStepGauges) uses everything above, and it is
+  // destroyed first, stopping the sweep.
+  StreamRegistry streams_;
 };
 
 // The manifest of `store` (wire::BuildManifest), with the training set's

@@ -56,11 +56,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   options.on_done = [this](PushGradientsReactor* push, const grpc::Status& status, uint64_t bytes,
                            const std::optional<LayerTrainer::Pushed>& pushed) {
-    {
-      absl::MutexLock lock(&streams_mu_);
-      pushes_.erase(push);
-      metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
-    }
+    streams_.RemovePush(push);
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
     if (!pushed) {
       metrics_.RecordPushRefused(bytes);
@@ -71,20 +67,12 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
       metrics_.RecordPushStaged(bytes);
     }
   };
-  // Registered under the lock its on_done takes, as FetchLayer streams are.
-  absl::MutexLock lock(&streams_mu_);
-  if (pushes_.size() >= options_.max_push_streams) {
-    return refuse(grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("this shard already has ", options_.max_push_streams,
-                     " PushGradients streams open (--max-push-streams); nothing of this push was "
-                     "staged: retry with backoff")));
-  }
-  auto* push = new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
-                                        std::move(options));
-  pushes_.insert(push);
-  metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
-  return push;
+  absl::StatusOr<PushGradientsReactor*> push = streams_.AddPush([&] {
+    return new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
+                                    std::move(options));
+  });
+  if (!push.ok()) return refuse(wire::ToGrpcStatus(push.status()));
+  return *push;
 }
 
 absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
