@@ -24,7 +24,7 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
                                      const ParameterStore& store, VersionGate& gate,
                                      MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
                                      Options options)
-    : context_(context),
+    : StreamReactor(context),
       store_(store),
       gate_(gate),
       budget_(budget),
@@ -311,7 +311,7 @@ void FetchLayerReactor::WriteNext() {
 
 void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   if (!chunk.ok()) {
-    FinishOnce(wire::ToGrpcStatus(chunk.status()));
+    FinishOnce(chunk.status());
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
@@ -331,28 +331,17 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;
   }
-  write_started_ =
-      std::max<int64_t>(1, std::chrono::steady_clock::now().time_since_epoch().count());
+  StampStart();
   StartWrite(&chunk_);
 }
 
-grpc_call* FetchLayerReactor::RefIfStalled(std::chrono::steady_clock::time_point now,
-                                           std::chrono::steady_clock::duration limit) {
-  const int64_t started = write_started_.load();
-  if (started == 0 || now.time_since_epoch().count() - started <= limit.count()) return nullptr;
-  if (stalled_.exchange(true)) return nullptr;
-  grpc_call* call = context_->c_call();
-  grpc_call_ref(call);
-  return call;
-}
-
 void FetchLayerReactor::OnWriteDone(bool ok) {
-  write_started_ = 0;
+  StampDone();
   if (!ok) {
     FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
-                            stalled_ ? "the client stopped reading: no chunk was drained within "
-                                       "the shard's --write-progress-timeout-ms"
-                                     : "the client went away mid-stream"));
+                            stalled() ? "the client stopped reading: no chunk was drained within "
+                                        "the shard's --write-progress-timeout-ms"
+                                      : "the client went away mid-stream"));
     return;
   }
   metrics_.RecordChunkSent(pending_dtype_, pending_elements_, pending_bytes_);
@@ -380,17 +369,11 @@ void FetchLayerReactor::OnCancel() {
   if (finish) FinishOnce(*finish);
 }
 
-void FetchLayerReactor::FinishOnce(const grpc::Status& status) {
-  if (finished_.exchange(true)) return;
-  final_status_ = status;
-  Finish(status);
-}
-
 void FetchLayerReactor::OnDone() {
   if (holds_budget_) budget_.Release(buffer_bytes_);
   if (pinned_) metrics_.pinned_readers().Decrement();
   if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer, peer_);
-  if (options_.on_done) options_.on_done(this, final_status_);
+  if (options_.on_done) options_.on_done(this, final_status());
   delete this;
 }
 

@@ -20,6 +20,7 @@
 #include "server/pinned_versions.h"
 #include "server/server_metrics.h"
 #include "server/shared_chunks.h"
+#include "server/stream_reactor.h"
 #include "server/version_gate.h"
 
 namespace layercast::server {
@@ -43,7 +44,7 @@ namespace layercast::server {
 // reactor never calls Finish while it holds that mutex (OnDone may delete it
 // at once), and it never finishes while a grant to it is still posted, so a
 // grant always finds it alive.
-class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<grpc::ByteBuffer>> {
  public:
   struct Options {
     uint64_t chunk_bytes = 0;  // the resolved --chunk-bytes
@@ -93,17 +94,7 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
                     VersionGate& gate, MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
                     Options options);
 
-  // When a write has been in flight for longer than `limit` at `now`
-  // (once per stream): a new reference to the call, for the caller to cancel
-  // with grpc_call_cancel_with_status and release with grpc_call_unref.
-  // The write in flight then fails, OnWriteDone finishes, and OnDone gives
-  // the budget back. A reference to the call, not to this reactor: gRPC
-  // frees the call's context right after OnDone, which may come first, and
-  // cancelling a finished call does nothing. Null otherwise.
-  // Thread-safe; REQUIRES: OnDone has not run (the service's watchdog calls
-  // it under the lock its on_done takes).
-  grpc_call* RefIfStalled(std::chrono::steady_clock::time_point now,
-                          std::chrono::steady_clock::duration limit);
+  // RefIfStalled (StreamReactor): a write in flight too long.
   // Ends the stream with UNAVAILABLE at its next chunk boundary, so the
   // worker resumes the rest elsewhere (the drain timeout has passed).
   // Thread-safe.
@@ -137,11 +128,9 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   // plan is done.
   void WriteNext();
   void Write(absl::StatusOr<CastChunk> chunk);
-  void FinishOnce(const grpc::Status& status);
   // The status of a call that was cancelled while waiting.
   grpc::Status CancelledWhileWaiting(absl::string_view what) const;
 
-  grpc::CallbackServerContext* context_;
   const ParameterStore& store_;
   VersionGate& gate_;
   MemoryBudget& budget_;
@@ -157,15 +146,11 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   uint64_t wait_id_ ABSL_GUARDED_BY(mu_) = 0;  // of the version or budget wait
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> holds_budget_{false};
-  std::atomic<bool> finished_{false};
   std::atomic<bool> stop_{false};
-  std::atomic<bool> stalled_{false};
   // Counted in pinned_readers (it sent from a version its layer had left).
   std::atomic<bool> pinned_{false};
   // The kept version a pinned read sends from; set before streaming starts.
   std::shared_ptr<const PinnedVersions::Kept> held_;
-  // steady_clock ticks when the write in flight started; 0: none in flight.
-  std::atomic<int64_t> write_started_{0};
 
   // Streaming state: touched only by the one step that runs at a time
   // (OnBudget, OnWriteDone or a SharedChunks resume).
@@ -177,7 +162,6 @@ class FetchLayerReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer
   DType pending_dtype_ = DType::kFloat32;
   uint64_t pending_elements_ = 0;
   uint64_t pending_bytes_ = 0;
-  grpc::Status final_status_;
 };
 
 }  // namespace layercast::server

@@ -20,7 +20,7 @@ PushGradientsReactor::PushGradientsReactor(grpc::CallbackServerContext* context,
                                            const ParameterStore& store, LayerTrainer& trainer,
                                            MemoryBudget& budget, grpc::ByteBuffer* response,
                                            Options options)
-    : context_(context),
+    : StreamReactor(context),
       store_(store),
       trainer_(trainer),
       budget_(budget),
@@ -30,29 +30,19 @@ PushGradientsReactor::PushGradientsReactor(grpc::CallbackServerContext* context,
 }
 
 void PushGradientsReactor::ReadNext() {
-  read_started_ = std::max<int64_t>(1, std::chrono::steady_clock::now().time_since_epoch().count());
+  StampStart();
   StartRead(&chunk_);
 }
 
-grpc_call* PushGradientsReactor::RefIfIdle(std::chrono::steady_clock::time_point now,
-                                           std::chrono::steady_clock::duration limit) {
-  const int64_t started = read_started_.load();
-  if (started == 0 || now.time_since_epoch().count() - started <= limit.count()) return nullptr;
-  if (idle_.exchange(true)) return nullptr;
-  grpc_call* call = context_->c_call();
-  grpc_call_ref(call);
-  return call;
-}
-
 void PushGradientsReactor::OnReadDone(bool ok) {
-  read_started_ = 0;
+  StampDone();
   if (!ok) {
     Complete();
     return;
   }
   absl::StatusOr<wire::GradientChunkView> view = wire::ReadGradientChunk(chunk_);
   if (!view.ok()) {
-    FinishOnce(wire::ToGrpcStatus(view.status()));
+    End(view.status());
     return;
   }
   view_ = *view;
@@ -71,12 +61,12 @@ void PushGradientsReactor::Begin() {
   step_ = view_.step;
   if (options_.authorize) {
     if (absl::Status authorized = options_.authorize(worker_); !authorized.ok()) {
-      FinishOnce(wire::ToGrpcStatus(authorized));
+      End(authorized);
       return;
     }
   }
   if (absl::Status admitted = trainer_.BeginPush(layer_, worker_, step_); !admitted.ok()) {
-    FinishOnce(wire::ToGrpcStatus(admitted));
+    End(admitted);
     return;
   }
   admitted_ = true;
@@ -85,7 +75,7 @@ void PushGradientsReactor::Begin() {
   const uint64_t step_bytes = trainer_.StepBytes(layer_);
   if (!budget_.Grantable(step_bytes)) {
     const std::optional<uint64_t> budget = budget_.budget();
-    FinishOnce(grpc::Status(
+    End(grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
         absl::StrCat("staging a step of layer ", layer_, " takes ", FormatBytes(step_bytes),
                      " (every worker's push in fp32), more than the shard's budget of ",
@@ -103,7 +93,7 @@ void PushGradientsReactor::Begin() {
     waiting_ = !cancelled_;
   }
   if (was_cancelled) {
-    FinishOnce(cancelled);
+    End(cancelled);
     return;
   }
   const uint64_t id = trainer_.ReserveStep(layer_, step_, options_.budget_give_up_at,
@@ -123,7 +113,7 @@ void PushGradientsReactor::Begin() {
       }
     }
   }
-  if (withdrawn) FinishOnce(cancelled);
+  if (withdrawn) End(cancelled);
 }
 
 void PushGradientsReactor::OnReserved(bool granted) {
@@ -147,7 +137,7 @@ void PushGradientsReactor::OnReserved(bool granted) {
     }
   }
   if (finish) {
-    FinishOnce(*finish);
+    End(*finish);
     return;
   }
   Stage();
@@ -157,8 +147,7 @@ void PushGradientsReactor::Stage() {
   try {
     staging_ = trainer_.TakeStaging(layer_);
   } catch (const std::bad_alloc&) {
-    FinishOnce(
-        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+    End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                      absl::StrCat("out of memory for ", FormatBytes(trainer_.StagingBytes(layer_)),
                                   " of gradient staging; retry later")));
     return;
@@ -172,7 +161,7 @@ void PushGradientsReactor::Stage() {
 
 void PushGradientsReactor::Take() {
   if (absl::Status accepted = decoder_->Accept(view_); !accepted.ok()) {
-    FinishOnce(wire::ToGrpcStatus(accepted));
+    End(accepted);
     return;
   }
   ReadNext();
@@ -180,23 +169,22 @@ void PushGradientsReactor::Take() {
 
 void PushGradientsReactor::Complete() {
   if (context_->IsCancelled()) {
-    FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
-                            idle_ ? "the worker sent no chunk within the shard's "
-                                    "--write-progress-timeout-ms; nothing of the push was staged: "
-                                    "push it again"
-                                  : "the push was cancelled before it ended; nothing of it was "
-                                    "staged"));
+    End(grpc::Status(grpc::StatusCode::CANCELLED,
+                     stalled() ? "the worker sent no chunk within the shard's "
+                                 "--write-progress-timeout-ms; nothing of the push was staged: "
+                                 "push it again"
+                               : "the push was cancelled before it ended; nothing of it was "
+                                 "staged"));
     return;
   }
   if (!begun_) {
-    FinishOnce(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            "the push carried no chunks: send every element this shard owns of "
-                            "the layer (its manifest's layout and the shard math say which)"));
+    End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                     "the push carried no chunks: send every element this shard owns of "
+                     "the layer (its manifest's layout and the shard math say which)"));
     return;
   }
   if (!decoder_->done()) {
-    FinishOnce(
-        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+    End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                      absl::StrCat("the push ended before every element this shard owns of layer ",
                                   layer_, " arrived (due: ", decoder_->Due(),
                                   "); nothing of it was staged: push the whole layer again")));
@@ -205,7 +193,7 @@ void PushGradientsReactor::Complete() {
   absl::StatusOr<LayerTrainer::Pushed> pushed =
       trainer_.Push(layer_, worker_, step_, std::exchange(staging_, {}));
   if (!pushed.ok()) {
-    FinishOnce(wire::ToGrpcStatus(pushed.status()));
+    End(pushed.status());
     return;
   }
   pushed_ = *pushed;
@@ -213,7 +201,7 @@ void PushGradientsReactor::Complete() {
   response.set_layer_version(pushed->layer_version);
   response.set_applied(pushed->applied);
   bool own_buffer = false;
-  FinishOnce(grpc::SerializationTraits<layercast::v1::PushGradientsResponse>::Serialize(
+  End(grpc::SerializationTraits<layercast::v1::PushGradientsResponse>::Serialize(
       response, response_, &own_buffer));
 }
 
@@ -228,26 +216,25 @@ void PushGradientsReactor::OnCancel() {
     if (withdrawn) wait_id_ = 0;
   }
   if (withdrawn) {
-    FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
-                            "the push was cancelled while it waited for memory budget"));
+    End(grpc::Status(grpc::StatusCode::CANCELLED,
+                     "the push was cancelled while it waited for memory budget"));
   }
 }
 
-void PushGradientsReactor::FinishOnce(const grpc::Status& status) {
-  if (finished_.exchange(true)) return;
+void PushGradientsReactor::End(const grpc::Status& status) {
+  if (!ClaimFinish()) return;
   // Before the worker hears the status, so that its next push of the same
   // layer is admitted. No read is in flight and nothing else touches the
   // staging: every caller is the stream's last step.
   if (admitted_) trainer_.EndPush(layer_, worker_, step_, std::move(staging_));
-  final_status_ = status;
-  Finish(status);
+  FinishClaimed(status);
 }
 
 void PushGradientsReactor::OnDone() {
   // The worker has its OK: what the shard owes it from here is in the
   // push journal.
-  if (final_status_.ok() && pushed_) FailPoint("step.after_push_ack", store_.shard_index());
-  if (options_.on_done) options_.on_done(this, final_status_, received_bytes_, pushed_);
+  if (final_status().ok() && pushed_) FailPoint("step.after_push_ack", store_.shard_index());
+  if (options_.on_done) options_.on_done(this, final_status(), received_bytes_, pushed_);
   delete this;
 }
 

@@ -15,6 +15,7 @@
 #include "server/layer_trainer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
+#include "server/stream_reactor.h"
 #include "wire/gradient_chunks.h"
 
 namespace layercast::server {
@@ -36,7 +37,7 @@ namespace layercast::server {
 // never overlap (no read is in flight while the stream waits for budget);
 // OnCancel may race either, so the wait in progress and the cancellation
 // are kept under one mutex, as in FetchLayerReactor.
-class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class PushGradientsReactor final : public StreamReactor<grpc::ServerReadReactor<grpc::ByteBuffer>> {
  public:
   struct Options {
     // When a stream waiting for budget gives up (RESOURCE_EXHAUSTED).
@@ -58,14 +59,9 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
                        LayerTrainer& trainer, MemoryBudget& budget, grpc::ByteBuffer* response,
                        Options options);
 
-  // When a read has waited for the worker's next chunk longer than `limit`
-  // at `now` (once per stream): a new reference to the call, for the caller
-  // to cancel with grpc_call_cancel_with_status and release with
-  // grpc_call_unref; null otherwise. A stream waiting for budget is not
-  // idle: the wait is the shard's. Thread-safe; REQUIRES: OnDone has not run
-  // (the service's watchdog calls it under the lock its on_done takes).
-  grpc_call* RefIfIdle(std::chrono::steady_clock::time_point now,
-                       std::chrono::steady_clock::duration limit);
+  // RefIfStalled (StreamReactor): a read waiting for the worker's next
+  // chunk too long. A stream waiting for budget is not stalled: the wait is
+  // the shard's.
 
   void OnReadDone(bool ok) override;
   void OnCancel() override;
@@ -84,9 +80,10 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   void ReadNext();
   // The stream half-closed: hands a complete push to the trainer.
   void Complete();
-  void FinishOnce(const grpc::Status& status);
+  // Ends the push with the trainer, then finishes the call; once.
+  void End(const grpc::Status& status);
+  void End(const absl::Status& status) { End(wire::ToGrpcStatus(status)); }
 
-  grpc::CallbackServerContext* const context_;
   const ParameterStore& store_;
   LayerTrainer& trainer_;
   MemoryBudget& budget_;
@@ -98,17 +95,13 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   bool waiting_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t wait_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> finished_{false};
-  std::atomic<bool> idle_{false};
-  // steady_clock ticks when the read in flight started; 0: none in flight.
-  std::atomic<int64_t> read_started_{0};
 
   // Touched only by the one step that runs at a time (OnReadDone or the
   // budget's grant).
   grpc::ByteBuffer chunk_;
   wire::GradientChunkView view_;  // of chunk_
   bool begun_ = false;
-  // The trainer took this stream in (BeginPush): FinishOnce ends it
+  // The trainer took this stream in (BeginPush): End ends it
   // (EndPush).
   bool admitted_ = false;
   uint32_t layer_ = 0;
@@ -118,7 +111,6 @@ class PushGradientsReactor final : public grpc::ServerReadReactor<grpc::ByteBuff
   std::vector<float> staging_;
   std::optional<wire::GradientDecoder> decoder_;
   std::optional<LayerTrainer::Pushed> pushed_;
-  grpc::Status final_status_;
 };
 
 }  // namespace layercast::server

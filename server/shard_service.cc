@@ -19,16 +19,6 @@
 #include "wire/manifest.h"
 
 namespace layercast::server {
-namespace {
-
-// A write reactor that only finishes with `status`: how a refused stream ends.
-class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
- public:
-  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
-  void OnDone() override { delete this; }
-};
-
-}  // namespace
 
 layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer) {
   return wire::BuildManifest({
@@ -134,7 +124,7 @@ grpc::ServerUnaryReactor* ShardService::GetCastError(
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(const grpc::Status& status) {
   metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
-  return new RefusedStream(status);
+  return new RefusedStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(status);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(

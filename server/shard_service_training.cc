@@ -10,16 +10,6 @@
 // ApplyClippedStep, on a shard started with --optimizer.
 
 namespace layercast::server {
-namespace {
-
-// A PushGradients call refused before reading anything.
-class RefusedPush final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
- public:
-  explicit RefusedPush(const grpc::Status& status) { Finish(status); }
-  void OnDone() override { delete this; }
-};
-
-}  // namespace
 
 void ShardService::UpdateStepGauges() {
   LayerTrainer* trainer = loaded().trainer;
@@ -33,7 +23,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   const auto refuse = [this](const grpc::Status& status) {
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
-    return new RefusedPush(status);
+    return new RefusedStream<grpc::ServerReadReactor<grpc::ByteBuffer>>(status);
   };
   if (draining_.load()) {
     return refuse(ShuttingDownRefusal(

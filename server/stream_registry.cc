@@ -38,7 +38,7 @@ void StreamRegistry::Sweep() {
       }
     }
     for (PushGradientsReactor* push : pushes_) {
-      if (grpc_call* call = push->RefIfIdle(now, limits_.write_progress_timeout)) {
+      if (grpc_call* call = push->RefIfStalled(now, limits_.write_progress_timeout)) {
         stalled.emplace_back(call,
                              "the worker sent no chunk within the shard's "
                              "--write-progress-timeout-ms; nothing of the push was staged");
