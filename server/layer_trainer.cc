@@ -73,15 +73,22 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
   for (uint32_t l = 0; l < model.layers.size(); ++l) {
     for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) owned += store.owned(l, t).size();
   }
-  auto trainer = std::unique_ptr<LayerTrainer>(new LayerTrainer(
-      store, std::move(spec), workers, links, uint64_t{workers} * owned * sizeof(float)));
+  std::unique_ptr<OwnGate> own_gate;
+  if (links.gate == nullptr) {
+    own_gate = std::make_unique<OwnGate>();
+    own_gate->gate.SetLayers(static_cast<uint32_t>(model.layers.size()));
+    links.gate = &own_gate->gate;
+  }
+  auto trainer = std::unique_ptr<LayerTrainer>(
+      new LayerTrainer(store, std::move(spec), workers, links,
+                       uint64_t{workers} * owned * sizeof(float), std::move(own_gate)));
   try {
     for (uint32_t l = 0; l < model.layers.size(); ++l) {
       auto state = std::make_unique<LayerState>();
+      state->index = l;
       absl::MutexLock lock(&state->mu);
       state->pushed.resize(workers);
       state->in_flight.assign(workers, kNoPush);
-      if (links.gate != nullptr) state->version = links.gate->version(l);
       for (uint32_t t = 0; t < model.layers[l].tensors.size(); ++t) {
         const uint64_t owned = store.owned(l, t).size();
         state->owned_elements += owned;
@@ -100,10 +107,7 @@ absl::StatusOr<std::unique_ptr<LayerTrainer>> LayerTrainer::Create(ParameterStor
   return trainer;
 }
 
-uint64_t LayerTrainer::version(uint32_t layer) const {
-  absl::MutexLock lock(&layers_[layer]->mu);
-  return layers_[layer]->version;
-}
+uint64_t LayerTrainer::version(uint32_t layer) const { return links_.gate->version(layer); }
 
 uint32_t LayerTrainer::MissingLocked(const LayerState& state) {
   // A reduced step (clipping) has every push; it waits for its scale.
@@ -135,15 +139,16 @@ absl::Status LayerTrainer::CheckIndices(uint32_t layer, uint32_t worker) const {
 
 absl::Status LayerTrainer::CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
                                            const LayerState& state) const {
-  if (step < state.version) {
+  const uint64_t version = VersionLocked(state);
+  if (step < version) {
     return absl::AlreadyExistsError(
         absl::StrCat("step ", step, " of layer ", layer,
-                     " was applied already (the layer is at version ", state.version, "): worker ",
-                     worker, "'s push for it counted once; go on from version ", state.version));
+                     " was applied already (the layer is at version ", version, "): worker ",
+                     worker, "'s push for it counted once; go on from version ", version));
   }
-  if (step > state.version) {
+  if (step > version) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "a gradient for step ", step, " of layer ", layer, ", which is at version ", state.version,
+        "a gradient for step ", step, " of layer ", layer, ", which is at version ", version,
         ": compute gradients on the layer as gathered at its current version"));
   }
   if (state.reduced || state.pushed[worker].has_value()) {
@@ -184,12 +189,12 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::TakeLocked(uint32_t layer, ui
   state.pushed[worker] = std::move(gradient);
   if (!state.opened) state.opened = start;
   for (const auto& pushed : state.pushed) {
-    if (!pushed.has_value()) return Pushed{state.version, false};
+    if (!pushed.has_value()) return Pushed{VersionLocked(state), false};
   }
   if (spec_.clip()) {
     // The step waits for the clip scale, which needs every layer's norm.
     ReduceLocked(state);
-    return Pushed{state.version, false};
+    return Pushed{VersionLocked(state), false};
   }
   const auto opened = *state.opened;
   if (absl::Status applied = ApplyLocked(layer, state, std::nullopt); !applied.ok()) {
@@ -202,7 +207,7 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::TakeLocked(uint32_t layer, ui
     return applied;
   }
   const auto end = std::chrono::steady_clock::now();
-  return Pushed{state.version, true, std::chrono::duration<double>(end - start).count(),
+  return Pushed{VersionLocked(state), true, std::chrono::duration<double>(end - start).count(),
                 std::chrono::duration<double>(end - opened).count()};
 }
 
@@ -237,7 +242,7 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   // All or nothing: every tensor's learning rate is checked before any
   // tensor steps, so a step either applies whole or leaves the layer as it
   // was, its pushes still staged.
-  const uint64_t step = state.version + 1;  // 1-based, as torch counts
+  const uint64_t step = VersionLocked(state) + 1;  // 1-based, as torch counts
   std::vector<double> lrs;
   for (const TensorOptimizer& optimizer : state.optimizers) {
     const double lr = spec_.LearningRate(optimizer.hyper(), step);
@@ -259,7 +264,7 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   // Taken here, where the analysis sees state.mu held: the lambda runs
   // within this call, which the analysis cannot follow.
   std::vector<TensorOptimizer>& optimizers = *&state.optimizers;
-  RETURN_IF_ERROR(master_.Step(layer, state.version, [&](ChangeLog::Recording* recording) {
+  RETURN_IF_ERROR(master_.Step(layer, VersionLocked(state), [&](ChangeLog::Recording* recording) {
     uint64_t at = 0;
     for (uint32_t t = 0; t < optimizers.size(); ++t) {
       TensorOptimizer& optimizer = optimizers[t];
@@ -282,7 +287,6 @@ absl::Status LayerTrainer::ApplyLocked(uint32_t layer, LayerState& state,
   state.spare.clear();
   state.reduced = false;
   state.opened.reset();
-  ++state.version;  // the gate advanced with the master
   state.reserved = false;
   return absl::OkStatus();
 }
@@ -297,9 +301,10 @@ LayerTrainer::StepNorm LayerTrainer::NormOfStep(uint64_t step) const {
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const LayerState& state = *layers_[l];
     absl::MutexLock lock(&state.mu);
-    if (state.version == step && state.reduced) {
+    const uint64_t version = VersionLocked(state);
+    if (version == step && state.reduced) {
       norm.sum_of_squares += state.sum_of_squares;
-    } else if (state.version <= step) {
+    } else if (version <= step) {
       norm.waiting_layers.push_back(l);
     }
   }
@@ -327,11 +332,12 @@ absl::StatusOr<uint64_t> LayerTrainer::ApplyClippedStep(uint64_t step, float sca
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const LayerState& state = *layers_[l];
     absl::MutexLock lock(&state.mu);
-    if (state.version == step + 1 || (state.version == step && state.reduced)) continue;
+    const uint64_t version = VersionLocked(state);
+    if (version == step + 1 || (version == step && state.reduced)) continue;
     return absl::FailedPreconditionError(absl::StrCat(
-        "layer ", l, " is at version ", state.version, " and ",
-        state.version == step ? "still waits for pushes" : "not at this step", ": a clipped step ",
-        step, " applies once every layer has every worker's push"));
+        "layer ", l, " is at version ", version, " and ",
+        version == step ? "still waits for pushes" : "not at this step", ": a clipped step ", step,
+        " applies once every layer has every worker's push"));
   }
   if (journal_ != nullptr && !(last_clip_ && last_clip_->first == step)) {
     RETURN_IF_ERROR(journal_->AppendClipScale(step, scale));
@@ -342,7 +348,7 @@ absl::StatusOr<uint64_t> LayerTrainer::ApplyClippedStep(uint64_t step, float sca
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     LayerState& state = *layers_[l];
     absl::MutexLock lock(&state.mu);
-    if (state.version == step + 1) continue;  // applied by an earlier call
+    if (VersionLocked(state) == step + 1) continue;  // applied by an earlier call
     RETURN_IF_ERROR(ApplyLocked(l, state, scale));
   }
   return step + 1;

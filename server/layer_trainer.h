@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <boost/asio/io_context.hpp>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -28,10 +29,12 @@
 
 namespace layercast::server {
 
-// What a LayerTrainer keeps in step with; both must outlive it. Either may
-// be null (in unit tests).
+// What a LayerTrainer keeps in step with; each must outlive it. Any may be
+// null (in unit tests).
 struct TrainerLinks {
-  VersionGate* gate = nullptr;       // each layer starts at its version here
+  // The only holder of each layer's version: the trainer reads it, and
+  // steps advance it. Null: the trainer keeps a gate of its own.
+  VersionGate* gate = nullptr;
   MemoryBudget* budget = nullptr;    // where staged pushes are charged
   ChangeLog* changes = nullptr;      // told what each step changed
   PinnedVersions* pinned = nullptr;  // keeps what each step replaced, for pinned readers
@@ -224,9 +227,10 @@ class LayerTrainer {
   static constexpr uint64_t kNoPush = UINT64_MAX;
   struct LayerState {
     mutable absl::Mutex mu;
+    uint32_t index = 0;  // the layer's
     uint64_t owned_elements = 0;
-    uint64_t version ABSL_GUARDED_BY(mu) = 0;
-    // Per worker, its gradient for step `version`, until the step applies.
+    // Per worker, its gradient for the step at the layer's version (in the
+    // gate), until the step applies.
     std::vector<std::optional<std::vector<float>>> pushed ABSL_GUARDED_BY(mu);
     // Per worker, the step its push stream in flight is for (BeginPush to
     // EndPush); kNoPush when none is.
@@ -248,11 +252,19 @@ class LayerTrainer {
     std::vector<TensorOptimizer> optimizers ABSL_GUARDED_BY(mu);  // per tensor
   };
 
+  // A gate for a trainer linked to none; its grants are never run (the
+  // trainer waits on no version).
+  struct OwnGate {
+    boost::asio::io_context grants;
+    VersionGate gate{grants.get_executor()};
+  };
+
   LayerTrainer(ParameterStore& store, OptimizerSpec spec, uint32_t workers, Links links,
-               uint64_t pool_bytes)
+               uint64_t pool_bytes, std::unique_ptr<OwnGate> own_gate)
       : store_(store),
         spec_(std::move(spec)),
         workers_(workers),
+        own_gate_(std::move(own_gate)),
         links_(links),
         master_({.store = &store,
                  .gate = links.gate,
@@ -303,11 +315,17 @@ class LayerTrainer {
   absl::Status ApplyLocked(uint32_t layer, LayerState& state, std::optional<float> clip_scale)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 
+  // Layer `state`'s version: its step's number, less one.
+  uint64_t VersionLocked(const LayerState& state) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
+    return links_.gate->version(state.index);
+  }
+
   ParameterStore& store_;
   const OptimizerSpec spec_;
   const uint32_t workers_;
-  const Links links_;
-  VersionedMaster master_;  // how a step changes each layer
+  const std::unique_ptr<OwnGate> own_gate_;  // before links_, which points at it
+  const Links links_;                        // its gate is never null
+  VersionedMaster master_;                   // how a step changes each layer
   std::vector<std::unique_ptr<LayerState>> layers_;
   const std::shared_ptr<StagingPool> pool_;
   // The budget's answer to layer `layer`'s reservation request.

@@ -31,8 +31,8 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
   const ModelSpec& model = store_.model();
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const LayerState& state = *layers_[l];
-    version = std::min(version, state.version);
-    versions.push_back(absl::StrCat(state.version));
+    version = std::min(version, VersionLocked(state));
+    versions.push_back(absl::StrCat(VersionLocked(state)));
     steps.push_back(absl::StrCat(state.optimizers.empty() ? 0 : state.optimizers[0].steps()));
     for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
       for (const auto& [buffer, values] : state.optimizers[t].StateBuffers()) {
@@ -175,8 +175,7 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
             restored.message(), "); start from a fresh --checkpoint-dir or restore the file"));
       }
     }
-    state.version = saved->layer_versions[l];
-    if (links_.gate != nullptr) links_.gate->Advance(l, state.version);
+    links_.gate->Advance(l, saved->layer_versions[l]);
     // Right after the layer's state, in file order: read out of order, the
     // checksum would need a second pass over the whole file.
     RETURN_IF_ERROR(RestoreStagedLocked(source, *saved, l, state));

@@ -17,7 +17,7 @@ uint64_t LayerTrainer::ReserveStep(uint32_t layer, uint64_t step,
   LayerState& state = *layers_[layer];
   {
     absl::MutexLock lock(&state.mu);
-    if (state.version == step && !state.reserved) {
+    if (VersionLocked(state) == step && !state.reserved) {
       if ((state.budget_wait == 0 && ReserveFromPoolLocked(layer, state)) ||
           links_.budget == nullptr) {
         state.reserved = true;
@@ -121,7 +121,7 @@ void LayerTrainer::EndPush(uint32_t layer, uint32_t worker, uint64_t step,
   if (state.in_flight[worker] == step) state.in_flight[worker] = kNoPush;
   // Still charged to the open step's reservation: its next push takes it
   // instead of allocating another.
-  if (!unused.empty() && state.version == step && state.reserved) {
+  if (!unused.empty() && VersionLocked(state) == step && state.reserved) {
     state.spare.push_back(std::move(unused));
   }
 }
