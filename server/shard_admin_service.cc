@@ -23,12 +23,11 @@ ShardAdminService::~ShardAdminService() {
   if (writer.joinable()) writer.join();
 }
 
-void ShardAdminService::AttachStore(const ParameterStore* store, LayerTrainer* trainer,
-                                    Publications* publications) {
+void ShardAdminService::AttachStore(LoadedShard& shard) {
   absl::MutexLock lock(&mu_);
-  store_ = store;
-  trainer_ = trainer;
-  publications_ = publications;
+  store_ = shard.store.get();
+  trainer_ = shard.trainer.get();
+  publications_ = shard.publications.get();
 }
 
 grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& context) const {

@@ -10,6 +10,7 @@
 #include "server/auth_token.h"
 #include "server/checkpoint_manager.h"
 #include "server/layer_trainer.h"
+#include "server/loaded_shard.h"
 #include "server/parameter_store.h"
 #include "server/publication.h"
 #include "server/server_metrics.h"
@@ -38,11 +39,10 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   // Waits for a checkpoint being written.
   ~ShardAdminService() override;
 
-  // Makes the loaded parameters available; called once. `store` must
-  // outlive the service.
-  // `publications` (null on a training shard: publishes are refused) too.
-  void AttachStore(const ParameterStore* store, LayerTrainer* trainer = nullptr,
-                   Publications* publications = nullptr);
+  // Makes the loaded shard available; called once. `shard` must outlive
+  // every call. Without publications (a training shard) publishes are
+  // refused.
+  void AttachStore(LoadedShard& shard);
   // New calls are refused with UNAVAILABLE from now on.
   void StartDraining() { draining_.store(true); }
 

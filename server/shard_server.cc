@@ -125,7 +125,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           .max_version_lead = config.max_version_lead(),
           .max_version_wait = std::chrono::milliseconds(config.max_version_wait_ms()),
           .write_progress_timeout = std::chrono::milliseconds(config.write_progress_timeout_ms()),
-          .worker_tokens = std::move(worker_tokens)},
+          .worker_tokens = std::move(worker_tokens),
+          .cast_errors = server->cast_errors_.get()},
       server->metrics_, server->grants_.get_executor());
   server->admin_ = std::make_unique<ShardAdminService>(
       std::move(admin), server->service_->version_gate(), server->metrics_);
@@ -139,9 +140,8 @@ ShardServer::ShardServer(ShardSettings settings) : settings_(std::move(settings)
 
 ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
-  // No reclaim from here on: one running on the budget's thread could hold
-  // the last reference to what it reclaims while the members go.
-  if (budget_ != nullptr) budget_->SetReclaimer({});
+  // The service's sweep reads the trainer's open steps until it goes.
+  if (service_ != nullptr) service_->DetachStore();
 }
 
 absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
@@ -173,37 +173,43 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     }
   }
   WarnUnmatchedRules(store->model(), settings_.policy, settings_.optimizer);
-  const uint32_t delta_versions = config.delta_versions();
-  budget_ = std::make_unique<MemoryBudget>(
+  auto shard = std::make_unique<LoadedShard>();
+  shard->store = std::move(store);
+  const ParameterStore& loaded_store = *shard->store;
+  shard->budget = std::make_unique<MemoryBudget>(
       settings_.memory_budget_bytes, plan_.ReservedBytes(), grants_.get_executor(),
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
       });
-  if (delta_versions > 0) {
-    changes_ =
-        std::make_unique<ChangeLog>(*store, delta_versions, &metrics_,
+  if (const uint32_t delta_versions = config.delta_versions(); delta_versions > 0) {
+    shard->changes =
+        std::make_unique<ChangeLog>(loaded_store, delta_versions, &metrics_,
                                     std::chrono::milliseconds(config.change_recording_idle_ms()));
   }
-  if (changes_ != nullptr && config.pin_retention_ms() > 0) {
-    pinned_ = std::make_shared<PinnedVersions>(
-        *store, std::chrono::milliseconds(config.pin_retention_ms()), *budget_, metrics_);
+  if (shard->changes != nullptr && config.pin_retention_ms() > 0) {
+    shard->pinned = std::make_shared<PinnedVersions>(
+        loaded_store, std::chrono::milliseconds(config.pin_retention_ms()), *shard->budget,
+        metrics_);
   }
-  std::unique_ptr<LayerTrainer> trainer;
   if (settings_.optimizer) {
-    service_->version_gate().SetLayers(static_cast<uint32_t>(store->model().layers.size()));
+    service_->version_gate().SetLayers(static_cast<uint32_t>(loaded_store.model().layers.size()));
     ASSIGN_OR_RETURN(
-        trainer, LayerTrainer::Create(
-                     *store, *settings_.optimizer, config.data_parallel_workers(),
-                     {&service_->version_gate(), budget_.get(), changes_.get(), pinned_.get()}));
+        shard->trainer,
+        LayerTrainer::Create(*shard->store, *settings_.optimizer, config.data_parallel_workers(),
+                             {&service_->version_gate(), shard->budget.get(), shard->changes.get(),
+                              shard->pinned.get()}));
+    LayerTrainer& trainer = *shard->trainer;
     if (checkpoint_source_ != nullptr) {
-      if (absl::Status restored = trainer->Restore(*checkpoint_source_); !restored.ok()) {
+      if (absl::Status restored = trainer.Restore(*checkpoint_source_); !restored.ok()) {
         // A damaged file says so first (DATA_LOSS, exit status 2).
         RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
         return restored;
       }
     }
-    if (config.push_journal()) RETURN_IF_ERROR(ReplayJournal(*trainer));
+    if (config.push_journal()) {
+      ASSIGN_OR_RETURN(shard->journal, ReplayJournal(trainer));
+    }
     Log()->info(
         "training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
         settings_.optimizer->ToString(), config.data_parallel_workers(),
@@ -213,66 +219,62 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
             : std::string("zero state"));
   }
   if (checkpoint_source_ != nullptr) {
-    // Before store_ is set: parameters (and optimizer state) that fail their
-    // checksum are never served, nor written back as a checkpoint on exit.
+    // Before the shard is served: parameters (and optimizer state) that fail
+    // their checksum are never served, nor written back as a checkpoint on
+    // exit.
     RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
     checkpoints_->NoteOnDisk(checkpoint_source_->version());
   }
-  store_ = std::move(store);
-  trainer_ = std::move(trainer);
-  const uint64_t shared_bytes = config.has_shared_chunk_bytes()
-                                    ? config.shared_chunk_bytes()
-                                    : std::max(kMinSharedChunks * config.chunk_bytes(),
-                                               kSharedLayers * LargestLayerShareBytes(*store_));
+  const uint64_t shared_bytes =
+      config.has_shared_chunk_bytes()
+          ? config.shared_chunk_bytes()
+          : std::max(kMinSharedChunks * config.chunk_bytes(),
+                     kSharedLayers * LargestLayerShareBytes(loaded_store));
   if (shared_bytes > 0) {
-    shared_ = std::make_shared<SharedChunks>(
-        shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *budget_,
+    shard->shared = std::make_shared<SharedChunks>(
+        shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *shard->budget,
         metrics_, grants_.get_executor());
   }
   // A request that has to wait for budget first gets what is only kept for
   // speed: cast chunks kept for other streams, pooled gradient staging,
   // versions kept for pinned readers.
-  budget_->SetReclaimer(
-      [shared = std::weak_ptr<SharedChunks>(shared_),
-       staging = trainer_ ? trainer_->spare_staging() : std::weak_ptr<StagingPool>(),
-       pinned = std::weak_ptr<PinnedVersions>(pinned_)] {
+  shard->budget->SetReclaimer(
+      [shared = std::weak_ptr<SharedChunks>(shard->shared),
+       staging = shard->trainer ? shard->trainer->spare_staging() : std::weak_ptr<StagingPool>(),
+       pinned = std::weak_ptr<PinnedVersions>(shard->pinned)] {
         if (auto chunks = shared.lock()) chunks->DropAll();
         if (auto pool = staging.lock()) pool->Drain();
         if (auto kept = pinned.lock()) kept->DropAll();
       });
-  service_->AttachStore({.store = store_.get(),
-                         .budget = budget_.get(),
-                         .shared = shared_.get(),
-                         .trainer = trainer_.get(),
-                         .changes = changes_.get(),
-                         .pinned = pinned_.get(),
-                         .cast_errors = cast_errors_.get()});
-  if (trainer_ == nullptr) {
-    publications_ = std::make_unique<Publications>(
-        Publications::Links{.store = store_.get(),
+  if (shard->trainer == nullptr) {
+    shard->publications = std::make_unique<Publications>(
+        Publications::Links{.store = shard->store.get(),
                             .gate = &service_->version_gate(),
-                            .budget = budget_.get(),
-                            .changes = changes_.get(),
+                            .budget = shard->budget.get(),
+                            .changes = shard->changes.get(),
                             .metrics = &metrics_,
-                            .pinned = pinned_.get()},
+                            .pinned = shard->pinned.get()},
         Publications::SetOptions{.peers = std::move(peers_),
                                  .idle = std::chrono::milliseconds(publish_idle_ms_)});
   }
-  admin_->AttachStore(store_.get(), trainer_.get(), publications_.get());
-  if (trainer_ != nullptr && config.checkpoint_every() > 0) {
-    periodic_checkpoints_ = std::make_unique<PeriodicCheckpoints>(
-        service_->version_gate(), config.checkpoint_every(), [this] {
-          return WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), nullptr,
+  if (shard->trainer != nullptr && config.checkpoint_every() > 0) {
+    shard->periodic_checkpoints = std::make_unique<PeriodicCheckpoints>(
+        service_->version_gate(), config.checkpoint_every(),
+        [this, store = shard->store.get(), trainer = shard->trainer.get()] {
+          return WriteShardCheckpoint(*checkpoints_, *store, trainer, nullptr,
                                       service_->version_gate(), /*try_only=*/false);
         });
   }
+  loaded_ = std::move(shard);
+  service_->AttachStore(*loaded_);
+  admin_->AttachStore(*loaded_);
   SetReadiness(true);
   metrics_.ready().Set(1);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   Log()->info("loaded {} of fp32 master for {} ({} layers) in {:.2f} s; ready",
-              FormatBytes(store_->master_bytes()), store_->model().model_id,
-              store_->model().layers.size(), seconds);
+              FormatBytes(loaded_store.master_bytes()), loaded_store.model().model_id,
+              loaded_store.model().layers.size(), seconds);
   return absl::OkStatus();
 }
 
@@ -285,7 +287,7 @@ void ShardServer::Shutdown(std::chrono::milliseconds drain) {
   admin_->StartDraining();
   // A periodic write in progress finishes; none starts after (the exit
   // checkpoint, if any, is written below).
-  periodic_checkpoints_.reset();
+  if (loaded_ != nullptr) loaded_->periodic_checkpoints.reset();
   metrics_.ready().Set(0);
   SetReadiness(false);
   const int64_t in_flight = service_->streams_in_flight();

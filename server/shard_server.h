@@ -14,6 +14,7 @@
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
 #include "server/layer_trainer.h"
+#include "server/loaded_shard.h"
 #include "server/memory_plan.h"
 #include "server/metrics_endpoint.h"
 #include "server/parameter_store.h"
@@ -90,9 +91,9 @@ class ShardServer {
   // Null without --checkpoint-dir.
   CheckpointManager* checkpoints() { return checkpoints_.get(); }
   // The memory budget; nullptr until Load() is done.
-  const MemoryBudget* budget() const { return budget_.get(); }
+  const MemoryBudget* budget() const { return loaded_ ? loaded_->budget.get() : nullptr; }
   // Null before Load() and with --shared-chunk-bytes 0.
-  const SharedChunks* shared_chunks() const { return shared_.get(); }
+  const SharedChunks* shared_chunks() const { return loaded_ ? loaded_->shared.get() : nullptr; }
   // What each chunk's cast lost, and its CRC (tests put a fault in it).
   CastErrorLedger& cast_errors() { return *cast_errors_; }
   // The memory plan the server sized its budget and ledger by.
@@ -108,8 +109,9 @@ class ShardServer {
   // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
   absl::Status UseCheckpoint();
   // Opens --checkpoint-dir's push journal, takes again what it holds over
-  // the checkpoint `trainer` restored, and journals `trainer`'s pushes.
-  absl::Status ReplayJournal(LayerTrainer& trainer);
+  // the checkpoint `trainer` restored, and journals `trainer`'s pushes to
+  // it; returns it.
+  absl::StatusOr<std::unique_ptr<PushJournal>> ReplayJournal(LayerTrainer& trainer);
   // Writes the bound port to --port-file.
   absl::Status WritePortFile();
 
@@ -138,33 +140,15 @@ class ShardServer {
   // Plaintext, health only (--health-listen); null without one.
   std::unique_ptr<grpc::Server> health_server_;
   int health_port_ = 0;
-  std::unique_ptr<ParameterStore> store_;
-  std::unique_ptr<MemoryBudget> budget_;
-  // Which values each of the last --delta-versions changed; null with 0.
-  std::unique_ptr<ChangeLog> changes_;
-  // Versions kept for pinned readers; null with --pin-retention-ms 0 or
-  // --delta-versions 0. Before publications_ and trainer_, which use it, and
-  // after budget_: its kept bytes go back before the budget goes. Shared
-  // with the budget's reclaimer, which holds it weakly.
-  std::shared_ptr<PinnedVersions> pinned_;
-  // The set, for settling publishes (--peers), until publications_ takes it.
+  // The set, for settling publishes (--peers), until Load hands it to the
+  // shard's publications.
   std::unique_ptr<PublishPeers> peers_;
   uint32_t publish_idle_ms_ = 0;
-  // A read-only shard's publishes; null on a training shard.
-  std::unique_ptr<Publications> publications_;
-  // After budget_: destroyed first, giving its bytes back. Shared with the
-  // budget's reclaimer, which holds it weakly.
-  std::shared_ptr<SharedChunks> shared_;
   std::shared_ptr<ProcessMetrics> process_metrics_ = std::make_shared<ProcessMetrics>();
-  // After budget_ and store_: gives staged pushes' bytes back to the one and
-  // steps the other. Null without --optimizer.
-  // Every push trainer_ takes, until a checkpoint holds it
-  // (--push-journal). Before trainer_, which appends to it.
-  std::unique_ptr<PushJournal> journal_;
-  std::unique_ptr<LayerTrainer> trainer_;
-  // --checkpoint-every. After trainer_ and store_, which it writes: stopped
-  // before they go.
-  std::unique_ptr<PeriodicCheckpoints> periodic_checkpoints_;
+  // Null until Load() is done. After the services: destroyed before them,
+  // since its trainer, publications and periodic checkpoints use their
+  // VersionGate; the destructor detaches it from them first.
+  std::unique_ptr<LoadedShard> loaded_;
   int port_ = 0;
 };
 

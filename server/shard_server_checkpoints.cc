@@ -53,12 +53,13 @@ absl::Status ShardServer::UseCheckpoint() {
   return absl::OkStatus();
 }
 
-absl::Status ShardServer::ReplayJournal(LayerTrainer& trainer) {
+absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTrainer& trainer) {
   const auto& config = settings_.config;
-  ASSIGN_OR_RETURN(journal_, PushJournal::Open(config.checkpoint_dir(), config.shard_index(),
-                                               config.num_shards()));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<PushJournal> journal,
+      PushJournal::Open(config.checkpoint_dir(), config.shard_index(), config.num_shards()));
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal_);
+  absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal);
   if (!replayed.ok()) {
     return absl::Status(replayed.status().code(),
                         absl::StrCat("replaying the push journal in --checkpoint-dir ",
@@ -72,27 +73,28 @@ absl::Status ShardServer::ReplayJournal(LayerTrainer& trainer) {
         replayed->taken, replayed->skipped, replayed->steps,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  trainer.JournalTo(*journal_);
-  return absl::OkStatus();
+  trainer.JournalTo(*journal);
+  return journal;
 }
 
 absl::Status ShardServer::CheckpointOnExit() {
   const auto& config = settings_.config;
   if (checkpoints_ == nullptr || !config.checkpoint_on_sigterm()) return absl::OkStatus();
-  if (store_ == nullptr) {
+  if (loaded_ == nullptr) {
     Log()->warn("parameters were not loaded; no checkpoint written");
     return absl::OkStatus();
   }
   const uint64_t version = service_->version_gate().version();
   // A training shard's layers may have moved past the model's version, and
   // its optimizer state with them: it always writes.
-  if (trainer_ == nullptr && checkpoints_->HoldsVersion(version)) {
+  if (loaded_->trainer == nullptr && checkpoints_->HoldsVersion(version)) {
     Log()->info("checkpoint {} already holds version {}", checkpoints_->path(), version);
     return absl::OkStatus();
   }
-  ASSIGN_OR_RETURN(CheckpointInfo info,
-                   WriteShardCheckpoint(*checkpoints_, *store_, trainer_.get(), publications_.get(),
-                                        service_->version_gate(), false));
+  ASSIGN_OR_RETURN(
+      CheckpointInfo info,
+      WriteShardCheckpoint(*checkpoints_, *loaded_->store, loaded_->trainer.get(),
+                           loaded_->publications.get(), service_->version_gate(), false));
   Log()->info("checkpoint version {} written to {} ({}) in {:.2f} s", info.version, info.path,
               FormatBytes(info.bytes), info.seconds);
   return absl::OkStatus();

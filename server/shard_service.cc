@@ -54,21 +54,27 @@ void ShardService::StartDraining() {
 
 void ShardService::StopStreams() { streams_.StopStreams(); }
 
-void ShardService::AttachStore(Parts parts) {
-  gate_.SetLayers(static_cast<uint32_t>(parts.store->model().layers.size()));
+void ShardService::AttachStore(LoadedShard& shard) {
+  const ParameterStore& store = *shard.store;
+  gate_.SetLayers(static_cast<uint32_t>(store.model().layers.size()));
   auto manifest =
-      std::make_unique<layercast::v1::Manifest>(BuildManifest(*parts.store, parts.trainer));
+      std::make_unique<layercast::v1::Manifest>(BuildManifest(store, shard.trainer.get()));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size(), manifest->incarnation());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));
-  for (uint32_t l = 0; l < parts.store->model().layers.size(); ++l) {
-    for (const AssembledTensor& tensor : parts.store->layout(l).tensors()) {
+  for (uint32_t l = 0; l < store.model().layers.size(); ++l) {
+    for (const AssembledTensor& tensor : store.layout(l).tensors()) {
       metrics_.PrepareSeries(l, tensor.compute_dtype);
     }
   }
   absl::MutexLock lock(&mu_);
-  parts_ = parts;
+  shard_ = &shard;
   manifest_ = std::move(manifest);
+}
+
+void ShardService::DetachStore() {
+  absl::MutexLock lock(&mu_);
+  shard_ = nullptr;
 }
 
 int64_t ShardService::streams_in_flight() const { return streams_.in_flight(); }
@@ -79,9 +85,9 @@ bool ShardService::WaitForStreams(absl::Time deadline) const {
   return streams_.WaitUntilIdle(deadline);
 }
 
-ShardService::Parts ShardService::loaded() const {
+LoadedShard* ShardService::loaded() const {
   absl::MutexLock lock(&mu_);
-  return parts_;
+  return shard_;
 }
 
 grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext* context,
@@ -106,11 +112,10 @@ grpc::ServerUnaryReactor* ShardService::GetManifest(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* ShardService::GetCastError(
     grpc::CallbackServerContext* context, const layercast::v1::GetCastErrorRequest*,
     layercast::v1::GetCastErrorResponse* response) {
-  const Parts parts = loaded();
-  if (parts.store == nullptr) return FinishUnary(context, "GetCastError", LoadingRefusal());
+  if (loaded() == nullptr) return FinishUnary(context, "GetCastError", LoadingRefusal());
   for (float bound : CastError::kBounds) response->add_bounds(bound);
-  if (parts.cast_errors != nullptr) {
-    for (const CastErrorLedger::LayerSummary& summary : parts.cast_errors->Summarize()) {
+  if (options_.cast_errors != nullptr) {
+    for (const CastErrorLedger::LayerSummary& summary : options_.cast_errors->Summarize()) {
       layercast::v1::LayerCastError* layer = response->add_layers();
       layer->set_layer(summary.layer);
       layer->set_dtype(static_cast<layercast::v1::DType>(summary.dtype));
@@ -140,8 +145,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   if (draining_.load()) {
     return Refuse(ShuttingDownRefusal("it takes no new streams; retry against its replacement"));
   }
-  auto [store, budget, shared, trainer, changes, pinned, cast_errors] = loaded();
-  if (store == nullptr) return Refuse(LoadingRefusal());
+  LoadedShard* shard = loaded();
+  if (shard == nullptr) return Refuse(LoadingRefusal());
+  const ParameterStore* store = shard->store.get();
+  const ChangeLog* changes = shard->changes.get();
+  SharedChunks* shared = shard->shared.get();
   // Which start of the shard serves the stream: the worker names it again
   // as the base of its next delta (FetchLayerRequest.base_incarnation).
   context->AddInitialMetadata(wire::kIncarnationMetadata, absl::StrCat(store->incarnation()));
@@ -161,8 +169,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // Also for a stream at a version its layer left: a layer whose change
   // changed no value is still served from the master.
   reactor_options.changes = changes;
-  reactor_options.pinned = pinned;
-  reactor_options.cast_errors = cast_errors;
+  reactor_options.pinned = shard->pinned.get();
+  reactor_options.cast_errors = options_.cast_errors;
   reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
   reactor_options.shared = shared;
   if (request->has_base_version()) {
@@ -195,7 +203,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // OnDone may come as soon as a posted grant runs (gRPC holds a reactor's
   // calls until FetchLayer returns it, then replays them).
   return streams_.AddStream([&] {
-    return new FetchLayerReactor(context, *store, gate_, *budget, metrics_, *std::move(plan),
+    return new FetchLayerReactor(context, *store, gate_, *shard->budget, metrics_, *std::move(plan),
                                  std::move(reactor_options));
   });
 }
@@ -215,7 +223,7 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
   if (draining_.load()) {
     return FinishUnary(context, "WaitVersion", ShuttingDownRefusal("wait on its replacement"));
   }
-  if (loaded().store == nullptr) return FinishUnary(context, "WaitVersion", LoadingRefusal());
+  if (loaded() == nullptr) return FinishUnary(context, "WaitVersion", LoadingRefusal());
   const uint64_t current = gate_.version();
   if (request->min_version() <= current) {
     response->set_version(current);

@@ -16,6 +16,7 @@
 #include "server/change_log.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/layer_trainer.h"
+#include "server/loaded_shard.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
 #include "server/push_gradients_reactor.h"
@@ -74,6 +75,9 @@ class ShardService final
     // Set (--worker-token-dir): a push for worker k, and a clip scale
     // (worker 0's), need worker k's token.
     std::optional<WorkerTokens> worker_tokens;
+    // What each chunk's cast lost; null: measured on every cast, and
+    // GetCastError lists nothing.
+    CastErrorLedger* cast_errors = nullptr;
   };
 
   // `metrics` must outlive the service; `grants` (the shard's grant
@@ -82,21 +86,16 @@ class ShardService final
   // REQUIRES: no stream in flight (the server has shut down).
   ~ShardService() = default;
 
-  // What the loaded shard serves from. All must outlive the service;
-  // `shared` may be null (every stream casts its own chunks), `trainer` too
-  // (the shard serves read-only and refuses gradients), and `changes`
-  // (--delta-versions 0: delta pulls are refused).
-  struct Parts {
-    const ParameterStore* store = nullptr;  // null while loading
-    MemoryBudget* budget = nullptr;
-    SharedChunks* shared = nullptr;
-    LayerTrainer* trainer = nullptr;
-    const ChangeLog* changes = nullptr;
-    const PinnedVersions* pinned = nullptr;  // null: pinned reads of old versions refused
-    CastErrorLedger* cast_errors = nullptr;  // null: GetCastError lists nothing
-  };
-  // Makes the loaded parameters available; called once.
-  void AttachStore(Parts parts);
+  // Serves from `shard` (which must stay until DetachStore) from now on;
+  // called once. Until then every call is refused as loading. Without a
+  // trainer the shard serves read-only and refuses gradients; without a
+  // change log it refuses delta pulls; without pinned versions, pinned
+  // reads of old versions; without shared chunks every stream casts its
+  // own.
+  void AttachStore(LoadedShard& shard);
+  // Serves from nothing again (the shard is about to go). REQUIRES: no call
+  // in flight (the server has shut down).
+  void DetachStore();
   // Refuses new streams and ends parked ones, both with UNAVAILABLE.
   void StartDraining();
   // Ends every stream in flight with UNAVAILABLE at its next chunk boundary
@@ -145,7 +144,8 @@ class ShardService final
                                          layercast::v1::GetCastErrorResponse* response) override;
 
  private:
-  Parts loaded() const;
+  // The shard served from; null while loading.
+  LoadedShard* loaded() const;
   // A FetchLayer call refused before streaming, counted like any other.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Refuse(const grpc::Status& status);
   // The trainer, or the status a training RPC is refused with: loading,
@@ -165,7 +165,7 @@ class ShardService final
   VersionGate gate_;
   std::atomic<bool> draining_{false};
   mutable absl::Mutex mu_;
-  Parts parts_ ABSL_GUARDED_BY(mu_);
+  LoadedShard* shard_ ABSL_GUARDED_BY(mu_) = nullptr;
   // Built once when the store is attached; the version is filled per call.
   std::unique_ptr<const layercast::v1::Manifest> manifest_ ABSL_GUARDED_BY(mu_);
   // Last: its sweep (UpdateStepGauges) uses everything above, and it is

@@ -12,9 +12,10 @@
 namespace layercast::server {
 
 void ShardService::UpdateStepGauges() {
-  LayerTrainer* trainer = loaded().trainer;
-  if (trainer == nullptr) return;
-  const LayerTrainer::OpenStep oldest = trainer->OldestOpenStep();
+  // Under the lock DetachStore takes, so the trainer stays while it is read.
+  absl::MutexLock lock(&mu_);
+  if (shard_ == nullptr || shard_->trainer == nullptr) return;
+  const LayerTrainer::OpenStep oldest = shard_->trainer->OldestOpenStep();
   metrics_.step_missing_workers().Set(oldest.missing_workers);
   metrics_.step_wait_seconds().Set(oldest.waited_seconds);
 }
@@ -32,7 +33,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   }
   absl::StatusOr<LayerTrainer*> trainer = Trainer();
   if (!trainer.ok()) return refuse(wire::ToGrpcStatus(trainer.status()));
-  const Parts now = loaded();
+  LoadedShard& shard = *loaded();  // Trainer() found it
   PushGradientsReactor::Options options;
   if (options_.worker_tokens) {
     // The worker is named by the first chunk: checked then, before
@@ -58,7 +59,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
     }
   };
   absl::StatusOr<PushGradientsReactor*> push = streams_.AddPush([&] {
-    return new PushGradientsReactor(context, *now.store, **trainer, *now.budget, response,
+    return new PushGradientsReactor(context, *shard.store, **trainer, *shard.budget, response,
                                     std::move(options));
   });
   if (!push.ok()) return refuse(wire::ToGrpcStatus(push.status()));
@@ -66,14 +67,14 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
 }
 
 absl::StatusOr<LayerTrainer*> ShardService::Trainer() const {
-  const Parts now = loaded();
-  if (now.store == nullptr) return absl::UnavailableError(kLoadingMessage);
-  if (now.trainer == nullptr) {
+  LoadedShard* shard = loaded();
+  if (shard == nullptr) return absl::UnavailableError(kLoadingMessage);
+  if (shard->trainer == nullptr) {
     return absl::FailedPreconditionError(
         "this shard has no optimizer: it serves its parameters read-only and takes no gradients "
         "(start it with --optimizer to train)");
   }
-  return now.trainer;
+  return shard->trainer.get();
 }
 
 absl::Status ShardService::AuthorizeWorker(const grpc::CallbackServerContext& context,
