@@ -12,6 +12,7 @@
 #include "client/layer_gather.h"
 #include "client/retry_backoff.h"
 #include "core/dtype.h"
+#include "platform/fan_out.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
@@ -138,19 +139,14 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   };
   const size_t n = set->addresses_.size();
   set->channels_.resize(n);
-  std::vector<absl::StatusOr<layercast::v1::Manifest>> answers(n);
-  {
-    std::vector<std::jthread> askers;
-    for (size_t i = 0; i < n; ++i) {
-      askers.emplace_back([&, i] {
+  std::vector<absl::StatusOr<layercast::v1::Manifest>> answers =
+      FanOut(static_cast<uint32_t>(n), [&](uint32_t i) {
         const std::string& address = set->addresses_[i];
         set->channels_[i] = make_channel(address);
-        answers[i] = FetchManifest(
+        return FetchManifest(
             set->channels_[i], [&] { return make_channel(address); }, Describe(set->addresses_, i),
             address, options.connect_timeout);
       });
-    }
-  }
   for (const std::shared_ptr<grpc::Channel>& channel : set->channels_) {
     set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
     set->generic_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));

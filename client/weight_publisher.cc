@@ -13,6 +13,7 @@
 #include "core/layout.h"
 #include "layercast/v1/admin.grpc.pb.h"
 #include "platform/failpoint.h"
+#include "platform/fan_out.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
@@ -34,18 +35,6 @@ std::string NewPublishId() {
   return absl::StrFormat("%08x%08x%08x%08x", random(), random(), random(), random());
 }
 
-// Runs `work(shard)` for every shard at once; the statuses in shard order.
-std::vector<absl::Status> OnEveryShard(uint32_t shards,
-                                       const std::function<absl::Status(uint32_t)>& work) {
-  std::vector<absl::Status> statuses(shards);
-  std::vector<std::jthread> threads;
-  for (uint32_t shard = 0; shard < shards; ++shard) {
-    threads.emplace_back([&, shard] { statuses[shard] = work(shard); });
-  }
-  threads.clear();  // joins
-  return statuses;
-}
-
 }  // namespace
 
 WeightPublisher::WeightPublisher(const ShardSet& shards, PublishOptions options)
@@ -55,7 +44,7 @@ absl::StatusOr<std::vector<uint64_t>> WeightPublisher::ShardVersions(
     std::chrono::steady_clock::time_point deadline) const {
   const auto n = static_cast<uint32_t>(shards_.addresses().size());
   std::vector<uint64_t> versions(n);
-  const std::vector<absl::Status> answers = OnEveryShard(n, [&](uint32_t shard) {
+  const std::vector<absl::Status> answers = FanOut(n, [&](uint32_t shard) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          (deadline - std::chrono::steady_clock::now()));
@@ -151,7 +140,7 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
     return absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
   };
   // Phase one: everything staged everywhere, or aborted everywhere.
-  const std::vector<absl::Status> staged = OnEveryShard(n, [&](uint32_t shard) {
+  const std::vector<absl::Status> staged = FanOut(n, [&](uint32_t shard) {
     return StageOnShard(shard, id, values, layers, base_version, deadline);
   });
   for (uint32_t shard = 0; shard < n; ++shard) {
@@ -182,7 +171,7 @@ absl::StatusOr<PublishResult> WeightPublisher::PublishLayers(
   if (committed[0].ok()) {
     FailPoint("publish.after_first_commit");
     const std::vector<absl::Status> rest =
-        OnEveryShard(n - 1, [&](uint32_t other) { return commit(other + 1); });
+        FanOut(n - 1, [&](uint32_t other) { return commit(other + 1); });
     std::copy(rest.begin(), rest.end(), committed.begin() + 1);
   } else if (!absl::IsUnavailable(committed[0]) && !absl::IsDeadlineExceeded(committed[0])) {
     // Shard 0 refused it, so no shard commits it: drop it everywhere.
@@ -244,7 +233,7 @@ std::string WeightPublisher::ServedNow() const {
 
 void WeightPublisher::AbortEverywhere(const std::string& id) const {
   const auto n = static_cast<uint32_t>(shards_.addresses().size());
-  OnEveryShard(n, [&](uint32_t shard) {
+  FanOut(n, [&](uint32_t shard) {
     auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
     auto context = AdminContext(token_, std::chrono::steady_clock::now() + std::chrono::seconds(5));
     layercast::v1::AbortPublishRequest request;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "platform/fan_out.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
 #include "server/auth_file.h"
@@ -158,27 +159,25 @@ void PublishPeers::HandOn(const std::string& id) {
       Log()->warn("publish {}: cannot hand the commit on: {}", id, addresses.status().message());
       return;
     }
-    std::vector<std::jthread> calls;
-    for (uint32_t shard = 0; shard < addresses->size(); ++shard) {
-      if (shard == self_) continue;
-      calls.emplace_back([this, &id, address = (*addresses)[shard], shard] {
-        const auto give_up = std::chrono::steady_clock::now() + kHandOnFor;
-        absl::Status status;
-        for (int attempt = 0; attempt < 30; ++attempt) {
-          status = Commit(address, id);
-          if (!absl::IsUnavailable(status) || std::chrono::steady_clock::now() >= give_up ||
-              Stopped(absl::Milliseconds(100 << std::min(attempt, 3)))) {
-            break;
-          }
+    FanOut(static_cast<uint32_t>(addresses->size()), [&](uint32_t shard) {
+      if (shard == self_) return absl::OkStatus();
+      const auto give_up = std::chrono::steady_clock::now() + kHandOnFor;
+      absl::Status status;
+      for (int attempt = 0; attempt < 30; ++attempt) {
+        status = Commit((*addresses)[shard], id);
+        if (!absl::IsUnavailable(status) || std::chrono::steady_clock::now() >= give_up ||
+            Stopped(absl::Milliseconds(100 << std::min(attempt, 3)))) {
+          break;
         }
-        if (!status.ok()) {
-          Log()->warn(
-              "publish {}: shard {} did not take the commit ({}); its publisher stages "
-              "it there again, or the next publish brings it level",
-              id, shard, status.message());
-        }
-      });
-    }
+      }
+      if (!status.ok()) {
+        Log()->warn(
+            "publish {}: shard {} did not take the commit ({}); its publisher stages "
+            "it there again, or the next publish brings it level",
+            id, shard, status.message());
+      }
+      return status;
+    });
   });
 }
 

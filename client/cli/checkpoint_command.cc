@@ -11,6 +11,7 @@
 #include "client/shard_set.h"
 #include "layercast/v1/admin.grpc.pb.h"
 #include "platform/byte_size.h"
+#include "platform/fan_out.h"
 #include "platform/file_system.h"
 #include "platform/secret_file.h"
 #include "platform/status_macros.h"
@@ -99,16 +100,11 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
                        grpc::CreateChannel(addresses[i], credentials)});
   }
   // Every shard writes at once: the checkpoint takes as long as the slowest.
-  std::vector<absl::StatusOr<layercast::v1::CheckpointResponse>> answers(targets.size());
-  {
-    std::vector<std::jthread> callers;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      callers.emplace_back([&, i] {
-        answers[i] = CheckpointOne(targets[i], token, std::chrono::milliseconds(connect_ms),
-                                   std::chrono::seconds(timeout_s));
+  const std::vector<absl::StatusOr<layercast::v1::CheckpointResponse>> answers =
+      FanOut(static_cast<uint32_t>(targets.size()), [&](uint32_t i) {
+        return CheckpointOne(targets[i], token, std::chrono::milliseconds(connect_ms),
+                             std::chrono::seconds(timeout_s));
       });
-    }
-  }
   absl::Status first_error;
   for (size_t i = 0; i < answers.size(); ++i) {
     if (!answers[i].ok()) {
