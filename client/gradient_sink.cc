@@ -56,6 +56,23 @@ absl::StatusOr<std::unique_ptr<GradientSink>> GradientSink::Create(const ShardSe
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_bytes ", options.chunk_bytes, " cannot hold one element: use >= 4"));
   }
+  // The manifest names the set's workers: a sink that could only be
+  // refused is refused here, before any layer is computed for it.
+  const layercast::v1::Manifest& manifest = shards.manifests().front();
+  if (manifest.data_parallel_workers() == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the shards serve ", manifest.model_id(),
+        " read-only (no --optimizer): they take no gradients; start them with --optimizer SPEC "
+        "and --data-parallel-workers W to train"));
+  }
+  if (options.worker >= manifest.data_parallel_workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", options.worker, " is not in the shards' set of ",
+                     manifest.data_parallel_workers(),
+                     " data-parallel worker(s) (--data-parallel-workers): "
+                     "use 0-",
+                     manifest.data_parallel_workers() - 1));
+  }
   if (!options.worker_token.empty()) {
     ASSIGN_OR_RETURN(options.worker_token,
                      CleanBearerToken(options.worker_token, "the worker token"));

@@ -77,7 +77,9 @@ struct PushResult {
 // Thread-safe.
 class GradientSink {
  public:
-  // `shards` must outlive the sink. INVALID_ARGUMENT for chunk_bytes < 4.
+  // `shards` must outlive the sink. FAILED_PRECONDITION for read-only
+  // shards (their manifest names no workers); INVALID_ARGUMENT for a worker
+  // outside the set the manifest names, or chunk_bytes < 4.
   static absl::StatusOr<std::unique_ptr<GradientSink>> Create(const ShardSet& shards,
                                                               GradientSinkOptions options);
   // Finishes every push handed over, then stops.

@@ -316,7 +316,7 @@ class LayerTrainer {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 
   // Layer `state`'s version: its step's number, less one.
-  uint64_t VersionLocked(const LayerState& state) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
+  uint64_t VersionLocked(const LayerState& state) const ABSL_SHARED_LOCKS_REQUIRED(state.mu) {
     return links_.gate->version(state.index);
   }
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +53,23 @@ def bound(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> Iterator[
     finally:
         for owner, leaf, parameter in reversed(saved):
             owner._parameters[leaf] = parameter
+
+
+def _place_buffers(model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    """Puts `buffers` in `model` by name; a ValueError naming any buffer
+    still on the meta device, a KeyError naming any the model lacks."""
+    names = {name for name, _ in model.named_buffers()}
+    unknown = sorted(set(buffers) - names)
+    if unknown:
+        raise KeyError(f"the model has no buffers {unknown}; its buffers are {sorted(names)}")
+    for name, tensor in buffers.items():
+        owner_name, _, leaf = name.rpartition(".")
+        model.get_submodule(owner_name)._buffers[leaf] = tensor
+    on_meta = sorted(name for name, buffer in model.named_buffers() if buffer.is_meta)
+    if on_meta:
+        raise ValueError(f"the model's buffers {on_meta} are on the meta device, with no values "
+                         f"to run with; give them as buffers=, e.g. "
+                         f"buffers=dict(model_built_on_cpu.named_buffers())")
 
 
 def _fp8_values(dtype: str) -> torch.Tensor:
@@ -150,13 +167,26 @@ class LayerwiseTrainer:
     inputs are cast to its compute dtype before the first stage (token ids
     pass as they are), and the last stage's output to its output dtype
     before it is returned or goes to the loss.
+
+    Buffers (BatchNorm's running statistics, a rotary embedding's
+    `inv_freq`, masks) live with the worker, never on the shards: each
+    worker keeps its own, as DistributedDataParallel does without
+    broadcast_buffers. A model built on the meta device has none to run
+    with: give them as `buffers` ({name: tensor}, e.g.
+    `dict(model_built_on_cpu.named_buffers())`), and they are put in the
+    model as given (the model's own buffers off the meta device stay).
+    The backward pass's recomputation leaves them as the forward pass left
+    them: a BatchNorm's running statistics move once per step, as in plain
+    PyTorch.
     """
 
     def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
-                 worker: int = 0, budget_bytes: Optional[int] = None, lookahead: int = 1):
+                 worker: int = 0, budget_bytes: Optional[int] = None, lookahead: int = 1,
+                 buffers: Optional[Mapping[str, torch.Tensor]] = None):
         self.shard_set = shard_set
         self.model = model
         self.worker = worker
+        _place_buffers(model, buffers or {})
         manifest = shard_set.manifest
         # Said now, not after a whole forward and backward pass (the first
         # push's refusal) or a minute waiting for workers that never come.
@@ -249,6 +279,9 @@ class LayerwiseTrainer:
                 with bound(self.model, layer_weights(layer)):
                     x = fn(x)
                 del layer
+        # What the forward pass left in the buffers, put back after the
+        # recomputation (which moves a BatchNorm's running statistics again).
+        after_forward = [(buffer, buffer.clone()) for buffer in self.model.buffers()]
         loss_value = None
         grad_output: Optional[torch.Tensor] = None
         pushes = []
@@ -285,6 +318,9 @@ class LayerwiseTrainer:
                 # the layer's bytes go back to the stream's budget.
                 del layer, weights, grads, output
                 saved[position] = None
+        with torch.no_grad():
+            for buffer, forward_value in after_forward:
+                buffer.copy_(forward_value)
         start = time.perf_counter()
         for push in pushes:
             push.result()

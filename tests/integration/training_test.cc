@@ -231,6 +231,23 @@ TEST_F(TrainingTest, HostilePushesAreRefusedAndChangeNothing) {
 
 // A worker that dies mid-push leaves nothing behind; its push again counts
 // once. Unfinished streams waiting for budget give it back when cancelled.
+// The manifest names the set's workers and optimizer: a sink that could
+// only be refused is refused at Create, before any gradient is computed.
+TEST_F(TrainingTest, AGradientSinkChecksTheManifestBeforeAnyPush) {
+  ASSERT_NO_FATAL_FAILURE(Start(1, 2));
+  absl::StatusOr<std::unique_ptr<client::GradientSink>> sink =
+      client::GradientSink::Create(*shards_.set, {.worker = 2});
+  EXPECT_EQ(sink.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(sink.status().message(), HasSubstr("worker 2 is not in the shards' set of 2"));
+  EXPECT_TRUE(client::GradientSink::Create(*shards_.set, {.worker = 1}).ok());
+  ASSERT_EQ(shards_.processes->Stop(), absl::OkStatus());
+  RunningShards read_only = StartShards(1, {"--model", model_.path, "--policy", kPolicy});
+  ASSERT_NE(read_only.set, nullptr);
+  sink = client::GradientSink::Create(*read_only.set, {.worker = 0});
+  EXPECT_EQ(sink.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(sink.status().message(), HasSubstr("read-only"));
+}
+
 TEST_F(TrainingTest, AnInterruptedPushLeavesNothingAndAFloodGivesItsBudgetBack) {
   // A budget with room for one step of the largest layer: if the flood
   // below kept what it waited for, the real pushes after it could not be
