@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -108,6 +109,48 @@ class LayerTrainer {
     double step_seconds = 0;       // since the step's first push, when applied
   };
 
+  // One admitted push stream, from AdmitPush until it goes: it holds its
+  // (step, worker, layer) in flight, asks for the step's staging, and
+  // stages the push and hands it to the trainer. Its destructor ends the
+  // push (EndPush), keeping an untaken staging buffer for the step's next
+  // push. Not thread-safe, but for CancelWait (see its comment).
+  using ReservationReady = std::function<void(bool granted)>;
+  class PushTicket {
+   public:
+    PushTicket(PushTicket&& other) noexcept;
+    PushTicket& operator=(PushTicket&&) = delete;
+    ~PushTicket();
+
+    uint32_t layer() const { return layer_; }
+    // ReserveStep for this push's step; `ready` may run on this thread
+    // before it returns (the staging is reserved already).
+    uint64_t Reserve(std::chrono::steady_clock::time_point give_up_at, ReservationReady ready);
+    // CancelReservationWait: true if wait `id` was still waiting. May be
+    // called from another thread while the push waits.
+    bool CancelWait(uint64_t id);
+    // The push's staging buffer, once Reserve's `ready(true)` ran;
+    // RESOURCE_EXHAUSTED when memory runs out.
+    absl::StatusOr<std::span<float>> Stage();
+    // Hands the staged push to the trainer (Push).
+    absl::StatusOr<Pushed> Push();
+
+   private:
+    friend class LayerTrainer;
+    PushTicket(LayerTrainer& trainer, uint32_t layer, uint32_t worker, uint64_t step)
+        : trainer_(&trainer), layer_(layer), worker_(worker), step_(step) {}
+
+    LayerTrainer* trainer_;  // null once moved from
+    uint32_t layer_, worker_;
+    uint64_t step_;
+    std::vector<float> staging_;
+  };
+
+  // The one call that admits a push stream of (layer, worker, step): the
+  // checks of BeginPush, and RESOURCE_EXHAUSTED when the step's staging
+  // (StepBytes) could never fit the budget beside the master and optimizer
+  // state. Nothing is staged yet.
+  absl::StatusOr<PushTicket> AdmitPush(uint32_t layer, uint32_t worker, uint64_t step);
+
   // Admits one push stream of (layer, worker, step) before anything is
   // staged: the error Push would return now, or ABORTED while another
   // stream of the same (step, worker, layer) is in flight (a second would
@@ -148,7 +191,6 @@ class LayerTrainer {
   // step waits for that one grant, which calls each `ready` on the budget's
   // grant executor, or `ready(false)` at the first caller's `give_up_at`.
   // Returns an id for CancelReservationWait. REQUIRES: layer < layers.
-  using ReservationReady = std::function<void(bool granted)>;
   uint64_t ReserveStep(uint32_t layer, uint64_t step,
                        std::chrono::steady_clock::time_point give_up_at, ReservationReady ready);
   // Withdraws wait `id`: true if it was still waiting (its `ready` will never

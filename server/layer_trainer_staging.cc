@@ -1,8 +1,11 @@
 #include "server/layer_trainer.h"
 
 #include <chrono>
+#include <new>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "platform/byte_size.h"
 #include "platform/status_macros.h"
 
 // LayerTrainer's staging: a push admitted (BeginPush, EndPush), its step's
@@ -141,6 +144,57 @@ LayerTrainer::OpenStep LayerTrainer::OldestOpenStep() const {
     layer->mu.Unlock();
   }
   return oldest;
+}
+
+absl::StatusOr<LayerTrainer::PushTicket> LayerTrainer::AdmitPush(uint32_t layer, uint32_t worker,
+                                                                 uint64_t step) {
+  RETURN_IF_ERROR(BeginPush(layer, worker, step));
+  PushTicket ticket(*this, layer, worker, step);  // ends the push if refused below
+  const uint64_t step_bytes = StepBytes(layer);
+  if (links_.budget != nullptr && !links_.budget->Grantable(step_bytes)) {
+    const std::optional<uint64_t> budget = links_.budget->budget();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("staging a step of layer ", layer, " takes ", FormatBytes(step_bytes),
+                     " (every worker's push in fp32), more than the shard's budget of ",
+                     budget ? FormatBytes(*budget) : "unlimited",
+                     " leaves beside its master and optimizer state; raise --memory-budget"));
+  }
+  return ticket;
+}
+
+LayerTrainer::PushTicket::PushTicket(PushTicket&& other) noexcept
+    : trainer_(std::exchange(other.trainer_, nullptr)),
+      layer_(other.layer_),
+      worker_(other.worker_),
+      step_(other.step_),
+      staging_(std::move(other.staging_)) {}
+
+LayerTrainer::PushTicket::~PushTicket() {
+  if (trainer_ != nullptr) trainer_->EndPush(layer_, worker_, step_, std::move(staging_));
+}
+
+uint64_t LayerTrainer::PushTicket::Reserve(std::chrono::steady_clock::time_point give_up_at,
+                                           ReservationReady ready) {
+  return trainer_->ReserveStep(layer_, step_, give_up_at, std::move(ready));
+}
+
+bool LayerTrainer::PushTicket::CancelWait(uint64_t id) {
+  return trainer_->CancelReservationWait(layer_, id);
+}
+
+absl::StatusOr<std::span<float>> LayerTrainer::PushTicket::Stage() {
+  try {
+    staging_ = trainer_->TakeStaging(layer_);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of memory for ",
+                                                     FormatBytes(trainer_->StagingBytes(layer_)),
+                                                     " of gradient staging; retry later"));
+  }
+  return std::span<float>(staging_);
+}
+
+absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::PushTicket::Push() {
+  return trainer_->Push(layer_, worker_, step_, std::exchange(staging_, {}));
 }
 
 }  // namespace layercast::server

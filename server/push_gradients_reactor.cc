@@ -65,24 +65,14 @@ void PushGradientsReactor::Begin() {
       return;
     }
   }
-  if (absl::Status admitted = trainer_.BeginPush(layer_, worker_, step_); !admitted.ok()) {
-    End(admitted);
+  absl::StatusOr<LayerTrainer::PushTicket> ticket = trainer_.AdmitPush(layer_, worker_, step_);
+  if (!ticket.ok()) {
+    End(ticket.status());
     return;
   }
-  admitted_ = true;
+  ticket_.emplace(*std::move(ticket));
   // The step's staging, for every worker's push, is reserved once; this
   // push waits for it (without blocking a thread) unless it is there.
-  const uint64_t step_bytes = trainer_.StepBytes(layer_);
-  if (!budget_.Grantable(step_bytes)) {
-    const std::optional<uint64_t> budget = budget_.budget();
-    End(grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
-        absl::StrCat("staging a step of layer ", layer_, " takes ", FormatBytes(step_bytes),
-                     " (every worker's push in fp32), more than the shard's budget of ",
-                     budget ? FormatBytes(*budget) : "unlimited",
-                     " leaves beside its master and optimizer state; raise --memory-budget")));
-    return;
-  }
   const grpc::Status cancelled(grpc::StatusCode::CANCELLED,
                                "the push was cancelled before it was staged; nothing of it was "
                                "kept");
@@ -96,8 +86,8 @@ void PushGradientsReactor::Begin() {
     End(cancelled);
     return;
   }
-  const uint64_t id = trainer_.ReserveStep(layer_, step_, options_.budget_give_up_at,
-                                           [this](bool granted) { OnReserved(granted); });
+  const uint64_t id =
+      ticket_->Reserve(options_.budget_give_up_at, [this](bool granted) { OnReserved(granted); });
   bool withdrawn = false;
   {
     absl::MutexLock lock(&mu_);
@@ -105,7 +95,7 @@ void PushGradientsReactor::Begin() {
     // before the id did is honoured here. (Once OnReserved has run, waiting_
     // is false and the id stale.)
     if (waiting_) {
-      withdrawn = cancelled_ && trainer_.CancelReservationWait(layer_, id);
+      withdrawn = cancelled_ && ticket_->CancelWait(id);
       if (withdrawn) {
         waiting_ = false;
       } else {
@@ -144,18 +134,15 @@ void PushGradientsReactor::OnReserved(bool granted) {
 }
 
 void PushGradientsReactor::Stage() {
-  try {
-    staging_ = trainer_.TakeStaging(layer_);
-  } catch (const std::bad_alloc&) {
-    End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                     absl::StrCat("out of memory for ", FormatBytes(trainer_.StagingBytes(layer_)),
-                                  " of gradient staging; retry later")));
+  absl::StatusOr<std::span<float>> staging = ticket_->Stage();
+  if (!staging.ok()) {
+    End(staging.status());
     return;
   }
   decoder_.emplace(
       store_.layout(layer_),
       wire::OwnedLayerRuns(store_.layout(layer_), store_.shard_index(), store_.num_shards()),
-      std::span<float>(staging_));
+      *staging);
   Take();
 }
 
@@ -190,8 +177,7 @@ void PushGradientsReactor::Complete() {
                                   "); nothing of it was staged: push the whole layer again")));
     return;
   }
-  absl::StatusOr<LayerTrainer::Pushed> pushed =
-      trainer_.Push(layer_, worker_, step_, std::exchange(staging_, {}));
+  absl::StatusOr<LayerTrainer::Pushed> pushed = ticket_->Push();
   if (!pushed.ok()) {
     End(pushed.status());
     return;
@@ -212,7 +198,7 @@ void PushGradientsReactor::OnCancel() {
     cancelled_ = true;
     // A wait still registered is withdrawn here and this side finishes; a
     // grant already posted sees `cancelled_`; a read in flight fails.
-    withdrawn = wait_id_ != 0 && trainer_.CancelReservationWait(layer_, wait_id_);
+    withdrawn = wait_id_ != 0 && ticket_->CancelWait(wait_id_);
     if (withdrawn) wait_id_ = 0;
   }
   if (withdrawn) {
@@ -223,10 +209,10 @@ void PushGradientsReactor::OnCancel() {
 
 void PushGradientsReactor::End(const grpc::Status& status) {
   if (!ClaimFinish()) return;
-  // Before the worker hears the status, so that its next push of the same
-  // layer is admitted. No read is in flight and nothing else touches the
-  // staging: every caller is the stream's last step.
-  if (admitted_) trainer_.EndPush(layer_, worker_, step_, std::move(staging_));
+  // The push ends before the worker hears the status, so that its next
+  // push of the same layer is admitted. No read is in flight and nothing
+  // else touches the ticket: every caller is the stream's last step.
+  ticket_.reset();
   FinishClaimed(status);
 }
 

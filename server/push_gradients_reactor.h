@@ -101,14 +101,12 @@ class PushGradientsReactor final : public StreamReactor<grpc::ServerReadReactor<
   grpc::ByteBuffer chunk_;
   wire::GradientChunkView view_;  // of chunk_
   bool begun_ = false;
-  // The trainer took this stream in (BeginPush): End ends it
-  // (EndPush).
-  bool admitted_ = false;
+  // The trainer took this stream in (AdmitPush) until End.
+  std::optional<LayerTrainer::PushTicket> ticket_;
   uint32_t layer_ = 0;
   uint32_t worker_ = 0;
   uint64_t step_ = 0;
   uint64_t received_bytes_ = 0;
-  std::vector<float> staging_;
   std::optional<wire::GradientDecoder> decoder_;
   std::optional<LayerTrainer::Pushed> pushed_;
 };

@@ -324,6 +324,35 @@ TEST(LayerTrainerTest, OnePushStreamOfAPushAtATime) {
   EXPECT_EQ(t.BeginPush(0, 0, 0).code(), absl::StatusCode::kAlreadyExists) << "it counted";
 }
 
+// AdmitPush's ticket is the push in flight: it stages and hands over the
+// push, and going ends it, so a retry is admitted.
+TEST(LayerTrainerTest, APushTicketHoldsItsPushInFlightUntilItGoes) {
+  auto store = Store(0, 2);
+  auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  LayerTrainer& t = **trainer;
+  {
+    absl::StatusOr<LayerTrainer::PushTicket> first = t.AdmitPush(0, 0, 0);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(t.AdmitPush(0, 0, 0).status().code(), absl::StatusCode::kAborted);
+  }
+  absl::StatusOr<LayerTrainer::PushTicket> ticket = t.AdmitPush(0, 0, 0);
+  ASSERT_TRUE(ticket.ok()) << "the first ticket ended its push when it went";
+  bool reserved = false;
+  ticket->Reserve(std::chrono::steady_clock::time_point::max(),
+                  [&](bool granted) { reserved = granted; });
+  EXPECT_TRUE(reserved) << "no budget linked: reserved at once";
+  absl::StatusOr<std::span<float>> staging = ticket->Stage();
+  ASSERT_TRUE(staging.ok());
+  const std::vector<float> gradient = Gradient(t, 0, 0, 0);
+  ASSERT_EQ(staging->size(), gradient.size());
+  std::copy(gradient.begin(), gradient.end(), staging->begin());
+  absl::StatusOr<LayerTrainer::Pushed> pushed = ticket->Push();
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_FALSE(pushed->applied) << "worker 1's push is still missing";
+  EXPECT_EQ(t.missing_workers(0), 1u);
+}
+
 TEST(LayerTrainerTest, RefusesWhatItCannotDo) {
   auto store = Store(0, 1);
   EXPECT_EQ(LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=1"), 0).status().code(),
