@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <random>
+#include <string>
 
 namespace layercast::client {
 
@@ -18,8 +19,11 @@ namespace layercast::client {
 // Not thread-safe: one per loop.
 class RetryBackoff {
  public:
-  explicit RetryBackoff(std::chrono::milliseconds first = std::chrono::milliseconds(50),
-                        std::chrono::milliseconds cap = std::chrono::milliseconds(2000))
+  static constexpr std::chrono::milliseconds kFirst{50};
+  static constexpr std::chrono::milliseconds kCap{2000};
+
+  explicit RetryBackoff(std::chrono::milliseconds first = kFirst,
+                        std::chrono::milliseconds cap = kCap)
       : first_(first), cap_(cap) {}
 
   // The wait before the next attempt; each call doubles the next.
@@ -47,5 +51,14 @@ class RetryBackoff {
   uint32_t attempts_ = 0;
   std::optional<std::mt19937_64> rng_;
 };
+
+// The shard set's channels' service config: gRPC itself retries the
+// read-only unary calls of ShardService (GetManifest, WaitVersion,
+// GetCastError, GetGradientNorm) on UNAVAILABLE, the code of a connection
+// that dropped or a shard that is not ready, with RetryBackoff's first wait
+// and cap, up to 4 attempts. The loops above it still wait out what gRPC's
+// retries cannot: a shard loading for minutes, a step waiting for pushes,
+// a publish in another's hands.
+std::string UnaryRetryServiceConfig();
 
 }  // namespace layercast::client

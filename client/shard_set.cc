@@ -132,6 +132,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
   // Each ShardSet gets connections of its own: several workers in one
   // process should not share (and serialise on) one HTTP/2 connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetServiceConfigJSON(UnaryRetryServiceConfig());
   const auto make_channel = [&](const std::string& address) {
     return grpc::CreateCustomChannel(
         address, options.credentials ? options.credentials : grpc::InsecureChannelCredentials(),
