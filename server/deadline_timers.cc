@@ -4,13 +4,28 @@
 
 namespace layercast::server {
 
-DeadlineTimers::DeadlineTimers()
-    : keep_running_(boost::asio::make_work_guard(io_)), thread_([this] { io_.run(); }) {}
+DeadlineTimers::DeadlineTimers(DeadlineTimers* shared)
+    : own_(shared == nullptr ? std::make_unique<Thread>() : nullptr),
+      io_(shared == nullptr ? own_->io : shared->io_) {}
 
 DeadlineTimers::~DeadlineTimers() {
-  keep_running_.reset();
-  io_.stop();
-  thread_.join();
+  {
+    // Waits for a callback under way; none runs after.
+    absl::MutexLock lock(&scope_->mu);
+    scope_->alive = false;
+  }
+  if (own_ != nullptr) {
+    own_->keep_running.reset();
+    own_->io.stop();
+    own_->thread.join();
+  }
+}
+
+std::function<void()> DeadlineTimers::Scoped(std::function<void()> work) const {
+  return [scope = scope_, work = std::move(work)] {
+    absl::MutexLock lock(&scope->mu);
+    if (scope->alive) work();
+  };
 }
 
 DeadlineTimers::Handle DeadlineTimers::Schedule(std::chrono::steady_clock::time_point at,
@@ -19,9 +34,10 @@ DeadlineTimers::Handle DeadlineTimers::Schedule(std::chrono::steady_clock::time_
   auto timer = std::make_shared<boost::asio::steady_timer>(io_, at);
   // The handler holds the timer, so the timer is destroyed on the timer
   // thread (after the handler), whichever thread drops the last Handle.
-  timer->async_wait([timer, expired = std::move(expired)](const boost::system::error_code& error) {
-    if (!error) expired();
-  });
+  timer->async_wait(
+      [timer, expired = Scoped(std::move(expired))](const boost::system::error_code& error) {
+        if (!error) expired();
+      });
   return timer;
 }
 
@@ -30,6 +46,8 @@ void DeadlineTimers::Cancel(const Handle& timer) {
   if (timer) boost::asio::post(io_, [timer] { timer->cancel(); });
 }
 
-void DeadlineTimers::Post(std::function<void()> work) { boost::asio::post(io_, std::move(work)); }
+void DeadlineTimers::Post(std::function<void()> work) {
+  boost::asio::post(io_, Scoped(std::move(work)));
+}
 
 }  // namespace layercast::server

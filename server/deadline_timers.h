@@ -8,20 +8,27 @@
 #include <memory>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
 namespace layercast::server {
 
-// Runs callbacks at deadlines, and posted work, on one thread of its own
-// (a Boost.Asio io_context). Declare it as the last member of its owner:
-// it is destroyed first, and its destructor joins the thread, so no
-// callback ever runs on a half-destroyed owner. Callbacks not yet run when
-// it is destroyed never run.
+// Runs callbacks at deadlines, and posted work, on one thread (a Boost.Asio
+// io_context): a thread of its own, or the shard's one timer thread, that
+// of the DeadlineTimers it was given. Declare it as the last member of its
+// owner: it is destroyed first, and its destructor waits for a callback of
+// its owner under way and stops the rest (on a thread of its own, it joins
+// the thread), so no callback ever runs on a half-destroyed owner.
+// Callbacks not yet run when it is destroyed never run.
 //
 // Thread-safe.
 class DeadlineTimers {
  public:
   using Handle = std::shared_ptr<boost::asio::steady_timer>;
 
-  DeadlineTimers();
+  // On `shared`'s thread, which must outlive this; on a thread of its own
+  // when null.
+  explicit DeadlineTimers(DeadlineTimers* shared = nullptr);
   ~DeadlineTimers();
   DeadlineTimers(const DeadlineTimers&) = delete;
   DeadlineTimers& operator=(const DeadlineTimers&) = delete;
@@ -36,9 +43,24 @@ class DeadlineTimers {
   void Post(std::function<void()> work);
 
  private:
-  boost::asio::io_context io_;
-  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_;
-  std::thread thread_;
+  // The thread and its io_context, for DeadlineTimers that own one.
+  struct Thread {
+    boost::asio::io_context io;
+    boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running{
+        boost::asio::make_work_guard(io)};
+    std::thread thread{[this] { io.run(); }};
+  };
+  // Whether this one's callbacks may still run; a callback runs holding mu.
+  struct Scope {
+    absl::Mutex mu;
+    bool alive ABSL_GUARDED_BY(mu) = true;
+  };
+  // `work` as it runs on the timer thread: only while this one is alive.
+  std::function<void()> Scoped(std::function<void()> work) const;
+
+  std::unique_ptr<Thread> own_;  // null on a shared thread
+  boost::asio::io_context& io_;
+  const std::shared_ptr<Scope> scope_ = std::make_shared<Scope>();
 };
 
 }  // namespace layercast::server

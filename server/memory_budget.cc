@@ -7,13 +7,15 @@
 namespace layercast::server {
 
 MemoryBudget::MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
-                           boost::asio::any_io_executor grants, Observer observer)
+                           boost::asio::any_io_executor grants, Observer observer,
+                           DeadlineTimers* timers)
     : budget_(budget_bytes),
       master_bytes_(master_bytes),
       grants_(std::move(grants)),
       observer_(std::move(observer)),
       in_use_(master_bytes),
-      peak_(master_bytes) {}
+      peak_(master_bytes),
+      timers_(timers) {}
 
 MemoryBudget::~MemoryBudget() {
   // Before timers_ goes: a waiter's timer must not outlive its io_context.

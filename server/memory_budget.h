@@ -42,8 +42,11 @@ class MemoryBudget {
   // `budget_bytes` nullopt: unlimited (everything is still counted).
   // `grants` runs every Granted callback and must outlive pending ones.
   // REQUIRES: master_bytes <= *budget_bytes (checked at start-up).
+  // `timers`: the shard's timer thread (must outlive this); null: a thread
+  // of its own.
   MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master_bytes,
-               boost::asio::any_io_executor grants, Observer observer = {});
+               boost::asio::any_io_executor grants, Observer observer = {},
+               DeadlineTimers* timers = nullptr);
   // Forgets requests still waiting (their callbacks never run).
   ~MemoryBudget();
 

@@ -11,8 +11,8 @@ PinnedVersions::Kept::~Kept() { budget_.Release(bits_.size()); }
 
 PinnedVersions::PinnedVersions(const ParameterStore& store,
                                std::chrono::steady_clock::duration retention, MemoryBudget& budget,
-                               ServerMetrics& metrics)
-    : store_(store), retention_(retention), budget_(budget), metrics_(metrics) {}
+                               ServerMetrics& metrics, DeadlineTimers* timers)
+    : store_(store), retention_(retention), budget_(budget), metrics_(metrics), timers_(timers) {}
 
 PinnedVersions::~PinnedVersions() {
   std::map<Key, Entry> dropped;  // released after the lock

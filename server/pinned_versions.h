@@ -70,9 +70,10 @@ class PinnedVersions {
     MemoryBudget& budget_;
   };
 
-  // `retention` > 0. Everything referenced must outlive this.
+  // `retention` > 0. Everything referenced must outlive this; `timers`
+  // (the shard's timer thread) too, or null for a thread of its own.
   PinnedVersions(const ParameterStore& store, std::chrono::steady_clock::duration retention,
-                 MemoryBudget& budget, ServerMetrics& metrics);
+                 MemoryBudget& budget, ServerMetrics& metrics, DeadlineTimers* timers = nullptr);
   // Drops every kept version (readers still holding one keep it).
   ~PinnedVersions();
 

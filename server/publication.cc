@@ -28,7 +28,8 @@ Publications::Publications(Links links, SetOptions set)
                .changes = links.changes,
                .pinned = links.pinned}),
       idle_(set.idle),
-      peers_(std::move(set.peers)) {}
+      peers_(std::move(set.peers)),
+      timers_(set.timers) {}
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);

@@ -60,6 +60,9 @@ class Publications {
     // --publish-idle-ms: an open publish idle this long counts as stopped
     // when another begins.
     std::chrono::milliseconds idle{3000};
+    // The shard's timer thread (must outlive this); null: a thread of its
+    // own.
+    DeadlineTimers* timers = nullptr;
   };
   // Everything linked must outlive this.
   explicit Publications(Links links);

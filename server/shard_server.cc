@@ -127,7 +127,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           .write_progress_timeout = std::chrono::milliseconds(config.write_progress_timeout_ms()),
           .worker_tokens = std::move(worker_tokens),
           .cast_errors = server->cast_errors_.get()},
-      server->metrics_, server->grants_.get_executor());
+      server->metrics_, server->grants_.get_executor(), &server->timers_);
   server->admin_ = std::make_unique<ShardAdminService>(
       std::move(admin), server->service_->version_gate(), server->metrics_);
   server->metrics_.master_bytes().Set(static_cast<double>(master));
@@ -181,7 +181,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
       [this](uint64_t in_use, size_t waiting) {
         metrics_.memory_in_use_bytes().Set(static_cast<double>(in_use));
         metrics_.streams_waiting_for_budget().Set(static_cast<double>(waiting));
-      });
+      },
+      &timers_);
   if (const uint32_t delta_versions = config.delta_versions(); delta_versions > 0) {
     shard->changes =
         std::make_unique<ChangeLog>(loaded_store, delta_versions, &metrics_,
@@ -190,7 +191,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   if (shard->changes != nullptr && config.pin_retention_ms() > 0) {
     shard->pinned = std::make_shared<PinnedVersions>(
         loaded_store, std::chrono::milliseconds(config.pin_retention_ms()), *shard->budget,
-        metrics_);
+        metrics_, &timers_);
   }
   if (settings_.optimizer) {
     service_->version_gate().SetLayers(static_cast<uint32_t>(loaded_store.model().layers.size()));
@@ -255,7 +256,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                             .metrics = &metrics_,
                             .pinned = shard->pinned.get()},
         Publications::SetOptions{.peers = std::move(peers_),
-                                 .idle = std::chrono::milliseconds(publish_idle_ms_)});
+                                 .idle = std::chrono::milliseconds(publish_idle_ms_),
+                                 .timers = &timers_});
   }
   if (shard->trainer != nullptr && config.checkpoint_every() > 0) {
     shard->periodic_checkpoints = std::make_unique<PeriodicCheckpoints>(

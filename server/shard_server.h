@@ -13,6 +13,7 @@
 #include "server/change_log.h"
 #include "server/checkpoint_manager.h"
 #include "server/checkpoint_source.h"
+#include "server/deadline_timers.h"
 #include "server/layer_trainer.h"
 #include "server/loaded_shard.h"
 #include "server/memory_plan.h"
@@ -120,6 +121,10 @@ class ShardServer {
   // cast) so that no grant runs on the granter's thread. First: it outlives
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
+  // The shard's one timer thread: every deadline (versions, budget,
+  // pinned versions, publishes, the stall sweep) runs on it. After grants_,
+  // which its callbacks post to; before everything that schedules on it.
+  DeadlineTimers timers_;
   ServerMetrics metrics_;
   // The start-up check's arithmetic, from the model's shapes (a checkpoint
   // must have the same): its ReservedBytes are reserved in budget_.

@@ -36,16 +36,17 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTr
 }
 
 ShardService::ShardService(Options options, ServerMetrics& metrics,
-                           boost::asio::any_io_executor grants)
+                           boost::asio::any_io_executor grants, DeadlineTimers* timers)
     : options_(options),
       metrics_(metrics),
-      gate_(grants),
-      streams_({.max_streams = options.max_streams,
-                .max_parked_streams = options.max_parked_streams,
-                .max_push_streams = options.max_push_streams,
-                .max_waits_per_connection = options.max_waits_per_connection,
-                .write_progress_timeout = options.write_progress_timeout},
-               metrics, [this] { UpdateStepGauges(); }) {}
+      gate_(grants, 0, timers),
+      streams_(
+          {.max_streams = options.max_streams,
+           .max_parked_streams = options.max_parked_streams,
+           .max_push_streams = options.max_push_streams,
+           .max_waits_per_connection = options.max_waits_per_connection,
+           .write_progress_timeout = options.write_progress_timeout},
+          metrics, [this] { UpdateStepGauges(); }, timers) {}
 
 void ShardService::StartDraining() {
   draining_.store(true);

@@ -81,8 +81,11 @@ class ShardService final
   };
 
   // `metrics` must outlive the service; `grants` (the shard's grant
-  // executor, see VersionGate) must outlive every stream.
-  ShardService(Options options, ServerMetrics& metrics, boost::asio::any_io_executor grants);
+  // executor, see VersionGate) must outlive every stream; `timers` (the
+  // shard's timer thread, for the gate and the stream registry) must
+  // outlive the service, or be null for threads of their own.
+  ShardService(Options options, ServerMetrics& metrics, boost::asio::any_io_executor grants,
+               DeadlineTimers* timers = nullptr);
   // REQUIRES: no stream in flight (the server has shut down).
   ~ShardService() = default;
 

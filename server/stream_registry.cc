@@ -11,8 +11,8 @@
 namespace layercast::server {
 
 StreamRegistry::StreamRegistry(Limits limits, ServerMetrics& metrics,
-                               std::function<void()> on_sweep)
-    : limits_(limits), metrics_(metrics), on_sweep_(std::move(on_sweep)) {
+                               std::function<void()> on_sweep, DeadlineTimers* timers)
+    : limits_(limits), metrics_(metrics), on_sweep_(std::move(on_sweep)), timers_(timers) {
   ScheduleSweep();
 }
 

@@ -42,7 +42,10 @@ class StreamRegistry {
 
   // `metrics` must outlive the registry. `on_sweep` runs at every sweep, on
   // the timer's thread.
-  StreamRegistry(Limits limits, ServerMetrics& metrics, std::function<void()> on_sweep);
+  // the timer's thread: `timers`' (the shard's, which must outlive this),
+  // or one of its own when null.
+  StreamRegistry(Limits limits, ServerMetrics& metrics, std::function<void()> on_sweep,
+                 DeadlineTimers* timers = nullptr);
 
   // A streaming slot, or a parked one; RESOURCE_EXHAUSTED naming the flag
   // when none is free.

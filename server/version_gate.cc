@@ -6,8 +6,9 @@
 
 namespace layercast::server {
 
-VersionGate::VersionGate(boost::asio::any_io_executor executor, uint64_t version)
-    : executor_(std::move(executor)), version_(version) {}
+VersionGate::VersionGate(boost::asio::any_io_executor executor, uint64_t version,
+                         DeadlineTimers* timers)
+    : executor_(std::move(executor)), version_(version), timers_(timers) {}
 
 VersionGate::~VersionGate() {
   // Before timers_ goes: a waiter's timer must not outlive its io_context.

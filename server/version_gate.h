@@ -33,7 +33,10 @@ class VersionGate {
 
   // `executor` runs every callback; it must outlive the gate's waiters.
   // Until SetLayers, the model is one version with no layers of its own.
-  explicit VersionGate(boost::asio::any_io_executor executor, uint64_t version = 0);
+  // `timers`: the shard's timer thread (must outlive this); null: a thread
+  // of its own.
+  explicit VersionGate(boost::asio::any_io_executor executor, uint64_t version = 0,
+                       DeadlineTimers* timers = nullptr);
   // Forgets waiters still registered (their callbacks never run).
   ~VersionGate();
 
