@@ -241,7 +241,6 @@ void WeightPublisher::AbortEverywhere(const std::string& id) const {
     layercast::v1::AbortPublishResponse response;
     // Best effort: a shard that cannot be told settles it by itself.
     (void)stub->AbortPublish(context.get(), request, &response);
-    return absl::OkStatus();
   });
 }
 

@@ -1,6 +1,9 @@
 #include "server/deadline_timers.h"
 
 #include <boost/asio/post.hpp>
+#include <cstdlib>
+
+#include "platform/log.h"
 
 namespace layercast::server {
 
@@ -9,6 +12,12 @@ DeadlineTimers::DeadlineTimers(DeadlineTimers* shared)
       io_(shared == nullptr ? own_->io : shared->io_) {}
 
 DeadlineTimers::~DeadlineTimers() {
+  if (scope_->running.load() == std::this_thread::get_id()) {
+    Log()->critical(
+        "DeadlineTimers destroyed from one of its own callbacks: it would wait for "
+        "itself");
+    std::abort();
+  }
   {
     // Waits for a callback under way; none runs after.
     absl::MutexLock lock(&scope_->mu);
@@ -24,7 +33,10 @@ DeadlineTimers::~DeadlineTimers() {
 std::function<void()> DeadlineTimers::Scoped(std::function<void()> work) const {
   return [scope = scope_, work = std::move(work)] {
     absl::MutexLock lock(&scope->mu);
-    if (scope->alive) work();
+    if (!scope->alive) return;
+    scope->running = std::this_thread::get_id();
+    work();
+    scope->running = std::thread::id();
   };
 }
 
@@ -32,8 +44,8 @@ DeadlineTimers::Handle DeadlineTimers::Schedule(std::chrono::steady_clock::time_
                                                 std::function<void()> expired) {
   if (at == std::chrono::steady_clock::time_point::max()) return nullptr;
   auto timer = std::make_shared<boost::asio::steady_timer>(io_, at);
-  // The handler holds the timer, so the timer is destroyed on the timer
-  // thread (after the handler), whichever thread drops the last Handle.
+  // The handler holds the timer while it waits, so a Handle dropped by its
+  // owner leaves it to run or be cancelled.
   timer->async_wait(
       [timer, expired = Scoped(std::move(expired))](const boost::system::error_code& error) {
         if (!error) expired();

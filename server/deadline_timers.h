@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -14,12 +15,17 @@
 namespace layercast::server {
 
 // Runs callbacks at deadlines, and posted work, on one thread (a Boost.Asio
-// io_context): a thread of its own, or the shard's one timer thread, that
-// of the DeadlineTimers it was given. Declare it as the last member of its
+// io_context): a thread of its own, or the shard's timer thread, that of
+// the DeadlineTimers it was given. Declare it as the last member of its
 // owner: it is destroyed first, and its destructor waits for a callback of
 // its owner under way and stops the rest (on a thread of its own, it joins
 // the thread), so no callback ever runs on a half-destroyed owner.
 // Callbacks not yet run when it is destroyed never run.
+//
+// On a shared thread every owner's callbacks wait for each other's: a
+// callback must not block (take a lock only held briefly, post anything
+// long). REQUIRES: it is not destroyed from one of its own callbacks (the
+// destructor would wait for the callback that runs it; it aborts instead).
 //
 // Thread-safe.
 class DeadlineTimers {
@@ -54,6 +60,9 @@ class DeadlineTimers {
   struct Scope {
     absl::Mutex mu;
     bool alive ABSL_GUARDED_BY(mu) = true;
+    // The thread running one of its callbacks now, for the destructor's
+    // check; empty otherwise.
+    std::atomic<std::thread::id> running{};
   };
   // `work` as it runs on the timer thread: only while this one is alive.
   std::function<void()> Scoped(std::function<void()> work) const;

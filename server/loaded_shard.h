@@ -25,7 +25,7 @@ namespace layercast::server {
 // budget are always set.
 struct LoadedShard {
   LoadedShard() = default;
-  // Stops the budget's reclaimer first: one running on the budget's thread
+  // Stops the budget's reclaimer first: one running on the timer thread
   // could hold the last reference to what it reclaims while the members go.
   ~LoadedShard() {
     if (budget != nullptr) budget->SetReclaimer({});

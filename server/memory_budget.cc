@@ -18,7 +18,7 @@ MemoryBudget::MemoryBudget(std::optional<uint64_t> budget_bytes, uint64_t master
       timers_(timers) {}
 
 MemoryBudget::~MemoryBudget() {
-  // Before timers_ goes: a waiter's timer must not outlive its io_context.
+  // Before timers_ goes: no waiter's timer may fire into a gone owner.
   absl::MutexLock lock(&mu_);
   for (const Waiter& waiter : waiters_) timers_.Cancel(waiter.timer);
   waiters_.clear();

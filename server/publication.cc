@@ -28,8 +28,7 @@ Publications::Publications(Links links, SetOptions set)
                .changes = links.changes,
                .pinned = links.pinned}),
       idle_(set.idle),
-      peers_(std::move(set.peers)),
-      timers_(set.timers) {}
+      peers_(std::move(set.peers)) {}
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);

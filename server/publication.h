@@ -60,9 +60,6 @@ class Publications {
     // --publish-idle-ms: an open publish idle this long counts as stopped
     // when another begins.
     std::chrono::milliseconds idle{3000};
-    // The shard's timer thread (must outlive this); null: a thread of its
-    // own.
-    DeadlineTimers* timers = nullptr;
   };
   // Everything linked must outlive this.
   explicit Publications(Links links);
@@ -153,7 +150,10 @@ class Publications {
   std::deque<Decision> decided_ ABSL_GUARDED_BY(mu_);  // oldest first
   // After mu_ and open_: its thread settles into them until it is joined.
   std::unique_ptr<PublishPeers> peers_;
-  DeadlineTimers timers_;  // last: see DeadlineTimers
+  // Last: see DeadlineTimers. A thread of its own, not the shard's: a
+  // publish's timeout takes mu_, which a commit or a checkpoint holds for
+  // long.
+  DeadlineTimers timers_;
 };
 
 }  // namespace layercast::server

@@ -160,7 +160,7 @@ void PublishPeers::HandOn(const std::string& id) {
       return;
     }
     FanOut(static_cast<uint32_t>(addresses->size()), [&](uint32_t shard) {
-      if (shard == self_) return absl::OkStatus();
+      if (shard == self_) return;
       const auto give_up = std::chrono::steady_clock::now() + kHandOnFor;
       absl::Status status;
       for (int attempt = 0; attempt < 30; ++attempt) {
@@ -176,7 +176,6 @@ void PublishPeers::HandOn(const std::string& id) {
             "it there again, or the next publish brings it level",
             id, shard, status.message());
       }
-      return status;
     });
   });
 }

@@ -306,6 +306,8 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "steps (a read-only shard is checkpointed by ShardAdmin.Checkpoint and on SIGTERM)");
   }
   RETURN_IF_ERROR(ApplyDefaultsAndRanges(config));
+  // A read-only shard has no workers (its manifest says 0).
+  if (!training) config.set_data_parallel_workers(0);
   if (config.pin_retention_ms() > 0 && config.delta_versions() == 0) {
     return absl::InvalidArgumentError(
         "--pin-retention-ms needs --delta-versions of at least 1: the versions kept for pinned "

@@ -256,8 +256,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                             .metrics = &metrics_,
                             .pinned = shard->pinned.get()},
         Publications::SetOptions{.peers = std::move(peers_),
-                                 .idle = std::chrono::milliseconds(publish_idle_ms_),
-                                 .timers = &timers_});
+                                 .idle = std::chrono::milliseconds(publish_idle_ms_)});
   }
   if (shard->trainer != nullptr && config.checkpoint_every() > 0) {
     shard->periodic_checkpoints = std::make_unique<PeriodicCheckpoints>(

@@ -121,8 +121,9 @@ class ShardServer {
   // cast) so that no grant runs on the granter's thread. First: it outlives
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
-  // The shard's one timer thread: every deadline (versions, budget,
-  // pinned versions, publishes, the stall sweep) runs on it. After grants_,
+  // The shard's timer thread: the version gate's, the budget's, the pinned
+  // versions' and the stall sweep's deadlines run on it (a publish's
+  // timeout has a thread of its own: it waits for a commit). After grants_,
   // which its callbacks post to; before everything that schedules on it.
   DeadlineTimers timers_;
   ServerMetrics metrics_;
@@ -152,7 +153,9 @@ class ShardServer {
   std::shared_ptr<ProcessMetrics> process_metrics_ = std::make_shared<ProcessMetrics>();
   // Null until Load() is done. After the services: destroyed before them,
   // since its trainer, publications and periodic checkpoints use their
-  // VersionGate; the destructor detaches it from them first.
+  // VersionGate. The destructor detaches it from ShardService, whose sweep
+  // still runs; ShardAdminService takes no call once the server has
+  // stopped.
   std::unique_ptr<LoadedShard> loaded_;
   int port_ = 0;
 };

@@ -41,9 +41,8 @@ class StreamRegistry {
   };
 
   // `metrics` must outlive the registry. `on_sweep` runs at every sweep, on
-  // the timer's thread.
-  // the timer's thread: `timers`' (the shard's, which must outlive this),
-  // or one of its own when null.
+  // the timer thread: `timers`' (the shard's, which must outlive this), or
+  // one of its own when null. It must not block (DeadlineTimers).
   StreamRegistry(Limits limits, ServerMetrics& metrics, std::function<void()> on_sweep,
                  DeadlineTimers* timers = nullptr);
 

@@ -11,7 +11,7 @@ VersionGate::VersionGate(boost::asio::any_io_executor executor, uint64_t version
     : executor_(std::move(executor)), version_(version), timers_(timers) {}
 
 VersionGate::~VersionGate() {
-  // Before timers_ goes: a waiter's timer must not outlive its io_context.
+  // Before timers_ goes: no waiter's timer may fire into a gone owner.
   absl::MutexLock lock(&mu_);
   for (auto& [id, waiter] : waiters_) timers_.Cancel(waiter.timer);
   waiters_.clear();

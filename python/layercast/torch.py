@@ -282,9 +282,28 @@ class LayerwiseTrainer:
         # What the forward pass left in the buffers, put back after the
         # recomputation (which moves a BatchNorm's running statistics again).
         after_forward = [(buffer, buffer.clone()) for buffer in self.model.buffers()]
+        pushes: list = []
+        try:
+            loss_value = self._backward(saved, rng_states, targets, loss_fn, step, pushes)
+        finally:
+            with torch.no_grad():
+                for buffer, forward_value in after_forward:
+                    buffer.copy_(forward_value)
+        start = time.perf_counter()
+        for push in pushes:
+            push.result()
+        self.shard_set.finish_step(step, self.worker)
+        self.push_seconds += time.perf_counter() - start
+        self.version = step + 1
+        return loss_value
+
+    def _backward(self, saved: List[Optional[torch.Tensor]], rng_states: List["_RngState"],
+                  targets: torch.Tensor, loss_fn, step: int, pushes: list) -> float:
+        """train_step's backward pass: each stage again, with autograd, its
+        layer's gradient pushed (into `pushes`) as soon as it is known.
+        Returns the loss."""
         loss_value = None
         grad_output: Optional[torch.Tensor] = None
-        pushes = []
         with self._stream([index for index, _ in reversed(self.stages)]) as stream:
             for position in reversed(range(len(self.stages))):
                 index, fn = self.stages[position]
@@ -318,15 +337,6 @@ class LayerwiseTrainer:
                 # the layer's bytes go back to the stream's budget.
                 del layer, weights, grads, output
                 saved[position] = None
-        with torch.no_grad():
-            for buffer, forward_value in after_forward:
-                buffer.copy_(forward_value)
-        start = time.perf_counter()
-        for push in pushes:
-            push.result()
-        self.shard_set.finish_step(step, self.worker)
-        self.push_seconds += time.perf_counter() - start
-        self.version = step + 1
         return loss_value
 
 
