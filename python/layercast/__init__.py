@@ -20,13 +20,15 @@ and whose `message` says what to do.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+import collections.abc
+import threading
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set
 
 from . import _layercast
 
 __all__ = [
-    "connect", "Error", "ShardSet", "LayerStream", "Layer", "Tensor", "PushResult", "Mirror",
-    "MirrorReading"
+    "connect", "Error", "LayerIndexError", "ShardSet", "LayerStream", "Layer", "Tensor",
+    "PushResult", "Mirror", "MirrorReading"
 ]
 
 
@@ -36,6 +38,20 @@ status name ('NOT_FOUND', 'RESOURCE_EXHAUSTED', ...), `message` what went
 wrong and what to do about it."""
 Error.message = property(lambda self: self.args[0], doc="What went wrong and what to do.")
 Error.code = property(lambda self: self.args[1], doc="The gRPC status code's name.")
+Error.__str__ = lambda self: f"{self.args[0]} ({self.args[1]})" if len(self.args) == 2 else \
+    super(Error, self).__str__()
+
+
+class LayerIndexError(Error, IndexError):
+    """A layer index outside the model: an Error (code NOT_FOUND) that is
+    also the IndexError a Python sequence raises."""
+
+
+def _check_layer_indices(indices: Iterable[int], count: int) -> None:
+    for index in indices:
+        if not 0 <= index < count:
+            raise LayerIndexError(f"layer {index} does not exist: this model has {count} layers "
+                                  f"(0-{count - 1})", "NOT_FOUND")
 
 
 Tensor = _layercast.Tensor
@@ -53,13 +69,14 @@ scales[i // block_size]; `layercast.torch.dequantize` does that. Other
 tensors have block_size 0 and scales None."""
 
 
-class Layer:
-    """One gathered layer: its tensors by name (`layer["...weight"]` or
-    `layer.tensors`), its index, name and version (the parameter version every
-    shard cast it from)."""
+class Layer(collections.abc.Mapping):
+    """One gathered layer, a read-only mapping of tensor names to tensors
+    (`layer["...weight"]`, `dict(layer)`, `layer.tensors`), with its index,
+    name and version (the parameter version every shard cast it from)."""
 
     def __init__(self, native: _layercast.Layer):
         self._native = native
+        self._names = tuple(native.names())
 
     @property
     def index(self) -> int:
@@ -90,6 +107,12 @@ class Layer:
 
     def __getitem__(self, name: str) -> Tensor:
         return self._native.tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
     def __repr__(self) -> str:
         return f"<layercast.Layer {self.index} {self.name!r} version {self.version}>"
@@ -142,11 +165,16 @@ class PushResult:
 class MirrorReading:
     """The mirror held at one version while the `with` block runs: updates
     wait until it ends, so every layer read through it is at `version`.
-    Do not update the mirror from inside the block (the update would wait
-    for the block forever)."""
+    Asking the mirror for its version, an update or another reading from
+    inside the block, on the same thread, raises RuntimeError: it would
+    wait for the block forever."""
 
-    def __init__(self, native: _layercast.MirrorReading):
+    def __init__(self, native: _layercast.MirrorReading, readers: Set[int]):
         self._native = native
+        # The threads inside a reading of the mirror, shared with it.
+        self._readers = readers
+        self._reader = threading.get_ident()
+        readers.add(self._reader)
 
     @property
     def version(self) -> int:
@@ -161,6 +189,7 @@ class MirrorReading:
         (torch.from_dlpack takes them without a copy). They stay valid as
         long as anything holds them; their values are this reading's while
         it lasts, and move on in place with each update after it."""
+        _check_layer_indices([index], len(self))
         return Layer(self._native.layer(index))
 
     def check(self) -> None:
@@ -169,6 +198,7 @@ class MirrorReading:
         self._native.check()
 
     def close(self) -> None:
+        self._readers.discard(self._reader)
         self._native.close()
 
     def __enter__(self) -> "MirrorReading":
@@ -187,21 +217,33 @@ class Mirror:
 
     def __init__(self, native: _layercast.Mirror):
         self._native = native
+        self._readers: Set[int] = set()
+
+    def _not_reading(self, what: str) -> None:
+        # The reading holds the mirror's lock on this thread: asking for it
+        # again would wait for itself (abseil aborts the interpreter).
+        if threading.get_ident() in self._readers:
+            raise RuntimeError(f"{what} inside `with mirror.read()` on the same thread would wait "
+                               f"for the reading itself: use the reading's version and layers, "
+                               f"or leave the block first")
 
     @property
     def version(self) -> int:
         """The lowest version any layer holds."""
+        self._not_reading("mirror.version")
         return self._native.version
 
     def update(self, min_version: Optional[int] = None) -> Dict[str, object]:
         """Brings every layer to at least `min_version` (default: the
         version the shards serve now) by delta pulls. Returns {version,
         layers, bytes, seconds}: layers pulled and bytes received."""
+        self._not_reading("mirror.update()")
         return self._native.update(min_version)
 
     def wait_for_version(self, version: int, timeout: float = 30.0) -> bool:
         """Waits until every layer holds `version` or newer; False when
         `timeout` seconds passed first."""
+        self._not_reading("mirror.wait_for_version()")
         return self._native.wait_for_version(version, timeout)
 
     def follow(self, on_update: Optional[Callable[[Dict[str, object]], None]] = None) -> None:
@@ -215,7 +257,8 @@ class Mirror:
 
     def read(self) -> MirrorReading:
         """Holds updates off until the reading is closed (use `with`)."""
-        return MirrorReading(self._native.read())
+        self._not_reading("mirror.read()")
+        return MirrorReading(self._native.read(), self._readers)
 
     def __enter__(self) -> "Mirror":
         return self
@@ -233,6 +276,7 @@ class ShardSet:
 
     def __init__(self, native: _layercast.ShardSet):
         self._native = native
+        self._num_layers = len(native.manifest["layers"])
 
     @property
     def manifest(self) -> Dict[str, object]:
@@ -261,8 +305,10 @@ class ShardSet:
         shards keep a superseded version for a while (--pin-retention-ms),
         and a layer whose version they no longer keep raises Error
         (ABORTED, naming the version to walk again at)."""
-        return LayerStream(self._native.stream(list(order), budget_bytes, lookahead,
-                                               min_version, version, timeout))
+        order = list(order)
+        _check_layer_indices(order, self._num_layers)
+        return LayerStream(self._native.stream(order, budget_bytes, lookahead, min_version,
+                                               version, timeout))
 
     def version(self) -> int:
         """The version the shards serve now (shard 0's lowest layer's)."""
@@ -276,6 +322,7 @@ class ShardSet:
         manifest grad_dtype (the compute dtype; float32 for 8-bit floats), as
         anything with __dlpack__ (torch tensors). The bytes are copied at
         once; the push streams to every shard in the background."""
+        _check_layer_indices([layer], self._num_layers)
         return PushResult(self._native.push_gradients(step, worker, layer, dict(gradients)))
 
     def finish_step(self, step: int, worker: int) -> Dict[str, object]:

@@ -76,6 +76,11 @@ void PyMirrorReading::Check() const {
 
 void PyMirrorReading::Close() { reading_.reset(); }
 
+uint64_t PyMirror::version() const {
+  py::gil_scoped_release release;
+  return held_->mirror->version();
+}
+
 py::dict PyMirror::Update(std::optional<uint64_t> min_version) {
   absl::StatusOr<client::MirrorUpdate> update;
   {

@@ -43,7 +43,8 @@ class PyMirrorReading {
 class PyMirror {
  public:
   explicit PyMirror(std::shared_ptr<HeldMirror> held) : held_(std::move(held)) {}
-  uint64_t version() const { return held_->mirror->version(); }
+  // Without the GIL: another thread's reading may hold the mirror.
+  uint64_t version() const;
   pybind11::dict Update(std::optional<uint64_t> min_version);
   bool WaitForVersion(uint64_t version, double timeout);
   // `on_update` is called on the follower's thread, with the GIL, with the

@@ -53,7 +53,8 @@ PYBIND11_MODULE(_layercast, module) {
 
   py::class_<TensorView>(module, "Tensor")
       .def_property_readonly("name", &TensorView::name)
-      .def_property_readonly("shape", &TensorView::shape)
+      .def_property_readonly(
+          "shape", [](const TensorView& view) { return py::tuple(py::cast(view.shape())); })
       .def_property_readonly("dtype", &TensorView::dtype)
       .def_property_readonly("nbytes", &TensorView::nbytes)
       .def_property_readonly("data_ptr", &TensorView::data_ptr)

@@ -1,0 +1,71 @@
+"""The package as Python users expect it, against real shards: errors with a
+clean str() and a code, IndexError for a layer outside the model, a layer
+as a read-only mapping, shapes as tuples, and a mirror that raises instead
+of waiting for itself when asked for its lock from inside a reading."""
+
+import threading
+
+import pytest
+
+import layercast
+import layercast.torch
+from shards import ShardSet, llama_tensors
+
+
+@pytest.fixture(scope="module")
+def shard_set(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("model")
+    tensors = llama_tensors(layers=2)
+    layercast.torch.save_safetensors(directory / "model.safetensors", tensors)
+    with ShardSet(tmp_path_factory.mktemp("shards"), 2,
+                  ["--model", str(directory), "--policy", "p=f32,c=bf16"]) as shards:
+        with layercast.connect(shards.addresses) as connected:
+            yield connected
+
+
+def test_errors_read_cleanly_and_a_layer_outside_the_model_is_an_index_error(shard_set):
+    layers = len(shard_set.manifest["layers"])
+    with pytest.raises(IndexError) as outside:
+        shard_set.stream([0, layers], budget_bytes=1 << 20)
+    assert isinstance(outside.value, layercast.Error), "still a layercast.Error"
+    assert outside.value.code == "NOT_FOUND"
+    assert str(outside.value) == (f"layer {layers} does not exist: this model has {layers} "
+                                  f"layers (0-{layers - 1}) (NOT_FOUND)")
+    with pytest.raises(layercast.Error) as too_small:
+        shard_set.stream([0], budget_bytes=16)
+    assert str(too_small.value).endswith("(RESOURCE_EXHAUSTED)")
+    assert not str(too_small.value).startswith("("), "not a tuple"
+
+
+def test_a_layer_is_a_read_only_mapping_with_tuple_shapes(shard_set):
+    layer = next(shard_set.stream([1], budget_bytes=1 << 20))
+    tensors = dict(layer)
+    assert list(tensors) == list(layer) and len(layer) == len(tensors) > 0
+    manifest = {t["name"]: t for t in shard_set.manifest["layers"][1]["tensors"]}
+    for name, tensor in layer.items():
+        assert isinstance(tensor.shape, tuple), name
+        assert tensor.shape == tuple(manifest[name]["shape"]), name
+    assert next(iter(layer)) in layer and "nope" not in layer
+    with pytest.raises(KeyError):
+        layer["nope"]
+    with pytest.raises(TypeError):
+        layer["x"] = None  # read-only
+
+
+def test_a_mirror_asked_for_its_lock_inside_a_reading_raises(shard_set):
+    with shard_set.mirror() as mirror:
+        with mirror.read() as reading:
+            held = reading.version
+            for ask in (lambda: mirror.version, mirror.update, mirror.read,
+                        lambda: mirror.wait_for_version(0, timeout=0.1)):
+                with pytest.raises(RuntimeError, match="inside `with mirror.read"):
+                    ask()
+            with pytest.raises(IndexError):
+                reading.layer(len(reading))
+            # Another thread is not inside the reading: it waits, as before.
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(mirror.version))
+            other.start()
+        other.join(timeout=10)
+        assert seen == [held]
+        assert mirror.version == held, "after the block, asked freely"
