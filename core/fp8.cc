@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/cast_dispatch.h"
 #include "core/cast_error.h"
 #include "core/fp8_kernels.h"
 
@@ -47,14 +48,10 @@ constexpr Kernels kAvx512Kernels = {internal::QuantizeFp8Avx512, internal::Quant
 // The kernels `isa` names: kAvx512Bf16 runs the AVX-512 ones; a variant this
 // CPU lacks runs the scalar ones (same bits, no SIGILL).
 const Kernels& KernelsFor(CastIsa isa) {
-  const std::vector<CastIsa>& supported = SupportedCastIsas();
-  const auto runs = [&](CastIsa wanted) {
-    return std::find(supported.begin(), supported.end(), wanted) != supported.end();
-  };
-  if ((isa == CastIsa::kAvx512 || isa == CastIsa::kAvx512Bf16) && runs(CastIsa::kAvx512)) {
-    return kAvx512Kernels;
-  }
-  if (isa == CastIsa::kAvx2 && runs(CastIsa::kAvx2)) return kAvx2Kernels;
+  static const bool avx2 = internal::CpuRunsIsa(CastIsa::kAvx2);
+  static const bool avx512 = internal::CpuRunsIsa(CastIsa::kAvx512);
+  if ((isa == CastIsa::kAvx512 || isa == CastIsa::kAvx512Bf16) && avx512) return kAvx512Kernels;
+  if (isa == CastIsa::kAvx2 && avx2) return kAvx2Kernels;
   return kScalarKernels;
 }
 

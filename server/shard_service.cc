@@ -249,7 +249,6 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
   auto* reactor = new WaitVersionReactor(gate_, response, [this, peer](const grpc::Status& status) {
     metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
     streams_.RemoveWait(peer);
-    streams_.Leave(/*parked=*/true);
   });
   reactor->Start(request->min_version(), answer_at);
   return reactor;

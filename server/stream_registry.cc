@@ -138,11 +138,16 @@ grpc::Status StreamRegistry::AddWait(const std::string& peer) {
     ++waits;
   }
   grpc::Status admitted = Admit(/*parked=*/true);
-  if (!admitted.ok()) RemoveWait(peer);
+  if (!admitted.ok()) ForgetWait(peer);
   return admitted;
 }
 
 void StreamRegistry::RemoveWait(const std::string& peer) {
+  ForgetWait(peer);
+  Leave(/*parked=*/true);
+}
+
+void StreamRegistry::ForgetWait(const std::string& peer) {
   absl::MutexLock lock(&mu_);
   if (auto it = waits_by_peer_.find(peer); it != waits_by_peer_.end() && --it->second == 0) {
     waits_by_peer_.erase(it);

@@ -71,6 +71,7 @@ class StreamRegistry {
   // A WaitVersion call from `peer`: its place among the connection's waits
   // and a parked slot. RESOURCE_EXHAUSTED naming the flag otherwise.
   grpc::Status AddWait(const std::string& peer);
+  // Gives back both.
   void RemoveWait(const std::string& peer);
 
   // Ends every stream in flight with UNAVAILABLE at its next chunk.
@@ -82,6 +83,8 @@ class StreamRegistry {
   bool WaitUntilIdle(absl::Time deadline) const;
 
  private:
+  // Takes `peer`'s WaitVersion off its count.
+  void ForgetWait(const std::string& peer);
   // Cancels stalled calls, runs on_sweep_ and schedules the next sweep.
   void Sweep();
   void ScheduleSweep();
