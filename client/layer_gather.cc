@@ -48,6 +48,7 @@ layercast::v1::FetchLayerRequest LayerGather::RequestFor(uint32_t shard,
   request.set_min_version(options_.min_version);
   request.set_expect_content_fingerprint(shards_[shard].content_fingerprint);
   request.set_recast(recast);
+  if (options_.dtype) request.set_dtype(static_cast<layercast::v1::DType>(*options_.dtype));
   if (options_.base_version) {
     request.set_base_version(*options_.base_version);
     request.set_accepts_changed_gaps(options_.changed_gaps);
@@ -99,6 +100,9 @@ void LayerGather::CancelAll() {
 void LayerGather::Settle(uint32_t shard) {
   ShardState& s = state_[shard];
   --active_;
+  if (options_.changed_elements != nullptr) {
+    *options_.changed_elements += s.stream->changed_elements();
+  }
   // One place decides that a gather never mixes versions: every stream of
   // every shard and attempt must match the first version any stream sent.
   if (const std::optional<uint64_t> version = s.stream->version(); version) {

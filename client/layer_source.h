@@ -58,6 +58,15 @@ struct GatherOptions {
   // Only this byte range [first, second) of the assembled layout (for K local
   // GPUs each fetching 1/K); the rest of the buffer is left untouched.
   std::optional<std::pair<uint64_t, uint64_t>> byte_range;
+  // Every tensor in this dtype rather than the policy's compute dtypes
+  // (FetchLayerRequest.dtype), laid out as LayoutIn(layout, *dtype,
+  // policy.fp8_block()) says: float32 reads the fp32 master (an export).
+  // Deltas are not served in it: base_version is ignored.
+  std::optional<DType> dtype;
+  // If set, increased by the elements the gather wrote that may differ
+  // from what the buffer held: all of a full pull's, a delta's changed
+  // ones (0: the layer's values stayed as they were).
+  uint64_t* changed_elements = nullptr;
   // If set and cancelled, the gather stops its streams and returns CANCELLED.
   Cancellation* cancellation = nullptr;
   // If set, called with the size of each chunk placed (for progress), on a

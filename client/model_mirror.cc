@@ -121,6 +121,8 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
     gather.incarnations = &served;
     gather.will_pull_deltas = true;
     gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
+    uint64_t changed = 0;
+    gather.changed_elements = &changed;
     absl::StatusOr<uint64_t> version = shards_.GatherInto(i, gather, layer.mutable_bytes());
     // Chunks applied before the refusal are repaired by the second pull: a
     // delta from the same base gives the newer values exactly.
@@ -140,6 +142,7 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
     incarnations_[i] = std::move(served);
     torn_[i] = false;
     ++update.layers;
+    if (changed > 0) update.changed_layers.push_back(i);
   }
   update.version = VersionLocked();
   update.duration = std::chrono::steady_clock::now() - start;

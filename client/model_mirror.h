@@ -34,7 +34,10 @@ struct MirrorOptions {
 struct MirrorUpdate {
   uint64_t version = 0;  // the lowest layer's, now
   uint32_t layers = 0;   // layers pulled (those behind the target version)
-  uint64_t bytes = 0;    // chunk bytes received for them
+  // Of those, the ones whose values changed, in model order (a publish
+  // advances every layer's version, most of them changing nothing).
+  std::vector<uint32_t> changed_layers;
+  uint64_t bytes = 0;  // chunk bytes received for them
   std::chrono::steady_clock::duration duration{};
 };
 

@@ -36,7 +36,8 @@ std::string Describe(const std::vector<std::string>& addresses, size_t i) {
 absl::StatusOr<layercast::v1::Manifest> FetchManifest(
     std::shared_ptr<grpc::Channel>& channel,
     const std::function<std::shared_ptr<grpc::Channel>()>& make_channel,
-    const std::string& describe, const std::string& address, std::chrono::milliseconds timeout) {
+    const std::string& describe, const std::string& address, const ShardSetOptions& options) {
+  const std::chrono::milliseconds timeout = options.connect_timeout;
   auto stub = layercast::v1::ShardService::NewStub(channel);
   const auto start = std::chrono::system_clock::now();
   const auto deadline = start + timeout;
@@ -71,18 +72,18 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(
     const std::chrono::milliseconds wait = backoff.Next();
     if (!retry || RetryBackoff::GivesUpBefore(wait, deadline)) break;
     if (!said && now - start >= std::chrono::seconds(1)) {
-      Log()->warn("waiting for {}: {}; retrying for up to {} ms (--connect-timeout-ms)", describe,
-                  why(), timeout.count());
+      Log()->warn("waiting for {}: {}; retrying for up to {} ms ({})", describe, why(),
+                  timeout.count(), options.connect_timeout_name);
       said = true;
     }
     std::this_thread::sleep_for(wait);
   }
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    return absl::Status(
-        static_cast<absl::StatusCode>(status.error_code()),
-        absl::StrCat(describe, " did not answer within ", timeout.count(), " ms: ", why(),
-                     ". Start it, fix --shards, or wait longer (--connect-timeout-ms)"));
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat(describe, " did not answer within ", timeout.count(),
+                                     " ms: ", why(), ". Start it, fix ", options.shards_name,
+                                     ", or wait longer (", options.connect_timeout_name, ")"));
   }
   return wire::FromGrpcStatus(status, absl::StrCat(describe, " did not answer GetManifest"));
 }
@@ -146,7 +147,7 @@ absl::StatusOr<std::unique_ptr<ShardSet>> ShardSet::Connect(std::vector<std::str
         set->channels_[i] = make_channel(address);
         return FetchManifest(
             set->channels_[i], [&] { return make_channel(address); }, Describe(set->addresses_, i),
-            address, options.connect_timeout);
+            address, options);
       });
   for (const std::shared_ptr<grpc::Channel>& channel : set->channels_) {
     set->stubs_.push_back(layercast::v1::ShardService::NewStub(channel));
@@ -199,7 +200,12 @@ absl::StatusOr<uint64_t> ShardSet::GatherInto(uint32_t layer, const GatherOption
 absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOptions& options,
                                                  std::span<uint8_t> buffer) const {
   RETURN_IF_ERROR(CheckLayerIndex(layer));
-  const AssembledLayout& layout = view_.layouts[layer];
+  std::optional<AssembledLayout> own_layout;
+  if (options.dtype) {
+    ASSIGN_OR_RETURN(own_layout,
+                     LayoutIn(view_.layouts[layer], *options.dtype, view_.policy.fp8_block()));
+  }
+  const AssembledLayout& layout = own_layout ? *own_layout : view_.layouts[layer];
   if (buffer.size() < layout.total_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("buffer of ", buffer.size(),
                                                    " bytes is smaller than layer ", layer, "'s ",
@@ -219,7 +225,8 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   // Shards send no delta of an 8-bit float tensor (a changed value can move
   // its block's scale and so every code of the block): ask for the whole
   // layer at once rather than for a refusal from every shard first.
-  if (std::any_of(layout.tensors().begin(), layout.tensors().end(),
+  if (options.dtype ||
+      std::any_of(layout.tensors().begin(), layout.tensors().end(),
                   [](const AssembledTensor& tensor) { return IsFloat8(tensor.compute_dtype); })) {
     attempt.base_version.reset();
   }

@@ -27,6 +27,11 @@ struct ShardSetOptions {
   std::shared_ptr<prometheus::Registry> registry;
   // Channel credentials (TLS, mutual TLS); plaintext when null.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // How the caller names the shard list and connect_timeout, in messages
+  // that say what to change: the `layercast` tool's flags unless set (the
+  // Python package names its arguments).
+  std::string shards_name = "--shards";
+  std::string connect_timeout_name = "--connect-timeout-ms";
 };
 
 // A connection to a whole shard set, which has agreed on one model, policy

@@ -45,6 +45,7 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   const absl::Status& status() const { return status_; }
   // Version of the chunks received; nullopt if the shard sent none.
   std::optional<uint64_t> version() const { return decoder_.version(); }
+  uint64_t changed_elements() const { return decoder_.changed_elements(); }
   // Valid after on_done: the incarnation of the shard that served the
   // stream (its "layercast-incarnation" metadata); nullopt when it sent
   // none.

@@ -52,6 +52,17 @@ absl::string_view DTypeShortName(DType dtype) {
   return "unknown";
 }
 
+absl::StatusOr<DType> DTypeFromName(absl::string_view name) {
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                            DType::kFloat8E4M3FN, DType::kFloat8E5M2}) {
+    if (name == DTypeName(dtype) || name == DTypeShortName(dtype)) return dtype;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown dtype '", name,
+                   "': use float32, bfloat16, float16, float8_e4m3fn or float8_e5m2 (or f32, "
+                   "bf16, f16, f8e4m3, f8e5m2)"));
+}
+
 absl::string_view DTypeSafetensorsName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:

@@ -36,6 +36,10 @@ absl::string_view DTypeName(DType dtype);
 // "f8e5m2".
 absl::string_view DTypeShortName(DType dtype);
 
+// Parses a long or short name ("float32" or "f32", ...). INVALID_ARGUMENT
+// naming the accepted ones for anything else.
+absl::StatusOr<DType> DTypeFromName(absl::string_view name);
+
 // The safetensors dtype tag: "F32", "BF16", "F16", "F8_E4M3", "F8_E5M2".
 absl::string_view DTypeSafetensorsName(DType dtype);
 

@@ -124,6 +124,13 @@ absl::StatusOr<AssembledLayout> GradientLayout(const AssembledLayout& served) {
   return AssembledLayout::FromDTypes(dtypes, counts);
 }
 
+absl::StatusOr<AssembledLayout> LayoutIn(const AssembledLayout& served, DType dtype,
+                                         uint32_t fp8_block) {
+  std::vector<uint64_t> counts;
+  for (const AssembledTensor& tensor : served.tensors()) counts.push_back(tensor.num_elements);
+  return AssembledLayout::FromDTypes(std::vector<DType>(counts.size(), dtype), counts, fp8_block);
+}
+
 absl::StatusOr<std::vector<TensorElementRange>> AssembledLayout::MapByteRange(uint64_t begin,
                                                                               uint64_t end) const {
   if (begin >= end || end > total_bytes_) {

@@ -118,6 +118,13 @@ class AssembledLayout {
 // would exceed kMaxAssembledLayerBytes.
 absl::StatusOr<AssembledLayout> GradientLayout(const AssembledLayout& served);
 
+// `served`'s tensors, every one in `dtype` (8-bit floats with scales for
+// blocks of `fp8_block`): the layout of a pull that names its dtype
+// (FetchLayerRequest.dtype), such as the fp32 master an export reads.
+// Errors as FromDTypes.
+absl::StatusOr<AssembledLayout> LayoutIn(const AssembledLayout& served, DType dtype,
+                                         uint32_t fp8_block);
+
 // Whether every 8-bit float tensor of `layer` (laid out as `layout`) is cut
 // into shard slices that start on its block boundaries for `num_shards`
 // shards: a shard quantizes its own blocks, so no block may straddle two

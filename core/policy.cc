@@ -31,11 +31,8 @@ absl::Status PolicyError(absl::string_view text, absl::string_view problem) {
 
 // jmp's names, matched exactly as jmp does (case-sensitive, no trimming).
 absl::StatusOr<DType> ParseDType(absl::string_view policy_text, absl::string_view value) {
-  if (value == "float32" || value == "f32" || value == "full") return DType::kFloat32;
-  if (value == "bfloat16" || value == "bf16") return DType::kBFloat16;
-  if (value == "float16" || value == "f16") return DType::kFloat16;
-  if (value == "float8_e4m3fn" || value == "f8e4m3") return DType::kFloat8E4M3FN;
-  if (value == "float8_e5m2" || value == "f8e5m2") return DType::kFloat8E5M2;
+  if (absl::StatusOr<DType> dtype = DTypeFromName(value); dtype.ok()) return dtype;
+  if (value == "full") return DType::kFloat32;
   if (value == "half") {
     return PolicyError(policy_text,
                        "dtype 'half' is refused: jmp resolves it to bfloat16 on TPU and float16 "

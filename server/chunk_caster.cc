@@ -68,11 +68,11 @@ void QuantizeChunk(const AssembledTensor& placed, ElementRange chunk, const floa
 }
 }  // namespace
 
-absl::Status ChunkCaster::CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept,
-                                   uint8_t* out, uint32_t* crc) const {
+absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& placed,
+                                   const PinnedVersions::Kept* kept, uint8_t* out,
+                                   uint32_t* crc) const {
   const ElementRange owned = store_.owned(key.layer, key.tensor);
   const uint64_t skip = key.element_begin - owned.begin;
-  const AssembledTensor& placed = store_.layout(key.layer).tensors()[key.tensor];
   const size_t element_bytes = DTypeSize(key.dtype);
   const ElementRange elements{key.element_begin, key.element_begin + key.elements};
   if (kept != nullptr && !IsFloat8(key.dtype)) {

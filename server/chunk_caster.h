@@ -41,8 +41,9 @@ class ChunkCaster {
   // under overflow=error as CastFromF32 says, naming the tensor.
   // REQUIRES: *crc == 0, the layer's mutex held shared, and `kept` from
   // the stream's SourceOf under it.
-  absl::Status CastInto(const ChunkKey& key, const PinnedVersions::Kept* kept, uint8_t* out,
-                        uint32_t* crc) const;
+  // `placed`: the tensor as the stream lays it out (in key.dtype).
+  absl::Status CastInto(const ChunkKey& key, const AssembledTensor& placed,
+                        const PinnedVersions::Kept* kept, uint8_t* out, uint32_t* crc) const;
 
  private:
   const ParameterStore& store_;

@@ -35,8 +35,8 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
               {.chunk_bytes = options_.chunk_bytes,
                .cast_errors = options_.cast_errors,
                .recast = options_.recast}),
-      buffer_bytes_(StreamBufferBytes(store_, plan_, options_.chunk_bytes,
-                                      options_.base_version.has_value())),
+      buffer_bytes_(
+          StreamBufferBytes(plan_, options_.chunk_bytes, options_.base_version.has_value())),
       peer_(context->peer()) {
   if (!plan_.runs.empty()) next_element_ = plan_.runs[0].elements.begin;
   // What keeps a training shard recording its steps (ChangeLog::Wanted).
@@ -83,8 +83,10 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
       finish = grpc::Status(
           grpc::StatusCode::DEADLINE_EXCEEDED,
           absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
-                       version, ") within this shard's limit on waiting for a version ",
-                       "(--max-version-wait-ms); ask again"));
+                       version, ") within the call's deadline or this shard's limit on waiting ",
+                       "for a version (--max-version-wait-ms)",
+                       options_.waiting_for ? absl::StrCat(": ", options_.waiting_for(plan_.layer))
+                                            : std::string("; ask again")));
     } else if (gone) {
       finish = *gone;
     } else if (const uint64_t target = options_.exact_version.value_or(version);
@@ -153,11 +155,30 @@ std::string FetchLayerReactor::WhyNotKept() const {
                                      : "it keeps none: --pin-retention-ms 0";
 }
 
+bool FetchLayerReactor::KeptBitsServe() const {
+  if (!plan_.dtype) return true;
+  const std::vector<AssembledTensor>& policy = store_.layout(plan_.layer).tensors();
+  return std::all_of(policy.begin(), policy.end(), [this](const AssembledTensor& tensor) {
+    return KeptDType(tensor.compute_dtype) == KeptDType(*plan_.dtype);
+  });
+}
+
+absl::Status FetchLayerReactor::NotInThisDType(uint64_t version, uint64_t current) const {
+  return absl::AbortedError(
+      absl::StrCat("layer ", plan_.layer, " is at parameter version ", current,
+                   ", and what this shard keeps of version ", version,
+                   " (the policy's dtypes) cannot give ", DTypeName(*plan_.dtype), "; ",
+                   options_.exact_version ? "walk the model again at version "
+                                          : "gather the layer again with min_version ",
+                   current));
+}
+
 std::optional<grpc::Status> FetchLayerReactor::HoldExactVersion(uint64_t current) {
   if (!options_.exact_version || *options_.exact_version == current || buffer_bytes_ == 0) {
     return std::nullopt;
   }
   const uint64_t exact = *options_.exact_version;
+  if (!KeptBitsServe()) return wire::ToGrpcStatus(NotInThisDType(exact, current));
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(plan_.layer));
   if (options_.changes != nullptr) {
     if (options_.changes->ChangedNothing(plan_.layer, exact, current)) return std::nullopt;
@@ -177,6 +198,7 @@ absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::S
     const ChunkKey& key) {
   const uint64_t now = gate_.version(key.layer);
   if (now == key.version) return nullptr;
+  if (!KeptBitsServe()) return NotInThisDType(key.version, now);
   std::shared_ptr<const PinnedVersions::Kept> kept;
   if (options_.changes != nullptr &&
       !options_.changes->ChangedNothing(key.layer, key.version, now)) {
@@ -214,7 +236,7 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   // cast from one version, and it is the stream's.
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
   ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
-  const AssembledTensor& placed = store_.layout(key.layer).tensors()[key.tensor];
+  const AssembledTensor& placed = plan_.layout.tensors()[key.tensor];
   const size_t bytes =
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements});
   auto* data = static_cast<uint8_t*>(std::malloc(bytes));
@@ -225,7 +247,7 @@ absl::StatusOr<CastChunk> FetchLayerReactor::Cast(const ChunkKey& key) {
   // Owned by gRPC from here: freed when the last stream sending it is done.
   CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
   chunk.scale_bytes = bytes - key.elements * DTypeSize(key.dtype);
-  RETURN_IF_ERROR(caster_.CastInto(key, kept.get(), data, &chunk.crc32c));
+  RETURN_IF_ERROR(caster_.CastInto(key, placed, kept.get(), data, &chunk.crc32c));
   return chunk;
 }
 
@@ -251,7 +273,8 @@ absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
   thread_local std::vector<uint64_t> changed;
   try {
     values.resize(key.elements * DTypeSize(key.dtype));
-    RETURN_IF_ERROR(caster_.CastInto(key, kept.get(), values.data(), nullptr));
+    RETURN_IF_ERROR(caster_.CastInto(key, plan_.layout.tensors()[key.tensor], kept.get(),
+                                     values.data(), nullptr));
     options_.changes->ChangedSince(key.layer, key.base_version, key.version, key.tensor,
                                    key.element_begin, key.elements, changed);
     return CastChunk{wire::EncodeDeltaChunk({.tensor = key.tensor,
@@ -279,7 +302,7 @@ void FetchLayerReactor::WriteNext() {
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];
-  const AssembledTensor& placed = store_.layout(plan_.layer).tensors()[run.tensor];
+  const AssembledTensor& placed = plan_.layout.tensors()[run.tensor];
   const DType dtype = placed.compute_dtype;
   const ChunkGrid grid(options_.chunk_bytes, placed, store_.owned(plan_.layer, run.tensor));
   const ChunkKey key{

@@ -87,6 +87,9 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
     // every chunk it casts, and puts that CRC in `cast_errors` in place of
     // a kept one that differs (which may be what failed).
     bool recast = false;
+    // What the layer's next version waits for (LayerTrainer::WaitingFor),
+    // told to a stream that gave up waiting for it. Empty: nothing to add.
+    std::function<std::string(uint32_t layer)> waiting_for;
   };
 
   // Everything referenced must outlive the reactor.
@@ -121,6 +124,13 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   // for budget cannot take it away; ABORTED, naming the version to walk
   // again at, when the shard has no such version. Takes the layer's mutex.
   std::optional<grpc::Status> HoldExactVersion(uint64_t current);
+  // Whether what the shard keeps of superseded versions (and its record of
+  // which values changed, both in the policy's KeptDType bits) holds what
+  // this stream sends: always, unless it names a dtype of its own.
+  bool KeptBitsServe() const;
+  // ABORTED for a stream in a dtype of its own at `version`, which its
+  // layer (now at `current`) has left.
+  absl::Status NotInThisDType(uint64_t version, uint64_t current) const;
   // Why a superseded version is not at hand, for messages.
   std::string WhyNotKept() const;
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);

@@ -88,9 +88,33 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
     }
   }
 
+  FetchPlan plan;
+  plan.layer = request.layer();
+  plan.layout = layout;
+  if (request.dtype() != layercast::v1::DTYPE_UNSPECIFIED) {
+    if (!layercast::v1::DType_IsValid(request.dtype())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", static_cast<int>(request.dtype()),
+                       " is not a DType: use FLOAT32, BFLOAT16, FLOAT16, FLOAT8_E4M3FN or "
+                       "FLOAT8_E5M2, or leave it unset for the policy's dtypes"));
+    }
+    const auto wanted = static_cast<DType>(request.dtype());
+    if (std::any_of(layout.tensors().begin(), layout.tensors().end(),
+                    [wanted](const AssembledTensor& t) { return t.compute_dtype != wanted; })) {
+      ASSIGN_OR_RETURN(plan.layout, LayoutIn(layout, wanted, store.policy().fp8_block()));
+      RETURN_IF_ERROR(CheckBlocksWithinShards(layer, plan.layout, store.num_shards()));
+      plan.dtype = wanted;
+    }
+  }
+  if (request.has_base_version() && plan.dtype) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "this shard records what changed between versions in the policy's dtypes, not in ",
+        DTypeName(*plan.dtype), ", so it serves no delta in it; pull layer ", request.layer(),
+        " in full"));
+  }
   if (request.has_base_version()) {
     for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
-      const DType dtype = layout.tensors()[t].compute_dtype;
+      const DType dtype = plan.layout.tensors()[t].compute_dtype;
       if (!IsFloat8(dtype)) continue;
       // A changed value can move its block's scale, and with it every code
       // of the block: a delta of codes alone would be wrong.
@@ -102,17 +126,15 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
 
   uint64_t begin = request.range_begin(), end = request.range_end();
   if (begin == 0 && end == 0) {
-    end = layout.total_bytes();
+    end = plan.layout.total_bytes();
   } else if (end == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("range_begin is ", begin, " but range_end is 0: give both ends, or 0,0 ",
-                     "for the whole layer of ", layout.total_bytes(), " bytes"));
+                     "for the whole layer of ", plan.layout.total_bytes(), " bytes"));
   }
-  FetchPlan plan;
-  plan.layer = request.layer();
   std::vector<TensorElementRange> selected;
   if (end != 0) {  // else a layer with no tensors
-    ASSIGN_OR_RETURN(selected, layout.MapByteRange(begin, end));
+    ASSIGN_OR_RETURN(selected, plan.layout.MapByteRange(begin, end));
   }
   // Last: a malformed request is told so first.
   if (request.has_base_version() && request.has_base_incarnation() &&
@@ -124,9 +146,9 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
         "): version numbers restart with the shard, so that "
         "version may name other values here; pull the layer in full"));
   }
-  plan.runs = wire::OwnedRuns(layout, selected, store.shard_index(), store.num_shards());
+  plan.runs = wire::OwnedRuns(plan.layout, selected, store.shard_index(), store.num_shards());
   for (const TensorElementRange& run : plan.runs) {
-    plan.bytes += SentBytes(layout.tensors()[run.tensor], run.elements);
+    plan.bytes += SentBytes(plan.layout.tensors()[run.tensor], run.elements);
   }
   return plan;
 }
@@ -147,11 +169,10 @@ uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas) {
   return 2 * (deltas ? chunk_bytes + chunk_bytes / 16 + kDeltaHeaderBytes : chunk_bytes);
 }
 
-uint64_t StreamBufferBytes(const ParameterStore& store, const FetchPlan& plan, uint64_t chunk_bytes,
-                           bool delta) {
+uint64_t StreamBufferBytes(const FetchPlan& plan, uint64_t chunk_bytes, bool delta) {
   uint64_t largest = 0;
   for (const TensorElementRange& run : plan.runs) {
-    const AssembledTensor& placed = store.layout(plan.layer).tensors()[run.tensor];
+    const AssembledTensor& placed = plan.layout.tensors()[run.tensor];
     const uint64_t elements = std::min(run.elements.size(), ElementsPerChunk(chunk_bytes, placed));
     // A chunk off the block grid (a ranged stream's first) touches one
     // block more than whole blocks would.

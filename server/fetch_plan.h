@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -15,6 +16,12 @@ namespace layercast::server {
 // owned elements to cast and stream, in tensor order.
 struct FetchPlan {
   uint32_t layer = 0;
+  // The layout the stream sends in: the store's, or every tensor in the
+  // request's dtype.
+  AssembledLayout layout;
+  // Set when the request named a dtype other than the policy's
+  // (FetchLayerRequest.dtype): the stream casts its own chunks.
+  std::optional<DType> dtype;
   std::vector<TensorElementRange> runs;  // absolute element ranges, never empty
   uint64_t bytes = 0;                    // total bytes to send (SentBytes)
 };
@@ -76,8 +83,7 @@ uint64_t DeltaExtraBytes(uint64_t elements);
 // chunk, twice, since the transport may still hold the previous chunk's
 // slice when the next one is cast. A delta chunk may hold its whole span's
 // values, its bitmap and its header.
-uint64_t StreamBufferBytes(const ParameterStore& store, const FetchPlan& plan, uint64_t chunk_bytes,
-                           bool delta = false);
+uint64_t StreamBufferBytes(const FetchPlan& plan, uint64_t chunk_bytes, bool delta = false);
 
 // The most StreamBufferBytes gives for any plan with `chunk_bytes` of at
 // least LeastFp8ChunkBytes (server/memory_plan.h) under 8-bit floats: two
@@ -94,7 +100,10 @@ uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas);
 //   FAILED_PRECONDITION  expect_dtype differs from the policy's dtype of a
 //                        tensor in the layer;
 //   OUT_OF_RANGE         a delta pull (base_version) of a layer with an
-//                        8-bit float tensor: pull it in full.
+//                        8-bit float tensor, or in a dtype of its own:
+//                        pull it in full;
+//   FAILED_PRECONDITION  also: an 8-bit dtype whose blocks would straddle
+//                        two shards' slices.
 // Every message says what is valid.
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                                     const layercast::v1::FetchLayerRequest& request);

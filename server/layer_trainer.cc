@@ -123,6 +123,28 @@ uint32_t LayerTrainer::missing_workers(uint32_t layer) const {
   return MissingLocked(state);
 }
 
+std::string LayerTrainer::WaitingFor(uint32_t layer) const {
+  const LayerState& state = *layers_[layer];
+  absl::MutexLock lock(&state.mu);
+  const uint64_t step = VersionLocked(state);
+  if (state.reduced) {
+    return absl::StrCat("every worker pushed layer ", layer, "'s step ", step,
+                        "; it waits for the step's clip scale, which worker 0 sends once every "
+                        "layer of the step is in (its finish_step)");
+  }
+  std::vector<uint32_t> missing, pushed;
+  for (uint32_t w = 0; w < workers_; ++w) {
+    (state.pushed[w].has_value() ? pushed : missing).push_back(w);
+  }
+  return absl::StrCat("layer ", layer, "'s step ", step, " waits for the push of worker",
+                      missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "), " of the ",
+                      workers_, " the shards train with (--data-parallel-workers)",
+                      pushed.empty() ? ""
+                                     : absl::StrCat("; worker", pushed.size() == 1 ? " " : "s ",
+                                                    absl::StrJoin(pushed, ", "), " pushed"),
+                      ": is every worker running, each with its own index?");
+}
+
 absl::Status LayerTrainer::CheckIndices(uint32_t layer, uint32_t worker) const {
   if (layer >= layers_.size()) {
     return absl::NotFoundError(absl::StrCat("layer ", layer, " does not exist: this model has ",

@@ -199,6 +199,9 @@ class LayerTrainer {
   uint64_t version(uint32_t layer) const;
   // Workers whose push for `layer`'s current step has not arrived.
   uint32_t missing_workers(uint32_t layer) const;
+  // What `layer`'s current step waits for, in words naming the workers
+  // that have not pushed (for a reader waiting for the next version).
+  std::string WaitingFor(uint32_t layer) const;
   uint32_t workers() const { return workers_; }
   const OptimizerSpec& spec() const { return spec_; }
 

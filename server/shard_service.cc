@@ -172,7 +172,14 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   reactor_options.changes = changes;
   reactor_options.pinned = shard->pinned.get();
   reactor_options.cast_errors = options_.cast_errors;
-  reactor_options.version_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
+  // Before the client's deadline, so that it hears what the version waits
+  // for rather than gRPC's bare DEADLINE_EXCEEDED.
+  reactor_options.version_give_up_at =
+      std::min(std::chrono::steady_clock::now() + options_.max_version_wait,
+               AnswerBefore(context->deadline()));
+  if (const LayerTrainer* trainer = shard->trainer.get(); trainer != nullptr) {
+    reactor_options.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
+  }
   reactor_options.shared = shared;
   if (request->has_base_version()) {
     reactor_options.base_version = request->base_version();
@@ -182,6 +189,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // The worker saw a chunk of this layer fail its checksum: the kept copy,
   // or a kept CRC, may be the corrupted one.
   reactor_options.recast = request->recast();
+  if (plan->dtype) {
+    // Cast for this stream alone: the shared chunks and the cast-error
+    // ledger hold the policy's casts.
+    reactor_options.shared = nullptr;
+    reactor_options.cast_errors = nullptr;
+  }
   if (request->recast() && shared != nullptr) {
     shared->DropLayer(request->layer());
     reactor_options.shared = nullptr;

@@ -91,6 +91,7 @@ absl::StatusOr<uint64_t> ChunkDecoder::AcceptDelta(grpc::ByteBuffer& chunk) {
   absl::StatusOr<uint64_t> applied =
       ApplyDeltaChunk(parsed, element_size, std::span<uint8_t>(*place, span_bytes));
   if (!applied.ok()) return applied.status();
+  changed_elements_ += *applied;
   Advance(span_bytes);
   return size;
 }
@@ -192,6 +193,7 @@ absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
                                             has_scales ? " and block scales" : ""));
   }
   if (absl::Status checked = CheckVersion(version); !checked.ok()) return checked;
+  changed_elements_ += size / runs_[run_].element_size;
   Advance(size);
   return size;
 }

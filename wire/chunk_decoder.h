@@ -59,6 +59,9 @@ class ChunkDecoder {
   std::vector<Run> RemainingRuns() const;
   // Version of the chunks received; nullopt before the first.
   std::optional<uint64_t> version() const { return version_; }
+  // Elements written so far that may differ from what the buffer held:
+  // every element of a full chunk, the changed ones of a delta chunk.
+  uint64_t changed_elements() const { return changed_elements_; }
   // Where the next element is due, for messages.
   const Run* next_run() const { return done() ? nullptr : &runs_[run_]; }
   uint64_t next_element() const { return next_element_; }
@@ -84,6 +87,7 @@ class ChunkDecoder {
   size_t run_ = 0;             // next run to fill
   uint64_t next_element_ = 0;  // next element expected in runs_[run_]
   std::optional<uint64_t> version_;
+  uint64_t changed_elements_ = 0;
 };
 
 }  // namespace layercast::wire

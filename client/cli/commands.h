@@ -19,6 +19,9 @@ absl::Status RunManifest(const std::vector<std::string>& args);
 absl::Status RunCastError(const std::vector<std::string>& args);
 // layercast fetch --shards A,B,... --layer L --out FILE.safetensors
 absl::Status RunFetch(const std::vector<std::string>& args);
+// layercast export --shards A,B,... --out FILE.safetensors [--dtype D]
+//     [--version V]: the whole model at one version (client/model_export.h).
+absl::Status RunExport(const std::vector<std::string>& args);
 // layercast bench --shards A,B,... [--rounds R]
 absl::Status RunBench(const std::vector<std::string>& args);
 // layercast checkpoint --shards A,B,... --token-file F [--timeout-seconds S]

@@ -41,6 +41,17 @@ const Command kCommands[] = {
     {"cast-error", layercast::cli::RunCastError,
      "print what the shards' casts lost, by layer (relative error, flushed, overflowed)",
      "layercast cast-error SHARDS\n", true},
+    {"export", layercast::cli::RunExport,
+     "write the whole model at one version as a safetensors model (Hugging Face layout)",
+     "layercast export SHARDS --out FILE.safetensors [--dtype D] [--version V]\n"
+     "  --out FILE                  where to write; a model over --max-file-size is split\n"
+     "                              into FILE's stem-0000i-of-0000N.safetensors beside it\n"
+     "                              and FILE.index.json\n"
+     "  --dtype D                   float32 (the master, default), bfloat16 or float16\n"
+     "  --version V                 the version to export (default: the shards' current)\n"
+     "  --max-file-size BYTES       largest data file, e.g. 2GiB (default 5000000000)\n"
+     "  --timeout-ms MS             each layer's gather deadline (default 60000)\n",
+     true},
     {"fetch", layercast::cli::RunFetch, "gather one layer into a safetensors file",
      "layercast fetch SHARDS --layer L --out FILE.safetensors [--timeout-ms MS]\n"
      "  --layer L                   the layer's index or its name (e.g. model.layers.3)\n"

@@ -69,6 +69,47 @@ TEST(FetchPlanTest, RefusesWithTheDocumentedCodes) {
   EXPECT_NE(store->incarnation(), Store(0, 2)->incarnation()) << "every load is a new start";
 }
 
+TEST(FetchPlanTest, ARequestThatNamesItsDTypeIsPlannedInIt) {
+  auto store = Store(1, 2);
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(1);
+  request.set_dtype(layercast::v1::FLOAT32);
+  absl::StatusOr<FetchPlan> plan = PlanFetch(*store, request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->dtype, DType::kFloat32);
+  uint64_t elements = 0;
+  for (const TensorElementRange& run : plan->runs) {
+    EXPECT_EQ(plan->layout.tensors()[run.tensor].compute_dtype, DType::kFloat32);
+    EXPECT_EQ(run.elements, store->owned(1, run.tensor));
+    elements += run.elements.size();
+  }
+  EXPECT_EQ(plan->bytes, elements * sizeof(float));
+  // A byte range is one of the float32 layout, past the bfloat16 one's end.
+  request.set_range_begin(store->layout(1).total_bytes());
+  request.set_range_end(plan->layout.total_bytes());
+  EXPECT_TRUE(PlanFetch(*store, request).ok());
+  request.clear_range_begin();
+  request.clear_range_end();
+
+  request.set_base_version(0);
+  EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kOutOfRange)
+      << "the change log records the policy's dtypes only";
+  request.clear_base_version();
+  request.set_dtype(static_cast<layercast::v1::DType>(9));
+  EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kInvalidArgument);
+  // fp8 blocks of 128 would straddle the two shards' slices of a 48-wide
+  // norm.
+  request.set_dtype(layercast::v1::FLOAT8_E4M3FN);
+  EXPECT_EQ(PlanFetch(*store, request).status().code(), absl::StatusCode::kFailedPrecondition);
+  // The policy's own dtype for every tensor (the embedding's bfloat16) is
+  // an ordinary pull.
+  request.set_layer(0);
+  request.set_dtype(layercast::v1::BFLOAT16);
+  plan = PlanFetch(*store, request);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->dtype, std::nullopt);
+}
+
 // A slice of 1000 bf16 elements from element 3000, in chunks of 64 bytes:
 // 32 elements a chunk from the slice's start, whatever a range asks for.
 TEST(ChunkGridTest, CutsTheSliceFromItsFirstElement) {

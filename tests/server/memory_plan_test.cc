@@ -49,7 +49,7 @@ TEST(MemoryPlanTest, AStreamHoldsNoMoreThanThePlanCounts) {
             request.set_layer(layer);
             const absl::StatusOr<FetchPlan> plan = PlanFetch(**store, request);
             ASSERT_TRUE(plan.ok()) << plan.status();
-            EXPECT_LE(StreamBufferBytes(**store, *plan, chunk_bytes, delta), memory->stream_bytes)
+            EXPECT_LE(StreamBufferBytes(*plan, chunk_bytes, delta), memory->stream_bytes)
                 << c.policy << ", shard " << shard << ", layer " << layer << ", " << chunk_bytes
                 << "-byte chunks" << (delta ? ", a delta" : "");
           }
