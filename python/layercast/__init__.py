@@ -21,13 +21,15 @@ and whose `message` says what to do.
 from __future__ import annotations
 
 import collections.abc
+import logging
+import os
 import threading
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set
 
 from . import _layercast
 
 __all__ = [
-    "connect", "Error", "LayerIndexError", "ShardSet", "LayerStream", "Layer", "Tensor",
+    "connect", "learning_rate", "Error", "LayerIndexError", "ShardSet", "LayerStream", "Layer", "Tensor",
     "PushResult", "Mirror", "MirrorReading"
 ]
 
@@ -45,6 +47,29 @@ Error.__str__ = lambda self: f"{self.args[0]} ({self.args[1]})" if len(self.args
 class LayerIndexError(Error, IndexError):
     """A layer index outside the model: an Error (code NOT_FOUND) that is
     also the IndexError a Python sequence raises."""
+
+
+def _route_native_logs() -> None:
+    """The worker library's log lines go to the "layercast" logger (not
+    straight to stderr), read from a pipe by a daemon thread: the library's
+    own threads never take the GIL."""
+    read_fd, write_fd = os.pipe()
+    _layercast.route_logs(write_fd)
+    # spdlog's levels: trace, debug, info, warn, err, critical.
+    levels = [logging.DEBUG, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR,
+              logging.CRITICAL]
+    logger = logging.getLogger("layercast")
+
+    def pump() -> None:
+        with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                level, _, message = line.rstrip("\n").partition(" ")
+                logger.log(levels[min(int(level), len(levels) - 1)], "%s", message)
+
+    threading.Thread(target=pump, name="layercast-logs", daemon=True).start()
+
+
+_route_native_logs()
 
 
 def _check_layer_indices(indices: Iterable[int], count: int) -> None:
@@ -66,7 +91,13 @@ An 8-bit float tensor exports its codes as uint8 (DLPack has no fp8 for the
 consumers this package supports) and has `scales`, another Tensor: float32 of
 shape [ceil(elements / block_size)], so element i is value(code[i]) *
 scales[i // block_size]; `layercast.torch.dequantize` does that. Other
-tensors have block_size 0 and scales None."""
+tensors have block_size 0 and scales None.
+
+numpy has no bfloat16, so numpy.from_dlpack refuses a bfloat16 tensor:
+`tensor.bits()` is the same bytes as unsigned integers of the element's
+width (uint16 for bfloat16), which numpy.from_dlpack takes, still without
+a copy; or go through torch
+(`torch.from_dlpack(tensor).float().numpy()`, a copy)."""
 
 
 class Layer(collections.abc.Mapping):
@@ -169,8 +200,10 @@ class MirrorReading:
     inside the block, on the same thread, raises RuntimeError: it would
     wait for the block forever."""
 
-    def __init__(self, native: _layercast.MirrorReading, readers: Set[int]):
+    def __init__(self, native: _layercast.MirrorReading, readers: Set[int],
+                 indices: Mapping[str, int]):
         self._native = native
+        self._indices = indices
         # The threads inside a reading of the mirror, shared with it.
         self._readers = readers
         self._reader = threading.get_ident()
@@ -184,13 +217,26 @@ class MirrorReading:
     def __len__(self) -> int:
         return self._native.num_layers
 
-    def layer(self, index: int) -> Layer:
-        """Layer `index`: its tensors are views of the mirror's buffers
-        (torch.from_dlpack takes them without a copy). They stay valid as
-        long as anything holds them; their values are this reading's while
-        it lasts, and move on in place with each update after it."""
-        _check_layer_indices([index], len(self))
-        return Layer(self._native.layer(index))
+    def layer(self, key) -> Layer:
+        """Layer `key`, an index or a layer name ("model.layers.3"; KeyError
+        for a name the model lacks): its tensors are views of the mirror's
+        buffers (torch.from_dlpack takes them without a copy). They stay
+        valid as long as anything holds them; their values are this
+        reading's while it lasts, and move on in place with each update
+        after it."""
+        if isinstance(key, str):
+            if key not in self._indices:
+                raise KeyError(f"the model has no layer {key!r}; its layers are "
+                               f"{list(self._indices)}")
+            key = self._indices[key]
+        _check_layer_indices([key], len(self))
+        return Layer(self._native.layer(key))
+
+    __getitem__ = layer
+
+    def names(self) -> List[str]:
+        """The layers' names, in model order."""
+        return list(self._indices)
 
     def check(self) -> None:
         """Raises Error (DATA_LOSS) when a failed pull left layers holding a
@@ -215,9 +261,15 @@ class Mirror:
     optimizer step) is pulled as a delta, only the values that changed,
     written in place. Read it inside `with mirror.read() as r:`."""
 
-    def __init__(self, native: _layercast.Mirror):
+    def __init__(self, native: _layercast.Mirror, names: Sequence[str]):
         self._native = native
         self._readers: Set[int] = set()
+        self._names = list(names)
+        self._indices = {name: index for index, name in enumerate(self._names)}
+
+    def _named(self, update: Dict[str, object]) -> Dict[str, object]:
+        update["changed_layers"] = [self._names[i] for i in update["changed_layers"]]
+        return update
 
     def _not_reading(self, what: str) -> None:
         # The reading holds the mirror's lock on this thread: asking for it
@@ -236,9 +288,12 @@ class Mirror:
     def update(self, min_version: Optional[int] = None) -> Dict[str, object]:
         """Brings every layer to at least `min_version` (default: the
         version the shards serve now) by delta pulls. Returns {version,
-        layers, bytes, seconds}: layers pulled and bytes received."""
+        layers, bytes, seconds, changed_layers}: layers pulled, bytes
+        received, and the names of the layers whose values changed (a
+        publish moves every layer's version, most of them changing
+        nothing)."""
         self._not_reading("mirror.update()")
-        return self._native.update(min_version)
+        return self._named(self._native.update(min_version))
 
     def wait_for_version(self, version: int, timeout: float = 30.0) -> bool:
         """Waits until every layer holds `version` or newer; False when
@@ -248,8 +303,12 @@ class Mirror:
 
     def follow(self, on_update: Optional[Callable[[Dict[str, object]], None]] = None) -> None:
         """Starts following the shards on a background thread; `on_update`
-        gets each update's dict (as update() returns), on that thread."""
-        self._native.follow(on_update)
+        gets each update's dict (as update() returns, changed_layers
+        included), on that thread."""
+        if on_update is None:
+            self._native.follow(None)
+        else:
+            self._native.follow(lambda update: on_update(self._named(update)))
 
     def stop(self) -> None:
         """Stops following; waits for an update in flight."""
@@ -258,7 +317,7 @@ class Mirror:
     def read(self) -> MirrorReading:
         """Holds updates off until the reading is closed (use `with`)."""
         self._not_reading("mirror.read()")
-        return MirrorReading(self._native.read(), self._readers)
+        return MirrorReading(self._native.read(), self._readers, self._indices)
 
     def __enter__(self) -> "Mirror":
         return self
@@ -331,11 +390,33 @@ class ShardSet:
         {clipped, total_norm, scale}."""
         return self._native.finish_step(step, worker)
 
+    def export(self, path: str, *, dtype: str = "float32", version: Optional[int] = None,
+               max_file_bytes: int = 5_000_000_000, timeout: float = 60.0) -> Dict[str, object]:
+        """Writes the whole model at one version as a safetensors model that
+        safetensors, PyTorch and Hugging Face transformers load (and a shard
+        serves again with --model): every tensor the shards serve, named and
+        shaped as the manifest says, in `dtype` ("float32": the fp32 master
+        as it is; "bfloat16" or "float16": a cast of it, as the shards cast).
+        `path` ends in ".safetensors"; a model over `max_file_bytes` is split
+        as save_pretrained splits it ("<stem>-00001-of-0000N.safetensors"
+        and "<path>.index.json"). `version`: default, the shards' current
+        one. Each layer's gather ends within `timeout` seconds. Files appear
+        under their names only once all are complete. Returns {version,
+        bytes, tensors, files}."""
+        if not str(path).endswith(".safetensors"):
+            raise ValueError(f"path {str(path)!r} does not end in .safetensors: name the file, "
+                             f"e.g. 'model.safetensors'")
+        if dtype not in _EXPORT_DTYPES:
+            raise ValueError(f"dtype {dtype!r} cannot be exported: use 'float32' (the master), "
+                             f"'bfloat16' or 'float16'")
+        return self._native.export(str(path), dtype, version, max_file_bytes, timeout)
+
     def mirror(self, *, timeout: float = 60.0, poll: float = 10.0) -> Mirror:
         """Pulls every layer in full into a Mirror (each pull within
         `timeout` seconds); `poll`: how long each of its long polls for a new
         version lasts once it follows."""
-        return Mirror(self._native.mirror(timeout, poll))
+        return Mirror(self._native.mirror(timeout, poll),
+                      [layer["name"] for layer in self.manifest["layers"]])
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,
                 base_version: Optional[int] = None, timeout: float = 120.0,
@@ -362,6 +443,20 @@ class ShardSet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_EXPORT_DTYPES = ("float32", "bfloat16", "float16", "f32", "bf16", "f16")
+
+
+def learning_rate(optimizer: str, step: int, tensor: Optional[str] = None) -> float:
+    """The learning rate shards started with --optimizer `optimizer` (the
+    manifest's "optimizer") apply at 1-based `step` (the step that makes
+    version `step`), to `tensor` (default: a tensor no override names),
+    warm-up and cosine decay included. ValueError for a malformed spec."""
+    try:
+        return _layercast.learning_rate(optimizer, step, tensor or "")
+    except Error as error:
+        raise ValueError(error.message) from None
 
 
 def connect(shards: Sequence[str], *, tls: Optional[Mapping[str, str]] = None,

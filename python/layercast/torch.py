@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from . import Layer, ShardSet
+from . import Layer, ShardSet, learning_rate
 
 Stage = Tuple[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -162,6 +162,17 @@ class LayerwiseTrainer:
     the model uses; fn(activations) -> activations. The last stage's output
     goes to the loss. `budget_bytes`: host memory for gathered layers
     (default: the two largest layers, so one gathers while one runs).
+    `timeout`: seconds each gather may take, waiting for the other workers'
+    pushes of the step before included (a gather that times out names the
+    workers that have not pushed).
+
+    Two loop shapes: `train_step(inputs, targets, loss_fn)` does a whole
+    step and overlaps each layer's push with the backward pass below it;
+    or, as with a plain PyTorch model, `loss_fn(trainer(inputs),
+    targets).backward()` for each micro batch (gradients add up on the
+    worker), then `step()`. The learning rate is the shards' schedule
+    (--optimizer's lr, warmup_steps, decay_steps, min_lr):
+    `learning_rate` reads the next step's back.
 
     As the shards' precision policy says (jmp's convention): floating-point
     inputs are cast to its compute dtype before the first stage (token ids
@@ -182,7 +193,7 @@ class LayerwiseTrainer:
 
     def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
                  worker: int = 0, budget_bytes: Optional[int] = None, lookahead: int = 1,
-                 buffers: Optional[Mapping[str, torch.Tensor]] = None):
+                 buffers: Optional[Mapping[str, torch.Tensor]] = None, timeout: float = 60.0):
         self.shard_set = shard_set
         self.model = model
         self.worker = worker
@@ -213,8 +224,12 @@ class LayerwiseTrainer:
         sizes = sorted((by_name[name]["nbytes"] for name, _ in stages), reverse=True)
         self.budget_bytes = budget_bytes or sum(sizes[:2])
         self.lookahead = lookahead
+        self.timeout = timeout
+        self.optimizer = manifest["optimizer"]
         self.version = manifest["version"]
         self._compute_dtype, self._output_dtype = _policy_dtypes(manifest["policy"])
+        # Per layer index, the gradients backward() added up for step().
+        self._grads: Dict[int, Dict[str, torch.Tensor]] = {}
         self.bytes_fetched = 0
         self.bytes_pushed = 0
         self.fetch_seconds = 0.0
@@ -222,7 +237,16 @@ class LayerwiseTrainer:
 
     def _stream(self, indices: List[int]):
         return self.shard_set.stream(indices, self.budget_bytes, lookahead=self.lookahead,
-                                     min_version=self.version)
+                                     min_version=self.version, timeout=self.timeout)
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the shards apply at the next step (to tensors
+        no override of their --optimizer names): their schedule, read back
+        from the manifest; 0.0 for read-only shards."""
+        if not self._trains:
+            return 0.0
+        return learning_rate(self.optimizer, self.version + 1)
 
     def _input(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.is_floating_point() and self._compute_dtype is not None:
@@ -256,19 +280,102 @@ class LayerwiseTrainer:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
         """One step: forward, backward with each layer's gradient pushed as
-        soon as it is known, and the step finished on the shards (with
-        clipping, worker 0 completes it for every worker). Returns the loss.
-        The next step gathers the layers at the version this one produced."""
+        soon as it is known (while the stages below run), and the step
+        finished on the shards (with clipping, worker 0 completes it for
+        every worker). Returns the loss. The next step gathers the layers at
+        the version this one produced. For gradient accumulation, or a loss
+        computed your own way, call the trainer (`trainer(inputs)`), then
+        `loss.backward()` and `step()` instead."""
+        self._check_trains()
+        if self._grads:
+            raise RuntimeError("gradients from trainer(inputs) ... backward() are waiting for "
+                               "step(): call step() (or zero_grad()) before train_step")
+        step = self.version
+        x, saved, rng_states = self._forward_saving(inputs)
+        del x  # recomputed with autograd, with the loss, in the backward pass
+        pushes: list = []
+        loss_value: List[float] = []
+
+        def top(output: torch.Tensor) -> None:
+            loss = loss_fn(self._output(output), targets)
+            loss_value.append(loss.item())
+            loss.backward()
+
+        def push(index: int, grads: Dict[str, torch.Tensor]) -> None:
+            start = time.perf_counter()
+            pushes.append(self.shard_set.push_gradients(step, self.worker, index, grads))
+            self.push_seconds += time.perf_counter() - start
+            self.bytes_pushed += self._grad_nbytes[index]
+
+        self._backward(saved, rng_states, top, push)
+        self._finish(step, pushes)
+        return loss_value[0]
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output for `inputs`, as part of autograd's graph:
+        `loss.backward()` on anything computed from it runs the backward
+        pass through the stages (each layer gathered again and its stage
+        recomputed) and adds each layer's weight gradient to the ones kept
+        on this worker, as PyTorch adds into .grad (in the compute dtype).
+        Call it and backward() for each micro batch (scale the loss as for
+        plain PyTorch's accumulation, e.g. by 1/micro_batches), then step().
+        Each output's backward must run before the trainer's next step()."""
+        self._check_trains()
+        anchor = torch.empty(0, requires_grad=True)
+        return self._output(_Stages.apply(anchor, self, inputs))
+
+    def step(self) -> None:
+        """Pushes the gradients backward() added up since the last step (a
+        layer no backward reached pushes zeros), then finishes the step on
+        the shards, as train_step does: the next call gathers the version
+        it produced."""
+        self._check_trains()
+        if not self._grads:
+            raise RuntimeError("step() with no gradients: run trainer(inputs) and backward() "
+                               "on a loss computed from its output first")
+        step, pushes = self.version, []
+        start = time.perf_counter()
+        for index, _ in self.stages:
+            grads = self._grads.get(index)
+            if grads is None:
+                grads = {name: torch.zeros(shape, dtype=dtype)
+                         for name, (shape, dtype) in self._grad_shapes(index).items()}
+            pushes.append(self.shard_set.push_gradients(step, self.worker, index, grads))
+            self.bytes_pushed += self._grad_nbytes[index]
+        self.push_seconds += time.perf_counter() - start
+        self._grads = {}
+        self._finish(step, pushes)
+
+    def zero_grad(self) -> None:
+        """Drops the gradients backward() added up since the last step."""
+        self._grads = {}
+
+    def _check_trains(self) -> None:
         if not self._trains:
             raise ValueError("the shards run no optimizer (started without --optimizer): they "
                              "serve forward() only; train against shards started with "
                              "--optimizer")
-        step = self.version
-        saved: List[torch.Tensor] = []
-        # The random state each stage ran its forward pass with: the
-        # backward pass runs the stage again with the same (dropout's masks),
-        # as torch.utils.checkpoint does, so the gradients are those of the
-        # forward pass that gave the loss.
+
+    def _grad_shapes(self, index: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        layer = next(layer for layer in self.shard_set.manifest["layers"]
+                     if layer["index"] == index)
+        return {t["name"]: (tuple(t["shape"]), _POLICY_DTYPES[t["grad_dtype"]])
+                for t in layer["tensors"]}
+
+    def _finish(self, step: int, pushes: list) -> None:
+        start = time.perf_counter()
+        for push in pushes:
+            push.result()
+        self.shard_set.finish_step(step, self.worker)
+        self.push_seconds += time.perf_counter() - start
+        self.version = step + 1
+
+    def _forward_saving(self, inputs: torch.Tensor):
+        """The forward pass without autograd, keeping what the backward
+        pass recomputes each stage from: its input and the random state it
+        ran with (dropout's masks are drawn again from it, as
+        torch.utils.checkpoint does)."""
+        saved: List[Optional[torch.Tensor]] = []
         rng_states: List[_RngState] = []
         x = self._input(inputs)
         with torch.no_grad(), self._stream([index for index, _ in self.stages]) as stream:
@@ -279,65 +386,89 @@ class LayerwiseTrainer:
                 with bound(self.model, layer_weights(layer)):
                     x = fn(x)
                 del layer
-        # What the forward pass left in the buffers, put back after the
-        # recomputation (which moves a BatchNorm's running statistics again).
-        after_forward = [(buffer, buffer.clone()) for buffer in self.model.buffers()]
-        pushes: list = []
-        try:
-            loss_value = self._backward(saved, rng_states, targets, loss_fn, step, pushes)
-        finally:
-            with torch.no_grad():
-                for buffer, forward_value in after_forward:
-                    buffer.copy_(forward_value)
-        start = time.perf_counter()
-        for push in pushes:
-            push.result()
-        self.shard_set.finish_step(step, self.worker)
-        self.push_seconds += time.perf_counter() - start
-        self.version = step + 1
-        return loss_value
+        return x, saved, rng_states
+
+    def _accumulate(self, index: int, grads: Dict[str, torch.Tensor]) -> None:
+        held = self._grads.setdefault(index, {})
+        for name, grad in grads.items():
+            if name in held:
+                held[name] += grad
+            else:
+                # Its own memory: the layer's buffer goes back to the stream.
+                held[name] = grad.clone()
 
     def _backward(self, saved: List[Optional[torch.Tensor]], rng_states: List["_RngState"],
-                  targets: torch.Tensor, loss_fn, step: int, pushes: list) -> float:
-        """train_step's backward pass: each stage again, with autograd, its
-        layer's gradient pushed (into `pushes`) as soon as it is known.
-        Returns the loss."""
-        loss_value = None
+                  top: Callable[[torch.Tensor], None],
+                  on_grads: Callable[[int, Dict[str, torch.Tensor]], None]) -> Optional[torch.Tensor]:
+        """Each stage again, last first, with autograd: `top(output)` runs
+        the last stage's backward, the gradient of each stage's input runs
+        the one below's, and each layer's weight gradient goes to
+        `on_grads(layer index, grads)` as soon as it is known. Buffers
+        (BatchNorm's running statistics) are left as they were before the
+        recomputation, which would move them a second time. Returns the
+        gradient of the first stage's input (None for token ids)."""
+        before = [(buffer, buffer.clone()) for buffer in self.model.buffers()]
         grad_output: Optional[torch.Tensor] = None
-        with self._stream([index for index, _ in reversed(self.stages)]) as stream:
-            for position in reversed(range(len(self.stages))):
-                index, fn = self.stages[position]
-                layer = self._next(stream)
-                weights = layer_weights(layer, requires_grad=True)
-                stage_input = saved[position]
-                if stage_input.is_floating_point():
-                    stage_input = stage_input.detach().requires_grad_()
-                with bound(self.model, weights):
-                    # Forked: the run again draws what the forward pass drew,
-                    # and leaves the random state where the forward pass left
-                    # it, as a plain PyTorch step would.
-                    with rng_states[position].restored():
-                        output = fn(stage_input)
-                    if position == len(self.stages) - 1:
-                        output = loss_fn(self._output(output), targets)
-                        loss_value = output.item()
-                        output.backward()
-                    else:
-                        output.backward(grad_output)
-                grads = {}
-                for name, tensor in weights.items():
-                    grads[name] = (tensor.grad if tensor.grad is not None
-                                   else torch.zeros_like(tensor))
-                start = time.perf_counter()
-                pushes.append(self.shard_set.push_gradients(step, self.worker, index, grads))
-                self.push_seconds += time.perf_counter() - start
-                self.bytes_pushed += self._grad_nbytes[index]
-                grad_output = stage_input.grad if stage_input.requires_grad else None
-                # The graph's leaves hold the weights: drop it with them, so
-                # the layer's bytes go back to the stream's budget.
-                del layer, weights, grads, output
-                saved[position] = None
-        return loss_value
+        try:
+            with self._stream([index for index, _ in reversed(self.stages)]) as stream:
+                for position in reversed(range(len(self.stages))):
+                    index, fn = self.stages[position]
+                    layer = self._next(stream)
+                    weights = layer_weights(layer, requires_grad=True)
+                    stage_input = saved[position]
+                    if stage_input.is_floating_point():
+                        stage_input = stage_input.detach().requires_grad_()
+                    with torch.enable_grad(), bound(self.model, weights):
+                        # Forked: the run again draws what the forward pass
+                        # drew, and leaves the random state where the forward
+                        # pass left it, as a plain PyTorch step would.
+                        with rng_states[position].restored():
+                            output = fn(stage_input)
+                        if position == len(self.stages) - 1:
+                            top(output)
+                        else:
+                            output.backward(grad_output)
+                    on_grads(index, {name: (tensor.grad if tensor.grad is not None
+                                            else torch.zeros_like(tensor))
+                                     for name, tensor in weights.items()})
+                    grad_output = stage_input.grad if stage_input.requires_grad else None
+                    # The graph's leaves hold the weights: drop it with them,
+                    # so the layer's bytes go back to the stream's budget.
+                    del layer, weights, output
+                    saved[position] = None
+        finally:
+            with torch.no_grad():
+                for buffer, value in before:
+                    buffer.copy_(value)
+        return grad_output
+
+
+class _Stages(torch.autograd.Function):
+    """LayerwiseTrainer.__call__ as one node of autograd's graph: forward
+    runs the stages without autograd; backward runs the trainer's backward
+    pass from the output's gradient and adds up the weights' gradients.
+    `anchor` (an empty tensor that requires grad) makes the output require
+    grad when the inputs are token ids."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, trainer: "LayerwiseTrainer",
+                inputs: torch.Tensor) -> torch.Tensor:
+        x, saved, rng_states = trainer._forward_saving(inputs)
+        ctx.trainer, ctx.saved, ctx.rng_states = trainer, saved, rng_states
+        ctx.version = trainer.version
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        trainer: LayerwiseTrainer = ctx.trainer
+        if ctx.version != trainer.version:
+            raise RuntimeError(f"this output was computed at version {ctx.version}, and step() "
+                               f"has moved the shards to {trainer.version} since: run backward() "
+                               f"on each output before the step that uses its gradients")
+        grad_input = trainer._backward(ctx.saved, ctx.rng_states,
+                                       lambda output: output.backward(grad_output),
+                                       trainer._accumulate)
+        return None, None, grad_input
 
 
 # The safetensors dtype of each torch dtype a shard reads: floats it serves
@@ -383,3 +514,40 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor]) -> None:
         f.write(encoded)
         for blob in blobs:
             f.write(blob)
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+def load_safetensors(path) -> Dict[str, torch.Tensor]:
+    """Reads a safetensors model ({name: tensor}, on the CPU): one file, or
+    a Hugging Face index ("....safetensors.index.json") and the files it
+    names, as `ShardSet.export` writes them. The counterpart of
+    save_safetensors, for the same dtypes; by hand for the same reason."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(path)
+    if path.name.endswith(".index.json"):
+        weight_map = json.loads(path.read_text())["weight_map"]
+        tensors: Dict[str, torch.Tensor] = {}
+        for file in sorted(set(weight_map.values())):
+            tensors.update(load_safetensors(path.parent / file))
+        return {name: tensors[name] for name in weight_map}
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    start = 8 + length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise TypeError(f"{path}: tensor {name} is {entry['dtype']}, which this reader does "
+                            f"not take; it reads {sorted(_TORCH_DTYPES)}")
+        begin, end = entry["data_offsets"]
+        raw = bytearray(data[start + begin:start + end])
+        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(entry["shape"]) if raw else \
+            torch.empty(entry["shape"], dtype=dtype)
+    return tensors

@@ -37,7 +37,8 @@ std::vector<int64_t> TensorView::shape() const {
 }
 
 std::string TensorView::dtype() const {
-  return DTypeString(scales_ ? DType::kFloat32 : view().dtype);
+  const DType dtype = scales_ ? DType::kFloat32 : view().dtype;
+  return bits_ ? absl::StrCat("uint", 8 * DTypeSize(dtype)) : DTypeString(dtype);
 }
 
 std::span<const uint8_t> TensorView::bytes() const {
@@ -68,7 +69,9 @@ py::capsule TensorView::Export() const {
   dl.data = const_cast<uint8_t*>(bytes().data());
   dl.device = {kDLCPU, 0};
   dl.ndim = static_cast<int32_t>(context->shape.size());
-  dl.dtype = ToDLDataType(scales_ ? DType::kFloat32 : view().dtype);
+  const DType dtype = scales_ ? DType::kFloat32 : view().dtype;
+  dl.dtype = bits_ ? DLDataType{kDLUInt, static_cast<uint8_t>(8 * DTypeSize(dtype)), 1}
+                   : ToDLDataType(dtype);
   dl.shape = context->shape.data();
   dl.strides = nullptr;  // compact, row-major
   dl.byte_offset = 0;

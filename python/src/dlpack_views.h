@@ -32,8 +32,12 @@ class TensorView {
   // An 8-bit float tensor is two views: its codes (exported as uint8: DLPack
   // consumers here, torch 1.13 among them, have no fp8) and, with `scales`,
   // its fp32 block scales, shape [blocks].
-  TensorView(std::shared_ptr<const client::Layer> held, size_t index, bool scales = false)
-      : held_(std::move(held)), index_(index), scales_(scales) {}
+  //
+  // `bits`: the same bytes as unsigned integers of the element's width
+  // (uint16 for bfloat16), for consumers without the dtype (numpy).
+  TensorView(std::shared_ptr<const client::Layer> held, size_t index, bool scales = false,
+             bool bits = false)
+      : held_(std::move(held)), index_(index), scales_(scales), bits_(bits) {}
 
   std::string name() const;
   std::vector<int64_t> shape() const;
@@ -45,6 +49,8 @@ class TensorView {
   uint32_t block_size() const { return scales_ ? 0 : view().block_size; }
   // The view of this tensor's block scales; nullopt for a tensor without.
   std::optional<TensorView> scales() const;
+  // This view's bytes as unsigned integers of the element's width.
+  TensorView Bits() const { return TensorView(held_, index_, scales_, /*bits=*/true); }
   // A "dltensor" capsule: compact, row-major, on the CPU. DLPack has no
   // read-only flag: a consumer may write, and changes only this worker's copy.
   pybind11::capsule Export() const;
@@ -57,6 +63,7 @@ class TensorView {
   std::shared_ptr<const client::Layer> held_;
   size_t index_;
   bool scales_;
+  bool bits_;
 };
 
 // A tensor taken from Python through DLPack; its producer's deleter runs

@@ -23,6 +23,7 @@ py::dict UpdateDict(const client::MirrorUpdate& update) {
   out["version"] = update.version;
   out["layers"] = update.layers;
   out["bytes"] = update.bytes;
+  out["changed_layers"] = update.changed_layers;  // indices; the package names them
   out["seconds"] = std::chrono::duration<double>(update.duration).count();
   return out;
 }

@@ -12,9 +12,11 @@
 
 #include <cstdlib>
 
+#include "core/optimizer_spec.h"
 #include "platform/process_tuning.h"
 #include "python/src/dlpack_views.h"
 #include "python/src/errors.h"
+#include "python/src/log_pipe.h"
 #include "python/src/mirror_binding.h"
 #include "python/src/shard_set_binding.h"
 
@@ -60,6 +62,7 @@ PYBIND11_MODULE(_layercast, module) {
       .def_property_readonly("data_ptr", &TensorView::data_ptr)
       .def_property_readonly("block_size", &TensorView::block_size)
       .def_property_readonly("scales", &TensorView::scales)
+      .def("bits", &TensorView::Bits)
       .def(
           "__dlpack__", [](const TensorView& self, py::object /*stream*/) { return self.Export(); },
           py::arg("stream") = py::none())
@@ -93,6 +96,8 @@ PYBIND11_MODULE(_layercast, module) {
       .def("push_gradients", &PyShardSet::PushGradients, py::arg("step"), py::arg("worker"),
            py::arg("layer"), py::arg("gradients"))
       .def("finish_step", &PyShardSet::FinishStep, py::arg("step"), py::arg("worker"))
+      .def("export", &PyShardSet::Export, py::arg("path"), py::arg("dtype"), py::arg("version"),
+           py::arg("max_file_bytes"), py::arg("timeout"))
       .def("close", &PyShardSet::Close)
       .def(
           "mirror",
@@ -125,6 +130,15 @@ PYBIND11_MODULE(_layercast, module) {
       .def("stop", &PyMirror::Stop)
       .def("read", &PyMirror::Read);
 
+  module.def(
+      "learning_rate",
+      [](const std::string& optimizer, uint64_t step, const std::string& tensor) {
+        const layercast::OptimizerSpec spec =
+            ValueOrRaise(layercast::OptimizerSpec::Parse(optimizer));
+        return spec.LearningRate(spec.HyperFor(tensor), step);
+      },
+      py::arg("optimizer"), py::arg("step"), py::arg("tensor") = "");
+  module.def("route_logs", &RouteLogsToPipe, py::arg("fd"));
   module.def("connect", &Connect, py::arg("shards"), py::arg("tls") = py::none(),
              py::arg("timeout") = 30.0, py::arg("worker_token") = "", py::arg("insecure") = false);
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
+#include "client/model_export.h"
 #include "python/src/errors.h"
 
 namespace layercast::python {
@@ -173,6 +174,30 @@ PyStream PyShardSet::Stream(std::vector<uint32_t> order, uint64_t budget_bytes,
   return PyStream(std::move(connection), std::move(stream));
 }
 
+py::dict PyShardSet::Export(const std::string& path, const std::string& dtype,
+                            std::optional<uint64_t> version, uint64_t max_file_bytes,
+                            double timeout) const {
+  std::shared_ptr<Connection> connection = Held();
+  client::ExportOptions options;
+  options.path = path;
+  options.dtype = ValueOrRaise(DTypeFromName(dtype));
+  options.version = version;
+  options.max_file_bytes = max_file_bytes;
+  options.layer_timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000));
+  absl::StatusOr<client::ExportResult> result;
+  {
+    py::gil_scoped_release unlocked;
+    result = client::ExportModel(*connection->set, options);
+  }
+  if (!result.ok()) Raise(result.status());
+  py::dict out;
+  out["version"] = result->version;
+  out["bytes"] = result->bytes;
+  out["tensors"] = result->tensors;
+  out["files"] = result->files;
+  return out;
+}
+
 uint64_t PyShardSet::Version() const {
   std::shared_ptr<Connection> connection = Held();
   absl::StatusOr<uint64_t> version;
@@ -279,6 +304,8 @@ PyShardSet Connect(std::vector<std::string> addresses, std::optional<py::dict> t
   }
   client::ShardSetOptions options;
   options.connect_timeout = Milliseconds(timeout);
+  options.shards_name = "connect()'s shards";
+  options.connect_timeout_name = "connect()'s timeout, in seconds";
   options.credentials = Credentials(tls);
   absl::StatusOr<std::unique_ptr<client::ShardSet>> set;
   {

@@ -83,6 +83,10 @@ class PyShardSet {
   PyPush PushGradients(uint64_t step, uint32_t worker, uint32_t layer,
                        const pybind11::dict& gradients);
   pybind11::dict FinishStep(uint64_t step, uint32_t worker);
+  // client::ExportModel, without the GIL: {version, bytes, tensors, files}.
+  pybind11::dict Export(const std::string& path, const std::string& dtype,
+                        std::optional<uint64_t> version, uint64_t max_file_bytes,
+                        double timeout) const;
   // Drops this object's hold on the connection once the pushes handed over
   // are done; layers and tensors still held keep what they need.
   void Close();

@@ -76,6 +76,25 @@ def test_a_mirror_follows_publishes_in_place(served):
         for update in updates:
             assert 0 < update["bytes"] < nbytes, "a delta, not the whole model"
         assert mirror.update()["layers"] == 0, "nothing new to pull"
+        # A publish moves every layer's version; the update names the
+        # layers whose values changed. The one-element layer_scale never
+        # did above ([step::5] of one element is empty).
+        names = [layer["name"] for layer in shard_set.manifest["layers"]]
+        for update in updates:
+            assert update["changed_layers"] == [n for n in names if n != "model.layers.3"]
+        values["model.layers.1.mlp.up_proj.weight"] *= 2
+        shard_set.publish(values, TOKEN, insecure=True)
+        update = mirror.update()
+        assert update["layers"] == len(names)
+        assert update["changed_layers"] == ["model.layers.1"]
+        with mirror.read() as reading:
+            assert reading.names() == names
+            up = reading["model.layers.1"]["model.layers.1.mlp.up_proj.weight"]
+            assert torch.equal(bits(torch.from_dlpack(up)),
+                               bits(cast(values["model.layers.1.mlp.up_proj.weight"],
+                                         "model.layers.1.mlp.up_proj.weight")))
+            with pytest.raises(KeyError, match="no layer 'model.layers.9'"):
+                reading["model.layers.9"]
 
 
 def test_a_bad_publish_raises_and_changes_nothing(served):
