@@ -148,8 +148,10 @@ void FetchLayerReactor::OnBudget(bool granted) {
 
 std::string FetchLayerReactor::WhyNotKept() const {
   if (options_.pinned != nullptr) {
-    return absl::StrCat("it keeps a layer's two newest superseded versions for ",
-                        "--pin-retention-ms, while its memory budget has room");
+    return absl::StrCat("it keeps a layer's ", options_.pinned->per_layer(),
+                        " newest superseded versions (--pin-versions) and those a pinned reader "
+                        "read within --pin-retention-ms, while its memory budget has room: raise "
+                        "--pin-versions or --pin-retention-ms, or give it more memory");
   }
   return options_.changes == nullptr ? "it keeps none: --delta-versions 0"
                                      : "it keeps none: --pin-retention-ms 0";
@@ -174,9 +176,10 @@ absl::Status FetchLayerReactor::NotInThisDType(uint64_t version, uint64_t curren
 }
 
 std::optional<grpc::Status> FetchLayerReactor::HoldExactVersion(uint64_t current) {
-  if (!options_.exact_version || *options_.exact_version == current || buffer_bytes_ == 0) {
-    return std::nullopt;
-  }
+  if (!options_.exact_version) return std::nullopt;
+  // A walk at this version holds it on the layers it has not read yet.
+  if (options_.pinned != nullptr) options_.pinned->Lease(*options_.exact_version);
+  if (*options_.exact_version == current || buffer_bytes_ == 0) return std::nullopt;
   const uint64_t exact = *options_.exact_version;
   if (!KeptBitsServe()) return wire::ToGrpcStatus(NotInThisDType(exact, current));
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(plan_.layer));

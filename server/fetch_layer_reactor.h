@@ -77,8 +77,9 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
     bool will_pull_deltas = false;
     // Where versions a change superseded are kept: a stream at a version its
     // layer has moved past (pinned, or overtaken mid-layer) sends from
-    // there. Null: such a stream ends with ABORTED.
-    const PinnedVersions* pinned = nullptr;
+    // there; a pinned read leases its version there. Null: such a stream
+    // ends with ABORTED.
+    PinnedVersions* pinned = nullptr;
     // What each chunk's cast lost, measured once per chunk and version.
     // Null: measured, and counted in the metrics, on every cast.
     CastErrorLedger* cast_errors = nullptr;

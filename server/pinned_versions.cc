@@ -10,9 +10,28 @@ namespace layercast::server {
 PinnedVersions::Kept::~Kept() { budget_.Release(bits_.size()); }
 
 PinnedVersions::PinnedVersions(const ParameterStore& store,
-                               std::chrono::steady_clock::duration retention, MemoryBudget& budget,
-                               ServerMetrics& metrics, DeadlineTimers* timers)
-    : store_(store), retention_(retention), budget_(budget), metrics_(metrics), timers_(timers) {}
+                               std::chrono::steady_clock::duration retention, size_t per_layer,
+                               MemoryBudget& budget, ServerMetrics& metrics, DeadlineTimers* timers)
+    : store_(store),
+      retention_(retention),
+      per_layer_(per_layer),
+      budget_(budget),
+      metrics_(metrics),
+      timers_(timers) {}
+
+void PinnedVersions::Lease(uint64_t version) {
+  const auto now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  // Bounded by the versions read within the last `retention`.
+  std::erase_if(leases_, [now](const auto& lease) { return lease.second <= now; });
+  leases_[version] = now + retention_;
+}
+
+bool PinnedVersions::LeasedLocked(uint64_t version,
+                                  std::chrono::steady_clock::time_point now) const {
+  const auto it = leases_.find(version);
+  return it != leases_.end() && it->second > now;
+}
 
 PinnedVersions::~PinnedVersions() {
   std::map<Key, Entry> dropped;  // released after the lock
@@ -57,12 +76,21 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
   std::shared_ptr<const Kept> kept(new Kept(std::move(bits), std::move(offsets), budget_));
   std::shared_ptr<const Kept> evicted;  // released after the lock
   absl::MutexLock lock(&mu_);
+  const auto now = std::chrono::steady_clock::now();
   const auto first = entries_.lower_bound({layer, 0});
   const auto end = entries_.lower_bound({layer + 1, 0});
-  if (static_cast<size_t>(std::distance(first, end)) >= kPerLayer) {
-    evicted = std::move(first->second.kept);
-    timers_.Cancel(first->second.expiry);
-    entries_.erase(first);
+  size_t unleased = 0;
+  auto oldest_unleased = end;
+  for (auto it = first; it != end; ++it) {
+    if (LeasedLocked(it->first.second, now)) continue;
+    if (unleased++ == 0) oldest_unleased = it;
+  }
+  // Leased versions stay beside the `per_layer_` newest unleased ones
+  // (this one among them unless it is leased too).
+  if (unleased + (LeasedLocked(version, now) ? 0 : 1) > per_layer_ && oldest_unleased != end) {
+    evicted = std::move(oldest_unleased->second.kept);
+    timers_.Cancel(oldest_unleased->second.expiry);
+    entries_.erase(oldest_unleased);
     metrics_.RecordPinnedVersionDropped("evicted");
     // Only the map held it, and Find cannot hand it out now (the lock): its
     // bytes move to the spare with their charge (the Kept releases none),
@@ -103,6 +131,12 @@ void PinnedVersions::Expire(Key key) {
   absl::MutexLock lock(&mu_);
   const auto it = entries_.find(key);
   if (it == entries_.end()) return;
+  if (const auto lease = leases_.find(key.second);
+      lease != leases_.end() && lease->second > std::chrono::steady_clock::now()) {
+    // A reader's walk still holds it: until its lease runs out.
+    it->second.expiry = timers_.Schedule(lease->second, [this, key] { Expire(key); });
+    return;
+  }
   dropped = std::move(it->second.kept);
   entries_.erase(it);
   metrics_.RecordPinnedVersionDropped("expired");

@@ -34,19 +34,23 @@ namespace layercast::server {
 // that changed no value keeps nothing: the next kept version (or the master)
 // holds the same bits, and Find looks there.
 //
-// Bounded three ways: at most kPerLayer versions of each layer (the newest),
-// each for `retention`; charged to the memory budget, and only when the room
-// left after it is at least as large again, so that streams still find
-// memory without waiting; all dropped when a stream does wait for budget
-// (the budget's reclaimer). Without a budget the first bound caps them at
-// kPerLayer compute-dtype copies of the slice. A reader holding a Kept keeps
-// its bytes (and their charge) until it lets go.
+// Bounded three ways: at most `per_layer` versions of each layer (the
+// newest), each for `retention`; charged to the memory budget, and only when
+// the room left after it is at least as large again, so that streams still
+// find memory without waiting; all dropped when a stream does wait for
+// budget (the budget's reclaimer). A reader holding a Kept keeps its bytes
+// (and their charge) until it lets go.
+//
+// Leases: a pinned read of version v (Lease) holds v for `retention` from
+// the read, on every layer: a layer superseded at v meanwhile keeps it
+// beside its `per_layer` newest (which evict unleased versions first), and
+// a kept v does not expire while leased. So a walk at v finishes however
+// many versions commit during it, as long as each of its reads comes
+// within `retention` of the one before, and the budget has room.
 //
 // Thread-safe. Lock order: a layer's mutex, then this, then the budget.
 class PinnedVersions {
  public:
-  static constexpr size_t kPerLayer = 2;
-
   // A layer's slice at one version.
   class Kept {
    public:
@@ -72,8 +76,10 @@ class PinnedVersions {
 
   // `retention` > 0. Everything referenced must outlive this; `timers`
   // (the shard's timer thread) too, or null for a thread of its own.
+  // `per_layer` >= 1.
   PinnedVersions(const ParameterStore& store, std::chrono::steady_clock::duration retention,
-                 MemoryBudget& budget, ServerMetrics& metrics, DeadlineTimers* timers = nullptr);
+                 size_t per_layer, MemoryBudget& budget, ServerMetrics& metrics,
+                 DeadlineTimers* timers = nullptr);
   // Drops every kept version (readers still holding one keep it).
   ~PinnedVersions();
 
@@ -90,6 +96,12 @@ class PinnedVersions {
   // (shared is enough), so the change log cannot move under the answer.
   std::shared_ptr<const Kept> Find(uint32_t layer, uint64_t version,
                                    const ChangeLog& changes) const;
+
+  // A pinned reader read (or waits to read) `version`: hold it, on every
+  // layer, for `retention` from now.
+  void Lease(uint64_t version);
+
+  size_t per_layer() const { return per_layer_; }
 
   // Drops every kept version (the budget's reclaimer calls it when a
   // stream has to wait for memory).
@@ -118,17 +130,23 @@ class PinnedVersions {
   // Frees the spares and gives their charge back (lock order: this, then
   // the budget, which runs no other code inline).
   void ReleaseSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets the gauges from what is kept now (at most kPerLayer entries a
-  // layer, so the scan is short).
+  // Whether a reader holds a lease on `version` now.
+  bool LeasedLocked(uint64_t version, std::chrono::steady_clock::time_point now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the gauges from what is kept now (a few entries a layer, so the
+  // scan is short).
   void ObserveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ParameterStore& store_;
   const std::chrono::steady_clock::duration retention_;
+  const size_t per_layer_;
   MemoryBudget& budget_;
   ServerMetrics& metrics_;
 
   mutable absl::Mutex mu_;
   std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // Per leased version, until when.
+  std::map<uint64_t, std::chrono::steady_clock::time_point> leases_ ABSL_GUARDED_BY(mu_);
   // Per layer, at most one evicted version's bytes, still charged.
   std::map<uint32_t, std::vector<uint8_t>> spare_ ABSL_GUARDED_BY(mu_);
   DeadlineTimers timers_;  // last: see DeadlineTimers

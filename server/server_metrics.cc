@@ -219,14 +219,15 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                            "from a kept version (result=served), or refused with ABORTED "
                            "because it was no longer kept (result=gone)")
                        .Register(r);
-  pinned_dropped_ = &BuildCounter()
-                         .Name("layercast_pinned_versions_dropped_total")
-                         .Help(
-                             "Layer versions not kept or no longer kept: no_room (the budget had "
-                             "no room when the layer changed), evicted (a layer's two newest "
-                             "are kept), expired (--pin-retention-ms passed), reclaimed (a "
-                             "stream needed the memory)")
-                         .Register(r);
+  pinned_dropped_ =
+      &BuildCounter()
+           .Name("layercast_pinned_versions_dropped_total")
+           .Help(
+               "Layer versions not kept or no longer kept: no_room (the budget had "
+               "no room when the layer changed), evicted (a layer's --pin-versions "
+               "newest unleased are kept), expired (--pin-retention-ms passed), reclaimed (a "
+               "stream needed the memory)")
+           .Register(r);
   for (const char* result : {"served", "gone"}) pinned_reads_->Add({{"result", result}});
   for (const char* reason : {"no_room", "evicted", "expired", "reclaimed"}) {
     pinned_dropped_->Add({{"reason", reason}});

@@ -190,8 +190,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   }
   if (shard->changes != nullptr && config.pin_retention_ms() > 0) {
     shard->pinned = std::make_shared<PinnedVersions>(
-        loaded_store, std::chrono::milliseconds(config.pin_retention_ms()), *shard->budget,
-        metrics_, &timers_);
+        loaded_store, std::chrono::milliseconds(config.pin_retention_ms()), config.pin_versions(),
+        *shard->budget, metrics_, &timers_);
   }
   if (settings_.optimizer) {
     service_->version_gate().SetLayers(static_cast<uint32_t>(loaded_store.model().layers.size()));

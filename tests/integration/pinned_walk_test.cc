@@ -1,9 +1,13 @@
 // Pinned reads against real shards: a walk pinned to a version gets it for
-// every layer while newer ones commit, and a version no longer kept is
-// refused naming the version to walk again at.
+// every layer while newer ones commit, a slow one under a fast publisher
+// too (its reads lease the version), and a version no longer kept is
+// refused naming the version to walk again at and the flags to raise.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
 
 #include "tests/integration/publish_fixture.h"
 
@@ -79,6 +83,39 @@ TEST_F(PublishTest, APinnedWalkGetsItsVersionForEveryLayerWhileNewerOnesCommit) 
   EXPECT_THAT(far.status().message(), HasSubstr("exact_version 1000"));
 }
 
+// The walk reads a layer every 800 ms while a version commits every 200 ms:
+// each layer's version is superseded many times over before the walk gets
+// to it, more than the two newest a layer keeps (--pin-versions), and
+// still kept, since every read of the walk renews its lease.
+TEST_F(PublishTest, ASlowPinnedWalkFinishesUnderAFiveHertzPublisher) {
+  const client::ShardSet& set = *shards_.set;
+  const uint32_t layers = static_cast<uint32_t>(set.model().layers.size());
+  absl::StatusOr<client::Layer> first = set.Gather(0, Pinned(0));
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::atomic<bool> stop{false};
+  std::atomic<int> published{0};
+  std::thread publishing([&] {
+    client::WeightPublisher publisher(set, {.admin_token = kToken, .insecure = true});
+    for (int i = 1; i <= 50 && !stop.load(); ++i) {
+      const auto values = Nudged(static_cast<float>(i) / 64);
+      if (publisher.Publish(View(values)).ok()) published.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  for (uint32_t l = 1; l < layers; ++l) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    absl::StatusOr<client::Layer> layer = set.Gather(l, Pinned(0));
+    EXPECT_TRUE(layer.ok()) << "layer " << l << " after " << published.load()
+                            << " publishes: " << layer.status();
+    if (layer.ok()) {
+      EXPECT_NO_FATAL_FAILURE(ExpectHolds(*layer, model_.values, 0));
+    }
+  }
+  stop = true;
+  publishing.join();
+  EXPECT_GE(published.load(), 6) << "more versions committed than a layer keeps unleased";
+}
+
 TEST(PinnedReadTest, AVersionNoLongerKeptIsRefusedNamingTheVersionToWalkAgainAt) {
   const std::string dir = MakeTempDir("pin-expiry");
   const TestModel model = WriteTestModel(dir + "/model.safetensors", 2, 17);
@@ -94,16 +131,18 @@ TEST(PinnedReadTest, AVersionNoLongerKeptIsRefusedNamingTheVersionToWalkAgainAt)
   for (const auto& [name, tensor] : values) view.emplace(name, tensor);
   client::WeightPublisher publisher(*shards.set, {.admin_token = kToken, .insecure = true});
   ASSERT_TRUE(publisher.Publish(view).ok());
-  // Kept for 200 ms after the commit, then dropped: asked again (bounded)
-  // until it is gone.
+  // Kept for 200 ms after the commit, or after the last read of it (a
+  // walk's lease), then dropped: asked again, less often than that
+  // (bounded), until it is gone.
   absl::StatusOr<client::Layer> gone = shards.set->Gather(0, Pinned(0));
-  for (int i = 0; i < 50 && gone.ok(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int i = 0; i < 30 && gone.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
     gone = shards.set->Gather(0, Pinned(0));
   }
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kAborted) << gone.status();
   EXPECT_THAT(gone.status().message(), HasSubstr("no longer keeps version 0"));
   EXPECT_THAT(gone.status().message(), HasSubstr("walk the model again at version 1"));
+  EXPECT_THAT(gone.status().message(), HasSubstr("raise --pin-versions or --pin-retention-ms"));
   const absl::StatusOr<client::Layer> now = shards.set->Gather(0, Pinned(1));
   EXPECT_TRUE(now.ok()) << now.status();
 }

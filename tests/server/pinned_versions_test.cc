@@ -1,9 +1,9 @@
 // Versions kept for pinned readers, alone: a kept version holds exactly the
 // compute-dtype bits of the layer before its change, is charged to the
-// budget only when room is left beside it, at most two a layer, and goes
-// (its bytes back) when it expires, when a stream needs the memory, or when
-// the last reader lets go after that; a version a change left as it was is
-// found in the next kept one.
+// budget only when room is left beside it, at most two a layer beside those
+// a reader leased, and goes (its bytes back) when it expires, when a stream
+// needs the memory, or when the last reader lets go after that; a version a
+// change left as it was is found in the next kept one.
 
 #include "server/pinned_versions.h"
 
@@ -50,7 +50,7 @@ struct Fixture {
         budget(room ? std::optional<uint64_t>(store->master_bytes() + *room) : std::nullopt,
                store->master_bytes(), grants.get_executor()),
         log(*store, 2),
-        pinned(*store, retention, budget, metrics) {}
+        pinned(*store, retention, /*per_layer=*/2, budget, metrics) {}
 
   // Doubles every owned value of kLayer (`factor` 1: changes nothing), as a
   // change would, and keeps the version before as `version`; returns each
@@ -198,6 +198,33 @@ TEST(PinnedVersionsTest, KeepsTheTwoNewestVersionsOfALayer) {
   f.Change(4);
   f.pinned.DropAll();
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + held->bytes());
+}
+
+// A walk at version 0 holds it (its lease) while versions 1-3 commit: the
+// two newest unleased stay beside it, and it outlives its retention while
+// the walk keeps reading.
+TEST(PinnedVersionsTest, ALeasedVersionStaysBesideTheNewestWhileItsReaderReads) {
+  Fixture f(std::nullopt, std::chrono::milliseconds(500));
+  f.pinned.Lease(0);
+  for (uint64_t version = 0; version < 4; ++version) f.Change(version);
+  EXPECT_NE(f.Find(0), nullptr) << "leased";
+  EXPECT_EQ(f.Find(1), nullptr) << "the oldest unleased goes";
+  EXPECT_NE(f.Find(2), nullptr);
+  EXPECT_NE(f.Find(3), nullptr);
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 3);
+
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  f.pinned.Lease(0);  // the walk reads on
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_NE(f.Find(0), nullptr) << "past its retention, but within the renewed lease";
+  // Then the walk stops reading: it goes (bounded wait for the timer).
+  std::shared_ptr<const PinnedVersions::Kept> still = f.Find(0);
+  for (int i = 0; i < 100 && still != nullptr; ++i) {
+    still.reset();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    still = f.Find(0);
+  }
+  EXPECT_EQ(still, nullptr);
 }
 
 TEST(PinnedVersionsTest, AVersionAChangeLeftAsItWasIsFoundInTheNextKeptOne) {
