@@ -21,6 +21,16 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
   // shards no longer keep is pulled at its newest, and the update below
   // brings the rest there.
   ASSIGN_OR_RETURN(const uint64_t start, shards.CurrentVersion());
+  const wire::ShardSetView& view = shards.view();
+  // Moved into the mirror whole: the layers' pointers stay valid.
+  std::vector<AssembledLayout> layouts;
+  if (options.dtype) {
+    for (const AssembledLayout& served : view.layouts) {
+      ASSIGN_OR_RETURN(AssembledLayout layout,
+                       LayoutIn(served, *options.dtype, view.policy.fp8_block()));
+      layouts.push_back(std::move(layout));
+    }
+  }
   std::vector<Layer> layers;
   std::vector<std::vector<uint64_t>> incarnations(shards.model().layers.size());
   uint64_t newest = start;
@@ -30,28 +40,34 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
     gather.exact_version = start;
     gather.will_pull_deltas = true;
     gather.incarnations = &incarnations[layer];
-    absl::StatusOr<Layer> pulled = shards.Gather(layer, gather);
+    gather.dtype = options.dtype;
+    const AssembledLayout& layout = options.dtype ? layouts[layer] : view.layouts[layer];
+    ASSIGN_OR_RETURN(LayerBuffer buffer, LayerBuffer::Allocate(layout.total_bytes()));
+    const std::span<uint8_t> bytes(buffer.data(), buffer.size());
+    absl::StatusOr<uint64_t> pulled = shards.GatherInto(layer, gather, bytes);
     if (absl::IsAborted(pulled.status())) {
       gather.exact_version.reset();
       gather.min_version = newest;
-      pulled = shards.Gather(layer, gather);
+      pulled = shards.GatherInto(layer, gather, bytes);
     }
     if (!pulled.ok()) return pulled.status();
-    newest = std::max(newest, pulled->version());
-    layers.push_back(*std::move(pulled));
+    newest = std::max(newest, *pulled);
+    layers.emplace_back(layer, &view.model.layers[layer], &layout, *pulled, std::move(buffer));
   }
-  std::unique_ptr<ModelMirror> mirror(
-      new ModelMirror(shards, options, std::move(layers), std::move(incarnations)));
+  std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, options, std::move(layouts),
+                                                      std::move(layers), std::move(incarnations)));
   // A publish committed during the walk: the layers before it are brought
   // to the same version.
   if (mirror->version() < newest) RETURN_IF_ERROR(mirror->Update(newest).status());
   return mirror;
 }
 
-ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers,
+ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options,
+                         std::vector<AssembledLayout> layouts, std::vector<Layer> layers,
                          std::vector<std::vector<uint64_t>> incarnations)
     : shards_(shards),
       options_(options),
+      layouts_(std::move(layouts)),
       layers_(std::move(layers)),
       torn_(layers_.size(), false),
       incarnations_(std::move(incarnations)) {}
@@ -120,6 +136,7 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
     std::vector<uint64_t> served;
     gather.incarnations = &served;
     gather.will_pull_deltas = true;
+    gather.dtype = options_.dtype;
     gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
     uint64_t changed = 0;
     gather.changed_elements = &changed;

@@ -28,6 +28,11 @@ struct MirrorOptions {
   // again.
   std::chrono::milliseconds backoff{100};
   std::chrono::milliseconds max_backoff{5000};
+  // Every tensor in this dtype instead of the policy's (GatherOptions::
+  // dtype): an inference fleet following in fp8 the shards that trainers
+  // gather in bfloat16. Shards serve no delta in such a dtype, so each
+  // update pulls the layers that moved in full.
+  std::optional<DType> dtype = std::nullopt;
 };
 
 // What one update brought.
@@ -118,8 +123,8 @@ class ModelMirror {
   Reading Read() const { return Reading(this); }
 
  private:
-  ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<Layer> layers,
-              std::vector<std::vector<uint64_t>> incarnations);
+  ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<AssembledLayout> layouts,
+              std::vector<Layer> layers, std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The follower's long poll: the version shard 0 serves once it reaches
   // `min_version` or the poll ends (then below it); StopFollowing cancels it.
@@ -128,6 +133,9 @@ class ModelMirror {
 
   const ShardSet& shards_;
   const MirrorOptions options_;
+  // With options_.dtype, every layer's layout in it (the layers point
+  // here); empty otherwise (they point into the shard set's view).
+  const std::vector<AssembledLayout> layouts_;
   // One update at a time; taken before mu_.
   absl::Mutex update_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;

@@ -174,6 +174,11 @@ absl::Status ShardSet::CheckLayerIndex(uint32_t layer) const {
 
 absl::StatusOr<Layer> ShardSet::Gather(uint32_t layer, const GatherOptions& options) const {
   RETURN_IF_ERROR(CheckLayerIndex(layer));
+  if (options.dtype) {
+    return absl::InvalidArgumentError(
+        "Gather lays a layer out in the policy's dtypes: for a pull in another dtype, GatherInto "
+        "a buffer laid out by LayoutIn (or mirror with MirrorOptions::dtype)");
+  }
   // No budget here: the size was capped by CheckManifest, and what the host
   // cannot give is RESOURCE_EXHAUSTED.
   ASSIGN_OR_RETURN(LayerBuffer buffer, LayerBuffer::Allocate(view_.layouts[layer].total_bytes()));

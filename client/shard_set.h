@@ -57,7 +57,8 @@ class ShardSet final : public LayerSource {
   const std::vector<layercast::v1::Manifest>& manifests() const { return manifests_; }
 
   // Gathers layer `layer` into a newly allocated buffer: RESOURCE_EXHAUSTED
-  // when the host cannot give that much (a LayerStream bounds it by budget).
+  // when the host cannot give that much (a LayerStream bounds it by budget);
+  // INVALID_ARGUMENT with options.dtype (GatherInto takes that).
   absl::StatusOr<Layer> Gather(uint32_t layer, const GatherOptions& options = {}) const;
 
   // Gathers layer `layer` into `buffer`, which must hold at least the layer's

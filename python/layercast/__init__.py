@@ -411,11 +411,19 @@ class ShardSet:
                              f"'bfloat16' or 'float16'")
         return self._native.export(str(path), dtype, version, max_file_bytes, timeout)
 
-    def mirror(self, *, timeout: float = 60.0, poll: float = 10.0) -> Mirror:
+    def mirror(self, *, timeout: float = 60.0, poll: float = 10.0,
+               dtype: Optional[str] = None) -> Mirror:
         """Pulls every layer in full into a Mirror (each pull within
         `timeout` seconds); `poll`: how long each of its long polls for a new
-        version lasts once it follows."""
-        return Mirror(self._native.mirror(timeout, poll),
+        version lasts once it follows. `dtype` ("float8_e4m3fn", ...): every
+        tensor in it rather than the policy's, cast by the shards from the
+        same fp32 master (an fp8 inference fleet following shards that
+        trainers gather in bfloat16); updates then pull the layers that
+        moved in full, since shards serve no delta in such a dtype."""
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one the shards cast to: use one of "
+                             f"{', '.join(_DTYPES[:5])}")
+        return Mirror(self._native.mirror(timeout, poll, dtype or ""),
                       [layer["name"] for layer in self.manifest["layers"]])
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,
@@ -445,6 +453,8 @@ class ShardSet:
         self.close()
 
 
+_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "f32", "bf16",
+           "f16", "f8e4m3", "f8e5m2")
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16", "f32", "bf16", "f16")
 
 

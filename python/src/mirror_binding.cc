@@ -123,10 +123,12 @@ void PyMirror::Stop() {
   held_->mirror->StopFollowing();
 }
 
-PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll) {
+PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
+                    const std::string& dtype) {
   client::MirrorOptions options;
   options.layer_timeout = Milliseconds(layer_timeout);
   options.poll = Milliseconds(poll);
+  if (!dtype.empty()) options.dtype = ValueOrRaise(DTypeFromName(dtype));
   absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror;
   {
     py::gil_scoped_release release;

@@ -58,7 +58,10 @@ class PyMirror {
 };
 
 // ShardSet.mirror: pulls every layer in full (without the GIL).
-PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll);
+// `dtype`: MirrorOptions::dtype by name ("float8_e4m3fn"); empty for the
+// policy's dtypes.
+PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
+                    const std::string& dtype);
 
 // ShardSet.publish: `values` {tensor name: fp32 tensor}, taken without a copy;
 // `insecure` lets the token go over a plaintext connection.

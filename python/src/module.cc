@@ -101,10 +101,10 @@ PYBIND11_MODULE(_layercast, module) {
       .def("close", &PyShardSet::Close)
       .def(
           "mirror",
-          [](const PyShardSet& self, double timeout, double poll) {
-            return MakeMirror(self.Held(), timeout, poll);
+          [](const PyShardSet& self, double timeout, double poll, const std::string& dtype) {
+            return MakeMirror(self.Held(), timeout, poll, dtype);
           },
-          py::arg("timeout") = 60.0, py::arg("poll") = 10.0)
+          py::arg("timeout") = 60.0, py::arg("poll") = 10.0, py::arg("dtype") = "")
       .def(
           "publish",
           [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,

@@ -13,7 +13,9 @@ import layercast
 from layercast.torch import save_safetensors
 from shards import ShardSet, bits, llama_tensors
 
-POLICY = "p=f32,c=bf16;*norm*=f32"
+# fp8_block=32: a pull in fp8 (the fleet's) keeps blocks within each
+# shard's half of a 64-element norm.
+POLICY = "p=f32,c=bf16,fp8_block=32;*norm*=f32"
 TOKEN = "python-publish-token-0123456789abcdef"
 
 
@@ -181,3 +183,34 @@ def test_a_pinned_walk_gets_its_version_while_newer_ones_commit(served):
             assert layer.version == start + 1
             for name, view in layer.tensors.items():
                 assert torch.equal(bits(torch.from_dlpack(view)), bits(cast(newer[name], name)))
+
+
+def test_an_fp8_mirror_follows_shards_that_serve_bf16(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        fleet = shard_set.mirror(dtype="float8_e4m3fn")
+        start = fleet.version
+        up = "model.layers.0.mlp.up_proj.weight"
+        with fleet.read() as reading:
+            assert reading["model.layers.0"][up].dtype == "float8_e4m3fn"
+            assert reading["model.layers.0"][up].block_size == 32
+        newer = {name: t * 1.5 for name, t in tensors.items()}
+        assert shard_set.publish(newer, TOKEN, insecure=True)["version"] == start + 1
+        update = fleet.update()
+        assert update["version"] == start + 1
+        # In place, and exactly what a fresh pull in fp8 gives.
+        fresh = shard_set.mirror(dtype="float8_e4m3fn")
+        with fleet.read() as followed, fresh.read() as pulled:
+            for layer in followed.names():
+                for name, tensor in followed[layer].items():
+                    other = pulled[layer][name]
+                    assert torch.equal(torch.from_dlpack(tensor), torch.from_dlpack(other)), name
+                    assert torch.equal(torch.from_dlpack(tensor.scales),
+                                       torch.from_dlpack(other.scales)), name
+            values = layercast.torch.dequantize(followed["model.layers.0"][up])
+            assert torch.allclose(values, newer[up], rtol=1 / 8, atol=1e-6)
+        with shard_set.mirror() as bf16:
+            with bf16.read() as reading:
+                assert reading["model.layers.0"][up].dtype == "bfloat16", "trainers' pulls"
+        with pytest.raises(ValueError, match="'float64' is not one the shards cast to"):
+            shard_set.mirror(dtype="float64")
