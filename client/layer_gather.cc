@@ -145,14 +145,27 @@ void LayerGather::Settle(uint32_t shard) {
     if (options_.on_retry) options_.on_retry(status, delay);
     return;
   }
+  const ShardState* cause = &s;
+  if (absl::IsDeadlineExceeded(status)) {
+    // A stream that waited out the deadline (for a version) while another
+    // shard could not be reached: that shard is the cause, and is named.
+    for (const ShardState& other : state_) {
+      if (&other != &s && !other.runs.empty() && !other.last_error.ok() &&
+          Retryable(other.last_error)) {
+        cause = &other;
+      }
+    }
+  }
+  const absl::Status& error = cause->last_error;
   failure_ = absl::Status(
-      status.code(),
-      absl::StrCat(status.message(),
-                   Retryable(status)
-                       ? absl::StrCat(" (gave up after ", s.attempts, " attempt(s): the gather's ",
-                                      "deadline of ", options_.timeout.count(),
-                                      " ms came; raise it to wait longer for a restarting shard)")
-                       : ""));
+      error.code(),
+      absl::StrCat(
+          error.message(),
+          Retryable(error)
+              ? absl::StrCat(" (gave up after ", cause->attempts,
+                             " attempt(s): the gather's deadline of ", options_.timeout.count(),
+                             " ms came; raise it to wait longer for a restarting shard)")
+              : ""));
   CancelAll();
 }
 

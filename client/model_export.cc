@@ -172,20 +172,32 @@ absl::StatusOr<ExportResult> ExportModel(const ShardSet& set, const ExportOption
     Log()->info("exporting again at version {}: {}", now, written.status().message());
     result.version = now;
   }
-  if (!written.ok()) {
-    for (const std::string& partial : plan.partial_paths) {
-      if (fs.Exists(partial)) fs.Remove(partial).IgnoreError();
+  const bool split = plan.paths.size() > 1;
+  const std::string index = options.path + ".index.json";
+  const absl::Status placed = [&]() -> absl::Status {
+    RETURN_IF_ERROR(written.status());
+    for (size_t f = 0; f < plan.paths.size(); ++f) {
+      RETURN_IF_ERROR(fs.Rename(plan.partial_paths[f], plan.paths[f]));
+      result.files.push_back(plan.paths[f]);
     }
-    return written.status();
+    if (split) {
+      RETURN_IF_ERROR(WriteIndex(plan, index, fs));
+      result.files.push_back(index);
+    }
+    return absl::OkStatus();
+  }();
+  if (!placed.ok()) {
+    // No part of a model that is not whole stays behind.
+    for (const std::string& file : plan.partial_paths) {
+      if (fs.Exists(file)) fs.Remove(file).IgnoreError();
+    }
+    for (const std::string& file : result.files) fs.Remove(file).IgnoreError();
+    return placed;
   }
-  for (size_t f = 0; f < plan.paths.size(); ++f) {
-    RETURN_IF_ERROR(fs.Rename(plan.partial_paths[f], plan.paths[f]));
-    result.files.push_back(plan.paths[f]);
-  }
-  if (plan.paths.size() > 1) {
-    const std::string index = options.path + ".index.json";
-    RETURN_IF_ERROR(WriteIndex(plan, index, fs));
-    result.files.push_back(index);
+  // An earlier export to the same path in the other form would be read
+  // instead of this one (a loader finding both takes the single file).
+  if (const std::string other = split ? options.path : index; fs.Exists(other)) {
+    RETURN_IF_ERROR(fs.Remove(other));
   }
   RETURN_IF_ERROR(fs.SyncDir(DirectoryOf(options.path)));
   result.bytes = *written;

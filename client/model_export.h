@@ -47,8 +47,10 @@ struct ExportResult {
 // says, at one version, as a safetensors model that safetensors, PyTorch
 // and Hugging Face transformers load, and that a shard serves again
 // (--model). Files are written beside their final names and renamed into
-// place once all of them are complete, so a failed export leaves no
-// partial model under `path`. Metadata: "format" "pt", and layercast's
+// place once all of them are complete; a failed export removes what it
+// wrote, and a successful one replaces an earlier export to `path` in the
+// other form (one file, or split with an index), which a loader would
+// otherwise read instead. Metadata: "format" "pt", and layercast's
 // version, policy and content fingerprint.
 // Errors: INVALID_ARGUMENT for a path without ".safetensors" or an 8-bit
 // dtype; the gathers' (ABORTED when a pinned `version` is no longer kept);

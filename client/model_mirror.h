@@ -40,7 +40,8 @@ struct MirrorUpdate {
   uint64_t version = 0;  // the lowest layer's, now
   uint32_t layers = 0;   // layers pulled (those behind the target version)
   // Of those, the ones whose values changed, in model order (a publish
-  // advances every layer's version, most of them changing nothing).
+  // advances every layer's version, most of them changing nothing); one
+  // pulled in full counts as changed.
   std::vector<uint32_t> changed_layers;
   uint64_t bytes = 0;  // chunk bytes received for them
   std::chrono::steady_clock::duration duration{};

@@ -77,7 +77,9 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
   const ElementRange elements{key.element_begin, key.element_begin + key.elements};
   if (kept != nullptr && !IsFloat8(key.dtype)) {
     // Kept in the compute dtype already (cast from the master before the
-    // change), so the bytes are what a cast at that version gave.
+    // change), so the bytes are what a cast at that version gave; a stream
+    // in a dtype of its own gets here only when that is the kept width
+    // (FetchLayerReactor::KeptBitsServe).
     const uint8_t* source = kept->tensor(key.tensor) + skip * element_bytes;
     std::memcpy(out, source, key.elements * element_bytes);
     if (crc != nullptr) *crc = Crc32c(out, key.elements * element_bytes, *crc);
@@ -93,7 +95,8 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
   const std::optional<CastErrorLedger::Known> known =
       on_grid && options_.cast_errors != nullptr ? options_.cast_errors->Find(key) : std::nullopt;
   CastError measured;
-  CastError* const measure = narrows && !known.has_value() ? &measured : nullptr;
+  CastError* const measure =
+      narrows && !known.has_value() && !options_.own_dtype ? &measured : nullptr;
   // The CRC pass, like the measurement, runs on a chunk's first cast at a
   // version only, and on every cast of a recast stream: its worker saw a
   // chunk fail its check, and the kept CRC may be what went bad.
@@ -164,7 +167,7 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
   if (crc_known) *crc = *known->crc32c;
   const CastError& error = known.has_value() ? known->error : measured;
   if (const std::optional<float> bound = store_.policy().max_rel_error();
-      bound.has_value() && error.Exceeds(*bound)) {
+      bound.has_value() && !options_.own_dtype && error.Exceeds(*bound)) {
     const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
     const std::string figure =
         error.overflowed > 0

@@ -27,6 +27,10 @@ class ChunkCaster {
     // kept CRC, checksum every chunk, and put that CRC in `cast_errors` in
     // place of a kept one that differs (which may be what failed).
     bool recast = false;
+    // The stream names a dtype of its own (FetchLayerRequest.dtype): its
+    // casts are neither measured nor held to the policy's max_rel_error,
+    // which bounds the policy's casts.
+    bool own_dtype = false;
   };
 
   // Everything referenced must outlive the caster.

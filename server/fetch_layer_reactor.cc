@@ -34,7 +34,8 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
       caster_(store, metrics,
               {.chunk_bytes = options_.chunk_bytes,
                .cast_errors = options_.cast_errors,
-               .recast = options_.recast}),
+               .recast = options_.recast,
+               .own_dtype = plan_.dtype.has_value()}),
       buffer_bytes_(
           StreamBufferBytes(plan_, options_.chunk_bytes, options_.base_version.has_value())),
       peer_(context->peer()) {
@@ -175,21 +176,36 @@ absl::Status FetchLayerReactor::NotInThisDType(uint64_t version, uint64_t curren
                    current));
 }
 
+void FetchLayerReactor::LeaseExactVersion() {
+  // A walk at this version holds it on the layers it has not read yet; a
+  // stream whose dtype the kept bits cannot give would hold it for nothing.
+  if (options_.pinned != nullptr && KeptBitsServe()) {
+    options_.pinned->Lease(*options_.exact_version);
+  }
+}
+
 std::optional<grpc::Status> FetchLayerReactor::HoldExactVersion(uint64_t current) {
   if (!options_.exact_version) return std::nullopt;
-  // A walk at this version holds it on the layers it has not read yet.
-  if (options_.pinned != nullptr) options_.pinned->Lease(*options_.exact_version);
-  if (*options_.exact_version == current || buffer_bytes_ == 0) return std::nullopt;
   const uint64_t exact = *options_.exact_version;
+  if (exact == current || buffer_bytes_ == 0) {
+    LeaseExactVersion();
+    return std::nullopt;
+  }
   if (!KeptBitsServe()) return wire::ToGrpcStatus(NotInThisDType(exact, current));
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(plan_.layer));
   if (options_.changes != nullptr) {
-    if (options_.changes->ChangedNothing(plan_.layer, exact, current)) return std::nullopt;
+    if (options_.changes->ChangedNothing(plan_.layer, exact, current)) {
+      LeaseExactVersion();
+      return std::nullopt;
+    }
     if (options_.pinned != nullptr) {
       held_ = options_.pinned->Find(plan_.layer, exact, *options_.changes);
     }
   }
-  if (held_ != nullptr) return std::nullopt;
+  if (held_ != nullptr) {
+    LeaseExactVersion();
+    return std::nullopt;
+  }
   if (options_.pinned != nullptr) metrics_.RecordPinnedRead("gone");
   return grpc::Status(grpc::StatusCode::ABORTED,
                       absl::StrCat("layer ", plan_.layer, " is at parameter version ", current,

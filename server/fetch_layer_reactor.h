@@ -125,6 +125,8 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   // for budget cannot take it away; ABORTED, naming the version to walk
   // again at, when the shard has no such version. Takes the layer's mutex.
   std::optional<grpc::Status> HoldExactVersion(uint64_t current);
+  // Leases the pinned version (PinnedVersions::Lease) for a read it serves.
+  void LeaseExactVersion();
   // Whether what the shard keeps of superseded versions (and its record of
   // which values changed, both in the policy's KeptDType bits) holds what
   // this stream sends: always, unless it names a dtype of its own.

@@ -98,12 +98,11 @@ uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas);
 //   INVALID_ARGUMENT     byte range outside the layer, reversed, half given,
 //                        or not on element boundaries;
 //   FAILED_PRECONDITION  expect_dtype differs from the policy's dtype of a
-//                        tensor in the layer;
+//                        tensor in the layer, or an 8-bit dtype's blocks
+//                        would straddle two shards' slices;
 //   OUT_OF_RANGE         a delta pull (base_version) of a layer with an
 //                        8-bit float tensor, or in a dtype of its own:
-//                        pull it in full;
-//   FAILED_PRECONDITION  also: an 8-bit dtype whose blocks would straddle
-//                        two shards' slices.
+//                        pull it in full.
 // Every message says what is valid.
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                                     const layercast::v1::FetchLayerRequest& request);

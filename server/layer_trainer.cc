@@ -125,16 +125,22 @@ uint32_t LayerTrainer::missing_workers(uint32_t layer) const {
 
 std::string LayerTrainer::WaitingFor(uint32_t layer) const {
   const LayerState& state = *layers_[layer];
-  absl::MutexLock lock(&state.mu);
-  const uint64_t step = VersionLocked(state);
-  if (state.reduced) {
-    return absl::StrCat("every worker pushed layer ", layer, "'s step ", step,
-                        "; it waits for the step's clip scale, which worker 0 sends once every "
-                        "layer of the step is in (its finish_step)");
+  // Asked on the shard's timer thread, which must not wait out a step that
+  // holds the layer.
+  if (!state.mu.TryLock()) {
+    return absl::StrCat("layer ", layer, "'s step is being applied right now; ask again");
   }
+  const uint64_t step = VersionLocked(state);
+  const bool reduced = state.reduced;
   std::vector<uint32_t> missing, pushed;
   for (uint32_t w = 0; w < workers_; ++w) {
     (state.pushed[w].has_value() ? pushed : missing).push_back(w);
+  }
+  state.mu.Unlock();
+  if (reduced) {
+    return absl::StrCat("every worker pushed layer ", layer, "'s step ", step,
+                        "; it waits for the step's clip scale, which worker 0 sends once every "
+                        "layer of the step is in (its finish_step)");
   }
   return absl::StrCat("layer ", layer, "'s step ", step, " waits for the push of worker",
                       missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "), " of the ",

@@ -201,6 +201,7 @@ class LayerTrainer {
   uint32_t missing_workers(uint32_t layer) const;
   // What `layer`'s current step waits for, in words naming the workers
   // that have not pushed (for a reader waiting for the next version).
+  // Never waits: a layer whose step is being applied says so.
   std::string WaitingFor(uint32_t layer) const;
   uint32_t workers() const { return workers_; }
   const OptimizerSpec& spec() const { return spec_; }

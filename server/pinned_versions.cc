@@ -22,15 +22,59 @@ PinnedVersions::PinnedVersions(const ParameterStore& store,
 void PinnedVersions::Lease(uint64_t version) {
   const auto now = std::chrono::steady_clock::now();
   absl::MutexLock lock(&mu_);
-  // Bounded by the versions read within the last `retention`.
+  // As many as versions read within the last `retention` (a walk reads
+  // one, a mirror one per update): the scan is short.
   std::erase_if(leases_, [now](const auto& lease) { return lease.second <= now; });
   leases_[version] = now + retention_;
 }
 
-bool PinnedVersions::LeasedLocked(uint64_t version,
-                                  std::chrono::steady_clock::time_point now) const {
-  const auto it = leases_.find(version);
-  return it != leases_.end() && it->second > now;
+std::optional<std::chrono::steady_clock::time_point> PinnedVersions::LeasedUntilLocked(
+    std::map<Key, Entry>::const_iterator entry, std::chrono::steady_clock::time_point now) const {
+  // The entry serves the versions after the layer's kept one before it, up
+  // to its own (Find: the first kept version at or after the one asked).
+  const auto first = entries_.lower_bound({entry->first.first, 0});
+  const uint64_t from = entry == first ? 0 : std::prev(entry)->first.second + 1;
+  std::optional<std::chrono::steady_clock::time_point> until;
+  for (auto lease = leases_.lower_bound(from);
+       lease != leases_.end() && lease->first <= entry->first.second; ++lease) {
+    if (lease->second > now && (!until || lease->second > *until)) until = lease->second;
+  }
+  return until;
+}
+
+void PinnedVersions::EvictLocked(uint32_t layer,
+                                 std::vector<std::shared_ptr<const Kept>>& evicted) {
+  const auto now = std::chrono::steady_clock::now();
+  const auto first = entries_.lower_bound({layer, 0});
+  const auto end = entries_.lower_bound({layer + 1, 0});
+  std::vector<std::map<Key, Entry>::iterator> leased, unleased;  // oldest first
+  for (auto it = first; it != end; ++it) {
+    (LeasedUntilLocked(it, now) ? leased : unleased).push_back(it);
+  }
+  // The oldest of each kind beyond per_layer_ go: leases keep a slow walk's
+  // version beside the newest, and cannot keep more than as many again.
+  std::vector<std::map<Key, Entry>::iterator> going;
+  for (auto* kind : {&unleased, &leased}) {
+    if (kind->size() > per_layer_)
+      going.insert(going.end(), kind->begin(), kind->end() - per_layer_);
+  }
+  for (const auto& it : going) {
+    std::shared_ptr<const Kept> kept = std::move(it->second.kept);
+    timers_.Cancel(it->second.expiry);
+    entries_.erase(it);
+    metrics_.RecordPinnedVersionDropped("evicted");
+    // Only the map held it, and Find cannot hand it out now (the lock): its
+    // bytes move to the spare with their charge (the Kept releases none),
+    // counted in the gauge until the next snapshot takes them or the
+    // layer's last version expires.
+    if (kept.use_count() == 1 && spare_[layer].empty()) {
+      // use_count() is a relaxed load: the last reader's reads of the bytes
+      // happen before the next snapshot writes into them only with this.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      spare_[layer] = std::move(const_cast<Kept&>(*kept).bits_);
+    }
+    evicted.push_back(std::move(kept));
+  }
 }
 
 PinnedVersions::~PinnedVersions() {
@@ -74,35 +118,8 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
   }
   // Charged above; given back by the Kept's destructor from here on.
   std::shared_ptr<const Kept> kept(new Kept(std::move(bits), std::move(offsets), budget_));
-  std::shared_ptr<const Kept> evicted;  // released after the lock
+  std::vector<std::shared_ptr<const Kept>> evicted;  // released after the lock
   absl::MutexLock lock(&mu_);
-  const auto now = std::chrono::steady_clock::now();
-  const auto first = entries_.lower_bound({layer, 0});
-  const auto end = entries_.lower_bound({layer + 1, 0});
-  size_t unleased = 0;
-  auto oldest_unleased = end;
-  for (auto it = first; it != end; ++it) {
-    if (LeasedLocked(it->first.second, now)) continue;
-    if (unleased++ == 0) oldest_unleased = it;
-  }
-  // Leased versions stay beside the `per_layer_` newest unleased ones
-  // (this one among them unless it is leased too).
-  if (unleased + (LeasedLocked(version, now) ? 0 : 1) > per_layer_ && oldest_unleased != end) {
-    evicted = std::move(oldest_unleased->second.kept);
-    timers_.Cancel(oldest_unleased->second.expiry);
-    entries_.erase(oldest_unleased);
-    metrics_.RecordPinnedVersionDropped("evicted");
-    // Only the map held it, and Find cannot hand it out now (the lock): its
-    // bytes move to the spare with their charge (the Kept releases none),
-    // counted in the gauge until the next snapshot takes them or the
-    // layer's last version expires.
-    if (evicted.use_count() == 1 && spare_[layer].empty()) {
-      // use_count() is a relaxed load: the last reader's reads of the bytes
-      // happen before the next snapshot writes into them only with this.
-      std::atomic_thread_fence(std::memory_order_acquire);
-      spare_[layer] = std::move(const_cast<Kept&>(*evicted).bits_);
-    }
-  }
   const Key key{layer, version};
   Entry& entry = entries_[key];
   entry.kept = std::move(kept);
@@ -110,6 +127,7 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
   timers_.Cancel(entry.expiry);
   entry.expiry =
       timers_.Schedule(std::chrono::steady_clock::now() + retention_, [this, key] { Expire(key); });
+  EvictLocked(layer, evicted);
   ObserveLocked();
 }
 
@@ -131,10 +149,9 @@ void PinnedVersions::Expire(Key key) {
   absl::MutexLock lock(&mu_);
   const auto it = entries_.find(key);
   if (it == entries_.end()) return;
-  if (const auto lease = leases_.find(key.second);
-      lease != leases_.end() && lease->second > std::chrono::steady_clock::now()) {
+  if (const auto until = LeasedUntilLocked(it, std::chrono::steady_clock::now()); until) {
     // A reader's walk still holds it: until its lease runs out.
-    it->second.expiry = timers_.Schedule(lease->second, [this, key] { Expire(key); });
+    it->second.expiry = timers_.Schedule(*until, [this, key] { Expire(key); });
     return;
   }
   dropped = std::move(it->second.kept);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -34,19 +35,22 @@ namespace layercast::server {
 // that changed no value keeps nothing: the next kept version (or the master)
 // holds the same bits, and Find looks there.
 //
-// Bounded three ways: at most `per_layer` versions of each layer (the
-// newest), each for `retention`; charged to the memory budget, and only when
+// Bounded three ways: at most `per_layer` versions of each layer that no
+// reader leased (the newest) and `per_layer` it leased, each for
+// `retention`; charged to the memory budget, and only when
 // the room left after it is at least as large again, so that streams still
 // find memory without waiting; all dropped when a stream does wait for
 // budget (the budget's reclaimer). A reader holding a Kept keeps its bytes
 // (and their charge) until it lets go.
 //
-// Leases: a pinned read of version v (Lease) holds v for `retention` from
-// the read, on every layer: a layer superseded at v meanwhile keeps it
-// beside its `per_layer` newest (which evict unleased versions first), and
-// a kept v does not expire while leased. So a walk at v finishes however
-// many versions commit during it, as long as each of its reads comes
-// within `retention` of the one before, and the budget has room.
+// Leases: a pinned read served at version v (Lease) holds v for
+// `retention` from the read, on every layer: the kept version that serves
+// v there (keyed v, or a later one the changes since left equal) is kept
+// beside the `per_layer` newest unleased ones, and does not expire while
+// leased. So a walk at v finishes however many versions commit during it,
+// as long as each of its reads comes within `retention` of the one before,
+// fewer than `per_layer` other walks lease newer versions of its layers,
+// and the budget has room.
 //
 // Thread-safe. Lock order: a layer's mutex, then this, then the budget.
 class PinnedVersions {
@@ -130,11 +134,17 @@ class PinnedVersions {
   // Frees the spares and gives their charge back (lock order: this, then
   // the budget, which runs no other code inline).
   void ReleaseSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether a reader holds a lease on `version` now.
-  bool LeasedLocked(uint64_t version, std::chrono::steady_clock::time_point now) const
+  // Until when a reader's lease holds `entry`: the latest lease on a
+  // version it serves (Find), if one runs past `now`.
+  std::optional<std::chrono::steady_clock::time_point> LeasedUntilLocked(
+      std::map<Key, Entry>::const_iterator entry, std::chrono::steady_clock::time_point now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets the gauges from what is kept now (a few entries a layer, so the
-  // scan is short).
+  // Drops `layer`'s oldest unleased and oldest leased entries beyond
+  // per_layer_ each, into `evicted` (to be released after the lock).
+  void EvictLocked(uint32_t layer, std::vector<std::shared_ptr<const Kept>>& evicted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the gauges from what is kept now (at most twice per_layer_
+  // entries a layer, so the scan is short).
   void ObserveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ParameterStore& store_;

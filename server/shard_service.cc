@@ -10,6 +10,7 @@
 #include "server/answer_before.h"
 #include "server/fetch_layer_reactor.h"
 #include "server/fetch_plan.h"
+#include "server/memory_plan.h"
 #include "server/push_gradients_reactor.h"
 #include "server/refusals.h"
 #include "server/wait_version_reactor.h"
@@ -156,6 +157,18 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   context->AddInitialMetadata(wire::kIncarnationMetadata, absl::StrCat(store->incarnation()));
   absl::StatusOr<FetchPlan> plan = PlanFetch(*store, *request);
   if (!plan.ok()) return Refuse(wire::ToGrpcStatus(plan.status()));
+  if (const uint64_t least = LeastFp8ChunkBytes(store->policy().fp8_block());
+      plan->dtype && IsFloat8(*plan->dtype) && options_.chunk_bytes < least) {
+    // An 8-bit chunk holds whole blocks: a smaller one would outgrow what
+    // the memory plan counts a stream as (MaxStreamBufferBytes).
+    return Refuse(grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        absl::StrCat("this shard's --chunk-bytes ", options_.chunk_bytes, " is below the ", least,
+                     " bytes a chunk of ", DTypeName(*plan->dtype),
+                     " needs (a block of fp8_block codes and its scales): pull in the policy's "
+                     "dtypes, or start the shards with --chunk-bytes of at least ",
+                     least)));
+  }
 
   const absl::StatusOr<FetchWait> wait = PlanWait(*request, gate_.version(request->layer()),
                                                   options_.max_version_lead, changes != nullptr);
@@ -195,7 +208,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
     reactor_options.shared = nullptr;
     reactor_options.cast_errors = nullptr;
   }
-  if (request->recast() && shared != nullptr) {
+  if (request->recast() && reactor_options.shared != nullptr) {
     shared->DropLayer(request->layer());
     reactor_options.shared = nullptr;
   }

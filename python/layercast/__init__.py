@@ -61,10 +61,13 @@ def _route_native_logs() -> None:
     logger = logging.getLogger("layercast")
 
     def pump() -> None:
-        with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
+        with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace", newline="\n") as lines:
             for line in lines:
                 level, _, message = line.rstrip("\n").partition(" ")
-                logger.log(levels[min(int(level), len(levels) - 1)], "%s", message)
+                try:
+                    logger.log(levels[min(int(level), len(levels) - 1)], "%s", message)
+                except Exception:  # a handler's failure must not stop the pump
+                    logging.exception("layercast: a log line could not be handled")
 
     threading.Thread(target=pump, name="layercast-logs", daemon=True).start()
 
@@ -401,7 +404,8 @@ class ShardSet:
         as save_pretrained splits it ("<stem>-00001-of-0000N.safetensors"
         and "<path>.index.json"). `version`: default, the shards' current
         one. Each layer's gather ends within `timeout` seconds. Files appear
-        under their names only once all are complete. Returns {version,
+        under their names only once all are complete (a failed export
+        leaves none behind). Returns {version,
         bytes, tensors, files}."""
         if not str(path).endswith(".safetensors"):
             raise ValueError(f"path {str(path)!r} does not end in .safetensors: name the file, "

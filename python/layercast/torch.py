@@ -186,9 +186,9 @@ class LayerwiseTrainer:
     with: give them as `buffers` ({name: tensor}, e.g.
     `dict(model_built_on_cpu.named_buffers())`), and they are put in the
     model as given (the model's own buffers off the meta device stay).
-    The backward pass's recomputation leaves them as the forward pass left
-    them: a BatchNorm's running statistics move once per step, as in plain
-    PyTorch.
+    The backward pass's recomputation leaves them as they were before it:
+    a BatchNorm's running statistics move once per forward pass, as in
+    plain PyTorch.
     """
 
     def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
@@ -378,6 +378,10 @@ class LayerwiseTrainer:
         saved: List[Optional[torch.Tensor]] = []
         rng_states: List[_RngState] = []
         x = self._input(inputs)
+        if x is inputs:
+            # The caller's own tensor: a batch buffer refilled before the
+            # backward pass must not change what it recomputes.
+            x = x.detach().clone()
         with torch.no_grad(), self._stream([index for index, _ in self.stages]) as stream:
             for _, fn in self.stages:
                 saved.append(x)
@@ -388,14 +392,15 @@ class LayerwiseTrainer:
                 del layer
         return x, saved, rng_states
 
-    def _accumulate(self, index: int, grads: Dict[str, torch.Tensor]) -> None:
-        held = self._grads.setdefault(index, {})
-        for name, grad in grads.items():
-            if name in held:
-                held[name] += grad
-            else:
-                # Its own memory: the layer's buffer goes back to the stream.
-                held[name] = grad.clone()
+    def _accumulate(self, layers: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """Adds one whole backward pass's gradients to those step() pushes."""
+        for index, grads in layers.items():
+            held = self._grads.setdefault(index, {})
+            for name, grad in grads.items():
+                if name in held:
+                    held[name] += grad
+                else:
+                    held[name] = grad
 
     def _backward(self, saved: List[Optional[torch.Tensor]], rng_states: List["_RngState"],
                   top: Callable[[torch.Tensor], None],
@@ -465,9 +470,21 @@ class _Stages(torch.autograd.Function):
             raise RuntimeError(f"this output was computed at version {ctx.version}, and step() "
                                f"has moved the shards to {trainer.version} since: run backward() "
                                f"on each output before the step that uses its gradients")
-        grad_input = trainer._backward(ctx.saved, ctx.rng_states,
-                                       lambda output: output.backward(grad_output),
-                                       trainer._accumulate)
+        if ctx.saved is None:
+            raise RuntimeError("the trainer's backward pass runs once per output (it frees the "
+                               "activations it recomputes from): retain_graph cannot run it again")
+        saved, ctx.saved = ctx.saved, None
+        # Added to the trainer's only once the whole pass is through: a
+        # failure midway leaves step() none of its gradients.
+        grads: Dict[int, Dict[str, torch.Tensor]] = {}
+
+        def keep(index: int, layer_grads: Dict[str, torch.Tensor]) -> None:
+            # Their own memory: the layer's buffer goes back to the stream.
+            grads[index] = {name: grad.clone() for name, grad in layer_grads.items()}
+
+        grad_input = trainer._backward(saved, ctx.rng_states,
+                                       lambda output: output.backward(grad_output), keep)
+        trainer._accumulate(grads)
         return None, None, grad_input
 
 

@@ -24,6 +24,7 @@ void RouteLogsToPipe(int fd) {
         std::string line = std::to_string(static_cast<int>(level)) + " ";
         line.append(message.data(), std::min(message.size(), kMaxLineBytes));
         std::replace(line.begin(), line.end(), '\n', ' ');
+        std::replace(line.begin(), line.end(), '\r', ' ');
         line += '\n';
         // EAGAIN: the reader is behind, and the line is dropped.
         [[maybe_unused]] const ssize_t written = ::write(fd, line.data(), line.size());

@@ -4,7 +4,7 @@ namespace layercast::python {
 
 // Routes the worker library's log lines into the pipe whose write end is
 // `fd`, one per line: the spdlog level's number, a space, the message
-// (newlines folded into spaces). The package reads the other end on a
+// (line breaks folded into spaces). The package reads the other end on a
 // Python thread of its own and hands each line to the "layercast" logger
 // (layercast/__init__.py). Never through the GIL on the library's threads:
 // one of them may log while holding a lock that a thread holding the GIL

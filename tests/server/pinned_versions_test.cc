@@ -45,11 +45,12 @@ uint64_t SliceBytes(const ParameterStore& store, uint32_t layer) {
 
 struct Fixture {
   explicit Fixture(std::optional<uint64_t> room = std::nullopt,
-                   std::chrono::steady_clock::duration retention = std::chrono::seconds(60))
+                   std::chrono::steady_clock::duration retention = std::chrono::seconds(60),
+                   uint32_t delta_versions = 2)
       : store(Store()),
         budget(room ? std::optional<uint64_t>(store->master_bytes() + *room) : std::nullopt,
                store->master_bytes(), grants.get_executor()),
-        log(*store, 2),
+        log(*store, delta_versions),
         pinned(*store, retention, /*per_layer=*/2, budget, metrics) {}
 
   // Doubles every owned value of kLayer (`factor` 1: changes nothing), as a
@@ -225,6 +226,29 @@ TEST(PinnedVersionsTest, ALeasedVersionStaysBesideTheNewestWhileItsReaderReads) 
     still = f.Find(0);
   }
   EXPECT_EQ(still, nullptr);
+}
+
+// A walk at version 0 of a layer the first change left as it was is served
+// by the version kept under 1: the lease holds that one. Leases keep no
+// more than --pin-versions beside the unleased ones.
+TEST(PinnedVersionsTest, ALeaseHoldsTheKeptVersionThatServesItAndNoMoreThanPerLayer) {
+  // The change log remembers every change here, so version 0 can be found
+  // under 1.
+  Fixture f(std::nullopt, std::chrono::seconds(60), /*delta_versions=*/8);
+  f.pinned.Lease(0);
+  f.Change(0, /*factor=*/1);  // version 1 changed nothing: nothing kept
+  for (uint64_t version = 1; version < 5; ++version) f.Change(version);
+  EXPECT_NE(f.Find(0), nullptr) << "served by the version kept under 1, which the lease holds";
+  EXPECT_EQ(f.Find(2), nullptr) << "the oldest unleased goes";
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 3);
+  f.pinned.Lease(3);
+  f.pinned.Lease(4);
+  f.Change(5);  // leased 1, 3, 4 and unleased 5: the oldest leased goes
+  EXPECT_EQ(f.Find(0), nullptr);
+  EXPECT_NE(f.Find(3), nullptr);
+  EXPECT_NE(f.Find(4), nullptr);
+  EXPECT_NE(f.Find(5), nullptr);
+  EXPECT_EQ(f.metrics.pinned_versions().Value(), 3);
 }
 
 TEST(PinnedVersionsTest, AVersionAChangeLeftAsItWasIsFoundInTheNextKeptOne) {
