@@ -119,11 +119,13 @@ def train(shard_set, steps: int, seed: int = 0, log=print) -> Tuple[List[float],
     return losses, model
 
 
-def reference(weights: Dict[str, torch.Tensor], steps: int,
-              seed: int = 0) -> Tuple[List[float], Dict[str, torch.Tensor], Net]:
+def reference(weights: Dict[str, torch.Tensor], steps: int, seed: int = 0,
+              micro: int = 1) -> Tuple[List[float], Dict[str, torch.Tensor], Net]:
     """Plain PyTorch as the shards' policy says: an fp32 master, a bfloat16
     copy of it each step (BatchNorm's float32), inputs cast to bfloat16 and
-    the output to float32, torch.optim.AdamW(foreach=False) on the master."""
+    the output to float32, torch.optim.AdamW(foreach=False) on the master.
+    With `micro` > 1, each step accumulates that many batches' gradients
+    (each loss divided by `micro`) in the copy's .grad, as PyTorch does."""
     model = Net()
     model.load_state_dict(fresh_buffers(), strict=False)
     model.train()
@@ -135,14 +137,12 @@ def reference(weights: Dict[str, torch.Tensor], steps: int,
     for step in range(steps):
         compute = {n: (m.clone() if ".bn." in n else m.to(torch.bfloat16)).requires_grad_()
                    for n, m in masters.items()}
-        inputs, targets = batch(step)
-        with layercast.torch.bound(model, compute):
-            x = inputs.to(torch.bfloat16)
-            for _, fn in model.stages():
-                x = fn(x)
-            loss = F.cross_entropy(x.float(), targets)
-            loss.backward()
-        losses.append(loss.item())
+        for m in range(micro):
+            inputs, targets = batch(step * micro + m)
+            with layercast.torch.bound(model, compute):
+                loss = F.cross_entropy(model(inputs.to(torch.bfloat16)).float(), targets) / micro
+                loss.backward()
+            losses.append(loss.item())
         for name, master in masters.items():
             master.grad = compute[name].grad.float()
         optimizer.step()

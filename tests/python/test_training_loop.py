@@ -30,33 +30,6 @@ def serve(tmp_path, flags):
     return ShardSet(tmp_path / "shards", 2, ["--model", str(tmp_path / "model")] + flags)
 
 
-def reference(weights):
-    """Plain PyTorch accumulation: the bfloat16 compute copy made once a
-    step, each micro batch's backward adding into its .grad, then AdamW on
-    the fp32 master."""
-    model = example.Net()
-    model.train()
-    masters = {name: t.clone() for name, t in weights.items()}
-    optimizer = torch.optim.AdamW(list(masters.values()), lr=example.LR,
-                                  weight_decay=example.WEIGHT_DECAY, foreach=False)
-    torch.manual_seed(0)
-    losses = []
-    for step in range(STEPS):
-        compute = {n: (m.clone() if ".bn." in n else m.to(torch.bfloat16)).requires_grad_()
-                   for n, m in masters.items()}
-        for micro in range(MICRO):
-            inputs, targets = example.batch(step * MICRO + micro)
-            with layercast.torch.bound(model, compute):
-                x = model(inputs.to(torch.bfloat16))
-                loss = F.cross_entropy(x.float(), targets) / MICRO
-                loss.backward()
-            losses.append(loss.item())
-        for name, master in masters.items():
-            master.grad = compute[name].grad.float()
-        optimizer.step()
-    return losses, masters, model
-
-
 def test_backward_and_step_accumulate_as_plain_pytorch_does(tmp_path):
     with serve(tmp_path, example.SHARD_FLAGS) as shards, \
             layercast.connect(shards.addresses) as shard_set:
@@ -77,7 +50,8 @@ def test_backward_and_step_accumulate_as_plain_pytorch_does(tmp_path):
                 with pytest.raises(RuntimeError, match="waiting for step\\(\\)"):
                     trainer.train_step(*example.batch(0), F.cross_entropy)
             trainer.step()
-        want_losses, want_masters, want_model = reference(example.initial_weights())
+        want_losses, want_masters, want_model = example.reference(example.initial_weights(),
+                                                                  STEPS, micro=MICRO)
         assert losses == want_losses
         for (name, got), want in zip(model.named_buffers(), want_model.buffers()):
             assert torch.equal(got, want), name
