@@ -46,7 +46,8 @@ TEST(CliTest, VersionNamesReleaseCommitBuildAndCastKernel) {
 TEST(CliTest, HelpForEveryCommandWithDefaults) {
   std::string output;
   ASSERT_EQ(RunCommand(CliBinary() + " help", &output), 0) << output;
-  for (const char* command : {"manifest", "fetch", "export", "bench", "checkpoint", "demo", "help"}) {
+  for (const char* command :
+       {"manifest", "fetch", "export", "bench", "checkpoint", "demo", "help"}) {
     EXPECT_THAT(output, HasSubstr(std::string("  ") + command)) << output;
   }
   EXPECT_THAT(output, HasSubstr("--connect-timeout-ms MS"));
