@@ -54,6 +54,40 @@ ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
                            "one version")
                        .Register(registry)
                        .Add({});
+  mirror_version_ = &prometheus::BuildGauge()
+                         .Name("layercast_client_mirror_version")
+                         .Help(
+                             "The version every layer of this process's mirror holds (0 "
+                             "before its first update)")
+                         .Register(registry)
+                         .Add({});
+  mirror_lag_ = &prometheus::BuildGauge()
+                     .Name("layercast_client_mirror_lag_versions")
+                     .Help("The shards' version minus the mirror's, at its last update")
+                     .Register(registry)
+                     .Add({});
+  mirror_pause_ = &prometheus::BuildHistogram()
+                       .Name("layercast_client_mirror_pause_seconds")
+                       .Help(
+                           "How long each mirror update held readers off (its swap of the "
+                           "staged layers, or its whole walk for layers it could not stage)")
+                       .Register(registry)
+                       .Add({}, GatherBuckets());
+  mirror_staleness_ = &prometheus::BuildHistogram()
+                           .Name("layercast_client_mirror_staleness_seconds")
+                           .Help(
+                               "From when a mirror learned of a new version to when its "
+                               "readers could read it")
+                           .Register(registry)
+                           .Add({}, GatherBuckets());
+}
+
+void ClientMetrics::RecordMirrorUpdate(uint64_t version, uint64_t shards_version,
+                                       double pause_seconds, double stale_seconds) {
+  mirror_version_->Set(static_cast<double>(version));
+  mirror_lag_->Set(static_cast<double>(shards_version > version ? shards_version - version : 0));
+  mirror_pause_->Observe(pause_seconds);
+  mirror_staleness_->Observe(stale_seconds);
 }
 
 void ClientMetrics::RecordVersionSkew(uint64_t skew) {

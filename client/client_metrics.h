@@ -27,6 +27,11 @@ class ClientMetrics {
   void RecordDeltaFallback();
   // The shards sent versions up to `skew` apart in a gather's attempts.
   void RecordVersionSkew(uint64_t skew);
+  // A mirror update made `version` readable: readers were held off for
+  // `pause_seconds` (the swap), `stale_seconds` after the mirror learned
+  // of the version; the shards were at `shards_version` then.
+  void RecordMirrorUpdate(uint64_t version, uint64_t shards_version, double pause_seconds,
+                          double stale_seconds);
 
  private:
   prometheus::Histogram* gather_duration_;
@@ -38,6 +43,10 @@ class ClientMetrics {
   prometheus::Counter* prefetch_misses_;
   prometheus::Counter* delta_fallbacks_;
   prometheus::Gauge* version_skew_;
+  prometheus::Gauge* mirror_version_;
+  prometheus::Gauge* mirror_lag_;
+  prometheus::Histogram* mirror_pause_;
+  prometheus::Histogram* mirror_staleness_;
 };
 
 }  // namespace layercast::client

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +107,40 @@ absl::StatusOr<uint64_t> ModelMirror::Poll(uint64_t min_version) {
   return response.version();
 }
 
+ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, uint64_t base,
+                                      std::vector<uint64_t> base_incarnations,
+                                      std::span<uint8_t> bytes) const {
+  std::atomic<uint64_t> received{0};
+  Pulled pulled;
+  GatherOptions gather;
+  gather.timeout = options_.layer_timeout;
+  // Pinned: a publish committed during the walk leaves the layers after
+  // it at `target` too, so the walk ends with one version. A shard that no
+  // longer keeps it (ABORTED) gives the layer at its newest instead.
+  gather.exact_version = target;
+  gather.base_version = base;
+  // A shard restarted since refuses the delta (its versions may name
+  // other values) and the layer comes in full.
+  gather.base_incarnations = std::move(base_incarnations);
+  gather.incarnations = &pulled.incarnations;
+  gather.will_pull_deltas = true;
+  gather.dtype = options_.dtype;
+  gather.on_chunk = [&received](uint64_t chunk) { received += chunk; };
+  gather.changed_elements = &pulled.changed;
+  absl::StatusOr<uint64_t> version = shards_.GatherInto(layer, gather, bytes);
+  // Chunks applied before the refusal are repaired by the second pull: a
+  // delta from the same base gives the newer values exactly.
+  if (absl::IsAborted(version.status())) {
+    gather.exact_version.reset();
+    gather.min_version = target;
+    version = shards_.GatherInto(layer, gather, bytes);
+  }
+  pulled.received = received.load();
+  pulled.status = version.status();
+  if (version.ok()) pulled.version = *version;
+  return pulled;
+}
+
 absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_version) {
   absl::MutexLock update_lock(&update_mu_);
   const auto start = std::chrono::steady_clock::now();
@@ -115,54 +150,89 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
   } else {
     ASSIGN_OR_RETURN(target, shards_.CurrentVersion());
   }
-  // Readers wait for the whole walk: none sees some layers new and others
-  // old.
-  absl::MutexLock lock(&mu_);
   MirrorUpdate update;
-  for (uint32_t i = 0; i < layers_.size(); ++i) {
-    Layer& layer = layers_[i];
-    if (layer.version() >= target && !torn_[i]) continue;
-    std::atomic<uint64_t> received{0};
-    GatherOptions gather;
-    gather.timeout = options_.layer_timeout;
-    // Pinned: a publish committed during the walk leaves the layers after
-    // it at `target` too, so the walk ends with one version. A shard that no
-    // longer keeps it (ABORTED) gives the layer at its newest instead.
-    gather.exact_version = target;
-    gather.base_version = layer.version();
-    // A shard restarted since refuses the delta (its versions may name
-    // other values) and the layer comes in full.
-    gather.base_incarnations = incarnations_[i];
-    std::vector<uint64_t> served;
-    gather.incarnations = &served;
-    gather.will_pull_deltas = true;
-    gather.dtype = options_.dtype;
-    gather.on_chunk = [&received](uint64_t bytes) { received += bytes; };
-    uint64_t changed = 0;
-    gather.changed_elements = &changed;
-    absl::StatusOr<uint64_t> version = shards_.GatherInto(i, gather, layer.mutable_bytes());
-    // Chunks applied before the refusal are repaired by the second pull: a
-    // delta from the same base gives the newer values exactly.
-    if (absl::IsAborted(version.status())) {
-      gather.exact_version.reset();
-      gather.min_version = target;
-      version = shards_.GatherInto(i, gather, layer.mutable_bytes());
+  std::vector<uint32_t> behind;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (uint32_t i = 0; i < layers_.size(); ++i) {
+      if (layers_[i].version() < target || torn_[i]) behind.push_back(i);
     }
-    update.bytes += received.load();
-    if (!version.ok()) {
-      // Chunks already applied leave a mix; a delta from the same base
-      // repairs it (ChunkDecoder), so the base stays.
-      if (received.load() > 0) torn_[i] = true;
-      return version.status();
+  }
+  // Readers read on while the layers that fit in staging_bytes are pulled
+  // into copies of themselves (only this thread writes the layers: it holds
+  // update_mu_).
+  struct Staged {
+    uint32_t layer;
+    LayerBuffer copy;
+    Pulled pulled;
+  };
+  std::vector<Staged> staged;
+  uint64_t staging = 0;
+  for (const uint32_t i : behind) {
+    uint64_t base = 0;
+    std::vector<uint64_t> base_incarnations;
+    std::span<const uint8_t> live;
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      live = layers_[i].bytes();
+      base = layers_[i].version();
+      base_incarnations = incarnations_[i];
     }
-    layer.set_version(*version);
-    incarnations_[i] = std::move(served);
+    if (live.size() > options_.staging_bytes - staging) continue;  // in place, below
+    ASSIGN_OR_RETURN(LayerBuffer copy, LayerBuffer::Allocate(live.size()));
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      std::memcpy(copy.data(), live.data(), live.size());
+    }
+    Pulled pulled = Pull(i, target, base, std::move(base_incarnations), {copy.data(), copy.size()});
+    update.bytes += pulled.received;
+    // A failure here leaves the live layers as they were.
+    RETURN_IF_ERROR(pulled.status);
+    staging += live.size();
+    staged.push_back({i, std::move(copy), std::move(pulled)});
+  }
+  // Readers are held off from here: none sees some layers new and others
+  // old. Staged layers are copied in; the rest are pulled in place.
+  const auto pause_start = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  const auto settle = [&](uint32_t i, Pulled& pulled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    layers_[i].set_version(pulled.version);
+    incarnations_[i] = std::move(pulled.incarnations);
     torn_[i] = false;
     ++update.layers;
-    if (changed > 0) update.changed_layers.push_back(i);
+    if (pulled.changed > 0) update.changed_layers.push_back(i);
+  };
+  for (Staged& s : staged) {
+    if (s.pulled.changed > 0 || torn_[s.layer]) {
+      std::memcpy(layers_[s.layer].mutable_bytes().data(), s.copy.data(), s.copy.size());
+    }
+    ++update.staged_layers;
+    settle(s.layer, s.pulled);
   }
+  staged.clear();  // the copies' memory goes back before the in-place pulls
+  for (const uint32_t i : behind) {
+    if (layers_[i].version() >= target && !torn_[i]) continue;  // staged above
+    Pulled pulled =
+        Pull(i, target, layers_[i].version(), incarnations_[i], layers_[i].mutable_bytes());
+    update.bytes += pulled.received;
+    if (!pulled.status.ok()) {
+      // Chunks already applied leave a mix; a delta from the same base
+      // repairs it (ChunkDecoder), so the base stays.
+      if (pulled.received > 0) torn_[i] = true;
+      return pulled.status;
+    }
+    settle(i, pulled);
+  }
+  std::sort(update.changed_layers.begin(), update.changed_layers.end());
   update.version = VersionLocked();
-  update.duration = std::chrono::steady_clock::now() - start;
+  const auto end = std::chrono::steady_clock::now();
+  update.pause = end - pause_start;
+  update.duration = end - start;
+  if (ClientMetrics* metrics = shards_.metrics(); metrics != nullptr) {
+    metrics->RecordMirrorUpdate(update.version, target,
+                                std::chrono::duration<double>(update.pause).count(),
+                                std::chrono::duration<double>(update.duration).count());
+  }
   return update;
 }
 

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,15 @@ struct MirrorOptions {
   // gather in bfloat16. Shards serve no delta in such a dtype, so each
   // update pulls the layers that moved in full.
   std::optional<DType> dtype = std::nullopt;
+  // Staged updates: an update pulls the layers that moved into copies of
+  // themselves, up to this many bytes of copies, while readers read on,
+  // then holds readers off only to copy the changed ones in (the pause),
+  // so a reader never sees a torn model and waits a copy, not a pull.
+  // Layers past it are pulled in place with readers held off, as with 0
+  // (the default: no second copy of anything). The whole model's bytes
+  // stage every update at the cost of a transient copy of the layers that
+  // moved.
+  uint64_t staging_bytes = 0;
 };
 
 // What one update brought.
@@ -45,6 +55,12 @@ struct MirrorUpdate {
   std::vector<uint32_t> changed_layers;
   uint64_t bytes = 0;  // chunk bytes received for them
   std::chrono::steady_clock::duration duration{};
+  // Of `layers`, those pulled into staging copies (MirrorOptions::
+  // staging_bytes).
+  uint32_t staged_layers = 0;
+  // How long readers were held off: the copy of staged layers in, and the
+  // in-place pulls of the rest.
+  std::chrono::steady_clock::duration pause{};
 };
 
 // A whole model held on the host at the shards' newest version, for an
@@ -127,6 +143,18 @@ class ModelMirror {
   ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<AssembledLayout> layouts,
               std::vector<Layer> layers, std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // One layer's pull into `bytes` (the layer at `base`, or a copy of it):
+  // a delta pinned to `target`, or the layer at its newest where the shards
+  // no longer keep `target`.
+  struct Pulled {
+    absl::Status status;
+    uint64_t version = 0;
+    uint64_t received = 0;  // chunk bytes, whether it succeeded or not
+    uint64_t changed = 0;   // elements that may differ from `bytes` before
+    std::vector<uint64_t> incarnations;
+  };
+  Pulled Pull(uint32_t layer, uint64_t target, uint64_t base,
+              std::vector<uint64_t> base_incarnations, std::span<uint8_t> bytes) const;
   // The follower's long poll: the version shard 0 serves once it reaches
   // `min_version` or the poll ends (then below it); StopFollowing cancels it.
   absl::StatusOr<uint64_t> Poll(uint64_t min_version);

@@ -291,10 +291,11 @@ class Mirror:
     def update(self, min_version: Optional[int] = None) -> Dict[str, object]:
         """Brings every layer to at least `min_version` (default: the
         version the shards serve now) by delta pulls. Returns {version,
-        layers, bytes, seconds, changed_layers}: layers pulled, bytes
-        received, and the names of the layers whose values changed (a
-        publish moves every layer's version, most of them changing
-        nothing)."""
+        layers, bytes, seconds, changed_layers, staged_layers,
+        pause_seconds}: layers pulled, bytes received, the names of the
+        layers whose values changed (a publish moves every layer's version,
+        most of them changing nothing), those pulled into staging copies,
+        and how long readers were held off."""
         self._not_reading("mirror.update()")
         return self._named(self._native.update(min_version))
 
@@ -416,18 +417,22 @@ class ShardSet:
         return self._native.export(str(path), dtype, version, max_file_bytes, timeout)
 
     def mirror(self, *, timeout: float = 60.0, poll: float = 10.0,
-               dtype: Optional[str] = None) -> Mirror:
+               dtype: Optional[str] = None, staging_bytes: int = 0) -> Mirror:
         """Pulls every layer in full into a Mirror (each pull within
         `timeout` seconds); `poll`: how long each of its long polls for a new
         version lasts once it follows. `dtype` ("float8_e4m3fn", ...): every
         tensor in it rather than the policy's, cast by the shards from the
         same fp32 master (an fp8 inference fleet following shards that
         trainers gather in bfloat16); updates then pull the layers that
-        moved in full, since shards serve no delta in such a dtype."""
+        moved in full, since shards serve no delta in such a dtype.
+        `staging_bytes`: an update pulls the layers that moved into copies,
+        up to this many bytes, while readers read on, and holds them off
+        only to copy the changed ones in (0, the default: pulls in place,
+        readers held off for the whole update; no second copy)."""
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one the shards cast to: use one of "
                              f"{', '.join(_DTYPES[:5])}")
-        return Mirror(self._native.mirror(timeout, poll, dtype or ""),
+        return Mirror(self._native.mirror(timeout, poll, dtype or "", staging_bytes),
                       [layer["name"] for layer in self.manifest["layers"]])
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,

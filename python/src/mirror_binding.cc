@@ -25,6 +25,8 @@ py::dict UpdateDict(const client::MirrorUpdate& update) {
   out["bytes"] = update.bytes;
   out["changed_layers"] = update.changed_layers;  // indices; the package names them
   out["seconds"] = std::chrono::duration<double>(update.duration).count();
+  out["staged_layers"] = update.staged_layers;
+  out["pause_seconds"] = std::chrono::duration<double>(update.pause).count();
   return out;
 }
 
@@ -124,8 +126,9 @@ void PyMirror::Stop() {
 }
 
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
-                    const std::string& dtype) {
+                    const std::string& dtype, uint64_t staging_bytes) {
   client::MirrorOptions options;
+  options.staging_bytes = staging_bytes;
   options.layer_timeout = Milliseconds(layer_timeout);
   options.poll = Milliseconds(poll);
   if (!dtype.empty()) options.dtype = ValueOrRaise(DTypeFromName(dtype));

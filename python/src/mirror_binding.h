@@ -61,7 +61,7 @@ class PyMirror {
 // `dtype`: MirrorOptions::dtype by name ("float8_e4m3fn"); empty for the
 // policy's dtypes.
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
-                    const std::string& dtype);
+                    const std::string& dtype, uint64_t staging_bytes);
 
 // ShardSet.publish: `values` {tensor name: fp32 tensor}, taken without a copy;
 // `insecure` lets the token go over a plaintext connection.

@@ -101,10 +101,12 @@ PYBIND11_MODULE(_layercast, module) {
       .def("close", &PyShardSet::Close)
       .def(
           "mirror",
-          [](const PyShardSet& self, double timeout, double poll, const std::string& dtype) {
-            return MakeMirror(self.Held(), timeout, poll, dtype);
+          [](const PyShardSet& self, double timeout, double poll, const std::string& dtype,
+             uint64_t staging_bytes) {
+            return MakeMirror(self.Held(), timeout, poll, dtype, staging_bytes);
           },
-          py::arg("timeout") = 60.0, py::arg("poll") = 10.0, py::arg("dtype") = "")
+          py::arg("timeout") = 60.0, py::arg("poll") = 10.0, py::arg("dtype") = "",
+          py::arg("staging_bytes") = 0)
       .def(
           "publish",
           [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,

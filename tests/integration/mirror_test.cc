@@ -5,6 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <optional>
+#include <thread>
+
 #include "tests/integration/publish_fixture.h"
 
 namespace layercast::testing {
@@ -72,6 +76,48 @@ TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
   absl::StatusOr<client::MirrorUpdate> update = mirror.Update();
   ASSERT_TRUE(update.ok()) << update.status();
   EXPECT_EQ(update->layers, 0u) << "nothing new to pull";
+}
+
+// A staged update pulls while a reader reads on, and holds readers off only
+// to copy the changed layers in: the gathers of the update happen while a
+// reading is held, and the reading still sees one version throughout.
+TEST_F(PublishTest, AStagedUpdatePullsWhileReadersReadAndSwapsWholeVersions) {
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> created = client::ModelMirror::Create(
+      *shards_.set, {.staging_bytes = std::numeric_limits<uint64_t>::max()});
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::ModelMirror& mirror = **created;
+  const uint32_t layers = static_cast<uint32_t>(shards_.set->model().layers.size());
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  const auto values = Nudged(1.0f / 16);
+  ASSERT_TRUE(publisher.Publish(View(values)).ok());
+
+  const double gathers_before = *CounterValue(*shards_.registry, "layercast_client_gathers_total");
+  std::optional<absl::StatusOr<client::MirrorUpdate>> update;
+  std::thread updating;
+  {
+    auto reading = mirror.Read();
+    updating = std::thread([&] { update = mirror.Update(); });
+    // Every layer's pull lands while this reading holds the mirror (bounded).
+    for (int i = 0; i < 200 && *CounterValue(*shards_.registry, "layercast_client_gathers_total") <
+                                   gathers_before + layers;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_GE(*CounterValue(*shards_.registry, "layercast_client_gathers_total"),
+              gathers_before + layers)
+        << "the pulls waited for the reader";
+    EXPECT_EQ(reading.version(), 0u) << "the reading still sees the version it began with";
+    ExpectHolds(reading.layer(1), model_.values, 0);
+  }
+  updating.join();
+  ASSERT_TRUE(update.has_value() && update->ok()) << (update ? update->status() : absl::Status());
+  EXPECT_EQ((*update)->staged_layers, layers);
+  EXPECT_LE((*update)->pause, (*update)->duration);
+  auto reading = mirror.Read();
+  EXPECT_EQ(reading.version(), 1u);
+  for (uint32_t l = 0; l < layers; ++l) ExpectHolds(reading.layer(l), values, 1);
+  EXPECT_EQ(*CounterValue(*shards_.registry, "layercast_client_mirror_version"), 1);
+  EXPECT_EQ(*CounterValue(*shards_.registry, "layercast_client_mirror_lag_versions"), 0);
 }
 
 // Version numbers restart with a shard's process: after the set restarts

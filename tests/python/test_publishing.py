@@ -188,7 +188,8 @@ def test_a_pinned_walk_gets_its_version_while_newer_ones_commit(served):
 def test_an_fp8_mirror_follows_shards_that_serve_bf16(served):
     shards, tensors = served
     with layercast.connect(shards.addresses) as shard_set:
-        fleet = shard_set.mirror(dtype="float8_e4m3fn")
+        # Staged: pulled beside what readers read, swapped in whole.
+        fleet = shard_set.mirror(dtype="float8_e4m3fn", staging_bytes=1 << 30)
         start = fleet.version
         up = "model.layers.0.mlp.up_proj.weight"
         with fleet.read() as reading:
@@ -198,6 +199,8 @@ def test_an_fp8_mirror_follows_shards_that_serve_bf16(served):
         assert shard_set.publish(newer, TOKEN, insecure=True)["version"] == start + 1
         update = fleet.update()
         assert update["version"] == start + 1
+        assert update["staged_layers"] == len(shard_set.manifest["layers"])
+        assert 0 <= update["pause_seconds"] <= update["seconds"]
         # In place, and exactly what a fresh pull in fp8 gives.
         fresh = shard_set.mirror(dtype="float8_e4m3fn")
         with fleet.read() as followed, fresh.read() as pulled:
