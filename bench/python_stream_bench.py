@@ -25,14 +25,15 @@ import tempfile
 import time
 
 
-def start_shards(build, n, synthetic, directory):
+def start_shards(build, n, synthetic, directory, flags=()):
+    """N shards on 127.0.0.1 serving `synthetic`, with `flags` besides."""
     processes, addresses = [], []
     for i in range(n):
         port_file = pathlib.Path(directory) / f"port-{i}"
         processes.append(subprocess.Popen(
             [f"{build}/bin/layercast-shard", "--listen", "127.0.0.1:0", "--port-file",
              str(port_file), "--shard-index", str(i), "--num-shards", str(n), "--synthetic",
-             synthetic], stderr=subprocess.DEVNULL))
+             synthetic, *flags], stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 120
         while not (port_file.exists() and port_file.read_text().strip()):
             if processes[-1].poll() is not None or time.monotonic() > deadline:
