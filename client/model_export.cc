@@ -168,9 +168,13 @@ absl::StatusOr<ExportResult> ExportModel(const ShardSet& set, const ExportOption
     if (written.ok() || !absl::IsAborted(written.status()) || options.version || walk == kWalks) {
       break;
     }
-    ASSIGN_OR_RETURN(const uint64_t now, set.CurrentVersion());
-    Log()->info("exporting again at version {}: {}", now, written.status().message());
-    result.version = now;
+    const absl::StatusOr<uint64_t> now = set.CurrentVersion();
+    if (!now.ok()) {
+      written = now.status();
+      break;
+    }
+    Log()->info("exporting again at version {}: {}", *now, written.status().message());
+    result.version = *now;
   }
   const bool split = plan.paths.size() > 1;
   const std::string index = options.path + ".index.json";
@@ -188,7 +192,9 @@ absl::StatusOr<ExportResult> ExportModel(const ShardSet& set, const ExportOption
   }();
   if (!placed.ok()) {
     // No part of a model that is not whole stays behind.
-    for (const std::string& file : plan.partial_paths) {
+    std::vector<std::string> partials = plan.partial_paths;
+    partials.push_back(index + ".partial");
+    for (const std::string& file : partials) {
       if (fs.Exists(file)) fs.Remove(file).IgnoreError();
     }
     for (const std::string& file : result.files) fs.Remove(file).IgnoreError();
