@@ -115,9 +115,12 @@ void CheckSet(const ShardSet& set, const layercast::v1::FetchLayerRequest& reque
     FUZZ_CHECK((status.code() == absl::StatusCode::kNotFound) == !layer_exists,
                "%s: layer %u of %zu refused with %s", set.name.c_str(), request.layer(),
                first.model().layers.size(), status.ToString().c_str());
+    // OUT_OF_RANGE only for a delta (a dtype of its own, or 8-bit codes,
+    // have none).
     FUZZ_CHECK(status.code() == absl::StatusCode::kNotFound ||
                    status.code() == absl::StatusCode::kInvalidArgument ||
-                   status.code() == absl::StatusCode::kFailedPrecondition,
+                   status.code() == absl::StatusCode::kFailedPrecondition ||
+                   (status.code() == absl::StatusCode::kOutOfRange && request.has_base_version()),
                "%s: refused with %s", set.name.c_str(), status.ToString().c_str());
     FUZZ_CHECK(!status.message().empty(), "%s: refused without a message", set.name.c_str());
     return;
@@ -126,7 +129,11 @@ void CheckSet(const ShardSet& set, const layercast::v1::FetchLayerRequest& reque
              first.model().layers.size());
 
   const uint32_t layer = request.layer();
-  const AssembledLayout& layout = first.layout(layer);
+  // The policy's layout, or every tensor in the request's dtype.
+  const AssembledLayout& layout = plans[0]->layout;
+  FUZZ_CHECK(layout.tensors().size() == first.layout(layer).tensors().size(),
+             "%s: the plan's layout has %zu tensors, the layer %zu", set.name.c_str(),
+             layout.tensors().size(), first.layout(layer).tensors().size());
   const size_t num_tensors = first.model().layers[layer].tensors.size();
   const std::vector<ElementRange> selected = Selected(layout, request);
   std::vector<std::vector<ElementRange>> sent(num_tensors);
@@ -151,7 +158,16 @@ void CheckSet(const ShardSet& set, const layercast::v1::FetchLayerRequest& reque
                  static_cast<unsigned long long>(owned.end));
       FUZZ_CHECK(run.elements.end <= layout.tensors()[run.tensor].num_elements,
                  "%s: shard %zu run beyond tensor %u", set.name.c_str(), i, run.tensor);
-      bytes += run.elements.size() * DTypeSize(layout.tensors()[run.tensor].compute_dtype);
+      const AssembledTensor& placed = layout.tensors()[run.tensor];
+      FUZZ_CHECK(plan.layout.tensors()[run.tensor].compute_dtype == placed.compute_dtype &&
+                     plan.layout.total_bytes() == layout.total_bytes(),
+                 "%s: shard %zu lays the layer out unlike shard 0", set.name.c_str(), i);
+      bytes += run.elements.size() * DTypeSize(placed.compute_dtype);
+      if (placed.block_size != 0) {  // and the scale of every block it touches
+        bytes += ((run.elements.end + placed.block_size - 1) / placed.block_size -
+                  run.elements.begin / placed.block_size) *
+                 sizeof(float);
+      }
       sent[run.tensor].push_back(run.elements);
     }
     FUZZ_CHECK(bytes == plan.bytes, "%s: shard %zu plan says %llu bytes, its runs hold %llu",

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -222,6 +223,18 @@ void FetchPlanSeeds(const fs::path& dir) {
   request("invalid_split_element", 1, 0, 257, 0);
   request("invalid_beyond", 1, 0, 1ull << 40, 0);
   request("invalid_dtype", 1, 0, 0, 77);
+  // Pulls that name their dtype (FetchLayerRequest.dtype): the master, an
+  // fp8 fleet's (blocks may straddle shards: refused), and a delta in one.
+  const auto pull_in = [&](const char* name, int dtype, std::optional<uint64_t> base) {
+    layercast::v1::FetchLayerRequest r;
+    r.set_layer(1);
+    r.set_dtype(static_cast<layercast::v1::DType>(dtype));
+    if (base) r.set_base_version(*base);
+    Write(dir, name, r.SerializeAsString());
+  };
+  pull_in("valid_dtype_f32", layercast::v1::FLOAT32, std::nullopt);
+  pull_in("dtype_e4m3", layercast::v1::FLOAT8_E4M3FN, std::nullopt);
+  pull_in("invalid_delta_in_dtype", layercast::v1::FLOAT16, 0);
 }
 
 // Inputs of chunk_decoder_fuzzer (see there): a plan, then frames made by
