@@ -17,13 +17,12 @@ Usage: PYTHONPATH=build/python python3 bench/mirror_pause_bench.py [--build buil
 import argparse
 import os
 import pathlib
-import signal
 import statistics
 import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from python_stream_bench import start_shards  # noqa: E402
+from python_stream_bench import start_shards, stop_shards  # noqa: E402
 
 TOKEN = "mirror-pause-bench-token-0123456789"
 
@@ -64,10 +63,7 @@ def main():
                 for mirror in mirrors.values():
                     mirror.stop()
         finally:
-            for process in processes:
-                process.send_signal(signal.SIGTERM)
-            for process in processes:
-                process.wait(timeout=60)
+            stop_shards(processes)
     nbytes = sum(t.numel() * 2 for t in values.values())
     print(f"{args.synthetic}: {nbytes / 2**20:.1f} MiB in bf16 on {args.num_shards} shards, "
           f"{args.publishes} publishes, each changing a third of every tensor")

@@ -43,6 +43,14 @@ def start_shards(build, n, synthetic, directory, flags=()):
     return processes, addresses
 
 
+def stop_shards(processes):
+    """SIGTERM every shard start_shards started, and waits for each (bounded)."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        process.wait(timeout=60)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default="build")
@@ -81,10 +89,7 @@ def main():
                 python.append(elapsed)
             shard_set.close()
         finally:
-            for p in processes:
-                p.send_signal(signal.SIGTERM)
-            for p in processes:
-                p.wait(timeout=60)
+            stop_shards(processes)
     cpp_s, python_s = statistics.median(cpp[1:]), statistics.median(python[1:])
     print(f"python_stream_bench: {args.synthetic}, {args.num_shards} shards, {len(order)} layers "
           f"per walk, budget 3 layers, median of {args.repeats}")

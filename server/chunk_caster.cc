@@ -79,7 +79,7 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
     // Kept in the compute dtype already (cast from the master before the
     // change), so the bytes are what a cast at that version gave; a stream
     // in a dtype of its own gets here only when that is the kept width
-    // (FetchLayerReactor::KeptBitsServe).
+    // (FetchPlan::kept_bits_serve).
     const uint8_t* source = kept->tensor(key.tensor) + skip * element_bytes;
     std::memcpy(out, source, key.elements * element_bytes);
     if (crc != nullptr) *crc = Crc32c(out, key.elements * element_bytes, *crc);

@@ -158,14 +158,6 @@ std::string FetchLayerReactor::WhyNotKept() const {
                                      : "it keeps none: --pin-retention-ms 0";
 }
 
-bool FetchLayerReactor::KeptBitsServe() const {
-  if (!plan_.dtype) return true;
-  const std::vector<AssembledTensor>& policy = store_.layout(plan_.layer).tensors();
-  return std::all_of(policy.begin(), policy.end(), [this](const AssembledTensor& tensor) {
-    return KeptDType(tensor.compute_dtype) == KeptDType(*plan_.dtype);
-  });
-}
-
 absl::Status FetchLayerReactor::NotInThisDType(uint64_t version, uint64_t current) const {
   return absl::AbortedError(
       absl::StrCat("layer ", plan_.layer, " is at parameter version ", current,
@@ -179,7 +171,7 @@ absl::Status FetchLayerReactor::NotInThisDType(uint64_t version, uint64_t curren
 void FetchLayerReactor::LeaseExactVersion() {
   // A walk at this version holds it on the layers it has not read yet; a
   // stream whose dtype the kept bits cannot give would hold it for nothing.
-  if (options_.pinned != nullptr && KeptBitsServe()) {
+  if (options_.pinned != nullptr && plan_.kept_bits_serve) {
     options_.pinned->Lease(*options_.exact_version);
   }
 }
@@ -191,7 +183,7 @@ std::optional<grpc::Status> FetchLayerReactor::HoldExactVersion(uint64_t current
     LeaseExactVersion();
     return std::nullopt;
   }
-  if (!KeptBitsServe()) return wire::ToGrpcStatus(NotInThisDType(exact, current));
+  if (!plan_.kept_bits_serve) return wire::ToGrpcStatus(NotInThisDType(exact, current));
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(plan_.layer));
   if (options_.changes != nullptr) {
     if (options_.changes->ChangedNothing(plan_.layer, exact, current)) {
@@ -217,7 +209,7 @@ absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::S
     const ChunkKey& key) {
   const uint64_t now = gate_.version(key.layer);
   if (now == key.version) return nullptr;
-  if (!KeptBitsServe()) return NotInThisDType(key.version, now);
+  if (!plan_.kept_bits_serve) return NotInThisDType(key.version, now);
   std::shared_ptr<const PinnedVersions::Kept> kept;
   if (options_.changes != nullptr &&
       !options_.changes->ChangedNothing(key.layer, key.version, now)) {

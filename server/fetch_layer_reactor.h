@@ -127,10 +127,6 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   std::optional<grpc::Status> HoldExactVersion(uint64_t current);
   // Leases the pinned version (PinnedVersions::Lease) for a read it serves.
   void LeaseExactVersion();
-  // Whether what the shard keeps of superseded versions (and its record of
-  // which values changed, both in the policy's KeptDType bits) holds what
-  // this stream sends: always, unless it names a dtype of its own.
-  bool KeptBitsServe() const;
   // ABORTED for a stream in a dtype of its own at `version`, which its
   // layer (now at `current`) has left.
   absl::Status NotInThisDType(uint64_t version, uint64_t current) const;

@@ -104,6 +104,10 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
       ASSIGN_OR_RETURN(plan.layout, LayoutIn(layout, wanted, store.policy().fp8_block()));
       RETURN_IF_ERROR(CheckBlocksWithinShards(layer, plan.layout, store.num_shards()));
       plan.dtype = wanted;
+      plan.kept_bits_serve = std::all_of(layout.tensors().begin(), layout.tensors().end(),
+                                         [wanted](const AssembledTensor& t) {
+                                           return KeptDType(t.compute_dtype) == KeptDType(wanted);
+                                         });
     }
   }
   if (request.has_base_version() && plan.dtype) {

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "core/layout.h"
 #include "layercast/v1/shard.pb.h"
+#include "server/change_log.h"
 #include "server/parameter_store.h"
 
 namespace layercast::server {
@@ -22,6 +23,10 @@ struct FetchPlan {
   // Set when the request named a dtype other than the policy's
   // (FetchLayerRequest.dtype): the stream casts its own chunks.
   std::optional<DType> dtype;
+  // Whether what the shard keeps of superseded versions (and its record of
+  // which values changed, both in the policy's KeptDType bits) holds what
+  // this stream sends: always, unless `dtype` is one they cannot give.
+  bool kept_bits_serve = true;
   std::vector<TensorElementRange> runs;  // absolute element ranges, never empty
   uint64_t bytes = 0;                    // total bytes to send (SentBytes)
 };
