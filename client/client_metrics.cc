@@ -80,7 +80,16 @@ ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
                                "readers could read it")
                            .Register(registry)
                            .Add({}, GatherBuckets());
+  mirror_fallbacks_ = &prometheus::BuildCounter()
+                           .Name("layercast_client_mirror_fallbacks_total")
+                           .Help(
+                               "Times this process's mirror left an upstream relay that died "
+                               "for its fallback (the shards, or another relay)")
+                           .Register(registry)
+                           .Add({});
 }
+
+void ClientMetrics::RecordMirrorFallback() { mirror_fallbacks_->Increment(); }
 
 void ClientMetrics::RecordMirrorUpdate(uint64_t version, uint64_t shards_version,
                                        double pause_seconds, double stale_seconds) {

@@ -32,6 +32,8 @@ class ClientMetrics {
   // of the version; the shards were at `shards_version` then.
   void RecordMirrorUpdate(uint64_t version, uint64_t shards_version, double pause_seconds,
                           double stale_seconds);
+  // A mirror's upstream relay died and it follows its fallback now.
+  void RecordMirrorFallback();
 
  private:
   prometheus::Histogram* gather_duration_;
@@ -47,6 +49,7 @@ class ClientMetrics {
   prometheus::Gauge* mirror_lag_;
   prometheus::Histogram* mirror_pause_;
   prometheus::Histogram* mirror_staleness_;
+  prometheus::Counter* mirror_fallbacks_;
 };
 
 }  // namespace layercast::client

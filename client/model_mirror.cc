@@ -17,11 +17,19 @@ namespace layercast::client {
 
 absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet& shards,
                                                                  MirrorOptions options) {
+  if (options.fallback != nullptr &&
+      options.fallback->manifests()[0].layout_digest() != shards.manifests()[0].layout_digest()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the fallback (", absl::StrJoin(options.fallback->addresses(), ","),
+        ") serves another layout than the upstream (", absl::StrJoin(shards.addresses(), ","),
+        "): give a relay of the same shard set"));
+  }
   // Every layer at the version the shards serve now, pinned, so a publish
   // committed during the walk does not split it; a layer whose version the
   // shards no longer keep is pulled at its newest, and the update below
   // brings the rest there.
   ASSIGN_OR_RETURN(const uint64_t start, shards.CurrentVersion());
+  if (options.listener != nullptr) options.listener->Pulling(start);
   const wire::ShardSetView& view = shards.view();
   // Moved into the mirror whole: the layers' pointers stay valid.
   std::vector<AssembledLayout> layouts;
@@ -42,6 +50,8 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
     gather.will_pull_deltas = true;
     gather.incarnations = &incarnations[layer];
     gather.dtype = options.dtype;
+    uint64_t received = 0;
+    gather.on_chunk = [&received](uint64_t chunk) { received += chunk; };
     const AssembledLayout& layout = options.dtype ? layouts[layer] : view.layouts[layer];
     ASSIGN_OR_RETURN(LayerBuffer buffer, LayerBuffer::Allocate(layout.total_bytes()));
     const std::span<uint8_t> bytes(buffer.data(), buffer.size());
@@ -53,6 +63,14 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
     }
     if (!pulled.ok()) return pulled.status();
     newest = std::max(newest, *pulled);
+    if (options.listener != nullptr) {
+      options.listener->Pulled({.layer = layer,
+                                .version = *pulled,
+                                .changed = true,
+                                .bytes = bytes,
+                                .incarnations = &incarnations[layer],
+                                .received = received});
+    }
     layers.emplace_back(layer, &view.model.layers[layer], &layout, *pulled, std::move(buffer));
   }
   std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, options, std::move(layouts),
@@ -66,8 +84,9 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
 ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options,
                          std::vector<AssembledLayout> layouts, std::vector<Layer> layers,
                          std::vector<std::vector<uint64_t>> incarnations)
-    : shards_(shards),
-      options_(options),
+    : options_(options),
+      source_(&shards),
+      metrics_(shards.metrics()),
       layouts_(std::move(layouts)),
       layers_(std::move(layers)),
       torn_(layers_.size(), false),
@@ -97,13 +116,14 @@ absl::StatusOr<uint64_t> ModelMirror::Poll(uint64_t min_version) {
   layercast::v1::WaitVersionRequest request;
   request.set_min_version(min_version);
   layercast::v1::WaitVersionResponse response;
-  const grpc::Status status = shards_.stub(0).WaitVersion(&context, request, &response);
+  const ShardSet& source = this->source();
+  const grpc::Status status = source.stub(0).WaitVersion(&context, request, &response);
   {
     absl::MutexLock lock(&follow_mu_);
     poll_ = nullptr;
   }
   RETURN_IF_ERROR(
-      wire::FromGrpcStatus(status, absl::StrCat("shard 0 (", shards_.addresses()[0], ")")));
+      wire::FromGrpcStatus(status, absl::StrCat("shard 0 (", source.addresses()[0], ")")));
   return response.version();
 }
 
@@ -127,13 +147,14 @@ ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, uint64_t 
   gather.dtype = options_.dtype;
   gather.on_chunk = [&received](uint64_t chunk) { received += chunk; };
   gather.changed_elements = &pulled.changed;
-  absl::StatusOr<uint64_t> version = shards_.GatherInto(layer, gather, bytes);
+  const ShardSet& source = this->source();
+  absl::StatusOr<uint64_t> version = source.GatherInto(layer, gather, bytes);
   // Chunks applied before the refusal are repaired by the second pull: a
   // delta from the same base gives the newer values exactly.
   if (absl::IsAborted(version.status())) {
     gather.exact_version.reset();
     gather.min_version = target;
-    version = shards_.GatherInto(layer, gather, bytes);
+    version = source.GatherInto(layer, gather, bytes);
   }
   pulled.received = received.load();
   pulled.status = version.status();
@@ -141,15 +162,38 @@ ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, uint64_t 
   return pulled;
 }
 
+bool ModelMirror::FallBack(const absl::Status& failed) {
+  const ShardSet* fallback = options_.fallback;
+  if (fallback == nullptr || source_.load() == fallback ||
+      !(absl::IsUnavailable(failed) || absl::IsDeadlineExceeded(failed))) {
+    return false;
+  }
+  Log()->warn("mirror: the upstream {} failed ({}); following {} from now on",
+              absl::StrJoin(source_.load()->addresses(), ","), failed.message(),
+              absl::StrJoin(fallback->addresses(), ","));
+  source_.store(fallback);
+  if (metrics_ != nullptr) metrics_->RecordMirrorFallback();
+  return true;
+}
+
 absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_version) {
   absl::MutexLock update_lock(&update_mu_);
+  absl::StatusOr<MirrorUpdate> update = UpdateFrom(min_version);
+  // What the dead upstream left undone (a layer torn midway included) is
+  // pulled from the fallback, from the same bases.
+  if (!update.ok() && FallBack(update.status())) update = UpdateFrom(min_version);
+  return update;
+}
+
+absl::StatusOr<MirrorUpdate> ModelMirror::UpdateFrom(std::optional<uint64_t> min_version) {
   const auto start = std::chrono::steady_clock::now();
   uint64_t target = 0;
   if (min_version) {
     target = *min_version;
   } else {
-    ASSIGN_OR_RETURN(target, shards_.CurrentVersion());
+    ASSIGN_OR_RETURN(target, source().CurrentVersion());
   }
+  if (options_.listener != nullptr) options_.listener->Pulling(target);
   MirrorUpdate update;
   std::vector<uint32_t> behind;
   {
@@ -198,9 +242,18 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
   const auto settle = [&](uint32_t i, Pulled& pulled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     layers_[i].set_version(pulled.version);
     incarnations_[i] = std::move(pulled.incarnations);
-    torn_[i] = false;
     ++update.layers;
-    if (pulled.changed > 0) update.changed_layers.push_back(i);
+    const bool changed = pulled.changed > 0 || torn_[i];
+    torn_[i] = false;
+    if (changed) update.changed_layers.push_back(i);
+    if (options_.listener != nullptr) {
+      options_.listener->Pulled({.layer = i,
+                                 .version = pulled.version,
+                                 .changed = changed,
+                                 .bytes = layers_[i].bytes(),
+                                 .incarnations = &incarnations_[i],
+                                 .received = pulled.received});
+    }
   };
   for (Staged& s : staged) {
     if (s.pulled.changed > 0 || torn_[s.layer]) {
@@ -228,7 +281,7 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
   const auto end = std::chrono::steady_clock::now();
   update.pause = end - pause_start;
   update.duration = end - start;
-  if (ClientMetrics* metrics = shards_.metrics(); metrics != nullptr) {
+  if (ClientMetrics* metrics = metrics_; metrics != nullptr) {
     metrics->RecordMirrorUpdate(update.version, target,
                                 std::chrono::duration<double>(update.pause).count(),
                                 std::chrono::duration<double>(update.duration).count());

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -16,6 +17,29 @@
 #include "client/shard_set.h"
 
 namespace layercast::client {
+
+// Told of each layer a mirror pulls as it lands, so that a relay (relay/)
+// serves it on at once rather than after the whole update. Called on the
+// thread that pulls, with the mirror's lock held: it must not call back
+// into the mirror, and should only copy what it keeps.
+class MirrorListener {
+ public:
+  virtual ~MirrorListener() = default;
+  // A walk of the model toward `version` begins (Create, or an update).
+  virtual void Pulling(uint64_t version) = 0;
+  struct PulledLayer {
+    uint32_t layer = 0;
+    uint64_t version = 0;
+    // Its values may differ from those told before (always, the first
+    // time); else only its version moved.
+    bool changed = false;
+    std::span<const uint8_t> bytes;  // the assembled layer; valid during the call
+    // Per shard, the incarnation that served it.
+    const std::vector<uint64_t>* incarnations = nullptr;
+    uint64_t received = 0;  // chunk bytes the pull took
+  };
+  virtual void Pulled(const PulledLayer& layer) = 0;
+};
 
 struct MirrorOptions {
   // Each layer's pull, retries included, ends by then.
@@ -43,6 +67,15 @@ struct MirrorOptions {
   // stage every update at the cost of a transient copy of the layers that
   // moved.
   uint64_t staging_bytes = 0;
+  // Told of each layer as it lands; must outlive the mirror.
+  MirrorListener* listener = nullptr;
+  // Where to follow from when the upstream given to Create dies (a relay
+  // whose chunks stop coming: an update or a poll ends UNAVAILABLE or
+  // DEADLINE_EXCEEDED): the mirror logs it and follows `fallback` from
+  // then on, the update that failed resumed from it. Relays forward the
+  // shards' incarnations, so deltas from a relay's versions go on from the
+  // shards. Must serve the same layout, and outlive the mirror.
+  const ShardSet* fallback = nullptr;
 };
 
 // What one update brought.
@@ -92,6 +125,10 @@ class ModelMirror {
 
   // The lowest version any layer holds.
   uint64_t version() const;
+
+  // The set the mirror pulls from now: the upstream given to Create, or
+  // MirrorOptions::fallback once it fell back.
+  const ShardSet& source() const { return *source_.load(); }
 
   // Brings every layer to at least `min_version` (default: the version the
   // shards serve now) by delta pulls. Layers already there are left alone.
@@ -143,6 +180,11 @@ class ModelMirror {
   ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<AssembledLayout> layouts,
               std::vector<Layer> layers, std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<MirrorUpdate> UpdateFrom(std::optional<uint64_t> min_version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
+  // Switches to options_.fallback when `failed` says the source died;
+  // false when there is nothing to switch to.
+  bool FallBack(const absl::Status& failed);
   // One layer's pull into `bytes` (the layer at `base`, or a copy of it):
   // a delta pinned to `target`, or the layer at its newest where the shards
   // no longer keep `target`.
@@ -160,8 +202,11 @@ class ModelMirror {
   absl::StatusOr<uint64_t> Poll(uint64_t min_version);
   void FollowLoop(std::function<void(const MirrorUpdate&)> on_update);
 
-  const ShardSet& shards_;
   const MirrorOptions options_;
+  // What the mirror pulls from: the upstream, then perhaps the fallback.
+  std::atomic<const ShardSet*> source_;
+  // The upstream's, kept after a fall back: one mirror's series.
+  ClientMetrics* const metrics_;
   // With options_.dtype, every layer's layout in it (the layers point
   // here); empty otherwise (they point into the shard set's view).
   const std::vector<AssembledLayout> layouts_;

@@ -48,7 +48,19 @@ uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_
 
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                                     const layercast::v1::FetchLayerRequest& request) {
-  const ModelSpec& model = store.model();
+  return PlanFetch(FetchFacts{.model = &store.model(),
+                              .policy = &store.policy(),
+                              .layouts = store.layouts(),
+                              .content_fingerprint = store.content_fingerprint(),
+                              .shard_index = store.shard_index(),
+                              .num_shards = store.num_shards(),
+                              .incarnation = store.incarnation()},
+                   request);
+}
+
+absl::StatusOr<FetchPlan> PlanFetch(const FetchFacts& facts,
+                                    const layercast::v1::FetchLayerRequest& request) {
+  const ModelSpec& model = *facts.model;
   const uint64_t num_layers = model.layers.size();
   if (request.layer() >= num_layers) {
     return absl::NotFoundError(
@@ -58,9 +70,9 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                            num_layers, " layers (0-", num_layers - 1, ")"));
   }
   const LayerSpec& layer = model.layers[request.layer()];
-  const AssembledLayout& layout = store.layout(request.layer());
+  const AssembledLayout& layout = facts.layouts[request.layer()];
 
-  const ContentFingerprint& fingerprint = store.content_fingerprint();
+  const ContentFingerprint& fingerprint = facts.content_fingerprint;
   if (!request.expect_content_fingerprint().empty() &&
       request.expect_content_fingerprint() != std::string(fingerprint.begin(), fingerprint.end())) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -81,7 +93,7 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
       const DType actual = layout.tensors()[t].compute_dtype;
       if (actual != expected) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "expect_dtype is ", DTypeName(expected), " but the policy '", store.policy().ToString(),
+            "expect_dtype is ", DTypeName(expected), " but the policy '", facts.policy->ToString(),
             "' gives tensor ", layer.tensors[t].name, " ", DTypeName(actual),
             "; omit expect_dtype or expect the manifest's compute dtypes"));
       }
@@ -101,8 +113,8 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
     const auto wanted = static_cast<DType>(request.dtype());
     if (std::any_of(layout.tensors().begin(), layout.tensors().end(),
                     [wanted](const AssembledTensor& t) { return t.compute_dtype != wanted; })) {
-      ASSIGN_OR_RETURN(plan.layout, LayoutIn(layout, wanted, store.policy().fp8_block()));
-      RETURN_IF_ERROR(CheckBlocksWithinShards(layer, plan.layout, store.num_shards()));
+      ASSIGN_OR_RETURN(plan.layout, LayoutIn(layout, wanted, facts.policy->fp8_block()));
+      RETURN_IF_ERROR(CheckBlocksWithinShards(layer, plan.layout, facts.num_shards));
       plan.dtype = wanted;
       plan.kept_bits_serve = std::all_of(layout.tensors().begin(), layout.tensors().end(),
                                          [wanted](const AssembledTensor& t) {
@@ -142,15 +154,15 @@ absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
   }
   // Last: a malformed request is told so first.
   if (request.has_base_version() && request.has_base_incarnation() &&
-      request.base_incarnation() != store.incarnation()) {
+      request.base_incarnation() != facts.incarnation) {
     return absl::OutOfRangeError(absl::StrCat(
         "the delta's base, version ", request.base_version(), " of layer ", request.layer(),
         ", was served by an earlier start of this shard (incarnation ", request.base_incarnation(),
-        "; now ", store.incarnation(),
+        "; now ", facts.incarnation,
         "): version numbers restart with the shard, so that "
         "version may name other values here; pull the layer in full"));
   }
-  plan.runs = wire::OwnedRuns(plan.layout, selected, store.shard_index(), store.num_shards());
+  plan.runs = wire::OwnedRuns(plan.layout, selected, facts.shard_index, facts.num_shards);
   for (const TensorElementRange& run : plan.runs) {
     plan.bytes += SentBytes(plan.layout.tensors()[run.tensor], run.elements);
   }

@@ -112,6 +112,21 @@ uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas);
 absl::StatusOr<FetchPlan> PlanFetch(const ParameterStore& store,
                                     const layercast::v1::FetchLayerRequest& request);
 
+// What PlanFetch checks a request against: a shard's store, or a relay's
+// copy of what the shard told it (relay/).
+struct FetchFacts {
+  const ModelSpec* model = nullptr;
+  const Policy* policy = nullptr;
+  absl::Span<const AssembledLayout> layouts;  // one per layer of `model`
+  ContentFingerprint content_fingerprint{};
+  uint32_t shard_index = 0;
+  uint32_t num_shards = 1;
+  // Of the shard that serves the layer (a delta's base must name it).
+  uint64_t incarnation = 0;
+};
+absl::StatusOr<FetchPlan> PlanFetch(const FetchFacts& facts,
+                                    const layercast::v1::FetchLayerRequest& request);
+
 // What a stream of `request` waits for before it sends: the version it
 // asks for (its exact_version when pinned, else its min_version), and
 // whether that is past `current` (the layer's version now), so the stream

@@ -21,7 +21,8 @@
 
 namespace layercast::server {
 
-layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer) {
+layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer,
+                                      uint64_t chunk_bytes) {
   return wire::BuildManifest({
       .model = &store.model(),
       .policy = &store.policy(),
@@ -33,6 +34,7 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTr
       .incarnation = store.incarnation(),
       .data_parallel_workers = trainer != nullptr ? trainer->workers() : 0,
       .optimizer = trainer != nullptr ? trainer->spec().ToString() : "",
+      .chunk_bytes = chunk_bytes,
   });
 }
 
@@ -59,8 +61,8 @@ void ShardService::StopStreams() { streams_.StopStreams(); }
 void ShardService::AttachStore(LoadedShard& shard) {
   const ParameterStore& store = *shard.store;
   gate_.SetLayers(static_cast<uint32_t>(store.model().layers.size()));
-  auto manifest =
-      std::make_unique<layercast::v1::Manifest>(BuildManifest(store, shard.trainer.get()));
+  auto manifest = std::make_unique<layercast::v1::Manifest>(
+      BuildManifest(store, shard.trainer.get(), options_.chunk_bytes));
   metrics_.SetShardInfo(manifest->model_id(), manifest->shard_index(), manifest->num_shards(),
                         manifest->policy(), manifest->layers_size(), manifest->incarnation());
   metrics_.parameter_version().Set(static_cast<double>(gate_.version()));

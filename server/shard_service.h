@@ -177,7 +177,8 @@ class ShardService final
 };
 
 // The manifest of `store` (wire::BuildManifest), with the training set's
-// workers and optimizer when `trainer` is not null.
-layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer);
+// workers and optimizer when `trainer` is not null, and its chunk size.
+layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTrainer* trainer,
+                                      uint64_t chunk_bytes = 0);
 
 }  // namespace layercast::server

@@ -27,6 +27,7 @@ layercast::v1::Manifest BuildManifest(const ManifestFacts& facts) {
   manifest.set_incarnation(facts.incarnation);
   manifest.set_data_parallel_workers(facts.data_parallel_workers);
   manifest.set_optimizer(facts.optimizer);
+  manifest.set_chunk_bytes(facts.chunk_bytes);
   for (uint32_t l = 0; l < model.layers.size(); ++l) {
     const LayerSpec& spec = model.layers[l];
     const AssembledLayout& layout = facts.layouts[l];

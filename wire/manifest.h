@@ -32,6 +32,7 @@ struct ManifestFacts {
   // A training set's: 0 and empty on read-only shards.
   uint32_t data_parallel_workers = 0;
   std::string optimizer;
+  uint64_t chunk_bytes = 0;  // the shard's --chunk-bytes
 };
 
 // The manifest a shard serves: every tensor's shape, dtypes, offset and

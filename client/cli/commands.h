@@ -22,6 +22,10 @@ absl::Status RunFetch(const std::vector<std::string>& args);
 // layercast export --shards A,B,... --out FILE.safetensors [--dtype D]
 //     [--version V]: the whole model at one version (client/model_export.h).
 absl::Status RunExport(const std::vector<std::string>& args);
+// layercast relay --shards A,B,... --listen H:P,... [--upstream R0,R1,...]:
+// a mirror that serves the set's reads to mirrors below it (relay/relay.h)
+// until SIGTERM or SIGINT.
+absl::Status RunRelay(const std::vector<std::string>& args);
 // layercast bench --shards A,B,... [--rounds R]
 absl::Status RunBench(const std::vector<std::string>& args);
 // layercast checkpoint --shards A,B,... --token-file F [--timeout-seconds S]

@@ -52,6 +52,23 @@ const Command kCommands[] = {
      "  --max-file-size BYTES       largest data file, e.g. 2GiB (default 5000000000)\n"
      "  --timeout-ms MS             each layer's gather deadline (default 60000)\n",
      true},
+    {"relay", layercast::cli::RunRelay,
+     "follow the shards and serve their reads to mirrors (a fleet feeds itself)",
+     "layercast relay SHARDS --listen H:P,... [--upstream R0,R1,...] [--keep-versions K]\n"
+     "  --listen H:P,...            where to serve each shard of the set, in shard order\n"
+     "                              (port 0: any free one; see --port-file)\n"
+     "  --upstream R0,R1,...        follow this relay instead of the shards; when it dies,\n"
+     "                              follow the shards (SHARDS) and say so\n"
+     "  --keep-versions K           superseded versions of each layer kept for deltas and\n"
+     "                              pinned reads (default 2, 1-64)\n"
+     "  --dtype D                   hold and serve every tensor in D (e.g. float8_e4m3fn)\n"
+     "  --layer-timeout-ms MS       each layer's pull; past it the upstream counts as dead\n"
+     "                              (default 10000)\n"
+     "  --max-version-wait-ms MS    how long a read of a version not here yet waits\n"
+     "                              (default 10000)\n"
+     "  --metrics-listen H:P        serve Prometheus metrics there\n"
+     "  --port-file F               write the served addresses, comma-separated, to F\n",
+     true},
     {"fetch", layercast::cli::RunFetch, "gather one layer into a safetensors file",
      "layercast fetch SHARDS --layer L --out FILE.safetensors [--timeout-ms MS]\n"
      "  --layer L                   the layer's index or its name (e.g. model.layers.3)\n"

@@ -1,0 +1,83 @@
+#include "relay/relay.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "platform/status_macros.h"
+
+namespace layercast::relay {
+
+absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upstream,
+                                                    RelayOptions options) {
+  const size_t shards = upstream.manifests().size();
+  if (options.listen.size() != shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a relay listens once per shard of the set, in shard order: give ", shards,
+                     " addresses, not ", options.listen.size()));
+  }
+  std::vector<AssembledLayout> layouts = upstream.view().layouts;
+  if (options.dtype) {
+    for (AssembledLayout& layout : layouts) {
+      ASSIGN_OR_RETURN(layout,
+                       LayoutIn(layout, *options.dtype, upstream.view().policy.fp8_block()));
+    }
+  }
+  std::unique_ptr<Relay> relay(new Relay(upstream, std::move(options), std::move(layouts)));
+  for (uint32_t shard = 0; shard < shards; ++shard) {
+    relay->services_.push_back(
+        std::make_unique<RelayService>(relay->manifests_[shard], relay->view_, relay->layouts_,
+                                       relay->versions_, relay->metrics_, relay->options_.service));
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(relay->options_.listen[shard],
+                             relay->options_.credentials ? relay->options_.credentials
+                                                         : grpc::InsecureServerCredentials(),
+                             &port);
+    builder.RegisterService(relay->services_.back().get());
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (server == nullptr || port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen at ", relay->options_.listen[shard],
+                                                 " for shard ", shard,
+                                                 ": is the port taken, or the host not this one?"));
+    }
+    const std::vector<std::string> host_port =
+        absl::StrSplit(relay->options_.listen[shard], absl::MaxSplits(':', 1));
+    relay->addresses_.push_back(absl::StrCat(host_port[0], ":", port));
+    relay->servers_.push_back(std::move(server));
+  }
+  return relay;
+}
+
+Relay::Relay(const client::ShardSet& upstream, RelayOptions options,
+             std::vector<AssembledLayout> layouts)
+    : options_(std::move(options)),
+      manifests_(upstream.manifests()),
+      view_(upstream.view()),
+      layouts_(std::move(layouts)),
+      versions_(static_cast<uint32_t>(view_.model.layers.size()), options_.keep_versions),
+      registry_(options_.registry ? options_.registry : std::make_shared<prometheus::Registry>()),
+      metrics_(*registry_) {}
+
+Relay::~Relay() { Stop(); }
+
+void Relay::Stop(std::chrono::milliseconds grace) {
+  versions_.Close();  // parked reads end at once, UNAVAILABLE
+  const auto deadline = std::chrono::system_clock::now() + grace;
+  for (const std::unique_ptr<grpc::Server>& server : servers_) server->Shutdown(deadline);
+  for (const std::unique_ptr<grpc::Server>& server : servers_) server->Wait();
+  servers_.clear();
+}
+
+void Relay::Pulling(uint64_t version) {
+  versions_.Heading(version);
+  metrics_.SetVersions(versions_.held(), versions_.WaitHeading(0, absl::Now()));
+}
+
+void Relay::Pulled(const PulledLayer& layer) {
+  versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes, *layer.incarnations);
+  metrics_.RecordReceived(layer.received);
+  metrics_.SetVersions(versions_.held(), versions_.WaitHeading(0, absl::Now()));
+}
+
+}  // namespace layercast::relay

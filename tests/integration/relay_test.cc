@@ -1,0 +1,202 @@
+// Relays (`layercast relay`): a relay's chunks, CRCs, versions and
+// incarnations are the shards' own, full and delta; a mirror whose relay is
+// killed mid-update falls back to the shards and ends bit for bit.
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "tests/integration/publish_fixture.h"
+#include "wire/incarnation.h"
+
+extern char** environ;
+
+namespace layercast::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A `layercast relay` process of the fixture's shards, killed at the end.
+class RelayProcess {
+ public:
+  RelayProcess(const std::string& dir, const std::string& name,
+               const std::vector<std::string>& shards, const std::string& failpoint) {
+    const std::string port_file = absl::StrCat(dir, "/", name, ".ports");
+    log_ = absl::StrCat(dir, "/", name, ".log");
+    std::vector<std::string> args = {CliBinary(),   "relay",
+                                     "--shards",    absl::StrJoin(shards, ","),
+                                     "--listen",    "127.0.0.1:0,127.0.0.1:0",
+                                     "--port-file", port_file};
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    if (!failpoint.empty()) env.push_back("LAYERCAST_FAILPOINT=" + failpoint);
+    std::vector<char*> envp;
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addclosefrom_np(&actions, STDERR_FILENO + 1);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log_.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+    const int spawned = posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    if (spawned != 0) {
+      ADD_FAILURE() << "cannot start " << argv[0] << ": " << std::strerror(spawned);
+      pid_ = 0;
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::error_code error;
+    while (!std::filesystem::exists(port_file, error)) {
+      if (std::chrono::steady_clock::now() > deadline || waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        ADD_FAILURE() << "the relay wrote no port file; see " << log_;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::ifstream in(port_file);
+    std::string line;
+    std::getline(in, line);
+    addresses_ = absl::StrSplit(line, ',');
+  }
+  ~RelayProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  const std::string& log() const { return log_; }
+  // Whether it died by a signal (a failpoint's kill) within `timeout`.
+  bool DiedBySignal(std::chrono::seconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) != pid_) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pid_ = 0;
+    return WIFSIGNALED(status);
+  }
+
+ private:
+  pid_t pid_ = 0;
+  std::string log_;
+  std::vector<std::string> addresses_;
+};
+
+// One FetchLayer stream as its reader saw it.
+struct Stream {
+  grpc::Status status;
+  std::string incarnation;
+  std::vector<std::string> chunks;  // each LayerChunk, serialised
+};
+
+Stream Read(layercast::v1::ShardService::Stub& stub,
+            const layercast::v1::FetchLayerRequest& request) {
+  Stream stream;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  std::unique_ptr<grpc::ClientReader<layercast::v1::LayerChunk>> reader =
+      stub.FetchLayer(&context, request);
+  for (layercast::v1::LayerChunk chunk; reader->Read(&chunk);) {
+    stream.chunks.push_back(chunk.SerializeAsString());
+  }
+  stream.status = reader->Finish();
+  const auto& metadata = context.GetServerInitialMetadata();
+  if (auto it = metadata.find(wire::kIncarnationMetadata); it != metadata.end()) {
+    stream.incarnation = std::string(it->second.data(), it->second.size());
+  }
+  return stream;
+}
+
+TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
+  const std::string dir = MakeTempDir("relay");
+  RelayProcess relay(dir, "relay", shards_.set->addresses(), "");
+  RelayProcess dying(dir, "dying", shards_.set->addresses(), "relay.mid_delta@0");
+  ASSERT_EQ(relay.addresses().size(), 2u) << relay.log();
+  ASSERT_EQ(dying.addresses().size(), 2u) << dying.log();
+
+  absl::StatusOr<std::unique_ptr<client::ShardSet>> dying_set =
+      client::ShardSet::Connect(dying.addresses());
+  ASSERT_TRUE(dying_set.ok()) << dying_set.status();
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> child = client::ModelMirror::Create(
+      **dying_set, {.layer_timeout = std::chrono::seconds(3), .fallback = shards_.set.get()});
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ((*child)->version(), 0u);
+
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  const auto values = Nudged(1.0f / 16);
+  ASSERT_TRUE(publisher.Publish(View(values)).ok());
+
+  // Every stream of the relay, full and delta, is the shard's: chunk for
+  // chunk, with its CRC, version and incarnation.
+  std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> relayed;
+  for (const std::string& address : relay.addresses()) {
+    relayed.push_back(layercast::v1::ShardService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials())));
+  }
+  uint64_t delta_chunks = 0;
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    for (uint32_t s = 0; s < 2; ++s) {
+      for (const bool delta : {false, true}) {
+        layercast::v1::FetchLayerRequest request;
+        request.set_layer(l);
+        request.set_exact_version(1);  // the relay's read waits for it to land
+        if (delta) {
+          request.set_base_version(0);
+          request.set_accepts_changed_gaps(true);
+        }
+        const Stream from_shard = Read(shards_.set->stub(s), request);
+        const Stream from_relay = Read(*relayed[s], request);
+        ASSERT_TRUE(from_shard.status.ok()) << from_shard.status.error_message();
+        ASSERT_TRUE(from_relay.status.ok()) << from_relay.status.error_message();
+        ASSERT_FALSE(from_relay.chunks.empty());
+        EXPECT_EQ(from_relay.chunks, from_shard.chunks)
+            << "layer " << l << ", shard " << s << (delta ? ", delta" : ", full");
+        EXPECT_EQ(from_relay.incarnation, from_shard.incarnation);
+        if (delta) delta_chunks += from_relay.chunks.size();
+      }
+    }
+  }
+  EXPECT_GT(delta_chunks, 0u);
+
+  // A delta from a base the relay does not hold is refused as the shards
+  // refuse one: pull in full.
+  layercast::v1::FetchLayerRequest stale;
+  stale.set_layer(0);
+  stale.set_base_version(0);
+  stale.set_base_incarnation(1);
+  const Stream refused = Read(*relayed[0], stale);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("pull the layer in full"));
+
+  // The child's update: its relay dies once it has sent the first chunk of
+  // a delta; the child follows the shards from then on, and its layers
+  // (the one torn midway too) end as the shards serve them.
+  absl::StatusOr<client::MirrorUpdate> update = (*child)->Update(1);
+  ASSERT_TRUE(update.ok()) << update.status();
+  EXPECT_TRUE(dying.DiedBySignal(std::chrono::seconds(10))) << "see " << dying.log();
+  EXPECT_EQ(&(*child)->source(), shards_.set.get());
+  auto reading = (*child)->Read();
+  EXPECT_EQ(reading.version(), 1u);
+  EXPECT_TRUE(reading.status().ok()) << reading.status();
+  for (uint32_t l = 0; l < reading.num_layers(); ++l) {
+    ASSERT_NO_FATAL_FAILURE(ExpectHolds(reading.layer(l), values, 1));
+  }
+}
+
+}  // namespace
+}  // namespace layercast::testing
