@@ -24,6 +24,11 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
     }
   }
   std::unique_ptr<Relay> relay(new Relay(upstream, std::move(options), std::move(layouts)));
+  if (!relay->options_.metrics_listen.empty()) {
+    ASSIGN_OR_RETURN(relay->endpoint_,
+                     server::MetricsEndpoint::Start(relay->options_.metrics_listen));
+    relay->endpoint_->Register(relay->registry_);
+  }
   for (uint32_t shard = 0; shard < shards; ++shard) {
     relay->services_.push_back(
         std::make_unique<RelayService>(relay->manifests_[shard], relay->view_, relay->layouts_,
@@ -55,7 +60,7 @@ Relay::Relay(const client::ShardSet& upstream, RelayOptions options,
       manifests_(upstream.manifests()),
       view_(upstream.view()),
       layouts_(std::move(layouts)),
-      versions_(static_cast<uint32_t>(view_.model.layers.size()), options_.keep_versions),
+      versions_(layouts_, options_.keep_versions),
       registry_(options_.registry ? options_.registry : std::make_shared<prometheus::Registry>()),
       metrics_(*registry_) {}
 

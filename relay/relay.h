@@ -15,6 +15,7 @@
 #include "relay/relay_metrics.h"
 #include "relay/relay_service.h"
 #include "relay/relayed_versions.h"
+#include "server/metrics_endpoint.h"
 
 namespace layercast::relay {
 
@@ -30,8 +31,11 @@ struct RelayOptions {
   // The layers as the relay's mirror holds them: the policy's dtypes, or
   // this one (MirrorOptions::dtype).
   std::optional<DType> dtype;
-  // Where the relay's metrics go; none if null.
+  // Where the relay's metrics go (a new registry if null), and where they
+  // are served for Prometheus (none if empty), with whatever else the
+  // caller registers there (its mirror's).
   std::shared_ptr<prometheus::Registry> registry;
+  std::string metrics_listen;
   // Plaintext when null.
   std::shared_ptr<grpc::ServerCredentials> credentials;
 };
@@ -49,7 +53,7 @@ class Relay final : public client::MirrorListener {
  public:
   // Listens for the set `upstream` is connected to. INVALID_ARGUMENT
   // unless `options.listen` has one address per shard; UNAVAILABLE naming
-  // an address that cannot be bound.
+  // an address (or metrics_listen) that cannot be bound.
   static absl::StatusOr<std::unique_ptr<Relay>> Start(const client::ShardSet& upstream,
                                                       RelayOptions options);
   // Stop(), then waits for nothing more.
@@ -76,6 +80,7 @@ class Relay final : public client::MirrorListener {
   RelayedVersions versions_;
   std::shared_ptr<prometheus::Registry> registry_;
   RelayMetrics metrics_;
+  std::unique_ptr<server::MetricsEndpoint> endpoint_;
   std::vector<std::unique_ptr<RelayService>> services_;
   std::vector<std::unique_ptr<grpc::Server>> servers_;
   std::vector<std::string> addresses_;

@@ -1,7 +1,6 @@
 #include "relay/relay_service.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
@@ -23,6 +22,20 @@ grpc::Status ReadsOnly(absl::string_view what) {
   return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                       absl::StrCat("this is a relay, which serves reads only: send ", what,
                                    " to the shards themselves"));
+}
+
+// Bits [begin, begin + n) of `bits` into `span`, from bit 0, the bits past
+// n clear.
+void SpanBits(const std::vector<uint64_t>& bits, uint64_t begin, uint64_t n,
+              std::vector<uint64_t>& span) {
+  span.assign((n + 63) / 64, 0);
+  const uint64_t first = begin / 64, shift = begin % 64;
+  for (size_t w = 0; w < span.size(); ++w) {
+    uint64_t word = bits[first + w] >> shift;
+    if (shift != 0 && first + w + 1 < bits.size()) word |= bits[first + w + 1] << (64 - shift);
+    span[w] = word;
+  }
+  if (n % 64 != 0) span.back() &= (uint64_t{1} << (n % 64)) - 1;
 }
 
 // The most versions ahead of a layer a read may ask for: a relay follows
@@ -127,10 +140,14 @@ grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
       }
     }
     ASSIGN_OR_RETURN(const HeldLayer target, Target(*request, Deadline(*context)));
-    std::optional<HeldLayer> base;
+    std::optional<ChangedElements> changed;
     if (request->has_base_version()) {
-      base = versions_.At(request->layer(), request->base_version());
-      const bool same_shard = base && base->incarnations.size() > shard_ &&
+      const std::optional<HeldLayer> base = versions_.At(request->layer(), request->base_version());
+      if (base) {
+        changed =
+            versions_.ChangedBetween(request->layer(), request->base_version(), target.version);
+      }
+      const bool same_shard = changed && base->incarnations.size() > shard_ &&
                               base->incarnations[shard_] == target.incarnations[shard_] &&
                               (!request->has_base_incarnation() ||
                                request->base_incarnation() == base->incarnations[shard_]);
@@ -145,15 +162,15 @@ grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
     }
     context->AddInitialMetadata(wire::kIncarnationMetadata,
                                 absl::StrCat(target.incarnations.at(shard_)));
-    return Send(plan, target, base ? &*base : nullptr, request->accepts_changed_gaps(), writer,
-                &sent);
+    return Send(plan, target, changed ? &*changed : nullptr, request->base_version(),
+                request->accepts_changed_gaps(), writer, &sent);
   }();
   metrics_.RecordServed(status.ok(), sent);
   return wire::ToGrpcStatus(status);
 }
 
 absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& target,
-                                const HeldLayer* base, bool gaps,
+                                const ChangedElements* changed, uint64_t base_version, bool gaps,
                                 grpc::ServerWriter<LayerChunk>* writer, uint64_t* sent) const {
   const uint64_t chunk_bytes = manifest_.chunk_bytes();
   if (chunk_bytes == 0) {
@@ -161,7 +178,7 @@ absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& 
         "the shard this relay follows does not name its chunk size (Manifest.chunk_bytes): "
         "upgrade the shards");
   }
-  std::vector<uint64_t> changed;
+  std::vector<uint64_t> span_changed;
   for (const TensorElementRange& run : plan.runs) {
     const AssembledTensor& placed = plan.layout.tensors()[run.tensor];
     const size_t size = DTypeSize(placed.compute_dtype);
@@ -171,23 +188,15 @@ absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& 
       const uint64_t n = std::min(run.elements.end, grid.ChunkEnd(e)) - e;
       const uint8_t* values = target.bytes->data() + placed.byte_offset + e * size;
       LayerChunk chunk;
-      if (base != nullptr) {
-        // What changed between the two versions' bits: the shard sends the
-        // same, from its record of each version's changes.
-        const uint8_t* was = base->bytes->data() + placed.byte_offset + e * size;
-        changed.assign((n + 63) / 64, 0);
-        for (uint64_t i = 0; i < n; ++i) {
-          if (std::memcmp(values + i * size, was + i * size, size) != 0) {
-            changed[i / 64] |= uint64_t{1} << (i % 64);
-          }
-        }
+      if (changed != nullptr) {
+        SpanBits((*changed)[run.tensor], e, n, span_changed);
         const grpc::Slice encoded = wire::EncodeDeltaChunk({.tensor = run.tensor,
                                                             .element_offset = e,
                                                             .span_elements = n,
                                                             .version = target.version,
-                                                            .base_version = base->version,
+                                                            .base_version = base_version,
                                                             .gaps_allowed = gaps},
-                                                           {values, n * size}, size, changed);
+                                                           {values, n * size}, size, span_changed);
         chunk.ParseFromArray(encoded.begin(), static_cast<int>(encoded.size()));
       } else {
         chunk.set_tensor(run.tensor);
@@ -207,7 +216,7 @@ absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& 
       }
       if (!writer->Write(chunk)) return absl::CancelledError("the reader went away mid-stream");
       *sent += chunk.ByteSizeLong();
-      if (base != nullptr) FailPoint("relay.mid_delta", shard_);
+      if (changed != nullptr) FailPoint("relay.mid_delta", shard_);
       e += n;
     }
   }

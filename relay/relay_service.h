@@ -63,9 +63,10 @@ class RelayService final : public layercast::v1::ShardService::Service {
   // Which held version a read sends, and from which it is a delta.
   absl::StatusOr<HeldLayer> Target(const layercast::v1::FetchLayerRequest& request,
                                    absl::Time deadline) const;
-  absl::Status Send(const server::FetchPlan& plan, const HeldLayer& target, const HeldLayer* base,
-                    bool gaps, grpc::ServerWriter<layercast::v1::LayerChunk>* writer,
-                    uint64_t* sent) const;
+  // A delta when `changed` (from `base_version`), else full chunks.
+  absl::Status Send(const server::FetchPlan& plan, const HeldLayer& target,
+                    const ChangedElements* changed, uint64_t base_version, bool gaps,
+                    grpc::ServerWriter<layercast::v1::LayerChunk>* writer, uint64_t* sent) const;
   absl::Time Deadline(const grpc::ServerContext& context) const;
 
   const layercast::v1::Manifest& manifest_;

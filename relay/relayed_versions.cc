@@ -1,11 +1,73 @@
 #include "relay/relayed_versions.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
+
+#include "core/dtype.h"
 
 namespace layercast::relay {
 
-RelayedVersions::RelayedVersions(uint32_t layers, uint32_t keep) : keep_(keep), layers_(layers) {}
+namespace {
+
+// One bit per element of the `n` elements of `now` and `was` (2 or 4
+// bytes each): set where they differ. Word by word (SWAR): four 16-bit or
+// two 32-bit lanes per 64 bits, so a 100 MB layer compares in milliseconds
+// on the thread that pulls.
+template <size_t Size>
+void Compare(const uint8_t* now, const uint8_t* was, uint64_t n, std::vector<uint64_t>& bits) {
+  static_assert(Size == 2 || Size == 4);
+  constexpr uint64_t kLanes = 8 / Size;
+  // Per lane: all bits but the top one, and the top one.
+  constexpr uint64_t kLow = Size == 2 ? 0x7FFF7FFF7FFF7FFFull : 0x7FFFFFFF7FFFFFFFull;
+  constexpr uint64_t kHigh = ~kLow;
+  bits.assign((n + 63) / 64, 0);
+  const uint64_t whole = n / kLanes * kLanes;
+  for (uint64_t i = 0; i < whole; i += kLanes) {
+    uint64_t a, b;
+    std::memcpy(&a, now + i * Size, 8);
+    std::memcpy(&b, was + i * Size, 8);
+    const uint64_t x = a ^ b;
+    if (x == 0) continue;
+    // The top bit of each lane that is not zero.
+    const uint64_t lanes = (((x & kLow) + kLow) | x) & kHigh;
+    for (uint64_t lane = 0; lane < kLanes; ++lane) {
+      if (lanes >> (lane * Size * 8 + Size * 8 - 1) & 1) {
+        bits[(i + lane) / 64] |= uint64_t{1} << ((i + lane) % 64);
+      }
+    }
+  }
+  for (uint64_t i = whole; i < n; ++i) {
+    if (std::memcmp(now + i * Size, was + i * Size, Size) != 0) {
+      bits[i / 64] |= uint64_t{1} << (i % 64);
+    }
+  }
+}
+
+ChangedElements Changes(const AssembledLayout& layout, const uint8_t* now, const uint8_t* was) {
+  ChangedElements changed(layout.tensors().size());
+  for (size_t t = 0; t < layout.tensors().size(); ++t) {
+    const AssembledTensor& tensor = layout.tensors()[t];
+    const uint8_t* a = now + tensor.byte_offset;
+    const uint8_t* b = was + tensor.byte_offset;
+    switch (DTypeSize(tensor.compute_dtype)) {
+      case 2:
+        Compare<2>(a, b, tensor.num_elements, changed[t]);
+        break;
+      case 4:
+        Compare<4>(a, b, tensor.num_elements, changed[t]);
+        break;
+      default:
+        break;  // 8-bit floats: no delta of them is served (PlanFetch)
+    }
+  }
+  return changed;
+}
+
+}  // namespace
+
+RelayedVersions::RelayedVersions(const std::vector<AssembledLayout>& layouts, uint32_t keep)
+    : layouts_(layouts), keep_(keep), layers_(layouts.size()) {}
 
 void RelayedVersions::Heading(uint64_t version) {
   absl::MutexLock lock(&mu_);
@@ -14,14 +76,28 @@ void RelayedVersions::Heading(uint64_t version) {
 
 void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
                           std::span<const uint8_t> bytes, std::vector<uint64_t> incarnations) {
-  // The copy is made before the lock: readers wait for no memcpy.
-  std::shared_ptr<const std::vector<uint8_t>> copy;
-  if (changed) copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+  // Only this thread (the mirror's) writes: what the newest holds is read
+  // outside the lock, and the copy is made before taking it, so readers
+  // wait for no memcpy.
+  std::shared_ptr<const std::vector<uint8_t>> previous;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (!layers_[layer].empty()) previous = layers_[layer].back().held.bytes;
+  }
+  Kept kept{{version, previous, std::move(incarnations)}, true, nullptr};
+  if (changed || previous == nullptr) {
+    kept.held.bytes = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    kept.unchanged = false;
+  }
   absl::MutexLock lock(&mu_);
-  std::deque<HeldLayer>& held = layers_[layer];
-  if (!changed && !held.empty()) copy = held.back().bytes;
-  if (!held.empty() && held.back().version >= version) held.pop_back();  // pulled again
-  held.push_back({version, std::move(copy), std::move(incarnations)});
+  std::deque<Kept>& held = layers_[layer];
+  if (!held.empty() && held.back().held.version >= version) {
+    // Pulled again (a torn pull repaired): it replaces the entry, and its
+    // changes are from the one before that.
+    held.pop_back();
+    kept.unchanged = !held.empty() && kept.held.bytes == held.back().held.bytes;
+  }
+  held.push_back(std::move(kept));
   while (held.size() > keep_ + 1) held.pop_front();
   heading_ = std::max(heading_, version);
 }
@@ -38,8 +114,8 @@ uint64_t RelayedVersions::WaitHeading(uint64_t min_version, absl::Time deadline)
 uint64_t RelayedVersions::held() const {
   absl::ReaderMutexLock lock(&mu_);
   uint64_t lowest = UINT64_MAX;
-  for (const std::deque<HeldLayer>& held : layers_) {
-    lowest = std::min(lowest, held.empty() ? 0 : held.back().version);
+  for (const std::deque<Kept>& held : layers_) {
+    lowest = std::min(lowest, held.empty() ? 0 : held.back().held.version);
   }
   return layers_.empty() ? 0 : lowest;
 }
@@ -47,33 +123,96 @@ uint64_t RelayedVersions::held() const {
 std::optional<HeldLayer> RelayedVersions::WaitNewest(uint32_t layer, uint64_t min_version,
                                                      absl::Time deadline) const {
   const auto reached = [this, layer, min_version]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return closed_ || (!layers_[layer].empty() && layers_[layer].back().version >= min_version);
+    return closed_ ||
+           (!layers_[layer].empty() && layers_[layer].back().held.version >= min_version);
   };
   absl::ReaderMutexLock lock(&mu_);
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline) || closed_) {
     return std::nullopt;
   }
-  return layers_[layer].back();
+  return layers_[layer].back().held;
 }
 
-std::optional<HeldLayer> RelayedVersions::At(uint32_t layer, uint64_t version) const {
-  absl::ReaderMutexLock lock(&mu_);
-  const std::deque<HeldLayer>& held = layers_[layer];
-  for (size_t i = 0; i < held.size(); ++i) {
-    if (held[i].version == version) return held[i];
-    if (held[i].version < version && i + 1 < held.size() && version < held[i + 1].version &&
-        held[i].bytes == held[i + 1].bytes) {
-      HeldLayer at = held[i + 1];
-      at.version = version;
-      return at;
+std::optional<size_t> RelayedVersions::IndexOf(const std::deque<Kept>& kept,
+                                               uint64_t version) const {
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (kept[i].held.version == version) return i;
+    // Between two kept versions that changed nothing: the values are both's.
+    if (kept[i].held.version < version && i + 1 < kept.size() &&
+        version < kept[i + 1].held.version && kept[i + 1].unchanged) {
+      return i;
     }
   }
   return std::nullopt;
 }
 
+std::optional<HeldLayer> RelayedVersions::At(uint32_t layer, uint64_t version) const {
+  absl::ReaderMutexLock lock(&mu_);
+  const std::optional<size_t> i = IndexOf(layers_[layer], version);
+  if (!i) return std::nullopt;
+  HeldLayer at = layers_[layer][*i].held;
+  at.version = version;
+  return at;
+}
+
+std::optional<ChangedElements> RelayedVersions::ChangedBetween(uint32_t layer, uint64_t base,
+                                                               uint64_t version) const {
+  // The versions whose changes no delta has asked for yet: compared outside
+  // the lock (a layer takes milliseconds), then kept.
+  struct Missing {
+    uint64_t version;
+    std::shared_ptr<const std::vector<uint8_t>> now, was;
+  };
+  std::vector<Missing> missing;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    const std::deque<Kept>& kept = layers_[layer];
+    const std::optional<size_t> from = IndexOf(kept, base), to = IndexOf(kept, version);
+    if (!from || !to || *from > *to) return std::nullopt;
+    for (size_t i = *from + 1; i <= *to; ++i) {
+      if (!kept[i].unchanged && kept[i].changed == nullptr) {
+        missing.push_back({kept[i].held.version, kept[i].held.bytes, kept[i - 1].held.bytes});
+      }
+    }
+  }
+  std::vector<std::shared_ptr<const ChangedElements>> found;
+  for (const Missing& m : missing) {
+    found.push_back(std::make_shared<const ChangedElements>(
+        Changes(layouts_[layer], m.now->data(), m.was->data())));
+  }
+  absl::MutexLock lock(&mu_);
+  const std::deque<Kept>& kept = layers_[layer];
+  for (size_t m = 0; m < missing.size(); ++m) {
+    for (size_t i = 1; i < kept.size(); ++i) {
+      // The same two versions still (not replaced by a repair meanwhile).
+      if (kept[i].held.version == missing[m].version && kept[i].held.bytes == missing[m].now &&
+          kept[i - 1].held.bytes == missing[m].was) {
+        kept[i].changed = found[m];
+      }
+    }
+  }
+  const std::optional<size_t> from = IndexOf(kept, base), to = IndexOf(kept, version);
+  if (!from || !to || *from > *to) return std::nullopt;
+  ChangedElements changed(layouts_[layer].tensors().size());
+  for (size_t t = 0; t < changed.size(); ++t) {
+    changed[t].assign((layouts_[layer].tensors()[t].num_elements + 63) / 64, 0);
+  }
+  // A value that changed and changed back is sent again: its newest bits,
+  // so the delta still gives the target exactly (as the shards' own).
+  for (size_t i = *from + 1; i <= *to; ++i) {
+    if (kept[i].unchanged) continue;
+    if (kept[i].changed == nullptr) return std::nullopt;  // replaced meanwhile: rare
+    for (size_t t = 0; t < changed.size(); ++t) {
+      const std::vector<uint64_t>& since = (*kept[i].changed)[t];
+      for (size_t w = 0; w < since.size(); ++w) changed[t][w] |= since[w];
+    }
+  }
+  return changed;
+}
+
 uint64_t RelayedVersions::Newest(uint32_t layer) const {
   absl::ReaderMutexLock lock(&mu_);
-  return layers_[layer].empty() ? 0 : layers_[layer].back().version;
+  return layers_[layer].empty() ? 0 : layers_[layer].back().held.version;
 }
 
 void RelayedVersions::Close() {

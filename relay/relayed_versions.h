@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/layout.h"
 
 namespace layercast::relay {
 
@@ -25,6 +26,10 @@ struct HeldLayer {
   std::vector<uint64_t> incarnations;
 };
 
+// Per tensor, one bit per element (bit i % 64 of word i / 64): the elements
+// whose bits differ between two versions of a layer.
+using ChangedElements = std::vector<std::vector<uint64_t>>;
+
 // What a relay serves: every layer's newest version and up to `keep` of
 // the versions before it (for deltas from them and pinned reads of them),
 // and the version the relay's mirror is walking to. A layer is served as
@@ -36,7 +41,8 @@ struct HeldLayer {
 // Thread-safe.
 class RelayedVersions {
  public:
-  RelayedVersions(uint32_t layers, uint32_t keep);
+  // `layouts`: the layers as held (must outlive this).
+  RelayedVersions(const std::vector<AssembledLayout>& layouts, uint32_t keep);
 
   // The mirror walks to `version` (Create, or an update).
   void Heading(uint64_t version);
@@ -60,6 +66,12 @@ class RelayedVersions {
   // number, or one before it whose values the next kept version still
   // holds (nothing changed between them). nullopt when neither is kept.
   std::optional<HeldLayer> At(uint32_t layer, uint64_t version) const;
+  // The elements of `layer` that changed from `base` to `version`, both as
+  // At finds them: each kept version's changes from the one before it,
+  // found by the first delta that asks and kept for the rest (a relay no
+  // one asks for deltas compares nothing). nullopt when either is not kept.
+  std::optional<ChangedElements> ChangedBetween(uint32_t layer, uint64_t base,
+                                                uint64_t version) const;
   // The layer's newest version, for messages; 0 before its first Put.
   uint64_t Newest(uint32_t layer) const;
 
@@ -68,12 +80,24 @@ class RelayedVersions {
   bool closed() const;
 
  private:
+  struct Kept {
+    HeldLayer held;
+    // Its values are those of the version before it in the deque.
+    bool unchanged = false;
+    // Its changes from the version before it, once a delta asked for them
+    // (a cache: filled in by the const ChangedBetween).
+    mutable std::shared_ptr<const ChangedElements> changed;
+  };
+  // The index of the kept version At(version) finds; nullopt if none.
+  std::optional<size_t> IndexOf(const std::deque<Kept>& kept, uint64_t version) const;
+
+  const std::vector<AssembledLayout>& layouts_;
   const uint32_t keep_;
   mutable absl::Mutex mu_;
   uint64_t heading_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Per layer, oldest first.
-  std::vector<std::deque<HeldLayer>> layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::deque<Kept>> layers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace layercast::relay

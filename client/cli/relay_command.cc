@@ -12,7 +12,6 @@
 #include "platform/log.h"
 #include "platform/status_macros.h"
 #include "relay/relay.h"
-#include "server/metrics_endpoint.h"
 
 namespace layercast::cli {
 
@@ -43,6 +42,9 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  // A service, unlike the other commands: each version it follows is worth
+  // a line.
+  Log()->set_level(spdlog::level::info);
   ASSIGN_OR_RETURN(
       tools::CliFlags flags,
       tools::CliFlags::Parse(
@@ -68,11 +70,6 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   }
 
   auto registry = std::make_shared<prometheus::Registry>();
-  std::unique_ptr<server::MetricsEndpoint> endpoint;
-  if (flags.Has("metrics-listen")) {
-    ASSIGN_OR_RETURN(endpoint, server::MetricsEndpoint::Start(flags.Get("metrics-listen")));
-    endpoint->Register(registry);
-  }
   ASSIGN_OR_RETURN(std::vector<std::string> shard_addresses, ShardAddressesFromFlags(flags));
   ASSIGN_OR_RETURN(const uint64_t connect_ms, flags.GetUint("connect-timeout-ms", 30000));
   client::ShardSetOptions connect;
@@ -107,6 +104,7 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   options.service.max_version_wait = std::chrono::milliseconds(max_wait_ms);
   options.dtype = dtype;
   options.registry = registry;
+  options.metrics_listen = flags.Get("metrics-listen", "");
   ASSIGN_OR_RETURN(std::unique_ptr<relay::Relay> relay, relay::Relay::Start(source, options));
   for (size_t i = 0; i < relay->addresses().size(); ++i) {
     std::printf("relay: shard %zu of %zu served at %s\n", i, relay->addresses().size(),

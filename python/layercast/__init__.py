@@ -270,6 +270,12 @@ class Mirror:
         self._names = list(names)
         self._indices = {name: index for index, name in enumerate(self._names)}
 
+    @property
+    def addresses(self) -> List[str]:
+        """Where the mirror serves the set's reads (ShardSet.mirror(serve=)),
+        one "host:port" per shard; empty when it does not."""
+        return list(self._native.addresses)
+
     def _named(self, update: Dict[str, object]) -> Dict[str, object]:
         update["changed_layers"] = [self._names[i] for i in update["changed_layers"]]
         return update
@@ -417,7 +423,8 @@ class ShardSet:
         return self._native.export(str(path), dtype, version, max_file_bytes, timeout)
 
     def mirror(self, *, timeout: float = 60.0, poll: float = 10.0,
-               dtype: Optional[str] = None, staging_bytes: int = 0) -> Mirror:
+               dtype: Optional[str] = None, staging_bytes: int = 0,
+               serve: Optional[Sequence[str]] = None) -> Mirror:
         """Pulls every layer in full into a Mirror (each pull within
         `timeout` seconds); `poll`: how long each of its long polls for a new
         version lasts once it follows. `dtype` ("float8_e4m3fn", ...): every
@@ -428,11 +435,19 @@ class ShardSet:
         `staging_bytes`: an update pulls the layers that moved into copies,
         up to this many bytes, while readers read on, and holds them off
         only to copy the changed ones in (0, the default: pulls in place,
-        readers held off for the whole update; no second copy)."""
+        readers held off for the whole update; no second copy).
+        `serve`: one "host:port" per shard, in shard order (port 0 picks a
+        free one; Mirror.addresses says which): the mirror also serves the
+        set's reads there, as `layercast relay` does, so other mirrors
+        connect() to it instead of to the shards."""
+        if serve is not None and len(serve) != self.manifest["num_shards"]:
+            raise ValueError(f"serve names {len(serve)} addresses: give one per shard, "
+                             f"{self.manifest['num_shards']}, in shard order")
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one the shards cast to: use one of "
                              f"{', '.join(_DTYPES[:5])}")
-        return Mirror(self._native.mirror(timeout, poll, dtype or "", staging_bytes),
+        return Mirror(self._native.mirror(timeout, poll, dtype or "", staging_bytes,
+                                          list(serve or [])),
                       [layer["name"] for layer in self.manifest["layers"]])
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,

@@ -125,19 +125,31 @@ void PyMirror::Stop() {
   held_->mirror->StopFollowing();
 }
 
+std::vector<std::string> PyMirror::addresses() const {
+  return held_->relay != nullptr ? held_->relay->addresses() : std::vector<std::string>{};
+}
+
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
-                    const std::string& dtype, uint64_t staging_bytes) {
+                    const std::string& dtype, uint64_t staging_bytes,
+                    const std::vector<std::string>& serve) {
   client::MirrorOptions options;
   options.staging_bytes = staging_bytes;
   options.layer_timeout = Milliseconds(layer_timeout);
   options.poll = Milliseconds(poll);
   if (!dtype.empty()) options.dtype = ValueOrRaise(DTypeFromName(dtype));
+  auto held = std::make_shared<HeldMirror>();
+  if (!serve.empty()) {
+    relay::RelayOptions relay;
+    relay.listen = serve;
+    relay.dtype = options.dtype;
+    held->relay = ValueOrRaise(relay::Relay::Start(*connection->set, relay));
+    options.listener = held->relay.get();
+  }
   absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror;
   {
     py::gil_scoped_release release;
     mirror = client::ModelMirror::Create(*connection->set, options);
   }
-  auto held = std::make_shared<HeldMirror>();
   held->mirror = ValueOrRaise(std::move(mirror));
   held->connection = std::move(connection);
   return PyMirror(std::move(held));

@@ -9,6 +9,7 @@
 #include "client/model_mirror.h"
 #include "python/src/connection.h"
 #include "python/src/shard_set_binding.h"
+#include "relay/relay.h"
 
 namespace layercast::python {
 
@@ -16,6 +17,9 @@ namespace layercast::python {
 // hold: the mirror, and the connection its shard set lives in.
 struct HeldMirror {
   std::shared_ptr<Connection> connection;
+  // Serving the mirror's layers (ShardSet.mirror(serve=...)); outlives the
+  // mirror, which tells it of each layer.
+  std::unique_ptr<relay::Relay> relay;
   std::unique_ptr<client::ModelMirror> mirror;
   ~HeldMirror();
 };
@@ -52,6 +56,9 @@ class PyMirror {
   void Follow(std::optional<pybind11::function> on_update);
   void Stop();
   PyMirrorReading Read() const { return PyMirrorReading(held_); }
+  // Where the mirror serves the set's reads (its relay's addresses, in
+  // shard order); empty when it does not.
+  std::vector<std::string> addresses() const;
 
  private:
   std::shared_ptr<HeldMirror> held_;
@@ -60,8 +67,11 @@ class PyMirror {
 // ShardSet.mirror: pulls every layer in full (without the GIL).
 // `dtype`: MirrorOptions::dtype by name ("float8_e4m3fn"); empty for the
 // policy's dtypes.
+// `serve`: one host:port per shard where the mirror serves the set's reads
+// (relay::Relay); empty: it does not.
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
-                    const std::string& dtype, uint64_t staging_bytes);
+                    const std::string& dtype, uint64_t staging_bytes,
+                    const std::vector<std::string>& serve);
 
 // ShardSet.publish: `values` {tensor name: fp32 tensor}, taken without a copy;
 // `insecure` lets the token go over a plaintext connection.

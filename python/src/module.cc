@@ -102,11 +102,11 @@ PYBIND11_MODULE(_layercast, module) {
       .def(
           "mirror",
           [](const PyShardSet& self, double timeout, double poll, const std::string& dtype,
-             uint64_t staging_bytes) {
-            return MakeMirror(self.Held(), timeout, poll, dtype, staging_bytes);
+             uint64_t staging_bytes, const std::vector<std::string>& serve) {
+            return MakeMirror(self.Held(), timeout, poll, dtype, staging_bytes, serve);
           },
           py::arg("timeout") = 60.0, py::arg("poll") = 10.0, py::arg("dtype") = "",
-          py::arg("staging_bytes") = 0)
+          py::arg("staging_bytes") = 0, py::arg("serve") = std::vector<std::string>{})
       .def(
           "publish",
           [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,
@@ -130,6 +130,7 @@ PYBIND11_MODULE(_layercast, module) {
            py::arg("timeout") = 30.0)
       .def("follow", &PyMirror::Follow, py::arg("on_update") = py::none())
       .def("stop", &PyMirror::Stop)
+      .def_property_readonly("addresses", &PyMirror::addresses)
       .def("read", &PyMirror::Read);
 
   module.def(

@@ -7,8 +7,9 @@ Runs against real processes on 127.0.0.1 only:
      gathers every layer, runs a bench and sends one bad request, then checks
      the exposition with `promtool check metrics` and checks that the counters
      moved by exactly what was delivered;
-  3. a real Prometheus scrapes both shards every second and loads alerts.yml;
-     every query of deploy/grafana/layercast.json must return data.
+  3. a real Prometheus scrapes both shards and a relay of them every second
+     and loads alerts.yml; every query of deploy/grafana/layercast.json must
+     return data.
 
 Standard library only (Debian's /usr/bin/python3); needs promtool and
 prometheus from the Debian package `prometheus` (scripts/install-deps.sh).
@@ -181,6 +182,24 @@ def start_shard(binary, index, tmp):
     raise RuntimeError(f"shard {index} did not start (exit {proc.poll()}):\n{tail(log)}")
 
 
+def start_relay(cli_binary, shards, tmp):
+    """A `layercast relay` of the shards, whose metrics Prometheus scrapes too
+    (the dashboard's relay panels)."""
+    port_file = os.path.join(tmp, "relay.ports")
+    log = os.path.join(tmp, "relay.log")
+    metrics_addr = f"127.0.0.1:{free_port()}"
+    proc = start([cli_binary, "relay", "--shards", ",".join(s.grpc_addr for s in shards),
+                  "--listen", ",".join(["127.0.0.1:0"] * len(shards)), "--port-file", port_file,
+                  "--metrics-listen", metrics_addr], log)
+    deadline = Deadline(60)
+    while not deadline.expired() and proc.poll() is None:
+        if os.path.exists(port_file) and "relay: holds version" in tail(log, 50):
+            with open(port_file) as f:
+                return Shard("relay", f.read().strip(), metrics_addr, log)
+        time.sleep(0.1)
+    raise RuntimeError(f"the relay did not start (exit {proc.poll()}):\n{tail(log)}")
+
+
 def scrape(shard):
     with urllib.request.urlopen(f"http://{shard.metrics_addr}/metrics", timeout=10) as r:
         return r.read().decode()
@@ -288,7 +307,7 @@ def safetensors_totals(path):
 
 # --- prometheus -------------------------------------------------------------
 
-def start_prometheus(tmp, shards, checks):
+def start_prometheus(tmp, shards, relay, checks):
     config = os.path.join(tmp, "prometheus.yml")
     with open(config, "w") as f:
         # JSON is YAML; absolute rule path because Prometheus resolves it
@@ -297,7 +316,9 @@ def start_prometheus(tmp, shards, checks):
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [os.path.abspath(ALERTS)],
             "scrape_configs": [{"job_name": "layercast",
-                                "static_configs": [{"targets": [s.metrics_addr for s in shards]}]}],
+                                "static_configs": [{"targets": [s.metrics_addr for s in shards]}]},
+                               {"job_name": "layercast-relay",
+                                "static_configs": [{"targets": [relay.metrics_addr]}]}],
         }, f, indent=2)
     for attempt in range(3):
         port = free_port()
@@ -523,7 +544,7 @@ def check_shards(checks, args, tmp, shards):
                      (r.stdout + r.stderr).strip())
 
 
-def check_docs_and_dashboard_names(checks, shards):
+def check_docs_and_dashboard_names(checks, shards, relay):
     exposition = scrape(shards[0])
     families = {n for n in metric_families(exposition) if n.startswith("layercast_")}
     with open(METRICS_DOC) as f:
@@ -535,6 +556,7 @@ def check_docs_and_dashboard_names(checks, shards):
     series = {n for n, _, _ in parse_exposition(exposition)}
     checks.check(f"{METRICS_DOC} names no metric the server does not export",
                  not documented - families - series, f"unknown: {sorted(documented - families - series)}")
+    series |= {n for n, _, _ in parse_exposition(scrape(relay))}
 
     with open(DASHBOARD) as f:
         dashboard = json.load(f)
@@ -558,12 +580,12 @@ def drive_traffic(args, shards, seconds):
     return runs
 
 
-def check_prometheus(checks, args, tmp, shards):
+def check_prometheus(checks, args, tmp, shards, relay):
     found = shutil.which("prometheus")
     if not checks.check("prometheus installed", found is not None,
                         found or "install the Debian package prometheus"):
         return
-    url = start_prometheus(tmp, shards, checks)
+    url = start_prometheus(tmp, shards, relay, checks)
 
     # Both targets scraped, a few times, before any rate can be computed.
     deadline = Deadline(30)
@@ -577,6 +599,7 @@ def check_prometheus(checks, args, tmp, shards):
         return
     time.sleep(2)
     runs = drive_traffic(args, shards, 6)
+    run([args.cli_binary, "bench", "--shards", relay.grpc_addr, "--rounds", "1"], timeout=60)
     time.sleep(2.5)  # the last traffic reaches a scrape
     print(f"     ({runs} bench runs of traffic)", flush=True)
 
@@ -648,8 +671,9 @@ def main():
         check_rules(checks)
         shards = [start_shard(args.shard_binary, i, tmp) for i in range(NUM_SHARDS)]
         check_shards(checks, args, tmp, shards)
-        check_docs_and_dashboard_names(checks, shards)
-        check_prometheus(checks, args, tmp, shards)
+        relay = start_relay(args.cli_binary, shards, tmp)
+        check_docs_and_dashboard_names(checks, shards, relay)
+        check_prometheus(checks, args, tmp, shards, relay)
     except Exception as e:  # a broken step fails the run, and cleanup still happens
         checks.check("test ran to the end", False, f"{type(e).__name__}: {e}")
     except SystemExit as e:  # a signal (see _on_signal): still clean up and summarize

@@ -217,3 +217,28 @@ def test_an_fp8_mirror_follows_shards_that_serve_bf16(served):
                 assert reading["model.layers.0"][up].dtype == "bfloat16", "trainers' pulls"
         with pytest.raises(ValueError, match="'float64' is not one the shards cast to"):
             shard_set.mirror(dtype="float64")
+
+
+def test_a_mirror_serves_an_fp8_fleet_below_it(served):
+    shards, tensors = served
+    with layercast.connect(shards.addresses) as shard_set:
+        with pytest.raises(ValueError, match="give one per shard, 2"):
+            shard_set.mirror(serve=["127.0.0.1:0"])
+        relay = shard_set.mirror(dtype="float8_e4m3fn", serve=["127.0.0.1:0"] * 2)
+        assert len(relay.addresses) == 2
+        with layercast.connect(relay.addresses) as relayed:
+            child = relayed.mirror(dtype="float8_e4m3fn")
+            newer = {name: t * 0.75 for name, t in tensors.items()}
+            version = shard_set.publish(newer, TOKEN, insecure=True)["version"]
+            assert relay.update()["version"] == version
+            assert child.update()["version"] == version
+            with relay.read() as above, child.read() as below:
+                for layer in above.names():
+                    for name, tensor in above[layer].items():
+                        other = below[layer][name]
+                        assert torch.equal(torch.from_dlpack(tensor), torch.from_dlpack(other))
+                        assert torch.equal(torch.from_dlpack(tensor.scales),
+                                           torch.from_dlpack(other.scales)), name
+            # A relay serves the dtype it holds, and says where to get others.
+            with pytest.raises(layercast.Error, match="ask the shards"):
+                relayed.mirror()
