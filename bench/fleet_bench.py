@@ -48,6 +48,15 @@ def address(node):
     return f"10.0.{node // 250}.{node % 250 + 1}"
 
 
+def bits_per_second(rate):
+    """tc's rate ("1gbit", "300mbit", "125mbps") in bits per second."""
+    match = re.fullmatch(r"([0-9.]+)([kmg]?)(bit|bps)", rate.lower())
+    if not match:
+        raise SystemExit(f"--rate {rate}: give it as tc does, e.g. 1gbit or 300mbit")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+    return float(match.group(1)) * scale * (8 if match.group(3) == "bps" else 1)
+
+
 def add_node(name, node, rate):
     """A namespace joined to the bridge by a veth pair limited to `rate` each way."""
     sh("ip", "netns", "add", name)
@@ -56,13 +65,15 @@ def add_node(name, node, rate):
     sh("ip", "-n", name, "addr", "add", f"{address(node)}/16", "dev", "eth0")
     sh("ip", "-n", name, "link", "set", "eth0", "up")
     sh("ip", "-n", name, "link", "set", "lo", "up")
-    # As bench/wire_limited.sh: a bucket above a timer tick's bytes, and a
-    # queue gRPC's windows do not see drops from.
-    for where in (["dev", f"v{node}"], ["-n", name, "dev", "eth0"]):
-        netns = where[:2] if where[0] == "-n" else []
-        dev = where[2:] if netns else where
-        sh("tc", *netns, "qdisc", "add", *dev, "root", "tbf", "rate", rate, "burst", "4mb",
-           "latency", "200ms")
+    # A bucket of 10 ms of the rate (above a timer tick's bytes, which tbf
+    # needs to reach it, and far below a publish's delta, which a bigger
+    # bucket would let through at memory speed), and a queue gRPC's windows
+    # do not see drops from.
+    burst = max(64 * 1024, int(bits_per_second(rate) / 8 / 100))
+    for netns in ([], ["-n", name]):
+        dev = f"v{node}" if not netns else "eth0"
+        sh("tc", *netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+           str(burst), "latency", "200ms")
 
 
 def sandbox():
@@ -117,6 +128,15 @@ def when_held(log, version, seconds=120):
     raise SystemExit(f"{log} never held version {version}:\n{tail}")
 
 
+def cpu_seconds(processes):
+    """User and system CPU the processes have used so far."""
+    total = 0
+    for process in processes:
+        fields = pathlib.Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def egress(shards):
     """Chunk bytes the shards sent, deltas counted as sent."""
     total = 0.0
@@ -137,7 +157,8 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
     """Starts `fleet` relays (flat, or a tree of degree 4 rooted at the
     shards' one child), follows `args.publishes` publishes, stops them.
     Returns (egress bytes per publish, seconds to the last mirror per
-    publish, the version published last)."""
+    publish, the mirrors' CPU seconds per publish, the version published
+    last)."""
     shards = ",".join(f"{address(n)}:{SHARD_PORT}" for n in shard_nodes)
     processes, logs = [], []
     for m in range(fleet):
@@ -160,6 +181,7 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
     for log in logs:
         when_held(log, version)
     sent, seconds = [], []
+    cpu = cpu_seconds(processes)
     try:
         for _ in range(args.publishes):
             step = version % 7
@@ -171,6 +193,7 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
             version += 1
             seconds.append(max(when_held(log, version) for log in logs) - start)
             sent.append(egress(shard_nodes) - before)
+        cpu = (cpu_seconds(processes) - cpu) / args.publishes
     finally:
         for process in processes:
             process.terminate()
@@ -180,7 +203,7 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
             node = first_node + m
             sh("ip", "link", "del", f"v{node}")
             sh("ip", "netns", "del", f"m{node}")
-    return sent, seconds, version
+    return sent, seconds, cpu, version
 
 
 def main():
@@ -235,16 +258,17 @@ def main():
                 results = {}
                 for fleet in fleets:
                     for tree in (False, True):
-                        sent, seconds, version = run_fleet(args, directory, shard_nodes,
+                        sent, seconds, cpu, version = run_fleet(args, directory, shard_nodes,
                                                            shard_set, values, version, fleet,
                                                            tree, node)
                         node += fleet
                         results[(fleet, tree)] = (statistics.median(sent),
-                                                  statistics.median(seconds))
+                                                  statistics.median(seconds), cpu)
                         print(f"  W={fleet:3d} {'tree' if tree else 'flat'}: shards' egress "
                               f"{results[(fleet, tree)][0] / 1e6:8.2f} MB per publish, "
                               f"last mirror {results[(fleet, tree)][1] * 1e3:8.1f} ms after the "
-                              f"commit (medians)", flush=True)
+                              f"commit (medians); the mirrors' CPU {cpu:.2f} s per publish",
+                              flush=True)
         finally:
             for process in processes:
                 process.terminate()
@@ -253,7 +277,7 @@ def main():
     one = results[(fleets[0], False)]
     big = fleets[-1]
     for tree in (False, True):
-        sent, seconds = results[(big, tree)]
+        sent, seconds, _ = results[(big, tree)]
         print(f"W={big} {'tree' if tree else 'flat'} / W={fleets[0]}: egress {sent / one[0]:.2f}x, "
               f"time to the last mirror {seconds / one[1]:.2f}x")
 

@@ -18,11 +18,14 @@ namespace layercast::client {
 absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet& shards,
                                                                  MirrorOptions options) {
   if (options.fallback != nullptr &&
-      options.fallback->manifests()[0].layout_digest() != shards.manifests()[0].layout_digest()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the fallback (", absl::StrJoin(options.fallback->addresses(), ","),
-        ") serves another layout than the upstream (", absl::StrJoin(shards.addresses(), ","),
-        "): give a relay of the same shard set"));
+      (options.fallback->manifests().size() != shards.manifests().size() ||
+       options.fallback->manifests()[0].layout_digest() != shards.manifests()[0].layout_digest() ||
+       options.fallback->manifests()[0].content_fingerprint() !=
+           shards.manifests()[0].content_fingerprint())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the fallback (", absl::StrJoin(options.fallback->addresses(), ","),
+                     ") is not the set the upstream (", absl::StrJoin(shards.addresses(), ","),
+                     ") serves (shards, layout or model differ): give the shards a relay follows"));
   }
   // Every layer at the version the shards serve now, pinned, so a publish
   // committed during the walk does not split it; a layer whose version the
@@ -178,15 +181,20 @@ bool ModelMirror::FallBack(const absl::Status& failed) {
 
 absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_version) {
   absl::MutexLock update_lock(&update_mu_);
-  absl::StatusOr<MirrorUpdate> update = UpdateFrom(min_version);
+  const auto start = std::chrono::steady_clock::now();
+  MirrorUpdate update;
+  absl::Status status = UpdateFrom(min_version, start, update);
   // What the dead upstream left undone (a layer torn midway included) is
-  // pulled from the fallback, from the same bases.
-  if (!update.ok() && FallBack(update.status())) update = UpdateFrom(min_version);
+  // pulled from the fallback, from the same bases; `update` keeps what the
+  // upstream did bring.
+  if (!status.ok() && FallBack(status)) status = UpdateFrom(min_version, start, update);
+  RETURN_IF_ERROR(status);
   return update;
 }
 
-absl::StatusOr<MirrorUpdate> ModelMirror::UpdateFrom(std::optional<uint64_t> min_version) {
-  const auto start = std::chrono::steady_clock::now();
+absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
+                                     std::chrono::steady_clock::time_point start,
+                                     MirrorUpdate& update) {
   uint64_t target = 0;
   if (min_version) {
     target = *min_version;
@@ -194,7 +202,6 @@ absl::StatusOr<MirrorUpdate> ModelMirror::UpdateFrom(std::optional<uint64_t> min
     ASSIGN_OR_RETURN(target, source().CurrentVersion());
   }
   if (options_.listener != nullptr) options_.listener->Pulling(target);
-  MirrorUpdate update;
   std::vector<uint32_t> behind;
   {
     absl::ReaderMutexLock lock(&mu_);
@@ -277,6 +284,9 @@ absl::StatusOr<MirrorUpdate> ModelMirror::UpdateFrom(std::optional<uint64_t> min
     settle(i, pulled);
   }
   std::sort(update.changed_layers.begin(), update.changed_layers.end());
+  update.changed_layers.erase(
+      std::unique(update.changed_layers.begin(), update.changed_layers.end()),
+      update.changed_layers.end());
   update.version = VersionLocked();
   const auto end = std::chrono::steady_clock::now();
   update.pause = end - pause_start;
@@ -286,7 +296,7 @@ absl::StatusOr<MirrorUpdate> ModelMirror::UpdateFrom(std::optional<uint64_t> min
                                 std::chrono::duration<double>(update.pause).count(),
                                 std::chrono::duration<double>(update.duration).count());
   }
-  return update;
+  return absl::OkStatus();
 }
 
 bool ModelMirror::WaitForVersion(uint64_t version, std::chrono::milliseconds timeout) const {
@@ -336,6 +346,8 @@ void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update)
       }
     } else if (!newest.ok()) {
       failed = newest.status();
+      // A dead upstream is seen here first while nothing is new.
+      if (FallBack(failed)) failed = absl::OkStatus();
     }
     absl::MutexLock lock(&follow_mu_);
     if (stopping_) return;

@@ -180,7 +180,10 @@ class ModelMirror {
   ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<AssembledLayout> layouts,
               std::vector<Layer> layers, std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<MirrorUpdate> UpdateFrom(std::optional<uint64_t> min_version)
+  // One attempt at an update, from the source now, adding what it brings
+  // to `update` (so a failed attempt's progress is still reported).
+  absl::Status UpdateFrom(std::optional<uint64_t> min_version,
+                          std::chrono::steady_clock::time_point start, MirrorUpdate& update)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
   // Switches to options_.fallback when `failed` says the source died;
   // false when there is nothing to switch to.

@@ -3,7 +3,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "platform/status_macros.h"
 
 namespace layercast::relay {
@@ -15,6 +14,14 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
     return absl::InvalidArgumentError(
         absl::StrCat("a relay listens once per shard of the set, in shard order: give ", shards,
                      " addresses, not ", options.listen.size()));
+  }
+  for (const layercast::v1::Manifest& manifest : upstream.manifests()) {
+    if (manifest.chunk_bytes() == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shard ", manifest.shard_index(),
+          " does not name its chunk size (Manifest.chunk_bytes), which a relay cuts the "
+          "same chunks by: upgrade the shards"));
+    }
   }
   std::vector<AssembledLayout> layouts = upstream.view().layouts;
   if (options.dtype) {
@@ -46,9 +53,8 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
                                                  " for shard ", shard,
                                                  ": is the port taken, or the host not this one?"));
     }
-    const std::vector<std::string> host_port =
-        absl::StrSplit(relay->options_.listen[shard], absl::MaxSplits(':', 1));
-    relay->addresses_.push_back(absl::StrCat(host_port[0], ":", port));
+    const std::string& listen = relay->options_.listen[shard];
+    relay->addresses_.push_back(absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port));
     relay->servers_.push_back(std::move(server));
   }
   return relay;

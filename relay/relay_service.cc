@@ -86,13 +86,18 @@ grpc::Status RelayService::WaitVersion(grpc::ServerContext* context,
                                        const layercast::v1::WaitVersionRequest* request,
                                        layercast::v1::WaitVersionResponse* response) {
   response->set_version(versions_.WaitHeading(request->min_version(), Deadline(*context)));
+  if (versions_.closed()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "this relay is stopping: follow the shards, or another relay");
+  }
   return grpc::Status::OK;
 }
 
 absl::StatusOr<HeldLayer> RelayService::Target(const layercast::v1::FetchLayerRequest& request,
                                                absl::Time deadline) const {
   const uint32_t layer = request.layer();
-  const uint64_t newest = versions_.Newest(layer);
+  // What the relay heads for counts: its layers land one by one.
+  const uint64_t newest = std::max(versions_.Newest(layer), versions_.WaitHeading(0, absl::Now()));
   RETURN_IF_ERROR(server::PlanWait(request, newest, kMaxVersionLead, true).status());
   const uint64_t wanted =
       request.has_exact_version() ? request.exact_version() : request.min_version();
@@ -140,13 +145,16 @@ grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
       }
     }
     ASSIGN_OR_RETURN(const HeldLayer target, Target(*request, Deadline(*context)));
-    std::optional<ChangedElements> changed;
+    if (target.incarnations.size() <= shard_) {
+      return absl::InternalError(absl::StrCat(
+          "this relay's mirror did not record which incarnation of shard ", shard_,
+          " served layer ", request->layer(), ": read from the shards, and report this"));
+    }
+    std::shared_ptr<const ChangedElements> changed;
     if (request->has_base_version()) {
       const std::optional<HeldLayer> base = versions_.At(request->layer(), request->base_version());
-      if (base) {
-        changed =
-            versions_.ChangedBetween(request->layer(), request->base_version(), target.version);
-      }
+      if (base)
+        changed = versions_.ChangedBetween(request->layer(), request->base_version(), target);
       const bool same_shard = changed && base->incarnations.size() > shard_ &&
                               base->incarnations[shard_] == target.incarnations[shard_] &&
                               (!request->has_base_incarnation() ||
@@ -161,8 +169,8 @@ grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
       }
     }
     context->AddInitialMetadata(wire::kIncarnationMetadata,
-                                absl::StrCat(target.incarnations.at(shard_)));
-    return Send(plan, target, changed ? &*changed : nullptr, request->base_version(),
+                                absl::StrCat(target.incarnations[shard_]));
+    return Send(plan, target, changed.get(), request->base_version(),
                 request->accepts_changed_gaps(), writer, &sent);
   }();
   metrics_.RecordServed(status.ok(), sent);

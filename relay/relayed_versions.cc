@@ -137,11 +137,6 @@ std::optional<size_t> RelayedVersions::IndexOf(const std::deque<Kept>& kept,
                                                uint64_t version) const {
   for (size_t i = 0; i < kept.size(); ++i) {
     if (kept[i].held.version == version) return i;
-    // Between two kept versions that changed nothing: the values are both's.
-    if (kept[i].held.version < version && i + 1 < kept.size() &&
-        version < kept[i + 1].held.version && kept[i + 1].unchanged) {
-      return i;
-    }
   }
   return std::nullopt;
 }
@@ -155,8 +150,9 @@ std::optional<HeldLayer> RelayedVersions::At(uint32_t layer, uint64_t version) c
   return at;
 }
 
-std::optional<ChangedElements> RelayedVersions::ChangedBetween(uint32_t layer, uint64_t base,
-                                                               uint64_t version) const {
+std::shared_ptr<const ChangedElements> RelayedVersions::ChangedBetween(
+    uint32_t layer, uint64_t base, const HeldLayer& target) const {
+  const uint64_t version = target.version;
   // The versions whose changes no delta has asked for yet: compared outside
   // the lock (a layer takes milliseconds), then kept.
   struct Missing {
@@ -168,7 +164,7 @@ std::optional<ChangedElements> RelayedVersions::ChangedBetween(uint32_t layer, u
     absl::ReaderMutexLock lock(&mu_);
     const std::deque<Kept>& kept = layers_[layer];
     const std::optional<size_t> from = IndexOf(kept, base), to = IndexOf(kept, version);
-    if (!from || !to || *from > *to) return std::nullopt;
+    if (!from || !to || *from > *to) return nullptr;
     for (size_t i = *from + 1; i <= *to; ++i) {
       if (!kept[i].unchanged && kept[i].changed == nullptr) {
         missing.push_back({kept[i].held.version, kept[i].held.bytes, kept[i - 1].held.bytes});
@@ -192,19 +188,24 @@ std::optional<ChangedElements> RelayedVersions::ChangedBetween(uint32_t layer, u
     }
   }
   const std::optional<size_t> from = IndexOf(kept, base), to = IndexOf(kept, version);
-  if (!from || !to || *from > *to) return std::nullopt;
-  ChangedElements changed(layouts_[layer].tensors().size());
-  for (size_t t = 0; t < changed.size(); ++t) {
-    changed[t].assign((layouts_[layer].tensors()[t].num_elements + 63) / 64, 0);
+  if (!from || !to || *from > *to || kept[*to].held.bytes != target.bytes) return nullptr;
+  std::vector<size_t> moved;
+  for (size_t i = *from + 1; i <= *to; ++i) {
+    if (kept[i].unchanged) continue;
+    if (kept[i].changed == nullptr) return nullptr;  // replaced meanwhile: rare
+    moved.push_back(i);
+  }
+  if (moved.size() == 1) return kept[moved[0]].changed;  // the common delta
+  auto changed = std::make_shared<ChangedElements>(layouts_[layer].tensors().size());
+  for (size_t t = 0; t < changed->size(); ++t) {
+    (*changed)[t].assign((layouts_[layer].tensors()[t].num_elements + 63) / 64, 0);
   }
   // A value that changed and changed back is sent again: its newest bits,
   // so the delta still gives the target exactly (as the shards' own).
-  for (size_t i = *from + 1; i <= *to; ++i) {
-    if (kept[i].unchanged) continue;
-    if (kept[i].changed == nullptr) return std::nullopt;  // replaced meanwhile: rare
-    for (size_t t = 0; t < changed.size(); ++t) {
+  for (const size_t i : moved) {
+    for (size_t t = 0; t < changed->size(); ++t) {
       const std::vector<uint64_t>& since = (*kept[i].changed)[t];
-      for (size_t w = 0; w < since.size(); ++w) changed[t][w] |= since[w];
+      for (size_t w = 0; w < since.size(); ++w) (*changed)[t][w] |= since[w];
     }
   }
   return changed;

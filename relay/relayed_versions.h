@@ -62,16 +62,20 @@ class RelayedVersions {
   // nullopt at `deadline` (or before the layer's first Put).
   std::optional<HeldLayer> WaitNewest(uint32_t layer, uint64_t min_version,
                                       absl::Time deadline) const;
-  // Layer `layer`'s values at exactly `version`: a kept version of that
-  // number, or one before it whose values the next kept version still
-  // holds (nothing changed between them). nullopt when neither is kept.
+  // Layer `layer`'s values at exactly `version`, if kept. A version the
+  // relay never pulled is not inferred from its neighbours even when
+  // their values are equal: from another relay, equal bits do not prove
+  // that nothing changed and changed back in between.
   std::optional<HeldLayer> At(uint32_t layer, uint64_t version) const;
   // The elements of `layer` that changed from `base` to `version`, both as
   // At finds them: each kept version's changes from the one before it,
   // found by the first delta that asks and kept for the rest (a relay no
-  // one asks for deltas compares nothing). nullopt when either is not kept.
-  std::optional<ChangedElements> ChangedBetween(uint32_t layer, uint64_t base,
-                                                uint64_t version) const;
+  // one asks for deltas compares nothing); the one a single version's
+  // delta needs is shared, not copied. Null when either is not kept.
+  // `target` is the version as At or WaitNewest gave it: null as well if
+  // that entry has been replaced since.
+  std::shared_ptr<const ChangedElements> ChangedBetween(uint32_t layer, uint64_t base,
+                                                        const HeldLayer& target) const;
   // The layer's newest version, for messages; 0 before its first Put.
   uint64_t Newest(uint32_t layer) const;
 

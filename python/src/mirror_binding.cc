@@ -44,7 +44,12 @@ void WithoutGil(F&& f) {
 }  // namespace
 
 HeldMirror::~HeldMirror() {
-  WithoutGil([this] { mirror.reset(); });
+  // The relay after the mirror that tells it of layers; its stop waits for
+  // the calls it serves, which need no GIL.
+  WithoutGil([this] {
+    mirror.reset();
+    relay.reset();
+  });
 }
 
 PyMirrorReading::PyMirrorReading(std::shared_ptr<HeldMirror> held) : held_(std::move(held)) {

@@ -136,6 +136,12 @@ TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
       **dying_set, {.layer_timeout = std::chrono::seconds(3), .fallback = shards_.set.get()});
   ASSERT_TRUE(child.ok()) << child.status();
   EXPECT_EQ((*child)->version(), 0u);
+  // A second child follows (long polls) the same relay.
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> follower =
+      client::ModelMirror::Create(**dying_set, {.layer_timeout = std::chrono::seconds(3),
+                                                .poll = std::chrono::seconds(2),
+                                                .fallback = shards_.set.get()});
+  ASSERT_TRUE(follower.ok()) << follower.status();
 
   client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
   const auto values = Nudged(1.0f / 16);
@@ -195,6 +201,18 @@ TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
   EXPECT_TRUE(reading.status().ok()) << reading.status();
   for (uint32_t l = 0; l < reading.num_layers(); ++l) {
     ASSERT_NO_FATAL_FAILURE(ExpectHolds(reading.layer(l), values, 1));
+  }
+
+  // The follower finds its relay gone when it next polls, and follows the
+  // shards to the next publish.
+  (*follower)->Follow();
+  const auto newer = Nudged(1.0f / 8);
+  ASSERT_TRUE(publisher.Publish(View(newer)).ok());
+  ASSERT_TRUE((*follower)->WaitForVersion(2, std::chrono::seconds(30)));
+  EXPECT_EQ(&(*follower)->source(), shards_.set.get());
+  auto followed = (*follower)->Read();
+  for (uint32_t l = 0; l < followed.num_layers(); ++l) {
+    ASSERT_NO_FATAL_FAILURE(ExpectHolds(followed.layer(l), newer, 2));
   }
 }
 

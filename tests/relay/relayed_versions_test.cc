@@ -52,28 +52,32 @@ TEST(RelayedVersionsTest, KeepsFindsAndComparesVersions) {
   ASSERT_TRUE(two.has_value());
   EXPECT_EQ(two->version, 2u);
   EXPECT_EQ(*two->bytes, v1);
-  // Versions 3 and 4 came between 2 and 5, which differ: unknown.
+  // Versions 3 and 4 came between 2 and 5: never pulled, not inferred.
   EXPECT_FALSE(versions.At(0, 4).has_value());
 
   // Each delta: what changed, the element that went back to 0 included.
-  std::optional<ChangedElements> changed = versions.ChangedBetween(0, 1, 5);
-  ASSERT_TRUE(changed.has_value());
+  std::shared_ptr<const ChangedElements> changed =
+      versions.ChangedBetween(0, 1, *versions.At(0, 5));
+  ASSERT_NE(changed, nullptr);
   EXPECT_EQ((*changed)[0], Set({3, 70}, 100));
   EXPECT_EQ((*changed)[1], Set({}, 3));
-  changed = versions.ChangedBetween(0, 0, 5);
-  ASSERT_TRUE(changed.has_value());
+  changed = versions.ChangedBetween(0, 0, *versions.At(0, 5));
+  ASSERT_NE(changed, nullptr);
   EXPECT_EQ((*changed)[0], Set({3, 70}, 100)) << "element 3 changed and changed back: sent";
-  changed = versions.ChangedBetween(0, 1, 2);
-  ASSERT_TRUE(changed.has_value());
+  changed = versions.ChangedBetween(0, 1, *versions.At(0, 2));
+  ASSERT_NE(changed, nullptr);
   EXPECT_EQ((*changed)[0], Set({}, 100));
-  EXPECT_FALSE(versions.ChangedBetween(0, 4, 5).has_value());
+  EXPECT_EQ(versions.ChangedBetween(0, 4, *versions.At(0, 5)), nullptr);
+  HeldLayer replaced = *versions.At(0, 5);
+  replaced.bytes = std::make_shared<const std::vector<uint8_t>>(v3);
+  EXPECT_EQ(versions.ChangedBetween(0, 1, replaced), nullptr) << "not the bytes kept now";
 
   // Keeps the newest and 3 before it: version 0 goes.
   versions.Put(0, 6, true, With(layouts[0], v3, 99, 1), {11});
   EXPECT_FALSE(versions.At(0, 0).has_value());
-  EXPECT_FALSE(versions.ChangedBetween(0, 0, 6).has_value());
-  changed = versions.ChangedBetween(0, 5, 6);
-  ASSERT_TRUE(changed.has_value());
+  EXPECT_EQ(versions.ChangedBetween(0, 0, *versions.At(0, 6)), nullptr);
+  changed = versions.ChangedBetween(0, 5, *versions.At(0, 6));
+  ASSERT_NE(changed, nullptr);
   EXPECT_EQ((*changed)[0], Set({99}, 100));
 }
 
