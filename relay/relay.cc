@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "platform/status_macros.h"
+#include "server/tls_credentials.h"
 
 namespace layercast::relay {
 
@@ -30,6 +31,16 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
                        LayoutIn(layout, *options.dtype, upstream.view().policy.fp8_block()));
     }
   }
+  layercast::v1::ShardConfig tls;
+  tls.set_tls_cert_file(options.tls_cert_file);
+  tls.set_tls_key_file(options.tls_key_file);
+  tls.set_tls_client_ca_file(options.tls_client_ca_file);
+  absl::StatusOr<server::ServerSecurity> security = server::ServerSecurityFor(tls);
+  if (!security.ok()) {
+    return absl::Status(security.status().code(),
+                        absl::StrCat("the relay's own TLS (its --serve-tls-* files): ",
+                                     security.status().message()));
+  }
   std::unique_ptr<Relay> relay(new Relay(upstream, std::move(options), std::move(layouts)));
   if (!relay->options_.metrics_listen.empty()) {
     ASSIGN_OR_RETURN(relay->endpoint_,
@@ -42,10 +53,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
                                        relay->versions_, relay->metrics_, relay->options_.service));
     grpc::ServerBuilder builder;
     int port = 0;
-    builder.AddListeningPort(relay->options_.listen[shard],
-                             relay->options_.credentials ? relay->options_.credentials
-                                                         : grpc::InsecureServerCredentials(),
-                             &port);
+    builder.AddListeningPort(relay->options_.listen[shard], security->credentials, &port);
     builder.RegisterService(relay->services_.back().get());
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (server == nullptr || port == 0) {

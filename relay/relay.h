@@ -36,8 +36,12 @@ struct RelayOptions {
   // caller registers there (its mirror's).
   std::shared_ptr<prometheus::Registry> registry;
   std::string metrics_listen;
-  // Plaintext when null.
-  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // TLS for what it serves, as a shard's --tls-cert-file, --tls-key-file
+  // and --tls-client-ca-file (server/tls_credentials.h); plaintext when the
+  // first two are empty.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
 };
 
 // Serves a shard set's reads from what a mirror of it holds, so a fleet
@@ -52,8 +56,9 @@ struct RelayOptions {
 class Relay final : public client::MirrorListener {
  public:
   // Listens for the set `upstream` is connected to. INVALID_ARGUMENT
-  // unless `options.listen` has one address per shard; UNAVAILABLE naming
-  // an address (or metrics_listen) that cannot be bound.
+  // unless `options.listen` has one address per shard, or naming a TLS
+  // file that cannot be used; UNAVAILABLE naming an address (or
+  // metrics_listen) that cannot be bound.
   static absl::StatusOr<std::unique_ptr<Relay>> Start(const client::ShardSet& upstream,
                                                       RelayOptions options);
   // Stop(), then waits for nothing more.

@@ -59,6 +59,8 @@ const Command kCommands[] = {
      "                              (port 0: any free one; see --port-file)\n"
      "  --upstream R0,R1,...        follow this relay instead of the shards; when it dies,\n"
      "                              follow the shards (SHARDS) and say so\n"
+     "  --fallback R0,R1,...        follow this relay instead of the shards when the\n"
+     "                              upstream dies\n"
      "  --keep-versions K           superseded versions of each layer kept for deltas and\n"
      "                              pinned reads (default 2, 1-64)\n"
      "  --dtype D                   hold and serve every tensor in D (e.g. float8_e4m3fn)\n"
@@ -67,7 +69,11 @@ const Command kCommands[] = {
      "  --max-version-wait-ms MS    how long a read of a version not here yet waits\n"
      "                              (default 10000)\n"
      "  --metrics-listen H:P        serve Prometheus metrics there\n"
-     "  --port-file F               write the served addresses, comma-separated, to F\n",
+     "  --port-file F               write the served addresses, comma-separated, to F\n"
+     "  --serve-tls-cert-file F --serve-tls-key-file F [--serve-tls-client-ca-file F]\n"
+     "                              serve TLS (mutual with the CA), as a shard's --tls-*;\n"
+     "                              required when the shards are reached over TLS\n"
+     "  --serve-plaintext           serve plaintext even so\n",
      true},
     {"fetch", layercast::cli::RunFetch, "gather one layer into a safetensors file",
      "layercast fetch SHARDS --layer L --out FILE.safetensors [--timeout-ms MS]\n"

@@ -49,7 +49,9 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
       tools::CliFlags flags,
       tools::CliFlags::Parse(
           args, WithShardSetFlags({"upstream", "listen", "keep-versions", "dtype", "metrics-listen",
-                                   "layer-timeout-ms", "max-version-wait-ms", "port-file"})));
+                                   "layer-timeout-ms", "max-version-wait-ms", "port-file",
+                                   "serve-tls-cert-file", "serve-tls-key-file",
+                                   "serve-tls-client-ca-file", "serve-plaintext", "fallback"})));
   if (!flags.Has("listen")) {
     return absl::InvalidArgumentError(
         "--listen HOST:PORT,... is required: one address per shard of the set, in shard order "
@@ -97,6 +99,16 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(std::unique_ptr<client::ShardSet> shards,
                    client::ShardSet::Connect(std::move(shard_addresses), connect));
   const client::ShardSet& source = upstream != nullptr ? *upstream : *shards;
+  // Where to go when the upstream dies: the shards, or the relay named.
+  std::unique_ptr<client::ShardSet> fallback;
+  if (flags.Has("fallback")) {
+    ASSIGN_OR_RETURN(std::vector<std::string> addresses,
+                     client::ParseShardList(flags.Get("fallback")));
+    client::ShardSetOptions options = connect;
+    options.registry = nullptr;
+    options.shards_name = "--fallback";
+    ASSIGN_OR_RETURN(fallback, client::ShardSet::Connect(std::move(addresses), options));
+  }
 
   relay::RelayOptions options;
   options.listen = listen;
@@ -105,6 +117,15 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   options.dtype = dtype;
   options.registry = registry;
   options.metrics_listen = flags.Get("metrics-listen", "");
+  options.tls_cert_file = flags.Get("serve-tls-cert-file", "");
+  options.tls_key_file = flags.Get("serve-tls-key-file", "");
+  options.tls_client_ca_file = flags.Get("serve-tls-client-ca-file", "");
+  if (shards->tls() && options.tls_cert_file.empty() && !flags.Has("serve-plaintext")) {
+    return absl::FailedPreconditionError(
+        "the shards are reached over TLS, and this relay would serve what they hold in "
+        "plaintext: give --serve-tls-cert-file and --serve-tls-key-file, or --serve-plaintext "
+        "to serve it so on purpose");
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<relay::Relay> relay, relay::Relay::Start(source, options));
   for (size_t i = 0; i < relay->addresses().size(); ++i) {
     std::printf("relay: shard %zu of %zu served at %s\n", i, relay->addresses().size(),
@@ -119,7 +140,7 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   mirror_options.layer_timeout = std::chrono::milliseconds(layer_timeout_ms);
   mirror_options.dtype = dtype;
   mirror_options.listener = relay.get();
-  if (upstream != nullptr) mirror_options.fallback = shards.get();
+  if (upstream != nullptr) mirror_options.fallback = fallback ? fallback.get() : shards.get();
   absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror =
       client::ModelMirror::Create(source, mirror_options);
   if (!mirror.ok() && upstream != nullptr &&

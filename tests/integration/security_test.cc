@@ -21,6 +21,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "layercast/v1/admin.grpc.pb.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "tests/integration/relay_process.h"
 #include "tests/integration/shard_fixture.h"
 
 namespace layercast::testing {
@@ -200,6 +201,32 @@ TEST_F(SecurityTest, TlsRefusesPlaintextClientsAndServesTlsClientsBitExact) {
       1)
       << "plaintext CLI: " << output;
   EXPECT_EQ(processes->Stop(), absl::OkStatus());
+}
+
+TEST_F(SecurityTest, ARelayOfTlsShardsServesTlsOrRefusesToStart) {
+  auto processes = StartProcesses(2, TlsFlags());
+  ASSERT_NE(processes, nullptr);
+  const std::string shards = processes->addresses()[0] + "," + processes->addresses()[1];
+  std::string output;
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " relay --shards ", shards, " --tls-ca-file ",
+                                    certs_.ca, " --listen 127.0.0.1:0,127.0.0.1:0"),
+                       &output),
+            1)
+      << "would serve TLS shards' model in plaintext: " << output;
+  EXPECT_THAT(output, HasSubstr("--serve-tls-cert-file"));
+
+  RelayProcess relay(MakeTempDir("tls-relay"), "relay", processes->addresses(), "",
+                     {"--tls-ca-file", certs_.ca, "--serve-tls-cert-file", certs_.server_cert,
+                      "--serve-tls-key-file", certs_.server_key});
+  ASSERT_EQ(relay.addresses().size(), 2u) << relay.log();
+  EXPECT_EQ(GetManifest(relay.addresses()[0], grpc::InsecureChannelCredentials()).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::seconds(60);
+  options.credentials = Tls(certs_.ca);
+  auto set = client::ShardSet::Connect(relay.addresses(), options);
+  ASSERT_TRUE(set.ok()) << set.status();
+  ExpectBitExact(**set);
 }
 
 TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
