@@ -102,6 +102,8 @@ class RelayedVersions {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Per layer, oldest first.
   std::vector<std::deque<Kept>> layers_ ABSL_GUARDED_BY(mu_);
+  // Per layer, the buffer of an evicted version no one held, for the next.
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace layercast::relay
