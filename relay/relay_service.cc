@@ -153,8 +153,9 @@ grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
     std::shared_ptr<const ChangedElements> changed;
     if (request->has_base_version()) {
       const std::optional<HeldLayer> base = versions_.At(request->layer(), request->base_version());
-      if (base)
+      if (base) {
         changed = versions_.ChangedBetween(request->layer(), request->base_version(), target);
+      }
       const bool same_shard = changed && base->incarnations.size() > shard_ &&
                               base->incarnations[shard_] == target.incarnations[shard_] &&
                               (!request->has_base_incarnation() ||
