@@ -15,6 +15,24 @@
 
 namespace layercast::client {
 
+namespace {
+
+// Whether `failed` says the set a mirror pulls from died (or stopped
+// answering), so that it goes on from its fallback.
+bool SourceDied(const absl::Status& failed) {
+  return absl::IsUnavailable(failed) || absl::IsDeadlineExceeded(failed);
+}
+
+void LogFallBack(const ShardSet& from, const ShardSet& to, const absl::Status& failed,
+                 ClientMetrics* metrics) {
+  Log()->warn("mirror: the upstream {} failed ({}); following {} from now on",
+              absl::StrJoin(from.addresses(), ","), failed.message(),
+              absl::StrJoin(to.addresses(), ","));
+  if (metrics != nullptr) metrics->RecordMirrorFallback();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet& shards,
                                                                  MirrorOptions options) {
   if (options.fallback != nullptr &&
@@ -27,7 +45,18 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
                      ") is not the set the upstream (", absl::StrJoin(shards.addresses(), ","),
                      ") serves (shards, layout or model differ): give the shards a relay follows"));
   }
-  // Every layer at the version the shards serve now, pinned, so a publish
+  absl::StatusOr<std::unique_ptr<ModelMirror>> mirror = Walk(shards, options, shards.metrics());
+  if (!mirror.ok() && options.fallback != nullptr && SourceDied(mirror.status())) {
+    LogFallBack(shards, *options.fallback, mirror.status(), shards.metrics());
+    mirror = Walk(*options.fallback, options, shards.metrics());
+  }
+  return mirror;
+}
+
+absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Walk(
+    const ShardSet& shards, const MirrorOptions& options,
+    ClientMetrics*
+        metrics) {  // Every layer at the version the shards serve now, pinned, so a publish
   // committed during the walk does not split it; a layer whose version the
   // shards no longer keep is pulled at its newest, and the update below
   // brings the rest there.
@@ -76,7 +105,7 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
     }
     layers.emplace_back(layer, &view.model.layers[layer], &layout, *pulled, std::move(buffer));
   }
-  std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, options, std::move(layouts),
+  std::unique_ptr<ModelMirror> mirror(new ModelMirror(shards, metrics, options, std::move(layouts),
                                                       std::move(layers), std::move(incarnations)));
   // A publish committed during the walk: the layers before it are brought
   // to the same version.
@@ -84,12 +113,12 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet&
   return mirror;
 }
 
-ModelMirror::ModelMirror(const ShardSet& shards, MirrorOptions options,
+ModelMirror::ModelMirror(const ShardSet& shards, ClientMetrics* metrics, MirrorOptions options,
                          std::vector<AssembledLayout> layouts, std::vector<Layer> layers,
                          std::vector<std::vector<uint64_t>> incarnations)
     : options_(options),
       source_(&shards),
-      metrics_(shards.metrics()),
+      metrics_(metrics),
       layouts_(std::move(layouts)),
       layers_(std::move(layers)),
       torn_(layers_.size(), false),
@@ -167,15 +196,9 @@ ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, uint64_t 
 
 bool ModelMirror::FallBack(const absl::Status& failed) {
   const ShardSet* fallback = options_.fallback;
-  if (fallback == nullptr || source_.load() == fallback ||
-      !(absl::IsUnavailable(failed) || absl::IsDeadlineExceeded(failed))) {
-    return false;
-  }
-  Log()->warn("mirror: the upstream {} failed ({}); following {} from now on",
-              absl::StrJoin(source_.load()->addresses(), ","), failed.message(),
-              absl::StrJoin(fallback->addresses(), ","));
+  if (fallback == nullptr || source_.load() == fallback || !SourceDied(failed)) return false;
+  LogFallBack(*source_.load(), *fallback, failed, metrics_);
   source_.store(fallback);
-  if (metrics_ != nullptr) metrics_->RecordMirrorFallback();
   return true;
 }
 

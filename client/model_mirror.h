@@ -71,8 +71,9 @@ struct MirrorOptions {
   MirrorListener* listener = nullptr;
   // Where to follow from when the upstream given to Create dies (a relay
   // whose chunks stop coming: an update or a poll ends UNAVAILABLE or
-  // DEADLINE_EXCEEDED): the mirror logs it and follows `fallback` from
-  // then on, the update that failed resumed from it. Relays forward the
+  // DEADLINE_EXCEEDED, or Create's first pull does): the mirror logs it
+  // and follows `fallback` from then on, the pull that failed resumed
+  // from it. Relays forward the
   // shards' incarnations, so deltas from a relay's versions go on from the
   // shards. Must serve the same layout, and outlive the mirror.
   const ShardSet* fallback = nullptr;
@@ -177,8 +178,14 @@ class ModelMirror {
   Reading Read() const { return Reading(this); }
 
  private:
-  ModelMirror(const ShardSet& shards, MirrorOptions options, std::vector<AssembledLayout> layouts,
-              std::vector<Layer> layers, std::vector<std::vector<uint64_t>> incarnations);
+  // The first pull of every layer from `shards`; the mirror's metrics go
+  // to `metrics` (the upstream's, when this is its fallback).
+  static absl::StatusOr<std::unique_ptr<ModelMirror>> Walk(const ShardSet& shards,
+                                                           const MirrorOptions& options,
+                                                           ClientMetrics* metrics);
+  ModelMirror(const ShardSet& shards, ClientMetrics* metrics, MirrorOptions options,
+              std::vector<AssembledLayout> layouts, std::vector<Layer> layers,
+              std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // One attempt at an update, from the source now, adding what it brings
   // to `update` (so a failed attempt's progress is still reported).

@@ -90,13 +90,13 @@ void Relay::Stop(std::chrono::milliseconds grace) {
 
 void Relay::Pulling(uint64_t version) {
   versions_.Heading(version);
-  metrics_.SetVersions(versions_.held(), versions_.WaitHeading(0, absl::Now()));
+  metrics_.SetVersions(versions_.held(), versions_.heading());
 }
 
 void Relay::Pulled(const PulledLayer& layer) {
   versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes, *layer.incarnations);
   metrics_.RecordReceived(layer.received);
-  metrics_.SetVersions(versions_.held(), versions_.WaitHeading(0, absl::Now()));
+  metrics_.SetVersions(versions_.held(), versions_.heading());
 }
 
 }  // namespace layercast::relay

@@ -78,7 +78,7 @@ grpc::Status RelayService::GetManifest(grpc::ServerContext*,
                                        const layercast::v1::GetManifestRequest*,
                                        layercast::v1::Manifest* manifest) {
   *manifest = manifest_;
-  manifest->set_version(versions_.WaitHeading(0, absl::Now()));
+  manifest->set_version(versions_.heading());
   return grpc::Status::OK;
 }
 
@@ -97,7 +97,7 @@ absl::StatusOr<HeldLayer> RelayService::Target(const layercast::v1::FetchLayerRe
                                                absl::Time deadline) const {
   const uint32_t layer = request.layer();
   // What the relay heads for counts: its layers land one by one.
-  const uint64_t newest = std::max(versions_.Newest(layer), versions_.WaitHeading(0, absl::Now()));
+  const uint64_t newest = std::max(versions_.Newest(layer), versions_.heading());
   RETURN_IF_ERROR(server::PlanWait(request, newest, kMaxVersionLead, true).status());
   const uint64_t wanted =
       request.has_exact_version() ? request.exact_version() : request.min_version();

@@ -129,6 +129,11 @@ uint64_t RelayedVersions::WaitHeading(uint64_t min_version, absl::Time deadline)
   return heading_;
 }
 
+uint64_t RelayedVersions::heading() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return heading_;
+}
+
 uint64_t RelayedVersions::held() const {
   absl::ReaderMutexLock lock(&mu_);
   uint64_t lowest = UINT64_MAX;

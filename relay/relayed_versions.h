@@ -55,6 +55,8 @@ class RelayedVersions {
   // The version the relay serves or walks to, once it is at least
   // `min_version` or at `deadline` (then below it).
   uint64_t WaitHeading(uint64_t min_version, absl::Time deadline) const;
+  // The version the relay serves or walks to, now.
+  uint64_t heading() const;
   // The lowest layer's newest version: what every layer holds.
   uint64_t held() const;
 

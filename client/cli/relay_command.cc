@@ -141,19 +141,11 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   mirror_options.dtype = dtype;
   mirror_options.listener = relay.get();
   if (upstream != nullptr) mirror_options.fallback = fallback ? fallback.get() : shards.get();
-  absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror =
-      client::ModelMirror::Create(source, mirror_options);
-  if (!mirror.ok() && upstream != nullptr &&
-      (absl::IsUnavailable(mirror.status()) || absl::IsDeadlineExceeded(mirror.status()))) {
-    Log()->warn("relay: the upstream failed the first pull ({}); following the shards",
-                mirror.status().message());
-    mirror_options.fallback = nullptr;
-    mirror = client::ModelMirror::Create(*shards, mirror_options);
-  }
-  if (!mirror.ok()) return mirror.status();
-  Log()->info("relay: holds version {} from {}; following", (*mirror)->version(),
-              absl::StrJoin((*mirror)->source().addresses(), ","));
-  (*mirror)->Follow([](const client::MirrorUpdate& update) {
+  ASSIGN_OR_RETURN(std::unique_ptr<client::ModelMirror> mirror,
+                   client::ModelMirror::Create(source, mirror_options));
+  Log()->info("relay: holds version {} from {}; following", mirror->version(),
+              absl::StrJoin(mirror->source().addresses(), ","));
+  mirror->Follow([](const client::MirrorUpdate& update) {
     Log()->info("relay: version {} ({} of {} layers changed, {} from upstream, {:.1f} ms)",
                 update.version, update.changed_layers.size(), update.layers,
                 FormatBytes(update.bytes),
@@ -163,7 +155,7 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   int signal = 0;
   sigwait(&stop_signals, &signal);
   Log()->info("relay: received {}, stopping", signal == SIGTERM ? "SIGTERM" : "SIGINT");
-  (*mirror)->StopFollowing();
+  mirror->StopFollowing();
   relay->Stop();
   return absl::OkStatus();
 }

@@ -128,6 +128,13 @@ TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
   for (uint32_t l = 0; l < followed.num_layers(); ++l) {
     ASSERT_NO_FATAL_FAILURE(ExpectHolds(followed.layer(l), newer, 2));
   }
+  // A mirror created against the dead relay makes its first pull from the
+  // shards.
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> late = client::ModelMirror::Create(
+      **dying_set, {.layer_timeout = std::chrono::seconds(3), .fallback = shards_.set.get()});
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(&(*late)->source(), shards_.set.get());
+  EXPECT_EQ((*late)->version(), 2u);
 }
 
 }  // namespace
