@@ -24,7 +24,9 @@
 // The first step at each lr is AdamW's sign-like first step in the
 // optimizer's life, or the jump from the lr before: not counted.
 //
-// Usage: delta_bench [--num-shards N] [--synthetic SPEC] [--steps S]
+// With --fp8, the bytes of fp8 deltas instead (bench/fp8_deltas.h).
+//
+// Usage: delta_bench [--num-shards N] [--synthetic SPEC] [--steps S] [--fp8]
 
 #include <sys/stat.h>
 
@@ -39,6 +41,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "bench/fp8_deltas.h"
 #include "bench/process_probes.h"
 #include "client/model_mirror.h"
 #include "client/shard_set.h"
@@ -61,12 +64,13 @@ struct Args {
   uint32_t num_shards = 2;
   std::string synthetic = "llama:layers=4,hidden=512,ffn=1408,vocab=4096,seed=5";
   uint64_t steps = 4;  // counted steps per lr, alternating W = 1 and W = 8
+  bool fp8 = false;    // bench/fp8_deltas.h instead
 };
 
 absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   ASSIGN_OR_RETURN(tools::CliFlags flags,
                    tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                                          {"num-shards", "synthetic", "steps"}));
+                                          {"num-shards", "synthetic", "steps"}, {"fp8"}));
   Args args;
   ASSIGN_OR_RETURN(uint64_t num_shards, flags.GetUint("num-shards", args.num_shards));
   ASSIGN_OR_RETURN(args.steps, flags.GetUint("steps", args.steps));
@@ -75,6 +79,7 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   }
   args.num_shards = static_cast<uint32_t>(num_shards);
   args.synthetic = flags.Get("synthetic", args.synthetic);
+  args.fp8 = flags.Has("fp8");
   return args;
 }
 
@@ -219,6 +224,10 @@ absl::Status Run(const Args& args) {
   std::error_code ignored;
   const std::filesystem::path dir = std::filesystem::temp_directory_path(ignored) / "delta_bench";
   std::filesystem::create_directories(dir / "logs", ignored);
+  if (args.fp8) {
+    return bench::RunFp8Deltas(args.num_shards, args.synthetic, args.steps, kToken,
+                               WriteToken(dir.string()));
+  }
   tools::LocalShardSet::Options options;
   options.shard_binary = LAYERCAST_SHARD_BINARY;
   options.num_shards = args.num_shards;

@@ -26,8 +26,8 @@ struct GatherOptions {
   // since (FetchLayerRequest.base_version); the result is the same as a
   // full pull's. A shard that no longer holds the changes since then
   // answers OUT_OF_RANGE, and ShardSet pulls the layer in full instead
-  // (and counts it: layercast_client_delta_fallbacks_total). A layer with
-  // an 8-bit float tensor is always pulled in full: no delta carries scales.
+  // (and counts it: layercast_client_delta_fallbacks_total). An 8-bit
+  // float tensor's delta brings the codes and block scales that changed.
   std::optional<uint64_t> base_version;
   // With base_version: per shard, the incarnation that served the base (as
   // `incarnations` of that gather gave it; empty or 0: unknown). A shard
@@ -61,7 +61,9 @@ struct GatherOptions {
   // Every tensor in this dtype rather than the policy's compute dtypes
   // (FetchLayerRequest.dtype), laid out as LayoutIn(layout, *dtype,
   // policy.fp8_block()) says: float32 reads the fp32 master (an export).
-  // Deltas are not served in it: base_version is ignored.
+  // Shards serve no delta in it, so base_version is ignored, unless the
+  // set is a relay that holds the layers in this dtype (Manifest.
+  // held_dtype), which serves deltas in it.
   std::optional<DType> dtype;
   // If set, increased by the elements the gather wrote that may differ
   // from what the buffer held: all of a full pull's, a delta's changed

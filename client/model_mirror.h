@@ -56,7 +56,9 @@ struct MirrorOptions {
   // Every tensor in this dtype instead of the policy's (GatherOptions::
   // dtype): an inference fleet following in fp8 the shards that trainers
   // gather in bfloat16. Shards serve no delta in such a dtype, so each
-  // update pulls the layers that moved in full.
+  // update pulls the layers that moved in full, unless the source is a
+  // relay that holds the model in it (`layercast relay --dtype`), which
+  // serves deltas in it.
   std::optional<DType> dtype = std::nullopt;
   // Staged updates: an update pulls the layers that moved into copies of
   // themselves, up to this many bytes of copies, while readers read on,
@@ -100,9 +102,9 @@ struct MirrorUpdate {
 // A whole model held on the host at the shards' newest version, for an
 // inference worker: pulled in full once, then kept current by delta pulls
 // (FetchLayerRequest.base_version) written in place, so each update moves
-// only the compute-dtype values that changed (a layer with an 8-bit float
-// tensor moves whole: a delta cannot carry block scales). Tensor views (Layer::tensor)
-// stay valid across updates: the buffers never move.
+// only the compute-dtype values that changed (of an 8-bit float tensor, the
+// codes and block scales that changed). Tensor views (Layer::tensor) stay
+// valid across updates: the buffers never move.
 //
 // Readers take a Reading, which holds updates off while it lives. An update
 // holds readers off for its whole walk, and pins it to one version

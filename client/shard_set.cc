@@ -227,12 +227,17 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   constexpr int kVersionRetries = 3;
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   GatherOptions attempt = options;
-  // Shards send no delta of an 8-bit float tensor (a changed value can move
-  // its block's scale and so every code of the block): ask for the whole
-  // layer at once rather than for a refusal from every shard first.
-  if (options.dtype ||
-      std::any_of(layout.tensors().begin(), layout.tensors().end(),
-                  [](const AssembledTensor& tensor) { return IsFloat8(tensor.compute_dtype); })) {
+  // Shards record changes in the policy's dtypes and send no delta in a
+  // dtype of the reader's own: ask for the whole layer at once rather than
+  // for a refusal from every shard first. A relay that holds the layers in
+  // that dtype (Manifest.held_dtype) serves deltas in it.
+  const bool held = options.dtype && manifests_[0].has_held_dtype() &&
+                    manifests_[0].held_dtype() == static_cast<int>(*options.dtype);
+  if (own_layout && !held &&
+      std::any_of(view_.layouts[layer].tensors().begin(), view_.layouts[layer].tensors().end(),
+                  [&options](const AssembledTensor& tensor) {
+                    return tensor.compute_dtype != *options.dtype;
+                  })) {
     attempt.base_version.reset();
   }
   bool fell_back = false;

@@ -105,6 +105,7 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
     // are the same).
     auto* out = static_cast<uint16_t*>(dst);
     CastError lost;  // added to *error only when the whole cast succeeds
+    lost.sample_every = error->sample_every;
     size_t done = count;
     if (to == DType::kBFloat16) {
       internal::F32ToBF16MeasuredAvx512(src, out, count, internal::kBF16Limits, &lost);
@@ -134,6 +135,7 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp
   uint16_t bounce[kBounceElements];
   auto* out = static_cast<unsigned char*>(dst);
   CastError lost;  // as above
+  if (error != nullptr) lost.sample_every = error->sample_every;
   for (size_t begin = 0; begin < count; begin += kBounceElements) {
     const size_t n = std::min(kBounceElements, count - begin);
     uint16_t* piece = aligned ? static_cast<uint16_t*>(dst) + begin : bounce;

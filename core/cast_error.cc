@@ -33,6 +33,7 @@ MeasureKernel KernelFor(CastIsa isa) {
 
 void CastError::Add(const CastError& other) {
   elements += other.elements;
+  unmeasured += other.unmeasured;
   overflowed += other.overflowed;
   flushed_to_zero += other.flushed_to_zero;
   became_subnormal += other.became_subnormal;
@@ -48,10 +49,28 @@ double CastError::MeanRelativeError() const {
 
 std::string CastError::Describe() const {
   return absl::StrFormat(
-      "%d elements: max relative error %.3g, mean %.3g; %d flushed to zero, %d overflowed, %d "
+      "%d elements: max relative error %.3g, mean %.3g%s; %d flushed to zero, %d overflowed, %d "
       "became subnormal",
-      elements, max_relative_error, MeanRelativeError(), flushed_to_zero, overflowed,
-      became_subnormal);
+      elements, max_relative_error, MeanRelativeError(),
+      sampled() ? absl::StrFormat(" (of a sample of %d)", measured) : "", flushed_to_zero,
+      overflowed, became_subnormal);
+}
+
+float RelativeErrorBound(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return 0x1p-8f;
+    case DType::kFloat16:
+      return 0x1p-11f;
+    // Beside the code's rounding, an 8-bit cast rounds x / scale and the
+    // code's value times the scale to fp32: a few fp32 ulps more.
+    case DType::kFloat8E4M3FN:
+      return 0x1.0001p-4f;
+    case DType::kFloat8E5M2:
+      return 0x1.0001p-3f;
+    default:
+      return 0;
+  }
 }
 
 void MeasureCastError(const float* src, const uint16_t* out, size_t n, DType to, CastError* error) {

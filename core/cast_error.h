@@ -23,6 +23,18 @@ namespace layercast {
 //   relative error |c - x| / |x|, computed as the fp32 quotient of exact
 //   operands (c - x is exact: c is x rounded), so it is at most 1 (flushed).
 // NaNs and infinities count only in `elements`.
+//
+// Sampling (sample_every > 1, the AVX-512 kernels; the others measure every
+// element): a round-to-nearest cast whose result is a normal value of the
+// dtype loses at most half an ulp, a relative error of at most the dtype's
+// unit roundoff (RelativeErrorBound), so only the elements outside that
+// range (overflowed, saturated, flushed, subnormal) can lose more, and those
+// are rare. Every vector holding one is measured, so the counts above and a
+// maximum beyond the bound are exact (a policy's max_rel_error at or above
+// the bound gates exactly); of the vectors whose every element stays normal,
+// one in sample_every is measured and the others counted `unmeasured`, so
+// `measured`, the buckets, the sum and a maximum within the bound describe
+// a deterministic sample.
 struct CastError {
   // Bounds of the relative-error buckets. bf16 rounds a normal value within
   // 2^-8 of itself, f16 within 2^-11: each dtype fills a bucket of its own,
@@ -31,7 +43,13 @@ struct CastError {
   static constexpr std::array<float, kBuckets> kBounds = {0x1p-24f, 0x1p-16f, 0x1p-12f, 0x1p-10f,
                                                           0x1p-8f,  0x1p-6f,  0x1p-4f,  0x1p-2f};
 
+  // Set by the caller before a measured cast: measure one in this many of
+  // the vectors that stay in the normal range (1: every one). Not added up.
+  uint32_t sample_every = 1;
+
   uint64_t elements = 0;
+  // Finite, nonzero elements whose cast is normal, outside the sample.
+  uint64_t unmeasured = 0;
   uint64_t overflowed = 0;
   uint64_t flushed_to_zero = 0;
   uint64_t became_subnormal = 0;
@@ -51,6 +69,8 @@ struct CastError {
   // infinity, or saturated), whatever the bound.
   bool Exceeds(float bound) const { return overflowed > 0 || max_relative_error > bound; }
   double MeanRelativeError() const;
+  // Whether the figures of the measured elements describe a sample.
+  bool sampled() const { return unmeasured > 0; }
   // "1048576 elements: max relative error 0.00195, mean 0.000488; 3 flushed to
   // zero, 0 overflowed, 0 became subnormal".
   std::string Describe() const;
@@ -66,5 +86,10 @@ void MeasureCastError(const float* src, const uint16_t* out, size_t n, DType to,
 // kScalar's). Counts and the maximum are identical for every variant.
 void MeasureCastError(const float* src, const uint16_t* out, size_t n, DType to, CastError* error,
                       CastIsa isa);
+
+// The most a round-to-nearest cast to `dtype` (bfloat16, float16 or an
+// 8-bit float) loses, relative, where its result is a normal value: the
+// dtype's unit roundoff, 2^-(mantissa bits + 1).
+float RelativeErrorBound(DType dtype);
 
 }  // namespace layercast

@@ -37,11 +37,15 @@ inline constexpr std::array<uint32_t, kTableEntries> kAboveTable = AboveTable();
 static_assert(kBucketIndexBelow == kTableEntries - 1);
 static_assert(CastError::kBuckets == 8, "eight nibbles a lane");
 
-// Calls body(add), where add(kept, a, difference, overflowed, flushed,
-// subnormal) adds to `*error`, by the end of the call, what a cast lost in
-// the lanes of `kept`: |difference| (the cast less x, or its negation) over
-// a (x's magnitude bits) each, and the counts of the rare kinds of loss the
-// caller found among its 16 lanes. Callers count `elements` themselves.
+// Calls body(add, sample), where add(kept, a, difference, overflowed,
+// flushed, subnormal) adds to `*error`, by the end of the call, what a cast
+// lost in the lanes of `kept`: |difference| (the cast less x, or its
+// negation) over a (x's magnitude bits) each, and the counts of the rare
+// kinds of loss the caller found among its 16 lanes. skip(normal) says
+// whether a vector whose lanes in the normal range are `normal` goes
+// unmeasured: one whose 16 lanes all are, outside the sample of one in
+// error->sample_every such vectors, is counted unmeasured and not passed to
+// add. Callers count `elements` themselves.
 // REQUIRES: a is nonzero in the lanes of `kept`, and their relative errors
 // are at most 2^7 (the bucket table's last bucket; casts lose far less).
 //
@@ -55,7 +59,9 @@ template <typename Body>
   const __m512i table_high = _mm512_loadu_si512(kAboveTable.data() + 16);
   // The counts of the rare kinds of loss are scalars: 32 vector registers
   // hold the cast's constants and the accumulators below, and no more.
-  uint64_t overflowed = 0, flushed = 0, subnormal = 0, measured = 0;
+  uint64_t overflowed = 0, flushed = 0, subnormal = 0, measured = 0, unmeasured = 0;
+  const uint32_t every = std::max<uint32_t>(1, error->sample_every);
+  uint32_t countdown = every;
   __m512i nibbles = _mm512_setzero_si512(), even_bytes = nibbles, odd_bytes = nibbles;
   __m512 sum = _mm512_setzero_ps();
   // The largest relative error's bits: errors are never negative, and such
@@ -69,6 +75,7 @@ template <typename Body>
     error->flushed_to_zero += flushed;
     error->became_subnormal += subnormal;
     error->measured += measured;
+    error->unmeasured += unmeasured;
     // Bucket 2k is byte k of each even_bytes lane, 2k + 1 of odd_bytes, and
     // the nibbles not yet moved are bucket j's field j.
     alignas(64) uint8_t even[64], odd[64];
@@ -87,7 +94,7 @@ template <typename Body>
     for (float lane : lanes) error->relative_error_sum += lane;
     _mm512_store_si512(lanes, max);
     for (float lane : lanes) error->max_relative_error = std::max(error->max_relative_error, lane);
-    overflowed = flushed = subnormal = measured = 0;
+    overflowed = flushed = subnormal = measured = unmeasured = 0;
     nibbles = even_bytes = odd_bytes = _mm512_setzero_si512();
     sum = _mm512_setzero_ps();
     max = _mm512_setzero_si512();
@@ -124,7 +131,18 @@ template <typename Body>
     }
   };
 
-  body(add);
+  // Whether a vector whose lanes are `normal` (all 16: it stays in the
+  // normal range) goes unmeasured. A countdown, not a modulo, and without a
+  // branch of its own: the caller's is the only one a skipped vector costs.
+  auto skip = [&](__mmask16 normal) __attribute__((always_inline)) {
+    const bool in_sample = --countdown == 0;
+    countdown = in_sample ? every : countdown;
+    const bool skipped = normal == 0xFFFF && !in_sample;
+    unmeasured += skipped ? 16 : 0;
+    return skipped;
+  };
+
+  body(add, skip);
   flush();
 }
 

@@ -278,12 +278,24 @@ void QuantizeFp8Avx512(const float* src, size_t n, float scale, const Fp8Spec& s
   // none saturates under its block's scale, and the cast is `rounded` (the
   // code's value) times the scale, with x's sign.
   ErrorMeter meter(format);
-  avx512::MeasureLoss(error, [&](auto& add_loss) {
+  avx512::MeasureLoss(error, [&](auto& add_loss, auto& skip) {
     const __m512i magnitude_mask = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i least_normal_code = _mm512_set1_epi32(1 << SpecOf(format).mantissa_bits);
+    // x is at least the format's least normal times the scale exactly when
+    // x times its inverse (a power of two: exact) is at least the scale.
+    const __m512 inverse_least_normal =
+        _mm512_set1_ps(1.0f / std::bit_cast<float>(SpecOf(format).min_normal_bits));
     blocks(
         [&](__m512 x, __m512i codes, __m512 rounded, __m512 scale, __mmask16 lanes) {
           const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), magnitude_mask);
+          // Lanes in the normal range lose at most the unit roundoff: a
+          // whole vector of them is measured only in the sample. (Zero
+          // lanes are below it, and so is a tail's.)
+          const __mmask16 normal = _mm512_mask_cmp_ps_mask(
+              lanes, _mm512_mul_ps(_mm512_castsi512_ps(a), inverse_least_normal), scale,
+              _CMP_GE_OQ);
+          if (skip(normal)) [[likely]]
+            return;
           const __mmask16 counted = _mm512_mask_test_epi32_mask(lanes, a, a);
           const RareLosses rare = RareLossesOf(counted, a, codes, least_normal_code);
           add_loss(counted, a, _mm512_sub_ps(_mm512_mul_ps(rounded, scale), _mm512_castsi512_ps(a)),

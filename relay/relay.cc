@@ -1,6 +1,8 @@
 #include "relay/relay.h"
 
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "platform/status_macros.h"
@@ -68,10 +70,26 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
   return relay;
 }
 
+namespace {
+
+// The shards' manifests as a relay serves them: naming the dtype it holds
+// when that is one of its own.
+std::vector<layercast::v1::Manifest> Served(std::vector<layercast::v1::Manifest> manifests,
+                                            std::optional<DType> dtype) {
+  if (dtype) {
+    for (layercast::v1::Manifest& manifest : manifests) {
+      manifest.set_held_dtype(static_cast<layercast::v1::DType>(*dtype));
+    }
+  }
+  return manifests;
+}
+
+}  // namespace
+
 Relay::Relay(const client::ShardSet& upstream, RelayOptions options,
              std::vector<AssembledLayout> layouts)
     : options_(std::move(options)),
-      manifests_(upstream.manifests()),
+      manifests_(Served(upstream.manifests(), options_.dtype)),
       view_(upstream.view()),
       layouts_(std::move(layouts)),
       versions_(layouts_, options_.keep_versions),

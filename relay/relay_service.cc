@@ -1,6 +1,7 @@
 #include "relay/relay_service.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
@@ -62,6 +63,8 @@ RelayService::RelayService(const layercast::v1::Manifest& manifest, const wire::
   std::copy_n(manifest.content_fingerprint().begin(),
               std::min(manifest.content_fingerprint().size(), facts_.content_fingerprint.size()),
               facts_.content_fingerprint.begin());
+  held_facts_ = facts_;
+  held_facts_.layouts = layouts_;
 }
 
 absl::Time RelayService::Deadline(const grpc::ServerContext& context) const {
@@ -132,7 +135,10 @@ grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
     // not one of the relay's own.
     layercast::v1::FetchLayerRequest planned = *request;
     planned.clear_base_incarnation();
-    ASSIGN_OR_RETURN(const server::FetchPlan plan, server::PlanFetch(facts_, planned));
+    const bool held_dtype =
+        manifest_.has_held_dtype() && request->dtype() == manifest_.held_dtype();
+    ASSIGN_OR_RETURN(const server::FetchPlan plan,
+                     server::PlanFetch(held_dtype ? held_facts_ : facts_, planned));
     const AssembledLayout& held = layouts_[request->layer()];
     for (uint32_t t = 0; t < held.tensors().size(); ++t) {
       const DType has = held.tensors()[t].compute_dtype;
@@ -187,7 +193,7 @@ absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& 
         "the shard this relay follows does not name its chunk size (Manifest.chunk_bytes): "
         "upgrade the shards");
   }
-  std::vector<uint64_t> span_changed;
+  std::vector<uint64_t> span_changed, span_scales;
   for (const TensorElementRange& run : plan.runs) {
     const AssembledTensor& placed = plan.layout.tensors()[run.tensor];
     const size_t size = DTypeSize(placed.compute_dtype);
@@ -198,14 +204,26 @@ absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& 
       const uint8_t* values = target.bytes->data() + placed.byte_offset + e * size;
       LayerChunk chunk;
       if (changed != nullptr) {
-        SpanBits((*changed)[run.tensor], e, n, span_changed);
+        SpanBits(changed->elements[run.tensor], e, n, span_changed);
+        // An 8-bit float span's scales: those of every block it touches.
+        std::optional<wire::DeltaScales> scales;
+        if (placed.block_size != 0) {
+          const uint64_t first = e / placed.block_size;
+          const uint64_t blocks = (e + n + placed.block_size - 1) / placed.block_size - first;
+          SpanBits(changed->scales[run.tensor], first, blocks, span_scales);
+          scales =
+              wire::DeltaScales{{target.bytes->data() + placed.scale_offset + first * sizeof(float),
+                                 blocks * sizeof(float)},
+                                span_scales};
+        }
         const grpc::Slice encoded = wire::EncodeDeltaChunk({.tensor = run.tensor,
                                                             .element_offset = e,
                                                             .span_elements = n,
                                                             .version = target.version,
                                                             .base_version = base_version,
                                                             .gaps_allowed = gaps},
-                                                           {values, n * size}, size, span_changed);
+                                                           {values, n * size}, size, span_changed,
+                                                           scales ? &*scales : nullptr);
         chunk.ParseFromArray(encoded.begin(), static_cast<int>(encoded.size()));
       } else {
         chunk.set_tensor(run.tensor);

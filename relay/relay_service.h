@@ -77,6 +77,10 @@ class RelayService final : public layercast::v1::ShardService::Service {
   const Options options_;
   const uint32_t shard_;
   server::FetchFacts facts_;
+  // The same, with the layers as the relay holds them: a read naming the
+  // dtype a relay holds (Manifest.held_dtype) is planned by these, so that
+  // it is no dtype of its own to the plan, and gets deltas.
+  server::FetchFacts held_facts_;
 };
 
 }  // namespace layercast::relay

@@ -4,64 +4,32 @@
 #include <cstring>
 #include <utility>
 
+#include "core/changed_bits.h"
 #include "core/dtype.h"
+#include "core/fp8.h"
 
 namespace layercast::relay {
 
 namespace {
 
-// One bit per element of the `n` elements of `now` and `was` (2 or 4
-// bytes each): set where they differ. Word by word (SWAR): four 16-bit or
-// two 32-bit lanes per 64 bits, so a 100 MB layer compares in milliseconds
-// on the thread that pulls.
-template <size_t Size>
-void Compare(const uint8_t* now, const uint8_t* was, uint64_t n, std::vector<uint64_t>& bits) {
-  static_assert(Size == 2 || Size == 4);
-  constexpr uint64_t kLanes = 8 / Size;
-  // Per lane: all bits but the top one, and the top one.
-  constexpr uint64_t kLow = Size == 2 ? 0x7FFF7FFF7FFF7FFFull : 0x7FFFFFFF7FFFFFFFull;
-  constexpr uint64_t kHigh = ~kLow;
-  bits.assign((n + 63) / 64, 0);
-  const uint64_t whole = n / kLanes * kLanes;
-  for (uint64_t i = 0; i < whole; i += kLanes) {
-    uint64_t a, b;
-    std::memcpy(&a, now + i * Size, 8);
-    std::memcpy(&b, was + i * Size, 8);
-    const uint64_t x = a ^ b;
-    if (x == 0) continue;
-    // The top bit of each lane that is not zero.
-    const uint64_t lanes = (((x & kLow) + kLow) | x) & kHigh;
-    for (uint64_t lane = 0; lane < kLanes; ++lane) {
-      if (lanes >> (lane * Size * 8 + Size * 8 - 1) & 1) {
-        bits[(i + lane) / 64] |= uint64_t{1} << ((i + lane) % 64);
-      }
-    }
-  }
-  for (uint64_t i = whole; i < n; ++i) {
-    if (std::memcmp(now + i * Size, was + i * Size, Size) != 0) {
-      bits[i / 64] |= uint64_t{1} << (i % 64);
-    }
-  }
-}
-
 ChangedElements Changes(const AssembledLayout& layout, const uint8_t* now, const uint8_t* was) {
   ChangedElements changed(layout.tensors().size());
   for (size_t t = 0; t < layout.tensors().size(); ++t) {
     const AssembledTensor& tensor = layout.tensors()[t];
-    const uint8_t* a = now + tensor.byte_offset;
-    const uint8_t* b = was + tensor.byte_offset;
-    switch (DTypeSize(tensor.compute_dtype)) {
-      case 2:
-        Compare<2>(a, b, tensor.num_elements, changed[t]);
-        break;
-      case 4:
-        Compare<4>(a, b, tensor.num_elements, changed[t]);
-        break;
-      default:
-        break;  // 8-bit floats: no delta of them is served (PlanFetch)
+    MarkChangedBits(now + tensor.byte_offset, was + tensor.byte_offset, tensor.num_elements,
+                    DTypeSize(tensor.compute_dtype), changed.elements[t]);
+    if (tensor.block_size != 0) {
+      MarkChangedBits(now + tensor.scale_offset, was + tensor.scale_offset,
+                      Fp8BlockCount(tensor.num_elements, tensor.block_size), sizeof(float),
+                      changed.scales[t]);
     }
   }
   return changed;
+}
+
+// into |= from, word by word (both bitmaps of the same tensor).
+void Or(const std::vector<uint64_t>& from, std::vector<uint64_t>& into) {
+  for (size_t w = 0; w < from.size(); ++w) into[w] |= from[w];
 }
 
 }  // namespace
@@ -219,16 +187,27 @@ std::shared_ptr<const ChangedElements> RelayedVersions::ChangedBetween(
     moved.push_back(i);
   }
   if (moved.size() == 1) return kept[moved[0]].changed;  // the common delta
-  auto changed = std::make_shared<ChangedElements>(layouts_[layer].tensors().size());
-  for (size_t t = 0; t < changed->size(); ++t) {
-    (*changed)[t].assign((layouts_[layer].tensors()[t].num_elements + 63) / 64, 0);
-  }
   // A value that changed and changed back is sent again: its newest bits,
   // so the delta still gives the target exactly (as the shards' own).
-  for (const size_t i : moved) {
-    for (size_t t = 0; t < changed->size(); ++t) {
-      const std::vector<uint64_t>& since = (*kept[i].changed)[t];
-      for (size_t w = 0; w < since.size(); ++w) (*changed)[t][w] |= since[w];
+  if (moved.empty()) {  // every version since the base changed nothing
+    const AssembledLayout& layout = layouts_[layer];
+    auto none = std::make_shared<ChangedElements>(layout.tensors().size());
+    for (size_t t = 0; t < layout.tensors().size(); ++t) {
+      const AssembledTensor& tensor = layout.tensors()[t];
+      none->elements[t].assign((tensor.num_elements + 63) / 64, 0);
+      if (tensor.block_size != 0) {
+        none->scales[t].assign((Fp8BlockCount(tensor.num_elements, tensor.block_size) + 63) / 64,
+                               0);
+      }
+    }
+    return none;
+  }
+  auto changed = std::make_shared<ChangedElements>(*kept[moved[0]].changed);
+  for (size_t m = 1; m < moved.size(); ++m) {
+    const ChangedElements& since = *kept[moved[m]].changed;
+    for (size_t t = 0; t < since.elements.size(); ++t) {
+      Or(since.elements[t], changed->elements[t]);
+      Or(since.scales[t], changed->scales[t]);
     }
   }
   return changed;

@@ -27,8 +27,13 @@ struct HeldLayer {
 };
 
 // Per tensor, one bit per element (bit i % 64 of word i / 64): the elements
-// whose bits differ between two versions of a layer.
-using ChangedElements = std::vector<std::vector<uint64_t>>;
+// whose bits differ between two versions of a layer; for an 8-bit float
+// tensor, its codes, and in `scales` one bit per block scale (empty for
+// other tensors).
+struct ChangedElements {
+  explicit ChangedElements(size_t tensors) : elements(tensors), scales(tensors) {}
+  std::vector<std::vector<uint64_t>> elements, scales;
+};
 
 // What a relay serves: every layer's newest version and up to `keep` of
 // the versions before it (for deltas from them and pinned reads of them),

@@ -68,6 +68,29 @@ void QuantizeChunk(const AssembledTensor& placed, ElementRange chunk, const floa
 }
 }  // namespace
 
+void ChunkCaster::Quantize(const ChunkKey& key, const AssembledTensor& placed,
+                           const PinnedVersions::Kept* kept, uint8_t* out,
+                           CastError* measure) const {
+  // Quantized from the master, or from the fp32 a change kept (KeptDType):
+  // its blocks copied out first, as the kept bits may put them at any byte
+  // offset.
+  const ElementRange owned = store_.owned(key.layer, key.tensor);
+  const ElementRange elements{key.element_begin, key.element_begin + key.elements};
+  const float* values = store_.master(key.layer, key.tensor);
+  uint64_t base = owned.begin;
+  thread_local std::vector<float> kept_values;
+  if (kept != nullptr) {
+    const ElementRange blocks = WholeBlocks(placed, elements);
+    kept_values.resize(blocks.size());
+    std::memcpy(kept_values.data(),
+                kept->tensor(key.tensor) + (blocks.begin - owned.begin) * sizeof(float),
+                blocks.size() * sizeof(float));
+    values = kept_values.data();
+    base = blocks.begin;
+  }
+  QuantizeChunk(placed, elements, values, base, out, measure);
+}
+
 absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& placed,
                                    const PinnedVersions::Kept* kept, uint8_t* out,
                                    uint32_t* crc) const {
@@ -95,6 +118,9 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
   const std::optional<CastErrorLedger::Known> known =
       on_grid && options_.cast_errors != nullptr ? options_.cast_errors->Find(key) : std::nullopt;
   CastError measured;
+  const std::optional<float> bound = store_.policy().max_rel_error();
+  measured.sample_every =
+      bound.has_value() && *bound < RelativeErrorBound(key.dtype) ? 1 : options_.sample_every;
   CastError* const measure =
       narrows && !known.has_value() && !options_.own_dtype ? &measured : nullptr;
   // The CRC pass, like the measurement, runs on a chunk's first cast at a
@@ -104,22 +130,7 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
       crc != nullptr && !options_.recast && known.has_value() && known->crc32c.has_value();
   uint32_t* const checksum = crc_known ? nullptr : crc;
   if (IsFloat8(key.dtype)) {
-    // Quantized from the master, or from the fp32 a change kept (KeptDType):
-    // its blocks copied out first, as the kept bits may put them at any
-    // byte offset.
-    const float* values = store_.master(key.layer, key.tensor);
-    uint64_t base = owned.begin;
-    thread_local std::vector<float> kept_values;
-    if (kept != nullptr) {
-      const ElementRange blocks = WholeBlocks(placed, elements);
-      kept_values.resize(blocks.size());
-      std::memcpy(kept_values.data(),
-                  kept->tensor(key.tensor) + (blocks.begin - owned.begin) * sizeof(float),
-                  blocks.size() * sizeof(float));
-      values = kept_values.data();
-      base = blocks.begin;
-    }
-    QuantizeChunk(placed, elements, values, base, out, measure);
+    Quantize(key, placed, kept, out, measure);
     if (checksum != nullptr) *checksum = Crc32c(out, SentBytes(placed, elements), *checksum);
   } else {
     const float* source = store_.master(key.layer, key.tensor) + skip;
@@ -166,8 +177,7 @@ absl::Status ChunkCaster::CastInto(const ChunkKey& key, const AssembledTensor& p
   }
   if (crc_known) *crc = *known->crc32c;
   const CastError& error = known.has_value() ? known->error : measured;
-  if (const std::optional<float> bound = store_.policy().max_rel_error();
-      bound.has_value() && !options_.own_dtype && error.Exceeds(*bound)) {
+  if (bound.has_value() && !options_.own_dtype && error.Exceeds(*bound)) {
     const std::string& name = store_.model().layers[key.layer].tensors[key.tensor].name;
     const std::string figure =
         error.overflowed > 0

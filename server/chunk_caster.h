@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "core/cast_error.h"
 #include "server/cast_error_ledger.h"
 #include "server/parameter_store.h"
 #include "server/pinned_versions.h"
@@ -31,6 +32,11 @@ class ChunkCaster {
     // casts are neither measured nor held to the policy's max_rel_error,
     // which bounds the policy's casts.
     bool own_dtype = false;
+    // --cast-error-sample-every: of the vectors whose every element casts
+    // to a normal value, measure one in this many (CastError::
+    // sample_every). Every one when the policy's max_rel_error is below
+    // the dtype's unit roundoff, so that the bound gates exactly.
+    uint32_t sample_every = 1;
   };
 
   // Everything referenced must outlive the caster.
@@ -48,6 +54,14 @@ class ChunkCaster {
   // `placed`: the tensor as the stream lays it out (in key.dtype).
   absl::Status CastInto(const ChunkKey& key, const AssembledTensor& placed,
                         const PinnedVersions::Kept* kept, uint8_t* out, uint32_t* crc) const;
+
+  // Quantizes the key's elements of an 8-bit float tensor as they were at
+  // the version `kept` holds (the master's when null) into `out`, codes
+  // then scales, as CastInto does; with `measure`, adds what it lost there.
+  // Nothing is counted, checked or checksummed: a delta quantizes its base
+  // again with it. REQUIRES: IsFloat8(key.dtype), as CastInto's.
+  void Quantize(const ChunkKey& key, const AssembledTensor& placed,
+                const PinnedVersions::Kept* kept, uint8_t* out, CastError* measure = nullptr) const;
 
  private:
   const ParameterStore& store_;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/changed_bits.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
 #include "server/answer_before.h"
@@ -35,7 +36,8 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
               {.chunk_bytes = options_.chunk_bytes,
                .cast_errors = options_.cast_errors,
                .recast = options_.recast,
-               .own_dtype = plan_.dtype.has_value()}),
+               .own_dtype = plan_.dtype.has_value(),
+               .sample_every = options_.cast_error_sample_every}),
       buffer_bytes_(
           StreamBufferBytes(plan_, options_.chunk_bytes, options_.base_version.has_value())),
       peer_(context->peer()) {
@@ -282,24 +284,78 @@ absl::StatusOr<CastChunk> FetchLayerReactor::CastDelta(const ChunkKey& key) {
   // packed into the chunk.
   thread_local std::vector<uint8_t> values;
   thread_local std::vector<uint64_t> changed;
+  const AssembledTensor& placed = plan_.layout.tensors()[key.tensor];
+  const wire::DeltaSpan span{.tensor = key.tensor,
+                             .element_offset = key.element_begin,
+                             .span_elements = key.elements,
+                             .version = key.version,
+                             .base_version = key.base_version,
+                             .gaps_allowed = key.gaps};
   try {
-    values.resize(key.elements * DTypeSize(key.dtype));
-    RETURN_IF_ERROR(caster_.CastInto(key, plan_.layout.tensors()[key.tensor], kept.get(),
-                                     values.data(), nullptr));
+    values.resize(SentBytes(placed, {key.element_begin, key.element_begin + key.elements}));
+    RETURN_IF_ERROR(caster_.CastInto(key, placed, kept.get(), values.data(), nullptr));
     options_.changes->ChangedSince(key.layer, key.base_version, key.version, key.tensor,
                                    key.element_begin, key.elements, changed);
-    return CastChunk{wire::EncodeDeltaChunk({.tensor = key.tensor,
-                                             .element_offset = key.element_begin,
-                                             .span_elements = key.elements,
-                                             .version = key.version,
-                                             .base_version = key.base_version,
-                                             .gaps_allowed = key.gaps},
-                                            values, DTypeSize(key.dtype), changed),
-                     0, /*framed=*/true};
+    if (placed.block_size != 0) return CastFp8Delta(key, placed, span, values, changed);
+    return CastChunk{wire::EncodeDeltaChunk(span, values, DTypeSize(key.dtype), changed), 0,
+                     /*framed=*/true};
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat("out of memory for a delta chunk of ",
                                                      key.elements, " elements; retry later"));
   }
+}
+
+absl::StatusOr<CastChunk> FetchLayerReactor::CastFp8Delta(const ChunkKey& key,
+                                                          const AssembledTensor& placed,
+                                                          const wire::DeltaSpan& span,
+                                                          std::span<const uint8_t> quantized,
+                                                          std::vector<uint64_t>& changed) {
+  const uint64_t first = key.element_begin / placed.block_size;
+  const uint64_t blocks =
+      (key.element_begin + key.elements + placed.block_size - 1) / placed.block_size - first;
+  const std::span<const uint8_t> scales = quantized.subspan(key.elements, blocks * sizeof(float));
+  thread_local std::vector<uint64_t> scales_changed;
+  // `changed` holds the fp32 values that changed (what the log records of
+  // an 8-bit float tensor): with none, no code or scale of the span moved.
+  // Else the base is quantized again, and the codes and scales compared.
+  if (std::all_of(changed.begin(), changed.end(), [](uint64_t word) { return word == 0; })) {
+    scales_changed.assign((blocks + 63) / 64, 0);
+  } else {
+    ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> base, BaseOf(key));
+    thread_local std::vector<uint8_t> was;
+    was.resize(quantized.size());
+    ChunkKey at_base = key;
+    at_base.version = key.base_version;
+    caster_.Quantize(at_base, placed, base.get(), was.data());
+    MarkChangedBits(quantized.data(), was.data(), key.elements, 1, changed);
+    MarkChangedBits(scales.data(), was.data() + key.elements, blocks, sizeof(float),
+                    scales_changed);
+  }
+  const wire::DeltaScales delta_scales{scales, scales_changed};
+  return CastChunk{
+      wire::EncodeDeltaChunk(span, quantized.first(key.elements), 1, changed, &delta_scales), 0,
+      /*framed=*/true};
+}
+
+absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> FetchLayerReactor::BaseOf(
+    const ChunkKey& key) {
+  if (options_.changes->ChangedNothing(key.layer, key.base_version, gate_.version(key.layer))) {
+    return nullptr;  // the master holds the base's values
+  }
+  std::shared_ptr<const PinnedVersions::Kept> kept;
+  if (options_.pinned != nullptr) {
+    kept = options_.pinned->Find(key.layer, key.base_version, *options_.changes);
+  }
+  if (kept == nullptr) {
+    options_.changes->NoteAsked();
+    return absl::OutOfRangeError(absl::StrCat(
+        "layer ", key.layer, " has tensor ",
+        store_.model().layers[key.layer].tensors[key.tensor].name, " in ", DTypeName(key.dtype),
+        ", whose delta quantizes the base again from the fp32 this shard kept of it, and it no "
+        "longer keeps version ",
+        key.base_version, " (", WhyNotKept(), "); pull the layer in full"));
+  }
+  return kept;
 }
 
 void FetchLayerReactor::WriteNext() {
@@ -338,7 +394,10 @@ void FetchLayerReactor::WriteNext() {
   std::optional<absl::StatusOr<CastChunk>> chunk = options_.shared->GetOrCast(
       key,
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements}) +
-          (options_.base_version ? DeltaExtraBytes(key.elements) : 0),
+          (options_.base_version
+               ? DeltaExtraBytes(key.elements,
+                                 placed.block_size == 0 ? 0 : key.elements / placed.block_size + 2)
+               : 0),
       peer_, cast, [this](absl::StatusOr<CastChunk> shared) { Write(shared); });
   if (chunk) Write(*std::move(chunk));
 }

@@ -3,8 +3,11 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -22,6 +25,7 @@
 #include "server/shared_chunks.h"
 #include "server/stream_reactor.h"
 #include "server/version_gate.h"
+#include "wire/delta_chunks.h"
 
 namespace layercast::server {
 
@@ -83,6 +87,7 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
     // What each chunk's cast lost, measured once per chunk and version.
     // Null: measured, and counted in the metrics, on every cast.
     CastErrorLedger* cast_errors = nullptr;
+    uint32_t cast_error_sample_every = 1;  // as ChunkCaster::Options'.
     // The worker's last stream of this layer failed a checksum
     // (FetchLayerRequest.recast): the stream trusts no kept CRC, checksums
     // every chunk it casts, and puts that CRC in `cast_errors` in place of
@@ -131,6 +136,18 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   // layer (now at `current`) has left.
   absl::Status NotInThisDType(uint64_t version, uint64_t current) const;
   // Why a superseded version is not at hand, for messages.
+  // A delta chunk of an 8-bit float tensor, from the span's codes and
+  // scales at key.version (`quantized`) and the fp32 elements that changed
+  // since the base (`changed`, rewritten to the codes that changed).
+  absl::StatusOr<CastChunk> CastFp8Delta(const ChunkKey& key, const AssembledTensor& placed,
+                                         const wire::DeltaSpan& span,
+                                         std::span<const uint8_t> quantized,
+                                         std::vector<uint64_t>& changed);
+  // What an 8-bit float delta quantizes its base again from: null for the
+  // master (nothing changed since the base), else the fp32 PinnedVersions
+  // kept of it; OUT_OF_RANGE when that is gone. REQUIRES: the layer's
+  // mutex held shared.
+  absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> BaseOf(const ChunkKey& key);
   std::string WhyNotKept() const;
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);
   // Casts (or shares) the next chunk and writes it, or finishes when the

@@ -128,18 +128,6 @@ absl::StatusOr<FetchPlan> PlanFetch(const FetchFacts& facts,
         DTypeName(*plan.dtype), ", so it serves no delta in it; pull layer ", request.layer(),
         " in full"));
   }
-  if (request.has_base_version()) {
-    for (uint32_t t = 0; t < layer.tensors.size(); ++t) {
-      const DType dtype = plan.layout.tensors()[t].compute_dtype;
-      if (!IsFloat8(dtype)) continue;
-      // A changed value can move its block's scale, and with it every code
-      // of the block: a delta of codes alone would be wrong.
-      return absl::OutOfRangeError(absl::StrCat(
-          "layer ", request.layer(), " has tensor ", layer.tensors[t].name, " in ",
-          DTypeName(dtype), ", and delta pulls do not carry block scales; pull the layer in full"));
-    }
-  }
-
   uint64_t begin = request.range_begin(), end = request.range_end();
   if (begin == 0 && end == 0) {
     end = plan.layout.total_bytes();
@@ -177,12 +165,14 @@ constexpr uint64_t kDeltaHeaderBytes = 64;
 
 }  // namespace
 
-uint64_t DeltaExtraBytes(uint64_t elements) { return elements / 8 + kDeltaHeaderBytes; }
+uint64_t DeltaExtraBytes(uint64_t elements, uint64_t blocks) {
+  return elements / 8 + blocks / 8 + 2 + kDeltaHeaderBytes;
+}
 
 uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas) {
-  // A delta chunk of 16-bit values (the smallest with deltas: 8-bit floats
-  // have none) adds a bit per 2 bytes of values.
-  return 2 * (deltas ? chunk_bytes + chunk_bytes / 16 + kDeltaHeaderBytes : chunk_bytes);
+  // A delta chunk adds a bit per element and per 8-bit float block scale,
+  // each at least a byte of the chunk (8-bit codes are the narrowest).
+  return 2 * (deltas ? chunk_bytes + chunk_bytes / 8 + 2 + kDeltaHeaderBytes : chunk_bytes);
 }
 
 uint64_t StreamBufferBytes(const FetchPlan& plan, uint64_t chunk_bytes, bool delta) {
@@ -194,8 +184,9 @@ uint64_t StreamBufferBytes(const FetchPlan& plan, uint64_t chunk_bytes, bool del
     // block more than whole blocks would.
     const uint64_t scales =
         placed.block_size == 0 ? 0 : (elements / placed.block_size + 2) * sizeof(float);
-    largest = std::max(largest, elements * DTypeSize(placed.compute_dtype) + scales +
-                                    (delta ? DeltaExtraBytes(elements) : 0));
+    largest =
+        std::max(largest, elements * DTypeSize(placed.compute_dtype) + scales +
+                              (delta ? DeltaExtraBytes(elements, scales / sizeof(float)) : 0));
   }
   return 2 * largest;
 }

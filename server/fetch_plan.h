@@ -80,9 +80,10 @@ class ChunkGrid {
 uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_index,
                     uint32_t num_shards, uint64_t chunk_bytes);
 
-// What a delta chunk of `elements` values holds beside them: its bitmap and
-// a header (tags, varints and the CRC).
-uint64_t DeltaExtraBytes(uint64_t elements);
+// What a delta chunk of `elements` values (and `blocks` block scales, for
+// an 8-bit float) holds beside them: their bitmaps and a header (tags,
+// varints and the CRC).
+uint64_t DeltaExtraBytes(uint64_t elements, uint64_t blocks);
 
 // Budgeted bytes one stream of `plan` holds while it runs: its largest
 // chunk, twice, since the transport may still hold the previous chunk's

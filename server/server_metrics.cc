@@ -75,9 +75,22 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   cast_relative_error_ = &BuildHistogram()
                               .Name("layercast_cast_relative_error")
                               .Help(
-                                  "Relative error |cast - x| / |x| of each finite, nonzero element "
-                                  "cast to a narrower dtype, by dtype and layer range")
+                                  "Relative error |cast - x| / |x| of finite, nonzero elements "
+                                  "cast to a narrower dtype, by dtype and layer range: every "
+                                  "element that overflowed, was flushed or became subnormal, "
+                                  "and a deterministic sample of the rest, one in "
+                                  "--cast-error-sample-every vectors of 16 (the others are "
+                                  "layercast_cast_unmeasured_elements_total)")
                               .Register(r);
+  cast_unmeasured_elements_ =
+      &BuildCounter()
+           .Name("layercast_cast_unmeasured_elements_total")
+           .Help(
+               "Elements cast to a normal value of a narrower dtype (a relative error of at most "
+               "its unit roundoff) whose error is outside the measured sample "
+               "(--cast-error-sample-every), by dtype and layer range: nonzero means "
+               "layercast_cast_relative_error describes a sample")
+           .Register(r);
   cast_lost_elements_ = &BuildCounter()
                              .Name("layercast_cast_lost_elements_total")
                              .Help(
@@ -292,6 +305,7 @@ void ServerMetrics::RecordCastError(uint64_t layer, DType dtype, const CastError
   increments[CastError::kBuckets] = static_cast<double>(error.above[CastError::kBuckets - 1]);
   cast_relative_error_->Add(labels, RelativeErrorBuckets())
       .ObserveMultiple(increments, error.relative_error_sum);
+  cast_unmeasured_elements_->Add(labels).Increment(static_cast<double>(error.unmeasured));
   for (const auto& [how, count] : {std::pair{"overflowed", error.overflowed},
                                    std::pair{"flushed_to_zero", error.flushed_to_zero},
                                    std::pair{"became_subnormal", error.became_subnormal}}) {

@@ -118,6 +118,7 @@ class ServerMetrics {
   prometheus::Counter* cast_input_bytes_;
   prometheus::Family<prometheus::Histogram>* cast_relative_error_;
   prometheus::Family<prometheus::Counter>* cast_lost_elements_;
+  prometheus::Family<prometheus::Counter>* cast_unmeasured_elements_;
   std::atomic<uint64_t> layers_known_{0};  // from SetShardInfo, for LayerRange
   prometheus::Counter* chunks_cast_;
   prometheus::Counter* chunks_shared_;

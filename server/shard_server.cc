@@ -126,7 +126,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           .max_version_wait = std::chrono::milliseconds(config.max_version_wait_ms()),
           .write_progress_timeout = std::chrono::milliseconds(config.write_progress_timeout_ms()),
           .worker_tokens = std::move(worker_tokens),
-          .cast_errors = server->cast_errors_.get()},
+          .cast_errors = server->cast_errors_.get(),
+          .cast_error_sample_every = config.cast_error_sample_every()},
       server->metrics_, server->grants_.get_executor(), &server->timers_);
   server->admin_ = std::make_unique<ShardAdminService>(
       std::move(admin), server->service_->version_gate(), server->metrics_);

@@ -187,6 +187,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   reactor_options.changes = changes;
   reactor_options.pinned = shard->pinned.get();
   reactor_options.cast_errors = options_.cast_errors;
+  reactor_options.cast_error_sample_every = options_.cast_error_sample_every;
   // Before the client's deadline, so that it hears what the version waits
   // for rather than gRPC's bare DEADLINE_EXCEEDED.
   reactor_options.version_give_up_at =

@@ -78,6 +78,8 @@ class ShardService final
     // What each chunk's cast lost; null: measured on every cast, and
     // GetCastError lists nothing.
     CastErrorLedger* cast_errors = nullptr;
+    // --cast-error-sample-every (CastError::sample_every).
+    uint32_t cast_error_sample_every = 1;
   };
 
   // `metrics` must outlive the service; `grants` (the shard's grant

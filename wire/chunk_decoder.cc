@@ -88,8 +88,17 @@ absl::StatusOr<uint64_t> ChunkDecoder::AcceptDelta(grpc::ByteBuffer& chunk) {
       Destination(parsed.tensor(), parsed.element_offset(), span_bytes);
   if (!place.ok()) return place.status();
   if (absl::Status version = CheckVersion(parsed.version()); !version.ok()) return version;
+  // An 8-bit float span's block scales: every block it touches.
+  std::span<uint8_t> scales;
+  if (const Run& run = runs_[run_]; run.block_size != 0 && parsed.span_elements() != 0) {
+    const uint64_t first = parsed.element_offset() / run.block_size;
+    const uint64_t end =
+        (parsed.element_offset() + parsed.span_elements() + run.block_size - 1) / run.block_size;
+    scales =
+        buffer_.subspan(run.scale_offset + first * sizeof(float), (end - first) * sizeof(float));
+  }
   absl::StatusOr<uint64_t> applied =
-      ApplyDeltaChunk(parsed, element_size, std::span<uint8_t>(*place, span_bytes));
+      ApplyDeltaChunk(parsed, element_size, std::span<uint8_t>(*place, span_bytes), scales);
   if (!applied.ok()) return applied.status();
   changed_elements_ += *applied;
   Advance(span_bytes);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/crc32c.h"
+#include "platform/status_macros.h"
 
 namespace layercast::wire {
 namespace {
@@ -21,31 +22,29 @@ uint64_t BitmapBytes(uint64_t elements) { return (elements + 7) / 8; }
 
 }  // namespace
 
-grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> values,
-                             size_t element_size, std::span<const uint64_t> changed) {
-  layercast::v1::LayerChunk chunk;
-  chunk.set_tensor(span.tensor);
-  chunk.set_element_offset(span.element_offset);
-  chunk.set_version(span.version);
-  chunk.set_base_version(span.base_version);
-  chunk.set_span_elements(span.span_elements);
+namespace {
+
+// Packs the values of `values` (`span` items of `size` bytes) that
+// `changed` marks into `data`, and their positions into `bitmap`, or into
+// `gaps` when `gaps_allowed` and that is smaller.
+void PackChanged(std::span<const uint8_t> values, size_t size, std::span<const uint64_t> changed,
+                 uint64_t span, bool gaps_allowed, std::string* data, std::string* bitmap,
+                 std::string* gaps) {
   uint64_t count = 0;
   for (const uint64_t word : changed) count += std::popcount(word);
-  const uint64_t bitmap_bytes = BitmapBytes(span.span_elements);
-  // Each gap takes at least a byte: past one change in 8 elements the
-  // bitmap is smaller, and the gaps are not worth writing.
-  const bool try_gaps = span.gaps_allowed && count < bitmap_bytes;
-  std::string* gaps = chunk.mutable_changed_gaps();
+  const uint64_t bitmap_bytes = BitmapBytes(span);
+  // Each gap takes at least a byte: past one change in 8 items the bitmap
+  // is smaller, and the gaps are not worth writing.
+  const bool try_gaps = gaps_allowed && count < bitmap_bytes;
   if (try_gaps) gaps->reserve(count * 2);
-  std::string* data = chunk.mutable_data();
-  data->resize(count * element_size);
+  data->resize(count * size);
   char* out = data->data();
   uint64_t next = 0;  // the index the next gap counts from
   for (uint64_t w = 0; w < changed.size(); ++w) {
     for (uint64_t word = changed[w]; word != 0; word &= word - 1) {
       const uint64_t i = w * 64 + std::countr_zero(word);
-      std::memcpy(out, values.data() + i * element_size, element_size);
-      out += element_size;
+      std::memcpy(out, values.data() + i * size, size);
+      out += size;
       if (try_gaps && gaps->size() < bitmap_bytes) {
         for (uint64_t gap = i - next;; gap >>= 7) {
           if (gap < 0x80) {
@@ -60,10 +59,36 @@ grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> val
   }
   if (!try_gaps || gaps->size() >= bitmap_bytes) {
     gaps->clear();
-    chunk.set_changed(reinterpret_cast<const char*>(changed.data()), bitmap_bytes);
+    bitmap->assign(reinterpret_cast<const char*>(changed.data()), bitmap_bytes);
   }
-  const std::string& positions = chunk.changed().empty() ? *gaps : chunk.changed();
-  chunk.set_crc32c(Crc32c(positions.data(), positions.size(), Crc32c(data->data(), data->size())));
+}
+
+}  // namespace
+
+grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> values,
+                             size_t element_size, std::span<const uint64_t> changed,
+                             const DeltaScales* scales) {
+  layercast::v1::LayerChunk chunk;
+  chunk.set_tensor(span.tensor);
+  chunk.set_element_offset(span.element_offset);
+  chunk.set_version(span.version);
+  chunk.set_base_version(span.base_version);
+  chunk.set_span_elements(span.span_elements);
+  PackChanged(values, element_size, changed, span.span_elements, span.gaps_allowed,
+              chunk.mutable_data(), chunk.mutable_changed(), chunk.mutable_changed_gaps());
+  const std::string& positions = chunk.changed().empty() ? chunk.changed_gaps() : chunk.changed();
+  uint32_t crc =
+      Crc32c(positions.data(), positions.size(), Crc32c(chunk.data().data(), chunk.data().size()));
+  if (scales != nullptr) {
+    PackChanged(scales->values, sizeof(float), scales->changed,
+                scales->values.size() / sizeof(float), span.gaps_allowed, chunk.mutable_scales(),
+                chunk.mutable_scales_changed(), chunk.mutable_scales_changed_gaps());
+    const std::string& blocks =
+        chunk.scales_changed().empty() ? chunk.scales_changed_gaps() : chunk.scales_changed();
+    crc = Crc32c(blocks.data(), blocks.size(),
+                 Crc32c(chunk.scales().data(), chunk.scales().size(), crc));
+  }
+  chunk.set_crc32c(crc);
   const size_t bytes = chunk.ByteSizeLong();
   auto* message = static_cast<uint8_t*>(std::malloc(bytes));
   if (message == nullptr) throw std::bad_alloc();
@@ -104,59 +129,109 @@ absl::Status DecodeGaps(const std::string& gaps, uint64_t span, std::vector<uint
 
 }  // namespace
 
-absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
-                                         size_t element_size, std::span<uint8_t> destination) {
-  const uint64_t span = chunk.span_elements();
-  const std::string& changed = chunk.changed();
-  const bool bitmap = !changed.empty();
-  if ((bitmap && changed.size() != BitmapBytes(span)) ||
-      (bitmap && !chunk.changed_gaps().empty()) || destination.size() != span * element_size) {
-    return absl::DataLossError(absl::StrCat("sent a delta chunk of ", span, " elements with a ",
-                                            changed.size(), "-byte bitmap and ",
-                                            chunk.changed_gaps().size(), " bytes of gaps"));
-  }
-  thread_local std::vector<uint64_t> indices;
+namespace {
+
+// One set of changed positions of a delta chunk (the elements', or an
+// 8-bit float span's block scales'), checked: exactly one form, the
+// bitmap's size, no position past the span, and as many values as
+// positions.
+struct Positions {
+  const std::string* bitmap = nullptr;  // null: the gaps, in `indices`
+  std::vector<uint64_t> indices;
   uint64_t count = 0;
-  if (bitmap) {
-    for (const char byte : changed) count += std::popcount(static_cast<uint8_t>(byte));
-    if (span % 8 != 0 && (static_cast<uint8_t>(changed.back()) >> (span % 8)) != 0) {
-      return absl::DataLossError("sent a delta chunk whose bitmap marks elements past its span");
+};
+
+absl::Status CheckPositions(const std::string& bitmap, const std::string& gaps, uint64_t span,
+                            uint64_t values_bytes, size_t size, const char* what,
+                            Positions& positions) {
+  positions.bitmap = bitmap.empty() ? nullptr : &bitmap;
+  if ((!bitmap.empty() && bitmap.size() != BitmapBytes(span)) ||
+      (!bitmap.empty() && !gaps.empty())) {
+    return absl::DataLossError(absl::StrCat("sent a delta chunk of ", span, " ", what, " with a ",
+                                            bitmap.size(), "-byte bitmap and ", gaps.size(),
+                                            " bytes of gaps"));
+  }
+  if (!bitmap.empty()) {
+    positions.count = 0;
+    for (const char byte : bitmap) positions.count += std::popcount(static_cast<uint8_t>(byte));
+    if (span % 8 != 0 && (static_cast<uint8_t>(bitmap.back()) >> (span % 8)) != 0) {
+      return absl::DataLossError(
+          absl::StrCat("sent a delta chunk whose bitmap marks ", what, " past its span"));
     }
   } else {
-    if (absl::Status decoded = DecodeGaps(chunk.changed_gaps(), span, indices); !decoded.ok()) {
+    if (absl::Status decoded = DecodeGaps(gaps, span, positions.indices); !decoded.ok()) {
       return decoded;
     }
-    count = indices.size();
+    positions.count = positions.indices.size();
   }
-  if (chunk.data().size() != count * element_size) {
-    return absl::DataLossError(absl::StrCat("sent a delta chunk marking ", count,
-                                            " changed elements with ", chunk.data().size(),
+  if (values_bytes != positions.count * size) {
+    return absl::DataLossError(absl::StrCat("sent a delta chunk marking ", positions.count,
+                                            " changed ", what, " with ", values_bytes,
                                             " bytes of values"));
   }
-  const std::string& positions = bitmap ? changed : chunk.changed_gaps();
-  if (chunk.has_crc32c() &&
-      Crc32c(positions.data(), positions.size(),
-             Crc32c(chunk.data().data(), chunk.data().size())) != chunk.crc32c()) {
+  return absl::OkStatus();
+}
+
+// Writes the packed `values` of `positions` into `destination`.
+void Scatter(const Positions& positions, const std::string& values, size_t size,
+             uint8_t* destination) {
+  const char* in = values.data();
+  if (positions.bitmap == nullptr) {
+    for (const uint64_t i : positions.indices) {
+      std::memcpy(destination + i * size, in, size);
+      in += size;
+    }
+    return;
+  }
+  const std::string& bitmap = *positions.bitmap;
+  for (uint64_t b = 0; b < bitmap.size(); ++b) {
+    for (auto byte = static_cast<uint8_t>(bitmap[b]); byte != 0; byte &= byte - 1) {
+      std::memcpy(destination + (b * 8 + std::countr_zero(byte)) * size, in, size);
+      in += size;
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
+                                         size_t element_size, std::span<uint8_t> destination,
+                                         std::span<uint8_t> scales) {
+  const uint64_t span = chunk.span_elements();
+  if (destination.size() != span * element_size) {
+    return absl::DataLossError(absl::StrCat("sent a delta chunk of ", span, " elements where ",
+                                            destination.size() / element_size, " were due"));
+  }
+  const bool has_scales = !chunk.scales().empty() || !chunk.scales_changed().empty() ||
+                          !chunk.scales_changed_gaps().empty();
+  if (scales.empty() && has_scales) {
+    return absl::DataLossError(
+        "sent block scales in a delta chunk of a tensor that is not in an 8-bit float");
+  }
+  thread_local Positions elements, blocks;
+  RETURN_IF_ERROR(CheckPositions(chunk.changed(), chunk.changed_gaps(), span, chunk.data().size(),
+                                 element_size, "elements", elements));
+  uint32_t crc = Crc32c(chunk.data().data(), chunk.data().size());
+  const std::string& positions =
+      elements.bitmap != nullptr ? chunk.changed() : chunk.changed_gaps();
+  crc = Crc32c(positions.data(), positions.size(), crc);
+  if (!scales.empty()) {
+    RETURN_IF_ERROR(CheckPositions(chunk.scales_changed(), chunk.scales_changed_gaps(),
+                                   scales.size() / sizeof(float), chunk.scales().size(),
+                                   sizeof(float), "block scales", blocks));
+    const std::string& changed_blocks =
+        blocks.bitmap != nullptr ? chunk.scales_changed() : chunk.scales_changed_gaps();
+    crc = Crc32c(changed_blocks.data(), changed_blocks.size(),
+                 Crc32c(chunk.scales().data(), chunk.scales().size(), crc));
+  }
+  if (chunk.has_crc32c() && crc != chunk.crc32c()) {
     return absl::DataLossError(absl::StrCat("sent a delta chunk of tensor ", chunk.tensor(),
                                             " from element ", chunk.element_offset(),
                                             " with a CRC-32C that does not match its data"));
   }
-  const char* in = chunk.data().data();
-  if (!bitmap) {
-    for (const uint64_t i : indices) {
-      std::memcpy(destination.data() + i * element_size, in, element_size);
-      in += element_size;
-    }
-    return count;
-  }
-  for (uint64_t b = 0; b < changed.size(); ++b) {
-    for (auto byte = static_cast<uint8_t>(changed[b]); byte != 0; byte &= byte - 1) {
-      const uint64_t i = b * 8 + std::countr_zero(byte);
-      std::memcpy(destination.data() + i * element_size, in, element_size);
-      in += element_size;
-    }
-  }
-  return count;
+  Scatter(elements, chunk.data(), element_size, destination.data());
+  if (!scales.empty()) Scatter(blocks, chunk.scales(), sizeof(float), scales.data());
+  return elements.count;
 }
 
 }  // namespace layercast::wire

@@ -34,21 +34,41 @@ struct DeltaSpan {
   bool gaps_allowed = false;
 };
 
+// An 8-bit float tensor's span also carries its block scales: every block
+// the span touches (block element_offset / block_size and on), 4 bytes
+// each, and which of them changed (one bit per block, as `changed`). Its
+// codes are 1-byte elements. After an optimizer step nearly every block's
+// absolute maximum, and so its scale, moves while few codes cross a
+// rounding boundary: sending changed codes and scales apart keeps such a
+// delta near the scales' 4 bytes per block, where whole changed blocks
+// would resend almost the whole tensor.
+struct DeltaScales {
+  std::span<const uint8_t> values;    // 4 bytes per block
+  std::span<const uint64_t> changed;  // bits past the blocks clear
+};
+
 // Serialises the delta chunk of `span`: `values` holds every element of the
 // span in its compute dtype (span_elements * element_size bytes), `changed`
 // its bitmap in 64-bit words (bit i % 64 of word i / 64; bits past the span
-// clear). The positions go as gaps when `span.gaps_allowed` and that is
-// smaller, decided in the pass that packs the values (none over the span).
-// The slice holds a whole LayerChunk message, CRC-32C included.
+// clear); `scales` those of an 8-bit float span. The positions go as gaps
+// when `span.gaps_allowed` and that is smaller, decided in the pass that
+// packs the values (none over the span), for the elements and the scales
+// apart. The slice holds a whole LayerChunk message, CRC-32C included.
 grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> values,
-                             size_t element_size, std::span<const uint64_t> changed);
+                             size_t element_size, std::span<const uint64_t> changed,
+                             const DeltaScales* scales = nullptr);
 
 // Checks a received delta chunk against `span` (what was due: its tensor,
 // offset, span and base) and writes its changed values into `destination`,
-// which holds the span's elements. DATA_LOSS, saying what was wrong, for a
-// chunk whose bitmap, data size or checksum does not hold; nothing is
-// written then. Either form of the positions. Returns the elements changed.
+// which holds the span's elements, and an 8-bit float span's changed block
+// scales into `scales` (every block the span touches, 4 bytes each; empty
+// for other dtypes, whose chunks must carry none). DATA_LOSS, saying what
+// was wrong, for a chunk whose bitmap, data size or checksum does not hold;
+// nothing is written then. Either form of the positions. Returns the
+// elements changed (codes, for 8-bit floats; a block whose scale alone
+// changed counts none).
 absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
-                                         size_t element_size, std::span<uint8_t> destination);
+                                         size_t element_size, std::span<uint8_t> destination,
+                                         std::span<uint8_t> scales = {});
 
 }  // namespace layercast::wire

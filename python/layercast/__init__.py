@@ -430,8 +430,9 @@ class ShardSet:
         version lasts once it follows. `dtype` ("float8_e4m3fn", ...): every
         tensor in it rather than the policy's, cast by the shards from the
         same fp32 master (an fp8 inference fleet following shards that
-        trainers gather in bfloat16); updates then pull the layers that
-        moved in full, since shards serve no delta in such a dtype.
+        trainers gather in bfloat16); updates from the shards then pull
+        the layers that moved in full, since shards serve no delta in such
+        a dtype (a mirror or relay serving in it does).
         `staging_bytes`: an update pulls the layers that moved into copies,
         up to this many bytes, while readers read on, and holds them off
         only to copy the changed ones in (0, the default: pulls in place,

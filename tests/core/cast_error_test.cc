@@ -3,13 +3,18 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/cast.h"
+#include "core/fp8.h"
 #include "tests/core/cast_error_expect.h"
 
 namespace layercast {
@@ -202,6 +207,137 @@ TEST(CastErrorTest, ExceedsABoundByALargerErrorOrAnyOverflow) {
   EXPECT_TRUE(error.Exceeds(0x1p-10f));
   error.overflowed = 1;
   EXPECT_TRUE(error.Exceeds(1.0f)) << "an overflow exceeds every bound";
+}
+
+// A trained model's values (normal, well inside every dtype's range) with
+// rare elements planted at random places: values that flush, become
+// subnormal or overflow in the dtype (and for fp8 under the block's scale),
+// zeros, NaNs and infinities.
+std::vector<float> WithPlantedRareElements(size_t n, uint32_t seed) {
+  std::mt19937 random(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::uniform_int_distribution<size_t> where(0, n - 1);
+  std::vector<float> values(n);
+  for (float& x : values) x = normal(random);
+  const float rare[] = {1e-8f,
+                        1e-6f,
+                        70000.0f,
+                        0.0f,
+                        1e-40f,
+                        3e-5f,
+                        -2e-9f,
+                        std::numeric_limits<float>::quiet_NaN(),
+                        std::numeric_limits<float>::infinity()};
+  for (int planted = 0; planted < 40; ++planted) values[where(random)] = rare[planted % 9];
+  return values;
+}
+
+bool SamplesOnThisCpu() {
+  const std::vector<CastIsa>& isas = SupportedCastIsas();
+  return std::find(isas.begin(), isas.end(), CastIsa::kAvx512) != isas.end();
+}
+
+// Sampled, every rare element is still measured: the counts of lost
+// elements are exact, the maximum too wherever it is beyond the dtype's
+// unit roundoff, so a policy's max_rel_error at or above the roundoff
+// refuses exactly the casts an exact measurement refuses.
+TEST(CastErrorTest, ASampleMeasuresEveryRareElementAndGatesExactly) {
+  for (const DType to : {DType::kBFloat16, DType::kFloat16}) {
+    for (const uint32_t seed : {1u, 2u, 3u}) {
+      const std::vector<float> in = WithPlantedRareElements(1 << 16, seed);
+      std::vector<uint16_t> out(in.size());
+      CastError exact, sampled;
+      sampled.sample_every = 64;
+      ASSERT_TRUE(
+          CastFromF32(in.data(), out.data(), in.size(), to, Fp16Overflow::kSaturate, &exact).ok());
+      ASSERT_TRUE(
+          CastFromF32(in.data(), out.data(), in.size(), to, Fp16Overflow::kSaturate, &sampled)
+              .ok());
+      const std::string label = absl::StrCat(DTypeName(to), ", seed ", seed);
+      EXPECT_EQ(sampled.elements, exact.elements) << label;
+      EXPECT_EQ(sampled.overflowed, exact.overflowed) << label;
+      EXPECT_EQ(sampled.flushed_to_zero, exact.flushed_to_zero) << label;
+      EXPECT_EQ(sampled.became_subnormal, exact.became_subnormal) << label;
+      EXPECT_EQ(sampled.measured + sampled.unmeasured, exact.measured) << label;
+      EXPECT_GT(exact.max_relative_error, RelativeErrorBound(to)) << label << ": planted";
+      EXPECT_EQ(sampled.max_relative_error, exact.max_relative_error) << label;
+      for (const float bound : {RelativeErrorBound(to), 2 * RelativeErrorBound(to), 0.01f, 0.1f,
+                                0.5f, exact.max_relative_error}) {
+        EXPECT_EQ(sampled.Exceeds(bound), exact.Exceeds(bound)) << label << ", bound " << bound;
+      }
+      if (SamplesOnThisCpu()) {
+        EXPECT_TRUE(sampled.sampled()) << label;
+        // One vector in 64 of those that stay normal, and every one holding
+        // a rare element (for float16, also the 0.2% of these values below
+        // its least normal, 2^-14: a vector in 25).
+        EXPECT_LT(sampled.measured, exact.measured / 8) << label;
+      }
+    }
+  }
+}
+
+// The same for the 8-bit floats, whose normal range follows each block's
+// scale.
+TEST(CastErrorTest, AnFp8SampleMeasuresEveryRareElementAndGatesExactly) {
+  for (const Fp8Format format : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
+    const DType dtype = format == Fp8Format::kE4M3FN ? DType::kFloat8E4M3FN : DType::kFloat8E5M2;
+    std::vector<float> in = WithPlantedRareElements(1 << 16, 7);
+    // Below the least normal code under a block's scale: 2^-7 of a block's
+    // largest value is subnormal in e4m3fn, 2^-15 in e5m2.
+    for (size_t i = 300; i < in.size(); i += 4099) in[i] = 1e-6f;
+    std::vector<uint8_t> codes(in.size());
+    std::vector<float> scales(Fp8BlockCount(in.size(), 128));
+    CastError exact, sampled;
+    sampled.sample_every = 64;
+    QuantizeFp8(in, 128, format, codes, scales, &exact);
+    QuantizeFp8(in, 128, format, codes, scales, &sampled);
+    const std::string label(Fp8FormatName(format));
+    EXPECT_EQ(sampled.elements, exact.elements) << label;
+    EXPECT_EQ(sampled.overflowed, exact.overflowed) << label;
+    EXPECT_EQ(sampled.flushed_to_zero, exact.flushed_to_zero) << label;
+    EXPECT_EQ(sampled.became_subnormal, exact.became_subnormal) << label;
+    EXPECT_EQ(sampled.measured + sampled.unmeasured, exact.measured) << label;
+    EXPECT_GT(exact.max_relative_error, RelativeErrorBound(dtype)) << label << ": planted";
+    EXPECT_EQ(sampled.max_relative_error, exact.max_relative_error) << label;
+    for (const float bound : {RelativeErrorBound(dtype), 0.1f, 0.5f, exact.max_relative_error}) {
+      EXPECT_EQ(sampled.Exceeds(bound), exact.Exceeds(bound)) << label << ", bound " << bound;
+    }
+    if (SamplesOnThisCpu()) {
+      EXPECT_TRUE(sampled.sampled()) << label;
+      EXPECT_LT(sampled.measured, exact.measured / 8) << label;
+    }
+  }
+}
+
+// Whatever the sample, no element of the normal range loses more than the
+// unit roundoff: measured exactly, the largest such loss is within it.
+TEST(CastErrorTest, TheNormalRangeLosesAtMostTheUnitRoundoff) {
+  std::mt19937 random(4);
+  std::uniform_real_distribution<float> exponent(-14.0f, 15.0f);
+  std::vector<float> in(1 << 16);
+  for (float& x : in) x = std::exp2(exponent(random)) * (random() % 2 == 0 ? 1.0f : -1.0f);
+  for (const DType to : {DType::kBFloat16, DType::kFloat16}) {
+    std::vector<uint16_t> out(in.size());
+    CastError error;
+    ASSERT_TRUE(
+        CastFromF32(in.data(), out.data(), in.size(), to, Fp16Overflow::kError, &error).ok());
+    EXPECT_EQ(error.became_subnormal + error.flushed_to_zero + error.overflowed, 0u);
+    EXPECT_LE(error.max_relative_error, RelativeErrorBound(to)) << DTypeName(to);
+    EXPECT_GT(error.max_relative_error, RelativeErrorBound(to) / 2) << DTypeName(to);
+  }
+  for (const Fp8Format format : {Fp8Format::kE4M3FN, Fp8Format::kE5M2}) {
+    const DType dtype = format == Fp8Format::kE4M3FN ? DType::kFloat8E4M3FN : DType::kFloat8E5M2;
+    // Within a block's normal range: magnitudes within 2^5 of each other.
+    std::uniform_real_distribution<float> near(0.0f, 5.0f);
+    std::vector<float> block_values(in.size());
+    for (float& x : block_values) x = std::exp2(near(random));
+    std::vector<uint8_t> codes(in.size());
+    std::vector<float> scales(Fp8BlockCount(in.size(), 32));
+    CastError error;
+    QuantizeFp8(block_values, 32, format, codes, scales, &error);
+    EXPECT_EQ(error.became_subnormal + error.flushed_to_zero, 0u) << Fp8FormatName(format);
+    EXPECT_LE(error.max_relative_error, RelativeErrorBound(dtype)) << Fp8FormatName(format);
+  }
 }
 
 }  // namespace

@@ -10,7 +10,8 @@
 //   nothing more.
 // - round trip: the input's bytes are a span's changed bitmap and new
 //   values; encoded with gaps allowed (the smaller form) and without,
-//   both apply back to exactly the new values, and the gaps form is never
+//   both apply back to exactly the new values (and, for 1-byte elements,
+//   as 8-bit codes, the changed block scales), and the gaps form is never
 //   larger than the bitmap form.
 //
 // Input: 2 bytes of span (1-4096 elements), 1 byte of mode and element
@@ -87,18 +88,37 @@ void RoundTrip(const uint8_t* data, size_t size, uint64_t span, size_t element_s
       std::memcpy(&expected[i * element_size], &values[i * element_size], element_size);
     }
   }
+  // 1-byte elements are 8-bit codes, in blocks of 32: their scales are the
+  // values' first bytes again, and changed where the elements' first bits
+  // say.
+  const bool fp8 = element_size == 1;
+  const uint64_t blocks = fp8 ? (span + 31) / 32 : 0;
+  std::vector<uint8_t> scales(blocks * 4);
+  for (uint64_t i = 0; i < scales.size(); ++i) scales[i] = values[i % values.size()];
+  std::vector<uint64_t> scales_changed((blocks + 63) / 64, 0);
+  std::vector<uint8_t> expected_scales(blocks * 4, kCanary);
+  for (uint64_t b = 0; b < blocks; ++b) {
+    if ((changed[b / 64] >> (b % 64) & 1) == 0) continue;
+    scales_changed[b / 64] |= uint64_t{1} << (b % 64);
+    std::memcpy(&expected_scales[b * 4], &scales[b * 4], 4);
+  }
+  const layercast::wire::DeltaScales delta_scales{scales, scales_changed};
   uint64_t sizes[2] = {0, 0};
   for (const bool gaps_allowed : {false, true}) {
     const grpc::Slice slice = layercast::wire::EncodeDeltaChunk(
         {.span_elements = span, .version = 2, .base_version = 1, .gaps_allowed = gaps_allowed},
-        values, element_size, changed);
+        values, element_size, changed, fp8 ? &delta_scales : nullptr);
     sizes[gaps_allowed] = slice.size();
     std::vector<uint8_t> destination(span * element_size, kCanary);
-    const absl::StatusOr<uint64_t> applied =
-        layercast::wire::ApplyDeltaChunk(Parse(slice), element_size, destination);
+    std::vector<uint8_t> scale_destination(blocks * 4, kCanary);
+    const absl::StatusOr<uint64_t> applied = layercast::wire::ApplyDeltaChunk(
+        Parse(slice), element_size, destination, scale_destination);
     FUZZ_CHECK(applied.ok(), "an encoded chunk is refused: %s",
                std::string(applied.status().message()).c_str());
     FUZZ_CHECK(destination == expected, "an encoded chunk (gaps %s) applies to other values",
+               gaps_allowed ? "allowed" : "not allowed");
+    FUZZ_CHECK(scale_destination == expected_scales,
+               "an encoded chunk (gaps %s) applies to other block scales",
                gaps_allowed ? "allowed" : "not allowed");
   }
   FUZZ_CHECK(sizes[1] <= sizes[0],

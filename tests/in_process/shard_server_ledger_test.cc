@@ -164,7 +164,8 @@ TEST(ShardServerLedgerTest, SummarisesEveryLossyChunkOfAShardOfSeveral) {
     for (const CastErrorLedger::LayerSummary& layer : server->cast_errors().Summarize()) {
       summarised[layer.dtype].chunks += layer.chunks;
       summarised[layer.dtype].elements += layer.error.elements;
-      EXPECT_EQ(layer.error.elements, layer.error.measured + layer.error.overflowed)
+      EXPECT_EQ(layer.error.elements,
+                layer.error.measured + layer.error.unmeasured + layer.error.overflowed)
           << "layer " << layer.layer << ": synthetic weights are finite and nonzero";
     }
     std::vector<DType> dtypes;

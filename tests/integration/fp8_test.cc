@@ -1,7 +1,7 @@
 // fp8 on the wire against real shard processes: a layer in float8_e4m3fn or
 // float8_e5m2 arrives as the codes and block scales of quantizing the fp32
 // master (core/fp8.h, itself checked over every fp32 input), whole, in byte
-// ranges, and in full when a delta is asked for; a policy's max_rel_error
+// ranges (deltas: fp8_delta_test.cc); a policy's max_rel_error
 // refuses what fp8 loses beyond it; a worker trains an fp8 layer from
 // float32 gradients; a shard refuses to start when its shard count would
 // split a block.
@@ -95,7 +95,7 @@ void ExpectServedAsPolicySays(const client::Layer& got,
   }
 }
 
-TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndInFullForADelta) {
+TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeAndRanged) {
   const MasterValues master = MasterLayers();
   ASSERT_FALSE(master.empty());
   // Small chunks, so a tensor spans several, and ranges that start inside
@@ -153,28 +153,6 @@ TEST(Fp8WireTest, LayersArriveAsTheQuantizedMasterWholeRangedAndInFullForADelta)
                              whole->bytes().data() + scales_begin))
           << "tensor " << t;
     }
-
-    // A delta pull of an fp8 layer cannot carry scales: a shard asked for
-    // one refuses (OUT_OF_RANGE), so the library does not ask; it pulls in
-    // full, with the same result, and no shard has refused anything.
-    grpc::ClientContext context;
-    layercast::v1::FetchLayerRequest request;
-    request.set_layer(l);
-    request.set_base_version(whole->version());
-    auto reader = shards.set->stub(0).FetchLayer(&context, request);
-    layercast::v1::LayerChunk chunk;
-    while (reader->Read(&chunk)) {
-    }
-    const grpc::Status refused = reader->Finish();
-    EXPECT_EQ(refused.error_code(), grpc::StatusCode::OUT_OF_RANGE) << refused.error_message();
-    EXPECT_THAT(refused.error_message(), HasSubstr("delta pulls do not carry block scales"));
-    client::GatherOptions delta;
-    delta.base_version = whole->version();
-    std::memset(buffer->data(), 0, buffer->size());
-    ASSERT_TRUE(shards.set->GatherInto(l, delta, {buffer->data(), buffer->size()}).ok());
-    EXPECT_EQ(std::memcmp(buffer->data(), whole->bytes().data(), buffer->size()), 0);
-    EXPECT_EQ(CounterValue(*shards.registry, "layercast_client_delta_fallbacks_total"), 0.0)
-        << "a delta was asked for, and refused";
   }
   EXPECT_EQ(shards.processes->Stop(), absl::OkStatus());
 }

@@ -59,14 +59,14 @@ TEST(RelayedVersionsTest, KeepsFindsAndComparesVersions) {
   std::shared_ptr<const ChangedElements> changed =
       versions.ChangedBetween(0, 1, *versions.At(0, 5));
   ASSERT_NE(changed, nullptr);
-  EXPECT_EQ((*changed)[0], Set({3, 70}, 100));
-  EXPECT_EQ((*changed)[1], Set({}, 3));
+  EXPECT_EQ(changed->elements[0], Set({3, 70}, 100));
+  EXPECT_EQ(changed->elements[1], Set({}, 3));
   changed = versions.ChangedBetween(0, 0, *versions.At(0, 5));
   ASSERT_NE(changed, nullptr);
-  EXPECT_EQ((*changed)[0], Set({3, 70}, 100)) << "element 3 changed and changed back: sent";
+  EXPECT_EQ(changed->elements[0], Set({3, 70}, 100)) << "element 3 changed and changed back: sent";
   changed = versions.ChangedBetween(0, 1, *versions.At(0, 2));
   ASSERT_NE(changed, nullptr);
-  EXPECT_EQ((*changed)[0], Set({}, 100));
+  EXPECT_EQ(changed->elements[0], Set({}, 100));
   EXPECT_EQ(versions.ChangedBetween(0, 4, *versions.At(0, 5)), nullptr);
   HeldLayer replaced = *versions.At(0, 5);
   replaced.bytes = std::make_shared<const std::vector<uint8_t>>(v3);
@@ -78,7 +78,7 @@ TEST(RelayedVersionsTest, KeepsFindsAndComparesVersions) {
   EXPECT_EQ(versions.ChangedBetween(0, 0, *versions.At(0, 6)), nullptr);
   changed = versions.ChangedBetween(0, 5, *versions.At(0, 6));
   ASSERT_NE(changed, nullptr);
-  EXPECT_EQ((*changed)[0], Set({99}, 100));
+  EXPECT_EQ(changed->elements[0], Set({99}, 100));
 }
 
 TEST(RelayedVersionsTest, AReadWaitsForItsLayerAndCloseEndsTheWait) {

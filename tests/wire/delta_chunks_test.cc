@@ -1,7 +1,8 @@
 // Delta chunks alone: what is encoded applies back exactly, in either form
 // of the changed positions (a bitmap, or gaps for a reader that takes
 // them, whichever is smaller), and a chunk whose positions, values or
-// checksum do not hold is refused writing nothing.
+// checksum do not hold is refused writing nothing; an 8-bit float span's
+// changed block scales travel apart from its changed codes.
 
 #include "wire/delta_chunks.h"
 
@@ -11,6 +12,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <algorithm>
 #include <optional>
 #include <random>
 #include <string>
@@ -208,6 +210,117 @@ TEST(DeltaChunksTest, RefusesBrokenGapsWritingNothing) {
   chunk = good;
   chunk.set_changed(std::string(125, '\0'));
   EXPECT_THAT(refused(chunk, "both forms"), HasSubstr("bytes of gaps"));
+}
+
+// An 8-bit float span: 1000 codes in blocks of 32, so 32 block scales.
+struct Fp8Example {
+  std::vector<uint8_t> old_codes, new_codes, old_scales, new_scales;
+  std::vector<uint64_t> codes_changed, scales_changed;
+  uint64_t codes = 0, scales = 0;  // how many changed
+};
+
+Fp8Example MakeFp8Example(double code_share, double scale_share) {
+  constexpr uint64_t kCodes = 1000, kBlocks = 32;
+  std::mt19937 random(11);
+  std::bernoulli_distribution code(code_share), scale(scale_share);
+  Fp8Example example;
+  example.old_codes.resize(kCodes);
+  example.old_scales.resize(kBlocks * 4);
+  for (uint8_t& byte : example.old_codes) byte = static_cast<uint8_t>(random());
+  for (uint8_t& byte : example.old_scales) byte = static_cast<uint8_t>(random());
+  example.new_codes = example.old_codes;
+  example.new_scales = example.old_scales;
+  example.codes_changed.assign((kCodes + 63) / 64, 0);
+  example.scales_changed.assign(1, 0);
+  for (uint64_t i = 0; i < kCodes; ++i) {
+    if (!code(random)) continue;
+    example.new_codes[i] ^= 0x10;
+    example.codes_changed[i / 64] |= uint64_t{1} << (i % 64);
+    ++example.codes;
+  }
+  for (uint64_t b = 0; b < kBlocks; ++b) {
+    if (!scale(random)) continue;
+    example.new_scales[4 * b + 3] ^= 1;  // the exponent: the scale doubles or halves
+    example.scales_changed[0] |= uint64_t{1} << b;
+    ++example.scales;
+  }
+  return example;
+}
+
+// A block scale that moves without moving a code costs its 4 bytes and no
+// code; after an optimizer step, where every scale moves, the scales go as a
+// bitmap of 4 bytes.
+TEST(DeltaChunksTest, Fp8SpansCarryTheChangedScalesApartFromTheChangedCodes) {
+  for (const auto& [codes, scales] : std::vector<std::pair<double, double>>{
+           {0.0, 0.0}, {0.0, 0.1}, {0.03, 0.2}, {0.05, 1.0}, {0.5, 1.0}}) {
+    const Fp8Example example = MakeFp8Example(codes, scales);
+    for (const bool gaps : {false, true}) {
+      const std::string label =
+          absl::StrCat(codes, " of the codes and ", scales, " of the scales changed, gaps ", gaps);
+      const DeltaScales delta_scales{example.new_scales, example.scales_changed};
+      const grpc::Slice slice = EncodeDeltaChunk(
+          {.span_elements = 1000, .version = 2, .base_version = 1, .gaps_allowed = gaps},
+          example.new_codes, 1, example.codes_changed, &delta_scales);
+      const layercast::v1::LayerChunk chunk = Parse(slice);
+      EXPECT_EQ(chunk.data().size(), example.codes) << label;
+      EXPECT_EQ(chunk.scales().size(), 4 * example.scales) << label;
+      EXPECT_TRUE(chunk.scales_changed().empty() || chunk.scales_changed_gaps().empty())
+          << label << ": one form";
+      if (!gaps) {
+        EXPECT_EQ(chunk.scales_changed().size(), 4u) << label;
+      }
+      // The values, their positions (at most a bitmap each) and a header.
+      EXPECT_LE(slice.size(), example.codes + 4 * example.scales + 125 + 4 + 48) << label;
+      if (scales == 1.0) {
+        EXPECT_EQ(chunk.scales_changed().size(), 4u) << label;
+      }
+      std::vector<uint8_t> codes_copy = example.old_codes, scales_copy = example.old_scales;
+      absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 1, codes_copy, scales_copy);
+      ASSERT_TRUE(applied.ok()) << label << ": " << applied.status();
+      EXPECT_EQ(*applied, example.codes) << label;
+      EXPECT_EQ(codes_copy, example.new_codes) << label;
+      EXPECT_EQ(scales_copy, example.new_scales) << label;
+      // Again: nothing more changes.
+      ASSERT_TRUE(ApplyDeltaChunk(chunk, 1, codes_copy, scales_copy).ok());
+      EXPECT_EQ(codes_copy, example.new_codes) << label;
+      EXPECT_EQ(scales_copy, example.new_scales) << label;
+    }
+  }
+}
+
+TEST(DeltaChunksTest, RefusesBrokenFp8ScalesWritingNothing) {
+  const Fp8Example example = MakeFp8Example(0.03, 0.2);
+  const DeltaScales delta_scales{example.new_scales, example.scales_changed};
+  const layercast::v1::LayerChunk good =
+      Parse(EncodeDeltaChunk({.span_elements = 1000, .version = 2, .base_version = 1},
+                             example.new_codes, 1, example.codes_changed, &delta_scales));
+  ASSERT_FALSE(good.scales_changed().empty());
+  const auto refused = [&](const layercast::v1::LayerChunk& chunk, std::span<uint8_t> scales,
+                           const std::string& why) {
+    std::vector<uint8_t> codes = example.old_codes;
+    std::vector<uint8_t> before(scales.begin(), scales.end());
+    absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 1, codes, scales);
+    EXPECT_EQ(applied.status().code(), absl::StatusCode::kDataLoss) << why;
+    EXPECT_EQ(codes, example.old_codes) << why << ": a code was written";
+    EXPECT_TRUE(std::equal(scales.begin(), scales.end(), before.begin())) << why;
+    return std::string(applied.status().message());
+  };
+  std::vector<uint8_t> scales = example.old_scales;
+  EXPECT_THAT(refused(good, {}, "scales for a 16-bit tensor"), HasSubstr("not in an 8-bit float"));
+  layercast::v1::LayerChunk chunk = good;
+  chunk.mutable_scales_changed()->pop_back();
+  EXPECT_THAT(refused(chunk, scales, "short scale bitmap"), HasSubstr("bitmap"));
+  chunk = good;
+  chunk.mutable_scales()->resize(chunk.scales().size() - 4);
+  EXPECT_THAT(refused(chunk, scales, "one scale fewer"), HasSubstr("bytes of values"));
+  chunk = good;
+  (*chunk.mutable_scales())[0] ^= 1;
+  EXPECT_THAT(refused(chunk, scales, "corrupted scale"), HasSubstr("CRC-32C"));
+  chunk = good;
+  chunk.set_scales_changed_gaps(std::string(1, '\0'));
+  EXPECT_THAT(refused(chunk, scales, "both forms"), HasSubstr("bytes of gaps"));
+  std::vector<uint8_t> too_few(4 * 24);
+  EXPECT_THAT(refused(good, too_few, "24 blocks' scales"), HasSubstr("bitmap"));
 }
 
 }  // namespace

@@ -1,0 +1,45 @@
+// MarkChangedBits against a plain byte compare, for every element size a
+// delta compares (8-bit codes, 16-bit values, 32-bit values and scales),
+// lengths around the word and lane boundaries, and a difference in any
+// byte of an element.
+
+#include "core/changed_bits.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace layercast {
+namespace {
+
+TEST(ChangedBitsTest, MarksExactlyTheElementsWhoseBytesDiffer) {
+  std::mt19937 random(3);
+  for (const size_t size : {1, 2, 4}) {
+    for (const uint64_t n : {0, 1, 7, 8, 63, 64, 65, 127, 1000}) {
+      std::vector<uint8_t> was(n * size);
+      for (uint8_t& byte : was) byte = static_cast<uint8_t>(random());
+      std::vector<uint8_t> now = was;
+      for (uint64_t i = 0; i < n; ++i) {
+        // About a third changed, in any one of the element's bytes.
+        if (random() % 3 == 0)
+          now[i * size + random() % size] ^= static_cast<uint8_t>(1 + random() % 255);
+      }
+      std::vector<uint64_t> bits = {~uint64_t{0}};  // resized and cleared first
+      MarkChangedBits(now.data(), was.data(), n, size, bits);
+      ASSERT_EQ(bits.size(), (n + 63) / 64) << size << " bytes, " << n << " elements";
+      for (uint64_t i = 0; i < n; ++i) {
+        const bool differs = std::memcmp(&now[i * size], &was[i * size], size) != 0;
+        EXPECT_EQ((bits[i / 64] >> (i % 64) & 1) != 0, differs)
+            << "element " << i << " of " << n << ", " << size << " bytes";
+      }
+      if (n % 64 != 0) {
+        EXPECT_EQ(bits.back() >> (n % 64), 0u) << "bits past the elements stay clear";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace layercast
