@@ -127,10 +127,11 @@ absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to,
 // The same, also adding what the cast lost to `*error` (core/cast_error.h).
 // Where the CPU has AVX-512, each element is measured from the registers it
 // is cast in (whichever variant the plain cast dispatches to; the bits are
-// the same); elsewhere each piece of a few KiB is measured right after it is
-// cast, while it is in L1. Either way the data crosses the memory bus once. A
-// copy to kFloat32 loses nothing and only counts its elements. When the cast
-// fails (an overflow under Fp16Overflow::kError), `*error` is left as it was.
+// the same), or only tested for the rare kinds of loss outside the sample
+// that error->sample_every asks for; elsewhere each piece of a few KiB is
+// measured whole right after it is cast, while it is in L1. Either way the data crosses the memory
+// bus once. A copy to kFloat32 loses nothing and only counts its elements. When the cast fails (an
+// overflow under Fp16Overflow::kError), `*error` is left as it was.
 absl::Status CastFromF32(const float* src, void* dst, size_t count, DType to, Fp16Overflow overflow,
                          CastError* error);
 

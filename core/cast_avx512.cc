@@ -88,7 +88,9 @@ void Widen(const uint16_t* src, float* dst, size_t n) {
 // Calls body(add), where add(x, cast) adds what narrowing lost for 16 lanes,
 // from each fp32 `x` and its cast widened back, to `*error`, by the end of
 // the call; a lane whose x is +0 counts nothing, so masked-off lanes may come
-// as zeros. Callers count `elements` themselves.
+// as zeros. With error->sample_every > 1, a vector whose lanes all stay in
+// the normal range is measured only in the sample (avx512::MeasureLoss).
+// Callers count `elements` themselves.
 template <typename Body>
 [[gnu::always_inline]] inline void Measuring(const NarrowingLimits& limits, CastError* error,
                                              Body&& body) {

@@ -105,8 +105,9 @@ static_assert(std::bit_cast<uint32_t>(CastError::kBounds[0]) >> 23 == kBucketInd
 
 // Narrowing and measuring in one pass, as CastFromF32 with a CastError*
 // runs them where the CPU has AVX-512: the cast's bits, and what
-// MeasureNarrowing* adds for them, with each element measured from the
-// registers it was cast in, so nothing is read twice.
+// MeasureNarrowing* adds for them, with each element measured (or, outside
+// error->sample_every's sample, tested) from the registers it was cast in,
+// so nothing is read twice.
 // F32ToF16MeasuredAvx512 returns as F32ToF16Avx512 does; after an overflow
 // under kError, `*error` holds an unspecified part of the measurement.
 void F32ToBF16MeasuredAvx512(const float* src, uint16_t* dst, size_t n,

@@ -1,5 +1,6 @@
 #include "core/changed_bits.h"
 
+#include <cassert>
 #include <cstring>
 
 namespace layercast {
@@ -52,6 +53,7 @@ void MarkChangedBits(const uint8_t* now, const uint8_t* was, uint64_t n, size_t 
       Compare<2>(now, was, n, bits);
       break;
     default:
+      assert(size == 4);
       Compare<4>(now, was, n, bits);
       break;
   }

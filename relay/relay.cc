@@ -73,7 +73,7 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
 namespace {
 
 // The shards' manifests as a relay serves them: naming the dtype it holds
-// when that is one of its own.
+// when it was given one (--dtype), so that readers ask it for deltas in it.
 std::vector<layercast::v1::Manifest> Served(std::vector<layercast::v1::Manifest> manifests,
                                             std::optional<DType> dtype) {
   if (dtype) {

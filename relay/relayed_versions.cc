@@ -27,7 +27,8 @@ ChangedElements Changes(const AssembledLayout& layout, const uint8_t* now, const
   return changed;
 }
 
-// into |= from, word by word (both bitmaps of the same tensor).
+// Marks in `into` what `from` marks: changes over several versions are the
+// union of each version's (both bitmaps of the same tensor).
 void Or(const std::vector<uint64_t>& from, std::vector<uint64_t>& into) {
   for (size_t w = 0; w < from.size(); ++w) into[w] |= from[w];
 }

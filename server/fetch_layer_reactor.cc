@@ -315,10 +315,17 @@ absl::StatusOr<CastChunk> FetchLayerReactor::CastFp8Delta(const ChunkKey& key,
       (key.element_begin + key.elements + placed.block_size - 1) / placed.block_size - first;
   const std::span<const uint8_t> scales = quantized.subspan(key.elements, blocks * sizeof(float));
   thread_local std::vector<uint64_t> scales_changed;
-  // `changed` holds the fp32 values that changed (what the log records of
-  // an 8-bit float tensor): with none, no code or scale of the span moved.
-  // Else the base is quantized again, and the codes and scales compared.
-  if (std::all_of(changed.begin(), changed.end(), [](uint64_t word) { return word == 0; })) {
+  // `changed` holds the span's fp32 values that changed (what the log
+  // records of an 8-bit float tensor): with none in a span of whole blocks,
+  // no code or scale of it moved. (A span that starts or ends inside a
+  // block, a ranged pull's, shares the block's scale with elements outside
+  // it.) Else the base is quantized again, and the codes and scales
+  // compared.
+  const bool whole_blocks = key.element_begin % placed.block_size == 0 &&
+                            ((key.element_begin + key.elements) % placed.block_size == 0 ||
+                             key.element_begin + key.elements == placed.num_elements);
+  if (whole_blocks &&
+      std::all_of(changed.begin(), changed.end(), [](uint64_t word) { return word == 0; })) {
     scales_changed.assign((blocks + 63) / 64, 0);
   } else {
     ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> base, BaseOf(key));

@@ -87,7 +87,7 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
     // What each chunk's cast lost, measured once per chunk and version.
     // Null: measured, and counted in the metrics, on every cast.
     CastErrorLedger* cast_errors = nullptr;
-    uint32_t cast_error_sample_every = 1;  // as ChunkCaster::Options'.
+    uint32_t cast_error_sample_every = 0;  // as ChunkCaster::Options' (0: 1)
     // The worker's last stream of this layer failed a checksum
     // (FetchLayerRequest.recast): the stream trusts no kept CRC, checksums
     // every chunk it casts, and puts that CRC in `cast_errors` in place of
@@ -135,7 +135,6 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   // ABORTED for a stream in a dtype of its own at `version`, which its
   // layer (now at `current`) has left.
   absl::Status NotInThisDType(uint64_t version, uint64_t current) const;
-  // Why a superseded version is not at hand, for messages.
   // A delta chunk of an 8-bit float tensor, from the span's codes and
   // scales at key.version (`quantized`) and the fp32 elements that changed
   // since the base (`changed`, rewritten to the codes that changed).
@@ -148,6 +147,7 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   // kept of it; OUT_OF_RANGE when that is gone. REQUIRES: the layer's
   // mutex held shared.
   absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> BaseOf(const ChunkKey& key);
+  // Why a superseded version is not at hand, for messages.
   std::string WhyNotKept() const;
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);
   // Casts (or shares) the next chunk and writes it, or finishes when the

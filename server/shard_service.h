@@ -79,7 +79,7 @@ class ShardService final
     // GetCastError lists nothing.
     CastErrorLedger* cast_errors = nullptr;
     // --cast-error-sample-every (CastError::sample_every).
-    uint32_t cast_error_sample_every = 1;
+    uint32_t cast_error_sample_every = 0;
   };
 
   // `metrics` must outlive the service; `grants` (the shard's grant

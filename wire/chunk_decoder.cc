@@ -88,7 +88,8 @@ absl::StatusOr<uint64_t> ChunkDecoder::AcceptDelta(grpc::ByteBuffer& chunk) {
       Destination(parsed.tensor(), parsed.element_offset(), span_bytes);
   if (!place.ok()) return place.status();
   if (absl::Status version = CheckVersion(parsed.version()); !version.ok()) return version;
-  // An 8-bit float span's block scales: every block it touches.
+  // The scales a delta of an 8-bit float span may move: those of every
+  // block it touches, as the shard counts them.
   std::span<uint8_t> scales;
   if (const Run& run = runs_[run_]; run.block_size != 0 && parsed.span_elements() != 0) {
     const uint64_t first = parsed.element_offset() / run.block_size;

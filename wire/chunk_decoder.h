@@ -60,7 +60,8 @@ class ChunkDecoder {
   // Version of the chunks received; nullopt before the first.
   std::optional<uint64_t> version() const { return version_; }
   // Elements written so far that may differ from what the buffer held:
-  // every element of a full chunk, the changed ones of a delta chunk.
+  // every element of a full chunk, the changed ones of a delta chunk (and
+  // one for each block scale it changed).
   uint64_t changed_elements() const { return changed_elements_; }
   // Where the next element is due, for messages.
   const Run* next_run() const { return done() ? nullptr : &runs_[run_]; }

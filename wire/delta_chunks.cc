@@ -20,10 +20,6 @@ static_assert(std::endian::native == std::endian::little,
 
 uint64_t BitmapBytes(uint64_t elements) { return (elements + 7) / 8; }
 
-}  // namespace
-
-namespace {
-
 // Packs the values of `values` (`span` items of `size` bytes) that
 // `changed` marks into `data`, and their positions into `bitmap`, or into
 // `gaps` when `gaps_allowed` and that is smaller.
@@ -101,35 +97,34 @@ namespace {
 // Reads the gap varints of `gaps` into the indices of the changed elements
 // of a span of `span` elements; DATA_LOSS for a varint cut short or over 64
 // bits, or a position past the span.
-absl::Status DecodeGaps(const std::string& gaps, uint64_t span, std::vector<uint64_t>& indices) {
+absl::Status DecodeGaps(const std::string& gaps, uint64_t span, const char* field,
+                        std::vector<uint64_t>& indices) {
   indices.clear();
   uint64_t next = 0;
   for (size_t at = 0; at < gaps.size();) {
     uint64_t gap = 0;
     for (int shift = 0;; shift += 7) {
       if (at == gaps.size() || shift > 63) {
-        return absl::DataLossError("sent a delta chunk whose changed_gaps end inside a varint");
+        return absl::DataLossError(
+            absl::StrCat("sent a delta chunk whose ", field, " end inside a varint"));
       }
       const auto byte = static_cast<uint8_t>(gaps[at++]);
       if (shift == 63 && byte > 1) {
-        return absl::DataLossError("sent a delta chunk with a changed_gaps varint over 64 bits");
+        return absl::DataLossError(
+            absl::StrCat("sent a delta chunk with a ", field, " varint over 64 bits"));
       }
       gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
       if ((byte & 0x80) == 0) break;
     }
     if (gap >= span - std::min(next, span)) {
-      return absl::DataLossError(absl::StrCat(
-          "sent a delta chunk whose changed_gaps mark an element past its span of ", span));
+      return absl::DataLossError(absl::StrCat("sent a delta chunk whose ", field,
+                                              " mark an item past its span of ", span));
     }
     indices.push_back(next + gap);
     next += gap + 1;
   }
   return absl::OkStatus();
 }
-
-}  // namespace
-
-namespace {
 
 // One set of changed positions of a delta chunk (the elements', or an
 // 8-bit float span's block scales'), checked: exactly one form, the
@@ -141,15 +136,18 @@ struct Positions {
   uint64_t count = 0;
 };
 
+// `what`: the items, for messages ("elements"); `gaps_field`: the name of
+// the gaps' field.
 absl::Status CheckPositions(const std::string& bitmap, const std::string& gaps, uint64_t span,
                             uint64_t values_bytes, size_t size, const char* what,
-                            Positions& positions) {
+                            const char* gaps_field, Positions& positions) {
   positions.bitmap = bitmap.empty() ? nullptr : &bitmap;
   if ((!bitmap.empty() && bitmap.size() != BitmapBytes(span)) ||
       (!bitmap.empty() && !gaps.empty())) {
     return absl::DataLossError(absl::StrCat("sent a delta chunk of ", span, " ", what, " with a ",
                                             bitmap.size(), "-byte bitmap and ", gaps.size(),
-                                            " bytes of gaps"));
+                                            " bytes of gaps, where one form is due: a ",
+                                            BitmapBytes(span), "-byte bitmap or the gaps alone"));
   }
   if (!bitmap.empty()) {
     positions.count = 0;
@@ -159,7 +157,8 @@ absl::Status CheckPositions(const std::string& bitmap, const std::string& gaps, 
           absl::StrCat("sent a delta chunk whose bitmap marks ", what, " past its span"));
     }
   } else {
-    if (absl::Status decoded = DecodeGaps(gaps, span, positions.indices); !decoded.ok()) {
+    if (absl::Status decoded = DecodeGaps(gaps, span, gaps_field, positions.indices);
+        !decoded.ok()) {
       return decoded;
     }
     positions.count = positions.indices.size();
@@ -206,11 +205,12 @@ absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
                           !chunk.scales_changed_gaps().empty();
   if (scales.empty() && has_scales) {
     return absl::DataLossError(
-        "sent block scales in a delta chunk of a tensor that is not in an 8-bit float");
+        absl::StrCat("sent block scales in a delta chunk of tensor ", chunk.tensor(),
+                     " from element ", chunk.element_offset(), ", which is not in an 8-bit float"));
   }
   thread_local Positions elements, blocks;
   RETURN_IF_ERROR(CheckPositions(chunk.changed(), chunk.changed_gaps(), span, chunk.data().size(),
-                                 element_size, "elements", elements));
+                                 element_size, "elements", "changed_gaps", elements));
   uint32_t crc = Crc32c(chunk.data().data(), chunk.data().size());
   const std::string& positions =
       elements.bitmap != nullptr ? chunk.changed() : chunk.changed_gaps();
@@ -218,7 +218,7 @@ absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
   if (!scales.empty()) {
     RETURN_IF_ERROR(CheckPositions(chunk.scales_changed(), chunk.scales_changed_gaps(),
                                    scales.size() / sizeof(float), chunk.scales().size(),
-                                   sizeof(float), "block scales", blocks));
+                                   sizeof(float), "block scales", "scales_changed_gaps", blocks));
     const std::string& changed_blocks =
         blocks.bitmap != nullptr ? chunk.scales_changed() : chunk.scales_changed_gaps();
     crc = Crc32c(changed_blocks.data(), changed_blocks.size(),
@@ -230,8 +230,9 @@ absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
                                             " with a CRC-32C that does not match its data"));
   }
   Scatter(elements, chunk.data(), element_size, destination.data());
-  if (!scales.empty()) Scatter(blocks, chunk.scales(), sizeof(float), scales.data());
-  return elements.count;
+  if (scales.empty()) return elements.count;
+  Scatter(blocks, chunk.scales(), sizeof(float), scales.data());
+  return elements.count + blocks.count;
 }
 
 }  // namespace layercast::wire

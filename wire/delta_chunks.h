@@ -65,8 +65,9 @@ grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> val
 // for other dtypes, whose chunks must carry none). DATA_LOSS, saying what
 // was wrong, for a chunk whose bitmap, data size or checksum does not hold;
 // nothing is written then. Either form of the positions. Returns the
-// elements changed (codes, for 8-bit floats; a block whose scale alone
-// changed counts none).
+// elements and block scales changed: a block whose scale alone moved
+// changed the values of the layer as a code does, and a caller that asks
+// whether anything changed (a mirror) must hear of it.
 absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
                                          size_t element_size, std::span<uint8_t> destination,
                                          std::span<uint8_t> scales = {});

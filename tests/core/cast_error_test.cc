@@ -237,6 +237,24 @@ bool SamplesOnThisCpu() {
   return std::find(isas.begin(), isas.end(), CastIsa::kAvx512) != isas.end();
 }
 
+// What a sampled measurement must get exactly as one of every element:
+// the counts, the maximum (planted rare elements put it beyond the unit
+// roundoff), and so the verdict of every bound at or above the roundoff.
+void ExpectExactWhereItMatters(const CastError& sampled, const CastError& exact, DType dtype,
+                               const std::string& label) {
+  EXPECT_EQ(sampled.elements, exact.elements) << label;
+  EXPECT_EQ(sampled.overflowed, exact.overflowed) << label;
+  EXPECT_EQ(sampled.flushed_to_zero, exact.flushed_to_zero) << label;
+  EXPECT_EQ(sampled.became_subnormal, exact.became_subnormal) << label;
+  EXPECT_EQ(sampled.measured + sampled.unmeasured, exact.measured) << label;
+  EXPECT_GT(exact.max_relative_error, RelativeErrorBound(dtype)) << label << ": planted";
+  EXPECT_EQ(sampled.max_relative_error, exact.max_relative_error) << label;
+  for (const float bound : {RelativeErrorBound(dtype), 2 * RelativeErrorBound(dtype), 0.01f, 0.1f,
+                            0.5f, exact.max_relative_error}) {
+    EXPECT_EQ(sampled.Exceeds(bound), exact.Exceeds(bound)) << label << ", bound " << bound;
+  }
+}
+
 // Sampled, every rare element is still measured: the counts of lost
 // elements are exact, the maximum too wherever it is beyond the dtype's
 // unit roundoff, so a policy's max_rel_error at or above the roundoff
@@ -254,17 +272,7 @@ TEST(CastErrorTest, ASampleMeasuresEveryRareElementAndGatesExactly) {
           CastFromF32(in.data(), out.data(), in.size(), to, Fp16Overflow::kSaturate, &sampled)
               .ok());
       const std::string label = absl::StrCat(DTypeName(to), ", seed ", seed);
-      EXPECT_EQ(sampled.elements, exact.elements) << label;
-      EXPECT_EQ(sampled.overflowed, exact.overflowed) << label;
-      EXPECT_EQ(sampled.flushed_to_zero, exact.flushed_to_zero) << label;
-      EXPECT_EQ(sampled.became_subnormal, exact.became_subnormal) << label;
-      EXPECT_EQ(sampled.measured + sampled.unmeasured, exact.measured) << label;
-      EXPECT_GT(exact.max_relative_error, RelativeErrorBound(to)) << label << ": planted";
-      EXPECT_EQ(sampled.max_relative_error, exact.max_relative_error) << label;
-      for (const float bound : {RelativeErrorBound(to), 2 * RelativeErrorBound(to), 0.01f, 0.1f,
-                                0.5f, exact.max_relative_error}) {
-        EXPECT_EQ(sampled.Exceeds(bound), exact.Exceeds(bound)) << label << ", bound " << bound;
-      }
+      ExpectExactWhereItMatters(sampled, exact, to, label);
       if (SamplesOnThisCpu()) {
         EXPECT_TRUE(sampled.sampled()) << label;
         // One vector in 64 of those that stay normal, and every one holding
@@ -292,16 +300,7 @@ TEST(CastErrorTest, AnFp8SampleMeasuresEveryRareElementAndGatesExactly) {
     QuantizeFp8(in, 128, format, codes, scales, &exact);
     QuantizeFp8(in, 128, format, codes, scales, &sampled);
     const std::string label(Fp8FormatName(format));
-    EXPECT_EQ(sampled.elements, exact.elements) << label;
-    EXPECT_EQ(sampled.overflowed, exact.overflowed) << label;
-    EXPECT_EQ(sampled.flushed_to_zero, exact.flushed_to_zero) << label;
-    EXPECT_EQ(sampled.became_subnormal, exact.became_subnormal) << label;
-    EXPECT_EQ(sampled.measured + sampled.unmeasured, exact.measured) << label;
-    EXPECT_GT(exact.max_relative_error, RelativeErrorBound(dtype)) << label << ": planted";
-    EXPECT_EQ(sampled.max_relative_error, exact.max_relative_error) << label;
-    for (const float bound : {RelativeErrorBound(dtype), 0.1f, 0.5f, exact.max_relative_error}) {
-      EXPECT_EQ(sampled.Exceeds(bound), exact.Exceeds(bound)) << label << ", bound " << bound;
-    }
+    ExpectExactWhereItMatters(sampled, exact, dtype, label);
     if (SamplesOnThisCpu()) {
       EXPECT_TRUE(sampled.sampled()) << label;
       EXPECT_LT(sampled.measured, exact.measured / 8) << label;

@@ -12,11 +12,13 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,23 @@ constexpr char kToken[] = "fp8-delta-token-0123456789abcdef";
 constexpr char kFallbacks[] = "layercast_client_delta_fallbacks_total";
 
 using Values = std::map<std::string, std::vector<float>>;
+
+// Whether `a` and `b`, two copies of a layer laid out as `layout`, hold the
+// same codes and block scales (and 16-bit values): the padding between
+// tensors aside, which a mirror's buffer does not clear.
+bool SameTensors(const AssembledLayout& layout, std::span<const uint8_t> a,
+                 std::span<const uint8_t> b) {
+  for (const AssembledTensor& tensor : layout.tensors()) {
+    if (std::memcmp(a.data() + tensor.byte_offset, b.data() + tensor.byte_offset,
+                    tensor.num_bytes()) != 0 ||
+        (tensor.block_size != 0 &&
+         std::memcmp(a.data() + tensor.scale_offset, b.data() + tensor.scale_offset,
+                     tensor.scale_bytes()) != 0)) {
+      return false;
+    }
+  }
+  return true;
+}
 
 class Fp8DeltaTest : public ::testing::Test {
  protected:
@@ -112,7 +131,7 @@ TEST_F(Fp8DeltaTest, DeltasAfterOneTwoAndKVersionsAreTheFullPullCodeForCode) {
       {"every value moved a little (an optimizer step)",
        [&](float& x) { x += random() % 2 == 0 ? 2e-5f : -2e-5f; }},
       // Doubled, x / s is the same quotient: every code stays, every scale
-      // moves (and the bfloat16 norms).
+      // moves (the bfloat16 norms are left as they are, below).
       {"only the block scales moved", [](float& x) { x *= 2; }},
       {"a few percent moved again", [&](float& x) { x = few(random) ? -x : x; }},
   };
@@ -121,9 +140,18 @@ TEST_F(Fp8DeltaTest, DeltasAfterOneTwoAndKVersionsAreTheFullPullCodeForCode) {
   for (uint32_t l = 0; l < layers; ++l) {
     held[1].push_back(Pull(set, l, std::vector<uint8_t>(set.view().layouts[l].total_bytes()), {}));
   }
+  // Mirrors apply the same deltas in place, and through staging copies.
+  std::vector<std::unique_ptr<client::ModelMirror>> mirrors;
+  for (const uint64_t staging : {uint64_t{0}, uint64_t{1} << 30}) {
+    absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror =
+        client::ModelMirror::Create(set, {.staging_bytes = staging});
+    ASSERT_TRUE(mirror.ok()) << mirror.status();
+    mirrors.push_back(*std::move(mirror));
+  }
   uint64_t step_delta = 0, step_full = 0;
   for (size_t c = 0; c < changes.size(); ++c) {
     for (auto& [name, tensor] : values) {
+      if (c == 2 && name.find("norm") != std::string::npos) continue;
       for (float& x : tensor) changes[c].second(x);
     }
     const uint64_t version = Publish(values);
@@ -141,6 +169,17 @@ TEST_F(Fp8DeltaTest, DeltasAfterOneTwoAndKVersionsAreTheFullPullCodeForCode) {
               << "layer " << l << " from version " << base << " to " << version << " after "
               << changes[c].first << (gaps ? ", gaps allowed" : ", bitmaps only");
         }
+      }
+    }
+    for (const auto& mirror : mirrors) {
+      const absl::StatusOr<client::MirrorUpdate> update = mirror->Update(version);
+      ASSERT_TRUE(update.ok()) << update.status();
+      EXPECT_EQ(update->changed_layers.size(), layers) << changes[c].first << ": every layer moved";
+      auto reading = mirror->Read();
+      for (uint32_t l = 0; l < layers; ++l) {
+        EXPECT_TRUE(SameTensors(set.view().layouts[l], reading.layer(l).bytes(), held[version][l]))
+            << "a mirror's layer " << l << " at version " << version << " after "
+            << changes[c].first;
       }
     }
   }
@@ -193,10 +232,12 @@ TEST_F(Fp8DeltaTest, AnFp8RelayOfABfloat16SetFeedsMirrorsFp8Deltas) {
   ASSERT_TRUE(mirror.ok()) << mirror.status();
   Values values = Random();
   std::mt19937 random(3);
-  for (uint64_t version = 1; version <= 3; ++version) {
+  // Versions 2 and 3 move a few percent of the values; version 4 doubles
+  // them all, which in fp8 moves every block scale and no code.
+  for (uint64_t version = 1; version <= 4; ++version) {
     std::bernoulli_distribution few(version == 1 ? 1.0 : 0.03);
     for (auto& [name, tensor] : values) {
-      for (float& x : tensor) x = few(random) ? x * 1.05f + 1e-4f : x;
+      for (float& x : tensor) x = version == 4 ? 2 * x : few(random) ? x * 1.05f + 1e-4f : x;
     }
     ASSERT_EQ(Publish(values), version);
     absl::StatusOr<client::MirrorUpdate> update = (*mirror)->Update(version);
@@ -212,21 +253,15 @@ TEST_F(Fp8DeltaTest, AnFp8RelayOfABfloat16SetFeedsMirrorsFp8Deltas) {
       std::vector<uint8_t> cast(reading.layer(l).bytes().size());
       ASSERT_TRUE(shards_.set->GatherInto(l, options, cast).ok());
       full += cast.size();
-      // Every tensor's codes and block scales (padding between them aside).
       const AssembledLayout layout =
           *LayoutIn(shards_.set->view().layouts[l], DType::kFloat8E4M3FN, /*fp8_block=*/32);
-      for (const AssembledTensor& tensor : layout.tensors()) {
-        for (const auto& [begin, size] : {std::pair(tensor.byte_offset, tensor.num_bytes()),
-                                          std::pair(tensor.scale_offset, tensor.scale_bytes())}) {
-          EXPECT_TRUE(std::equal(cast.begin() + begin, cast.begin() + begin + size,
-                                 reading.layer(l).bytes().begin() + begin))
-              << "layer " << l << " at version " << version << ", bytes from " << begin;
-        }
-      }
+      EXPECT_TRUE(SameTensors(layout, cast, reading.layer(l).bytes()))
+          << "layer " << l << " at version " << version;
     }
     if (version > 1) {
       EXPECT_LT(update->bytes, full / 2) << "version " << version << ": deltas, not full pulls";
     }
+    EXPECT_EQ(update->changed_layers.size(), reading.num_layers()) << "version " << version;
   }
   EXPECT_EQ(CounterValue(*registry, kFallbacks).value_or(0), 0);
 }

@@ -277,7 +277,7 @@ TEST(DeltaChunksTest, Fp8SpansCarryTheChangedScalesApartFromTheChangedCodes) {
       std::vector<uint8_t> codes_copy = example.old_codes, scales_copy = example.old_scales;
       absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 1, codes_copy, scales_copy);
       ASSERT_TRUE(applied.ok()) << label << ": " << applied.status();
-      EXPECT_EQ(*applied, example.codes) << label;
+      EXPECT_EQ(*applied, example.codes + example.scales) << label << ": scales count too";
       EXPECT_EQ(codes_copy, example.new_codes) << label;
       EXPECT_EQ(scales_copy, example.new_scales) << label;
       // Again: nothing more changes.
