@@ -5,7 +5,8 @@ and delta_bench briefly and fails when a figure is worse than twice its goal.
 Every figure checked is a ratio each bench prints against a baseline it
 measured in the same run, never an absolute time (these machines are shared
 and noisy). "Twice its goal": a goal of at most G fails above 2G, a goal of
-at least G fails below G/2. A bench whose figure fails is run once more, and
+at least G fails below G/2, unless a figure names its own limit where this
+machine's spread is wider (train_bench's step/alone). A bench whose figure fails is run once more, and
 the stage fails only when the figure fails again, so one noisy run on a
 busy machine does not turn the suite red while a real regression (train_bench's
 step/alone was 16 before the step's bookkeeping was fixed) still does.
@@ -31,8 +32,13 @@ class Figure:
     pattern: str   # regex whose group 1 is the value in the bench's output
     goal: float
     at_most: bool  # the goal is an upper bound (else a lower one)
+    # Fails past this instead of twice the goal, where this machine's own
+    # spread reaches twice the goal (measured, and said where it is set).
+    fails_past: float = 0.0
 
     def limit(self):
+        if self.fails_past:
+            return self.fails_past
         return 2 * self.goal if self.at_most else self.goal / 2
 
     def passes(self, value):
@@ -66,7 +72,11 @@ BENCHES = [
     ], 180),
     Bench("train_bench", ["--rounds", "2"], [
         Figure("train b/a", r"^b/a ([\d.]+)", 1.8, True),
-        Figure("train step/alone", r"^step/alone ([\d.]+)", 1.5, True),
+        # Guarded for the regression it caught (16x, the step's
+        # bookkeeping). On this machine it spreads past twice its goal from
+        # run to run: 2.1-2.8 in three runs of e397196, 1.8-3.6 in seven
+        # of fb03b8b (two of them in one CI run), 2026-12-07.
+        Figure("train step/alone", r"^step/alone ([\d.]+)", 1.5, True, fails_past=4.5),
         Figure("train c/f", r"^c/f ([\d.]+)", 1.0, True),
     ], 180),
     Bench("delta_bench", ["--steps", "2"], [
