@@ -190,22 +190,18 @@ std::shared_ptr<const ChangedElements> RelayedVersions::ChangedBetween(
   if (moved.size() == 1) return kept[moved[0]].changed;  // the common delta
   // A value that changed and changed back is sent again: its newest bits,
   // so the delta still gives the target exactly (as the shards' own).
-  if (moved.empty()) {  // every version since the base changed nothing
-    const AssembledLayout& layout = layouts_[layer];
-    auto none = std::make_shared<ChangedElements>(layout.tensors().size());
-    for (size_t t = 0; t < layout.tensors().size(); ++t) {
-      const AssembledTensor& tensor = layout.tensors()[t];
-      none->elements[t].assign((tensor.num_elements + 63) / 64, 0);
-      if (tensor.block_size != 0) {
-        none->scales[t].assign((Fp8BlockCount(tensor.num_elements, tensor.block_size) + 63) / 64,
-                               0);
-      }
+  const AssembledLayout& layout = layouts_[layer];
+  auto changed = std::make_shared<ChangedElements>(layout.tensors().size());
+  for (size_t t = 0; t < layout.tensors().size(); ++t) {
+    const AssembledTensor& tensor = layout.tensors()[t];
+    changed->elements[t].assign((tensor.num_elements + 63) / 64, 0);
+    if (tensor.block_size != 0) {
+      changed->scales[t].assign((Fp8BlockCount(tensor.num_elements, tensor.block_size) + 63) / 64,
+                                0);
     }
-    return none;
   }
-  auto changed = std::make_shared<ChangedElements>(*kept[moved[0]].changed);
-  for (size_t m = 1; m < moved.size(); ++m) {
-    const ChangedElements& since = *kept[moved[m]].changed;
+  for (const size_t i : moved) {
+    const ChangedElements& since = *kept[i].changed;
     for (size_t t = 0; t < since.elements.size(); ++t) {
       Or(since.elements[t], changed->elements[t]);
       Or(since.scales[t], changed->scales[t]);
