@@ -206,15 +206,17 @@ void LocalShardSet::SignalForTest(size_t shard, int signal) {
 }
 
 absl::StatusOr<int> LocalShardSet::WaitForExitForTest(size_t shard,
-                                                      std::chrono::milliseconds timeout) {
+                                                      std::chrono::milliseconds timeout,
+                                                      int* wait_status) {
   if (pids_[shard] <= 0) return absl::FailedPreconditionError("that shard was already reaped");
-  int wait_status = 0;
-  if (!WaitUntil(pids_[shard], std::chrono::steady_clock::now() + timeout, &wait_status)) {
+  int status = 0;
+  if (!WaitUntil(pids_[shard], std::chrono::steady_clock::now() + timeout, &status)) {
     return absl::DeadlineExceededError(
         absl::StrCat("shard ", shard, " still running after ", timeout.count(), " ms"));
   }
   pids_[shard] = 0;
-  return WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : 128 + WTERMSIG(wait_status);
+  if (wait_status != nullptr) *wait_status = status;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 absl::Status LocalShardSet::Stop(std::chrono::milliseconds grace) {

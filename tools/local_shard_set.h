@@ -66,9 +66,11 @@ class LocalShardSet {
   void SignalForTest(size_t shard, int signal);
 
   // Waits up to `timeout` for one shard to exit and reaps it: its exit code,
-  // or 128 + the signal that ended it. DEADLINE_EXCEEDED if it is still
-  // running (it is left running).
-  absl::StatusOr<int> WaitForExitForTest(size_t shard, std::chrono::milliseconds timeout);
+  // or 128 + the signal that ended it; its waitpid(2) status in
+  // `*wait_status` when given (to tell a signal from an exit code).
+  // DEADLINE_EXCEEDED if it is still running (it is left running).
+  absl::StatusOr<int> WaitForExitForTest(size_t shard, std::chrono::milliseconds timeout,
+                                         int* wait_status = nullptr);
 
   // SIGTERM to every live shard, then waits up to `grace` for each. OK if
   // every shard exited 0; otherwise an error naming the first that did not.

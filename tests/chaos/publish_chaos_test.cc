@@ -7,7 +7,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +19,7 @@
 #include "client/weight_publisher.h"
 #include "core/cast.h"
 #include "tests/chaos/nudged_model.h"
+#include "tests/chaos/shard_restarter.h"
 #include "tests/integration/shard_fixture.h"
 
 namespace layercast::testing {
@@ -66,23 +71,24 @@ class PublishChaosTest : public ::testing::Test {
   }
 
   // Restarts every shard that dies, as a StatefulSet's controller would,
-  // until the test ends.
-  void RestartWhatDies() {
-    restarter_ = std::jthread([this](std::stop_token stop) {
-      while (!stop.stop_requested()) {
-        for (size_t shard = 0; shard < processes_->addresses().size(); ++shard) {
-          if (processes_->WaitForExitForTest(shard, std::chrono::milliseconds(20)).ok()) {
-            EXPECT_TRUE(processes_->RestartForTest(shard).ok()) << "shard " << shard;
-          }
-        }
-      }
-    });
+  // until StopRestartingAfterTheDeathAt() or the test's end.
+  void RestartWhatDies() { restarter_.emplace(*processes_); }
+  // Stops restarting; fails the test unless the shards' failpoint
+  // `failpoint` (StartSet's) fired and killed its shard, by SIGKILL, and
+  // no other shard died meanwhile.
+  void StopRestartingAfterTheDeathAt(const std::string& failpoint) {
+    ASSERT_TRUE(restarter_.has_value());
+    restarter_->Stop();
+    ExpectOnlyDeathAt(failpoint, dir_ + "/fired", restarter_->deaths());
   }
-  void StopRestarting() {
-    restarter_.request_stop();
-    if (restarter_.joinable()) restarter_.join();
+  // Every shard still running exits 0 on SIGTERM (no leak, no sanitizer
+  // report); a death not by the failpoint fails the test above.
+  void TearDown() override {
+    if (restarter_.has_value()) restarter_->Stop();
+    if (processes_ != nullptr) {
+      EXPECT_EQ(processes_->Stop(), absl::OkStatus());
+    }
   }
-  void TearDown() override { StopRestarting(); }
 
   std::vector<uint64_t> Versions() const {
     std::vector<uint64_t> versions;
@@ -140,18 +146,25 @@ class PublishChaosTest : public ::testing::Test {
     return NudgedModel(MakeTempDir("nudged") + "/model.safetensors", kLayers, kSeed, nudge);
   }
 
-  // Runs the publisher process with `failpoint` armed in it; its exit code
-  // (128 + 9 when the failpoint killed it).
-  int RunPublisher(float nudge, const std::string& failpoint) const {
+  // Runs the publisher process with `failpoint` armed in it, once; fails
+  // the test unless the failpoint fired and killed it, by SIGKILL.
+  void RunPublisherToItsDeathAt(float nudge, const std::string& failpoint) const {
+    const std::string dir = MakeTempDir("publisher");
+    const std::string fired = dir + "/fired";
     std::string output;
-    const int code =
-        RunCommand(absl::StrCat("LAYERCAST_FAILPOINT=", failpoint, " ", LAYERCAST_CHAOS_PUBLISHER,
-                                " ", absl::StrJoin(processes_->addresses(), ","), " ", kToken, " ",
-                                kLayers, " ", kSeed, " ", nudge, " ", MakeTempDir("publisher")),
-                   &output);
-    EXPECT_THAT(output, HasSubstr(failpoint.empty() ? "published" : "killing this process"))
+    // RunCommand's status, through the shell: 128 + the signal that
+    // killed the publisher (which exits 0, 1 or 2 of itself).
+    const int code = RunCommand(
+        absl::StrCat("LAYERCAST_FAILPOINT=", failpoint, " LAYERCAST_FAILPOINT_ONCE=", fired, " ",
+                     LAYERCAST_CHAOS_PUBLISHER, " ", absl::StrJoin(processes_->addresses(), ","),
+                     " ", kToken, " ", kLayers, " ", kSeed, " ", nudge, " ", dir),
+        &output);
+    ASSERT_TRUE(std::filesystem::exists(fired))
+        << "the failpoint " << failpoint << " never fired:\n"
         << output;
-    return code;
+    ASSERT_EQ(code, 128 + SIGKILL) << output;
+    EXPECT_THAT(output, HasSubstr(absl::StrCat("failpoint ", failpoint, ": killing this process")))
+        << output;
   }
 
   absl::StatusOr<client::PublishResult> Publish(
@@ -167,14 +180,14 @@ class PublishChaosTest : public ::testing::Test {
   TestModel model_;
   std::unique_ptr<tools::LocalShardSet> processes_;
   std::unique_ptr<client::ShardSet> set_;
-  std::jthread restarter_;
+  std::optional<ShardRestarter> restarter_;
 };
 
 // The publisher dies right after shard 0 committed: shard 0 hands the
 // commit on, and every shard serves the new version.
 TEST_F(PublishChaosTest, APublisherKilledAfterTheFirstCommitLeavesTheNewVersionEverywhere) {
   ASSERT_NO_FATAL_FAILURE(StartSet());
-  EXPECT_NE(RunPublisher(0.5f, "publish.after_first_commit"), 0);
+  ASSERT_NO_FATAL_FAILURE(RunPublisherToItsDeathAt(0.5f, "publish.after_first_commit"));
   const auto took = AwaitOneVersion(1);
   ASSERT_NO_FATAL_FAILURE(ExpectServes(Nudged(0.5f), 1));
   std::printf("one version %lld ms after the publisher died\n",
@@ -189,7 +202,7 @@ TEST_F(PublishChaosTest, APublisherKilledAfterTheFirstCommitLeavesTheNewVersionE
 // dead one with the set (aborted) and commits.
 TEST_F(PublishChaosTest, APublisherKilledBeforeAnyCommitLeavesTheVersionBeforeAndAWayOn) {
   ASSERT_NO_FATAL_FAILURE(StartSet());
-  EXPECT_NE(RunPublisher(0.5f, "publish.after_stage"), 0);
+  ASSERT_NO_FATAL_FAILURE(RunPublisherToItsDeathAt(0.5f, "publish.after_stage"));
   EXPECT_EQ(Versions(), (std::vector<uint64_t>{0, 0, 0}));
   ASSERT_NO_FATAL_FAILURE(ExpectServes(model_.values, 0));
   const auto start = std::chrono::steady_clock::now();
@@ -214,6 +227,7 @@ TEST_P(ShardKilledAtCommitTest, IsStagedAgainAndThePublishGoesThrough) {
   ASSERT_TRUE(published.ok()) << published.status();
   AwaitOneVersion(1);
   ASSERT_NO_FATAL_FAILURE(ExpectServes(values, 1));
+  StopRestartingAfterTheDeathAt(GetParam());
 }
 
 // Shard 1 dies holding a whole staging, before its commit; shard 0, which
@@ -227,13 +241,14 @@ INSTANTIATE_TEST_SUITE_P(Points, ShardKilledAtCommitTest,
 // model file, behind the set: a publish of some layers says what to do, and
 // one of every layer brings it level.
 TEST_F(PublishChaosTest, AShardRestartedBehindTheSetIsBroughtLevelByTheNextPublish) {
-  ASSERT_NO_FATAL_FAILURE(StartSet("publish.shard_after_commit@2"));
+  constexpr char kFailPoint[] = "publish.shard_after_commit@2";
+  ASSERT_NO_FATAL_FAILURE(StartSet(kFailPoint));
   RestartWhatDies();
   const auto first = Nudged(0.5f);
   ASSERT_TRUE(Publish(first).ok());
   AwaitOneVersion(1);
   ASSERT_NO_FATAL_FAILURE(ExpectServes(first, 1));
-  StopRestarting();
+  ASSERT_NO_FATAL_FAILURE(StopRestartingAfterTheDeathAt(kFailPoint));
   processes_->KillForTest(2);
   ASSERT_TRUE(processes_->RestartForTest(2).ok());
   ASSERT_EQ(Versions(), (std::vector<uint64_t>{1, 1, 0}));

@@ -15,10 +15,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -30,7 +32,8 @@ namespace layercast::testing {
 
 // A `layercast relay` process of `shards` (two), serving on 127.0.0.1,
 // with `flags` besides and the failpoint `failpoint` armed (none if
-// empty); killed at the end.
+// empty), to fire once: it creates fired() first. Killed at the end unless
+// stopped or reaped before.
 class RelayProcess {
  public:
   RelayProcess(const std::string& dir, const std::string& name,
@@ -48,7 +51,11 @@ class RelayProcess {
     argv.push_back(nullptr);
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-    if (!failpoint.empty()) env.push_back("LAYERCAST_FAILPOINT=" + failpoint);
+    fired_ = absl::StrCat(dir, "/", name, ".fired");
+    if (!failpoint.empty()) {
+      env.push_back("LAYERCAST_FAILPOINT=" + failpoint);
+      env.push_back("LAYERCAST_FAILPOINT_ONCE=" + fired_);
+    }
     std::vector<char*> envp;
     for (std::string& e : env) envp.push_back(e.data());
     envp.push_back(nullptr);
@@ -88,21 +95,43 @@ class RelayProcess {
 
   const std::vector<std::string>& addresses() const { return addresses_; }
   const std::string& log() const { return log_; }
-  // Whether it died by a signal (a failpoint's kill) within `timeout`.
-  bool DiedBySignal(std::chrono::seconds timeout) {
+  // The marker its failpoint creates as it fires.
+  const std::string& fired() const { return fired_; }
+
+  // Waits up to `timeout` for it to exit and reaps it: its waitpid(2)
+  // status (KilledBySigkill: a failpoint's death); nullopt if it is still
+  // running (it is left running) or was reaped before.
+  std::optional<int> WaitForExit(std::chrono::seconds timeout) {
+    if (pid_ <= 0) return std::nullopt;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     int status = 0;
     while (waitpid(pid_, &status, WNOHANG) != pid_) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
+      if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     pid_ = 0;
-    return WIFSIGNALED(status);
+    return status;
+  }
+
+  // SIGTERM, then waits up to `grace`: OK if it exited 0 (no leak, no
+  // sanitizer report); otherwise how it ended (killed after `grace`).
+  absl::Status Stop(std::chrono::seconds grace = std::chrono::seconds(15)) {
+    if (pid_ <= 0) return absl::FailedPreconditionError("the relay was already reaped");
+    kill(pid_, SIGTERM);
+    const std::optional<int> status = WaitForExit(grace);
+    if (!status.has_value()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the relay did not stop within ", grace.count(), " s; see ", log_));
+    }
+    if (WIFEXITED(*status) && WEXITSTATUS(*status) == 0) return absl::OkStatus();
+    return absl::InternalError(
+        absl::StrCat("the relay stopped with ", DescribeWaitStatus(*status), "; see ", log_));
   }
 
  private:
   pid_t pid_ = 0;
   std::string log_;
+  std::string fired_;
   std::vector<std::string> addresses_;
 };
 

@@ -2,6 +2,11 @@
 // incarnations are the shards' own, full and delta; a mirror whose relay is
 // killed mid-update falls back to the shards and ends bit for bit.
 
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <optional>
+
 #include "tests/integration/publish_fixture.h"
 #include "tests/integration/relay_process.h"
 #include "wire/incarnation.h"
@@ -108,7 +113,12 @@ TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
   // (the one torn midway too) end as the shards serve them.
   absl::StatusOr<client::MirrorUpdate> update = (*child)->Update(1);
   ASSERT_TRUE(update.ok()) << update.status();
-  EXPECT_TRUE(dying.DiedBySignal(std::chrono::seconds(10))) << "see " << dying.log();
+  const std::optional<int> died = dying.WaitForExit(std::chrono::seconds(10));
+  ASSERT_TRUE(died.has_value()) << "the relay did not die; see " << dying.log();
+  EXPECT_TRUE(std::filesystem::exists(dying.fired()))
+      << "its failpoint never fired; see " << dying.log();
+  EXPECT_TRUE(KilledBySigkill(*died)) << "the relay died by " << DescribeWaitStatus(*died)
+                                      << ", not by its failpoint's SIGKILL; see " << dying.log();
   EXPECT_EQ(&(*child)->source(), shards_.set.get());
   auto reading = (*child)->Read();
   EXPECT_EQ(reading.version(), 1u);
@@ -135,6 +145,9 @@ TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_EQ(&(*late)->source(), shards_.set.get());
   EXPECT_EQ((*late)->version(), 2u);
+
+  EXPECT_EQ(relay.Stop(), absl::OkStatus());
+  EXPECT_EQ(shards_.processes->Stop(), absl::OkStatus());
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 
 namespace layercast::testing {
@@ -82,6 +84,19 @@ int RunCommand(const std::string& command, std::string* output) {
   while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) output->append(buffer, n);
   const int status = pclose(pipe);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+bool KilledBySigkill(int wait_status) {
+  return WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGKILL;
+}
+
+std::string DescribeWaitStatus(int wait_status) {
+  if (WIFEXITED(wait_status)) return "exit status " + std::to_string(WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) {
+    return "signal " + std::to_string(WTERMSIG(wait_status)) + " (" +
+           strsignal(WTERMSIG(wait_status)) + ")";
+  }
+  return "wait status " + std::to_string(wait_status);
 }
 
 }  // namespace layercast::testing

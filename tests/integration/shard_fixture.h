@@ -49,4 +49,12 @@ std::string WriteAdminToken(const std::string& dir, const std::string& token);
 // `output` with stdout and stderr together.
 int RunCommand(const std::string& command, std::string* output);
 
+// Whether a waitpid(2) status is a death by SIGKILL, as a failpoint kills
+// (platform/failpoint.cc); not by another signal, not an exit.
+bool KilledBySigkill(int wait_status);
+
+// How a process ended, from its waitpid(2) status: "exit status 1",
+// "signal 6 (Aborted)".
+std::string DescribeWaitStatus(int wait_status);
+
 }  // namespace layercast::testing
