@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/cast.h"
 #include "tests/core/torch_check.h"
+#include "tests/prerequisite.h"
 
 namespace layercast {
 namespace {
@@ -54,8 +55,10 @@ std::vector<float> Inputs() {
 
 TEST(CastTorchTest, EveryVariantMatchesPyTorchBits) {
   if (!torch_check::TorchAvailable()) {
-    GTEST_SKIP() << kPython << " cannot import torch (apt install python3-torch); "
-                 << "this check against PyTorch's conversions did not run";
+    LAYERCAST_PREREQUISITE_MISSING(
+        absl::StrCat(kPython,
+                     " cannot import torch (apt install python3-torch): no check against PyTorch's "
+                     "conversions"));
   }
   const std::vector<float> inputs = Inputs();
   const std::string path = absl::StrCat(::testing::TempDir(), "cast_torch_test_", getpid(), ".bin");

@@ -17,6 +17,7 @@
 #include "core/optimizer.h"
 #include "core/optimizer_spec.h"
 #include "tests/core/torch_check.h"
+#include "tests/prerequisite.h"
 
 namespace layercast {
 namespace {
@@ -72,8 +73,10 @@ void WriteFloats(std::ofstream& out, std::span<const float> values, size_t size)
 
 TEST(OptimizerTorchTest, StepsMatchPyTorchBits) {
   if (!torch_check::TorchAvailable()) {
-    GTEST_SKIP() << kPython << " cannot import torch (apt install python3-torch); "
-                 << "this check against PyTorch's optimizers did not run";
+    LAYERCAST_PREREQUISITE_MISSING(
+        absl::StrCat(kPython,
+                     " cannot import torch (apt install python3-torch): no check against PyTorch's "
+                     "optimizers"));
   }
   const std::vector<std::string> specs = {
       "sgd:lr=0.1",

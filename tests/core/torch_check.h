@@ -18,7 +18,8 @@ namespace layercast::torch_check {
 
 inline constexpr char kPython[] = "/usr/bin/python3";
 
-// Whether kPython can import torch; the tests skip, saying so, when not.
+// Whether kPython can import torch; when not, the tests skip saying so, or
+// fail under CI (tests/prerequisite.h).
 inline bool TorchAvailable() {
   return std::system(absl::StrCat(kPython, " -c 'import torch' >/dev/null 2>&1").c_str()) == 0;
 }

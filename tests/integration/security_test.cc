@@ -24,6 +24,7 @@
 #include "tests/integration/relay_process.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_certs.h"
+#include "tests/prerequisite.h"
 
 namespace layercast::testing {
 namespace {
@@ -94,8 +95,9 @@ class SecurityTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!HaveOpenssl()) {
-      GTEST_SKIP() << "the openssl command is not installed (apt-get install openssl); the TLS "
-                      "tests need it to make their certificates";
+      LAYERCAST_PREREQUISITE_MISSING(
+          "the openssl command is not installed (apt-get install openssl); the TLS tests need it "
+          "to make their certificates");
     }
     certs_ = MakeCerts(MakeTempDir("certs"));
   }

@@ -25,6 +25,7 @@
 #include "core/optimizer_spec.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
+#include "tests/prerequisite.h"
 #include "tools/synthetic_gradient.h"
 
 namespace layercast::testing {
@@ -177,7 +178,12 @@ void WriteDescription(const std::string& path, const client::ShardSet& view_of,
 }
 
 TEST(TrainingTorchTest, ThreeShardsTwoWorkersMatchTorchBitForBit) {
-  if (!TorchAvailable()) GTEST_SKIP() << kPython << " cannot import torch (python3-torch)";
+  if (!TorchAvailable()) {
+    LAYERCAST_PREREQUISITE_MISSING(
+        absl::StrCat(kPython,
+                     " cannot import torch (apt install python3-torch): no training run against "
+                     "PyTorch's"));
+  }
   const std::string dir = MakeTempDir("training-torch");
   const TestModel model = WriteTestModel(dir + "/model.safetensors", 2, 11);
   const std::string adamw =
