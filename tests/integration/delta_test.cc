@@ -2,16 +2,19 @@
 // steps a delta from the older copy is bit for bit the full pull, and
 // smaller; a base older than K (or a shard that keeps no changes) is
 // refused with OUT_OF_RANGE, and the worker library pulls in full. A
-// shard records its steps only once a reader has asked for a delta.
+// shard records its steps only once a reader has asked for a delta. On
+// the wire: a sparse delta to a reader that takes gaps comes as gaps.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <map>
 
 #include "client/gradient_sink.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "tests/integration/publish_fixture.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 #include "tools/synthetic_gradient.h"
@@ -198,6 +201,88 @@ TEST_F(DeltaTest, AFullPullThatWillPullDeltasStartsTheRecording) {
   ASSERT_NO_FATAL_FAILURE(Step(set, 0));
   ExpectDelta(set, at_zero, 0, 1);
   EXPECT_EQ(CounterValue(*shards_.registry, "layercast_client_delta_fallbacks_total"), 0.0);
+}
+
+// Read-only shards with an admin token (publish_fixture.h), for a publish
+// that changes exactly the values the test chooses.
+class GapsOnTheWireTest : public PublishTest {};
+
+// The positions `changed` marks in [from, from + span), coded as shard.proto
+// defines LayerChunk.changed_gaps (unsigned LEB128, each gap from the one
+// before), and as LayerChunk.changed (bit i of byte i / 8).
+void CodePositions(const std::function<bool(uint64_t)>& changed, uint64_t from, uint64_t span,
+                   std::string* gaps, std::string* bitmap) {
+  gaps->clear();
+  bitmap->assign((span + 7) / 8, '\0');
+  uint64_t next = 0;
+  for (uint64_t i = 0; i < span; ++i) {
+    if (!changed(from + i)) continue;
+    (*bitmap)[i / 8] = static_cast<char>((*bitmap)[i / 8] | 1 << (i % 8));
+    uint64_t gap = i - next;
+    for (; gap >= 0x80; gap >>= 7) gaps->push_back(static_cast<char>(0x80 | (gap & 0x7f)));
+    gaps->push_back(static_cast<char>(gap));
+    next = i + 1;
+  }
+}
+
+// A publish that negates every 97th value of every tensor, pulled raw
+// (FetchLayer through the generated stub) as a delta from the version
+// before: to a request with accepts_changed_gaps each chunk's positions
+// come as exactly the gaps of the negated elements, with no bitmap, where
+// the gaps are smaller (all but a few-element span's); without it, as
+// exactly their bitmap.
+TEST_F(GapsOnTheWireTest, ASparseDeltaComesAsGapsToAReaderThatTakesThem) {
+  constexpr uint64_t kEvery = 97;
+  auto values = model_.values;
+  for (auto& [name, tensor] : values) {
+    for (size_t i = 0; i < tensor.size(); i += kEvery) tensor[i] = tensor[i] == 0 ? 1 : -tensor[i];
+  }
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  const absl::StatusOr<client::PublishResult> published = publisher.Publish(View(values), 0);
+  ASSERT_TRUE(published.ok()) << published.status();
+  ASSERT_EQ(published->version, 1u);
+  const client::ShardSet& set = *shards_.set;
+  const auto changed = [](uint64_t element) { return element % kEvery == 0; };
+  for (const bool accepts_gaps : {true, false}) {
+    uint64_t gap_chunks = 0, bitmap_chunks = 0;
+    for (uint32_t l = 0; l < set.model().layers.size(); ++l) {
+      for (uint32_t s = 0; s < 2; ++s) {
+        grpc::ClientContext context;
+        layercast::v1::FetchLayerRequest request;
+        request.set_layer(l);
+        request.set_base_version(0);
+        request.set_accepts_changed_gaps(accepts_gaps);
+        auto reader = set.stub(s).FetchLayer(&context, request);
+        layercast::v1::LayerChunk chunk;
+        while (reader->Read(&chunk)) {
+          const TensorSpec& tensor = set.model().layers[l].tensors.at(chunk.tensor());
+          const std::string where =
+              absl::StrCat(tensor.name, " from element ", chunk.element_offset(), ", ",
+                           chunk.span_elements(), " elements, gaps accepted ", accepts_gaps);
+          ASSERT_EQ(chunk.base_version(), 0u) << where;
+          ASSERT_EQ(chunk.version(), 1u) << where;
+          std::string gaps, bitmap;
+          CodePositions(changed, chunk.element_offset(), chunk.span_elements(), &gaps, &bitmap);
+          if (accepts_gaps && gaps.size() < bitmap.size()) {
+            EXPECT_EQ(chunk.changed_gaps(), gaps) << where;
+            EXPECT_TRUE(chunk.changed().empty()) << where << ": the bitmap sent as well";
+            gap_chunks += !gaps.empty();
+          } else {
+            EXPECT_EQ(chunk.changed(), bitmap) << where;
+            EXPECT_TRUE(chunk.changed_gaps().empty()) << where;
+            ++bitmap_chunks;
+          }
+        }
+        const grpc::Status status = reader->Finish();
+        ASSERT_TRUE(status.ok()) << status.error_message();
+      }
+    }
+    if (accepts_gaps) {
+      EXPECT_GT(gap_chunks, 10 * bitmap_chunks) << "gaps went on the wire, bitmaps rarely";
+    } else {
+      EXPECT_GT(bitmap_chunks, 0u);
+    }
+  }
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // of the changed positions (a bitmap, or gaps for a reader that takes
 // them, whichever is smaller), and a chunk whose positions, values or
 // checksum do not hold is refused writing nothing; an 8-bit float span's
-// changed block scales travel apart from its changed codes.
+// changed block scales travel apart from its changed codes; known byte
+// strings pin the gaps and the bitmap, for the elements and the scales.
 
 #include "wire/delta_chunks.h"
 
@@ -13,12 +14,14 @@
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
 
 namespace layercast::wire {
 namespace {
@@ -210,6 +213,150 @@ TEST(DeltaChunksTest, RefusesBrokenGapsWritingNothing) {
   chunk = good;
   chunk.set_changed(std::string(125, '\0'));
   EXPECT_THAT(refused(chunk, "both forms"), HasSubstr("bytes of gaps"));
+}
+
+// Known answers, worked by hand from shard.proto's definition of the
+// positions (not from the encoder): each gap an unsigned LEB128 varint, low
+// 7 bits first, 0x80 on every byte but the last; the first gap the index in
+// the span, each next the index minus the previous index minus 1. They pin
+// the format: an encoder and a decoder that changed it together would still
+// round-trip, and would fail here.
+constexpr uint64_t kGapSpan = 40000;  // a 5000-byte bitmap
+// Changed elements 5, 6, 134, 263, 564, 16948 and 33333: gaps 5, 0, 127,
+// 128, 300, 16383 and 16384, every varint length from one to three bytes.
+constexpr uint64_t kGapPositions[] = {5, 6, 134, 263, 564, 16948, 33333};
+const std::string kGapBytes("\x05\x00\x7f\x80\x01\xac\x02\xff\x7f\x80\x80\x01", 12);
+// Their values, bfloat16 little-endian, packed in element order.
+const std::string kGapData("\x01\x40\x02\x40\x03\x40\x04\x40\x05\x40\x06\x40\x07\x40", 14);
+
+std::string Bytes(std::span<const uint8_t> bytes) { return {bytes.begin(), bytes.end()}; }
+
+TEST(DeltaChunksTest, GapsAreTheKnownBytes) {
+  std::vector<uint8_t> values(kGapSpan * 2);
+  std::vector<uint64_t> changed((kGapSpan + 63) / 64);
+  uint8_t k = 0;
+  for (const uint64_t i : kGapPositions) {
+    values[2 * i] = ++k;
+    values[2 * i + 1] = 0x40;
+    changed[i / 64] |= uint64_t{1} << (i % 64);
+  }
+  const layercast::v1::LayerChunk chunk = Parse(EncodeDeltaChunk(
+      {.span_elements = kGapSpan, .version = 2, .base_version = 1, .gaps_allowed = true}, values, 2,
+      changed));
+  EXPECT_EQ(chunk.changed_gaps(), kGapBytes);
+  EXPECT_TRUE(chunk.changed().empty());
+  EXPECT_EQ(chunk.data(), kGapData);
+  // CRC-32C over the data, then the positions.
+  EXPECT_EQ(chunk.crc32c(),
+            Crc32c(kGapBytes.data(), kGapBytes.size(), Crc32c(kGapData.data(), kGapData.size())));
+}
+
+TEST(DeltaChunksTest, KnownGapsApplyToTheKnownPositions) {
+  layercast::v1::LayerChunk chunk;
+  chunk.set_element_offset(100);
+  chunk.set_span_elements(kGapSpan);
+  chunk.set_version(2);
+  chunk.set_base_version(1);
+  chunk.set_data(kGapData);
+  chunk.set_changed_gaps(kGapBytes);
+  chunk.set_crc32c(
+      Crc32c(kGapBytes.data(), kGapBytes.size(), Crc32c(kGapData.data(), kGapData.size())));
+  std::vector<uint8_t> values(kGapSpan * 2);
+  absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 2, values);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(*applied, 7u);
+  std::vector<uint8_t> expected(kGapSpan * 2);
+  uint8_t k = 0;
+  for (const uint64_t i : kGapPositions) {
+    expected[2 * i] = ++k;
+    expected[2 * i + 1] = 0x40;
+  }
+  EXPECT_TRUE(values == expected);
+}
+
+// The bitmap: bit i of byte i / 8, least significant first. Elements 0, 9
+// and 19 of 20: 0x01, 0x02 (bit 1), 0x08 (bit 3). Their gaps (0, 8, 9)
+// would take 3 bytes too, not fewer, so a reader that takes gaps gets the
+// bitmap as well.
+TEST(DeltaChunksTest, TheBitmapIsTheKnownBytes) {
+  std::vector<uint8_t> values(20 * 2);
+  std::vector<uint64_t> changed = {uint64_t{1} << 0 | uint64_t{1} << 9 | uint64_t{1} << 19};
+  for (const bool gaps : {false, true}) {
+    const layercast::v1::LayerChunk chunk = Parse(EncodeDeltaChunk(
+        {.span_elements = 20, .version = 2, .base_version = 1, .gaps_allowed = gaps}, values, 2,
+        changed));
+    EXPECT_EQ(chunk.changed(), std::string("\x01\x02\x08", 3)) << "gaps allowed " << gaps;
+    EXPECT_TRUE(chunk.changed_gaps().empty()) << "gaps allowed " << gaps;
+  }
+}
+
+// An 8-bit float span of 9600 codes in 300 blocks (a 38-byte bitmap of
+// blocks): code 9599 changed (gap 9599: 0xff 0x4a) and the scales of blocks
+// 2, 3, 133 and 270 (gaps 2, 0, 129, 136: 0x02 0x00 0x81 0x01 0x88 0x01).
+constexpr uint64_t kFp8Codes = 9600, kFp8Blocks = 300;
+const std::string kFp8CodeGaps("\xff\x4a", 2);
+const std::string kFp8Code("\x2a", 1);
+const std::string kFp8ScaleGaps("\x02\x00\x81\x01\x88\x01", 6);
+// Block b's new scale: the bytes b & 0xff, b >> 8, 0x80, 0x3f.
+const std::string kFp8Scales("\x02\x00\x80\x3f\x03\x00\x80\x3f\x85\x00\x80\x3f\x0e\x01\x80\x3f",
+                             16);
+constexpr uint64_t kFp8ChangedBlocks[] = {2, 3, 133, 270};
+
+TEST(DeltaChunksTest, Fp8ScaleGapsAreTheKnownBytes) {
+  std::vector<uint8_t> codes(kFp8Codes);
+  codes[9599] = 0x2a;
+  std::vector<uint64_t> codes_changed((kFp8Codes + 63) / 64);
+  codes_changed[9599 / 64] |= uint64_t{1} << (9599 % 64);
+  std::vector<uint8_t> scales(kFp8Blocks * 4);
+  std::vector<uint64_t> scales_changed((kFp8Blocks + 63) / 64);
+  for (const uint64_t b : kFp8ChangedBlocks) {
+    scales[4 * b] = static_cast<uint8_t>(b & 0xff);
+    scales[4 * b + 1] = static_cast<uint8_t>(b >> 8);
+    scales[4 * b + 2] = 0x80;
+    scales[4 * b + 3] = 0x3f;
+    scales_changed[b / 64] |= uint64_t{1} << (b % 64);
+  }
+  const DeltaScales delta_scales{scales, scales_changed};
+  const layercast::v1::LayerChunk chunk = Parse(EncodeDeltaChunk(
+      {.span_elements = kFp8Codes, .version = 2, .base_version = 1, .gaps_allowed = true}, codes, 1,
+      codes_changed, &delta_scales));
+  EXPECT_EQ(chunk.changed_gaps(), kFp8CodeGaps);
+  EXPECT_TRUE(chunk.changed().empty());
+  EXPECT_EQ(chunk.data(), kFp8Code);
+  EXPECT_EQ(chunk.scales_changed_gaps(), kFp8ScaleGaps);
+  EXPECT_TRUE(chunk.scales_changed().empty());
+  EXPECT_EQ(chunk.scales(), kFp8Scales);
+  // CRC-32C over the codes, their positions, the scales, their positions.
+  uint32_t crc = Crc32c(kFp8Code.data(), kFp8Code.size());
+  crc = Crc32c(kFp8CodeGaps.data(), kFp8CodeGaps.size(), crc);
+  crc = Crc32c(kFp8Scales.data(), kFp8Scales.size(), crc);
+  EXPECT_EQ(chunk.crc32c(), Crc32c(kFp8ScaleGaps.data(), kFp8ScaleGaps.size(), crc));
+}
+
+TEST(DeltaChunksTest, KnownFp8ScaleGapsApplyToTheKnownBlocks) {
+  layercast::v1::LayerChunk chunk;
+  chunk.set_span_elements(kFp8Codes);
+  chunk.set_version(2);
+  chunk.set_base_version(1);
+  chunk.set_data(kFp8Code);
+  chunk.set_changed_gaps(kFp8CodeGaps);
+  chunk.set_scales(kFp8Scales);
+  chunk.set_scales_changed_gaps(kFp8ScaleGaps);
+  uint32_t crc = Crc32c(kFp8Code.data(), kFp8Code.size());
+  crc = Crc32c(kFp8CodeGaps.data(), kFp8CodeGaps.size(), crc);
+  crc = Crc32c(kFp8Scales.data(), kFp8Scales.size(), crc);
+  chunk.set_crc32c(Crc32c(kFp8ScaleGaps.data(), kFp8ScaleGaps.size(), crc));
+  std::vector<uint8_t> codes(kFp8Codes), scales(kFp8Blocks * 4);
+  absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 1, codes, scales);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(*applied, 1u + 4u) << "one code and four scales";
+  std::vector<uint8_t> expected_codes(kFp8Codes), expected_scales(kFp8Blocks * 4);
+  expected_codes[9599] = 0x2a;
+  for (size_t k = 0; k < 4; ++k) {
+    std::memcpy(&expected_scales[4 * kFp8ChangedBlocks[k]], kFp8Scales.data() + 4 * k, 4);
+  }
+  EXPECT_TRUE(codes == expected_codes);
+  EXPECT_EQ(Bytes(scales), Bytes(expected_scales));
 }
 
 // An 8-bit float span: 1000 codes in blocks of 32, so 32 block scales.
