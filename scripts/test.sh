@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every test: installs what is missing, checks formatting, builds with
 # warnings as errors and runs the whole suite; then the benchmarks briefly as
-# regression guards (bench/smoke.py: a figure worse than twice its goal
-# fails); then the suite again, built with clang under
+# regression guards (bench/smoke.py: counted delta bytes past today's + 5%,
+# or a timed ratio past 1.5x its goal twice in a row, fails); then the suite again, built with clang under
 # AddressSanitizer + UndefinedBehaviorSanitizer; then each libFuzzer target
 # (tests/fuzz), linked in that same build, for LAYERCAST_FUZZ_SECONDS
 # (default 45), as many at once as there are cores.
