@@ -23,6 +23,7 @@
 #include "core/cast_error.h"
 #include "core/crc32c.h"
 #include "core/fp8.h"
+#include "wire/slice_digest.h"
 
 namespace layercast {
 namespace {
@@ -196,6 +197,21 @@ void BM_Crc32cOfBf16Blocks(benchmark::State& state, Crc32cPath path) {
   state.SetBytesProcessed(state.iterations() * kInputBytes);
 }
 
+// What a shard adds per layer, version and dtype a reader asks a digest of
+// (GetLayerDigest, wire/slice_digest.h): SHA-256 over the bf16 bytes it
+// serves, counted, as the CRC above, per fp32 input byte, so its rate
+// reads beside shard_cast/bf16's. Once per version, not per reader.
+void BM_SliceDigestOfBf16(benchmark::State& state) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(Input().data());
+  for (auto _ : state) {
+    wire::SliceDigest digest;
+    digest.BeginTensor(0, false);
+    digest.AddElements({bytes, kInputBytes / 2});
+    benchmark::DoNotOptimize(digest.Finish());
+  }
+  state.SetBytesProcessed(state.iterations() * kInputBytes);
+}
+
 const char* PathName(Crc32cPath path) {
   switch (path) {
     case Crc32cPath::kTable:
@@ -315,6 +331,18 @@ class TableReporter : public benchmark::ConsoleReporter {
     }
   }
 
+  // The digest's cost beside the cast's, per byte served (both rows count
+  // the same fp32 input bytes): what one GetLayerDigest of a version adds
+  // to the shard's one cast of it for every reader.
+  void PrintDigestCost() const {
+    const double cast = Median("shard_cast/bf16");
+    const double digest = Median("slice_digest_of_bf16");
+    if (cast > 0 && digest > 0) {
+      std::printf("slice digest: %.2f GB/s of bf16 served, %.2fx the cast's time per byte\n",
+                  digest / 2, cast / digest);
+    }
+  }
+
   // Whether the filter let the shard's casts run: the paired figure follows them.
   bool RanShardCasts() const { return Median("shard_cast/bf16+error") > 0; }
 
@@ -402,6 +430,7 @@ int main(int argc, char** argv) {
         benchmark::RegisterBenchmark(absl::StrCat("crc32c_of_bf16_blocks/", PathName(path)).c_str(),
                                      BM_Crc32cOfBf16Blocks, path));
   }
+  Register(benchmark::RegisterBenchmark("slice_digest_of_bf16", BM_SliceDigestOfBf16));
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   Input();  // filled once, before any timing
@@ -411,6 +440,7 @@ int main(int argc, char** argv) {
   TableReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   reporter.PrintTable();
+  reporter.PrintDigestCost();
   if (reporter.RanShardCasts()) PrintPairedTelemetryCosts();
   benchmark::Shutdown();
   return 0;

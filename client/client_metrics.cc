@@ -87,9 +87,29 @@ ClientMetrics::ClientMetrics(prometheus::Registry& registry) {
                                "for its fallback (the shards, or another relay)")
                            .Register(registry)
                            .Add({});
+  auto& rereads = prometheus::BuildCounter()
+                      .Name("layercast_client_rereads_total")
+                      .Help(
+                          "Reads done again because the bits under a version number changed "
+                          "identity, by cause: shard_restarted (a shard's slice, after it "
+                          "came back mid-gather as another incarnation), set_restarted (a "
+                          "mirror's layer, after the set's numbers started again), "
+                          "digest_mismatch (a mirror's layer whose bytes differed from the "
+                          "shards' digests, pulled again from another source)")
+                      .Register(registry);
+  reread_shard_restarted_ = &rereads.Add({{"cause", "shard_restarted"}});
+  reread_set_restarted_ = &rereads.Add({{"cause", "set_restarted"}});
+  reread_digest_mismatch_ = &rereads.Add({{"cause", "digest_mismatch"}});
 }
 
 void ClientMetrics::RecordMirrorFallback() { mirror_fallbacks_->Increment(); }
+
+void ClientMetrics::RecordReread(Reread cause, uint64_t count) {
+  prometheus::Counter* counter = reread_digest_mismatch_;
+  if (cause == Reread::kShardRestarted) counter = reread_shard_restarted_;
+  if (cause == Reread::kSetRestarted) counter = reread_set_restarted_;
+  counter->Increment(static_cast<double>(count));
+}
 
 void ClientMetrics::RecordMirrorUpdate(uint64_t version, uint64_t shards_version,
                                        double pause_seconds, double stale_seconds) {

@@ -34,6 +34,14 @@ class ClientMetrics {
                           double stale_seconds);
   // A mirror's upstream relay died and it follows its fallback now.
   void RecordMirrorFallback();
+  // Why bits were read again rather than kept or resumed
+  // (layercast_client_rereads_total{cause}).
+  enum class Reread {
+    kShardRestarted,  // a shard's slice, after it came back mid-gather
+    kSetRestarted,    // a mirror's layers, after the set's numbers started again
+    kDigestMismatch,  // a mirror's layer whose bytes differed from the shards' digests
+  };
+  void RecordReread(Reread cause, uint64_t count = 1);
 
  private:
   prometheus::Histogram* gather_duration_;
@@ -50,6 +58,9 @@ class ClientMetrics {
   prometheus::Histogram* mirror_pause_;
   prometheus::Histogram* mirror_staleness_;
   prometheus::Counter* mirror_fallbacks_;
+  prometheus::Counter* reread_shard_restarted_;
+  prometheus::Counter* reread_set_restarted_;
+  prometheus::Counter* reread_digest_mismatch_;
 };
 
 }  // namespace layercast::client

@@ -106,10 +106,22 @@ void LayerGather::Settle(uint32_t shard) {
   // One place decides that a gather never mixes versions: every stream of
   // every shard and attempt must match the first version any stream sent.
   if (const std::optional<uint64_t> version = s.stream->version(); version) {
-    // The incarnation of the last stream that delivered: a resumed stream
-    // of a shard restarted mid-gather at the same version serves the same
-    // values (the model's, or its checkpoint's), so the gather resumes.
     if (const std::optional<uint64_t> incarnation = s.stream->incarnation(); incarnation) {
+      if (s.incarnation != 0 && *incarnation != s.incarnation) {
+        // The shard restarted mid-gather: a number names bits only within
+        // one incarnation (a publish may have given it other values), so
+        // what the earlier incarnation sent is not resumed from.
+        if (ReadAgain(shard, *incarnation, *version)) return;
+      }
+      if (options_.pinned_identity != nullptr) {
+        if (absl::Status same = options_.pinned_identity->Check(shard, *incarnation, *version,
+                                                                shards_[shard].describe);
+            !same.ok()) {
+          if (failure_.ok()) failure_ = same;
+          CancelAll();
+          return;
+        }
+      }
       s.incarnation = *incarnation;
     }
     newest_version_ = std::max(newest_version_, *version);
@@ -167,6 +179,37 @@ void LayerGather::Settle(uint32_t shard) {
                              " ms came; raise it to wait longer for a restarting shard)")
               : ""));
   CancelAll();
+}
+
+bool LayerGather::ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t version) {
+  ShardState& s = state_[shard];
+  const std::string what = absl::StrCat(
+      shards_[shard].describe, " restarted mid-gather (incarnation ", s.incarnation,
+      " sent part of its slice, incarnation ", incarnation, " version ", version, " the rest)");
+  if (options_.base_version) {
+    // Deltas were applied in place from the old incarnation's numbering:
+    // the caller's base no longer names these bits, so it pulls in full.
+    if (failure_.ok()) {
+      failure_ = absl::OutOfRangeError(
+          absl::StrCat(what, ": the delta's base names other bits there; pull in full"));
+    }
+    CancelAll();
+    return true;
+  }
+  Log()->warn("gathering layer {}: {}; reading its whole slice again from the new incarnation",
+              layer_, what);
+  ++rereads_;
+  s.incarnation = incarnation;
+  s.runs = OwnedRuns(shard);
+  s.attempts = 0;  // a fresh read, not a resumption
+  s.last_error = absl::OkStatus();
+  s.retry_at = std::chrono::steady_clock::now();
+  return true;
+}
+
+uint64_t LayerGather::rereads() const {
+  absl::MutexLock lock(&mu_);
+  return rereads_;
 }
 
 uint64_t LayerGather::newest_version() const {

@@ -32,7 +32,11 @@ namespace layercast::client {
 // is waited out. A stream is settled by what it delivered, not by how it
 // ended: one that failed after its last chunk is done. Any other failure, or
 // running out of time, cancels every stream and fails the gather with the
-// shard's error, naming it.
+// shard's error, naming it. A shard that comes back as another incarnation
+// (it restarted: its number may name other values now) is read again from
+// the start of its slice, never resumed; a delta then fails OUT_OF_RANGE.
+// With GatherOptions::pinned_identity, a shard of another incarnation than
+// the walk's fails the gather with ABORTED.
 //
 // Single use: construct, Run() once. Not thread-safe; Run() blocks.
 class LayerGather {
@@ -56,6 +60,9 @@ class LayerGather {
   // The newest version any stream sent (0 if none): after Run() failed with
   // ABORTED because versions moved, the min_version to gather again with.
   uint64_t newest_version() const;
+  // Shards whose whole slice was read again because they restarted
+  // mid-gather (another incarnation resumed their stream).
+  uint64_t rereads() const;
   // The newest minus the oldest version any stream sent; 0 before any.
   uint64_t version_skew() const;
 
@@ -83,6 +90,11 @@ class LayerGather {
   // fail the gather.
   void Settle(uint32_t shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CancelAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Shard `shard` answered as `incarnation`, another than the one that sent
+  // the earlier part of its slice: reads the whole slice again from it (a
+  // full pull), or fails a delta (OUT_OF_RANGE). True: Settle is done.
+  bool ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::vector<Shard> shards_;
   const AssembledLayout& layout_;
@@ -105,6 +117,7 @@ class LayerGather {
   uint64_t newest_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t oldest_version_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t rereads_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace layercast::client

@@ -12,6 +12,7 @@
 #include "client/cancellation.h"
 #include "client/client_metrics.h"
 #include "client/layer.h"
+#include "client/pinned_identity.h"
 #include "wire/manifest.h"
 
 namespace layercast::client {
@@ -50,6 +51,13 @@ struct GatherOptions {
   // answers ABORTED naming the version it is at, and the gather returns
   // that (it is not gathered again at another version).
   std::optional<uint64_t> exact_version;
+  // With exact_version, for a walk of many layers at one version (a
+  // LayerStream, an export): what the walk read, per shard, as an identity.
+  // A shard that serves a later layer as another incarnation (it restarted,
+  // and its number may name other values now) fails the gather with
+  // ABORTED naming both: walk again from the first layer. Empty at the
+  // walk's start; must outlive the gathers.
+  PinnedIdentity* pinned_identity = nullptr;
   // The caller keeps the layer and will pull deltas of it
   // (FetchLayerRequest.will_pull_deltas): training shards record their
   // steps from now on, so the next delta is not refused. ModelMirror sets

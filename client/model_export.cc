@@ -81,6 +81,8 @@ absl::StatusOr<uint64_t> WriteAt(const ShardSet& set, const ExportOptions& optio
     return absl::OkStatus();
   };
   RETURN_IF_ERROR(switch_to(0));
+  // Every layer from the incarnations the first came from: one model.
+  PinnedIdentity identity;
   for (uint32_t l = 0; l < view.model.layers.size(); ++l) {
     ASSIGN_OR_RETURN(const AssembledLayout layout,
                      LayoutIn(view.layouts[l], options.dtype, view.policy.fp8_block()));
@@ -89,6 +91,7 @@ absl::StatusOr<uint64_t> WriteAt(const ShardSet& set, const ExportOptions& optio
     GatherOptions gather;
     gather.timeout = options.layer_timeout;
     gather.exact_version = version;
+    gather.pinned_identity = &identity;
     gather.dtype = options.dtype;
     RETURN_IF_ERROR(
         set.GatherInto(l, gather, std::span<uint8_t>(buffer.data(), buffer.size())).status());

@@ -31,6 +31,51 @@ void LogFallBack(const ShardSet& from, const ShardSet& to, const absl::Status& f
   if (metrics != nullptr) metrics->RecordMirrorFallback();
 }
 
+// Whether a layer read from incarnations `held` may hold other bits under
+// its number than the set serving as `now` (0 on either side: unknown).
+bool OtherIncarnations(const std::vector<uint64_t>& held, const std::vector<uint64_t>& now) {
+  for (size_t shard = 0; shard < held.size() && shard < now.size(); ++shard) {
+    if (held[shard] != 0 && now[shard] != 0 && held[shard] != now[shard]) return true;
+  }
+  return false;
+}
+
+// Checks a layer `source` gave at `version` against options.verify_with's
+// digests; bytes that differ are pulled again in full (with `gather`, so
+// its outputs count the new pull) from the next source, the fallback or
+// else the verifying shards, and checked again.
+absl::StatusOr<uint64_t> Verified(const ShardSet& source, const MirrorOptions& options,
+                                  ClientMetrics* metrics, uint32_t layer,
+                                  const AssembledLayout& layout, GatherOptions gather,
+                                  uint64_t version, std::span<uint8_t> bytes) {
+  if (options.verify_with == nullptr) return version;
+  const absl::Status checked =
+      options.verify_with->CheckDigests(layer, version, options.dtype, layout, bytes);
+  if (!absl::IsDataLoss(checked)) {
+    RETURN_IF_ERROR(checked);
+    return version;
+  }
+  const ShardSet& next = options.fallback != nullptr && options.fallback != &source
+                             ? *options.fallback
+                             : *options.verify_with;
+  Log()->warn("mirror: layer {} from {}: {}; pulling it again in full from {}", layer,
+              absl::StrJoin(source.addresses(), ","), checked.message(),
+              absl::StrJoin(next.addresses(), ","));
+  if (metrics != nullptr) metrics->RecordReread(ClientMetrics::Reread::kDigestMismatch);
+  gather.base_version.reset();
+  gather.min_version = 0;
+  gather.exact_version = version;
+  ASSIGN_OR_RETURN(const uint64_t again, next.GatherInto(layer, gather, bytes));
+  const absl::Status rechecked =
+      options.verify_with->CheckDigests(layer, again, options.dtype, layout, bytes);
+  if (!rechecked.ok()) {
+    return absl::Status(rechecked.code(),
+                        absl::StrCat(rechecked.message(), ", pulled again from ",
+                                     absl::StrJoin(next.addresses(), ","), " too"));
+  }
+  return again;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Create(const ShardSet& shards,
@@ -94,6 +139,8 @@ absl::StatusOr<std::unique_ptr<ModelMirror>> ModelMirror::Walk(
       pulled = shards.GatherInto(layer, gather, bytes);
     }
     if (!pulled.ok()) return pulled.status();
+    pulled = Verified(shards, options, metrics, layer, layout, gather, *pulled, bytes);
+    if (!pulled.ok()) return pulled.status();
     newest = std::max(newest, *pulled);
     if (options.listener != nullptr) {
       options.listener->Pulled({.layer = layer,
@@ -137,7 +184,11 @@ uint64_t ModelMirror::version() const {
   return VersionLocked();
 }
 
-absl::StatusOr<uint64_t> ModelMirror::Poll(uint64_t min_version) {
+uint64_t ModelMirror::HeldIncarnationLocked() const {
+  return incarnations_.empty() || incarnations_[0].empty() ? 0 : incarnations_[0][0];
+}
+
+absl::StatusOr<ModelMirror::Polled> ModelMirror::Poll(uint64_t min_version, uint64_t incarnation) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.poll);
   {
@@ -147,6 +198,7 @@ absl::StatusOr<uint64_t> ModelMirror::Poll(uint64_t min_version) {
   }
   layercast::v1::WaitVersionRequest request;
   request.set_min_version(min_version);
+  if (incarnation != 0) request.set_incarnation(incarnation);
   layercast::v1::WaitVersionResponse response;
   const ShardSet& source = this->source();
   const grpc::Status status = source.stub(0).WaitVersion(&context, request, &response);
@@ -156,10 +208,10 @@ absl::StatusOr<uint64_t> ModelMirror::Poll(uint64_t min_version) {
   }
   RETURN_IF_ERROR(
       wire::FromGrpcStatus(status, absl::StrCat("shard 0 (", source.addresses()[0], ")")));
-  return response.version();
+  return Polled{response.version(), response.incarnation()};
 }
 
-ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, uint64_t base,
+ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, std::optional<uint64_t> base,
                                       std::vector<uint64_t> base_incarnations,
                                       std::span<uint8_t> bytes) const {
   std::atomic<uint64_t> received{0};
@@ -187,6 +239,10 @@ ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, uint64_t 
     gather.exact_version.reset();
     gather.min_version = target;
     version = source.GatherInto(layer, gather, bytes);
+  }
+  if (version.ok()) {
+    const AssembledLayout& layout = options_.dtype ? layouts_[layer] : source.view().layouts[layer];
+    version = Verified(source, options_, metrics_, layer, layout, gather, *version, bytes);
   }
   pulled.received = received.load();
   pulled.status = version.status();
@@ -218,20 +274,41 @@ absl::StatusOr<MirrorUpdate> ModelMirror::Update(std::optional<uint64_t> min_ver
 absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
                                      std::chrono::steady_clock::time_point start,
                                      MirrorUpdate& update) {
-  uint64_t target = 0;
-  if (min_version) {
-    target = *min_version;
-  } else {
-    ASSIGN_OR_RETURN(target, source().CurrentVersion());
+  // Which incarnations serve now: a layer from others holds a number
+  // whose bits the set may no longer serve.
+  ASSIGN_OR_RETURN(const ShardSet::Identity now, source().CurrentIdentity());
+  const size_t num_layers = source().model().layers.size();
+  std::vector<bool> restarted(num_layers, false);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (uint32_t i = 0; i < layers_.size(); ++i) {
+      restarted[i] = OtherIncarnations(incarnations_[i], now.incarnations);
+    }
   }
+  const auto n = std::count(restarted.begin(), restarted.end(), true);
+  // After a restart the set's count is the one to reach: a min_version
+  // asked for before it counts in the old numbers.
+  const uint64_t target = n > 0 ? now.version : min_version.value_or(now.version);
   if (options_.listener != nullptr) options_.listener->Pulling(target);
   std::vector<uint32_t> behind;
   {
     absl::ReaderMutexLock lock(&mu_);
     for (uint32_t i = 0; i < layers_.size(); ++i) {
-      if (layers_[i].version() < target || torn_[i]) behind.push_back(i);
+      if (layers_[i].version() < target || torn_[i] || restarted[i]) behind.push_back(i);
     }
   }
+  if (n > 0) {
+    Log()->warn(
+        "mirror: the set serves other incarnations ({}) than {} layer(s) came from: it "
+        "restarted, and its version numbers may name other values now; pulling those layers in "
+        "full at version {}",
+        absl::StrJoin(now.incarnations, ","), n, target);
+    if (metrics_ != nullptr) metrics_->RecordReread(ClientMetrics::Reread::kSetRestarted, n);
+  }
+  const auto base_of = [&](uint32_t i) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return restarted[i] ? std::nullopt : std::optional<uint64_t>(layers_[i].version());
+  };
+  std::vector<bool> done(num_layers, false);
   // Readers read on while the layers that fit in staging_bytes are pulled
   // into copies of themselves (only this thread writes the layers: it holds
   // update_mu_).
@@ -243,13 +320,13 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
   std::vector<Staged> staged;
   uint64_t staging = 0;
   for (const uint32_t i : behind) {
-    uint64_t base = 0;
+    std::optional<uint64_t> base;
     std::vector<uint64_t> base_incarnations;
     std::span<const uint8_t> live;
     {
       absl::ReaderMutexLock lock(&mu_);
       live = layers_[i].bytes();
-      base = layers_[i].version();
+      base = base_of(i);
       base_incarnations = incarnations_[i];
     }
     if (live.size() > options_.staging_bytes - staging) continue;  // in place, below
@@ -291,12 +368,12 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
     }
     ++update.staged_layers;
     settle(s.layer, s.pulled);
+    done[s.layer] = true;
   }
   staged.clear();  // the copies' memory goes back before the in-place pulls
   for (const uint32_t i : behind) {
-    if (layers_[i].version() >= target && !torn_[i]) continue;  // staged above
-    Pulled pulled =
-        Pull(i, target, layers_[i].version(), incarnations_[i], layers_[i].mutable_bytes());
+    if (done[i]) continue;  // staged above
+    Pulled pulled = Pull(i, target, base_of(i), incarnations_[i], layers_[i].mutable_bytes());
     update.bytes += pulled.received;
     if (!pulled.status.ok()) {
       // Chunks already applied leave a mix; a delta from the same base
@@ -357,11 +434,25 @@ void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update)
   // Bounded by StopFollowing: each turn is one poll (at most options_.poll)
   // or one update, and every wait ends at stopping_.
   for (;;) {
-    const uint64_t held = version();
-    absl::StatusOr<uint64_t> newest = Poll(held + 1);
+    uint64_t held = 0, incarnation = 0;
+    bool mixed = false;
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      held = VersionLocked();
+      incarnation = HeldIncarnationLocked();
+      // Layers of two incarnations (a pull that landed from a source still
+      // catching up with a restart): the update pulls the older again.
+      for (const std::vector<uint64_t>& layer : incarnations_) {
+        mixed = mixed || OtherIncarnations(layer, incarnations_[0]);
+      }
+    }
+    absl::StatusOr<Polled> newest = Poll(mixed ? 0 : held + 1, incarnation);
     absl::Status failed;
-    if (newest.ok() && *newest > held) {
-      absl::StatusOr<MirrorUpdate> update = Update(*newest);
+    // Another incarnation counts again: its version is news even when lower.
+    if (newest.ok() &&
+        (newest->version > held || mixed ||
+         (incarnation != 0 && newest->incarnation != 0 && newest->incarnation != incarnation))) {
+      absl::StatusOr<MirrorUpdate> update = Update(newest->version);
       if (update.ok()) {
         if (on_update) on_update(*update);
       } else {

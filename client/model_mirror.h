@@ -79,6 +79,15 @@ struct MirrorOptions {
   // shards' incarnations, so deltas from a relay's versions go on from the
   // shards. Must serve the same layout, and outlive the mirror.
   const ShardSet* fallback = nullptr;
+  // The shards every layer is checked against before the mirror exposes it
+  // (and a relay serves it): their digests of its version
+  // (ShardSet::LayerDigests), slice by slice. Bytes that differ (a relay,
+  // or a bug, changed them) are counted
+  // (layercast_client_rereads_total{cause="digest_mismatch"}), logged with
+  // the set they came from, pulled again in full from the fallback (else
+  // from these shards) and checked again; they are never exposed. Null: not
+  // checked. Must serve the same layout, and outlive the mirror.
+  const ShardSet* verify_with = nullptr;
 };
 
 // What one update brought.
@@ -134,7 +143,11 @@ class ModelMirror {
   const ShardSet& source() const { return *source_.load(); }
 
   // Brings every layer to at least `min_version` (default: the version the
-  // shards serve now) by delta pulls. Layers already there are left alone.
+  // shards serve now) by delta pulls. Layers already there are left alone,
+  // unless other incarnations of the shards serve now than those they came
+  // from (the set restarted and counts again): those are pulled in full at
+  // the set's version, even a lower one, so the mirror never keeps a number
+  // whose bits the shards no longer serve.
   // Errors are the gather's (ShardSet::GatherInto); the layers done before
   // the error keep their new version.
   absl::StatusOr<MirrorUpdate> Update(std::optional<uint64_t> min_version = std::nullopt);
@@ -207,11 +220,20 @@ class ModelMirror {
     uint64_t changed = 0;   // elements that may differ from `bytes` before
     std::vector<uint64_t> incarnations;
   };
-  Pulled Pull(uint32_t layer, uint64_t target, uint64_t base,
+  // No `base`: in full (the layer's bits are another incarnation's).
+  Pulled Pull(uint32_t layer, uint64_t target, std::optional<uint64_t> base,
               std::vector<uint64_t> base_incarnations, std::span<uint8_t> bytes) const;
   // The follower's long poll: the version shard 0 serves once it reaches
-  // `min_version` or the poll ends (then below it); StopFollowing cancels it.
-  absl::StatusOr<uint64_t> Poll(uint64_t min_version);
+  // `min_version` or the poll ends (then below it), and its incarnation; at
+  // once when that is not `incarnation` (the set restarted). StopFollowing
+  // cancels it.
+  struct Polled {
+    uint64_t version = 0;
+    uint64_t incarnation = 0;
+  };
+  absl::StatusOr<Polled> Poll(uint64_t min_version, uint64_t incarnation);
+  // The incarnation of shard 0 that served layer 0 (0: unknown).
+  uint64_t HeldIncarnationLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FollowLoop(std::function<void(const MirrorUpdate&)> on_update);
 
   const MirrorOptions options_;

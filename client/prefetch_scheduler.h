@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "client/pinned_identity.h"
 #include "client/prefetch_options.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
@@ -240,6 +241,9 @@ class PrefetchScheduler : public std::enable_shared_from_this<PrefetchScheduler<
   void Land(size_t step, uint64_t bytes) {
     GatherOptions gather = options_.gather;
     gather.cancellation = &cancellation_;
+    // A pinned walk reads one identity, not just one number, throughout.
+    if (gather.exact_version && gather.pinned_identity == nullptr)
+      gather.pinned_identity = &pinned_;
     // The callback may outlive the scheduler (a layer kept after the stream
     // is gone): it then has no budget to return to.
     std::weak_ptr<PrefetchScheduler> weak = this->weak_from_this();
@@ -257,6 +261,7 @@ class PrefetchScheduler : public std::enable_shared_from_this<PrefetchScheduler<
   const std::unique_ptr<Landing> landing_;
   const PrefetchOptions options_;
   Cancellation cancellation_;
+  PinnedIdentity pinned_;  // what a walk with gather.exact_version read
 
   mutable absl::Mutex mu_;
   size_t next_to_land_ ABSL_GUARDED_BY(mu_) = 0;

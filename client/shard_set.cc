@@ -1,5 +1,7 @@
 #include "client/shard_set.h"
 
+#include "wire/slice_digest.h"
+
 #include <algorithm>
 #include <functional>
 #include <thread>
@@ -248,6 +250,9 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
     LayerGather gather(shards, layout, layer, attempt, buffer, manifests_[0].version());
     absl::StatusOr<uint64_t> version = gather.Run();
     skew = std::max(skew, gather.version_skew());
+    if (const uint64_t rereads = gather.rereads(); rereads > 0 && metrics_ != nullptr) {
+      metrics_->RecordReread(ClientMetrics::Reread::kShardRestarted, rereads);
+    }
     const bool cancelled = options.cancellation != nullptr && options.cancellation->cancelled();
     if (!version.ok() && absl::IsOutOfRange(version.status()) && attempt.base_version &&
         !cancelled && std::chrono::steady_clock::now() < deadline) {
@@ -288,6 +293,61 @@ absl::StatusOr<uint64_t> ShardSet::CurrentVersion(std::chrono::milliseconds time
   RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[0]->WaitVersion(&context, request, &response),
                                        Describe(addresses_, 0)));
   return response.version();
+}
+
+absl::StatusOr<ShardSet::Identity> ShardSet::CurrentIdentity(
+    std::chrono::milliseconds timeout) const {
+  Identity identity;
+  const auto deadline = std::chrono::system_clock::now() + timeout;
+  for (size_t shard = 0; shard < stubs_.size(); ++shard) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    layercast::v1::WaitVersionRequest request;  // min_version 0: answered at once
+    layercast::v1::WaitVersionResponse response;
+    RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[shard]->WaitVersion(&context, request, &response),
+                                         Describe(addresses_, shard)));
+    if (shard == 0) identity.version = response.version();
+    identity.incarnations.push_back(response.incarnation());
+  }
+  return identity;
+}
+
+absl::StatusOr<std::vector<layercast::v1::LayerDigest>> ShardSet::LayerDigests(
+    uint32_t layer, uint64_t version, std::optional<DType> dtype,
+    std::chrono::milliseconds timeout) const {
+  RETURN_IF_ERROR(CheckLayerIndex(layer));
+  std::vector<layercast::v1::LayerDigest> digests(stubs_.size());
+  const auto deadline = std::chrono::system_clock::now() + timeout;
+  for (size_t shard = 0; shard < stubs_.size(); ++shard) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    layercast::v1::GetLayerDigestRequest request;
+    request.set_layer(layer);
+    request.set_version(version);
+    if (dtype) request.set_dtype(static_cast<layercast::v1::DType>(*dtype));
+    RETURN_IF_ERROR(
+        wire::FromGrpcStatus(stubs_[shard]->GetLayerDigest(&context, request, &digests[shard]),
+                             Describe(addresses_, shard)));
+  }
+  return digests;
+}
+
+absl::Status ShardSet::CheckDigests(uint32_t layer, uint64_t version, std::optional<DType> dtype,
+                                    const AssembledLayout& layout,
+                                    std::span<const uint8_t> bytes) const {
+  ASSIGN_OR_RETURN(const std::vector<layercast::v1::LayerDigest> digests,
+                   LayerDigests(layer, version, dtype));
+  const auto n = static_cast<uint32_t>(digests.size());
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    const wire::SliceDigest::Sha256 held = wire::SliceDigestOf(layout, bytes, shard, n);
+    if (digests[shard].sha256() != std::string(held.begin(), held.end())) {
+      return absl::DataLossError(
+          absl::StrCat(Describe(addresses_, shard), "'s slice of layer ", layer, " at version ",
+                       version, " is not what that shard's digest says (SHA-256 of incarnation ",
+                       digests[shard].incarnation(), "): the bytes came altered"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string UnreachableCause(const std::string& message, const std::string& address) {

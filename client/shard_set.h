@@ -84,6 +84,30 @@ class ShardSet final : public LayerSource {
   // Errors are the call's, naming the shard.
   absl::StatusOr<uint64_t> CurrentVersion(
       std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
+  // The version shard 0 serves now with what makes it an identity: per
+  // shard, the incarnation serving (WaitVersionResponse.incarnation; 0
+  // where a shard does not say). A version read before with other
+  // incarnations may name other bits. One small call per shard.
+  struct Identity {
+    uint64_t version = 0;
+    std::vector<uint64_t> incarnations;
+  };
+  absl::StatusOr<Identity> CurrentIdentity(
+      std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
+
+  // Each shard's digest of its slice of layer `layer` at `version`, in
+  // `dtype` (nullopt: the policy's), in shard order (GetLayerDigest): what
+  // bytes from anyone are checked against (wire::SliceDigestOf). A shard
+  // computes it once per version, so the first asker may wait for a pass
+  // over the shard's slice. Errors are the call's, naming the shard.
+  absl::StatusOr<std::vector<layercast::v1::LayerDigest>> LayerDigests(
+      uint32_t layer, uint64_t version, std::optional<DType> dtype,
+      std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
+  // DATA_LOSS naming the first shard whose slice of `bytes` (layer `layer`
+  // at `version` in `dtype`, assembled in `layout`, from anyone) differs
+  // from the SHA-256 that shard gives of it; LayerDigests' errors.
+  absl::Status CheckDigests(uint32_t layer, uint64_t version, std::optional<DType> dtype,
+                            const AssembledLayout& layout, std::span<const uint8_t> bytes) const;
 
   // The typed stub of shard `shard` (for PushGradients). REQUIRES: shard <
   // the number of shards.

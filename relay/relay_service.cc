@@ -88,12 +88,24 @@ grpc::Status RelayService::GetManifest(grpc::ServerContext*,
 grpc::Status RelayService::WaitVersion(grpc::ServerContext* context,
                                        const layercast::v1::WaitVersionRequest* request,
                                        layercast::v1::WaitVersionResponse* response) {
-  response->set_version(versions_.WaitHeading(request->min_version(), Deadline(*context)));
+  const std::optional<uint64_t> incarnation =
+      request->has_incarnation() ? std::optional<uint64_t>(request->incarnation()) : std::nullopt;
+  response->set_version(
+      versions_.WaitHeading(request->min_version(), Deadline(*context), shard_, incarnation));
+  response->set_incarnation(versions_.IncarnationOf(shard_));
   if (versions_.closed()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "this relay is stopping: follow the shards, or another relay");
   }
   return grpc::Status::OK;
+}
+
+grpc::Status RelayService::GetLayerDigest(grpc::ServerContext*,
+                                          const layercast::v1::GetLayerDigestRequest*,
+                                          layercast::v1::LayerDigest*) {
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "a relay does not vouch for the bytes it carries: ask the shards for "
+                      "digests (MirrorOptions::verify_with, layercast relay --verify-shards)");
 }
 
 absl::StatusOr<HeldLayer> RelayService::Target(const layercast::v1::FetchLayerRequest& request,

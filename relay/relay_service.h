@@ -58,6 +58,11 @@ class RelayService final : public layercast::v1::ShardService::Service {
   grpc::Status GetCastError(grpc::ServerContext* context,
                             const layercast::v1::GetCastErrorRequest* request,
                             layercast::v1::GetCastErrorResponse* response) override;
+  // Refused (FAILED_PRECONDITION): a relay carries bytes and vouches for
+  // none; digests come from the shards (docs/security.md).
+  grpc::Status GetLayerDigest(grpc::ServerContext* context,
+                              const layercast::v1::GetLayerDigestRequest* request,
+                              layercast::v1::LayerDigest* response) override;
 
  private:
   // Which held version a read sends, and from which it is a delta.

@@ -69,6 +69,15 @@ void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
   }
   absl::MutexLock lock(&mu_);
   std::deque<Kept>& held = layers_[layer];
+  current_ = kept.held.incarnations;
+  if (!held.empty() && held.back().held.incarnations != kept.held.incarnations) {
+    // A version is an identity only with the incarnations that cast it:
+    // what the restarted shards serve under an old number is other bits.
+    const uint64_t newest = held.back().held.version;
+    held.clear();
+    kept.unchanged = false;
+    if (version < newest) heading_ = std::min(heading_, version);
+  }
   if (!held.empty() && held.back().held.version >= version) {
     // Pulled again (a torn pull repaired): it replaces the entry, and its
     // changes are from the one before that.
@@ -89,13 +98,27 @@ void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
   heading_ = std::max(heading_, version);
 }
 
-uint64_t RelayedVersions::WaitHeading(uint64_t min_version, absl::Time deadline) const {
-  const auto reached = [this, min_version]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return heading_ >= min_version || closed_;
+uint64_t RelayedVersions::WaitHeading(uint64_t min_version, absl::Time deadline, uint32_t shard,
+                                      std::optional<uint64_t> incarnation) const {
+  const auto reached = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (heading_ >= min_version || closed_) return true;
+    const uint64_t held = IncarnationOfLocked(shard);
+    return incarnation && held != 0 && held != *incarnation;
   };
   absl::ReaderMutexLock lock(&mu_);
   mu_.AwaitWithDeadline(absl::Condition(&reached), deadline);
   return heading_;
+}
+
+uint64_t RelayedVersions::IncarnationOf(uint32_t shard) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return IncarnationOfLocked(shard);
+}
+
+uint64_t RelayedVersions::IncarnationOfLocked(uint32_t shard) const {
+  if (layers_.empty() || layers_[0].empty()) return 0;
+  const std::vector<uint64_t>& incarnations = layers_[0].back().held.incarnations;
+  return shard < incarnations.size() ? incarnations[shard] : 0;
 }
 
 uint64_t RelayedVersions::heading() const {
@@ -114,9 +137,12 @@ uint64_t RelayedVersions::held() const {
 
 std::optional<HeldLayer> RelayedVersions::WaitNewest(uint32_t layer, uint64_t min_version,
                                                      absl::Time deadline) const {
+  // A layer of incarnations older than the newest landed waits for its
+  // pull from the new ones: its number may name other bits now.
   const auto reached = [this, layer, min_version]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return closed_ ||
-           (!layers_[layer].empty() && layers_[layer].back().held.version >= min_version);
+           (!layers_[layer].empty() && layers_[layer].back().held.version >= min_version &&
+            layers_[layer].back().held.incarnations == current_);
   };
   absl::ReaderMutexLock lock(&mu_);
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline) || closed_) {
@@ -136,7 +162,7 @@ std::optional<size_t> RelayedVersions::IndexOf(const std::deque<Kept>& kept,
 std::optional<HeldLayer> RelayedVersions::At(uint32_t layer, uint64_t version) const {
   absl::ReaderMutexLock lock(&mu_);
   const std::optional<size_t> i = IndexOf(layers_[layer], version);
-  if (!i) return std::nullopt;
+  if (!i || layers_[layer][*i].held.incarnations != current_) return std::nullopt;
   HeldLayer at = layers_[layer][*i].held;
   at.version = version;
   return at;

@@ -52,24 +52,36 @@ class RelayedVersions {
   // The mirror walks to `version` (Create, or an update).
   void Heading(uint64_t version);
   // Layer `layer` landed at `version`: `bytes` are copied when `changed`,
-  // else the values are those of its newest version.
+  // else the values are those of its newest version. Cast by other
+  // incarnations than its newest (a shard restarted), it replaces every
+  // version kept of the layer: their numbers may name other bits now; and
+  // the heading follows it down when the numbers started again.
   // REQUIRES: layer < layers; the first Put of a layer is `changed`.
   void Put(uint32_t layer, uint64_t version, bool changed, std::span<const uint8_t> bytes,
            std::vector<uint64_t> incarnations);
 
   // The version the relay serves or walks to, once it is at least
-  // `min_version` or at `deadline` (then below it).
-  uint64_t WaitHeading(uint64_t min_version, absl::Time deadline) const;
+  // `min_version` or at `deadline` (then below it); at once when
+  // `incarnation` is set and shard `shard`'s incarnation of the newest
+  // version held is another (the shards restarted: their numbers started
+  // again).
+  uint64_t WaitHeading(uint64_t min_version, absl::Time deadline, uint32_t shard = 0,
+                       std::optional<uint64_t> incarnation = std::nullopt) const;
+  // The incarnation of shard `shard` that cast layer 0's newest version
+  // held (WaitVersionResponse.incarnation); 0 before the first Put.
+  uint64_t IncarnationOf(uint32_t shard) const;
   // The version the relay serves or walks to, now.
   uint64_t heading() const;
   // The lowest layer's newest version: what every layer holds.
   uint64_t held() const;
 
-  // Layer `layer`'s newest version once it is at least `min_version`;
-  // nullopt at `deadline` (or before the layer's first Put).
+  // Layer `layer`'s newest version once it is at least `min_version` and
+  // cast by the incarnations of the newest Put of any layer; nullopt at
+  // `deadline` (or before the layer's first Put).
   std::optional<HeldLayer> WaitNewest(uint32_t layer, uint64_t min_version,
                                       absl::Time deadline) const;
-  // Layer `layer`'s values at exactly `version`, if kept. A version the
+  // Layer `layer`'s values at exactly `version`, if kept (and cast by the
+  // incarnations of the newest Put: see WaitNewest). A version the
   // relay never pulled is not inferred from its neighbours even when
   // their values are equal: from another relay, equal bits do not prove
   // that nothing changed and changed back in between.
@@ -99,6 +111,7 @@ class RelayedVersions {
     // (a cache: filled in by the const ChangedBetween).
     mutable std::shared_ptr<const ChangedElements> changed;
   };
+  uint64_t IncarnationOfLocked(uint32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The index of the kept version At(version) finds; nullopt if none.
   std::optional<size_t> IndexOf(const std::deque<Kept>& kept, uint64_t version) const;
 
@@ -109,6 +122,9 @@ class RelayedVersions {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Per layer, oldest first.
   std::vector<std::deque<Kept>> layers_ ABSL_GUARDED_BY(mu_);
+  // The incarnations of the newest Put: versions of other ones are not
+  // served (At, WaitNewest) until their layer lands again.
+  std::vector<uint64_t> current_ ABSL_GUARDED_BY(mu_);
   // Per layer, the buffer of an evicted version no one held, for the next.
   std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_ ABSL_GUARDED_BY(mu_);
 };

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/changed_bits.h"
 #include "platform/byte_size.h"
+#include "platform/failpoint.h"
 #include "platform/status_macros.h"
 #include "server/answer_before.h"
 #include "server/refusals.h"
@@ -431,6 +432,8 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
   if (next_element_ == run.elements.end && ++run_ < plan_.runs.size()) {
     next_element_ = plan_.runs[run_].elements.begin;
   }
+  // A death mid-stream: the reader resumes against the shard's next start.
+  FailPoint("fetch.mid_stream", store_.shard_index());
   StampStart();
   StartWrite(&chunk_);
 }

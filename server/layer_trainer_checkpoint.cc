@@ -62,7 +62,7 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
   // Everything the journal holds so far is in this checkpoint (no push is
   // between its record and its step while the locks are held): once the
   // file is durable, those generations go.
-  const uint64_t generation = journal_ != nullptr ? journal_->Rotate() : 0;
+  const uint64_t generation = journal_ != nullptr ? journal_->Rotate(version) : 0;
   absl::StatusOr<CheckpointInfo> written = write(version, extras);
   if (written.ok() && journal_ != nullptr) journal_->Retire(generation);
   return written;

@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "server/change_log.h"
+#include "server/layer_digests.h"
 #include "server/layer_trainer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
@@ -53,6 +54,8 @@ struct LoadedShard {
   std::shared_ptr<SharedChunks> shared;
   // --checkpoint-every; null without it.
   std::unique_ptr<PeriodicCheckpoints> periodic_checkpoints;
+  // GetLayerDigest's: last, so its thread stops before what it reads goes.
+  std::unique_ptr<LayerDigests> digests;
 };
 
 }  // namespace layercast::server

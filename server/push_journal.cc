@@ -7,6 +7,7 @@
 #include <optional>
 #include <system_error>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,12 @@ namespace {
 constexpr uint32_t kMagic = 0x314a434c;  // "LCJ1", little-endian
 constexpr uint8_t kFloat32 = 0;
 constexpr uint8_t kBfloat16 = 1;
+constexpr uint8_t kBytes = 2;         // a serialized message
+constexpr uint8_t kIdentityKind = 3;  // a generation's JournalIdentity
+
+uint64_t WidthOf(uint8_t encoding) {
+  return encoding == kBfloat16 ? 2 : encoding == kBytes ? 1 : 4;
+}
 
 // The fixed part of a record, as it lies in the file (little-endian, as
 // every machine layercast builds for).
@@ -50,9 +57,10 @@ bool AllBf16(std::span<const float> values) {
 }  // namespace
 
 PushJournal::PushJournal(std::string dir, std::string prefix, FileSystem& fs,
-                         std::vector<uint64_t> existing)
+                         std::vector<uint64_t> existing, layercast::v1::JournalIdentity identity)
     : dir_(std::move(dir)), prefix_(std::move(prefix)), fs_(fs) {
   generations_ = std::move(existing);
+  identity_ = std::move(identity);
   for (const uint64_t generation : generations_) {
     std::error_code error;
     const auto size = std::filesystem::file_size(PathOf(generation), error);
@@ -64,7 +72,16 @@ absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(std::string dir,
                                                                uint32_t shard_index,
                                                                uint32_t num_shards,
                                                                FileSystem& fs) {
-  const std::string prefix = absl::StrCat("shard-", shard_index, "-of-", num_shards, ".journal-");
+  layercast::v1::JournalIdentity identity;
+  identity.set_shard_index(shard_index);
+  identity.set_num_shards(num_shards);
+  return Open(std::move(dir), std::move(identity), fs);
+}
+
+absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(
+    std::string dir, layercast::v1::JournalIdentity identity, FileSystem& fs) {
+  const std::string prefix =
+      absl::StrCat("shard-", identity.shard_index(), "-of-", identity.num_shards(), ".journal-");
   // Listing a directory is not part of the FileSystem seam; as in
   // CheckpointManager, only names are read here.
   std::vector<uint64_t> generations;
@@ -84,7 +101,82 @@ absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(std::string dir,
   }
   std::sort(generations.begin(), generations.end());
   return std::unique_ptr<PushJournal>(
-      new PushJournal(std::move(dir), prefix, fs, std::move(generations)));
+      new PushJournal(std::move(dir), prefix, fs, std::move(generations), std::move(identity)));
+}
+
+absl::Status PushJournal::Matches(const layercast::v1::JournalIdentity& recorded,
+                                  const std::string& path) const {
+  layercast::v1::JournalIdentity own;
+  {
+    absl::MutexLock lock(&mu_);
+    own = identity_;
+  }
+  if (own.model_id().empty()) return absl::OkStatus();
+  std::string differs;
+  if (recorded.model_id() != own.model_id()) {
+    differs = absl::StrCat("model '", recorded.model_id(), "', and this shard serves '",
+                           own.model_id(), "'");
+  } else if (recorded.shard_index() != own.shard_index() ||
+             recorded.num_shards() != own.num_shards()) {
+    differs = absl::StrCat("shard ", recorded.shard_index(), " of ", recorded.num_shards(),
+                           ", and this is shard ", own.shard_index(), " of ", own.num_shards());
+  } else if (recorded.layout_digest() != own.layout_digest()) {
+    differs = absl::StrCat(
+        "another layout (digest ", absl::BytesToHexString(recorded.layout_digest()).substr(0, 16),
+        "... where this shard's is ", absl::BytesToHexString(own.layout_digest()).substr(0, 16),
+        "...: another policy or model shape)");
+  } else if (recorded.content_fingerprint() != own.content_fingerprint()) {
+    differs = absl::StrCat("other values (content fingerprint ",
+                           absl::BytesToHexString(recorded.content_fingerprint()).substr(0, 16),
+                           "... where this shard's is ",
+                           absl::BytesToHexString(own.content_fingerprint()).substr(0, 16), "...)");
+  } else {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "push journal ", path, " was written for ", differs, " (going on from checkpoint version ",
+      recorded.checkpoint_version(),
+      "): it is not this shard's. Move it out of --checkpoint-dir, or point --checkpoint-dir at "
+      "this shard's own"));
+}
+
+absl::StatusOr<std::optional<layercast::v1::JournalIdentity>> PushJournal::ReadIdentity(
+    RandomAccessFile& file) const {
+  Header header;
+  if (file.size() < sizeof(Header) + sizeof(uint32_t)) return std::nullopt;
+  RETURN_IF_ERROR(file.ReadAt(0, {reinterpret_cast<uint8_t*>(&header), sizeof(header)}));
+  if (header.magic != kMagic || header.kind != kIdentityKind || header.encoding != kBytes ||
+      header.count > file.size() - sizeof(Header) - sizeof(uint32_t)) {
+    return std::nullopt;
+  }
+  std::vector<uint8_t> payload(header.count);
+  RETURN_IF_ERROR(file.ReadAt(sizeof(Header), payload));
+  uint32_t stored_crc = 0;
+  RETURN_IF_ERROR(file.ReadAt(sizeof(Header) + payload.size(),
+                              {reinterpret_cast<uint8_t*>(&stored_crc), sizeof(stored_crc)}));
+  layercast::v1::JournalIdentity identity;
+  if (Crc32c(payload.data(), payload.size(), Crc32c(&header, sizeof(header))) != stored_crc ||
+      !identity.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::DataLossError(absl::StrCat("push journal ", file.path(),
+                                            ": its identity record is damaged (fails its CRC); "
+                                            "move the file aside to start without it"));
+  }
+  return identity;
+}
+
+absl::Status PushJournal::CheckIdentity() const {
+  std::vector<uint64_t> generations;
+  {
+    absl::MutexLock lock(&mu_);
+    generations = generations_;
+  }
+  for (const uint64_t generation : generations) {
+    ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, fs_.OpenForRead(PathOf(generation)));
+    ASSIGN_OR_RETURN(const std::optional<layercast::v1::JournalIdentity> recorded,
+                     ReadIdentity(*file));
+    if (recorded) RETURN_IF_ERROR(Matches(*recorded, file->path()));
+  }
+  return absl::OkStatus();
 }
 
 std::string PushJournal::PathOf(uint64_t generation) const {
@@ -109,6 +201,9 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
                                            absl::FunctionRef<absl::Status(Record)> visit,
                                            Replayed& replayed) {
   ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, fs_.OpenForRead(PathOf(generation)));
+  ASSIGN_OR_RETURN(const std::optional<layercast::v1::JournalIdentity> recorded,
+                   ReadIdentity(*file));
+  if (recorded) RETURN_IF_ERROR(Matches(*recorded, file->path()));
   uint64_t offset = 0;
   const auto torn = [&] {
     ++replayed.torn_tails;
@@ -122,8 +217,8 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
     Header header;
     if (file->size() - offset < sizeof(Header) + sizeof(uint32_t)) return torn();
     RETURN_IF_ERROR(file->ReadAt(offset, {reinterpret_cast<uint8_t*>(&header), sizeof(header)}));
-    const uint64_t width = header.encoding == kBfloat16 ? 2 : 4;
-    if (header.magic != kMagic || header.encoding > kBfloat16 ||
+    const uint64_t width = WidthOf(header.encoding);
+    if (header.magic != kMagic || header.encoding > kBytes ||
         header.count > (file->size() - offset) / width) {
       return torn();
     }
@@ -136,6 +231,10 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
                                  {reinterpret_cast<uint8_t*>(&stored_crc), sizeof(stored_crc)}));
     const uint32_t crc = Crc32c(payload.data(), payload.size(), Crc32c(&header, sizeof(header)));
     if (crc != stored_crc) return torn();
+    if (header.kind == kIdentityKind) {  // checked above, before any push
+      offset += sizeof(Header) + payload_bytes + sizeof(uint32_t);
+      continue;
+    }
     Record record;
     record.kind = static_cast<Record::Kind>(header.kind);
     record.layer = header.layer;
@@ -189,6 +288,12 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
     ASSIGN_OR_RETURN(file_, fs_.OpenForWrite(PathOf(generation)));
     generations_.push_back(generation);
     sizes_.push_back(0);
+    if (!identity_.model_id().empty()) {
+      const std::string identity = identity_.SerializeAsString();
+      Record named;
+      named.kind = static_cast<Record::Kind>(kIdentityKind);
+      RETURN_IF_ERROR(AppendLocked(named, BytesOf(identity.data(), identity.size()), kBytes));
+    }
   }
   Header header;
   header.kind = static_cast<uint8_t>(record.kind);
@@ -196,7 +301,7 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
   header.layer = record.layer;
   header.worker = record.worker;
   header.step = record.step;
-  header.count = encoding == kBfloat16 ? to_narrow.size() : payload.size() / sizeof(float);
+  header.count = encoding == kBfloat16 ? to_narrow.size() : payload.size() / WidthOf(encoding);
   uint32_t crc = Crc32c(&header, sizeof(header));
   absl::Status written = file_->Append(BytesOf(&header, sizeof(header)));
   uint64_t payload_bytes = payload.size();
@@ -229,8 +334,9 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
   return absl::OkStatus();
 }
 
-uint64_t PushJournal::Rotate() {
+uint64_t PushJournal::Rotate(uint64_t checkpoint_version) {
   absl::MutexLock lock(&mu_);
+  identity_.set_checkpoint_version(checkpoint_version);
   if (file_ != nullptr) {
     (void)file_->Close();
     file_.reset();

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "layercast/v1/journal.pb.h"
 #include "platform/file_system.h"
 
 namespace layercast::server {
@@ -29,7 +31,10 @@ namespace layercast::server {
 // and, once the checkpoint is durable, removes the older ones (Retire).
 //
 // A record: a 32-byte header (magic "LCJ1", kind, value encoding, layer,
-// worker, step, value count), the values, and a CRC-32C of both. A push
+// worker, step, value count), the values, and a CRC-32C of both. The first
+// record of a generation names whose journal it is (a JournalIdentity,
+// proto/layercast/v1/journal.proto, as bytes): model, layout, content,
+// shard, and the checkpoint version its pushes go on from. A push
 // whose values all fit bf16 exactly (a bf16 gradient widened on the shard)
 // is kept as bf16: half the bytes. The file is written with write(2) and
 // not synced: a record survives the process's death (SIGKILL, a crash, an
@@ -48,10 +53,23 @@ class PushJournal {
     std::vector<float> values;  // kPush: the gradient; kClipScale: {scale}
   };
 
-  // NOT_FOUND unless `dir` exists. `fs` must outlive the journal.
+  // NOT_FOUND unless `dir` exists. `fs` must outlive the journal. Every
+  // generation this journal starts opens with a record of `identity`
+  // (unless its model_id is empty), and Replay and CheckIdentity refuse a
+  // generation whose record names another model, layout, content or shard.
+  static absl::StatusOr<std::unique_ptr<PushJournal>> Open(std::string dir,
+                                                           layercast::v1::JournalIdentity identity,
+                                                           FileSystem& fs = DefaultFileSystem());
+  // Without an identity: records none and checks none.
   static absl::StatusOr<std::unique_ptr<PushJournal>> Open(std::string dir, uint32_t shard_index,
                                                            uint32_t num_shards,
                                                            FileSystem& fs = DefaultFileSystem());
+
+  // FAILED_PRECONDITION naming the file and the first field that differs
+  // when a generation on disk was written for another model, layout,
+  // content or shard (a journal from elsewhere must not be replayed here).
+  // A generation from before journals recorded their identity passes.
+  absl::Status CheckIdentity() const;
 
   // Every whole record of the generations on disk, oldest first, to
   // `visit`; a generation's records end at the first torn or damaged one
@@ -72,8 +90,9 @@ class PushJournal {
 
   // Starts a new generation for the appends after it; returns it. The
   // caller holds every push back meanwhile, and writes a checkpoint of
-  // what the older generations hold.
-  uint64_t Rotate();
+  // what the older generations hold, at `checkpoint_version` (recorded in
+  // the new generation's identity).
+  uint64_t Rotate(uint64_t checkpoint_version = 0);
   // Removes the generations before `generation`: a checkpoint holds them.
   void Retire(uint64_t generation);
 
@@ -81,7 +100,14 @@ class PushJournal {
   uint64_t bytes() const;
 
  private:
-  PushJournal(std::string dir, std::string prefix, FileSystem& fs, std::vector<uint64_t> existing);
+  PushJournal(std::string dir, std::string prefix, FileSystem& fs, std::vector<uint64_t> existing,
+              layercast::v1::JournalIdentity identity);
+  // OK, or what differs between `recorded` (in `path`) and identity_.
+  absl::Status Matches(const layercast::v1::JournalIdentity& recorded,
+                       const std::string& path) const;
+  // The identity record of the generation in `file`, if its first record is one.
+  absl::StatusOr<std::optional<layercast::v1::JournalIdentity>> ReadIdentity(
+      RandomAccessFile& file) const;
   std::string PathOf(uint64_t generation) const;
   // Writes one record: `payload` as it is, or (bf16) `to_narrow`'s values
   // narrowed through narrow_.
@@ -98,8 +124,10 @@ class PushJournal {
   // Generations on disk, oldest first; the last is appended to once open.
   std::vector<uint64_t> generations_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<WritableFile> file_ ABSL_GUARDED_BY(mu_);  // null until the first append
-  std::vector<uint64_t> sizes_ ABSL_GUARDED_BY(mu_);         // per generation
-  static constexpr size_t kNarrowBlock = 256 << 10;          // values narrowed per write
+  // What each generation's first record says; model_id empty: none.
+  layercast::v1::JournalIdentity identity_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> sizes_ ABSL_GUARDED_BY(mu_);  // per generation
+  static constexpr size_t kNarrowBlock = 256 << 10;   // values narrowed per write
   std::vector<uint16_t> narrow_ ABSL_GUARDED_BY(mu_);
 };
 

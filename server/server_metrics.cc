@@ -48,7 +48,7 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   // series to work on before the first call (other codes appear as they
   // happen: gRPC has 17).
   for (const char* method : {"GetManifest", "FetchLayer", "PushGradients", "GetGradientNorm",
-                             "ApplyClippedStep", "WaitVersion", "Checkpoint"}) {
+                             "ApplyClippedStep", "WaitVersion", "Checkpoint", "GetLayerDigest"}) {
     rpcs_->Add({{"method", method}, {"code", "OK"}});
   }
   sent_bytes_ = &BuildCounter()

@@ -267,6 +267,13 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                       service_->version_gate(), /*try_only=*/false);
         });
   }
+  shard->digests =
+      std::make_unique<LayerDigests>(LayerDigests::Links{.store = shard->store.get(),
+                                                         .gate = &service_->version_gate(),
+                                                         .changes = shard->changes.get(),
+                                                         .pinned = shard->pinned.get(),
+                                                         .metrics = &metrics_,
+                                                         .chunk_bytes = config.chunk_bytes()});
   loaded_ = std::move(shard);
   service_->AttachStore(*loaded_);
   admin_->AttachStore(*loaded_);

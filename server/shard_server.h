@@ -109,6 +109,10 @@ class ShardServer {
   void SetReadiness(bool serving);
   // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
   absl::Status UseCheckpoint();
+  // What this shard's push journal generations record of it, and the check
+  // of those on disk against it.
+  absl::StatusOr<layercast::v1::JournalIdentity> JournalIdentity() const;
+  absl::Status CheckJournalIdentity() const;
   // Opens --checkpoint-dir's push journal, takes again what it holds over
   // the checkpoint `trainer` restored, and journals `trainer`'s pushes to
   // it; returns it.

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/content_fingerprint.h"
+#include "core/layout.h"
 #include "platform/byte_size.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
@@ -23,7 +24,7 @@ absl::Status ShardServer::UseCheckpoint() {
                 checkpoints_->dir());
   }
   ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
-  if (!existing) return absl::OkStatus();
+  if (!existing) return CheckJournalIdentity();
   // The values the shard was started with: a checkpoint descending from
   // another model is not silently served in their place.
   ASSIGN_OR_RETURN(const ContentFingerprint model_fingerprint, source_->Fingerprint());
@@ -50,14 +51,40 @@ absl::Status ShardServer::UseCheckpoint() {
               config.synthetic().empty() ? "--model's values" : "--synthetic's values");
   checkpoint_source_ = checkpoint.get();
   source_ = std::move(checkpoint);
-  return absl::OkStatus();
+  return CheckJournalIdentity();
+}
+
+absl::StatusOr<layercast::v1::JournalIdentity> ShardServer::JournalIdentity() const {
+  const auto& config = settings_.config;
+  layercast::v1::JournalIdentity identity;
+  identity.set_model_id(source_->model().model_id);
+  ASSIGN_OR_RETURN(const auto layout_digest, LayoutDigest(source_->model(), settings_.policy));
+  identity.set_layout_digest(layout_digest.data(), layout_digest.size());
+  ASSIGN_OR_RETURN(const ContentFingerprint fingerprint, source_->Fingerprint());
+  identity.set_content_fingerprint(fingerprint.data(), fingerprint.size());
+  identity.set_shard_index(config.shard_index());
+  identity.set_num_shards(config.num_shards());
+  identity.set_checkpoint_version(checkpoint_source_ != nullptr ? checkpoint_source_->version()
+                                                                : 0);
+  return identity;
+}
+
+// At start, before anything loads: a journal written for another model or
+// shard refuses the start (exit 2) as a foreign checkpoint does.
+absl::Status ShardServer::CheckJournalIdentity() const {
+  const auto& config = settings_.config;
+  if (!config.push_journal() || !settings_.optimizer) return absl::OkStatus();
+  ASSIGN_OR_RETURN(layercast::v1::JournalIdentity identity, JournalIdentity());
+  ASSIGN_OR_RETURN(std::unique_ptr<PushJournal> journal,
+                   PushJournal::Open(config.checkpoint_dir(), std::move(identity)));
+  return journal->CheckIdentity();
 }
 
 absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTrainer& trainer) {
   const auto& config = settings_.config;
-  ASSIGN_OR_RETURN(
-      std::unique_ptr<PushJournal> journal,
-      PushJournal::Open(config.checkpoint_dir(), config.shard_index(), config.num_shards()));
+  ASSIGN_OR_RETURN(layercast::v1::JournalIdentity identity, JournalIdentity());
+  ASSIGN_OR_RETURN(std::unique_ptr<PushJournal> journal,
+                   PushJournal::Open(config.checkpoint_dir(), std::move(identity)));
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal);
   if (!replayed.ok()) {

@@ -131,6 +131,27 @@ grpc::ServerUnaryReactor* ShardService::GetCastError(
   return FinishUnary(context, "GetCastError", grpc::Status::OK);
 }
 
+grpc::ServerUnaryReactor* ShardService::GetLayerDigest(
+    grpc::CallbackServerContext* context, const layercast::v1::GetLayerDigestRequest* request,
+    layercast::v1::LayerDigest* response) {
+  if (draining_.load()) {
+    return FinishUnary(context, "GetLayerDigest",
+                       ShuttingDownRefusal("ask its replacement for the digest"));
+  }
+  LoadedShard* shard = loaded();
+  if (shard == nullptr) return FinishUnary(context, "GetLayerDigest", LoadingRefusal());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  shard->digests->Get(
+      *request, [this, reactor, response](absl::StatusOr<layercast::v1::LayerDigest> digest) {
+        if (digest.ok()) *response = *std::move(digest);
+        const grpc::Status status =
+            digest.ok() ? grpc::Status::OK : wire::ToGrpcStatus(digest.status());
+        metrics_.RecordRpc("GetLayerDigest", wire::StatusCodeName(status.error_code()));
+        reactor->Finish(status);
+      });
+  return reactor;
+}
+
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(const grpc::Status& status) {
   metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
   return new RefusedStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(status);
@@ -253,9 +274,15 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
   if (draining_.load()) {
     return FinishUnary(context, "WaitVersion", ShuttingDownRefusal("wait on its replacement"));
   }
-  if (loaded() == nullptr) return FinishUnary(context, "WaitVersion", LoadingRefusal());
+  const LoadedShard* shard = loaded();
+  if (shard == nullptr) return FinishUnary(context, "WaitVersion", LoadingRefusal());
+  const uint64_t incarnation = shard->store->incarnation();
+  response->set_incarnation(incarnation);
   const uint64_t current = gate_.version();
-  if (request->min_version() <= current) {
+  // A caller holding another incarnation's versions is told at once: this
+  // shard's numbers started again, so its min_version says nothing here.
+  const bool restarted = request->has_incarnation() && request->incarnation() != incarnation;
+  if (request->min_version() <= current || restarted) {
     response->set_version(current);
     return FinishUnary(context, "WaitVersion", grpc::Status::OK);
   }

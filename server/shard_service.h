@@ -52,7 +52,8 @@ class ShardService final
                       layercast::v1::ShardService::WithCallbackMethod_ApplyClippedStep<
                           layercast::v1::ShardService::WithCallbackMethod_WaitVersion<
                               layercast::v1::ShardService::WithCallbackMethod_GetCastError<
-                                  layercast::v1::ShardService::Service>>>>>>> {
+                                  layercast::v1::ShardService::WithCallbackMethod_GetLayerDigest<
+                                      layercast::v1::ShardService::Service>>>>>>>> {
  public:
   // Each from the resolved ShardConfig of the same name; config.proto holds
   // the defaults, so none is written here.
@@ -147,6 +148,10 @@ class ShardService final
   grpc::ServerUnaryReactor* GetCastError(grpc::CallbackServerContext* context,
                                          const layercast::v1::GetCastErrorRequest* request,
                                          layercast::v1::GetCastErrorResponse* response) override;
+  // Answered from the LayerDigests thread once computed (LayerDigests::Get).
+  grpc::ServerUnaryReactor* GetLayerDigest(grpc::CallbackServerContext* context,
+                                           const layercast::v1::GetLayerDigestRequest* request,
+                                           layercast::v1::LayerDigest* response) override;
 
  private:
   // The shard served from; null while loading.

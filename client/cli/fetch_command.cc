@@ -35,7 +35,8 @@ absl::StatusOr<uint32_t> FindLayer(const ModelSpec& model, const std::string& te
 
 absl::Status RunFetch(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(tools::CliFlags flags,
-                   tools::CliFlags::Parse(args, WithShardSetFlags({"layer", "out", "timeout-ms"})));
+                   tools::CliFlags::Parse(
+                       args, WithShardSetFlags({"layer", "out", "timeout-ms", "verify-shards"})));
   if (!flags.Has("layer") || !flags.Has("out")) {
     return absl::InvalidArgumentError("--layer L and --out FILE.safetensors are required");
   }
@@ -47,6 +48,17 @@ absl::Status RunFetch(const std::vector<std::string>& args) {
   // A shard restarting (a rolling update) is waited out until --timeout-ms;
   // the worker library logs each retry, saying what the fetch waits for.
   ASSIGN_OR_RETURN(client::Layer layer, set->Gather(layer_index, options));
+  if (flags.Has("verify-shards")) {
+    // Bytes from a relay, checked against the shards' own digests of them.
+    ASSIGN_OR_RETURN(std::vector<std::string> shards,
+                     client::ParseShardList(flags.Get("verify-shards")));
+    client::ShardSetOptions connect;
+    ASSIGN_OR_RETURN(connect.credentials, ChannelCredentialsFromFlags(flags));
+    connect.shards_name = "--verify-shards";
+    ASSIGN_OR_RETURN(auto verify, client::ShardSet::Connect(std::move(shards), connect));
+    RETURN_IF_ERROR(verify->CheckDigests(layer_index, layer.version(), std::nullopt,
+                                         set->view().layouts[layer_index], layer.bytes()));
+  }
 
   // An 8-bit tensor's block scales follow it as "<name>_scale", fp32 of
   // shape [blocks] (value = code * scale of its block, as in checkpoints

@@ -80,7 +80,9 @@ const Command kCommands[] = {
      "  --layer L                   the layer's index or its name (e.g. model.layers.3)\n"
      "  --out FILE                  where to write the layer (safetensors)\n"
      "  --timeout-ms MS             the gather's deadline, retries of restarting shards\n"
-     "                              included (default 60000)\n",
+     "                              included (default 60000)\n"
+     "  --verify-shards H:P,...     check the layer (read from a relay) against these\n"
+     "                              shards' digests of it; exit non-zero if it differs\n",
      true},
     {"bench", layercast::cli::RunBench, "gather every layer R times and report GB/s",
      "layercast bench SHARDS [--rounds R] [--budget-layers K]\n"

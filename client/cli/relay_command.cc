@@ -141,6 +141,9 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   mirror_options.dtype = dtype;
   mirror_options.listener = relay.get();
   if (upstream != nullptr) mirror_options.fallback = fallback ? fallback.get() : shards.get();
+  // A relay serves only bytes the shards vouch for: each layer is checked
+  // against their digests before it is served, whoever it came from.
+  mirror_options.verify_with = shards.get();
   ASSIGN_OR_RETURN(std::unique_ptr<client::ModelMirror> mirror,
                    client::ModelMirror::Create(source, mirror_options));
   Log()->info("relay: holds version {} from {}; following", mirror->version(),

@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+#include "server/push_journal.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 
@@ -62,6 +64,34 @@ TEST(IdentityTest, AShardRestartedWithOtherValuesIsRefusedMidGather) {
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(layer.status().message()),
               AllOf(HasSubstr("shard 1"), HasSubstr("restarted with another model")));
+}
+
+// A push journal names the model, layout, content and shard it was written
+// for: one left in --checkpoint-dir by another model's shard refuses the
+// start (exit 2, one line naming the file) instead of being replayed here.
+TEST(IdentityTest, AJournalOfAnotherModelRefusesTheStart) {
+  const std::string dir = MakeTempDir("foreign-journal");
+  const TestModel model = WriteTestModel(dir + "/model.safetensors", 2, 41);
+  layercast::v1::JournalIdentity theirs;
+  theirs.set_model_id("model-a");
+  theirs.set_shard_index(0);
+  theirs.set_num_shards(1);
+  {
+    auto journal = server::PushJournal::Open(dir, theirs);
+    ASSERT_TRUE(journal.ok()) << journal.status();
+    ASSERT_TRUE((*journal)->AppendClipScale(1, 0.5f).ok());
+  }
+  std::string output;
+  const int code = RunCommand(
+      absl::StrCat(ShardBinary(), " --listen 127.0.0.1:0 --shard-index 0 --num-shards 1 --model ",
+                   model.path, " --model-id model-b --checkpoint-dir ", dir,
+                   " --optimizer sgd:lr=0.5 --data-parallel-workers 1"),
+      &output);
+  EXPECT_EQ(code, 2) << output;
+  EXPECT_THAT(output, AllOf(HasSubstr("push journal " + dir + "/shard-0-of-1.journal-"),
+                            HasSubstr("written for model 'model-a', and this shard serves "
+                                      "'model-b'")));
+  EXPECT_THAT(output, ::testing::Not(HasSubstr("listening on"))) << "it began to serve";
 }
 
 }  // namespace
