@@ -105,25 +105,31 @@ void LayerGather::Settle(uint32_t shard) {
   }
   // One place decides that a gather never mixes versions: every stream of
   // every shard and attempt must match the first version any stream sent.
-  if (const std::optional<uint64_t> version = s.stream->version(); version) {
-    if (const std::optional<uint64_t> incarnation = s.stream->incarnation(); incarnation) {
-      if (s.incarnation != 0 && *incarnation != s.incarnation) {
-        // The shard restarted mid-gather: a number names bits only within
-        // one incarnation (a publish may have given it other values), so
-        // what the earlier incarnation sent is not resumed from.
-        if (ReadAgain(shard, *incarnation, *version)) return;
+  const std::optional<uint64_t> version = s.stream->version();
+  // Which incarnation served: known from a stream that delivered, or that
+  // ended well with nothing to send (a delta of an unchanged slice).
+  if (const std::optional<uint64_t> incarnation = s.stream->incarnation();
+      incarnation && (version || s.stream->status().ok())) {
+    const uint64_t at = version.value_or(options_.exact_version.value_or(options_.min_version));
+    if (options_.pinned_identity != nullptr) {
+      if (absl::Status same =
+              options_.pinned_identity->Check(shard, *incarnation, at, shards_[shard].describe);
+          !same.ok()) {
+        if (failure_.ok()) failure_ = same;
+        CancelAll();
+        return;
       }
-      if (options_.pinned_identity != nullptr) {
-        if (absl::Status same = options_.pinned_identity->Check(shard, *incarnation, *version,
-                                                                shards_[shard].describe);
-            !same.ok()) {
-          if (failure_.ok()) failure_ = same;
-          CancelAll();
-          return;
-        }
-      }
-      s.incarnation = *incarnation;
     }
+    if (s.incarnation != 0 && *incarnation != s.incarnation) {
+      // The shard restarted mid-gather: a number names bits only within
+      // one incarnation (a publish may have given it other values), so
+      // what the earlier incarnation sent is not resumed from.
+      ReadAgain(shard, *incarnation, at);
+      return;
+    }
+    s.incarnation = *incarnation;
+  }
+  if (version) {
     newest_version_ = std::max(newest_version_, *version);
     oldest_version_ = std::min(oldest_version_, *version);
     if (version_ && *version != *version_) {
@@ -181,8 +187,12 @@ void LayerGather::Settle(uint32_t shard) {
   CancelAll();
 }
 
-bool LayerGather::ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t version) {
+void LayerGather::ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t version) {
   ShardState& s = state_[shard];
+  if (!failure_.ok() || cancelled_) {  // ending already: nothing more to start
+    s.incarnation = incarnation;
+    return;
+  }
   const std::string what = absl::StrCat(
       shards_[shard].describe, " restarted mid-gather (incarnation ", s.incarnation,
       " sent part of its slice, incarnation ", incarnation, " version ", version, " the rest)");
@@ -194,7 +204,7 @@ bool LayerGather::ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t versi
           absl::StrCat(what, ": the delta's base names other bits there; pull in full"));
     }
     CancelAll();
-    return true;
+    return;
   }
   Log()->warn("gathering layer {}: {}; reading its whole slice again from the new incarnation",
               layer_, what);
@@ -204,7 +214,6 @@ bool LayerGather::ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t versi
   s.attempts = 0;  // a fresh read, not a resumption
   s.last_error = absl::OkStatus();
   s.retry_at = std::chrono::steady_clock::now();
-  return true;
 }
 
 uint64_t LayerGather::rereads() const {

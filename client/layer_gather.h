@@ -92,8 +92,9 @@ class LayerGather {
   void CancelAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Shard `shard` answered as `incarnation`, another than the one that sent
   // the earlier part of its slice: reads the whole slice again from it (a
-  // full pull), or fails a delta (OUT_OF_RANGE). True: Settle is done.
-  bool ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t version)
+  // full pull), or fails a delta (OUT_OF_RANGE); nothing when the gather is
+  // failing or cancelled already.
+  void ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::vector<Shard> shards_;

@@ -12,6 +12,7 @@
 #include "platform/log.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
+#include "wire/incarnation.h"
 
 namespace layercast::client {
 
@@ -31,47 +32,47 @@ void LogFallBack(const ShardSet& from, const ShardSet& to, const absl::Status& f
   if (metrics != nullptr) metrics->RecordMirrorFallback();
 }
 
-// Whether a layer read from incarnations `held` may hold other bits under
-// its number than the set serving as `now` (0 on either side: unknown).
-bool OtherIncarnations(const std::vector<uint64_t>& held, const std::vector<uint64_t>& now) {
-  for (size_t shard = 0; shard < held.size() && shard < now.size(); ++shard) {
-    if (held[shard] != 0 && now[shard] != 0 && held[shard] != now[shard]) return true;
-  }
-  return false;
-}
-
 // Checks a layer `source` gave at `version` against options.verify_with's
-// digests; bytes that differ are pulled again in full (with `gather`, so
-// its outputs count the new pull) from the next source, the fallback or
-// else the verifying shards, and checked again.
+// digests. Bytes that differ are pulled again in full (with `gather`, so its
+// outputs count the new pull) from the next source, the fallback or else
+// the verifying shards, at the same version; bytes the shards can no
+// longer vouch for (one restarted since, or no longer keeps the version)
+// are pulled again from the verifying shards at their newest. Then checked
+// again, once.
 absl::StatusOr<uint64_t> Verified(const ShardSet& source, const MirrorOptions& options,
                                   ClientMetrics* metrics, uint32_t layer,
                                   const AssembledLayout& layout, GatherOptions gather,
                                   uint64_t version, std::span<uint8_t> bytes) {
   if (options.verify_with == nullptr) return version;
+  const ShardSet& shards = *options.verify_with;
   const absl::Status checked =
-      options.verify_with->CheckDigests(layer, version, options.dtype, layout, bytes);
-  if (!absl::IsDataLoss(checked)) {
-    RETURN_IF_ERROR(checked);
-    return version;
-  }
-  const ShardSet& next = options.fallback != nullptr && options.fallback != &source
+      shards.CheckDigests(layer, version, options.dtype, layout, bytes, gather.incarnations);
+  if (checked.ok()) return version;
+  const bool altered = absl::IsDataLoss(checked);
+  if (!altered && !absl::IsAborted(checked)) return checked;
+  const ShardSet& next = altered && options.fallback != nullptr && options.fallback != &source
                              ? *options.fallback
-                             : *options.verify_with;
+                             : shards;
   Log()->warn("mirror: layer {} from {}: {}; pulling it again in full from {}", layer,
               absl::StrJoin(source.addresses(), ","), checked.message(),
               absl::StrJoin(next.addresses(), ","));
-  if (metrics != nullptr) metrics->RecordReread(ClientMetrics::Reread::kDigestMismatch);
+  if (altered && metrics != nullptr) {
+    metrics->RecordReread(ClientMetrics::Reread::kDigestMismatch);
+  }
   gather.base_version.reset();
-  gather.min_version = 0;
-  gather.exact_version = version;
+  gather.min_version = version;
+  if (altered) {
+    gather.exact_version = version;
+  } else {
+    gather.exact_version.reset();
+  }
   ASSIGN_OR_RETURN(const uint64_t again, next.GatherInto(layer, gather, bytes));
   const absl::Status rechecked =
-      options.verify_with->CheckDigests(layer, again, options.dtype, layout, bytes);
+      shards.CheckDigests(layer, again, options.dtype, layout, bytes, gather.incarnations);
   if (!rechecked.ok()) {
     return absl::Status(rechecked.code(),
-                        absl::StrCat(rechecked.message(), ", pulled again from ",
-                                     absl::StrJoin(next.addresses(), ","), " too"));
+                        absl::StrCat(rechecked.message(), " (pulled again from ",
+                                     absl::StrJoin(next.addresses(), ","), " too)"));
   }
   return again;
 }
@@ -282,7 +283,7 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
   {
     absl::ReaderMutexLock lock(&mu_);
     for (uint32_t i = 0; i < layers_.size(); ++i) {
-      restarted[i] = OtherIncarnations(incarnations_[i], now.incarnations);
+      restarted[i] = wire::OtherIncarnations(incarnations_[i], now.incarnations);
     }
   }
   const auto n = std::count(restarted.begin(), restarted.end(), true);
@@ -443,7 +444,7 @@ void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update)
       // Layers of two incarnations (a pull that landed from a source still
       // catching up with a restart): the update pulls the older again.
       for (const std::vector<uint64_t>& layer : incarnations_) {
-        mixed = mixed || OtherIncarnations(layer, incarnations_[0]);
+        mixed = mixed || wire::OtherIncarnations(layer, incarnations_[0]);
       }
     }
     absl::StatusOr<Polled> newest = Poll(mixed ? 0 : held + 1, incarnation);
@@ -453,10 +454,16 @@ void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update)
         (newest->version > held || mixed ||
          (incarnation != 0 && newest->incarnation != 0 && newest->incarnation != incarnation))) {
       absl::StatusOr<MirrorUpdate> update = Update(newest->version);
-      if (update.ok()) {
-        if (on_update) on_update(*update);
-      } else {
+      if (!update.ok()) {
         failed = update.status();
+      } else if (mixed && update->layers == 0) {
+        // Nothing to pull again against what the set names now (a source
+        // that names no incarnation): wait, rather than ask at once again.
+        failed = absl::FailedPreconditionError(
+            "layers hold versions of two incarnations of a shard and the source names none of "
+            "them as its own; asking again");
+      } else if (on_update) {
+        on_update(*update);
       }
     } else if (!newest.ok()) {
       failed = newest.status();

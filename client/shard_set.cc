@@ -333,11 +333,21 @@ absl::StatusOr<std::vector<layercast::v1::LayerDigest>> ShardSet::LayerDigests(
 }
 
 absl::Status ShardSet::CheckDigests(uint32_t layer, uint64_t version, std::optional<DType> dtype,
-                                    const AssembledLayout& layout,
-                                    std::span<const uint8_t> bytes) const {
+                                    const AssembledLayout& layout, std::span<const uint8_t> bytes,
+                                    const std::vector<uint64_t>* served_by) const {
   ASSIGN_OR_RETURN(const std::vector<layercast::v1::LayerDigest> digests,
                    LayerDigests(layer, version, dtype));
   const auto n = static_cast<uint32_t>(digests.size());
+  for (uint32_t shard = 0; shard < n; ++shard) {
+    const uint64_t served =
+        served_by != nullptr && shard < served_by->size() ? (*served_by)[shard] : 0;
+    if (served != 0 && served != digests[shard].incarnation()) {
+      return absl::AbortedError(absl::StrCat(
+          Describe(addresses_, shard), " restarted since it served layer ", layer, " (incarnation ",
+          served, ", now ", digests[shard].incarnation(), "): its version ", version,
+          " may name other bits now; pull the layer again"));
+    }
+  }
   for (uint32_t shard = 0; shard < n; ++shard) {
     const wire::SliceDigest::Sha256 held = wire::SliceDigestOf(layout, bytes, shard, n);
     if (digests[shard].sha256() != std::string(held.begin(), held.end())) {

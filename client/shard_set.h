@@ -105,9 +105,13 @@ class ShardSet final : public LayerSource {
       std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
   // DATA_LOSS naming the first shard whose slice of `bytes` (layer `layer`
   // at `version` in `dtype`, assembled in `layout`, from anyone) differs
-  // from the SHA-256 that shard gives of it; LayerDigests' errors.
+  // from the SHA-256 that shard gives of it; ABORTED when `served_by` (per
+  // shard, the incarnations the bytes came from; 0: not known) names
+  // another start of a shard than the one answering (it restarted: pull
+  // again); LayerDigests' errors.
   absl::Status CheckDigests(uint32_t layer, uint64_t version, std::optional<DType> dtype,
-                            const AssembledLayout& layout, std::span<const uint8_t> bytes) const;
+                            const AssembledLayout& layout, std::span<const uint8_t> bytes,
+                            const std::vector<uint64_t>* served_by = nullptr) const;
 
   // The typed stub of shard `shard` (for PushGradients). REQUIRES: shard <
   // the number of shards.

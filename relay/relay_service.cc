@@ -105,7 +105,7 @@ grpc::Status RelayService::GetLayerDigest(grpc::ServerContext*,
                                           layercast::v1::LayerDigest*) {
   return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                       "a relay does not vouch for the bytes it carries: ask the shards for "
-                      "digests (MirrorOptions::verify_with, layercast relay --verify-shards)");
+                      "digests (MirrorOptions::verify_with; layercast fetch --verify-shards)");
 }
 
 absl::StatusOr<HeldLayer> RelayService::Target(const layercast::v1::FetchLayerRequest& request,

@@ -7,9 +7,9 @@
 #include "core/changed_bits.h"
 #include "core/dtype.h"
 #include "core/fp8.h"
+#include "wire/incarnation.h"
 
 namespace layercast::relay {
-
 namespace {
 
 ChangedElements Changes(const AssembledLayout& layout, const uint8_t* now, const uint8_t* was) {
@@ -69,8 +69,25 @@ void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
   }
   absl::MutexLock lock(&mu_);
   std::deque<Kept>& held = layers_[layer];
-  current_ = kept.held.incarnations;
-  if (!held.empty() && held.back().held.incarnations != kept.held.incarnations) {
+  if (!held.empty() &&
+      !wire::OtherIncarnations(held.back().held.incarnations, kept.held.incarnations)) {
+    // A shard that sent nothing of this pull (its slice unchanged) named
+    // no incarnation: it is the one that cast the version before.
+    for (size_t shard = 0; shard < kept.held.incarnations.size(); ++shard) {
+      if (kept.held.incarnations[shard] == 0 && shard < held.back().held.incarnations.size()) {
+        kept.held.incarnations[shard] = held.back().held.incarnations[shard];
+      }
+    }
+  }
+  // The newest incarnations any layer landed from: what is served.
+  if (current_.size() < kept.held.incarnations.size()) {
+    current_.resize(kept.held.incarnations.size(), 0);
+  }
+  for (size_t shard = 0; shard < kept.held.incarnations.size(); ++shard) {
+    if (kept.held.incarnations[shard] != 0) current_[shard] = kept.held.incarnations[shard];
+  }
+  if (!held.empty() &&
+      wire::OtherIncarnations(held.back().held.incarnations, kept.held.incarnations)) {
     // A version is an identity only with the incarnations that cast it:
     // what the restarted shards serve under an old number is other bits.
     const uint64_t newest = held.back().held.version;
@@ -116,9 +133,7 @@ uint64_t RelayedVersions::IncarnationOf(uint32_t shard) const {
 }
 
 uint64_t RelayedVersions::IncarnationOfLocked(uint32_t shard) const {
-  if (layers_.empty() || layers_[0].empty()) return 0;
-  const std::vector<uint64_t>& incarnations = layers_[0].back().held.incarnations;
-  return shard < incarnations.size() ? incarnations[shard] : 0;
+  return shard < current_.size() ? current_[shard] : 0;
 }
 
 uint64_t RelayedVersions::heading() const {
@@ -142,7 +157,7 @@ std::optional<HeldLayer> RelayedVersions::WaitNewest(uint32_t layer, uint64_t mi
   const auto reached = [this, layer, min_version]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return closed_ ||
            (!layers_[layer].empty() && layers_[layer].back().held.version >= min_version &&
-            layers_[layer].back().held.incarnations == current_);
+            !wire::OtherIncarnations(layers_[layer].back().held.incarnations, current_));
   };
   absl::ReaderMutexLock lock(&mu_);
   if (!mu_.AwaitWithDeadline(absl::Condition(&reached), deadline) || closed_) {
@@ -162,7 +177,8 @@ std::optional<size_t> RelayedVersions::IndexOf(const std::deque<Kept>& kept,
 std::optional<HeldLayer> RelayedVersions::At(uint32_t layer, uint64_t version) const {
   absl::ReaderMutexLock lock(&mu_);
   const std::optional<size_t> i = IndexOf(layers_[layer], version);
-  if (!i || layers_[layer][*i].held.incarnations != current_) return std::nullopt;
+  if (!i || wire::OtherIncarnations(layers_[layer][*i].held.incarnations, current_))
+    return std::nullopt;
   HeldLayer at = layers_[layer][*i].held;
   at.version = version;
   return at;

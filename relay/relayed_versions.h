@@ -67,8 +67,8 @@ class RelayedVersions {
   // again).
   uint64_t WaitHeading(uint64_t min_version, absl::Time deadline, uint32_t shard = 0,
                        std::optional<uint64_t> incarnation = std::nullopt) const;
-  // The incarnation of shard `shard` that cast layer 0's newest version
-  // held (WaitVersionResponse.incarnation); 0 before the first Put.
+  // The incarnation of shard `shard` the newest pull of any layer came
+  // from (WaitVersionResponse.incarnation); 0 before the first Put.
   uint64_t IncarnationOf(uint32_t shard) const;
   // The version the relay serves or walks to, now.
   uint64_t heading() const;

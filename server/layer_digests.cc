@@ -37,25 +37,15 @@ void LayerDigests::Get(const layercast::v1::GetLayerDigestRequest& request, Done
   }
   const Key key{request.layer(), request.version(),
                 plan->dtype ? static_cast<int>(*plan->dtype) : 0};
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [kept, sha] : cached_) {
-      if (kept == key) {
-        done(Answer(key, sha));
-        return;
-      }
-    }
+  if (const std::optional<wire::SliceDigest::Sha256> kept = Cached(key); kept) {
+    done(Answer(key, *kept));
+    return;
   }
   boost::asio::post(thread_, [this, key, plan = *std::move(plan), done = std::move(done)] {
-    {
-      // Asked for twice before the first was done: the second finds it.
-      absl::MutexLock lock(&mu_);
-      for (const auto& [kept, sha] : cached_) {
-        if (kept == key) {
-          done(Answer(key, sha));
-          return;
-        }
-      }
+    // Asked for twice before the first was done: the second finds it.
+    if (const std::optional<wire::SliceDigest::Sha256> kept = Cached(key); kept) {
+      done(Answer(key, *kept));
+      return;
     }
     absl::StatusOr<wire::SliceDigest::Sha256> sha = Compute(plan, key.version);
     if (!sha.ok()) {
@@ -69,6 +59,14 @@ void LayerDigests::Get(const layercast::v1::GetLayerDigestRequest& request, Done
     }
     done(Answer(key, *sha));
   });
+}
+
+std::optional<wire::SliceDigest::Sha256> LayerDigests::Cached(const Key& key) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [kept, sha] : cached_) {
+    if (kept == key) return sha;
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> LayerDigests::SourceOf(
@@ -109,6 +107,10 @@ absl::StatusOr<wire::SliceDigest::Sha256> LayerDigests::Compute(const FetchPlan&
     const uint64_t width = DTypeSize(placed.compute_dtype);
     digest.BeginTensor(run.tensor, placed.block_size != 0);
     for (uint64_t element = run.elements.begin; element < run.elements.end;) {
+      if (links_.stopping != nullptr && links_.stopping->load()) {
+        return absl::UnavailableError(
+            "this shard is shutting down: ask its replacement for the digest");
+      }
       const ChunkKey key{.layer = plan.layer,
                          .tensor = run.tensor,
                          .element_begin = element,

@@ -1,9 +1,11 @@
 #pragma once
 
+#include <atomic>
 #include <boost/asio/thread_pool.hpp>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -39,6 +41,9 @@ class LayerDigests {
     PinnedVersions* pinned = nullptr;    // null: no versions kept
     ServerMetrics* metrics = nullptr;
     uint64_t chunk_bytes = 0;  // the resolved --chunk-bytes
+    // Set when the shard drains: a digest in progress or queued stops with
+    // UNAVAILABLE instead of holding the shutdown for a pass over a slice.
+    const std::atomic<bool>* stopping = nullptr;
   };
   static constexpr size_t kCached = 256;
 
@@ -67,6 +72,7 @@ class LayerDigests {
                                                                        uint64_t version,
                                                                        bool kept_bits_serve) const;
   layercast::v1::LayerDigest Answer(const Key& key, const wire::SliceDigest::Sha256& sha) const;
+  std::optional<wire::SliceDigest::Sha256> Cached(const Key& key) const;
 
   const Links links_;
   mutable absl::Mutex mu_;

@@ -21,8 +21,7 @@ namespace {
 constexpr uint32_t kMagic = 0x314a434c;  // "LCJ1", little-endian
 constexpr uint8_t kFloat32 = 0;
 constexpr uint8_t kBfloat16 = 1;
-constexpr uint8_t kBytes = 2;         // a serialized message
-constexpr uint8_t kIdentityKind = 3;  // a generation's JournalIdentity
+constexpr uint8_t kBytes = 2;  // a serialized message
 
 uint64_t WidthOf(uint8_t encoding) {
   return encoding == kBfloat16 ? 2 : encoding == kBytes ? 1 : 4;
@@ -145,8 +144,8 @@ absl::StatusOr<std::optional<layercast::v1::JournalIdentity>> PushJournal::ReadI
   Header header;
   if (file.size() < sizeof(Header) + sizeof(uint32_t)) return std::nullopt;
   RETURN_IF_ERROR(file.ReadAt(0, {reinterpret_cast<uint8_t*>(&header), sizeof(header)}));
-  if (header.magic != kMagic || header.kind != kIdentityKind || header.encoding != kBytes ||
-      header.count > file.size() - sizeof(Header) - sizeof(uint32_t)) {
+  if (header.magic != kMagic || header.kind != static_cast<uint8_t>(Record::Kind::kIdentity) ||
+      header.encoding != kBytes || header.count > file.size() - sizeof(Header) - sizeof(uint32_t)) {
     return std::nullopt;
   }
   std::vector<uint8_t> payload(header.count);
@@ -157,9 +156,10 @@ absl::StatusOr<std::optional<layercast::v1::JournalIdentity>> PushJournal::ReadI
   layercast::v1::JournalIdentity identity;
   if (Crc32c(payload.data(), payload.size(), Crc32c(&header, sizeof(header))) != stored_crc ||
       !identity.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    return absl::DataLossError(absl::StrCat("push journal ", file.path(),
-                                            ": its identity record is damaged (fails its CRC); "
-                                            "move the file aside to start without it"));
+    return absl::DataLossError(
+        absl::StrCat("push journal ", file.path(),
+                     ": its identity record is damaged (its CRC or its contents); "
+                     "move the file aside to start without it"));
   }
   return identity;
 }
@@ -231,7 +231,8 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
                                  {reinterpret_cast<uint8_t*>(&stored_crc), sizeof(stored_crc)}));
     const uint32_t crc = Crc32c(payload.data(), payload.size(), Crc32c(&header, sizeof(header)));
     if (crc != stored_crc) return torn();
-    if (header.kind == kIdentityKind) {  // checked above, before any push
+    if (header.kind ==
+        static_cast<uint8_t>(Record::Kind::kIdentity)) {  // checked above, before any push
       offset += sizeof(Header) + payload_bytes + sizeof(uint32_t);
       continue;
     }
@@ -291,7 +292,7 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
     if (!identity_.model_id().empty()) {
       const std::string identity = identity_.SerializeAsString();
       Record named;
-      named.kind = static_cast<Record::Kind>(kIdentityKind);
+      named.kind = Record::Kind::kIdentity;
       RETURN_IF_ERROR(AppendLocked(named, BytesOf(identity.data(), identity.size()), kBytes));
     }
   }

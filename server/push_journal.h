@@ -45,7 +45,8 @@ namespace layercast::server {
 class PushJournal {
  public:
   struct Record {
-    enum class Kind : uint8_t { kPush = 1, kClipScale = 2 };
+    // kIdentity opens each generation; Replay checks it and visits none.
+    enum class Kind : uint8_t { kPush = 1, kClipScale = 2, kIdentity = 3 };
     Kind kind = Kind::kPush;
     uint32_t layer = 0;
     uint32_t worker = 0;

@@ -273,7 +273,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                                          .changes = shard->changes.get(),
                                                          .pinned = shard->pinned.get(),
                                                          .metrics = &metrics_,
-                                                         .chunk_bytes = config.chunk_bytes()});
+                                                         .chunk_bytes = config.chunk_bytes(),
+                                                         .stopping = service_->draining()});
   loaded_ = std::move(shard);
   service_->AttachStore(*loaded_);
   admin_->AttachStore(*loaded_);

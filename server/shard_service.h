@@ -149,6 +149,8 @@ class ShardService final
                                          const layercast::v1::GetCastErrorRequest* request,
                                          layercast::v1::GetCastErrorResponse* response) override;
   // Answered from the LayerDigests thread once computed (LayerDigests::Get).
+  // Set once the shard drains: long background work stops at it.
+  const std::atomic<bool>* draining() const { return &draining_; }
   grpc::ServerUnaryReactor* GetLayerDigest(grpc::CallbackServerContext* context,
                                            const layercast::v1::GetLayerDigestRequest* request,
                                            layercast::v1::LayerDigest* response) override;

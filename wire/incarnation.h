@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
@@ -20,6 +21,17 @@ inline std::optional<uint64_t> ParseIncarnation(absl::string_view value) {
   uint64_t incarnation = 0;
   if (!absl::SimpleAtoi(value, &incarnation) || incarnation == 0) return std::nullopt;
   return incarnation;
+}
+
+// Whether two lists of incarnations (per shard, as a gather reports the
+// streams that served a layer) name different starts of some shard, so
+// that the same version number may name other bits: 0 is not known, and
+// differs from nothing.
+inline bool OtherIncarnations(const std::vector<uint64_t>& a, const std::vector<uint64_t>& b) {
+  for (size_t shard = 0; shard < a.size() && shard < b.size(); ++shard) {
+    if (a[shard] != 0 && b[shard] != 0 && a[shard] != b[shard]) return true;
+  }
+  return false;
 }
 
 }  // namespace layercast::wire
