@@ -285,14 +285,21 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
   }
 }
 
-absl::StatusOr<uint64_t> ShardSet::CurrentVersion(std::chrono::milliseconds timeout) const {
+absl::StatusOr<layercast::v1::WaitVersionResponse> ShardSet::VersionNow(
+    size_t shard, std::chrono::system_clock::time_point deadline) const {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  context.set_deadline(deadline);
   layercast::v1::WaitVersionRequest request;  // min_version 0: answered at once
   layercast::v1::WaitVersionResponse response;
-  RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[0]->WaitVersion(&context, request, &response),
-                                       Describe(addresses_, 0)));
-  return response.version();
+  RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[shard]->WaitVersion(&context, request, &response),
+                                       Describe(addresses_, shard)));
+  return response;
+}
+
+absl::StatusOr<uint64_t> ShardSet::CurrentVersion(std::chrono::milliseconds timeout) const {
+  ASSIGN_OR_RETURN(const layercast::v1::WaitVersionResponse now,
+                   VersionNow(0, std::chrono::system_clock::now() + timeout));
+  return now.version();
 }
 
 absl::StatusOr<ShardSet::Identity> ShardSet::CurrentIdentity(
@@ -300,14 +307,9 @@ absl::StatusOr<ShardSet::Identity> ShardSet::CurrentIdentity(
   Identity identity;
   const auto deadline = std::chrono::system_clock::now() + timeout;
   for (size_t shard = 0; shard < stubs_.size(); ++shard) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    layercast::v1::WaitVersionRequest request;  // min_version 0: answered at once
-    layercast::v1::WaitVersionResponse response;
-    RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[shard]->WaitVersion(&context, request, &response),
-                                         Describe(addresses_, shard)));
-    if (shard == 0) identity.version = response.version();
-    identity.incarnations.push_back(response.incarnation());
+    ASSIGN_OR_RETURN(const layercast::v1::WaitVersionResponse now, VersionNow(shard, deadline));
+    if (shard == 0) identity.version = now.version();
+    identity.incarnations.push_back(now.incarnation());
   }
   return identity;
 }

@@ -125,6 +125,9 @@ class ShardSet final : public LayerSource {
  private:
   ShardSet() = default;
   absl::Status CheckLayerIndex(uint32_t layer) const;
+  // Shard `shard`'s WaitVersion answered at once (min_version 0).
+  absl::StatusOr<layercast::v1::WaitVersionResponse> VersionNow(
+      size_t shard, std::chrono::system_clock::time_point deadline) const;
   absl::StatusOr<uint64_t> GatherStreams(uint32_t layer, const GatherOptions& options,
                                          std::span<uint8_t> buffer) const;
 

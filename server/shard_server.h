@@ -109,13 +109,13 @@ class ShardServer {
   void SetReadiness(bool serving);
   // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
   absl::Status UseCheckpoint();
-  // What this shard's push journal generations record of it, and the check
-  // of those on disk against it.
+  // What this shard's push journal generations record of it.
   absl::StatusOr<layercast::v1::JournalIdentity> JournalIdentity() const;
-  absl::Status CheckJournalIdentity() const;
-  // Opens --checkpoint-dir's push journal, takes again what it holds over
-  // the checkpoint `trainer` restored, and journals `trainer`'s pushes to
-  // it; returns it.
+  // At start, before anything loads: opens the push journal (journal_) and
+  // refuses one written for another model or shard.
+  absl::Status OpenJournal();
+  // Takes again what journal_ holds over the checkpoint `trainer`
+  // restored, and journals `trainer`'s pushes to it; returns it.
   absl::StatusOr<std::unique_ptr<PushJournal>> ReplayJournal(LayerTrainer& trainer);
   // Writes the bound port to --port-file.
   absl::Status WritePortFile();
@@ -144,6 +144,8 @@ class ShardServer {
   std::unique_ptr<ParameterSource> source_;
   // source_ when it is a checkpoint, for its checksum and version.
   CheckpointSource* checkpoint_source_ = nullptr;
+  // --push-journal's, opened and checked by OpenJournal, until Load's replay.
+  std::unique_ptr<PushJournal> journal_;
   std::unique_ptr<ShardService> service_;
   std::unique_ptr<ShardAdminService> admin_;
   std::unique_ptr<grpc::Server> server_;

@@ -24,7 +24,7 @@ absl::Status ShardServer::UseCheckpoint() {
                 checkpoints_->dir());
   }
   ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
-  if (!existing) return CheckJournalIdentity();
+  if (!existing) return OpenJournal();
   // The values the shard was started with: a checkpoint descending from
   // another model is not silently served in their place.
   ASSIGN_OR_RETURN(const ContentFingerprint model_fingerprint, source_->Fingerprint());
@@ -51,7 +51,7 @@ absl::Status ShardServer::UseCheckpoint() {
               config.synthetic().empty() ? "--model's values" : "--synthetic's values");
   checkpoint_source_ = checkpoint.get();
   source_ = std::move(checkpoint);
-  return CheckJournalIdentity();
+  return OpenJournal();
 }
 
 absl::StatusOr<layercast::v1::JournalIdentity> ShardServer::JournalIdentity() const {
@@ -69,22 +69,22 @@ absl::StatusOr<layercast::v1::JournalIdentity> ShardServer::JournalIdentity() co
   return identity;
 }
 
-// At start, before anything loads: a journal written for another model or
-// shard refuses the start (exit 2) as a foreign checkpoint does.
-absl::Status ShardServer::CheckJournalIdentity() const {
+// A journal written for another model or shard refuses the start (exit 2,
+// from Create) as a foreign checkpoint does.
+absl::Status ShardServer::OpenJournal() {
   const auto& config = settings_.config;
   if (!config.push_journal() || !settings_.optimizer) return absl::OkStatus();
   ASSIGN_OR_RETURN(layercast::v1::JournalIdentity identity, JournalIdentity());
-  ASSIGN_OR_RETURN(std::unique_ptr<PushJournal> journal,
-                   PushJournal::Open(config.checkpoint_dir(), std::move(identity)));
-  return journal->CheckIdentity();
+  ASSIGN_OR_RETURN(journal_, PushJournal::Open(config.checkpoint_dir(), std::move(identity)));
+  return journal_->CheckIdentity();
 }
 
 absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTrainer& trainer) {
   const auto& config = settings_.config;
-  ASSIGN_OR_RETURN(layercast::v1::JournalIdentity identity, JournalIdentity());
-  ASSIGN_OR_RETURN(std::unique_ptr<PushJournal> journal,
-                   PushJournal::Open(config.checkpoint_dir(), std::move(identity)));
+  std::unique_ptr<PushJournal> journal = std::move(journal_);
+  if (journal == nullptr) {
+    return absl::FailedPreconditionError("the push journal was not opened at start");
+  }
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal);
   if (!replayed.ok()) {

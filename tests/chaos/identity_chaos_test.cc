@@ -321,16 +321,12 @@ class FlippingRelay {
     grpc::Status GetManifest(grpc::ServerContext* server,
                              const layercast::v1::GetManifestRequest* in,
                              layercast::v1::Manifest* out) override {
-      grpc::ClientContext context;
-      context.set_deadline(server->deadline());
-      return stub_->GetManifest(&context, *in, out);
+      return Forward(&Stub::GetManifest, server, *in, out);
     }
     grpc::Status WaitVersion(grpc::ServerContext* server,
                              const layercast::v1::WaitVersionRequest* in,
                              layercast::v1::WaitVersionResponse* out) override {
-      grpc::ClientContext context;
-      context.set_deadline(server->deadline());
-      return stub_->WaitVersion(&context, *in, out);
+      return Forward(&Stub::WaitVersion, server, *in, out);
     }
     grpc::Status FetchLayer(grpc::ServerContext* server, const layercast::v1::FetchLayerRequest* in,
                             grpc::ServerWriter<layercast::v1::LayerChunk>* out) override {
@@ -356,7 +352,17 @@ class FlippingRelay {
     }
 
    private:
-    std::unique_ptr<layercast::v1::ShardService::Stub> stub_;
+    using Stub = layercast::v1::ShardService::Stub;
+    // A unary call passed on as it came, within the caller's deadline.
+    template <typename In, typename Out>
+    grpc::Status Forward(grpc::Status (Stub::*call)(grpc::ClientContext*, const In&, Out*),
+                         grpc::ServerContext* server, const In& in, Out* out) {
+      grpc::ClientContext context;
+      context.set_deadline(server->deadline());
+      return (stub_.get()->*call)(&context, in, out);
+    }
+
+    std::unique_ptr<Stub> stub_;
     const uint32_t layer_;
     std::atomic<uint64_t>& flipped_;
   };
