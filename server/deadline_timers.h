@@ -6,11 +6,13 @@
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "platform/clock.h"
 
 namespace layercast::server {
 
@@ -27,21 +29,34 @@ namespace layercast::server {
 // long). REQUIRES: it is not destroyed from one of its own callbacks (the
 // destructor would wait for the callback that runs it; it aborts instead).
 //
+// Deadlines are read on a platform::Clock: the steady clock, or a test's
+// ManualClock, on which a callback runs when the clock is moved past its
+// deadline, never by itself; ManualClock::Advance returns once every
+// callback it passed ran, in deadline order across the owners of the
+// thread. Owners read the time their deadlines mean from Now().
+//
 // Thread-safe.
-class DeadlineTimers {
+class DeadlineTimers final : private platform::Clock::Listener {
  public:
-  using Handle = std::shared_ptr<boost::asio::steady_timer>;
+  struct Timer;
+  using Handle = std::shared_ptr<Timer>;
 
-  // On `shared`'s thread, which must outlive this; on a thread of its own
-  // when null.
+  // On `shared`'s thread and clock, which must outlive this; on a thread of
+  // its own and the steady clock when null.
   explicit DeadlineTimers(DeadlineTimers* shared = nullptr);
+  // On a thread of its own, reading `clock`, which must outlive this.
+  explicit DeadlineTimers(platform::Clock& clock);
   ~DeadlineTimers();
   DeadlineTimers(const DeadlineTimers&) = delete;
   DeadlineTimers& operator=(const DeadlineTimers&) = delete;
 
+  // The time on this one's clock; deadlines given to Schedule are on it.
+  platform::Clock::TimePoint Now() const { return clock_.Now(); }
+  platform::Clock& clock() const { return clock_; }
+
   // Runs `expired` on the timer thread at `at`, unless cancelled first.
   // Returns null (and never runs it) when `at` is time_point::max().
-  Handle Schedule(std::chrono::steady_clock::time_point at, std::function<void()> expired);
+  Handle Schedule(platform::Clock::TimePoint at, std::function<void()> expired);
   // Stops `timer` from running (a no-op for null, or one that already ran).
   // Callers must still tolerate a callback that was already under way.
   void Cancel(const Handle& timer);
@@ -66,10 +81,27 @@ class DeadlineTimers {
   };
   // `work` as it runs on the timer thread: only while this one is alive.
   std::function<void()> Scoped(std::function<void()> work) const;
+  // On a jumping clock, the timers of every owner of one thread not yet
+  // run, by deadline; Asio never waits for them. Shared by the owners.
+  struct Pending {
+    explicit Pending(platform::Clock& clock) : clock(clock) {}
+    // On the timer thread: runs the timers due by the clock, in deadline
+    // order whoever owns them, until none is due.
+    void RunDue();
+    platform::Clock& clock;
+    absl::Mutex mu;
+    std::multimap<platform::Clock::TimePoint, Handle> timers ABSL_GUARDED_BY(mu);
+  };
+  // The thread's owner, on a jumping clock: runs what is due on the timer
+  // thread and returns once it ran.
+  void Jumped() override;
 
   std::unique_ptr<Thread> own_;  // null on a shared thread
   boost::asio::io_context& io_;
+  platform::Clock& clock_;
+  const bool steady_;  // clock_ is the steady clock: Asio's timers wait
   const std::shared_ptr<Scope> scope_ = std::make_shared<Scope>();
+  const std::shared_ptr<Pending> pending_;  // null on the steady clock
 };
 
 }  // namespace layercast::server

@@ -26,7 +26,7 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
                                      const ParameterStore& store, VersionGate& gate,
                                      MemoryBudget& budget, ServerMetrics& metrics, FetchPlan plan,
                                      Options options)
-    : StreamReactor(context),
+    : StreamReactor(context, *options.clock),
       store_(store),
       gate_(gate),
       budget_(budget),
@@ -112,7 +112,8 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
         phase_ = Phase::kStreaming;
         streaming = true;
       } else {
-        wait_id_ = budget_.Acquire(buffer_bytes_, AnswerBefore(context_->deadline()),
+        wait_id_ = budget_.Acquire(buffer_bytes_,
+                                   AnswerBefore(context_->deadline(), options_.clock->Now()),
                                    [this](bool granted) { OnBudget(granted); });
       }
     }

@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.pb.h"
+#include "platform/clock.h"
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/chunk_caster.h"
@@ -53,6 +54,9 @@ class FetchLayerReactor final : public StreamReactor<grpc::ServerWriteReactor<gr
   struct Options {
     uint64_t chunk_bytes = 0;  // the resolved --chunk-bytes
     uint64_t min_version = 0;
+    // The shard's timers' clock: the give-up times below, the budget's
+    // deadline and the stall stamps the sweep reads are on it.
+    const platform::Clock* clock = &platform::Clock::Steady();
     // When a stream parked for min_version gives up on the server's side
     // (--max-version-wait-ms), whatever the client's deadline.
     std::chrono::steady_clock::time_point version_give_up_at =

@@ -20,7 +20,7 @@ PinnedVersions::PinnedVersions(const ParameterStore& store,
       timers_(timers) {}
 
 void PinnedVersions::Lease(uint64_t version) {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = timers_.Now();
   absl::MutexLock lock(&mu_);
   // As many as versions read within the last `retention` (a walk reads
   // one, a mirror one per update): the scan is short.
@@ -44,7 +44,7 @@ std::optional<std::chrono::steady_clock::time_point> PinnedVersions::LeasedUntil
 
 void PinnedVersions::EvictLocked(uint32_t layer,
                                  std::vector<std::shared_ptr<const Kept>>& evicted) {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = timers_.Now();
   const auto first = entries_.lower_bound({layer, 0});
   const auto end = entries_.lower_bound({layer + 1, 0});
   std::vector<std::map<Key, Entry>::iterator> leased, unleased;  // oldest first
@@ -125,8 +125,7 @@ void PinnedVersions::Keep(uint32_t layer, uint64_t version, uint64_t changed,
   entry.kept = std::move(kept);
   entry.superseded = std::chrono::system_clock::now();
   timers_.Cancel(entry.expiry);
-  entry.expiry =
-      timers_.Schedule(std::chrono::steady_clock::now() + retention_, [this, key] { Expire(key); });
+  entry.expiry = timers_.Schedule(timers_.Now() + retention_, [this, key] { Expire(key); });
   EvictLocked(layer, evicted);
   ObserveLocked();
 }
@@ -149,7 +148,7 @@ void PinnedVersions::Expire(Key key) {
   absl::MutexLock lock(&mu_);
   const auto it = entries_.find(key);
   if (it == entries_.end()) return;
-  if (const auto until = LeasedUntilLocked(it, std::chrono::steady_clock::now()); until) {
+  if (const auto until = LeasedUntilLocked(it, timers_.Now()); until) {
     // A reader's walk still holds it: until its lease runs out.
     it->second.expiry = timers_.Schedule(*until, [this, key] { Expire(key); });
     return;

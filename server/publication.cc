@@ -28,7 +28,8 @@ Publications::Publications(Links links, SetOptions set)
                .changes = links.changes,
                .pinned = links.pinned}),
       idle_(set.idle),
-      peers_(std::move(set.peers)) {}
+      peers_(std::move(set.peers)),
+      timers_(links.clock != nullptr ? *links.clock : platform::Clock::Steady()) {}
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);
@@ -44,7 +45,7 @@ absl::StatusOr<uint64_t> Publications::Begin(const layercast::v1::BeginPublishRe
     return absl::InvalidArgumentError("a publish needs a publish_id, the same on every shard");
   }
   absl::MutexLock lock(&mu_);
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = timers_.Now();
   if (open_ && open_->id == request.publish_id()) {
     open_->last_call = now;
     return open_->staging_bytes;
@@ -163,7 +164,7 @@ absl::Status Publications::Stage(const layercast::v1::PublishChunk& chunk) {
         "aborted or timed out since): begin it again"));
   }
   Open& open = *open_;
-  open.last_call = std::chrono::steady_clock::now();
+  open.last_call = timers_.Now();
   if (chunk.layer() >= open.selected.size() || !open.selected[chunk.layer()]) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", chunk.layer(), " is not one publish ", open.id, " replaces"));
@@ -230,7 +231,7 @@ absl::StatusOr<Publications::Committed> Publications::Commit(const std::string& 
 }
 
 absl::StatusOr<Publications::Committed> Publications::CommitOpen(absl::string_view outcome) {
-  const auto commit_start = std::chrono::steady_clock::now();
+  const auto commit_start = timers_.Now();
   absl::StatusOr<Committed> committed = CommitLocked(*open_);
   if (!committed.ok()) return committed.status();
   timers_.Cancel(open_->timer);
@@ -238,7 +239,7 @@ absl::StatusOr<Publications::Committed> Publications::CommitOpen(absl::string_vi
   if (links_.metrics != nullptr) {
     links_.metrics->RecordPublish(
         std::chrono::duration<double>(commit_start - open_->begun).count(),
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - commit_start).count());
+        std::chrono::duration<double>(timers_.Now() - commit_start).count());
     links_.metrics->RecordPublishOutcome(outcome);
     if (open_->levels) links_.metrics->RecordPublishOutcome("leveled");
   }

@@ -54,6 +54,9 @@ class Publications {
     ChangeLog* changes = nullptr;  // null: --delta-versions 0
     ServerMetrics* metrics = nullptr;
     PinnedVersions* pinned = nullptr;  // null: --pin-retention-ms 0 or no change log
+    // What the publish timeout and the idle window are read on; null: the
+    // steady clock.
+    platform::Clock* clock = nullptr;
   };
   struct SetOptions {
     std::unique_ptr<PublishPeers> peers;  // null: no --peers, settle alone

@@ -11,6 +11,7 @@
 #include "core/optimizer_spec.h"
 #include "core/policy.h"
 #include "layercast/v1/config.pb.h"
+#include "platform/clock.h"
 #include "platform/log.h"
 
 namespace layercast::server {
@@ -35,6 +36,10 @@ struct ShardSettings {
   spdlog::level::level_enum log_level = spdlog::level::info;
   std::optional<OptimizerSpec> optimizer;  // nullopt: read-only
   std::optional<CastIsa> cast_isa;         // nullopt: measured (BestCastIsa)
+  // What the shard's timers read (deadlines, retentions, the stall sweep,
+  // publish timeouts); null: the steady clock. Tests in one process pass a
+  // ManualClock, which must outlive the server.
+  platform::Clock* clock = nullptr;
 };
 
 // Applies defaults and checks everything that can be checked without

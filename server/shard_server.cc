@@ -137,7 +137,9 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   return server;
 }
 
-ShardServer::ShardServer(ShardSettings settings) : settings_(std::move(settings)) {}
+ShardServer::ShardServer(ShardSettings settings)
+    : settings_(std::move(settings)),
+      timers_(settings_.clock != nullptr ? *settings_.clock : platform::Clock::Steady()) {}
 
 ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
@@ -235,7 +237,7 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   if (shared_bytes > 0) {
     shard->shared = std::make_shared<SharedChunks>(
         shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *shard->budget,
-        metrics_, grants_.get_executor());
+        metrics_, grants_.get_executor(), &timers_);
   }
   // A request that has to wait for budget first gets what is only kept for
   // speed: cast chunks kept for other streams, pooled gradient staging,
@@ -255,7 +257,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                             .budget = shard->budget.get(),
                             .changes = shard->changes.get(),
                             .metrics = &metrics_,
-                            .pinned = shard->pinned.get()},
+                            .pinned = shard->pinned.get(),
+                            .clock = &timers_.clock()},
         Publications::SetOptions{.peers = std::move(peers_),
                                  .idle = std::chrono::milliseconds(publish_idle_ms_)});
   }

@@ -42,6 +42,7 @@ ShardService::ShardService(Options options, ServerMetrics& metrics,
                            boost::asio::any_io_executor grants, DeadlineTimers* timers)
     : options_(options),
       metrics_(metrics),
+      clock_(timers != nullptr ? timers->clock() : platform::Clock::Steady()),
       gate_(grants, 0, timers),
       streams_(
           {.max_streams = options.max_streams,
@@ -211,9 +212,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   reactor_options.cast_error_sample_every = options_.cast_error_sample_every;
   // Before the client's deadline, so that it hears what the version waits
   // for rather than gRPC's bare DEADLINE_EXCEEDED.
+  reactor_options.clock = &clock_;
   reactor_options.version_give_up_at =
-      std::min(std::chrono::steady_clock::now() + options_.max_version_wait,
-               AnswerBefore(context->deadline()));
+      std::min(clock_.Now() + options_.max_version_wait,
+               AnswerBefore(context->deadline(), clock_.Now()));
   if (const LayerTrainer* trainer = shard->trainer.get(); trainer != nullptr) {
     reactor_options.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
   }
@@ -300,8 +302,8 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
   }
   // A version that did not come reads as the version now, never as
   // DEADLINE_EXCEEDED.
-  const auto answer_at = std::min(std::chrono::steady_clock::now() + options_.max_version_wait,
-                                  AnswerBefore(context->deadline()));
+  const auto answer_at = std::min(clock_.Now() + options_.max_version_wait,
+                                  AnswerBefore(context->deadline(), clock_.Now()));
   auto* reactor = new WaitVersionReactor(gate_, response, [this, peer](const grpc::Status& status) {
     metrics_.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
     streams_.RemoveWait(peer);

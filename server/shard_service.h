@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.grpc.pb.h"
+#include "platform/clock.h"
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/fetch_layer_reactor.h"
@@ -174,6 +175,8 @@ class ShardService final
 
   const Options options_;
   ServerMetrics& metrics_;
+  // The timers' clock: deadlines given to them are read on it.
+  platform::Clock& clock_;
   VersionGate gate_;
   std::atomic<bool> draining_{false};
   mutable absl::Mutex mu_;

@@ -8,36 +8,28 @@ namespace layercast::server {
 
 SharedChunks::SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_idle,
                            MemoryBudget& budget, ServerMetrics& metrics,
-                           boost::asio::any_io_executor resumes, Clock now)
+                           boost::asio::any_io_executor resumes, DeadlineTimers* timers)
     : capacity_bytes_(capacity_bytes),
       max_idle_(max_idle),
       budget_(budget),
       metrics_(metrics),
       resumes_(std::move(resumes)),
-      now_(std::move(now)),
-      sweeper_([this] { Sweep(); }) {}
-
-SharedChunks::~SharedChunks() {
-  {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-  }
-  sweeper_.join();
-  DropAll();
+      timers_(timers) {
+  ScheduleSweep();
 }
 
-void SharedChunks::Sweep() {
+SharedChunks::~SharedChunks() { DropAll(); }
+
+void SharedChunks::ScheduleSweep() {
   // Twice per max_idle, so nothing stays much longer than that after its
   // workers have gone (a finished job would otherwise leave its last layers
   // charged to the budget until the next miss).
-  const absl::Duration period = absl::FromChrono(max_idle_) / 2;
-  for (;;) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) return;
-    }
+  const auto period =
+      std::max<std::chrono::steady_clock::duration>(std::chrono::milliseconds(1), max_idle_ / 2);
+  timers_.Schedule(timers_.Now() + period, [this] {
     DropIdle();
-  }
+    ScheduleSweep();
+  });
 }
 
 std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey& key,
@@ -48,7 +40,7 @@ std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey&
   uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    const auto now = now_();
+    const auto now = timers_.Now();
     if (auto it = entries_.find(key); it != entries_.end()) {
       it->second->last_used = now;
       if (!it->second->ready) {
@@ -96,7 +88,7 @@ std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey&
 
 void SharedChunks::BeginStream(uint32_t layer, const std::string& peer) {
   absl::MutexLock lock(&mu_);
-  const auto now = now_();
+  const auto now = timers_.Now();
   std::vector<Reader>& readers = readers_[layer];
   std::erase_if(readers, [&](const Reader& r) {
     return r.open == 0 && now - r.last_seen > max_idle_ && r.peer != peer;
@@ -117,7 +109,7 @@ void SharedChunks::EndStream(uint32_t layer, const std::string& peer) {
   for (Reader& reader : layer_readers->second) {
     if (reader.peer != peer) continue;
     reader.open = std::max(0, reader.open - 1);
-    reader.last_seen = now_();
+    reader.last_seen = timers_.Now();
   }
 }
 
@@ -204,7 +196,7 @@ void SharedChunks::Drop(bool all) {
   uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    freed = DropIdleLocked(now_(), all);
+    freed = DropIdleLocked(timers_.Now(), all);
     metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
   GiveBack(freed);

@@ -5,7 +5,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <grpcpp/support/slice.h>
@@ -17,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/dtype.h"
+#include "server/deadline_timers.h"
 #include "server/memory_budget.h"
 #include "server/server_metrics.h"
 
@@ -81,7 +81,7 @@ struct ChunkKey {
 // given up: a chunk is kept only if it fits in `capacity_bytes` (the least
 // recently used kept chunks make room) and the budget grants it without
 // anyone waiting; when a stream has to wait for budget, every kept chunk is
-// dropped (see MemoryBudget::SetReclaimer); a sweeper thread drops chunks
+// dropped (see MemoryBudget::SetReclaimer); a sweep on the timer thread drops chunks
 // unused for `max_idle`. Nothing ever waits on a slow reader: a stream that
 // falls behind finds its chunks dropped and casts its own.
 //
@@ -90,13 +90,14 @@ class SharedChunks {
  public:
   using Cast = absl::FunctionRef<absl::StatusOr<CastChunk>()>;
   using Resume = std::function<void(absl::StatusOr<CastChunk>)>;
-  using Clock = std::function<std::chrono::steady_clock::time_point()>;
 
   // `resumes` runs the Resume callbacks of streams that waited for another
-  // stream's cast; it must outlive them.
+  // stream's cast; it must outlive them. The sweeper runs on `timers` (the
+  // shard's timer thread, which must outlive this; its own when null) and
+  // reads its clock.
   SharedChunks(uint64_t capacity_bytes, std::chrono::steady_clock::duration max_idle,
                MemoryBudget& budget, ServerMetrics& metrics, boost::asio::any_io_executor resumes,
-               Clock now = std::chrono::steady_clock::now);
+               DeadlineTimers* timers = nullptr);
   // Stops the sweeper and returns the budget of every kept chunk.
   // REQUIRES: no call in progress.
   ~SharedChunks();
@@ -158,22 +159,21 @@ class SharedChunks {
   void Drop(bool all);
   void Forget(const ChunkKey& key, const std::shared_ptr<Entry>& entry);
   void GiveBack(uint64_t bytes);
-  void Sweep();
+  // The sweeper: DropIdle, twice per max_idle.
+  void ScheduleSweep();
 
   const uint64_t capacity_bytes_;
   const std::chrono::steady_clock::duration max_idle_;
   MemoryBudget& budget_;
   ServerMetrics& metrics_;
   const boost::asio::any_io_executor resumes_;
-  const Clock now_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // By layer; readers idle past max_idle are dropped when a stream begins.
   absl::flat_hash_map<uint32_t, std::vector<Reader>> readers_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread sweeper_;  // last: starts once everything above is set
+  DeadlineTimers timers_;  // last: see DeadlineTimers
 };
 
 }  // namespace layercast::server

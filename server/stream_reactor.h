@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "platform/clock.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -42,12 +43,13 @@ class StreamReactor : public GrpcReactor {
   }
 
  protected:
-  explicit StreamReactor(grpc::CallbackServerContext* context) : context_(context) {}
+  // `clock`: the one the sweep reads its `now` from; it must outlive this.
+  explicit StreamReactor(grpc::CallbackServerContext* context,
+                         const platform::Clock& clock = platform::Clock::Steady())
+      : context_(context), clock_(clock) {}
 
   // A transfer starts now; its end (StampDone) clears the stamp.
-  void StampStart() {
-    started_ = std::max<int64_t>(1, std::chrono::steady_clock::now().time_since_epoch().count());
-  }
+  void StampStart() { started_ = std::max<int64_t>(1, clock_.Now().time_since_epoch().count()); }
   void StampDone() { started_ = 0; }
   // Whether the sweep found the call stalled (its status says so).
   bool stalled() const { return stalled_.load(); }
@@ -70,9 +72,10 @@ class StreamReactor : public GrpcReactor {
   grpc::CallbackServerContext* const context_;
 
  private:
+  const platform::Clock& clock_;
   std::atomic<bool> finished_{false};
   std::atomic<bool> stalled_{false};
-  // steady_clock ticks when the transfer in flight started; 0: none.
+  // clock_'s ticks when the transfer in flight started; 0: none.
   std::atomic<int64_t> started_{0};
   grpc::Status final_status_;
 };

@@ -20,12 +20,12 @@ void StreamRegistry::ScheduleSweep() {
   // Four looks per timeout: a stalled call is caught within 1.25 of it.
   const auto period = std::max<std::chrono::steady_clock::duration>(
       std::chrono::milliseconds(50), limits_.write_progress_timeout / 4);
-  timers_.Schedule(std::chrono::steady_clock::now() + period, [this] { Sweep(); });
+  timers_.Schedule(timers_.Now() + period, [this] { Sweep(); });
 }
 
 void StreamRegistry::Sweep() {
   if (on_sweep_) on_sweep_();
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = timers_.Now();
   // (call, why): readers that stopped draining, pushers that stopped sending.
   std::vector<std::pair<grpc_call*, const char*>> stalled;
   {

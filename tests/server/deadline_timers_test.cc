@@ -9,6 +9,9 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
+
+#include "platform/clock.h"
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -58,6 +61,40 @@ TEST(DeadlineTimersTest, ACancelledTimerNeverRuns) {
   EXPECT_EQ(own.Schedule(steady_clock::time_point::max(), [&] { ++runs; }), nullptr);
   absl::SleepFor(absl::Milliseconds(250));
   EXPECT_EQ(runs.load(), 0);
+}
+
+// On a ManualClock a deadline is an event the test causes: nothing runs
+// while the clock stands, however long; a jump runs everything it passed,
+// in deadline order, before Advance returns, including what a callback
+// scheduled due at once; a cancelled one never runs.
+TEST(DeadlineTimersTest, OnAManualClockCallbacksRunWhenTheClockPassesThem) {
+  platform::ManualClock clock;
+  DeadlineTimers timers(clock);
+  DeadlineTimers sharing(&timers);
+  EXPECT_EQ(&sharing.clock(), &clock) << "a shared thread's clock too";
+  std::vector<int> ran;  // written on the timer thread, read after Advance
+  const auto start = clock.Now();
+  timers.Schedule(start + milliseconds(30), [&] { ran.push_back(30); });
+  sharing.Schedule(start + milliseconds(10), [&] {
+    ran.push_back(10);
+    sharing.Schedule(start, [&] { ran.push_back(0); });  // due already
+  });
+  DeadlineTimers::Handle cancelled =
+      timers.Schedule(start + milliseconds(20), [&] { ran.push_back(20); });
+  timers.Cancel(cancelled);
+  timers.Schedule(start + milliseconds(40), [&] { ran.push_back(40); });
+
+  absl::SleepFor(absl::Milliseconds(60));  // real time passes; the clock does not
+  timers.Post([] {});
+  clock.Advance(milliseconds(0));
+  EXPECT_TRUE(ran.empty());
+  clock.Advance(milliseconds(30));
+  EXPECT_EQ(ran, (std::vector<int>{10, 0, 30}));
+  clock.Advance(milliseconds(9));
+  EXPECT_EQ(ran.size(), 3u) << "1 ms before 40";
+  clock.Advance(milliseconds(1));
+  EXPECT_EQ(ran, (std::vector<int>{10, 0, 30, 40}));
+  EXPECT_EQ(timers.Now(), start + milliseconds(40));
 }
 
 }  // namespace

@@ -5,8 +5,12 @@
 #include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/thread_pool.hpp>
+#include <future>
 #include <thread>
 #include <vector>
+
+#include "platform/clock.h"
+#include "server/deadline_timers.h"
 
 namespace layercast::server {
 namespace {
@@ -92,15 +96,18 @@ TEST(MemoryBudgetTest, AGrantedRequestCannotBeCancelled) {
 
 TEST(MemoryBudgetTest, AWaiterPastItsDeadlineIsRefused) {
   boost::asio::thread_pool grants(1);
-  MemoryBudget budget(100, 100, grants.get_executor());
-  std::atomic<int> result{-1};
-  const auto start = Clock::now();
-  budget.Acquire(10, start + std::chrono::milliseconds(100), [&](bool ok) { result = ok ? 1 : 0; });
-  for (int i = 0; i < 500 && result.load() < 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(result.load(), 0);
-  EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(100));
+  platform::ManualClock clock;
+  DeadlineTimers timers(clock);
+  MemoryBudget budget(100, 100, grants.get_executor(), {}, &timers);
+  std::promise<bool> result;
+  budget.Acquire(10, clock.Now() + std::chrono::milliseconds(100),
+                 [&](bool ok) { result.set_value(ok); });
+  clock.Advance(std::chrono::milliseconds(99));
+  EXPECT_EQ(budget.waiting(), 1u) << "1 ms before its deadline";
+  clock.Advance(std::chrono::milliseconds(1));
+  std::future<bool> heard = result.get_future();
+  ASSERT_EQ(heard.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_FALSE(heard.get());
   EXPECT_EQ(budget.waiting(), 0u);
   EXPECT_EQ(budget.in_use(), 100u);
 }

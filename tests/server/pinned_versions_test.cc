@@ -12,10 +12,11 @@
 
 #include <boost/asio/thread_pool.hpp>
 #include <cstring>
-#include <thread>
 
 #include "core/cast.h"
 #include "core/synthetic_model.h"
+#include "platform/clock.h"
+#include "server/deadline_timers.h"
 
 namespace layercast::server {
 namespace {
@@ -51,7 +52,7 @@ struct Fixture {
         budget(room ? std::optional<uint64_t>(store->master_bytes() + *room) : std::nullopt,
                store->master_bytes(), grants.get_executor()),
         log(*store, delta_versions),
-        pinned(*store, retention, /*per_layer=*/2, budget, metrics) {}
+        pinned(*store, retention, /*per_layer=*/2, budget, metrics, &timers) {}
 
   // Doubles every owned value of kLayer (`factor` 1: changes nothing), as a
   // change would, and keeps the version before as `version`; returns each
@@ -83,6 +84,9 @@ struct Fixture {
   }
 
   boost::asio::thread_pool grants{1};
+  // Retentions pass when the test moves this clock, never by themselves.
+  platform::ManualClock clock;
+  DeadlineTimers timers{clock};
   ServerMetrics metrics;
   std::unique_ptr<ParameterStore> store;
   MemoryBudget budget;
@@ -125,10 +129,9 @@ TEST(PinnedVersionsTest, AnExpiredVersionGoesButAReaderKeepsItsBytesUntilItLetsG
   f.Change(0);
   std::shared_ptr<const PinnedVersions::Kept> reader = f.Find(0);
   ASSERT_NE(reader, nullptr);
-  // Bounded: the timer fires after 100 ms.
-  for (int i = 0; i < 200 && f.Find(0) != nullptr; ++i) {
-    std::this_thread::sleep_for(milliseconds(10));
-  }
+  f.clock.Advance(milliseconds(99));
+  EXPECT_NE(f.Find(0), nullptr) << "within its retention";
+  f.clock.Advance(milliseconds(1));
   EXPECT_EQ(f.Find(0), nullptr);
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 0);
   EXPECT_EQ(f.metrics.pinned_version_oldest_timestamp().Value(), 0);
@@ -147,10 +150,7 @@ TEST(PinnedVersionsTest, ASpareGoesWithItsLayersLastVersion) {
   const uint64_t slice = SliceBytes(*f.store, kLayer);
   EXPECT_EQ(f.metrics.pinned_version_bytes().Value(), static_cast<double>(3 * slice));
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes() + 3 * slice);
-  // Bounded: the timers fire after 100 ms.
-  for (int i = 0; i < 200 && f.budget.in_use() != f.store->master_bytes(); ++i) {
-    std::this_thread::sleep_for(milliseconds(10));
-  }
+  f.clock.Advance(milliseconds(100));
   EXPECT_EQ(f.budget.in_use(), f.store->master_bytes());
   EXPECT_EQ(f.metrics.pinned_version_bytes().Value(), 0);
   EXPECT_TRUE(f.pinned.TakeSpare(kLayer).empty());
@@ -214,18 +214,16 @@ TEST(PinnedVersionsTest, ALeasedVersionStaysBesideTheNewestWhileItsReaderReads) 
   EXPECT_NE(f.Find(3), nullptr);
   EXPECT_EQ(f.metrics.pinned_versions().Value(), 3);
 
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  f.pinned.Lease(0);  // the walk reads on
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  f.clock.Advance(milliseconds(300));
+  f.pinned.Lease(0);  // the walk reads on, until 800 ms
+  f.clock.Advance(milliseconds(300));
   EXPECT_NE(f.Find(0), nullptr) << "past its retention, but within the renewed lease";
-  // Then the walk stops reading: it goes (bounded wait for the timer).
-  std::shared_ptr<const PinnedVersions::Kept> still = f.Find(0);
-  for (int i = 0; i < 100 && still != nullptr; ++i) {
-    still.reset();
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    still = f.Find(0);
-  }
-  EXPECT_EQ(still, nullptr);
+  EXPECT_EQ(f.Find(2), nullptr) << "unleased, past its retention";
+  // Then the walk stops reading: it goes when the renewed lease ends.
+  f.clock.Advance(milliseconds(199));
+  EXPECT_NE(f.Find(0), nullptr) << "1 ms left of the lease";
+  f.clock.Advance(milliseconds(1));
+  EXPECT_EQ(f.Find(0), nullptr);
 }
 
 // A walk at version 0 of a layer the first change left as it was is served

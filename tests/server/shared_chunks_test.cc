@@ -17,6 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include "platform/clock.h"
+#include "server/deadline_timers.h"
+
 namespace layercast::server {
 namespace {
 
@@ -65,21 +68,20 @@ struct Fixture {
   explicit Fixture(uint64_t capacity, std::optional<uint64_t> budget_bytes = std::nullopt,
                    std::chrono::steady_clock::duration max_idle = seconds(60))
       : budget(budget_bytes, kMaster, grants.get_executor()),
-        shared(std::make_shared<SharedChunks>(
-            capacity, max_idle, budget, metrics, grants.get_executor(), [this] {
-              return std::chrono::steady_clock::time_point(std::chrono::nanoseconds(now_ns.load()));
-            })) {
+        shared(std::make_shared<SharedChunks>(capacity, max_idle, budget, metrics,
+                                              grants.get_executor(), &timers)) {
     // Another reader has the layer open: chunks are worth keeping.
     shared->BeginStream(Key(0).layer, kPeer);
     shared->BeginStream(Key(0).layer, kOtherPeer);
   }
-  // Moves the cache's clock on; its sweeper reads the clock from its thread.
-  void Advance(std::chrono::nanoseconds by) { now_ns += by.count(); }
+  // Moves the cache's clock on; returns once the sweeps now due ran.
+  void Advance(std::chrono::nanoseconds by) { clock.Advance(by); }
 
   boost::asio::thread_pool grants{1};
+  platform::ManualClock clock;
+  DeadlineTimers timers{clock};
   ServerMetrics metrics;
   MemoryBudget budget;
-  std::atomic<int64_t> now_ns{0};
   // Shared, as ShardServer holds it: the budget's reclaimer may still run
   // on the budget's thread while the test ends.
   std::shared_ptr<SharedChunks> shared;
@@ -198,12 +200,13 @@ TEST(SharedChunksTest, ChunksUnusedForMaxIdleAreDropped) {
   EXPECT_EQ(f.casts.load(), 2);
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 
-  // Nobody asks again: the sweeper drops both, within a few of its periods.
-  f.Advance(milliseconds(100));
-  const auto give_up = std::chrono::steady_clock::now() + seconds(10);
-  while (f.shared->kept_bytes() > 0 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(milliseconds(5));
-  }
+  // Nobody asks again: the sweep (every 20 ms) drops each once it is idle
+  // for more than 40 ms.
+  f.Advance(milliseconds(20));  // at 80: the first idle 50
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk);
+  f.Advance(milliseconds(20));  // at 100: the second idle 40, not more
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk);
+  f.Advance(milliseconds(20));
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_EQ(f.budget.in_use(), kMaster);
 }
@@ -285,17 +288,26 @@ TEST(SharedChunksTest, DroppingALayerCastsItsChunksAfresh) {
 
 TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk);
+  std::promise<void> casting;
+  std::promise<void> finish_cast;
   const auto fail = [&]() -> absl::StatusOr<CastChunk> {
     ++f.casts;
-    std::this_thread::sleep_for(milliseconds(300));
+    casting.set_value();
+    finish_cast.get_future().wait();
     return absl::OutOfRangeError("value 1e6 overflows float16");
   };
-  auto waiter = std::async(std::launch::async, [&] {
-    std::this_thread::sleep_for(milliseconds(50));  // arrives during the cast
-    return Get(*f.shared, Key(0), kChunk, kPeer, fail);
-  });
-  absl::StatusOr<CastChunk> first = Get(*f.shared, Key(0), kChunk, kPeer, fail);
-  absl::StatusOr<CastChunk> second = waiter.get();
+  auto caster =
+      std::async(std::launch::async, [&] { return Get(*f.shared, Key(0), kChunk, kPeer, fail); });
+  casting.get_future().wait();
+  // Arrives during the cast: waits for it.
+  std::promise<absl::StatusOr<CastChunk>> resumed;
+  std::optional<absl::StatusOr<CastChunk>> now =
+      f.shared->GetOrCast(Key(0), kChunk, kOtherPeer, fail,
+                          [&](absl::StatusOr<CastChunk> chunk) { resumed.set_value(chunk); });
+  ASSERT_FALSE(now.has_value());
+  finish_cast.set_value();
+  absl::StatusOr<CastChunk> first = caster.get();
+  absl::StatusOr<CastChunk> second = resumed.get_future().get();
   EXPECT_EQ(first.status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(second.status(), first.status());
   EXPECT_EQ(f.casts.load(), 1);

@@ -8,6 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+
+#include "platform/clock.h"
+#include "server/deadline_timers.h"
 
 namespace layercast::server {
 namespace {
@@ -63,16 +67,22 @@ TEST(StreamRegistryTest, WaitsAreCountedPerConnectionAndHoldAParkedSlot) {
 
 TEST(StreamRegistryTest, TheSweepRunsOnItsTimerUntilTheRegistryGoes) {
   ServerMetrics metrics;
+  platform::ManualClock clock;
+  DeadlineTimers timers(clock);
   std::atomic<int> sweeps{0};
   {
-    StreamRegistry registry(SmallLimits(), metrics, [&] { ++sweeps; });
-    // 50 ms a sweep (a quarter of the timeout): several within a second.
-    for (int i = 0; i < 100 && sweeps.load() < 3; ++i) absl::SleepFor(absl::Milliseconds(20));
-    EXPECT_GE(sweeps.load(), 3);
+    StreamRegistry registry(
+        SmallLimits(), metrics, [&] { ++sweeps; }, &timers);
+    // 50 ms a sweep: a quarter of the 200 ms timeout.
+    clock.Advance(std::chrono::milliseconds(49));
+    EXPECT_EQ(sweeps.load(), 0);
+    for (int i = 1; i <= 3; ++i) {
+      clock.Advance(std::chrono::milliseconds(i == 1 ? 1 : 50));
+      EXPECT_EQ(sweeps.load(), i);
+    }
   }
-  const int after = sweeps.load();
-  absl::SleepFor(absl::Milliseconds(150));
-  EXPECT_EQ(sweeps.load(), after) << "no sweep after the registry is destroyed";
+  clock.Advance(std::chrono::milliseconds(500));
+  EXPECT_EQ(sweeps.load(), 3) << "no sweep after the registry is destroyed";
 }
 
 }  // namespace

@@ -5,8 +5,12 @@
 #include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/thread_pool.hpp>
+#include <future>
 #include <thread>
 #include <vector>
+
+#include "platform/clock.h"
+#include "server/deadline_timers.h"
 
 namespace layercast::server {
 namespace {
@@ -108,17 +112,19 @@ TEST(VersionGateTest, CloseEndsEveryWaiterAndEveryLaterOne) {
 
 TEST(VersionGateTest, AWaiterGivesUpAtItsTime) {
   boost::asio::thread_pool pool(1);
-  VersionGate gate(pool.get_executor(), 0);
-  std::atomic<int> outcome{-1};
-  const auto start = std::chrono::steady_clock::now();
-  gate.Wait(1, start + std::chrono::milliseconds(100),
-            [&](Outcome o, uint64_t) { outcome = static_cast<int>(o); });
-  for (int i = 0; i < 500 && outcome.load() < 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(outcome.load(), static_cast<int>(Outcome::kTimedOut));
-  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+  platform::ManualClock clock;
+  DeadlineTimers timers(clock);
+  VersionGate gate(pool.get_executor(), 0, &timers);
+  std::promise<Outcome> outcome;
+  gate.Wait(1, clock.Now() + std::chrono::milliseconds(100),
+            [&](Outcome o, uint64_t) { outcome.set_value(o); });
+  clock.Advance(std::chrono::milliseconds(99));
+  EXPECT_EQ(gate.waiting(), 1u) << "1 ms before its time";
+  clock.Advance(std::chrono::milliseconds(1));
   EXPECT_EQ(gate.waiting(), 0u);
+  std::future<Outcome> heard = outcome.get_future();
+  ASSERT_EQ(heard.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(heard.get(), Outcome::kTimedOut);
 }
 
 // Every waiter hears exactly once, whether the version, a cancel or the
