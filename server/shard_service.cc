@@ -213,9 +213,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   // Before the client's deadline, so that it hears what the version waits
   // for rather than gRPC's bare DEADLINE_EXCEEDED.
   reactor_options.clock = &clock_;
-  reactor_options.version_give_up_at =
-      std::min(clock_.Now() + options_.max_version_wait,
-               AnswerBefore(context->deadline(), clock_.Now()));
+  reactor_options.version_give_up_at = std::min(clock_.Now() + options_.max_version_wait,
+                                                AnswerBefore(context->deadline(), clock_.Now()));
   if (const LayerTrainer* trainer = shard->trainer.get(); trainer != nullptr) {
     reactor_options.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
   }
