@@ -228,13 +228,16 @@ class LayerTrainer {
   // those the checkpoint holds already. The open steps' staging is charged
   // to the budget: RESOURCE_EXHAUSTED when it no longer fits.
   // FAILED_PRECONDITION for a push ahead of its layer (a journal that does
-  // not follow the checkpoint restored).
+  // not follow the checkpoint restored). Damage in the journal: as
+  // PushJournal::Replay says under `on_damage`.
   struct Replayed {
-    uint64_t taken = 0;    // pushes and scales taken again
-    uint64_t skipped = 0;  // held by the checkpoint already
-    uint64_t steps = 0;    // layer steps they applied
+    uint64_t taken = 0;                         // pushes and scales taken again
+    uint64_t skipped = 0;                       // held by the checkpoint already
+    uint64_t steps = 0;                         // layer steps they applied
+    std::optional<PushJournal::Damage> damage;  // accepted (OnDamage::kAccept)
   };
-  absl::StatusOr<Replayed> Replay(PushJournal& journal);
+  absl::StatusOr<Replayed> Replay(PushJournal& journal,
+                                  PushJournal::OnDamage on_damage = PushJournal::OnDamage::kRefuse);
   // From now on every push and clip scale is appended to `journal` before
   // it is taken (the shard answers a push after Push returns); each
   // checkpoint starts a new generation and retires what it holds. Before

@@ -68,33 +68,37 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
   return written;
 }
 
-absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(PushJournal& journal) {
+absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(PushJournal& journal,
+                                                            PushJournal::OnDamage on_damage) {
   Replayed replayed;
-  ASSIGN_OR_RETURN(const PushJournal::Replayed read,
-                   journal.Replay([&](PushJournal::Record record) -> absl::Status {
-                     if (record.kind == PushJournal::Record::Kind::kClipScale) {
-                       if (record.values.size() != 1) {
-                         return absl::DataLossError("a clip-scale record without one scale");
-                       }
-                       uint64_t lowest = UINT64_MAX;
-                       for (uint32_t l = 0; l < layers_.size(); ++l) {
-                         lowest = std::min(lowest, version(l));
-                       }
-                       if (lowest > record.step) {
-                         ++replayed.skipped;  // every layer applied it before the checkpoint
-                         return absl::OkStatus();
-                       }
-                       RETURN_IF_ERROR(ApplyClippedStep(record.step, record.values[0]).status());
-                       ++replayed.taken;
-                       replayed.steps += layers_.size();
-                       return absl::OkStatus();
-                     }
-                     RETURN_IF_ERROR(CheckIndices(record.layer, record.worker));
-                     LayerState& state = *layers_[record.layer];
-                     absl::MutexLock lock(&state.mu);
-                     return ReplayPushLocked(std::move(record), state, replayed);
-                   }));
-  (void)read;
+  ASSIGN_OR_RETURN(
+      const PushJournal::Replayed read,
+      journal.Replay(
+          [&](PushJournal::Record record) -> absl::Status {
+            if (record.kind == PushJournal::Record::Kind::kClipScale) {
+              if (record.values.size() != 1) {
+                return absl::DataLossError("a clip-scale record without one scale");
+              }
+              uint64_t lowest = UINT64_MAX;
+              for (uint32_t l = 0; l < layers_.size(); ++l) {
+                lowest = std::min(lowest, version(l));
+              }
+              if (lowest > record.step) {
+                ++replayed.skipped;  // every layer applied it before the checkpoint
+                return absl::OkStatus();
+              }
+              RETURN_IF_ERROR(ApplyClippedStep(record.step, record.values[0]).status());
+              ++replayed.taken;
+              replayed.steps += layers_.size();
+              return absl::OkStatus();
+            }
+            RETURN_IF_ERROR(CheckIndices(record.layer, record.worker));
+            LayerState& state = *layers_[record.layer];
+            absl::MutexLock lock(&state.mu);
+            return ReplayPushLocked(std::move(record), state, replayed);
+          },
+          on_damage));
+  replayed.damage = read.damage;
   return replayed;
 }
 

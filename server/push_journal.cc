@@ -14,32 +14,17 @@
 #include "core/crc32c.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
+#include "server/journal_record.h"
 
 namespace layercast::server {
 namespace {
 
-constexpr uint32_t kMagic = 0x314a434c;  // "LCJ1", little-endian
-constexpr uint8_t kFloat32 = 0;
-constexpr uint8_t kBfloat16 = 1;
-constexpr uint8_t kBytes = 2;  // a serialized message
-
-uint64_t WidthOf(uint8_t encoding) {
-  return encoding == kBfloat16 ? 2 : encoding == kBytes ? 1 : 4;
-}
-
-// The fixed part of a record, as it lies in the file (little-endian, as
-// every machine layercast builds for).
-struct Header {
-  uint32_t magic = kMagic;
-  uint8_t kind = 0;
-  uint8_t encoding = kFloat32;
-  uint16_t reserved = 0;
-  uint32_t layer = 0;
-  uint32_t worker = 0;
-  uint64_t step = 0;
-  uint64_t count = 0;
-};
-static_assert(sizeof(Header) == 32);
+using journal::Header;
+using journal::kBfloat16;
+using journal::kBytes;
+using journal::kFloat32;
+using journal::kMagic;
+using journal::WidthOf;
 
 std::span<const uint8_t> BytesOf(const void* data, size_t size) {
   return {static_cast<const uint8_t*>(data), size};
@@ -184,57 +169,69 @@ std::string PushJournal::PathOf(uint64_t generation) const {
 }
 
 absl::StatusOr<PushJournal::Replayed> PushJournal::Replay(
-    absl::FunctionRef<absl::Status(Record)> visit) {
+    absl::FunctionRef<absl::Status(Record)> visit, OnDamage on_damage) {
   std::vector<uint64_t> generations;
   {
     absl::MutexLock lock(&mu_);
     generations = generations_;
   }
   Replayed replayed;
-  for (const uint64_t generation : generations) {
-    RETURN_IF_ERROR(ReplayGeneration(generation, visit, replayed));
+  std::optional<uint64_t> last_step;
+  for (size_t i = 0; i < generations.size(); ++i) {
+    RETURN_IF_ERROR(ReplayGeneration(generations[i], visit, replayed, last_step));
+    if (!replayed.damage) continue;
+    // Nothing after damage is replayed: the later generations' pushes went
+    // on from records that are lost.
+    Damage& damage = *replayed.damage;
+    damage.last_good_step = last_step;
+    damage.later_generations = static_cast<uint32_t>(generations.size() - i - 1);
+    const std::string last_good =
+        last_step ? absl::StrCat("step ", *last_step) : std::string("none (no record before it)");
+    if (on_damage == OnDamage::kRefuse) {
+      return absl::DataLossError(absl::StrCat(
+          "push journal ", damage.path, " is damaged at byte ", damage.offset,
+          ": a bad record with valid records after it, not a torn tail; last good step: ",
+          last_good, ". ", damage.bytes_lost, " byte(s) from there and ", damage.later_generations,
+          " later generation(s) hold acknowledged pushes that would be lost. Restore the file, "
+          "or pass --accept-journal-damage true to start from the last good record"));
+    }
+    RETURN_IF_ERROR(SetDamageAside(i, damage));
+    break;
   }
   return replayed;
 }
 
 absl::Status PushJournal::ReplayGeneration(uint64_t generation,
                                            absl::FunctionRef<absl::Status(Record)> visit,
-                                           Replayed& replayed) {
+                                           Replayed& replayed, std::optional<uint64_t>& last_step) {
   ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, fs_.OpenForRead(PathOf(generation)));
   ASSIGN_OR_RETURN(const std::optional<layercast::v1::JournalIdentity> recorded,
                    ReadIdentity(*file));
   if (recorded) RETURN_IF_ERROR(Matches(*recorded, file->path()));
   uint64_t offset = 0;
-  const auto torn = [&] {
-    ++replayed.torn_tails;
-    Log()->warn(
-        "push journal {}: a partial record at byte {} (a death while it was written; "
-        "that push was never answered), {} bytes after it ignored",
-        file->path(), offset, file->size() - offset);
-    return absl::OkStatus();
-  };
   while (offset < file->size()) {
-    Header header;
-    if (file->size() - offset < sizeof(Header) + sizeof(uint32_t)) return torn();
-    RETURN_IF_ERROR(file->ReadAt(offset, {reinterpret_cast<uint8_t*>(&header), sizeof(header)}));
-    const uint64_t width = WidthOf(header.encoding);
-    if (header.magic != kMagic || header.encoding > kBytes ||
-        header.count > (file->size() - offset) / width) {
-      return torn();
+    ASSIGN_OR_RETURN(std::optional<journal::RawRecord> raw, journal::ReadRecord(*file, offset));
+    if (!raw) {
+      ASSIGN_OR_RETURN(const bool damage, journal::IsDamage(*file, offset));
+      if (damage) {
+        Damage found;
+        found.path = file->path();
+        found.offset = offset;
+        found.bytes_lost = file->size() - offset;
+        replayed.damage = std::move(found);
+        return absl::OkStatus();
+      }
+      ++replayed.torn_tails;
+      Log()->warn(
+          "push journal {}: a partial record at byte {} (a death while it was written; "
+          "that push was never answered), {} bytes after it ignored",
+          file->path(), offset, file->size() - offset);
+      return absl::OkStatus();
     }
-    const uint64_t payload_bytes = header.count * width;
-    if (file->size() - offset - sizeof(Header) < payload_bytes + sizeof(uint32_t)) return torn();
-    std::vector<uint8_t> payload(payload_bytes);
-    RETURN_IF_ERROR(file->ReadAt(offset + sizeof(Header), payload));
-    uint32_t stored_crc = 0;
-    RETURN_IF_ERROR(file->ReadAt(offset + sizeof(Header) + payload_bytes,
-                                 {reinterpret_cast<uint8_t*>(&stored_crc), sizeof(stored_crc)}));
-    const uint32_t crc = Crc32c(payload.data(), payload.size(), Crc32c(&header, sizeof(header)));
-    if (crc != stored_crc) return torn();
-    if (header.kind ==
-        static_cast<uint8_t>(Record::Kind::kIdentity)) {  // checked above, before any push
-      offset += sizeof(Header) + payload_bytes + sizeof(uint32_t);
-      continue;
+    const Header& header = raw->header;
+    offset += raw->length;
+    if (header.kind == static_cast<uint8_t>(Record::Kind::kIdentity)) {
+      continue;  // checked above, before any push
     }
     Record record;
     record.kind = static_cast<Record::Kind>(header.kind);
@@ -245,16 +242,54 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
     if (header.encoding == kBfloat16) {
       for (uint64_t i = 0; i < header.count; ++i) {
         uint16_t narrow = 0;
-        std::memcpy(&narrow, payload.data() + 2 * i, 2);
+        std::memcpy(&narrow, raw->payload.data() + 2 * i, 2);
         record.values[i] = std::bit_cast<float>(static_cast<uint32_t>(narrow) << 16);
       }
     } else {
-      std::memcpy(record.values.data(), payload.data(), payload.size());
+      std::memcpy(record.values.data(), raw->payload.data(), raw->payload.size());
     }
-    offset += sizeof(Header) + payload_bytes + sizeof(uint32_t);
     ++replayed.records;
+    last_step = record.step;
     RETURN_IF_ERROR(visit(std::move(record)));
   }
+  return absl::OkStatus();
+}
+
+absl::Status PushJournal::SetDamageAside(size_t index, const Damage& damage) {
+  std::vector<uint64_t> generations;
+  {
+    absl::MutexLock lock(&mu_);
+    generations = generations_;
+  }
+  // Later generations first: until the damaged one is cut, a death here
+  // leaves the damage to be found at the next start.
+  for (size_t i = index + 1; i < generations.size(); ++i) {
+    const std::string path = PathOf(generations[i]);
+    RETURN_IF_ERROR(fs_.Rename(path, absl::StrCat(path, ".after-damage")));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file, fs_.OpenForRead(damage.path));
+  // Copies [0, end) of `file` to `to`, synced.
+  const auto copy = [&](const std::string& to, uint64_t end) -> absl::Status {
+    ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, fs_.OpenForWrite(to));
+    std::vector<uint8_t> block;
+    for (uint64_t at = 0; at < end;) {
+      block.resize(std::min<uint64_t>(end - at, 1 << 20));
+      RETURN_IF_ERROR(file->ReadAt(at, block));
+      RETURN_IF_ERROR(out->Append(block));
+      at += block.size();
+    }
+    RETURN_IF_ERROR(out->Sync());
+    return out->Close();
+  };
+  RETURN_IF_ERROR(copy(absl::StrCat(damage.path, ".damaged"), file->size()));
+  const std::string cut = absl::StrCat(damage.path, ".cut");
+  RETURN_IF_ERROR(copy(cut, damage.offset));
+  RETURN_IF_ERROR(fs_.Rename(cut, damage.path));
+  RETURN_IF_ERROR(fs_.SyncDir(dir_));
+  absl::MutexLock lock(&mu_);
+  generations_.resize(index + 1);
+  sizes_.resize(index + 1);
+  sizes_.back() = damage.offset;
   return absl::OkStatus();
 }
 

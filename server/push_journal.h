@@ -73,14 +73,38 @@ class PushJournal {
   absl::Status CheckIdentity() const;
 
   // Every whole record of the generations on disk, oldest first, to
-  // `visit`; a generation's records end at the first torn or damaged one
-  // (a death mid-append: never answered). The first error `visit` returns
-  // ends the replay. Before the first Append.
+  // `visit`. A generation that ends in a torn record (a death mid-append:
+  // never answered) is replayed up to it; see journal::IsDamage
+  // (server/journal_record.h) for how a torn tail is told from damage.
+  // Damage (a bad record with more after it: acknowledged pushes lost)
+  // ends the replay at the damaged record and, under OnDamage::kRefuse,
+  // returns DATA_LOSS naming the file, the byte offset and the last good
+  // step. Under kAccept it returns what was replayed, with `damage` set,
+  // after setting the loss aside so that the journal on disk is what was
+  // replayed: the generations after the damaged one are renamed
+  // <name>.after-damage, the damaged one is copied whole to
+  // <name>.damaged and cut at the damage (written beside it, synced and
+  // renamed over it). A later start then finds a clean journal, and this
+  // process's appends, in a generation of its own after it, replay on top
+  // of exactly what was replayed now. Every step of that is ordered so a
+  // death part way leaves either the damage (found again at the next
+  // start) or the clean journal. The first error `visit` returns ends the
+  // replay. Before the first Append.
+  enum class OnDamage { kRefuse, kAccept };
+  struct Damage {
+    std::string path;                        // the damaged generation
+    uint64_t offset = 0;                     // of its first bad record, bytes
+    uint64_t bytes_lost = 0;                 // from there to its end
+    std::optional<uint64_t> last_good_step;  // of the last record replayed
+    uint32_t later_generations = 0;          // set aside, unreplayed
+  };
   struct Replayed {
     uint64_t records = 0;
     uint64_t torn_tails = 0;  // generations that ended in a partial record
+    std::optional<Damage> damage;
   };
-  absl::StatusOr<Replayed> Replay(absl::FunctionRef<absl::Status(Record)> visit);
+  absl::StatusOr<Replayed> Replay(absl::FunctionRef<absl::Status(Record)> visit,
+                                  OnDamage on_damage = OnDamage::kRefuse);
 
   // Appends one record. An error (a full disk) leaves the record out: the
   // caller refuses the push, and the next append starts a new generation so
@@ -115,8 +139,13 @@ class PushJournal {
   absl::Status AppendLocked(const Record& header, std::span<const uint8_t> payload,
                             uint8_t encoding, std::span<const float> to_narrow = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replays one generation; sets replayed.damage (path and offset) and
+  // stops at damage.
   absl::Status ReplayGeneration(uint64_t generation, absl::FunctionRef<absl::Status(Record)> visit,
-                                Replayed& replayed);
+                                Replayed& replayed, std::optional<uint64_t>& last_step);
+  // Under OnDamage::kAccept: sets the damage in generations_[index] and
+  // every later generation aside, as Replay says.
+  absl::Status SetDamageAside(size_t index, const Damage& damage);
 
   const std::string dir_;
   const std::string prefix_;  // "shard-<i>-of-<n>.journal-"

@@ -159,6 +159,14 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
                                "journal when it started (a restart after a death)")
                            .Register(r)
                            .Add({});
+  journal_damage_ = &BuildCounter()
+                         .Name("layercast_push_journal_damage_total")
+                         .Help(
+                             "Damaged push journals a training shard started over anyway "
+                             "(--accept-journal-damage): acknowledged pushes after the damage "
+                             "were lost")
+                         .Register(r)
+                         .Add({});
   optimizer_seconds_ = &BuildHistogram()
                             .Name("layercast_optimizer_step_seconds")
                             .Help("Time to average a layer's gradients and step its optimizer")

@@ -80,6 +80,9 @@ class ServerMetrics {
   void RecordJournalReplayed(uint64_t taken) {
     journal_replayed_->Increment(static_cast<double>(taken));
   }
+  // The push journal was damaged at start and --accept-journal-damage
+  // replayed it up to the damage.
+  void RecordJournalDamageAccepted() { journal_damage_->Increment(); }
   // The oldest open step (some workers pushed, some not): its missing
   // workers and how long it has waited (both 0 when none is open).
   prometheus::Gauge& step_missing_workers() { return *step_missing_workers_; }
@@ -138,6 +141,7 @@ class ServerMetrics {
   prometheus::Counter* pushes_staged_;
   prometheus::Counter* pushes_applied_;
   prometheus::Counter* journal_replayed_;
+  prometheus::Counter* journal_damage_;
   prometheus::Histogram* optimizer_seconds_;
   prometheus::Histogram* step_seconds_;
   prometheus::Gauge* step_missing_workers_;

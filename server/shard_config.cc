@@ -300,6 +300,11 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--push-journal true needs --optimizer SPEC and --checkpoint-dir DIR: it keeps a training "
         "shard's pushes beside its checkpoint");
   }
+  if (config.accept_journal_damage() && !config.push_journal()) {
+    return absl::InvalidArgumentError(
+        "--accept-journal-damage true needs a push journal to accept damage in: --optimizer SPEC "
+        "and --checkpoint-dir DIR, with --push-journal left true");
+  }
   if (config.checkpoint_every() > 0 && (!training || config.checkpoint_dir().empty())) {
     return absl::InvalidArgumentError(
         "--checkpoint-every needs --optimizer SPEC and --checkpoint-dir DIR: it counts training "

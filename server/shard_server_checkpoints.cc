@@ -86,13 +86,26 @@ absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTra
     return absl::FailedPreconditionError("the push journal was not opened at start");
   }
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.Replay(*journal);
+  absl::StatusOr<LayerTrainer::Replayed> replayed =
+      trainer.Replay(*journal, config.accept_journal_damage() ? PushJournal::OnDamage::kAccept
+                                                              : PushJournal::OnDamage::kRefuse);
   if (!replayed.ok()) {
     return absl::Status(replayed.status().code(),
                         absl::StrCat("replaying the push journal in --checkpoint-dir ",
                                      config.checkpoint_dir(), ": ", replayed.status().message()));
   }
   metrics_.RecordJournalReplayed(replayed->taken);
+  if (const auto& damage = replayed->damage; damage) {
+    metrics_.RecordJournalDamageAccepted();
+    Log()->error(
+        "push journal {} is damaged at byte {}; replayed up to its last good step ({}) as "
+        "--accept-journal-damage says: ACKNOWLEDGED PUSHES AFTER IT ARE LOST ({} byte(s) and {} "
+        "later generation(s), kept as {}.damaged and *.after-damage); the journal now ends there",
+        damage->path, damage->offset,
+        damage->last_good_step ? absl::StrCat("step ", *damage->last_good_step)
+                               : std::string("none"),
+        damage->bytes_lost, damage->later_generations, damage->path);
+  }
   if (replayed->taken + replayed->skipped > 0) {
     Log()->info(
         "push journal: {} push(es) and clip scale(s) taken again, {} already in the checkpoint, "

@@ -1,7 +1,8 @@
 // The push journal on real files: records come back as written (bf16
 // gradients in half the bytes), a record torn by a death ends only its own
-// generation, a checkpoint's rotation retires what it holds, and a trainer
-// that replays another's journal holds the same bits.
+// generation, a bad record with records after it is damage (refused, or
+// accepted and set aside), a checkpoint's rotation retires what it holds,
+// and a trainer that replays another's journal holds the same bits.
 
 #include "server/push_journal.h"
 
@@ -108,13 +109,130 @@ TEST(PushJournalTest, ATornRecordEndsOnlyItsGenerationAndTheNextProcessWritesAno
   EXPECT_EQ(records[1].values, std::vector<float>(10, 0.3f));
   EXPECT_EQ(replayed.torn_tails, 1u);
 
-  // A flipped bit in a whole record is caught by its CRC the same way.
-  std::fstream file(first, std::ios::in | std::ios::out | std::ios::binary);
+  // A flipped bit in its last whole record (nothing after it) is a torn
+  // tail too: a machine that lost its page cache may leave such a record.
+  const std::string second = dir + "/shard-1-of-2.journal-0000000000000002";
+  std::fstream file(second, std::ios::in | std::ios::out | std::ios::binary);
   file.seekp(40);
   file.put('\x7f');
   file.close();
   auto damaged = Open(dir);
-  EXPECT_EQ(ReplayAll(*damaged).size(), 1u);
+  replayed = {};
+  EXPECT_EQ(ReplayAll(*damaged, &replayed).size(), 1u);
+  EXPECT_EQ(replayed.torn_tails, 2u);
+  EXPECT_FALSE(replayed.damage.has_value());
+}
+
+// Flips one bit at `offset` of `path`.
+void FlipBit(const std::string& path, uint64_t offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekg(static_cast<std::streamoff>(offset));
+  const char byte = static_cast<char>(file.get());
+  file.seekp(static_cast<std::streamoff>(offset));
+  file.put(static_cast<char>(byte ^ 0x10));
+}
+
+// Writes three generations of three pushes each (steps 0-8, 100 values
+// each: records of 436 bytes); returns the first generation's path.
+std::string WriteThreeGenerations(const std::string& dir) {
+  for (uint64_t generation = 0; generation < 3; ++generation) {
+    auto journal = Open(dir);
+    for (uint64_t step = 3 * generation; step < 3 * generation + 3; ++step) {
+      EXPECT_TRUE(
+          journal->AppendPush(0, 0, step, std::vector<float>(100, 0.1f + static_cast<float>(step)))
+              .ok());
+    }
+  }
+  return dir + "/shard-1-of-2.journal-0000000000000001";
+}
+
+// A bad record with whole records after it lost acknowledged pushes: the
+// replay refuses, naming the file, the offset and the last good step,
+// wherever the flipped bit lands (values, step, count, magic).
+TEST(PushJournalTest, ABadRecordWithRecordsAfterItIsDamageNotATornTail) {
+  constexpr uint64_t kRecord = 32 + 400 + 4;
+  for (const uint64_t at : {kRecord + 100, kRecord + 16, kRecord + 24, kRecord + 1}) {
+    SCOPED_TRACE(at);
+    const std::string dir = FreshDir("damage");
+    const std::string first = WriteThreeGenerations(dir);
+    FlipBit(first, at);
+    auto journal = Open(dir);
+    std::vector<Record> records;
+    const auto read = journal->Replay([&](Record record) {
+      records.push_back(std::move(record));
+      return absl::OkStatus();
+    });
+    ASSERT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
+    EXPECT_THAT(std::string(read.status().message()),
+                ::testing::AllOf(::testing::HasSubstr(first + " is damaged at byte 436"),
+                                 ::testing::HasSubstr("last good step: step 0"),
+                                 ::testing::HasSubstr("2 later generation(s)"),
+                                 ::testing::HasSubstr("--accept-journal-damage")));
+    EXPECT_EQ(records.size(), 1u);
+    EXPECT_EQ(Files(dir).size(), 3u) << "a refused replay changes nothing on disk";
+  }
+}
+
+// Accepted, the damage is set aside and the journal cut at it: the next
+// replay (another start) sees exactly what this one did, then the pushes
+// this process appends, with no flag.
+TEST(PushJournalTest, AcceptedDamageIsSetAsideAndTheJournalEndsThere) {
+  const std::string dir = FreshDir("accept");
+  const std::string first = WriteThreeGenerations(dir);
+  FlipBit(first, 436 + 50);  // the second push, step 1
+  {
+    auto journal = Open(dir);
+    std::vector<Record> records;
+    const auto read = journal->Replay(
+        [&](Record record) {
+          records.push_back(std::move(record));
+          return absl::OkStatus();
+        },
+        PushJournal::OnDamage::kAccept);
+    ASSERT_TRUE(read.ok()) << read.status();
+    ASSERT_TRUE(read->damage.has_value());
+    EXPECT_EQ(read->damage->path, first);
+    EXPECT_EQ(read->damage->offset, 436u);
+    EXPECT_EQ(read->damage->bytes_lost, 2 * 436u);
+    EXPECT_EQ(read->damage->last_good_step, 0u);
+    EXPECT_EQ(read->damage->later_generations, 2u);
+    EXPECT_EQ(records.size(), 1u);
+    EXPECT_EQ(journal->bytes(), 436u);
+    ASSERT_TRUE(journal->AppendPush(0, 0, 1, std::vector<float>(100, 7.0f)).ok());
+  }
+  EXPECT_THAT(Files(dir),
+              ::testing::ElementsAre("shard-1-of-2.journal-0000000000000001",
+                                     "shard-1-of-2.journal-0000000000000001.damaged",
+                                     "shard-1-of-2.journal-0000000000000002",
+                                     "shard-1-of-2.journal-0000000000000002.after-damage",
+                                     "shard-1-of-2.journal-0000000000000003.after-damage"));
+  EXPECT_EQ(std::filesystem::file_size(first + ".damaged"), 3 * 436u);
+  auto reopened = Open(dir);
+  PushJournal::Replayed replayed;
+  const std::vector<Record> records = ReplayAll(*reopened, &replayed);
+  EXPECT_FALSE(replayed.damage.has_value());
+  EXPECT_EQ(replayed.torn_tails, 0u);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].step, 0u);
+  EXPECT_EQ(records[1].step, 1u);
+  EXPECT_EQ(records[1].values, std::vector<float>(100, 7.0f));
+}
+
+// A torn tail whose cut-off values happen to hold no record is still torn,
+// and so is garbage after a header cut short.
+TEST(PushJournalTest, AShortTailOfGarbageIsTorn) {
+  const std::string dir = FreshDir("garbage");
+  {
+    auto journal = Open(dir);
+    ASSERT_TRUE(journal->AppendPush(0, 0, 0, std::vector<float>(100, 0.1f)).ok());
+  }
+  const std::string first = dir + "/shard-1-of-2.journal-0000000000000001";
+  std::ofstream(first, std::ios::app | std::ios::binary) << std::string(20, '\xab');
+  auto journal = Open(dir);
+  PushJournal::Replayed replayed;
+  EXPECT_EQ(ReplayAll(*journal, &replayed).size(), 1u);
+  EXPECT_EQ(replayed.torn_tails, 1u);
+  EXPECT_FALSE(replayed.damage.has_value());
 }
 
 TEST(PushJournalTest, ACheckpointRetiresTheGenerationsItHolds) {
