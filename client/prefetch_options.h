@@ -29,6 +29,7 @@ struct PrefetchStats {
   uint64_t layers = 0;      // handed out by Next()
   uint64_t hits = 0;        // Next() found the layer already landed
   uint64_t misses = 0;      // Next() had to wait for it
+  uint64_t landed = 0;      // layers landed so far, handed out or ahead
   double wait_seconds = 0;  // host time callers spent blocked in Next()
   uint64_t peak_bytes = 0;  // most budgeted bytes held at once
   uint64_t budget_bytes = 0;

@@ -254,6 +254,7 @@ class PrefetchScheduler : public std::enable_shared_from_this<PrefetchScheduler<
                        });
     absl::MutexLock lock(&mu_);
     ready_.emplace(step, std::move(layer));
+    ++stats_.landed;
     landing_in_flight_ = false;
     MaybeLandLocked();
   }

@@ -168,7 +168,7 @@ class LayerStream:
 
     @property
     def stats(self) -> Dict[str, float]:
-        """layers, hits, misses, wait_seconds, peak_bytes, budget_bytes."""
+        """layers, hits, misses, landed, wait_seconds, peak_bytes, budget_bytes."""
         return self._native.stats
 
     def close(self) -> None:

@@ -80,6 +80,7 @@ py::dict PyStream::Stats() const {
   out["layers"] = stats.layers;
   out["hits"] = stats.hits;
   out["misses"] = stats.misses;
+  out["landed"] = stats.landed;
   out["wait_seconds"] = stats.wait_seconds;
   out["peak_bytes"] = stats.peak_bytes;
   out["budget_bytes"] = stats.budget_bytes;
