@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/shard_set.h"
 #include "core/synthetic_model.h"
+#include "platform/clock.h"
 #include "server/shard_server.h"
 #include "tests/in_process/bytes_beside_streams.h"
 
@@ -33,13 +34,17 @@ constexpr char kSmallModel[] = "llama:layers=2,hidden=256,ffn=512,vocab=4096,see
 constexpr char kBigModel[] = "llama:layers=1,hidden=1024,ffn=64,vocab=32768,seed=5";
 constexpr uint64_t kChunkBytes = 64 << 10;
 
-std::unique_ptr<ShardServer> StartServer(layercast::v1::ShardConfig config) {
+// `clock`: what the shard's timers read (it must outlive the server); null:
+// the steady clock.
+std::unique_ptr<ShardServer> StartServer(layercast::v1::ShardConfig config,
+                                         platform::Clock* clock = nullptr) {
   config.set_listen("127.0.0.1:0");
   config.set_num_shards(1);
   if (config.chunk_bytes() == 0) config.set_chunk_bytes(kChunkBytes);
   auto settings = ResolveShardConfig(config);
   EXPECT_TRUE(settings.ok()) << settings.status();
   if (!settings.ok()) return nullptr;
+  settings->clock = clock;
   auto server = ShardServer::Create(*std::move(settings));
   EXPECT_TRUE(server.ok()) << server.status();
   if (!server.ok()) return nullptr;
@@ -195,7 +200,8 @@ TEST(HostileStreamsTest, ParkingIsBoundedInCountAndInTime) {
   layercast::v1::ShardConfig config = Config(kSmallModel);
   config.set_max_parked_streams(4);
   config.set_max_version_wait_ms(300);
-  auto server = StartServer(config);
+  platform::ManualClock clock;  // the 300 ms pass when the test says so
+  auto server = StartServer(config, &clock);
   ASSERT_NE(server, nullptr);
   grpc::GenericStub stub(NewConnection(server->port()));
   std::vector<std::unique_ptr<RawFetch>> parked;
@@ -207,7 +213,11 @@ TEST(HostileStreamsTest, ParkingIsBoundedInCountAndInTime) {
   ASSERT_TRUE(refused.has_value());
   EXPECT_EQ(refused->error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(refused->error_message(), ::testing::HasSubstr("--max-parked-streams"));
-  // No client deadline: the server's own limit ends them.
+  // No client deadline: the server's own limit ends them, at 300 ms.
+  clock.Advance(milliseconds(299));
+  EXPECT_EQ(server->metrics().streams_waiting_for_version().Value(), 4);
+  for (auto& stream : parked) EXPECT_FALSE(stream->done());
+  clock.Advance(milliseconds(1));
   for (auto& stream : parked) {
     std::optional<grpc::Status> status = stream->Wait(absl::Seconds(10));
     ASSERT_TRUE(status.has_value());
