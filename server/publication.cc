@@ -226,7 +226,12 @@ absl::StatusOr<Publications::Committed> Publications::Commit(const std::string& 
   FailPoint("publish.shard_before_commit", links_.store->shard_index());
   ASSIGN_OR_RETURN(const Committed committed, CommitOpen("committed"));
   FailPoint("publish.shard_after_commit", links_.store->shard_index());
-  if (peers_ != nullptr && peers_->decides()) peers_->HandOn(publish_id);
+  if (peers_ != nullptr && peers_->decides()) {
+    peers_->HandOn(publish_id);
+    // Shard 0 only: the hand-on is under way (sent to some peers, all or
+    // none), the publisher not answered.
+    FailPoint("publish.shard_after_hand_on", links_.store->shard_index());
+  }
   return committed;
 }
 

@@ -231,10 +231,14 @@ TEST_P(ShardKilledAtCommitTest, IsStagedAgainAndThePublishGoesThrough) {
 }
 
 // Shard 1 dies holding a whole staging, before its commit; shard 0, which
-// decides, after its own commit, before it answers or hands it on.
+// decides, after its own commit, before it answers or hands it on; and
+// shard 0 again, with its hand-on under way (the peers may take the commit
+// or not) and the publisher not answered: the set ends at one version
+// either way.
 INSTANTIATE_TEST_SUITE_P(Points, ShardKilledAtCommitTest,
                          ::testing::Values("publish.shard_before_commit@1",
-                                           "publish.shard_after_commit@0"));
+                                           "publish.shard_after_commit@0",
+                                           "publish.shard_after_hand_on@0"));
 
 // Shard 2 dies after its commit, before it answers: the publisher stages it
 // again on the restarted shard. Later it dies again and comes back from the
