@@ -121,6 +121,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           .max_streams = config.max_streams(),
           .max_parked_streams = config.max_parked_streams(),
           .max_push_streams = config.max_push_streams(),
+          .max_push_streams_per_connection = config.max_push_streams_per_connection(),
           .max_waits_per_connection = config.max_waits_per_connection(),
           .max_version_lead = config.max_version_lead(),
           .max_version_wait = std::chrono::milliseconds(config.max_version_wait_ms()),

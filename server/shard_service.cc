@@ -48,6 +48,7 @@ ShardService::ShardService(Options options, ServerMetrics& metrics,
           {.max_streams = options.max_streams,
            .max_parked_streams = options.max_parked_streams,
            .max_push_streams = options.max_push_streams,
+           .max_push_streams_per_connection = options.max_push_streams_per_connection,
            .max_waits_per_connection = options.max_waits_per_connection,
            .write_progress_timeout = options.write_progress_timeout},
           metrics, [this] { UpdateStepGauges(); }, timers) {}

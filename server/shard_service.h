@@ -65,8 +65,10 @@ class ShardService final
     uint32_t max_streams = 0;
     // Streams parked for a future min_version at most (--max-parked-streams).
     uint32_t max_parked_streams = 0;
-    // PushGradients streams open at most (--max-push-streams).
+    // PushGradients streams open at most (--max-push-streams), and from
+    // one connection (--max-push-streams-per-connection; 0: no such limit).
     uint32_t max_push_streams = 0;
+    uint32_t max_push_streams_per_connection = 0;
     // WaitVersion calls one connection may have parked at once
     // (--max-waits-per-connection).
     uint32_t max_waits_per_connection = 0;

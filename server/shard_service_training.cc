@@ -36,18 +36,29 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   LoadedShard& shard = *loaded();  // Trainer() found it
   PushGradientsReactor::Options options;
   if (options_.worker_tokens) {
-    // The worker is named by the first chunk: checked then, before
-    // anything is staged.
+    // Credentials first, from the call's metadata, before the stream takes
+    // a slot: a stranger's idle streams used to hold every --max-push-streams
+    // slot until their first chunk was checked.
+    const std::optional<std::string> authorization = AuthorizationOf(*context);
+    if (absl::StatusOr<uint32_t> worker =
+            options_.worker_tokens->Identify(authorization ? &*authorization : nullptr, "a push");
+        !worker.ok()) {
+      return refuse(wire::ToGrpcStatus(worker.status()));
+    }
+    // The worker is named by the first chunk: it must be the token's, checked
+    // then, before anything is staged.
     options.authorize = [this, context](uint32_t worker) {
       return AuthorizeWorker(*context, worker, "a push");
     };
   }
+  std::string peer = context->peer();
   // As long as a parked stream may wait for a version: a push waiting for
   // budget waits for other workers' pushes to complete a step.
   options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
-  options.on_done = [this](PushGradientsReactor* push, const grpc::Status& status, uint64_t bytes,
-                           const std::optional<LayerTrainer::Pushed>& pushed) {
-    streams_.RemovePush(push);
+  options.on_done = [this, peer](PushGradientsReactor* push, const grpc::Status& status,
+                                 uint64_t bytes,
+                                 const std::optional<LayerTrainer::Pushed>& pushed) {
+    streams_.RemovePush(push, peer);
     metrics_.RecordRpc("PushGradients", wire::StatusCodeName(status.error_code()));
     if (!pushed) {
       metrics_.RecordPushRefused(bytes);
@@ -58,7 +69,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
       metrics_.RecordPushStaged(bytes);
     }
   };
-  absl::StatusOr<PushGradientsReactor*> push = streams_.AddPush([&] {
+  absl::StatusOr<PushGradientsReactor*> push = streams_.AddPush(peer, [&] {
     return new PushGradientsReactor(context, *shard.store, **trainer, *shard.budget, response,
                                     std::move(options));
   });

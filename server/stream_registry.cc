@@ -104,7 +104,7 @@ void StreamRegistry::RemoveStream(FetchLayerReactor* stream, bool parked) {
 }
 
 absl::StatusOr<PushGradientsReactor*> StreamRegistry::AddPush(
-    absl::FunctionRef<PushGradientsReactor*()> make) {
+    const std::string& peer, absl::FunctionRef<PushGradientsReactor*()> make) {
   absl::MutexLock lock(&mu_);
   if (pushes_.size() >= limits_.max_push_streams) {
     return absl::ResourceExhaustedError(
@@ -112,15 +112,27 @@ absl::StatusOr<PushGradientsReactor*> StreamRegistry::AddPush(
                      " PushGradients streams open (--max-push-streams); nothing of this push was "
                      "staged: retry with backoff"));
   }
+  uint32_t& from_peer = pushes_by_peer_[peer];
+  if (limits_.max_push_streams_per_connection > 0 &&
+      from_peer >= limits_.max_push_streams_per_connection) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this connection already has ", from_peer,
+        " PushGradients streams open (--max-push-streams-per-connection); nothing of this push "
+        "was staged: finish a push on it before the next, or retry with backoff"));
+  }
+  ++from_peer;
   PushGradientsReactor* push = make();
   pushes_.insert(push);
   metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
   return push;
 }
 
-void StreamRegistry::RemovePush(PushGradientsReactor* push) {
+void StreamRegistry::RemovePush(PushGradientsReactor* push, const std::string& peer) {
   absl::MutexLock lock(&mu_);
   pushes_.erase(push);
+  if (auto it = pushes_by_peer_.find(peer); it != pushes_by_peer_.end() && --it->second == 0) {
+    pushes_by_peer_.erase(it);
+  }
   metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
 }
 

@@ -22,7 +22,8 @@ namespace layercast::server {
 
 // The shard's calls in flight, and what they may hold: FetchLayer streams
 // streaming and parked (--max-streams, --max-parked-streams), PushGradients
-// streams (--max-push-streams), WaitVersion calls per connection
+// streams (--max-push-streams) and per connection
+// (--max-push-streams-per-connection), WaitVersion calls per connection
 // (--max-waits-per-connection); every FetchLayer and PushGradients reactor
 // not yet done; and a sweep, on a timer, that cancels the ones whose peer
 // stopped (--write-progress-timeout-ms) and runs the service's periodic
@@ -36,6 +37,7 @@ class StreamRegistry {
     uint32_t max_streams = 0;
     uint32_t max_parked_streams = 0;
     uint32_t max_push_streams = 0;
+    uint32_t max_push_streams_per_connection = 0;  // 0: no limit per connection
     uint32_t max_waits_per_connection = 0;
     std::chrono::milliseconds write_progress_timeout{0};
   };
@@ -63,10 +65,12 @@ class StreamRegistry {
   // A stream's on_done: unregisters it and gives back its slot.
   void RemoveStream(FetchLayerReactor* stream, bool parked);
 
-  // Registers the push `make` builds, as AddStream does; RESOURCE_EXHAUSTED
-  // (and `make` never called) past --max-push-streams.
-  absl::StatusOr<PushGradientsReactor*> AddPush(absl::FunctionRef<PushGradientsReactor*()> make);
-  void RemovePush(PushGradientsReactor* push);
+  // Registers the push `make` builds, from `peer` (the call's peer, one per
+  // connection), as AddStream does; RESOURCE_EXHAUSTED (and `make` never
+  // called) past --max-push-streams or --max-push-streams-per-connection.
+  absl::StatusOr<PushGradientsReactor*> AddPush(const std::string& peer,
+                                                absl::FunctionRef<PushGradientsReactor*()> make);
+  void RemovePush(PushGradientsReactor* push, const std::string& peer);
 
   // A WaitVersion call from `peer`: its place among the connection's waits
   // and a parked slot. RESOURCE_EXHAUSTED naming the flag otherwise.
@@ -101,6 +105,7 @@ class StreamRegistry {
   absl::flat_hash_set<FetchLayerReactor*> streams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<PushGradientsReactor*> pushes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint32_t> waits_by_peer_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint32_t> pushes_by_peer_ ABSL_GUARDED_BY(mu_);
   DeadlineTimers timers_;  // last: see DeadlineTimers
 };
 

@@ -57,4 +57,28 @@ absl::Status WorkerTokens::Check(uint32_t worker, const std::string* authorizati
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint32_t> WorkerTokens::Identify(const std::string* authorization,
+                                                absl::string_view what) const {
+  const std::optional<absl::string_view> presented = BearerTokenOf(authorization);
+  if (!presented) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        what,
+        " needs a worker's token: this shard was started with --worker-token-dir; send "
+        "'authorization: Bearer <token>' with the worker's token in the call's metadata (the "
+        "worker library's worker_token). Nothing was staged"));
+  }
+  std::optional<uint32_t> found;
+  for (uint32_t worker = 0; worker < tokens_.size(); ++worker) {
+    if (tokens_[worker].Matches(*presented) && !found) found = worker;
+  }
+  if (!found) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what,
+                     " carries a token that is no worker's (--worker-token-dir holds worker-0 to "
+                     "worker-",
+                     tokens_.size() - 1, "): send this worker's own token. Nothing was staged"));
+  }
+  return *found;
+}
+
 }  // namespace layercast::server

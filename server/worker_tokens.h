@@ -37,6 +37,13 @@ class WorkerTokens {
   absl::Status Check(uint32_t worker, const std::string* authorization,
                      absl::string_view what) const;
 
+  // The worker whose token `authorization` carries, for a call that names
+  // its worker only later (a push stream, in its first chunk): checked
+  // before the call holds anything. UNAUTHENTICATED without a bearer token;
+  // PERMISSION_DENIED when it is no worker's. Every worker's token is
+  // compared, whichever matches.
+  absl::StatusOr<uint32_t> Identify(const std::string* authorization, absl::string_view what) const;
+
  private:
   explicit WorkerTokens(std::vector<AdminToken> tokens) : tokens_(std::move(tokens)) {}
   std::vector<AdminToken> tokens_;  // by worker index

@@ -437,7 +437,7 @@ TEST_F(TrainingTest, WorkerTokensKeepEachWorkersPushItsOwn) {
   const std::vector<layercast::v1::GradientChunk> good = Chunks(set, 1, 0, 0, 0);
   PushOutcome outcome = Push(set, 0, good);
   EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_THAT(outcome.status.error_message(), HasSubstr("needs that worker's token"));
+  EXPECT_THAT(outcome.status.error_message(), HasSubstr("needs a worker's token"));
   outcome = Push(set, 0, good, tokens[1]);
   EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(outcome.status.error_message(), HasSubstr("a push for worker 0"));
@@ -469,6 +469,92 @@ TEST_F(TrainingTest, WorkerTokensKeepEachWorkersPushItsOwn) {
     ASSERT_TRUE(flushed.ok()) << flushed;
   }
   EXPECT_EQ(LayerVersion(set, 1), 1u);
+}
+
+// With --worker-token-dir a push stream shows a worker's token before it
+// takes a slot: strangers' idle streams, as many as --max-push-streams,
+// are refused at once and leave every slot to the worker, whose pushes all
+// count (they used to hold every slot until their first chunk, and the
+// worker's pushes were refused RESOURCE_EXHAUSTED). One connection holds at
+// most --max-push-streams-per-connection.
+TEST_F(TrainingTest, StrangersWithoutATokenTakeNoPushSlot) {
+  constexpr int kMaxPushStreams = 128;
+  constexpr int kConnections = 4;
+  const std::string dir = MakeTempDir("stranger-streams");
+  const std::string token = "worker-zero-token-0123456789abcdef";
+  {
+    const std::string path = dir + "/worker-0";
+    std::ofstream(path) << token << "\n";
+    std::filesystem::permissions(
+        path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  }
+  ASSERT_NO_FATAL_FAILURE(Start(
+      1, 1, {"--worker-token-dir", dir, "--max-push-streams", std::to_string(kMaxPushStreams)}));
+  const client::ShardSet& set = *shards_.set;
+
+  // Strangers on connections of their own (a channel each, not shared),
+  // holding their streams open and sending nothing; one shows a made-up
+  // token.
+  std::vector<std::unique_ptr<layercast::v1::ShardService::Stub>> stubs;
+  for (int c = 0; c < kConnections; ++c) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    stubs.push_back(layercast::v1::ShardService::NewStub(
+        grpc::CreateCustomChannel(set.addresses()[0], grpc::InsecureChannelCredentials(), args)));
+  }
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<layercast::v1::PushGradientsResponse> responses(kMaxPushStreams);
+  std::vector<std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>>> writers;
+  for (int i = 0; i < kMaxPushStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(15));
+    if (i == 0) contexts.back()->AddMetadata("authorization", "Bearer not-a-workers-token-0123");
+    writers.push_back(stubs[i % kConnections]->PushGradients(contexts.back().get(), &responses[i]));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // every stream reaches the shard
+
+  // The worker pushes every layer of ten steps, each once, with no retry.
+  const auto layers = static_cast<uint32_t>(set.model().layers.size());
+  int pushed = 0;
+  for (uint64_t step = 0; pushed < 10; ++step) {
+    for (uint32_t l = 0; l < layers && pushed < 10; ++l, ++pushed) {
+      const PushOutcome outcome = Push(set, 0, Chunks(set, l, 0, step, 0), token);
+      EXPECT_TRUE(outcome.status.ok()) << "push " << pushed << ": " << outcome.status.error_code()
+                                       << " " << outcome.status.error_message();
+    }
+  }
+  // Refused already: Finish reads the status (on the old code it waited
+  // for the deadline).
+  for (int i = 0; i < kMaxPushStreams; ++i) {
+    const grpc::Status status = writers[i]->Finish();
+    EXPECT_EQ(status.error_code(),
+              i == 0 ? grpc::StatusCode::PERMISSION_DENIED : grpc::StatusCode::UNAUTHENTICATED)
+        << "stranger " << i << ": " << status.error_message();
+    if (i < 2) {
+      EXPECT_THAT(status.error_message(),
+                  HasSubstr(i == 0 ? "no worker's" : "needs a worker's token"));
+    }
+  }
+
+  // The worker's own idle streams on one connection: one past
+  // --max-push-streams-per-connection (default 32) is refused.
+  constexpr int kPerConnection = 32;
+  std::vector<std::unique_ptr<grpc::ClientContext>> own;
+  std::vector<layercast::v1::PushGradientsResponse> own_responses(kPerConnection + 1);
+  std::vector<std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>>> own_writers;
+  for (int i = 0; i <= kPerConnection; ++i) {
+    // Streams reach the shard in no set order: the last one after the rest.
+    if (i == kPerConnection) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    own.push_back(std::make_unique<grpc::ClientContext>());
+    own.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    own.back()->AddMetadata("authorization", "Bearer " + token);
+    own_writers.push_back(set.stub(0).PushGradients(own.back().get(), &own_responses[i]));
+  }
+  const grpc::Status over = own_writers[kPerConnection]->Finish();
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << over.error_message();
+  EXPECT_THAT(over.error_message(), HasSubstr("--max-push-streams-per-connection"));
+  for (int i = 0; i < kPerConnection; ++i) own[i]->TryCancel();
+  for (int i = 0; i < kPerConnection; ++i) (void)own_writers[i]->Finish();
 }
 
 // A worker that dies mid-step and is restarted with its index pushes the
