@@ -69,6 +69,16 @@ absl::StatusOr<std::unique_ptr<PublishPeers>> PublishPeers::FromConfig(
                                       kMaxCredentialBytes, CredentialKind::kSecret));
   options.token = std::string(absl::StripAsciiWhitespace(token));
   if (config.tls_cert_file().empty()) {
+    // As the client tools refuse to without --insecure: a token in clear
+    // text is for a network the operator vouches for, never a default.
+    if (!config.peers_insecure()) {
+      return absl::InvalidArgumentError(
+          "--peers/--peers-file with --admin-token-file and no --tls-cert-file: this shard would "
+          "send its admin token to its peers in clear text; serve TLS (--tls-cert-file, "
+          "--tls-key-file, --peer-tls-ca-file), or pass --peers-insecure where the network "
+          "between the shards is trusted");
+    }
+    Log()->warn("--peers-insecure: the admin token goes to the peers in clear text");
     options.credentials = grpc::InsecureChannelCredentials();
   } else {
     grpc::SslCredentialsOptions ssl;

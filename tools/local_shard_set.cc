@@ -64,17 +64,12 @@ std::string DefaultShardBinary() {
 absl::StatusOr<pid_t> LocalShardSet::Spawn(uint32_t shard, const std::string& listen) {
   const std::string port_file = absl::StrCat(temp_dir_, "/shard-", shard, ".port");
   std::remove(port_file.c_str());
-  std::vector<std::string> args = {options_.shard_binary,
-                                   "--listen",
-                                   listen,
-                                   "--port-file",
-                                   port_file,
-                                   "--shard-index",
-                                   absl::StrCat(shard),
-                                   "--num-shards",
-                                   absl::StrCat(options_.num_shards),
-                                   "--peers-file",
-                                   absl::StrCat(temp_dir_, "/peers")};
+  std::vector<std::string> args = {options_.shard_binary, "--listen", listen, "--port-file",
+                                   port_file, "--shard-index", absl::StrCat(shard), "--num-shards",
+                                   absl::StrCat(options_.num_shards), "--peers-file",
+                                   absl::StrCat(temp_dir_, "/peers"),
+                                   // Loopback only: the network is this host's.
+                                   "--peers-insecure", "true"};
   args.insert(args.end(), options_.extra_flags.begin(), options_.extra_flags.end());
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());

@@ -10,6 +10,9 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -335,6 +338,40 @@ TEST_F(SecurityTest, ShortTokenFilesStopTheShard) {
                        &output),
             2);
   EXPECT_THAT(output, HasSubstr("--admin-token-file " + token + " holds a token of 5 characters"));
+}
+
+// A listener at a peer's address, as an attacker on the path would hold
+// it: a shard with an admin token and plaintext peers refuses to start
+// rather than send the token there, unless --peers-insecure vouches for the
+// network.
+TEST_F(SecurityTest, PeersNeverGetTheTokenInClearTextUnlessTheNetworkIsVouchedFor) {
+  boost::asio::io_context io;
+  boost::asio::ip::tcp::acceptor peer(
+      io, boost::asio::ip::tcp::endpoint(boost::asio::ip::make_address("127.0.0.1"), 0));
+  peer.non_blocking(true);
+  const std::string peers = absl::StrCat("127.0.0.1:1,127.0.0.1:", peer.local_endpoint().port());
+  const std::string token = WriteToken(absl::StrCat(kToken, "\n"));
+  const std::string base = absl::StrCat("timeout 60 ", ShardBinary(),
+                                        " --listen 127.0.0.1:0 --num-shards 2 --shard-index 0 "
+                                        "--synthetic llama:layers=1 --admin-token-file ",
+                                        token, " --peers ", peers);
+  std::string output;
+  EXPECT_EQ(RunCommand(base, &output), 2) << output;
+  EXPECT_THAT(output, AllOf(HasSubstr("would send its admin token to its peers in clear text"),
+                            HasSubstr("--tls-cert-file"), HasSubstr("--peers-insecure")));
+  boost::system::error_code error;
+  boost::asio::ip::tcp::socket visitor(io);
+  peer.accept(visitor, error);
+  EXPECT_EQ(error, boost::asio::error::would_block) << "nothing ever connected to the peer";
+
+  // Vouched for, it starts (and says so); `timeout` ends it.
+  EXPECT_EQ(RunCommand("timeout 5 " + base.substr(std::string("timeout 60 ").size()) +
+                           " --peers-insecure true",
+                       &output),
+            124)
+      << output;
+  EXPECT_THAT(output,
+              HasSubstr("--peers-insecure: the admin token goes to the peers in clear text"));
 }
 
 TEST_F(SecurityTest, SecretFilesOtherUsersCanReadStopTheShardAndTheCli) {
