@@ -20,7 +20,7 @@ PushGradientsReactor::PushGradientsReactor(grpc::CallbackServerContext* context,
                                            const ParameterStore& store, LayerTrainer& trainer,
                                            MemoryBudget& budget, grpc::ByteBuffer* response,
                                            Options options)
-    : StreamReactor(context),
+    : StreamReactor(context, *options.clock),
       store_(store),
       trainer_(trainer),
       budget_(budget),

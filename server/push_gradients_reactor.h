@@ -12,6 +12,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.pb.h"
+#include "platform/clock.h"
 #include "server/layer_trainer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
@@ -40,6 +41,9 @@ namespace layercast::server {
 class PushGradientsReactor final : public StreamReactor<grpc::ServerReadReactor<grpc::ByteBuffer>> {
  public:
   struct Options {
+    // The shard's timers' clock: the give-up time below and the stall
+    // stamps the sweep reads are on it.
+    const platform::Clock* clock = &platform::Clock::Steady();
     // When a stream waiting for budget gives up (RESOURCE_EXHAUSTED).
     std::chrono::steady_clock::time_point budget_give_up_at =
         std::chrono::steady_clock::time_point::max();

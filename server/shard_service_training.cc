@@ -54,7 +54,8 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
   std::string peer = context->peer();
   // As long as a parked stream may wait for a version: a push waiting for
   // budget waits for other workers' pushes to complete a step.
-  options.budget_give_up_at = std::chrono::steady_clock::now() + options_.max_version_wait;
+  options.clock = &clock_;
+  options.budget_give_up_at = clock_.Now() + options_.max_version_wait;
   options.on_done = [this, peer](PushGradientsReactor* push, const grpc::Status& status,
                                  uint64_t bytes,
                                  const std::optional<LayerTrainer::Pushed>& pushed) {

@@ -23,8 +23,11 @@ using ::testing::HasSubstr;
 class BadRequestTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    shards_ = StartShards(2, {"--synthetic", "llama:layers=2,hidden=64,ffn=96,vocab=50", "--policy",
-                              "p=f32,c=bf16;*norm*=f32"});
+    logs_ = MakeTempDir("logs");
+    shards_ = StartShards(2,
+                          {"--synthetic", "llama:layers=2,hidden=64,ffn=96,vocab=50", "--policy",
+                           "p=f32,c=bf16;*norm*=f32", "--metrics-listen", "127.0.0.1:0"},
+                          logs_);
     ASSERT_NE(shards_.set, nullptr);
     stub_ = layercast::v1::ShardService::NewStub(
         grpc::CreateChannel(shards_.processes->addresses()[0], grpc::InsecureChannelCredentials()));
@@ -49,6 +52,7 @@ class BadRequestTest : public ::testing::Test {
     return request;
   }
 
+  std::string logs_;  // the shards' logs, which name their metrics ports
   RunningShards shards_;
   std::unique_ptr<layercast::v1::ShardService::Stub> stub_;
 };
@@ -131,7 +135,9 @@ TEST_F(BadRequestTest, ShardKilledMidStreamFailsTheGatherWithUnavailable) {
   options.min_version = 1;
   options.timeout = std::chrono::seconds(4);
   std::thread killer([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_TRUE(
+        AwaitShardMetric(logs_ + "/shard-1.log", "layercast_streams_waiting_for_version", 1))
+        << "the gather's stream never parked on shard 1";
     shards_.processes->KillForTest(1);
   });
   const auto start = std::chrono::steady_clock::now();

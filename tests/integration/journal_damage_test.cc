@@ -29,25 +29,6 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kSteps = 6;
 
-// The body of GET /metrics from the shard whose log (the last start in it)
-// names its metrics port; "" when there is none or it does not answer.
-std::string ScrapeShard(const std::string& log_path) {
-  static const std::regex kLine(R"(metrics on 127\.0\.0\.1:(\d+)/metrics)");
-  std::ifstream log(log_path);
-  std::string port;
-  std::smatch match;
-  for (std::string line; std::getline(log, line);) {
-    if (std::regex_search(line, match, kLine)) port = match[1];
-  }
-  if (port.empty()) return "";
-  boost::asio::ip::tcp::iostream stream;
-  stream.expires_after(std::chrono::seconds(5));
-  stream.connect("127.0.0.1", port);
-  if (!stream) return "";
-  stream << "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n" << std::flush;
-  return std::string(std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>());
-}
-
 class JournalDamageTest : public ::testing::Test {
  protected:
   // Trains kSteps steps of one worker on one shard, pushing the layers in

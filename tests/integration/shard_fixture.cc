@@ -5,10 +5,17 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <boost/asio/ip/tcp.hpp>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
+#include <regex>
+#include <sstream>
+#include <thread>
 
 namespace layercast::testing {
 
@@ -20,6 +27,46 @@ std::string MakeTempDir(const std::string& name) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir.string();
+}
+
+std::string ScrapeShard(const std::string& log_path) {
+  static const std::regex kLine(R"(metrics on 127\.0\.0\.1:(\d+)/metrics)");
+  std::ifstream log(log_path);
+  std::string port;
+  std::smatch match;
+  for (std::string line; std::getline(log, line);) {
+    if (std::regex_search(line, match, kLine)) port = match[1];
+  }
+  if (port.empty()) return "";
+  boost::asio::ip::tcp::iostream stream;
+  stream.expires_after(std::chrono::seconds(5));
+  stream.connect("127.0.0.1", port);
+  if (!stream) return "";
+  stream << "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n" << std::flush;
+  return std::string(std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>());
+}
+
+std::optional<double> ShardMetric(const std::string& log_path, const std::string& name) {
+  std::istringstream body(ScrapeShard(log_path));
+  std::optional<double> total;
+  for (std::string line; std::getline(body, line);) {
+    // "NAME VALUE" or "NAME{LABELS} VALUE"; comments start with '#'.
+    if (!line.starts_with(name) || line.size() <= name.size()) continue;
+    if (line[name.size()] != ' ' && line[name.size()] != '{') continue;
+    const size_t space = line.rfind(' ');
+    total = total.value_or(0) + std::strtod(line.c_str() + space + 1, nullptr);
+  }
+  return total;
+}
+
+bool AwaitShardMetric(const std::string& log_path, const std::string& name, double value,
+                      std::chrono::milliseconds limit) {
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < give_up) {
+    if (ShardMetric(log_path, name) == value) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
 }
 
 std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
@@ -41,9 +88,10 @@ std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std
   return set.ok() ? *std::move(set) : nullptr;
 }
 
-RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags) {
+RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags,
+                          const std::string& log_dir) {
   RunningShards running;
-  running.processes = StartProcesses(num_shards, std::move(flags));
+  running.processes = StartProcesses(num_shards, std::move(flags), log_dir);
   if (running.processes == nullptr) return running;
   running.registry = std::make_shared<prometheus::Registry>();
   client::ShardSetOptions connect;

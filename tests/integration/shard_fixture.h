@@ -27,19 +27,33 @@ std::string MakeTempDir(const std::string& name);
 std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std::string> flags,
                                                      const std::string& log_dir = "");
 
-// Starts `num_shards` real layercast-shard processes with `flags` and
-// connects a ShardSet to them, its worker metrics in `registry`; fails the
-// test on error.
+// Starts `num_shards` real layercast-shard processes with `flags` (stderr
+// to `log_dir` when given, as StartProcesses) and connects a ShardSet to
+// them, its worker metrics in `registry`; fails the test on error.
 struct RunningShards {
   std::unique_ptr<tools::LocalShardSet> processes;
   std::shared_ptr<prometheus::Registry> registry;
   std::unique_ptr<client::ShardSet> set;
 };
-RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags);
+RunningShards StartShards(uint32_t num_shards, std::vector<std::string> flags,
+                          const std::string& log_dir = "");
 
 // The sum of the counter (or gauge) `name` over its label sets in
 // `registry`; nullopt when nothing registered it.
 std::optional<double> CounterValue(const prometheus::Registry& registry, const std::string& name);
+
+// The body of GET /metrics from the shard whose log is `log_path` (start it
+// with --metrics-listen 127.0.0.1:0 and a log_dir: the last start in the
+// log names its port); "" when there is none or it does not answer.
+std::string ScrapeShard(const std::string& log_path);
+// The sum of metric `name` over its label sets in that body; nullopt when
+// the shard does not answer or has no such metric.
+std::optional<double> ShardMetric(const std::string& log_path, const std::string& name);
+// Polls ShardMetric every 10 ms until it is `value`, for at most `limit`:
+// whether it came. For waiting on an event a shard counts (a stream
+// parked) instead of sleeping through a window.
+bool AwaitShardMetric(const std::string& log_path, const std::string& name, double value,
+                      std::chrono::milliseconds limit = std::chrono::seconds(30));
 
 // Writes `token` to DIR/token, readable by its owner only (the shard and the
 // CLI refuse a token file others may read); returns the path.

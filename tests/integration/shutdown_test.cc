@@ -195,8 +195,11 @@ TEST(ShutdownTest, SigtermDrainsStreamsInFlightAndRefusesNewOnes) {
 }
 
 TEST(ShutdownTest, SigtermEndsParkedStreamsAtOnceAndTheWorkerWaitsForTheShard) {
-  auto shards = StartProcesses(
-      1, {"--synthetic", "llama:layers=1,hidden=64", "--drain-timeout-seconds", "20"});
+  const std::string logs = MakeTempDir("logs");
+  auto shards = StartProcesses(1,
+                               {"--synthetic", "llama:layers=1,hidden=64",
+                                "--drain-timeout-seconds", "20", "--metrics-listen", "127.0.0.1:0"},
+                               logs);
   ASSERT_NE(shards, nullptr);
   client::ShardSetOptions connect;
   connect.connect_timeout = std::chrono::seconds(60);
@@ -214,7 +217,8 @@ TEST(ShutdownTest, SigtermEndsParkedStreamsAtOnceAndTheWorkerWaitsForTheShard) {
   };
   absl::StatusOr<client::Layer> parked;
   std::thread gather([&] { parked = (*set)->Gather(0, options); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(AwaitShardMetric(logs + "/shard-0.log", "layercast_streams_waiting_for_version", 1))
+      << "the stream never parked";
   const auto start = std::chrono::steady_clock::now();
   shards->SignalForTest(0, SIGTERM);
   absl::StatusOr<int> code = shards->WaitForExitForTest(0, std::chrono::seconds(10));
