@@ -300,7 +300,9 @@ void Publications::AbortOpen(const std::string& why, absl::string_view outcome) 
   links_.budget->Release(open_->staging_bytes);
   Log()->warn("publish {} {}; version {} still serves", open_->id, why, open_->base_version);
   if (links_.metrics != nullptr) links_.metrics->RecordPublishOutcome(outcome);
-  Remember({.id = open_->id, .committed = std::nullopt});
+  // "settled_aborted" is the set's abort by definition: shard 0's own, or
+  // one this shard heard from the set.
+  Remember({.id = open_->id, .committed = std::nullopt, .by_set = outcome == "settled_aborted"});
   open_.reset();
 }
 
@@ -357,6 +359,7 @@ layercast::v1::ResolvePublishResponse Publications::Resolve(const std::string& p
     response.set_state(decided->committed ? ResolvePublishResponse::COMMITTED
                                           : ResolvePublishResponse::ABORTED);
     if (decided->committed) response.set_version(decided->committed->version);
+    response.set_set_decision(!decided->committed && decided->by_set);
     return response;
   }
   const bool open = open_ && open_->id == publish_id;
@@ -367,9 +370,10 @@ layercast::v1::ResolvePublishResponse Publications::Resolve(const std::string& p
   if (open) {
     AbortOpen("was fenced: another shard found its publisher gone", "settled_aborted");
   } else {
-    Remember({.id = publish_id, .committed = std::nullopt});
+    Remember({.id = publish_id, .committed = std::nullopt, .by_set = true});
   }
   response.set_state(ResolvePublishResponse::ABORTED);
+  response.set_set_decision(true);
   return response;
 }
 

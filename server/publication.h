@@ -127,6 +127,9 @@ class Publications {
   struct Decision {
     std::string id;
     std::optional<Committed> committed;  // nullopt: aborted
+    // Aborted as the set decided (shard 0's decision, here or heard from
+    // the set), not by this shard alone: ResolvePublishResponse.set_decision.
+    bool by_set = false;
   };
   static constexpr size_t kDecisionsKept = 64;
 

@@ -192,12 +192,15 @@ void PublishPeers::HandOn(const std::string& id) {
 
 absl::StatusOr<bool> PublishPeers::SettleOnce(const std::string& id) {
   ASSIGN_OR_RETURN(const std::vector<std::string> addresses, Addresses());
-  // Any shard that committed it: shard 0 did before it (or before its
-  // restart), so the publish is decided.
+  // Any shard that committed it (shard 0 did before it, or before its
+  // restart), or that holds shard 0's abort: the publish is decided, and a
+  // shard cut off from shard 0 settles through any peer that is not.
   for (uint32_t shard = 0; shard < addresses.size(); ++shard) {
     if (shard == self_) continue;
     absl::StatusOr<ResolvePublishResponse> answer = Ask(addresses[shard], id, /*fence=*/false);
-    if (answer.ok() && answer->state() == ResolvePublishResponse::COMMITTED) return true;
+    if (!answer.ok()) continue;
+    if (answer->state() == ResolvePublishResponse::COMMITTED) return true;
+    if (answer->state() == ResolvePublishResponse::ABORTED && answer->set_decision()) return false;
   }
   ASSIGN_OR_RETURN(const ResolvePublishResponse decision, Ask(addresses[0], id, /*fence=*/true));
   switch (decision.state()) {
@@ -223,8 +226,11 @@ void PublishPeers::Settle(const std::string& id, std::function<void(std::optiona
         return;
       }
       if (attempt == 0 || attempt % 30 == 0) {
-        Log()->warn("publish {}: cannot settle it with the set yet ({}); trying every second", id,
-                    committed.status().message());
+        Log()->warn(
+            "publish {}: cannot settle it with the set yet: no peer knows shard 0's decision, "
+            "and shard 0 does not answer ({}); asking every shard again every second, for up "
+            "to {} min",
+            id, committed.status().message(), kSettleFor.count());
       }
       if (Stopped(absl::Seconds(1))) return;
       if (std::chrono::steady_clock::now() >= give_up) {

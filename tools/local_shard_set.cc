@@ -71,6 +71,9 @@ absl::StatusOr<pid_t> LocalShardSet::Spawn(uint32_t shard, const std::string& li
                                    // Loopback only: the network is this host's.
                                    "--peers-insecure", "true"};
   args.insert(args.end(), options_.extra_flags.begin(), options_.extra_flags.end());
+  if (auto own = options_.shard_flags.find(shard); own != options_.shard_flags.end()) {
+    args.insert(args.end(), own->second.begin(), own->second.end());
+  }
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);

@@ -3,6 +3,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,9 @@ class LocalShardSet {
     std::chrono::milliseconds start_timeout{60000};
     // Where shards' stderr goes; empty: inherited.
     std::string log_dir;
+    // Flags for one shard only, after extra_flags (the last of a flag
+    // given twice counts), by shard index.
+    std::map<uint32_t, std::vector<std::string>> shard_flags;
     // NAME=VALUE entries added to the shards' environment (e.g. the fault
     // tests' LAYERCAST_FAILPOINT), besides this process's own.
     std::vector<std::string> environment;
