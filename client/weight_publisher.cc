@@ -30,6 +30,30 @@ std::unique_ptr<grpc::ClientContext> AdminContext(const std::string& token,
   return context;
 }
 
+// One attempt of an idempotent admin call (BeginPublish, CommitPublish:
+// a shard answers one it already took again): it waits for the shard to be
+// reachable, for at most 2 s and within `deadline`. A shard restarting
+// after a death then answers as soon as it listens; a call that fails at
+// once instead found the channel's reconnection torn down again and again
+// (16 s to reach a shard back in 0.1 s).
+struct Attempt {
+  std::chrono::steady_clock::time_point ends;
+  std::unique_ptr<grpc::ClientContext> context;
+};
+Attempt StartAttempt(const std::string& token, std::chrono::steady_clock::time_point deadline) {
+  const auto ends = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
+  Attempt attempt{ends, AdminContext(token, ends)};
+  attempt.context->set_wait_for_ready(true);
+  return attempt;
+}
+// Whether an attempt that ended with `status` is worth another: the shard
+// was unreachable, or the attempt (not the call) ran out of time.
+bool TryAgain(const absl::Status& status, const Attempt& attempt,
+              std::chrono::steady_clock::time_point deadline) {
+  return absl::IsUnavailable(status) ||
+         (absl::IsDeadlineExceeded(status) && attempt.ends < deadline);
+}
+
 std::string NewPublishId() {
   std::random_device random;
   return absl::StrFormat("%08x%08x%08x%08x", random(), random(), random(), random());
@@ -206,16 +230,17 @@ absl::Status WeightPublisher::CommitOnShard(uint32_t shard, const std::string& i
   absl::Status status;
   RetryBackoff backoff;
   for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
-    auto context = AdminContext(token_, deadline);
+    const Attempt call = StartAttempt(token_, deadline);
     layercast::v1::CommitPublishRequest request;
     request.set_publish_id(id);
     layercast::v1::CommitPublishResponse response;
-    status = wire::FromGrpcStatus(stub->CommitPublish(context.get(), request, &response), describe);
+    status =
+        wire::FromGrpcStatus(stub->CommitPublish(call.context.get(), request, &response), describe);
     if (status.ok()) {
       *changed = response.changed_elements();
       return status;
     }
-    if (!absl::IsUnavailable(status)) return status;
+    if (!TryAgain(status, call, deadline)) return status;
     std::this_thread::sleep_for(backoff.Next());
   }
   return status;
@@ -266,10 +291,11 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
     absl::Status begun;
     RetryBackoff backoff(std::chrono::milliseconds(50), std::chrono::milliseconds(800));
     for (int attempt = 0; attempt < 60 && std::chrono::steady_clock::now() < deadline; ++attempt) {
-      auto context = AdminContext(token_, deadline);
+      const Attempt call = StartAttempt(token_, deadline);
       layercast::v1::BeginPublishResponse response;
-      begun = wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe);
-      if (!absl::IsUnavailable(begun)) break;
+      begun = wire::FromGrpcStatus(stub->BeginPublish(call.context.get(), request, &response),
+                                   describe);
+      if (!TryAgain(begun, call, deadline)) break;
       std::this_thread::sleep_for(backoff.Next());
     }
     RETURN_IF_ERROR(begun);
