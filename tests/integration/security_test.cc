@@ -365,7 +365,7 @@ TEST_F(SecurityTest, PeersNeverGetTheTokenInClearTextUnlessTheNetworkIsVouchedFo
   EXPECT_EQ(error, boost::asio::error::would_block) << "nothing ever connected to the peer";
 
   // Vouched for, it starts (and says so); `timeout` ends it.
-  EXPECT_EQ(RunCommand("timeout 5 " + base.substr(std::string("timeout 60 ").size()) +
+  EXPECT_EQ(RunCommand("timeout 3 " + base.substr(std::string("timeout 60 ").size()) +
                            " --peers-insecure true",
                        &output),
             124)
