@@ -202,7 +202,10 @@ absl::StatusOr<LayerTrainer::Pushed> LayerTrainer::Push(uint32_t layer, uint32_t
   RETURN_IF_ERROR(CheckStepLocked(layer, worker, step, state));
   // Before it is taken, under the layer's lock: a checkpoint (which holds
   // every lock while it starts a journal generation) has either both the
-  // record and the push, or neither.
+  // record and the push, or neither. Under --journal-sync every-push or
+  // grouped the append returns once the record is synced, so a push whose
+  // sync fails is not taken; other layers' pushes go on meanwhile, and
+  // under grouped share that sync.
   if (journal_ != nullptr) {
     RETURN_IF_ERROR(journal_->AppendPush(layer, worker, step, gradient));
     FailPoint("step.after_journal", store_.shard_index());

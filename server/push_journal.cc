@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "core/crc32c.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
@@ -40,9 +41,38 @@ bool AllBf16(std::span<const float> values) {
 
 }  // namespace
 
+absl::StatusOr<PushJournal::Sync> PushJournal::ParseSync(absl::string_view name) {
+  for (const Sync sync : {Sync::kNone, Sync::kEveryPush, Sync::kGrouped}) {
+    if (name == SyncName(sync)) return sync;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "journal sync '", name,
+      "' is not one of: none (the page cache: a process's death loses nothing acknowledged, a "
+      "power loss may), every-push (a sync before each push is answered), grouped (pushes "
+      "share a sync, at most one per --journal-sync-interval-ms, each answered after it)"));
+}
+
+absl::string_view PushJournal::SyncName(Sync sync) {
+  switch (sync) {
+    case Sync::kNone:
+      return "none";
+    case Sync::kEveryPush:
+      return "every-push";
+    case Sync::kGrouped:
+      return "grouped";
+  }
+  return "?";
+}
+
 PushJournal::PushJournal(std::string dir, std::string prefix, FileSystem& fs,
-                         std::vector<uint64_t> existing, layercast::v1::JournalIdentity identity)
-    : dir_(std::move(dir)), prefix_(std::move(prefix)), fs_(fs) {
+                         std::vector<uint64_t> existing, layercast::v1::JournalIdentity identity,
+                         Durability durability)
+    : dir_(std::move(dir)),
+      prefix_(std::move(prefix)),
+      fs_(fs),
+      durability_(durability),
+      clock_(durability.clock != nullptr ? *durability.clock : platform::Clock::Steady()) {
+  if (durability_.sync == Sync::kGrouped) clock_.Listen(this);
   generations_ = std::move(existing);
   identity_ = std::move(identity);
   for (const uint64_t generation : generations_) {
@@ -52,18 +82,28 @@ PushJournal::PushJournal(std::string dir, std::string prefix, FileSystem& fs,
   }
 }
 
+PushJournal::~PushJournal() {
+  if (durability_.sync == Sync::kGrouped) clock_.Unlisten(this);
+}
+
+void PushJournal::Jumped() {
+  absl::MutexLock lock(&mu_);
+  synced_cv_.SignalAll();
+}
+
 absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(std::string dir,
                                                                uint32_t shard_index,
-                                                               uint32_t num_shards,
-                                                               FileSystem& fs) {
+                                                               uint32_t num_shards, FileSystem& fs,
+                                                               Durability durability) {
   layercast::v1::JournalIdentity identity;
   identity.set_shard_index(shard_index);
   identity.set_num_shards(num_shards);
-  return Open(std::move(dir), std::move(identity), fs);
+  return Open(std::move(dir), std::move(identity), fs, durability);
 }
 
 absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(
-    std::string dir, layercast::v1::JournalIdentity identity, FileSystem& fs) {
+    std::string dir, layercast::v1::JournalIdentity identity, FileSystem& fs,
+    Durability durability) {
   const std::string prefix =
       absl::StrCat("shard-", identity.shard_index(), "-of-", identity.num_shards(), ".journal-");
   // Listing a directory is not part of the FileSystem seam; as in
@@ -84,8 +124,8 @@ absl::StatusOr<std::unique_ptr<PushJournal>> PushJournal::Open(
                                      " for the push journal: ", error.message()));
   }
   std::sort(generations.begin(), generations.end());
-  return std::unique_ptr<PushJournal>(
-      new PushJournal(std::move(dir), prefix, fs, std::move(generations), std::move(identity)));
+  return std::unique_ptr<PushJournal>(new PushJournal(
+      std::move(dir), prefix, fs, std::move(generations), std::move(identity), durability));
 }
 
 absl::Status PushJournal::Matches(const layercast::v1::JournalIdentity& recorded,
@@ -301,11 +341,15 @@ absl::Status PushJournal::AppendPush(uint32_t layer, uint32_t worker, uint64_t s
   header.step = step;
   const bool bf16 = AllBf16(values);
   absl::MutexLock lock(&mu_);
-  if (!bf16) return AppendLocked(header, BytesOf(values.data(), values.size_bytes()), kFloat32);
-  // Narrowed a block at a time into a buffer kept for the next push: no
-  // copy of the whole gradient, and no fresh pages to fault in.
-  narrow_.resize(std::min<size_t>(values.size(), kNarrowBlock));
-  return AppendLocked(header, {}, kBfloat16, values);
+  if (!bf16) {
+    RETURN_IF_ERROR(AppendLocked(header, BytesOf(values.data(), values.size_bytes()), kFloat32));
+  } else {
+    // Narrowed a block at a time into a buffer kept for the next push: no
+    // copy of the whole gradient, and no fresh pages to fault in.
+    narrow_.resize(std::min<size_t>(values.size(), kNarrowBlock));
+    RETURN_IF_ERROR(AppendLocked(header, {}, kBfloat16, values));
+  }
+  return DurableLocked(appended_);
 }
 
 absl::Status PushJournal::AppendClipScale(uint64_t step, float scale) {
@@ -313,15 +357,86 @@ absl::Status PushJournal::AppendClipScale(uint64_t step, float scale) {
   header.kind = Record::Kind::kClipScale;
   header.step = step;
   absl::MutexLock lock(&mu_);
-  return AppendLocked(header, BytesOf(&scale, sizeof(scale)), kFloat32);
+  RETURN_IF_ERROR(AppendLocked(header, BytesOf(&scale, sizeof(scale)), kFloat32));
+  return DurableLocked(appended_);
+}
+
+absl::Status PushJournal::DurableLocked(uint64_t record) {
+  switch (durability_.sync) {
+    case Sync::kNone:
+      return absl::OkStatus();
+    case Sync::kEveryPush:
+      return record <= synced_ ? absl::OkStatus() : SyncLocked();
+    case Sync::kGrouped:
+      break;
+  }
+  while (record > synced_) {
+    if (!broken_.ok()) return broken_;
+    if (leading_) {
+      synced_cv_.Wait(&mu_);
+      continue;
+    }
+    // This append leads the next group: it gathers until `interval` has
+    // passed since the last sync began (appends go on meanwhile: the wait
+    // releases mu_), then syncs all of them, holding mu_ so that no append
+    // or rotation touches the file during the sync. A record's sync thus
+    // begins at most `interval` after it was written: the last sync began
+    // before it was (one after would have covered it).
+    leading_ = true;
+    if (last_sync_) {
+      const platform::Clock::TimePoint due = *last_sync_ + durability_.interval;
+      for (auto now = clock_.Now(); now < due && record > synced_ && broken_.ok();
+           now = clock_.Now()) {
+        synced_cv_.WaitWithTimeout(&mu_, absl::FromChrono(due - now));
+      }
+    }
+    if (record > synced_) (void)SyncLocked();  // an error breaks the journal: returned above
+    leading_ = false;
+    synced_cv_.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PushJournal::SyncLocked() {
+  if (!broken_.ok()) return broken_;
+  last_sync_ = clock_.Now();
+  const uint64_t through = appended_;
+  if (file_ != nullptr) {
+    if (const absl::Status synced = file_->Sync(); !synced.ok()) {
+      broken_ = absl::Status(
+          synced.code(),
+          absl::StrCat("the push journal could not be synced (", synced.message(),
+                       "), so what its file holds on disk is unknown: this shard takes no more "
+                       "pushes; restart it once the disk is sound, and it replays what the "
+                       "journal holds"));
+      Log()->error("{}", broken_.message());
+      synced_cv_.SignalAll();
+      return broken_;
+    }
+  }
+  synced_ = through;
+  synced_cv_.SignalAll();
+  return absl::OkStatus();
+}
+
+void PushJournal::CloseFileLocked() {
+  if (file_ == nullptr) return;
+  // Records still waiting for their group's sync are in this file.
+  if (durability_.sync != Sync::kNone && synced_ < appended_) (void)SyncLocked();
+  (void)file_->Close();
+  file_.reset();
 }
 
 absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uint8_t> payload,
                                        uint8_t encoding, std::span<const float> to_narrow) {
+  if (!broken_.ok()) return broken_;
   if (file_ == nullptr) {
     // A generation of this process's own, after any on disk.
     const uint64_t generation = generations_.empty() ? 1 : generations_.back() + 1;
-    ASSIGN_OR_RETURN(file_, fs_.OpenForWrite(PathOf(generation)));
+    ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, fs_.OpenForWrite(PathOf(generation)));
+    // Its name durable before any record in it is answered as durable.
+    if (durability_.sync != Sync::kNone) RETURN_IF_ERROR(fs_.SyncDir(dir_));
+    file_ = std::move(file);
     generations_.push_back(generation);
     sizes_.push_back(0);
     if (!identity_.model_id().empty()) {
@@ -359,24 +474,21 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
   if (!written.ok()) {
     // Whatever part was written stays at this generation's end, where a
     // replay stops; the next record goes to a new one.
-    (void)file_->Close();
-    file_.reset();
+    CloseFileLocked();
     return absl::Status(written.code(),
                         absl::StrCat("the push could not be journaled (", written.message(),
                                      "), so it was not taken: free space in --checkpoint-dir, "
                                      "then push again"));
   }
   sizes_.back() += sizeof(header) + payload_bytes + sizeof(crc);
+  ++appended_;
   return absl::OkStatus();
 }
 
 uint64_t PushJournal::Rotate(uint64_t checkpoint_version) {
   absl::MutexLock lock(&mu_);
   identity_.set_checkpoint_version(checkpoint_version);
-  if (file_ != nullptr) {
-    (void)file_->Close();
-    file_.reset();
-  }
+  CloseFileLocked();
   // The next append opens generation back() + 1: what is on disk now is
   // what the checkpoint will hold.
   return generations_.empty() ? 1 : generations_.back() + 1;

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -10,11 +11,25 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/journal.pb.h"
+#include "platform/clock.h"
 #include "platform/file_system.h"
 
 namespace layercast::server {
+
+// When an appended record of a PushJournal must be on stable storage (see
+// below).
+enum class JournalSync { kNone, kEveryPush, kGrouped };
+struct JournalDurability {
+  JournalSync sync = JournalSync::kNone;
+  // kGrouped: the least time between the starts of two syncs.
+  std::chrono::milliseconds interval{10};
+  // What `interval` is read on; null: the steady clock. A test's
+  // ManualClock must outlive the journal.
+  platform::Clock* clock = nullptr;
+};
 
 // What a training shard took since its last checkpoint, kept on disk so
 // that a shard killed between checkpoints comes back with every push it
@@ -36,14 +51,42 @@ namespace layercast::server {
 // proto/layercast/v1/journal.proto, as bytes): model, layout, content,
 // shard, and the checkpoint version its pushes go on from. A push
 // whose values all fit bf16 exactly (a bf16 gradient widened on the shard)
-// is kept as bf16: half the bytes. The file is written with write(2) and
-// not synced: a record survives the process's death (SIGKILL, a crash, an
-// OOM kill), not the machine's; a push is answered only after its record
-// is written.
+// is kept as bf16: half the bytes. The file is written with write(2); a
+// push is answered only after its record is written, and how far it is on
+// disk by then is the journal's Sync policy (--journal-sync):
+//   kNone: in the page cache. It survives the process's death (SIGKILL, a
+//     crash, an OOM kill), not the machine's: a power loss may lose the
+//     pushes of the last seconds the kernel had not written back.
+//   kEveryPush: each append syncs the file (fsync) before it returns, under
+//     the journal's lock: nothing acknowledged is lost to a power loss, and
+//     appends wait for each other's syncs.
+//   kGrouped (group commit): an append returns once a sync covering its
+//     record is done, as with kEveryPush, but the appends that wait for a
+//     sync share one: the first waiter leads, waits until `interval` has
+//     passed since the last sync began (the pushes written meanwhile join
+//     its group), then syncs them all. Nothing acknowledged is lost to a
+//     power loss; a record's sync begins at most `interval` after it is
+//     written, so an append takes up to `interval` plus one sync, and the
+//     journal syncs at most once per `interval`. With interval 0 a group is
+//     whatever was written while the last sync ran.
+// Under both syncing policies a generation's file is also made durable in
+// its directory before its first record returns, and a generation is synced
+// before it is closed. A sync that fails (the kernel may have dropped what
+// it had not written) breaks the journal: every later append fails with
+// that error, since what the file holds is unknown, until a restart
+// replays what it really holds.
 //
-// Thread-safe.
-class PushJournal {
+// Thread-safe. An append under kGrouped blocks its thread for up to
+// `interval` plus a sync.
+class PushJournal final : private platform::Clock::Listener {
  public:
+  using Sync = JournalSync;
+  using Durability = JournalDurability;
+  // "none", "every-push" or "grouped" (--journal-sync); INVALID_ARGUMENT
+  // naming the three otherwise.
+  static absl::StatusOr<Sync> ParseSync(absl::string_view name);
+  static absl::string_view SyncName(Sync sync);
+
   struct Record {
     // kIdentity opens each generation; Replay checks it and visits none.
     enum class Kind : uint8_t { kPush = 1, kClipScale = 2, kIdentity = 3 };
@@ -60,11 +103,14 @@ class PushJournal {
   // generation whose record names another model, layout, content or shard.
   static absl::StatusOr<std::unique_ptr<PushJournal>> Open(std::string dir,
                                                            layercast::v1::JournalIdentity identity,
-                                                           FileSystem& fs = DefaultFileSystem());
+                                                           FileSystem& fs = DefaultFileSystem(),
+                                                           Durability durability = {});
   // Without an identity: records none and checks none.
   static absl::StatusOr<std::unique_ptr<PushJournal>> Open(std::string dir, uint32_t shard_index,
                                                            uint32_t num_shards,
-                                                           FileSystem& fs = DefaultFileSystem());
+                                                           FileSystem& fs = DefaultFileSystem(),
+                                                           Durability durability = {});
+  ~PushJournal();
 
   // FAILED_PRECONDITION naming the file and the first field that differs
   // when a generation on disk was written for another model, layout,
@@ -106,17 +152,22 @@ class PushJournal {
   absl::StatusOr<Replayed> Replay(absl::FunctionRef<absl::Status(Record)> visit,
                                   OnDamage on_damage = OnDamage::kRefuse);
 
-  // Appends one record. An error (a full disk) leaves the record out: the
-  // caller refuses the push, and the next append starts a new generation so
-  // that whatever part was written stays at a file's end.
+  // Appends one record and returns once it is as durable as the Sync
+  // policy says. An error (a full disk) leaves the record out: the caller
+  // refuses the push, and the next append starts a new generation so that
+  // whatever part was written stays at a file's end. A failed sync fails
+  // the append too (and every later one, see above); the whole record may
+  // then be on disk, and a restart replays it: a push the worker was told
+  // failed, which it pushes again anyway (the replay counts it once).
   absl::Status AppendPush(uint32_t layer, uint32_t worker, uint64_t step,
                           std::span<const float> values);
   absl::Status AppendClipScale(uint64_t step, float scale);
 
-  // Starts a new generation for the appends after it; returns it. The
-  // caller holds every push back meanwhile, and writes a checkpoint of
-  // what the older generations hold, at `checkpoint_version` (recorded in
-  // the new generation's identity).
+  // Starts a new generation for the appends after it (syncing the current
+  // one under a syncing policy); returns it. The caller holds every push
+  // back meanwhile, and writes a checkpoint of what the older generations
+  // hold, at `checkpoint_version` (recorded in the new generation's
+  // identity).
   uint64_t Rotate(uint64_t checkpoint_version = 0);
   // Removes the generations before `generation`: a checkpoint holds them.
   void Retire(uint64_t generation);
@@ -126,7 +177,18 @@ class PushJournal {
 
  private:
   PushJournal(std::string dir, std::string prefix, FileSystem& fs, std::vector<uint64_t> existing,
-              layercast::v1::JournalIdentity identity);
+              layercast::v1::JournalIdentity identity, Durability durability);
+  // Wakes a group's leader waiting on a ManualClock.
+  void Jumped() override;
+  // Returns once record number `record` (appended_ when it was written) is
+  // as durable as durability_ says, or the journal's sync error.
+  absl::Status DurableLocked(uint64_t record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Syncs file_: every record appended so far is durable, or the journal
+  // is broken.
+  absl::Status SyncLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Syncs (under a syncing policy) and closes file_; the next append opens
+  // a new generation.
+  void CloseFileLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK, or what differs between `recorded` (in `path`) and identity_.
   absl::Status Matches(const layercast::v1::JournalIdentity& recorded,
                        const std::string& path) const;
@@ -150,7 +212,19 @@ class PushJournal {
   const std::string dir_;
   const std::string prefix_;  // "shard-<i>-of-<n>.journal-"
   FileSystem& fs_;
+  const Durability durability_;
+  platform::Clock& clock_;
   mutable absl::Mutex mu_;
+  // Records appended by this process, and how many of them are durable.
+  uint64_t appended_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t synced_ ABSL_GUARDED_BY(mu_) = 0;
+  // kGrouped: a leader is gathering its group (it syncs under mu_).
+  bool leading_ ABSL_GUARDED_BY(mu_) = false;
+  // When the last sync began; nullopt before the first.
+  std::optional<platform::Clock::TimePoint> last_sync_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar synced_cv_;  // synced_, broken_, leading_ or the clock moved
+  // A sync's error, for every append after it.
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
   // Generations on disk, oldest first; the last is appended to once open.
   std::vector<uint64_t> generations_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<WritableFile> file_ ABSL_GUARDED_BY(mu_);  // null until the first append

@@ -305,12 +305,31 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--accept-journal-damage true needs a push journal to accept damage in: --optimizer SPEC "
         "and --checkpoint-dir DIR, with --push-journal left true");
   }
+  if ((!config.journal_sync().empty() || config.has_journal_sync_interval_ms()) &&
+      !config.push_journal()) {
+    return absl::InvalidArgumentError(
+        "--journal-sync and --journal-sync-interval-ms need a push journal to sync: --optimizer "
+        "SPEC and --checkpoint-dir DIR, with --push-journal left true");
+  }
   if (config.checkpoint_every() > 0 && (!training || config.checkpoint_dir().empty())) {
     return absl::InvalidArgumentError(
         "--checkpoint-every needs --optimizer SPEC and --checkpoint-dir DIR: it counts training "
         "steps (a read-only shard is checkpointed by ShardAdmin.Checkpoint and on SIGTERM)");
   }
+  const bool interval_set = config.has_journal_sync_interval_ms();
   RETURN_IF_ERROR(ApplyDefaultsAndRanges(config));
+  if (absl::StatusOr<PushJournal::Sync> sync = PushJournal::ParseSync(config.journal_sync());
+      !sync.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--journal-sync: ", sync.status().message()));
+  } else {
+    settings.journal_sync = *sync;
+  }
+  if (interval_set && settings.journal_sync != PushJournal::Sync::kGrouped) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--journal-sync-interval-ms ", config.journal_sync_interval_ms(),
+        " spaces the syncs of --journal-sync grouped, and --journal-sync is '",
+        config.journal_sync(), "': pass --journal-sync grouped, or drop the interval"));
+  }
   // A read-only shard has no workers (its manifest says 0).
   if (!training) config.set_data_parallel_workers(0);
   if (config.pin_retention_ms() > 0 && config.delta_versions() == 0) {

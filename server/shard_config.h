@@ -13,6 +13,7 @@
 #include "layercast/v1/config.pb.h"
 #include "platform/clock.h"
 #include "platform/log.h"
+#include "server/push_journal.h"
 
 namespace layercast::server {
 
@@ -36,6 +37,8 @@ struct ShardSettings {
   spdlog::level::level_enum log_level = spdlog::level::info;
   std::optional<OptimizerSpec> optimizer;  // nullopt: read-only
   std::optional<CastIsa> cast_isa;         // nullopt: measured (BestCastIsa)
+  // --journal-sync, parsed (config.journal_sync_interval_ms is its interval).
+  PushJournal::Sync journal_sync = PushJournal::Sync::kNone;
   // What the shard's timers read (deadlines, retentions, the stall sweep,
   // publish timeouts); null: the steady clock. Tests in one process pass a
   // ManualClock, which must outlive the server.

@@ -75,7 +75,12 @@ absl::Status ShardServer::OpenJournal() {
   const auto& config = settings_.config;
   if (!config.push_journal() || !settings_.optimizer) return absl::OkStatus();
   ASSIGN_OR_RETURN(layercast::v1::JournalIdentity identity, JournalIdentity());
-  ASSIGN_OR_RETURN(journal_, PushJournal::Open(config.checkpoint_dir(), std::move(identity)));
+  PushJournal::Durability durability;
+  durability.sync = settings_.journal_sync;
+  durability.interval = std::chrono::milliseconds(config.journal_sync_interval_ms());
+  durability.clock = settings_.clock;
+  ASSIGN_OR_RETURN(journal_, PushJournal::Open(config.checkpoint_dir(), std::move(identity),
+                                               DefaultFileSystem(), durability));
   return journal_->CheckIdentity();
 }
 

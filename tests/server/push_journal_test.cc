@@ -2,7 +2,10 @@
 // gradients in half the bytes), a record torn by a death ends only its own
 // generation, a bad record with records after it is damage (refused, or
 // accepted and set aside), a checkpoint's rotation retires what it holds,
-// and a trainer that replays another's journal holds the same bits.
+// and a trainer that replays another's journal holds the same bits. Each
+// sync policy: every-push syncs before an append returns, grouped appends
+// share one sync at most an interval after they were written (group
+// commit, on a ManualClock), and a failed sync breaks the journal.
 
 #include "server/push_journal.h"
 
@@ -10,13 +13,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "core/policy.h"
 #include "core/synthetic_model.h"
+#include "platform/clock.h"
 #include "server/layer_trainer.h"
 #include "server/parameter_store.h"
 
@@ -315,6 +321,156 @@ TEST(PushJournalTest, ATrainerReplayingAnothersJournalHoldsTheSameBitsAndOpenSte
   ASSERT_TRUE(replayed.ok()) << replayed.status();
   EXPECT_EQ(replayed->taken, 0u);
   EXPECT_EQ(MasterBits(*restarted_store), MasterBits(*store));
+}
+
+// The real file system, counting what the journal's files are told: bytes
+// appended, bytes as of the last sync, syncs; a sync fails while
+// `fail_syncs` is set. Thread-safe (the test reads while appends run).
+class SyncLedgerFileSystem final : public FileSystem {
+ public:
+  struct Counts {
+    uint64_t appended = 0, synced = 0, syncs = 0, dir_syncs = 0;
+  };
+  Counts counts() const {
+    absl::MutexLock lock(&mu_);
+    return counts_;
+  }
+  void set_fail_syncs(bool fail) {
+    absl::MutexLock lock(&mu_);
+    fail_syncs_ = fail;
+  }
+
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenForRead(const std::string& path) override {
+    return DefaultFileSystem().OpenForRead(path);
+  }
+  absl::StatusOr<std::unique_ptr<WritableFile>> OpenForWrite(const std::string& path) override {
+    absl::StatusOr<std::unique_ptr<WritableFile>> file = DefaultFileSystem().OpenForWrite(path);
+    if (!file.ok()) return file.status();
+    return std::unique_ptr<WritableFile>(new File(*this, *std::move(file)));
+  }
+  absl::StatusOr<std::unique_ptr<WritableFile>> CreatePrivate(const std::string& path) override {
+    return DefaultFileSystem().CreatePrivate(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    return DefaultFileSystem().Rename(from, to);
+  }
+  absl::Status SyncDir(const std::string& dir) override {
+    absl::MutexLock lock(&mu_);
+    ++counts_.dir_syncs;
+    return DefaultFileSystem().SyncDir(dir);
+  }
+  absl::Status Remove(const std::string& path) override { return DefaultFileSystem().Remove(path); }
+  bool Exists(const std::string& path) override { return DefaultFileSystem().Exists(path); }
+
+ private:
+  class File final : public WritableFile {
+   public:
+    File(SyncLedgerFileSystem& fs, std::unique_ptr<WritableFile> file)
+        : fs_(fs), file_(std::move(file)) {}
+    absl::Status Append(std::span<const uint8_t> data) override {
+      absl::MutexLock lock(&fs_.mu_);
+      fs_.counts_.appended += data.size();
+      return file_->Append(data);
+    }
+    absl::Status Sync() override {
+      absl::MutexLock lock(&fs_.mu_);
+      if (fs_.fail_syncs_) return absl::DataLossError("fsync of a test file: input/output error");
+      ++fs_.counts_.syncs;
+      fs_.counts_.synced = fs_.counts_.appended;
+      return file_->Sync();
+    }
+    absl::Status Close() override { return file_->Close(); }
+
+   private:
+    SyncLedgerFileSystem& fs_;
+    std::unique_ptr<WritableFile> file_;
+  };
+
+  mutable absl::Mutex mu_;
+  Counts counts_ ABSL_GUARDED_BY(mu_);
+  bool fail_syncs_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+std::unique_ptr<PushJournal> OpenSyncing(const std::string& dir, FileSystem& fs,
+                                         PushJournal::Durability durability) {
+  auto journal = PushJournal::Open(dir, 1, 2, fs, durability);
+  EXPECT_TRUE(journal.ok()) << journal.status();
+  return journal.ok() ? *std::move(journal) : nullptr;
+}
+
+TEST(PushJournalSyncTest, NoneNeverSyncsAndEveryPushSyncsBeforeAnAppendReturns) {
+  SyncLedgerFileSystem fs;
+  {
+    auto journal = OpenSyncing(FreshDir("sync-none"), fs, {});
+    ASSERT_TRUE(journal->AppendPush(0, 0, 0, std::vector<float>(100, 0.1f)).ok());
+    EXPECT_EQ(fs.counts().syncs, 0u);
+    EXPECT_EQ(fs.counts().dir_syncs, 0u);
+  }
+  auto journal = OpenSyncing(FreshDir("sync-every"), fs, {.sync = PushJournal::Sync::kEveryPush});
+  for (uint64_t step = 0; step < 3; ++step) {
+    ASSERT_TRUE(journal->AppendPush(0, 0, step, std::vector<float>(100, 0.1f)).ok());
+    const SyncLedgerFileSystem::Counts counts = fs.counts();
+    EXPECT_EQ(counts.synced, counts.appended) << "step " << step << ": answered before its sync";
+    EXPECT_EQ(counts.syncs, step + 1);
+  }
+  ASSERT_TRUE(journal->AppendClipScale(2, 0.5f).ok());
+  EXPECT_EQ(fs.counts().synced, fs.counts().appended) << "a clip scale is synced too";
+  EXPECT_EQ(fs.counts().dir_syncs, 1u) << "the new generation's name, once";
+}
+
+TEST(PushJournalSyncTest, GroupedAppendsShareOneSyncAtMostAnIntervalAfterTheyWereWritten) {
+  SyncLedgerFileSystem fs;
+  platform::ManualClock clock;
+  constexpr auto kInterval = std::chrono::milliseconds(10);
+  auto journal =
+      OpenSyncing(FreshDir("sync-grouped"), fs,
+                  {.sync = PushJournal::Sync::kGrouped, .interval = kInterval, .clock = &clock});
+  // The first sync has no interval to wait for.
+  ASSERT_TRUE(journal->AppendPush(0, 0, 0, std::vector<float>(100, 0.1f)).ok());
+  ASSERT_EQ(fs.counts().syncs, 1u);
+  const uint64_t one_record = journal->bytes();
+
+  // Three concurrent pushes within the interval of that sync: written at
+  // once, answered together after one more sync, when the interval is up.
+  constexpr int kPushes = 3;
+  std::atomic<int> answered = 0;
+  std::vector<std::thread> pushes;
+  for (uint32_t l = 1; l <= kPushes; ++l) {
+    pushes.emplace_back([&, l] {
+      EXPECT_TRUE(journal->AppendPush(l, 0, 0, std::vector<float>(100, 0.1f)).ok());
+      const SyncLedgerFileSystem::Counts counts = fs.counts();
+      EXPECT_EQ(counts.synced, counts.appended) << "layer " << l << ": answered before its sync";
+      ++answered;
+    });
+  }
+  while (journal->bytes() < (kPushes + 1) * one_record) std::this_thread::yield();
+  // Nothing the correct code could do makes these pass late: a wrong one
+  // that answers early is caught (most of the time within this pause).
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(answered, 0) << "answered before the group's sync";
+  EXPECT_EQ(fs.counts().syncs, 1u);
+  clock.Advance(kInterval - std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(answered, 0) << "synced before the interval was up";
+  clock.Advance(std::chrono::milliseconds(1));
+  for (std::thread& push : pushes) push.join();
+  EXPECT_EQ(answered, kPushes);
+  EXPECT_EQ(fs.counts().syncs, 2u) << "one sync for the group of " << kPushes;
+  EXPECT_EQ(fs.counts().synced, fs.counts().appended);
+}
+
+TEST(PushJournalSyncTest, AFailedSyncFailsItsAppendAndEveryLaterOne) {
+  SyncLedgerFileSystem fs;
+  auto journal = OpenSyncing(FreshDir("sync-fails"), fs, {.sync = PushJournal::Sync::kEveryPush});
+  ASSERT_TRUE(journal->AppendPush(0, 0, 0, std::vector<float>(4, 1.0f)).ok());
+  fs.set_fail_syncs(true);
+  absl::Status appended = journal->AppendPush(0, 0, 1, std::vector<float>(4, 1.0f));
+  EXPECT_EQ(appended.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(appended.message()), ::testing::HasSubstr("could not be synced"));
+  fs.set_fail_syncs(false);
+  appended = journal->AppendPush(0, 0, 1, std::vector<float>(4, 1.0f));
+  EXPECT_EQ(appended.code(), absl::StatusCode::kDataLoss) << "what the file holds is unknown";
+  EXPECT_THAT(std::string(appended.message()), ::testing::HasSubstr("restart it"));
 }
 
 }  // namespace

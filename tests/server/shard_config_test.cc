@@ -111,6 +111,49 @@ TEST(ShardConfigTest, ThePushJournalAndPeriodicCheckpointsNeedTrainingAndACheckp
   EXPECT_EQ(settings->config.checkpoint_every(), 10u);
 }
 
+TEST(ShardConfigTest, JournalSyncIsOneOfThreePoliciesAndItsIntervalGoesWithGrouped) {
+  const std::vector<std::string> journal = {"--optimizer", "sgd:lr=1", "--checkpoint-dir", "/tmp"};
+  const auto with = [&](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), journal.begin(), journal.end());
+    return Resolve(std::move(flags));
+  };
+  absl::StatusOr<ShardSettings> settings = with({});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->journal_sync, PushJournal::Sync::kNone) << "the default";
+  EXPECT_EQ(settings->config.journal_sync(), "none");
+  EXPECT_EQ(settings->config.journal_sync_interval_ms(), 10u);
+  settings = with({"--journal-sync", "every-push"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->journal_sync, PushJournal::Sync::kEveryPush);
+  settings = with({"--journal-sync", "grouped", "--journal-sync-interval-ms", "0"});
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->journal_sync, PushJournal::Sync::kGrouped);
+  EXPECT_EQ(settings->config.journal_sync_interval_ms(), 0u);
+
+  for (const char* bad : {"fsync", "", "Grouped", "every_push"}) {
+    settings = with({"--journal-sync", bad});
+    if (absl::string_view(bad).empty()) continue;  // empty is unset: the default
+    EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(
+        std::string(settings.status().message()),
+        HasSubstr(absl::StrCat("--journal-sync: journal sync '", bad, "' is not one of: none (")))
+        << bad;
+  }
+  settings = with({"--journal-sync", "grouped", "--journal-sync-interval-ms", "20000"});
+  EXPECT_THAT(settings.status().message(),
+              HasSubstr("--journal-sync-interval-ms 20000 is out of range: use 0-10000"));
+  settings = with({"--journal-sync-interval-ms", "5"});
+  EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(settings.status().message(),
+              HasSubstr("--journal-sync-interval-ms 5 spaces the syncs of --journal-sync grouped, "
+                        "and --journal-sync is 'none'"));
+  settings = Resolve({"--optimizer", "sgd:lr=1", "--journal-sync", "every-push"});
+  EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(settings.status().message(), HasSubstr("need a push journal to sync"));
+  settings = with({"--push-journal", "false", "--journal-sync", "grouped"});
+  EXPECT_THAT(settings.status().message(), HasSubstr("need a push journal to sync"));
+}
+
 TEST(ShardConfigTest, LayerGroupingFollowsTheFlags) {
   absl::StatusOr<ShardSettings> settings = Resolve({});
   ASSERT_TRUE(settings.ok()) << settings.status();
