@@ -17,18 +17,33 @@ inline constexpr uint32_t kMagic = 0x314a434c;  // "LCJ1", little-endian
 inline constexpr uint8_t kFloat32 = 0;
 inline constexpr uint8_t kBfloat16 = 1;
 inline constexpr uint8_t kBytes = 2;  // a serialized message
+// Blocks of kMixedBlock values (the last may be shorter), each bf16 or
+// float32: a layer whose gradient is bf16 but for a float32 tensor (a norm
+// kept in float32) is not written all in float32. The payload: a
+// MixedPrefix, a bitmap of one bit per block, least significant bit first
+// (set: the block is float32), in whole bytes, then each block's values.
+inline constexpr uint8_t kMixed = 3;
+inline constexpr uint64_t kMixedBlock = 4096;
+struct MixedPrefix {
+  uint64_t float32_values = 0;  // in the float32 blocks
+};
+static_assert(sizeof(MixedPrefix) == 8);
+// Bytes of a kMixed record's bitmap for `count` values.
+inline uint64_t MixedBitmapBytes(uint64_t count) {
+  return (count + 8 * kMixedBlock - 1) / (8 * kMixedBlock);
+}
 // Record kinds (PushJournal::Record::Kind).
 inline constexpr uint8_t kFirstKind = 1;
 inline constexpr uint8_t kLastKind = 3;
 
-// Bytes per value of `encoding`.
+// Bytes per value of `encoding` (kMixed: of its bf16 blocks).
 inline uint64_t WidthOf(uint8_t encoding) {
-  return encoding == kBfloat16 ? 2 : encoding == kBytes ? 1 : 4;
+  return encoding == kBfloat16 || encoding == kMixed ? 2 : encoding == kBytes ? 1 : 4;
 }
 
 // The fixed part of a record (little-endian, as every machine layercast
-// builds for); `count` values of `encoding` and a CRC-32C of header and
-// values follow it.
+// builds for); `count` values of `encoding` (kMixed: with its prefix and
+// bitmap) and a CRC-32C of header and values follow it.
 struct Header {
   uint32_t magic = kMagic;
   uint8_t kind = 0;

@@ -25,6 +25,10 @@ using journal::kBfloat16;
 using journal::kBytes;
 using journal::kFloat32;
 using journal::kMagic;
+using journal::kMixed;
+using journal::kMixedBlock;
+using journal::MixedBitmapBytes;
+using journal::MixedPrefix;
 using journal::WidthOf;
 
 std::span<const uint8_t> BytesOf(const void* data, size_t size) {
@@ -37,6 +41,30 @@ bool AllBf16(std::span<const float> values) {
   uint32_t low = 0;
   for (const float value : values) low |= std::bit_cast<uint32_t>(value) & 0xffff;
   return low == 0;
+}
+
+// bf16 values at `from` (unaligned) into `to`.
+void Widen(const uint8_t* from, std::span<float> to) {
+  for (size_t i = 0; i < to.size(); ++i) {
+    uint16_t narrow = 0;
+    std::memcpy(&narrow, from + 2 * i, 2);
+    to[i] = std::bit_cast<float>(static_cast<uint32_t>(narrow) << 16);
+  }
+}
+
+// A kMixed record's prefix and bitmap for `values`: which blocks of
+// kMixedBlock hold a value that is not a bf16 value.
+std::vector<uint8_t> MixedPreamble(std::span<const float> values) {
+  std::vector<uint8_t> preamble(sizeof(MixedPrefix) + MixedBitmapBytes(values.size()));
+  MixedPrefix prefix;
+  for (size_t at = 0, block = 0; at < values.size(); at += kMixedBlock, ++block) {
+    const auto values_of_block = values.subspan(at, std::min(kMixedBlock, values.size() - at));
+    if (AllBf16(values_of_block)) continue;
+    preamble[sizeof(prefix) + block / 8] |= static_cast<uint8_t>(1u << (block % 8));
+    prefix.float32_values += values_of_block.size();
+  }
+  std::memcpy(preamble.data(), &prefix, sizeof(prefix));
+  return preamble;
 }
 
 }  // namespace
@@ -280,10 +308,21 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
     record.step = header.step;
     record.values.resize(header.count);
     if (header.encoding == kBfloat16) {
-      for (uint64_t i = 0; i < header.count; ++i) {
-        uint16_t narrow = 0;
-        std::memcpy(&narrow, raw->payload.data() + 2 * i, 2);
-        record.values[i] = std::bit_cast<float>(static_cast<uint32_t>(narrow) << 16);
+      Widen(raw->payload.data(), record.values);
+    } else if (header.encoding == kMixed) {
+      // ReadRecord checked the bitmap against the prefix and the length.
+      const uint8_t* bitmap = raw->payload.data() + sizeof(MixedPrefix);
+      const uint8_t* from = bitmap + MixedBitmapBytes(header.count);
+      for (uint64_t at = 0, block = 0; at < header.count; at += kMixedBlock, ++block) {
+        const std::span<float> to(record.values.data() + at,
+                                  std::min(kMixedBlock, header.count - at));
+        if ((bitmap[block / 8] >> (block % 8)) & 1) {
+          std::memcpy(to.data(), from, to.size_bytes());
+          from += to.size_bytes();
+        } else {
+          Widen(from, to);
+          from += 2 * to.size();
+        }
       }
     } else {
       std::memcpy(record.values.data(), raw->payload.data(), raw->payload.size());
@@ -339,15 +378,25 @@ absl::Status PushJournal::AppendPush(uint32_t layer, uint32_t worker, uint64_t s
   header.layer = layer;
   header.worker = worker;
   header.step = step;
-  const bool bf16 = AllBf16(values);
+  // Per block: a layer of bf16 gradients but for a float32 norm is mostly
+  // bf16, and written so (a whole-record choice wrote it all in float32,
+  // nearly twice the bytes: the copy into the page cache is most of what
+  // the journal costs a step).
+  const std::vector<uint8_t> preamble = MixedPreamble(values);
+  MixedPrefix prefix;
+  std::memcpy(&prefix, preamble.data(), sizeof(prefix));
   absl::MutexLock lock(&mu_);
-  if (!bf16) {
+  if (prefix.float32_values == values.size() && !values.empty()) {
     RETURN_IF_ERROR(AppendLocked(header, BytesOf(values.data(), values.size_bytes()), kFloat32));
   } else {
     // Narrowed a block at a time into a buffer kept for the next push: no
     // copy of the whole gradient, and no fresh pages to fault in.
     narrow_.resize(std::min<size_t>(values.size(), kNarrowBlock));
-    RETURN_IF_ERROR(AppendLocked(header, {}, kBfloat16, values));
+    if (prefix.float32_values == 0) {
+      RETURN_IF_ERROR(AppendLocked(header, {}, kBfloat16, values));
+    } else {
+      RETURN_IF_ERROR(AppendLocked(header, preamble, kMixed, values));
+    }
   }
   return DurableLocked(appended_);
 }
@@ -452,23 +501,47 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
   header.layer = record.layer;
   header.worker = record.worker;
   header.step = record.step;
-  header.count = encoding == kBfloat16 ? to_narrow.size() : payload.size() / WidthOf(encoding);
+  const bool narrowed = encoding == kBfloat16 || encoding == kMixed;
+  header.count = narrowed ? to_narrow.size() : payload.size() / WidthOf(encoding);
   uint32_t crc = Crc32c(&header, sizeof(header));
   absl::Status written = file_->Append(BytesOf(&header, sizeof(header)));
-  uint64_t payload_bytes = payload.size();
-  if (encoding == kBfloat16) {
-    payload_bytes = 2 * to_narrow.size();
-    for (size_t at = 0; written.ok() && at < to_narrow.size(); at += narrow_.size()) {
-      const size_t n = std::min(narrow_.size(), to_narrow.size() - at);
+  uint64_t payload_bytes = 0;
+  const auto write = [&](std::span<const uint8_t> bytes) {
+    crc = Crc32c(bytes.data(), bytes.size(), crc);
+    payload_bytes += bytes.size();
+    if (written.ok()) written = file_->Append(bytes);
+  };
+  const auto write_narrowed = [&](std::span<const float> values) {
+    for (size_t at = 0; written.ok() && at < values.size(); at += narrow_.size()) {
+      const size_t n = std::min(narrow_.size(), values.size() - at);
       for (size_t i = 0; i < n; ++i) {
-        narrow_[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(to_narrow[at + i]) >> 16);
+        narrow_[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[at + i]) >> 16);
       }
-      crc = Crc32c(narrow_.data(), 2 * n, crc);
-      written = file_->Append(BytesOf(narrow_.data(), 2 * n));
+      write(BytesOf(narrow_.data(), 2 * n));
     }
+  };
+  if (!narrowed) {
+    write(payload);
+  } else if (encoding == kBfloat16) {
+    write_narrowed(to_narrow);
   } else {
-    crc = Crc32c(payload.data(), payload.size(), crc);
-    if (written.ok()) written = file_->Append(payload);
+    // The prefix and bitmap, then each run of blocks of one width.
+    write(payload);
+    const std::span<const uint8_t> bitmap = payload.subspan(sizeof(MixedPrefix));
+    const auto wide = [&](size_t block) { return (bitmap[block / 8] >> (block % 8)) & 1; };
+    const size_t blocks = (to_narrow.size() + kMixedBlock - 1) / kMixedBlock;
+    for (size_t block = 0; written.ok() && block < blocks;) {
+      size_t end = block + 1;
+      while (end < blocks && wide(end) == wide(block)) ++end;
+      const size_t at = block * kMixedBlock;
+      const auto run = to_narrow.subspan(at, std::min(end * kMixedBlock, to_narrow.size()) - at);
+      if (wide(block)) {
+        write(BytesOf(run.data(), run.size_bytes()));
+      } else {
+        write_narrowed(run);
+      }
+      block = end;
+    }
   }
   if (written.ok()) written = file_->Append(BytesOf(&crc, sizeof(crc)));
   if (!written.ok()) {

@@ -51,7 +51,9 @@ struct JournalDurability {
 // proto/layercast/v1/journal.proto, as bytes): model, layout, content,
 // shard, and the checkpoint version its pushes go on from. A push
 // whose values all fit bf16 exactly (a bf16 gradient widened on the shard)
-// is kept as bf16: half the bytes. The file is written with write(2); a
+// is kept as bf16: half the bytes; one with some values that do not (a
+// float32 norm's gradient in a bf16 layer) is kept in blocks of 4096
+// values, each bf16 where it can be (journal::kMixed). The file is written with write(2); a
 // push is answered only after its record is written, and how far it is on
 // disk by then is the journal's Sync policy (--journal-sync):
 //   kNone: in the page cache. It survives the process's death (SIGKILL, a
@@ -197,7 +199,8 @@ class PushJournal final : private platform::Clock::Listener {
       RandomAccessFile& file) const;
   std::string PathOf(uint64_t generation) const;
   // Writes one record: `payload` as it is, or (bf16) `to_narrow`'s values
-  // narrowed through narrow_.
+  // narrowed through narrow_, or (mixed) `payload` (its prefix and bitmap)
+  // and then `to_narrow`'s blocks, each as the bitmap says.
   absl::Status AppendLocked(const Record& header, std::span<const uint8_t> payload,
                             uint8_t encoding, std::span<const float> to_narrow = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -92,6 +92,62 @@ TEST(PushJournalTest, RecordsComeBackAsWrittenAndBf16GradientsTakeHalfTheBytes) 
   EXPECT_EQ(records[2].values, std::vector<float>{0.25f});
 }
 
+// Flips one bit at `offset` of `path`.
+void FlipBit(const std::string& path, uint64_t offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekg(static_cast<std::streamoff>(offset));
+  const char byte = static_cast<char>(file.get());
+  file.seekp(static_cast<std::streamoff>(offset));
+  file.put(static_cast<char>(byte ^ 0x10));
+}
+
+// A bf16 layer with a float32 tensor in it (a norm): only the blocks of
+// 4096 values holding a float32 value take four bytes a value.
+std::vector<float> MostlyBf16(uint64_t step) {
+  std::vector<float> values(3 * 4096 + 100);
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] = std::bit_cast<float>(0x3f800000u + (static_cast<uint32_t>(i + step) << 16));
+  }
+  values[4096 + 5] = 1.0f / 3;  // block 1 only
+  return values;
+}
+constexpr uint64_t kMostlyBf16Bytes = 32 + 8 + 1 + 2 * (3 * 4096 + 100) + 2 * 4096 + 4;
+
+TEST(PushJournalTest, ALayerWithSomeFloat32ValuesKeepsTheRestAsBf16) {
+  const std::string dir = FreshDir("mixed");
+  {
+    auto journal = Open(dir);
+    ASSERT_TRUE(journal->AppendPush(1, 0, 3, MostlyBf16(3)).ok());
+    EXPECT_EQ(journal->bytes(), kMostlyBf16Bytes);
+    ASSERT_TRUE(journal->AppendPush(1, 1, 3, MostlyBf16(4)).ok());
+  }
+  auto reopened = Open(dir);
+  std::vector<Record> records = ReplayAll(*reopened);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].values, MostlyBf16(3));
+  EXPECT_EQ(records[1].values, MostlyBf16(4));
+  EXPECT_EQ(records[1].worker, 1u);
+
+  // A flipped bit in its prefix (the count of float32 values) or its
+  // bitmap, with a record after it, is damage.
+  const std::string file = dir + "/shard-1-of-2.journal-0000000000000001";
+  for (const uint64_t at : {32u, 40u}) {
+    FlipBit(file, at);
+    auto damaged = Open(dir);
+    const auto read = damaged->Replay([](Record) { return absl::OkStatus(); });
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << at;
+    EXPECT_THAT(std::string(read.status().message()), ::testing::HasSubstr("damaged at byte 0"));
+    FlipBit(file, at);
+  }
+  // Cut inside the second one: a torn tail.
+  std::filesystem::resize_file(file, kMostlyBf16Bytes + 100);
+  PushJournal::Replayed replayed;
+  records = ReplayAll(*Open(dir), &replayed);
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0].values, MostlyBf16(3));
+  EXPECT_EQ(replayed.torn_tails, 1u);
+}
+
 TEST(PushJournalTest, ATornRecordEndsOnlyItsGenerationAndTheNextProcessWritesAnother) {
   const std::string dir = FreshDir("torn");
   {
@@ -127,15 +183,6 @@ TEST(PushJournalTest, ATornRecordEndsOnlyItsGenerationAndTheNextProcessWritesAno
   EXPECT_EQ(ReplayAll(*damaged, &replayed).size(), 1u);
   EXPECT_EQ(replayed.torn_tails, 2u);
   EXPECT_FALSE(replayed.damage.has_value());
-}
-
-// Flips one bit at `offset` of `path`.
-void FlipBit(const std::string& path, uint64_t offset) {
-  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
-  file.seekg(static_cast<std::streamoff>(offset));
-  const char byte = static_cast<char>(file.get());
-  file.seekp(static_cast<std::streamoff>(offset));
-  file.put(static_cast<char>(byte ^ 0x10));
 }
 
 // Writes three generations of three pushes each (steps 0-8, 100 values
