@@ -506,18 +506,22 @@ absl::Status PushJournal::AppendLocked(const Record& record, std::span<const uin
   uint32_t crc = Crc32c(&header, sizeof(header));
   absl::Status written = file_->Append(BytesOf(&header, sizeof(header)));
   uint64_t payload_bytes = 0;
+  // Named here, under mu_: clang's thread-safety analysis does not see the
+  // lock held inside the lambdas below.
+  WritableFile& file = *file_;
+  const std::span<uint16_t> narrow(narrow_);
   const auto write = [&](std::span<const uint8_t> bytes) {
     crc = Crc32c(bytes.data(), bytes.size(), crc);
     payload_bytes += bytes.size();
-    if (written.ok()) written = file_->Append(bytes);
+    if (written.ok()) written = file.Append(bytes);
   };
   const auto write_narrowed = [&](std::span<const float> values) {
-    for (size_t at = 0; written.ok() && at < values.size(); at += narrow_.size()) {
-      const size_t n = std::min(narrow_.size(), values.size() - at);
+    for (size_t at = 0; written.ok() && at < values.size(); at += narrow.size()) {
+      const size_t n = std::min(narrow.size(), values.size() - at);
       for (size_t i = 0; i < n; ++i) {
-        narrow_[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[at + i]) >> 16);
+        narrow[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[at + i]) >> 16);
       }
-      write(BytesOf(narrow_.data(), 2 * n));
+      write(BytesOf(narrow.data(), 2 * n));
     }
   };
   if (!narrowed) {
