@@ -78,6 +78,14 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
 
   // Every pod-owning object, to check that selectors pick only shard pods.
   const workloads = docs.filter((d) => d.spec?.template?.spec?.containers);
+  // Relays (`layercast relay`) have objects of their own (Service, PDB,
+  // PodMonitor, NetworkPolicy), checked by checkRelays, not as the shards'.
+  const relays = workloads.filter((w) => relayContainer(w));
+  const selectorOf = (o) => o.spec?.podSelector?.matchLabels ?? o.spec?.selector?.matchLabels ??
+    (o.kind === "Service" ? o.spec?.selector : undefined);
+  const forRelay = (o) => relays.some((r) => ns(r) === ns(o) &&
+    selects(selectorOf(o), r.spec.template.metadata?.labels));
+  const shardObjects = (kind) => byKind(kind).filter((o) => !forRelay(o));
 
   // Every ConfigMap a pod names must be in the render (names carry a hash).
   for (const w of workloads) {
@@ -352,12 +360,12 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
       }
     }
 
-    for (const pdb of byKind("PodDisruptionBudget")) {
+    for (const pdb of shardObjects("PodDisruptionBudget")) {
       checkSelector(pdb, pdb.spec.selector?.matchLabels, "spec.selector");
       if (pdb.spec.maxUnavailable !== 1) fail(pdb, "maxUnavailable must be 1 (one shard at a time)");
     }
 
-    for (const monitor of byKind("PodMonitor")) {
+    for (const monitor of shardObjects("PodMonitor")) {
       checkSelector(monitor, monitor.spec.selector?.matchLabels, "spec.selector");
       for (const endpoint of monitor.spec.podMetricsEndpoints ?? []) {
         if (!portsByName.has(endpoint.port)) {
@@ -452,7 +460,7 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
     const workers = workloads.filter((w) => w !== sts &&
       w.spec.template.spec.containers.some((c) => (c.command ?? [])[0] === "layercast"));
     const portOf = (p) => (typeof p.port === "number" ? p.port : portsByName.get(p.port));
-    for (const policy of byKind("NetworkPolicy").filter((p) => ns(p) === ns(sts))) {
+    for (const policy of shardObjects("NetworkPolicy").filter((p) => ns(p) === ns(sts))) {
       checkSelector(policy, policy.spec.podSelector?.matchLabels, "spec.podSelector");
       if (policy.spec.policyTypes && !policy.spec.policyTypes.includes("Ingress")) {
         fail(policy, "policyTypes must include Ingress");
@@ -525,12 +533,199 @@ export function checkCrossObject(docs, { repoRoot, shardBinary }) {
     }
   }
 
+  errors.push(...checkRelays(docs, relays, { byKind, configMaps, ns, selectorOf }));
+
   // Images must be pinned: a bare name means :latest.
   for (const w of workloads) {
     const pod = w.spec.template.spec;
     for (const c of [...(pod.containers ?? []), ...(pod.initContainers ?? [])]) {
       if (!/[:@]/.test(c.image.split("/").pop()) || c.image.endsWith(":latest")) {
         fail(w, `container ${c.name} image '${c.image}' has no pinned tag`);
+      }
+    }
+  }
+  return errors;
+}
+
+// The container of `w` that runs `layercast relay`, if any.
+function relayContainer(w) {
+  return (w.spec?.template?.spec?.containers ?? []).find((c) =>
+    (c.command ?? [])[0] === "layercast" && (c.args ?? [])[0] === "relay");
+}
+
+// A relay (`layercast relay`, docs/publishing.md) as the shards' checks see
+// it is one more reader (its --shards-pattern, --num-shards and the shards'
+// NetworkPolicy are checked with the workers'). Here: what it serves and
+// who may reach it. One listen address per shard, on all interfaces, each a
+// container port; metrics on a container port named metrics and scraped;
+// TCP or HTTP probes (a relay has no gRPC health service) on its ports; a
+// Service, a PDB, a PodMonitor and a NetworkPolicy that select its pods and
+// no other workload's; the policy admitting readers and Prometheus and, if
+// it limits egress, letting the relay reach the shards and DNS; and the
+// relay's own refusals (TLS, client certificates) caught before it runs.
+function checkRelays(docs, relays, { byKind, configMaps, ns, selectorOf }) {
+  const errors = [];
+  const fail = (obj, message) => errors.push(`${id(obj)}: ${message}`);
+  const workloads = docs.filter((d) => d.spec?.template?.spec?.containers);
+  const sets = byKind("StatefulSet");
+  for (const relay of relays) {
+    const container = relayContainer(relay);
+    const args = container.args ?? [];
+    const labels = relay.spec.template.metadata?.labels ?? {};
+    const portsByName = new Map((container.ports ?? []).map((p) => [p.name, p.containerPort]));
+    const containerPorts = new Set((container.ports ?? []).map((p) => p.containerPort));
+    const portOf = (p) => (typeof p === "number" ? p : portsByName.get(p));
+    if (!selects(relay.spec.selector?.matchLabels, labels)) {
+      fail(relay, "spec.selector.matchLabels does not match the pod template's labels");
+    }
+
+    // One address per shard: as many as the --num-shards it reads.
+    const listen = (flag(args, "listen") ?? "").split(",").filter(Boolean).map(splitHostPort);
+    const countRef = envRef(container, flag(args, "num-shards"))?.valueFrom?.configMapKeyRef;
+    const count = countRef ? Number(configMaps.get(countRef.name)?.data?.[countRef.key]) : undefined;
+    if (!listen.length) {
+      fail(relay, "layercast relay needs --listen, one 0.0.0.0:<port> per shard in shard order");
+    } else if (count !== undefined && listen.length !== count) {
+      fail(relay, `--listen names ${listen.length} addresses but ConfigMap ${countRef.name} key ` +
+        `${countRef.key} says ${count} shards: give one per shard, in shard order`);
+    }
+    listen.forEach((address, i) => {
+      if (!address || !["0.0.0.0", "[::]"].includes(address.host)) {
+        fail(relay, `--listen address ${i} must be 0.0.0.0:<port>: readers and probes dial the pod IP`);
+      } else if (!containerPorts.has(address.port)) {
+        fail(relay, `--listen port ${address.port} (shard ${i}) is not a container port`);
+      }
+    });
+    const listenPorts = listen.filter(Boolean).map((a) => a.port);
+    const metrics = splitHostPort(flag(args, "metrics-listen"));
+    if (!metrics || !["0.0.0.0", "[::]"].includes(metrics.host) ||
+        portsByName.get("metrics") !== metrics.port) {
+      fail(relay, `--metrics-listen ${flag(args, "metrics-listen")} must be 0.0.0.0:<container ` +
+        `port named metrics (${portsByName.get("metrics")})>, which the PodMonitor scrapes`);
+    }
+
+    // Probes: a relay serves no grpc.health.v1, so a native gRPC probe
+    // would fail; TCP (or HTTP on the metrics port) on its own ports.
+    for (const probeName of ["livenessProbe", "readinessProbe"]) {
+      const probe = container[probeName];
+      if (!probe) {
+        fail(relay, `container ${container.name} needs a ${probeName} (tcpSocket on a --listen port)`);
+      } else if (probe.grpc) {
+        fail(relay, `${probeName} is a gRPC probe, but a relay serves no grpc.health.v1: ` +
+          "use tcpSocket on a --listen port or the metrics port");
+      }
+      const port = probe?.tcpSocket?.port ?? probe?.httpGet?.port;
+      if (probe && !probe.grpc && (port === undefined || !containerPorts.has(portOf(port)))) {
+        fail(relay, `${probeName} port ${port} is not a container port`);
+      }
+    }
+
+    // Memory: the model and its kept versions live in the process.
+    const request = container.resources?.requests?.memory;
+    const limit = container.resources?.limits?.memory;
+    if (!request || !limit || parseQuantity(request) !== parseQuantity(limit)) {
+      fail(relay, `memory request (${request}) must equal memory limit (${limit})`);
+    }
+
+    // The relay's own refusals at start, caught here instead of in a crash loop.
+    // (The workers' check above requires --tls-ca-file of a reader of TLS shards.)
+    const shardsTls = flag(args, "tls-ca-file") !== undefined || flag(args, "tls-cert-file") !== undefined;
+    if (shardsTls && flag(args, "serve-tls-cert-file") === undefined && !args.includes("--serve-plaintext")) {
+      fail(relay, "the shards are read over TLS (--tls-ca-file) and the relay would serve them in " +
+        "plaintext, which it refuses: give --serve-tls-cert-file and --serve-tls-key-file");
+    }
+    if (flag(args, "tls-cert-file") !== undefined && flag(args, "serve-tls-client-ca-file") === undefined &&
+        !args.includes("--serve-without-client-certificates")) {
+      fail(relay, "the relay reads the shards with a client certificate (--tls-cert-file) and would " +
+        "serve readers without one, which it refuses: give --serve-tls-client-ca-file, or " +
+        "--serve-without-client-certificates");
+    }
+
+    // Its objects: each selects its pods and no other workload's.
+    const mine = (kind) => byKind(kind).filter((o) => ns(o) === ns(relay) && selects(selectorOf(o), labels));
+    const onlyMine = (obj) => {
+      for (const other of workloads) {
+        if (other !== relay && ns(other) === ns(obj) &&
+            selects(selectorOf(obj), other.spec.template.metadata?.labels)) {
+          fail(obj, `selects the pods of ${id(other)} as well as the relay's`);
+        }
+      }
+    };
+    const services = mine("Service");
+    if (!services.length) fail(relay, "no Service selects the relay's pods: readers need one");
+    for (const service of services) {
+      onlyMine(service);
+      const targets = (service.spec.ports ?? []).map((p) => portOf(p.targetPort ?? p.port));
+      for (const port of listenPorts) {
+        if (!targets.includes(port)) fail(service, `exposes no port for the relay's --listen port ${port}`);
+      }
+      for (const p of service.spec.ports ?? []) {
+        if (!containerPorts.has(portOf(p.targetPort ?? p.port))) {
+          fail(service, `port ${p.name} targets ${p.targetPort ?? p.port}, which is not a container port`);
+        }
+      }
+      if ((relay.spec.replicas ?? 1) > 1 && service.spec.sessionAffinity !== "ClientIP") {
+        fail(service, "sessionAffinity must be ClientIP: a reader's connections (one per shard) " +
+          "must reach one relay, and relays may be a version apart");
+      }
+    }
+    const pdbs = mine("PodDisruptionBudget");
+    if (!pdbs.length) fail(relay, "no PodDisruptionBudget selects the relay's pods");
+    pdbs.forEach(onlyMine);
+    const monitors = mine("PodMonitor");
+    if (!monitors.length) fail(relay, "no PodMonitor scrapes the relay's metrics port");
+    for (const monitor of monitors) {
+      onlyMine(monitor);
+      const endpoints = monitor.spec.podMetricsEndpoints ?? [];
+      if (!endpoints.some((e) => portsByName.get(e.port) === metrics?.port)) {
+        fail(monitor, `no podMetricsEndpoints port names the relay's metrics port ` +
+          `(have: ${endpoints.map((e) => e.port).join(", ")})`);
+      }
+    }
+    const policies = mine("NetworkPolicy");
+    if (!policies.length) fail(relay, "no NetworkPolicy selects the relay's pods: it would serve the model to anyone");
+    for (const policy of policies) {
+      onlyMine(policy);
+      const types = policy.spec.policyTypes ?? ["Ingress"];
+      const rules = policy.spec.ingress ?? [];
+      if (!types.includes("Ingress")) fail(policy, "policyTypes must include Ingress");
+      rules.forEach((rule, r) => {
+        if (!(rule.from ?? []).length) fail(policy, `ingress rule ${r} has no from: it admits every source; name the readers`);
+        if (!(rule.ports ?? []).length) fail(policy, `ingress rule ${r} has no ports: it admits every port; name them`);
+        for (const p of rule.ports ?? []) {
+          if (!containerPorts.has(portOf(p.port))) {
+            fail(policy, `ingress rule ${r} port '${p.port}' is not a container port of ${id(relay)}`);
+          }
+        }
+      });
+      const admitted = (port, peer) => rules.some((rule) =>
+        (rule.ports ?? []).some((p) => portOf(p.port) === port) && (rule.from ?? []).some(peer));
+      for (const port of listenPorts) {
+        if (!admitted(port, (peer) => !!peer.podSelector || !!peer.namespaceSelector)) {
+          fail(policy, `no ingress rule admits readers to the relay's --listen port ${port}`);
+        }
+      }
+      if (metrics && !admitted(metrics.port, (peer) => !!peer.namespaceSelector)) {
+        fail(policy, "no ingress rule admits Prometheus (a namespaceSelector peer) to port metrics, " +
+          "which the PodMonitor scrapes");
+      }
+      if (types.includes("Egress")) {
+        const egress = policy.spec.egress ?? [];
+        for (const sts of sets.filter((s) => ns(s) === ns(relay))) {
+          const shardLabels = sts.spec.template.metadata?.labels;
+          const shardPort = (sts.spec.template.spec.containers ?? []).flatMap((c) => c.ports ?? [])
+            .find((p) => p.name === "grpc");
+          const reaches = egress.some((rule) =>
+            (rule.to ?? []).some((peer) => !peer.namespaceSelector && selects(peer.podSelector?.matchLabels, shardLabels)) &&
+            (rule.ports ?? []).some((p) => p.port === shardPort?.containerPort || p.port === shardPort?.name));
+          if (!reaches) {
+            fail(policy, `limits egress but lets the relay reach no shard of ${id(sts)} on port ` +
+              `${shardPort?.containerPort}: it pulls from them and checks every layer against them`);
+          }
+        }
+        if (!egress.some((rule) => (rule.ports ?? []).some((p) => p.port === 53))) {
+          fail(policy, "limits egress but allows no DNS (port 53): the relay names the shards by DNS");
+        }
       }
     }
   }

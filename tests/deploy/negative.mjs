@@ -132,6 +132,38 @@ const mutations = [
     (d) => { shard(d).image = "layercast"; }],
 ];
 
+// The relay overlay, rendered here: its own cases, on its own control.
+const relayRendered = parseDocs(execFileSync("kubectl",
+  ["kustomize", path.join(repoRoot, "deploy/k8s/overlays/relay")], { encoding: "utf8" }));
+const named = (docs, kind, name) => docs.find((d) => d.kind === kind && d.metadata.name === name);
+const relay = (docs) => named(docs, "Deployment", "layercast-relay").spec.template.spec.containers[0];
+const relayPolicy = (docs) => named(docs, "NetworkPolicy", "layercast-relay");
+const relayMutations = [
+  ["relay listening for 3 shards of 4", /--listen names 3 addresses but ConfigMap .* says 4 shards/,
+    (d) => { const a = relay(d).args; a[a.findIndex((x) => x.startsWith("--listen="))] = "--listen=0.0.0.0:7100,0.0.0.0:7101,0.0.0.0:7102"; }],
+  ["relay with a gRPC probe", /readinessProbe is a gRPC probe, but a relay serves no grpc\.health\.v1/,
+    (d) => { relay(d).readinessProbe = { grpc: { port: 7100 } }; }],
+  ["relay metrics on an unnamed port", /--metrics-listen 0\.0\.0\.0:9101 must be/,
+    (d) => { const a = relay(d).args; a[a.findIndex((x) => x.startsWith("--metrics-listen="))] = "--metrics-listen=0.0.0.0:9101"; }],
+  ["relay Service without ClientIP affinity", /sessionAffinity must be ClientIP/,
+    (d) => { delete named(d, "Service", "layercast-relay").spec.sessionAffinity; }],
+  ["relay Service missing a shard's port", /exposes no port for the relay's --listen port 7103/,
+    (d) => { named(d, "Service", "layercast-relay").spec.ports.pop(); }],
+  ["relay without a PDB", /no PodDisruptionBudget selects the relay's pods/,
+    (d) => d.splice(d.indexOf(named(d, "PodDisruptionBudget", "layercast-relay")), 1)],
+  ["relay PodMonitor on another port", /no podMetricsEndpoints port names the relay's metrics port/,
+    (d) => { named(d, "PodMonitor", "layercast-relay").spec.podMetricsEndpoints[0].port = "relay-0"; }],
+  ["relay egress without the shards", /lets the relay reach no shard of StatefulSet\/layercast/,
+    (d) => { relayPolicy(d).spec.egress.shift(); }],
+  ["relay egress without DNS", /allows no DNS/, (d) => { relayPolicy(d).spec.egress.pop(); }],
+  ["relay closed to Prometheus", /NetworkPolicy\/layercast-relay: no ingress rule admits Prometheus/,
+    (d) => { relayPolicy(d).spec.ingress.pop(); }],
+  ["relay pods the shards do not admit", /Deployment\/layercast-relay: NetworkPolicy\/layercast admits its pods to no/,
+    (d) => { delete named(d, "Deployment", "layercast-relay").spec.template.metadata.labels["layercast.io/role"]; }],
+  ["relay of mutual-TLS shards without a client CA", /would serve readers without one, which it refuses: give --serve-tls-client-ca-file/,
+    (d) => { relay(d).args.push("--tls-ca-file=/tls/ca.crt", "--tls-cert-file=/tls/tls.crt", "--tls-key-file=/tls/tls.key", "--serve-tls-cert-file=/tls/tls.crt", "--serve-tls-key-file=/tls/tls.key"); }],
+];
+
 // Overlays a user might write; kubectl kustomize renders them for real.
 const fixtures = [
   ["fixture misspelled-patch", /'"terminationGracePeriodSecnds"' does not exist/],
@@ -231,6 +263,17 @@ if (control.length || dockerControl.length || imageControl.length) {
 
 for (const [name, expected, mutate] of mutations) {
   const docs = structuredClone(rendered);
+  mutate(docs);
+  expectFailure(name, await validateDocs(docs, { repoRoot, shardBinary }), expected);
+}
+
+const relayControl = await validateDocs(relayRendered, { repoRoot, shardBinary });
+if (relayControl.length) {
+  console.log(`not ok - the relay overlay must pass first: ${relayControl.join(" | ")}`);
+  process.exit(1);
+}
+for (const [name, expected, mutate] of relayMutations) {
+  const docs = structuredClone(relayRendered);
   mutate(docs);
   expectFailure(name, await validateDocs(docs, { repoRoot, shardBinary }), expected);
 }

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Offline checks of deploy/ (no cluster, no Docker engine):
-#  1. kubectl kustomize renders the base and the example and training overlays;
+#  1. kubectl kustomize renders the base and the example, training and relay
+#     overlays;
 #  2. deploy/validate checks every rendered object against the Kubernetes and
 #     Prometheus Operator schemas (strict about field names) and across
-#     objects (headless Service, probe ports, shard count, memory, drain...);
+#     objects (headless Service, probe ports, shard count, memory, drain...,
+#     and the relay's listen addresses, probes, Service, PDB, PodMonitor and
+#     NetworkPolicy);
 #  3. yamllint, on the sources and on the rendered manifests;
 #  4. the Dockerfile: named stages, existing sources and scripts, non-root
 #     USER, ENTRYPOINT layercast-shard, ports 7070 and 9090 exposed, OCI
@@ -11,8 +14,9 @@
 #     the image and checks its configuration with the same validator);
 #  5. the Docker build stage's configure step, run outside Docker on exactly
 #     the files the Dockerfile copies;
-#  6. negative tests: broken manifests, fixtures, Dockerfiles and built-image
-#     configurations must fail.
+#  6. negative tests: broken manifests (the example's and the relay
+#     overlay's), fixtures, Dockerfiles and built-image configurations must
+#     fail.
 # LAYERCAST_BIN_DIR: where layercast-shard and layercast were built (default
 # build/bin) for the runtime-library check. Exits non-zero on any failure.
 set -uo pipefail
@@ -71,15 +75,17 @@ step "kubectl kustomize deploy/k8s/overlays/example" \
   sh -c "kubectl kustomize deploy/k8s/overlays/example > '$tmp/example.yaml'"
 step "kubectl kustomize deploy/k8s/overlays/training" \
   sh -c "kubectl kustomize deploy/k8s/overlays/training > '$tmp/training.yaml'"
+step "kubectl kustomize deploy/k8s/overlays/relay" \
+  sh -c "kubectl kustomize deploy/k8s/overlays/relay > '$tmp/relay.yaml'"
 
 step "validate rendered manifests (schemas, field names, cross-object, memory by dry run)" \
   node deploy/validate/validate.mjs --repo "$root" \
   ${bin_dir:+--shard-binary "$bin_dir/layercast-shard"} "$tmp/base.yaml" "$tmp/example.yaml" \
-  "$tmp/training.yaml"
+  "$tmp/training.yaml" "$tmp/relay.yaml"
 
 step "yamllint deploy/ tests/deploy/ and the rendered manifests" \
   yamllint -c deploy/.yamllint deploy tests/deploy "$tmp/base.yaml" "$tmp/example.yaml" \
-  "$tmp/training.yaml"
+  "$tmp/training.yaml" "$tmp/relay.yaml"
 
 step "Dockerfile" node deploy/validate/dockerfile.mjs --repo "$root" ${bin_dir:+--bin-dir "$bin_dir"} \
   deploy/docker/Dockerfile
