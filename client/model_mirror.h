@@ -13,15 +13,18 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "client/cancellation.h"
 #include "client/layer.h"
 #include "client/shard_set.h"
 
 namespace layercast::client {
 
 // Told of each layer a mirror pulls as it lands, so that a relay (relay/)
-// serves it on at once rather than after the whole update. Called on the
-// thread that pulls, with the mirror's lock held: it must not call back
-// into the mirror, and should only copy what it keeps.
+// serves it on at once rather than after the whole update (a staged layer
+// as it lands in its copy, before the mirror's readers see it). Called on
+// the thread that pulls, one call at a time, perhaps with the mirror's lock
+// held: it must not call back into the mirror, and should only copy what it
+// keeps.
 class MirrorListener {
  public:
   virtual ~MirrorListener() = default;
@@ -63,21 +66,19 @@ struct MirrorOptions {
   // Staged updates: an update pulls the layers that moved into copies of
   // themselves, up to this many bytes of copies, while readers read on,
   // then holds readers off only to copy the changed ones in (the pause),
-  // so a reader never sees a torn model and waits a copy, not a pull.
-  // Layers past it are pulled in place with readers held off, as with 0
-  // (the default: no second copy of anything). The whole model's bytes
-  // stage every update at the cost of a transient copy of the layers that
-  // moved.
-  uint64_t staging_bytes = 0;
+  // so a reader never sees a torn model and never waits on the network,
+  // whatever the source does (a relay stopped mid-update included). The
+  // default stages every layer that moves, at the cost of a transient copy
+  // of those layers during the update. Layers past a smaller budget are
+  // pulled in place with readers held off for their pulls (0: no second
+  // copy of anything, readers wait on the network); a cancelled or failed
+  // staged pull leaves the live layers as they were.
+  static constexpr uint64_t kStageAll = UINT64_MAX;
+  uint64_t staging_bytes = kStageAll;
   // Told of each layer as it lands; must outlive the mirror.
   MirrorListener* listener = nullptr;
-  // Where to follow from when the upstream given to Create dies (a relay
-  // whose chunks stop coming: an update or a poll ends UNAVAILABLE or
-  // DEADLINE_EXCEEDED, or Create's first pull does): the mirror logs it
-  // and follows `fallback` from then on, the pull that failed resumed
-  // from it. Relays forward the
-  // shards' incarnations, so deltas from a relay's versions go on from the
-  // shards. Must serve the same layout, and outlive the mirror.
+  // One more fallback, for callers that name one: followed after
+  // `fallbacks` (below) unless among them.
   const ShardSet* fallback = nullptr;
   // The shards every layer is checked against before the mirror exposes it
   // (and a relay serves it): their digests of its version
@@ -88,6 +89,24 @@ struct MirrorOptions {
   // from these shards) and checked again; they are never exposed. Null: not
   // checked. Must serve the same layout, and outlive the mirror.
   const ShardSet* verify_with = nullptr;
+  // Where to follow from, in order of preference after the upstream given
+  // to Create, when the source dies (an update or a poll ends UNAVAILABLE
+  // or DEADLINE_EXCEEDED, Create's first pull does, or a probe below finds
+  // it unreachable or silent): the mirror logs it and follows the next one,
+  // the pull that failed resumed from it. Relays forward the shards'
+  // incarnations, so deltas from one source's versions go on from another.
+  // Each must serve the same layout, and outlive the mirror.
+  std::vector<const ShardSet*> fallbacks;
+  // While following with fallbacks: how often the mirror probes its source
+  // (a WaitVersion answered at once, within `probe`), so that one that
+  // refuses connections or stopped answering (a stopped process) is left
+  // within about this long plus `probe`, its poll or update cancelled,
+  // rather than after a poll or layer timeout; and probes the sources it
+  // prefers to the one it follows, going back to the first that answers
+  // at a version no lower than the mirror's (between updates). 0: no
+  // probes (a source is left only when a call to it fails; never returned
+  // to).
+  std::chrono::milliseconds probe{500};
 };
 
 // What one update brought.
@@ -116,7 +135,9 @@ struct MirrorUpdate {
 // valid across updates: the buffers never move.
 //
 // Readers take a Reading, which holds updates off while it lives. An update
-// holds readers off for its whole walk, and pins it to one version
+// pulls into staging copies while readers read on (MirrorOptions::
+// staging_bytes) and holds readers off only to copy them in; it pins its
+// walk to one version
 // (GatherOptions.exact_version), so a publish committed meanwhile does not
 // leave the layers after it newer than those before; only where a shard no
 // longer keeps that version is a layer pulled at its newest. An update that
@@ -135,12 +156,13 @@ class ModelMirror {
   // Stops following.
   ~ModelMirror();
 
-  // The lowest version any layer holds.
-  uint64_t version() const;
+  // The lowest version any layer holds; answered at once, whatever an
+  // update in flight or the source does.
+  uint64_t version() const { return version_.load(); }
 
-  // The set the mirror pulls from now: the upstream given to Create, or
-  // MirrorOptions::fallback once it fell back.
-  const ShardSet& source() const { return *source_.load(); }
+  // The set the mirror pulls from now: the upstream given to Create, or one
+  // of MirrorOptions::fallbacks while it follows one.
+  const ShardSet& source() const { return *sources_[at_.load()]; }
 
   // Brings every layer to at least `min_version` (default: the version the
   // shards serve now) by delta pulls. Layers already there are left alone,
@@ -160,8 +182,9 @@ class ModelMirror {
   // after each update. Failures are logged and retried with backoff. Calling
   // it again while following changes nothing.
   void Follow(std::function<void(const MirrorUpdate&)> on_update = {});
-  // Stops the follower, cancelling a poll in flight; waits for an update in
-  // flight to end.
+  // Stops the follower, cancelling the poll or update in flight (an update
+  // cancelled midway leaves staged layers as they were); returns once the
+  // follower ended, within a fraction of a second.
   void StopFollowing();
 
   // Holds updates off while it lives: `auto reading = mirror.Read();`.
@@ -195,21 +218,30 @@ class ModelMirror {
  private:
   // The first pull of every layer from `shards`; the mirror's metrics go
   // to `metrics` (the upstream's, when this is its fallback).
-  static absl::StatusOr<std::unique_ptr<ModelMirror>> Walk(const ShardSet& shards,
-                                                           const MirrorOptions& options,
+  static absl::StatusOr<std::unique_ptr<ModelMirror>> Walk(std::vector<const ShardSet*> sources,
+                                                           size_t at, const MirrorOptions& options,
                                                            ClientMetrics* metrics);
-  ModelMirror(const ShardSet& shards, ClientMetrics* metrics, MirrorOptions options,
-              std::vector<AssembledLayout> layouts, std::vector<Layer> layers,
-              std::vector<std::vector<uint64_t>> incarnations);
+  ModelMirror(std::vector<const ShardSet*> sources, size_t at, ClientMetrics* metrics,
+              MirrorOptions options, std::vector<AssembledLayout> layouts,
+              std::vector<Layer> layers, std::vector<std::vector<uint64_t>> incarnations);
   uint64_t VersionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Update; the follower's (`following`) is cancelled by StopFollowing and
+  // by probes.
+  absl::StatusOr<MirrorUpdate> UpdateWith(std::optional<uint64_t> min_version, bool following);
+  // The follower's next poll or update (`updating`), as turn_; null once
+  // stopping.
+  std::shared_ptr<Cancellation> NewTurn(bool updating);
   // One attempt at an update, from the source now, adding what it brings
   // to `update` (so a failed attempt's progress is still reported).
   absl::Status UpdateFrom(std::optional<uint64_t> min_version,
-                          std::chrono::steady_clock::time_point start, MirrorUpdate& update)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
-  // Switches to options_.fallback when `failed` says the source died;
-  // false when there is nothing to switch to.
+                          std::chrono::steady_clock::time_point start, Cancellation* cancel,
+                          MirrorUpdate& update) ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
+  // Switches to the next source when `failed` says the source died (or was
+  // cancelled because a probe found it dead); false when there is none.
   bool FallBack(const absl::Status& failed);
+  // The source a layer that failed its digests is pulled again from: the
+  // one after `from`, else null.
+  const ShardSet* NextAfter(const ShardSet& from) const;
   // One layer's pull into `bytes` (the layer at `base`, or a copy of it):
   // a delta pinned to `target`, or the layer at its newest where the shards
   // no longer keep `target`.
@@ -222,7 +254,8 @@ class ModelMirror {
   };
   // No `base`: in full (the layer's bits are another incarnation's).
   Pulled Pull(uint32_t layer, uint64_t target, std::optional<uint64_t> base,
-              std::vector<uint64_t> base_incarnations, std::span<uint8_t> bytes) const;
+              std::vector<uint64_t> base_incarnations, std::span<uint8_t> bytes,
+              Cancellation* cancel) const;
   // The follower's long poll: the version shard 0 serves once it reaches
   // `min_version` or the poll ends (then below it), and its incarnation; at
   // once when that is not `incarnation` (the set restarted). StopFollowing
@@ -231,14 +264,33 @@ class ModelMirror {
     uint64_t version = 0;
     uint64_t incarnation = 0;
   };
-  absl::StatusOr<Polled> Poll(uint64_t min_version, uint64_t incarnation);
+  absl::StatusOr<Polled> Poll(uint64_t min_version, uint64_t incarnation, Cancellation& cancel);
+  // Tells options_.listener of `layer` as `pulled` brought it, in `bytes`,
+  // unless it was told of that version last.
+  void Tell(uint32_t layer, const Pulled& pulled, bool changed, std::span<const uint8_t> bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
   // The incarnation of shard 0 that served layer 0 (0: unknown).
   uint64_t HeldIncarnationLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FollowLoop(std::function<void(const MirrorUpdate&)> on_update);
+  // While following with fallbacks: probes the source and the sources
+  // preferred to it every options_.probe (MirrorOptions::probe).
+  void ProbeLoop(std::shared_ptr<Cancellation> stop);
+  // Cancels the follower's poll, or (with `updates`) its update too.
+  void CancelTurn(bool updates);
 
   const MirrorOptions options_;
-  // What the mirror pulls from: the upstream, then perhaps the fallback.
-  std::atomic<const ShardSet*> source_;
+  // What the mirror may pull from, in order of preference: the upstream
+  // given to Create, then the fallbacks; at_ is the one followed now.
+  const std::vector<const ShardSet*> sources_;
+  std::atomic<size_t> at_;
+  // Set by a probe that found source at_ dead (SIZE_MAX: none): the
+  // follower's turn it cancelled falls back.
+  std::atomic<size_t> dead_{SIZE_MAX};
+  // Set by a probe that found a source preferred to at_ answering again
+  // (SIZE_MAX: none): the follower goes back to it between updates.
+  std::atomic<size_t> back_to_{SIZE_MAX};
+  // version(): VersionLocked() as of the last change to the layers.
+  std::atomic<uint64_t> version_{0};
   // The upstream's, kept after a fall back: one mirror's series.
   ClientMetrics* const metrics_;
   // With options_.dtype, every layer's layout in it (the layers point
@@ -252,12 +304,21 @@ class ModelMirror {
   // Per layer, per shard: the incarnation that served the layer's version,
   // named as the base of its next delta.
   std::vector<std::vector<uint64_t>> incarnations_ ABSL_GUARDED_BY(mu_);
+  // Per layer, the version and incarnations options_.listener was told of
+  // last.
+  std::vector<std::pair<uint64_t, std::vector<uint64_t>>> told_ ABSL_GUARDED_BY(update_mu_);
 
   absl::Mutex follow_mu_;
   bool stopping_ ABSL_GUARDED_BY(follow_mu_) = false;
-  grpc::ClientContext* poll_ ABSL_GUARDED_BY(follow_mu_) = nullptr;
+  // The follower's poll or update in flight, cancelled by StopFollowing
+  // and by probes; `updating_` says which.
+  std::shared_ptr<Cancellation> turn_ ABSL_GUARDED_BY(follow_mu_);
+  bool updating_ ABSL_GUARDED_BY(follow_mu_) = false;
+  // Cancels the prober's probe in flight (StopFollowing).
+  std::shared_ptr<Cancellation> stop_probes_ ABSL_GUARDED_BY(follow_mu_);
   absl::Mutex follower_mu_ ABSL_ACQUIRED_BEFORE(follow_mu_);  // Follow, StopFollowing
   std::thread follower_ ABSL_GUARDED_BY(follower_mu_);
+  std::thread prober_ ABSL_GUARDED_BY(follower_mu_);
 };
 
 }  // namespace layercast::client

@@ -286,13 +286,16 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
 }
 
 absl::StatusOr<layercast::v1::WaitVersionResponse> ShardSet::VersionNow(
-    size_t shard, std::chrono::system_clock::time_point deadline) const {
+    size_t shard, std::chrono::system_clock::time_point deadline, Cancellation* cancel) const {
   grpc::ClientContext context;
   context.set_deadline(deadline);
+  const uint64_t cancel_id =
+      cancel != nullptr ? cancel->Register([&context] { context.TryCancel(); }) : 0;
   layercast::v1::WaitVersionRequest request;  // min_version 0: answered at once
   layercast::v1::WaitVersionResponse response;
-  RETURN_IF_ERROR(wire::FromGrpcStatus(stubs_[shard]->WaitVersion(&context, request, &response),
-                                       Describe(addresses_, shard)));
+  const grpc::Status status = stubs_[shard]->WaitVersion(&context, request, &response);
+  if (cancel_id != 0) cancel->Unregister(cancel_id);
+  RETURN_IF_ERROR(wire::FromGrpcStatus(status, Describe(addresses_, shard)));
   return response;
 }
 
@@ -302,12 +305,13 @@ absl::StatusOr<uint64_t> ShardSet::CurrentVersion(std::chrono::milliseconds time
   return now.version();
 }
 
-absl::StatusOr<ShardSet::Identity> ShardSet::CurrentIdentity(
-    std::chrono::milliseconds timeout) const {
+absl::StatusOr<ShardSet::Identity> ShardSet::CurrentIdentity(std::chrono::milliseconds timeout,
+                                                             Cancellation* cancel) const {
   Identity identity;
   const auto deadline = std::chrono::system_clock::now() + timeout;
   for (size_t shard = 0; shard < stubs_.size(); ++shard) {
-    ASSIGN_OR_RETURN(const layercast::v1::WaitVersionResponse now, VersionNow(shard, deadline));
+    ASSIGN_OR_RETURN(const layercast::v1::WaitVersionResponse now,
+                     VersionNow(shard, deadline, cancel));
     if (shard == 0) identity.version = now.version();
     identity.incarnations.push_back(now.incarnation());
   }

@@ -87,13 +87,15 @@ class ShardSet final : public LayerSource {
   // The version shard 0 serves now with what makes it an identity: per
   // shard, the incarnation serving (WaitVersionResponse.incarnation; 0
   // where a shard does not say). A version read before with other
-  // incarnations may name other bits. One small call per shard.
+  // incarnations may name other bits. One small call per shard; `cancel`
+  // (if set) ends it CANCELLED.
   struct Identity {
     uint64_t version = 0;
     std::vector<uint64_t> incarnations;
   };
   absl::StatusOr<Identity> CurrentIdentity(
-      std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
+      std::chrono::milliseconds timeout = std::chrono::seconds(10),
+      Cancellation* cancel = nullptr) const;
 
   // Each shard's digest of its slice of layer `layer` at `version`, in
   // `dtype` (nullopt: the policy's), in shard order (GetLayerDigest): what
@@ -127,7 +129,8 @@ class ShardSet final : public LayerSource {
   absl::Status CheckLayerIndex(uint32_t layer) const;
   // Shard `shard`'s WaitVersion answered at once (min_version 0).
   absl::StatusOr<layercast::v1::WaitVersionResponse> VersionNow(
-      size_t shard, std::chrono::system_clock::time_point deadline) const;
+      size_t shard, std::chrono::system_clock::time_point deadline,
+      Cancellation* cancel = nullptr) const;
   absl::StatusOr<uint64_t> GatherStreams(uint32_t layer, const GatherOptions& options,
                                          std::span<uint8_t> buffer) const;
 

@@ -290,7 +290,7 @@ class Mirror:
 
     @property
     def version(self) -> int:
-        """The lowest version any layer holds."""
+        """The lowest version any layer holds; answered at once."""
         self._not_reading("mirror.version")
         return self._native.version
 
@@ -321,11 +321,23 @@ class Mirror:
             self._native.follow(lambda update: on_update(self._named(update)))
 
     def stop(self) -> None:
-        """Stops following; waits for an update in flight."""
+        """Stops following, cancelling the poll or update in flight (one
+        cancelled midway leaves the layers as they were); returns within a
+        fraction of a second."""
         self._native.stop()
 
+    @property
+    def source(self) -> List[str]:
+        """The set the mirror pulls from now: the one it was made from, or
+        one of its fallbacks (ShardSet.mirror(fallbacks=)), as "host:port"
+        per shard."""
+        return list(self._native.source)
+
     def read(self) -> MirrorReading:
-        """Holds updates off until the reading is closed (use `with`)."""
+        """Holds updates off until the reading is closed (use `with`). Never
+        waits on the network: an update pulls into copies while readers read
+        on (ShardSet.mirror(staging_bytes=)), holding them off only to copy
+        the layers that changed in."""
         self._not_reading("mirror.read()")
         return MirrorReading(self._native.read(), self._readers, self._indices)
 
@@ -423,8 +435,10 @@ class ShardSet:
         return self._native.export(str(path), dtype, version, max_file_bytes, timeout)
 
     def mirror(self, *, timeout: float = 60.0, poll: float = 10.0,
-               dtype: Optional[str] = None, staging_bytes: int = 0,
-               serve: Optional[Sequence[str]] = None) -> Mirror:
+               dtype: Optional[str] = None, staging_bytes: Optional[int] = None,
+               serve: Optional[Sequence[str]] = None,
+               fallbacks: Optional[Sequence[object]] = None,
+               probe: float = 0.5) -> Mirror:
         """Pulls every layer in full into a Mirror (each pull within
         `timeout` seconds); `poll`: how long each of its long polls for a new
         version lasts once it follows. `dtype` ("float8_e4m3fn", ...): every
@@ -435,20 +449,42 @@ class ShardSet:
         a dtype (a mirror or relay serving in it does).
         `staging_bytes`: an update pulls the layers that moved into copies,
         up to this many bytes, while readers read on, and holds them off
-        only to copy the changed ones in (0, the default: pulls in place,
-        readers held off for the whole update; no second copy).
+        only to copy the changed ones in (None, the default: every layer
+        that moves, so `read()` never waits on the network; 0: pulls in
+        place, readers held off for the whole update; no second copy).
         `serve`: one "host:port" per shard, in shard order (port 0 picks a
         free one; Mirror.addresses says which): the mirror also serves the
         set's reads there, as `layercast relay` does, so other mirrors
-        connect() to it instead of to the shards."""
+        connect() to it instead of to the shards.
+        `fallbacks`: where to follow from, in order, when this set (a relay,
+        typically) dies or stops answering: each a ShardSet (connect() it,
+        with TLS if needed) or a list of "host:port" (connected here in
+        plaintext) serving the same model, such as the shards the relay
+        follows or other relays of them. While following, the mirror probes
+        its source every `probe` seconds (a call answered at once, within
+        `probe`): one that refuses connections or does not answer is left
+        within about 2 * `probe`, and a source preferred to the one
+        followed is gone back to once it answers again, caught up (0: no
+        probes; a source is left only when a call to it fails)."""
         if serve is not None and len(serve) != self.manifest["num_shards"]:
             raise ValueError(f"serve names {len(serve)} addresses: give one per shard, "
                              f"{self.manifest['num_shards']}, in shard order")
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one the shards cast to: use one of "
                              f"{', '.join(_DTYPES[:5])}")
+        if probe < 0:
+            raise ValueError(f"probe is {probe}: give seconds between probes, or 0 for none")
+        natives = []
+        for fallback in fallbacks or []:
+            if isinstance(fallback, ShardSet):
+                natives.append(fallback._native)
+            elif isinstance(fallback, (str, collections.abc.Sequence)):
+                natives.append(connect(fallback, timeout=timeout)._native)
+            else:
+                raise TypeError(f"a fallback is a ShardSet or a list of 'host:port', not "
+                                f"{type(fallback).__name__}")
         return Mirror(self._native.mirror(timeout, poll, dtype or "", staging_bytes,
-                                          list(serve or [])),
+                                          list(serve or []), natives, probe),
                       [layer["name"] for layer in self.manifest["layers"]])
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,

@@ -134,15 +134,23 @@ std::vector<std::string> PyMirror::addresses() const {
   return held_->relay != nullptr ? held_->relay->addresses() : std::vector<std::string>{};
 }
 
+std::vector<std::string> PyMirror::source() const { return held_->mirror->source().addresses(); }
+
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
-                    const std::string& dtype, uint64_t staging_bytes,
-                    const std::vector<std::string>& serve) {
+                    const std::string& dtype, std::optional<uint64_t> staging_bytes,
+                    const std::vector<std::string>& serve,
+                    std::vector<std::shared_ptr<Connection>> fallbacks, double probe) {
   client::MirrorOptions options;
-  options.staging_bytes = staging_bytes;
+  if (staging_bytes) options.staging_bytes = *staging_bytes;
   options.layer_timeout = Milliseconds(layer_timeout);
   options.poll = Milliseconds(poll);
+  options.probe = Milliseconds(probe);
+  for (const std::shared_ptr<Connection>& fallback : fallbacks) {
+    options.fallbacks.push_back(fallback->set.get());
+  }
   if (!dtype.empty()) options.dtype = ValueOrRaise(DTypeFromName(dtype));
   auto held = std::make_shared<HeldMirror>();
+  held->fallbacks = std::move(fallbacks);
   if (!serve.empty()) {
     relay::RelayOptions relay;
     relay.listen = serve;

@@ -17,6 +17,9 @@ namespace layercast::python {
 // hold: the mirror, and the connection its shard set lives in.
 struct HeldMirror {
   std::shared_ptr<Connection> connection;
+  // The sets the mirror falls back to (MirrorOptions::fallbacks); they
+  // outlive it.
+  std::vector<std::shared_ptr<Connection>> fallbacks;
   // Serving the mirror's layers (ShardSet.mirror(serve=...)); outlives the
   // mirror, which tells it of each layer.
   std::unique_ptr<relay::Relay> relay;
@@ -59,6 +62,8 @@ class PyMirror {
   // Where the mirror serves the set's reads (its relay's addresses, in
   // shard order); empty when it does not.
   std::vector<std::string> addresses() const;
+  // The addresses of the set it pulls from now (ModelMirror::source).
+  std::vector<std::string> source() const;
 
  private:
   std::shared_ptr<HeldMirror> held_;
@@ -67,11 +72,15 @@ class PyMirror {
 // ShardSet.mirror: pulls every layer in full (without the GIL).
 // `dtype`: MirrorOptions::dtype by name ("float8_e4m3fn"); empty for the
 // policy's dtypes.
+// `staging_bytes`: MirrorOptions::staging_bytes; nullopt: its default.
 // `serve`: one host:port per shard where the mirror serves the set's reads
 // (relay::Relay); empty: it does not.
+// `fallbacks`: MirrorOptions::fallbacks, in order; `probe` (seconds):
+// MirrorOptions::probe.
 PyMirror MakeMirror(std::shared_ptr<Connection> connection, double layer_timeout, double poll,
-                    const std::string& dtype, uint64_t staging_bytes,
-                    const std::vector<std::string>& serve);
+                    const std::string& dtype, std::optional<uint64_t> staging_bytes,
+                    const std::vector<std::string>& serve,
+                    std::vector<std::shared_ptr<Connection>> fallbacks, double probe);
 
 // ShardSet.publish: `values` {tensor name: fp32 tensor}, taken without a copy;
 // `insecure` lets the token go over a plaintext connection.

@@ -102,11 +102,16 @@ PYBIND11_MODULE(_layercast, module) {
       .def(
           "mirror",
           [](const PyShardSet& self, double timeout, double poll, const std::string& dtype,
-             uint64_t staging_bytes, const std::vector<std::string>& serve) {
-            return MakeMirror(self.Held(), timeout, poll, dtype, staging_bytes, serve);
+             std::optional<uint64_t> staging_bytes, const std::vector<std::string>& serve,
+             const std::vector<const PyShardSet*>& fallbacks, double probe) {
+            std::vector<std::shared_ptr<Connection>> held;
+            for (const PyShardSet* fallback : fallbacks) held.push_back(fallback->Held());
+            return MakeMirror(self.Held(), timeout, poll, dtype, staging_bytes, serve,
+                              std::move(held), probe);
           },
           py::arg("timeout") = 60.0, py::arg("poll") = 10.0, py::arg("dtype") = "",
-          py::arg("staging_bytes") = 0, py::arg("serve") = std::vector<std::string>{})
+          py::arg("staging_bytes") = py::none(), py::arg("serve") = std::vector<std::string>{},
+          py::arg("fallbacks") = std::vector<const PyShardSet*>{}, py::arg("probe") = 0.5)
       .def(
           "publish",
           [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,
@@ -131,6 +136,7 @@ PYBIND11_MODULE(_layercast, module) {
       .def("follow", &PyMirror::Follow, py::arg("on_update") = py::none())
       .def("stop", &PyMirror::Stop)
       .def_property_readonly("addresses", &PyMirror::addresses)
+      .def_property_readonly("source", &PyMirror::source)
       .def("read", &PyMirror::Read);
 
   module.def(

@@ -105,6 +105,72 @@ class ShardSet:
         self.stop()
 
 
+CLI_BINARY = os.environ.get("LAYERCAST_CLI_BINARY", "")
+
+
+class Relay:
+    """A `layercast relay` process of `shards` on 127.0.0.1 (port 0: free
+    ones), its addresses in `addresses`; stop() (or the with block) ends it.
+    signal() sends it one and says the process took it; start() starts it
+    again on the same addresses."""
+
+    def __init__(self, directory: pathlib.Path, name: str, shards: Sequence[str]):
+        if not CLI_BINARY:
+            raise RuntimeError("set LAYERCAST_CLI_BINARY to the layercast binary")
+        self.directory = directory
+        self.name = name
+        self.shards = list(shards)
+        self.addresses = ["127.0.0.1:0"] * len(self.shards)
+        self.process: subprocess.Popen = None  # type: ignore[assignment]
+        self.start()
+
+    def start(self) -> None:
+        port_file = self.directory / f"{self.name}.ports"
+        port_file.unlink(missing_ok=True)
+        log = open(self.directory / f"{self.name}.log", "ab")
+        self.process = subprocess.Popen(
+            [CLI_BINARY, "relay", "--shards", ",".join(self.shards), "--listen",
+             ",".join(self.addresses), "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                text = (self.directory / f"{self.name}.log").read_text(errors="replace")
+                raise RuntimeError(f"relay {self.name} did not start listening:\n{text}")
+            time.sleep(0.02)
+        self.addresses = port_file.read_text().strip().split(",")
+
+    def state(self) -> str:
+        """The process's state letter in /proc (T: stopped, R/S: running)."""
+        stat = pathlib.Path(f"/proc/{self.process.pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2]
+
+    def stop_signal(self) -> None:
+        """SIGSTOP, and waits (bounded) until the kernel says it stopped."""
+        self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while self.state() != "T":
+            assert time.monotonic() < deadline, f"relay {self.name} did not stop"
+            time.sleep(0.005)
+
+    def kill(self) -> None:
+        """SIGKILL, reaped: asserts that is how it ended."""
+        self.process.send_signal(signal.SIGKILL)
+        assert self.process.wait(timeout=10) == -signal.SIGKILL
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> "Relay":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def read_safetensors(path: pathlib.Path) -> Dict[str, torch.Tensor]:
     """The fp32 tensors of a safetensors file (a shard's checkpoint holds its
     slice of each tensor, flattened)."""
