@@ -73,7 +73,11 @@ const Command kCommands[] = {
      "  --serve-tls-cert-file F --serve-tls-key-file F [--serve-tls-client-ca-file F]\n"
      "                              serve TLS (mutual with the CA), as a shard's --tls-*;\n"
      "                              required when the shards are reached over TLS\n"
-     "  --serve-plaintext           serve plaintext even so\n",
+     "  --serve-plaintext           serve plaintext even so\n"
+     "  --serve-without-client-certificates\n"
+     "                              serve readers without a certificate even though the\n"
+     "                              shards are read with one (--tls-cert-file); without it\n"
+     "                              such a relay needs --serve-tls-client-ca-file\n",
      true},
     {"fetch", layercast::cli::RunFetch, "gather one layer into a safetensors file",
      "layercast fetch SHARDS --layer L --out FILE.safetensors [--timeout-ms MS]\n"

@@ -31,6 +31,58 @@ absl::Status WritePortFile(const std::string& path, const std::vector<std::strin
   return absl::OkStatus();
 }
 
+// A relay that presents a client certificate upstream reads from shards
+// that authenticate their readers; serving those reads to anyone would end
+// that authentication at the relay, so it takes a CA for its own readers,
+// or a flag that says the operator means it.
+absl::Status CheckReaderAuthentication(const tools::CliFlags& flags) {
+  const bool client_ca = flags.Has("serve-tls-client-ca-file");
+  const bool without = flags.Has("serve-without-client-certificates");
+  if (client_ca && without) {
+    return absl::InvalidArgumentError(
+        "--serve-tls-client-ca-file requires readers' certificates and "
+        "--serve-without-client-certificates serves readers without one: give one of the two");
+  }
+  if (flags.Has("tls-cert-file") && !client_ca && !without) {
+    return absl::FailedPreconditionError(
+        "the shards are read with a client certificate (--tls-cert-file), so they authenticate "
+        "their readers, and this relay would serve what they hold to readers without one: give "
+        "--serve-tls-client-ca-file (the CA that signs readers' certificates, beside "
+        "--serve-tls-cert-file and --serve-tls-key-file), or "
+        "--serve-without-client-certificates to serve unauthenticated readers on purpose");
+  }
+  return absl::OkStatus();
+}
+
+// The shard's limits, from the flags of the same names, with the shard's
+// defaults (RelayLimits::Defaults).
+absl::StatusOr<relay::RelayLimits> RelayLimitsFromFlags(const tools::CliFlags& flags) {
+  relay::RelayLimits limits = relay::RelayLimits::Defaults();
+  const auto get = [&](const char* flag, uint32_t& into) -> absl::Status {
+    ASSIGN_OR_RETURN(const uint64_t value, flags.GetUint(flag, into));
+    if (value == 0 || value > UINT32_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " is ", value, ": give 1 to ", UINT32_MAX));
+    }
+    into = static_cast<uint32_t>(value);
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(get("max-streams", limits.max_streams));
+  RETURN_IF_ERROR(get("max-parked-streams", limits.max_parked_streams));
+  RETURN_IF_ERROR(get("max-waits-per-connection", limits.max_waits_per_connection));
+  RETURN_IF_ERROR(get("max-version-lead", limits.max_version_lead));
+  uint32_t wait_ms = static_cast<uint32_t>(limits.max_version_wait.count());
+  RETURN_IF_ERROR(get("max-version-wait-ms", wait_ms));
+  limits.max_version_wait = std::chrono::milliseconds(wait_ms);
+  uint32_t stall_ms = static_cast<uint32_t>(limits.write_progress_timeout.count());
+  RETURN_IF_ERROR(get("write-progress-timeout-ms", stall_ms));
+  limits.write_progress_timeout = std::chrono::milliseconds(stall_ms);
+  if (flags.Has("memory-budget")) {
+    ASSIGN_OR_RETURN(limits.memory_budget, ParseByteSize(flags.Get("memory-budget")));
+  }
+  return limits;
+}
+
 }  // namespace
 
 absl::Status RunRelay(const std::vector<std::string>& args) {
@@ -48,10 +100,17 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(
       tools::CliFlags flags,
       tools::CliFlags::Parse(
-          args, WithShardSetFlags({"upstream", "listen", "keep-versions", "dtype", "metrics-listen",
-                                   "layer-timeout-ms", "max-version-wait-ms", "port-file",
-                                   "serve-tls-cert-file", "serve-tls-key-file",
-                                   "serve-tls-client-ca-file", "serve-plaintext", "fallback"})));
+          args,
+          WithShardSetFlags({"upstream", "listen", "keep-versions", "dtype", "metrics-listen",
+                             "layer-timeout-ms", "max-version-wait-ms", "port-file", "max-streams",
+                             "max-parked-streams", "max-waits-per-connection", "max-version-lead",
+                             "write-progress-timeout-ms", "memory-budget", "serve-tls-cert-file",
+                             "serve-tls-key-file", "serve-tls-client-ca-file", "fallback"}),
+          // Switches: a value would be read as the next flag's.
+          {"serve-plaintext", "serve-without-client-certificates"}));
+  // Before connecting: a relay that would refuse to serve need not wait for
+  // the shards to say so.
+  RETURN_IF_ERROR(CheckReaderAuthentication(flags));
   if (!flags.Has("listen")) {
     return absl::InvalidArgumentError(
         "--listen HOST:PORT,... is required: one address per shard of the set, in shard order "
@@ -65,7 +124,6 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
         absl::StrCat("--keep-versions is ", keep, ": keep 1 to 64 versions before the newest"));
   }
   ASSIGN_OR_RETURN(const uint64_t layer_timeout_ms, flags.GetUint("layer-timeout-ms", 10000));
-  ASSIGN_OR_RETURN(const uint64_t max_wait_ms, flags.GetUint("max-version-wait-ms", 10000));
   std::optional<DType> dtype;
   if (flags.Has("dtype")) {
     ASSIGN_OR_RETURN(dtype, DTypeFromName(flags.Get("dtype")));
@@ -113,7 +171,7 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   relay::RelayOptions options;
   options.listen = listen;
   options.keep_versions = static_cast<uint32_t>(keep);
-  options.service.max_version_wait = std::chrono::milliseconds(max_wait_ms);
+  ASSIGN_OR_RETURN(options.limits, RelayLimitsFromFlags(flags));
   options.dtype = dtype;
   options.registry = registry;
   options.metrics_listen = flags.Get("metrics-listen", "");
@@ -127,6 +185,15 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
         "to serve it so on purpose");
   }
   ASSIGN_OR_RETURN(std::unique_ptr<relay::Relay> relay, relay::Relay::Start(source, options));
+  if (options.tls_client_ca_file.empty()) {
+    Log()->info("relay: readers are not authenticated{}",
+                flags.Has("serve-without-client-certificates")
+                    ? ": --serve-without-client-certificates"
+                    : " (serve with --serve-tls-client-ca-file to require certificates)");
+  } else {
+    Log()->info("relay: readers must present a certificate signed by a CA in {}",
+                options.tls_client_ca_file);
+  }
   for (size_t i = 0; i < relay->addresses().size(); ++i) {
     std::printf("relay: shard %zu of %zu served at %s\n", i, relay->addresses().size(),
                 relay->addresses()[i].c_str());

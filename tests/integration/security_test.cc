@@ -19,6 +19,7 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/cast.h"
 #include "core/synthetic_model.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -167,6 +168,59 @@ TEST_F(SecurityTest, ARelayOfTlsShardsServesTlsOrRefusesToStart) {
   auto set = client::ShardSet::Connect(relay.addresses(), options);
   ASSERT_TRUE(set.ok()) << set.status();
   ExpectBitExact(**set);
+}
+
+TEST_F(SecurityTest, ARelayOfMutualTlsShardsAuthenticatesItsReadersOrRefusesToStart) {
+  std::vector<std::string> flags = TlsFlags();
+  flags.insert(flags.end(), {"--tls-client-ca-file", certs_.ca});
+  auto processes = StartProcesses(2, flags);
+  ASSERT_NE(processes, nullptr);
+  const std::vector<std::string> upstream = {
+      "--tls-ca-file",        certs_.ca,         "--tls-cert-file",       certs_.client_cert,
+      "--tls-key-file",       certs_.client_key, "--serve-tls-cert-file", certs_.server_cert,
+      "--serve-tls-key-file", certs_.server_key};
+  std::string output;
+  EXPECT_EQ(RunCommand(absl::StrCat(CliBinary(), " relay --shards ", processes->addresses()[0], ",",
+                                    processes->addresses()[1], " ", absl::StrJoin(upstream, " "),
+                                    " --listen 127.0.0.1:0,127.0.0.1:0"),
+                       &output),
+            1)
+      << "would serve mutual-TLS shards' model to readers without a certificate: " << output;
+  EXPECT_THAT(output, AllOf(HasSubstr("--serve-tls-client-ca-file"),
+                            HasSubstr("--serve-without-client-certificates")));
+
+  const std::string dir = MakeTempDir("mtls-relay");
+  std::vector<std::string> mutual = upstream;
+  mutual.insert(mutual.end(), {"--serve-tls-client-ca-file", certs_.ca});
+  RelayProcess relay(dir, "relay", processes->addresses(), "", mutual);
+  ASSERT_EQ(relay.addresses().size(), 2u) << relay.log();
+  EXPECT_THAT(ReadText(relay.log()),
+              HasSubstr("readers must present a certificate signed by a CA in " + certs_.ca));
+  EXPECT_EQ(GetManifest(relay.addresses()[0], Tls(certs_.ca)).error_code(),
+            grpc::StatusCode::UNAVAILABLE)
+      << "no client certificate";
+  EXPECT_EQ(GetManifest(relay.addresses()[1],
+                        Tls(certs_.ca, certs_.other_client_cert, certs_.other_client_key))
+                .error_code(),
+            grpc::StatusCode::UNAVAILABLE)
+      << "a client certificate from another CA";
+  client::ShardSetOptions options;
+  options.connect_timeout = std::chrono::seconds(60);
+  options.credentials = Tls(certs_.ca, certs_.client_cert, certs_.client_key);
+  auto set = client::ShardSet::Connect(relay.addresses(), options);
+  ASSERT_TRUE(set.ok()) << set.status();
+  ExpectBitExact(**set);
+  EXPECT_EQ(relay.Stop(), absl::OkStatus());
+
+  // Said on purpose, and said in the log.
+  std::vector<std::string> open = upstream;
+  open.push_back("--serve-without-client-certificates");
+  RelayProcess open_relay(dir, "open-relay", processes->addresses(), "", open);
+  ASSERT_EQ(open_relay.addresses().size(), 2u) << open_relay.log();
+  EXPECT_THAT(ReadText(open_relay.log()),
+              HasSubstr("readers are not authenticated: --serve-without-client-certificates"));
+  EXPECT_TRUE(GetManifest(open_relay.addresses()[0], Tls(certs_.ca)).ok());
+  EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
 TEST_F(SecurityTest, MutualTlsNeedsAClientCertificateFromTheTrustedCa) {
