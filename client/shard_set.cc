@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -213,6 +214,22 @@ absl::StatusOr<uint64_t> ShardSet::GatherStreams(uint32_t layer, const GatherOpt
                      LayoutIn(view_.layouts[layer], *options.dtype, view_.policy.fp8_block()));
   }
   const AssembledLayout& layout = own_layout ? *own_layout : view_.layouts[layer];
+  // A relay lists each tensor in the dtype it holds it in (held_dtype) and
+  // serves no other: named here, before every shard refuses by index.
+  if (manifests_[0].has_held_dtype()) {
+    const layercast::v1::Layer& listed = manifests_[0].layers(static_cast<int>(layer));
+    for (size_t t = 0; t < layout.tensors().size(); ++t) {
+      const auto holds = static_cast<DType>(listed.tensors(static_cast<int>(t)).compute_dtype());
+      const DType asked = layout.tensors()[t].compute_dtype;
+      if (holds == asked) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the relay at ", absl::StrJoin(addresses_, ","), " holds layer ", layer, " (",
+          listed.name(), ")'s tensor ", t, " (", listed.tensors(static_cast<int>(t)).name(),
+          ") in ", DTypeName(holds), ", not ", DTypeName(asked), ": read in ", DTypeName(holds),
+          " (GatherOptions::dtype, MirrorOptions::dtype), or read ", DTypeName(asked),
+          " from the shards or a relay started with --dtype ", DTypeName(asked)));
+    }
+  }
   if (buffer.size() < layout.total_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("buffer of ", buffer.size(),
                                                    " bytes is smaller than layer ", layer, "'s ",

@@ -72,13 +72,29 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
 
 namespace {
 
-// The shards' manifests as a relay serves them: naming the dtype it holds
-// when it was given one (--dtype), so that readers ask it for deltas in it.
+// The shards' manifests as a relay serves them. Given a dtype (--dtype), it
+// names it (held_dtype) so that readers ask it for deltas in it, and lists
+// every tensor as it is held, laid out as `held` (a pull in that dtype), so
+// that what a reader sees is what it can read; `policy` and
+// `layout_digest` stay the shards', which is how readers know the policy's
+// dtypes and that this is their set.
 std::vector<layercast::v1::Manifest> Served(std::vector<layercast::v1::Manifest> manifests,
-                                            std::optional<DType> dtype) {
-  if (dtype) {
-    for (layercast::v1::Manifest& manifest : manifests) {
-      manifest.set_held_dtype(static_cast<layercast::v1::DType>(*dtype));
+                                            std::optional<DType> dtype,
+                                            const std::vector<AssembledLayout>& held) {
+  if (!dtype) return manifests;
+  for (layercast::v1::Manifest& manifest : manifests) {
+    manifest.set_held_dtype(static_cast<layercast::v1::DType>(*dtype));
+    for (layercast::v1::Layer& layer : *manifest.mutable_layers()) {
+      const AssembledLayout& layout = held[layer.index()];
+      layer.set_assembled_bytes(layout.total_bytes());
+      for (int t = 0; t < layer.tensors_size(); ++t) {
+        const AssembledTensor& placed = layout.tensors()[t];
+        layercast::v1::Tensor& tensor = *layer.mutable_tensors(t);
+        tensor.set_compute_dtype(static_cast<layercast::v1::DType>(placed.compute_dtype));
+        tensor.set_byte_offset(placed.byte_offset);
+        tensor.set_block_size(placed.block_size);
+        tensor.set_scale_offset(placed.scale_offset);
+      }
     }
   }
   return manifests;
@@ -89,7 +105,8 @@ std::vector<layercast::v1::Manifest> Served(std::vector<layercast::v1::Manifest>
 Relay::Relay(const client::ShardSet& upstream, RelayOptions options,
              std::vector<AssembledLayout> layouts)
     : options_(std::move(options)),
-      manifests_(Served(upstream.manifests(), options_.dtype)),
+      // `layouts`, not layouts_: members are built in declaration order.
+      manifests_(Served(upstream.manifests(), options_.dtype, layouts)),
       view_(upstream.view()),
       layouts_(std::move(layouts)),
       versions_(layouts_, options_.keep_versions),

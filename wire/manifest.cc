@@ -1,5 +1,7 @@
 #include "wire/manifest.h"
 
+#include <optional>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -74,6 +76,16 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
   if (!policy.ok()) return Bad(policy.status().message());
   view.policy = *policy;
   view.model.model_id = manifest.model_id();
+  // A relay's tensors are listed in the dtype it holds them in, laid out as
+  // a pull in that dtype; the view stays the policy's, as the digest is.
+  std::optional<DType> held;
+  if (manifest.has_held_dtype()) {
+    if (manifest.held_dtype() == layercast::v1::DTYPE_UNSPECIFIED ||
+        !layercast::v1::DType_IsValid(manifest.held_dtype())) {
+      return Bad(absl::StrCat("held_dtype ", manifest.held_dtype(), " is no dtype"));
+    }
+    held = static_cast<DType>(manifest.held_dtype());
+  }
   for (int l = 0; l < manifest.layers_size(); ++l) {
     const layercast::v1::Layer& layer = manifest.layers(l);
     if (layer.index() != static_cast<uint32_t>(l)) {
@@ -99,14 +111,15 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
         return Bad(absl::StrCat("tensor ", tensor.name(), " has no valid compute dtype"));
       }
       const auto dtype = static_cast<DType>(tensor.compute_dtype());
-      if (dtype != view.policy.ComputeDTypeFor(tensor.name())) {
-        return Bad(absl::StrCat("tensor ", tensor.name(), " is ", DTypeName(dtype),
-                                " but the policy gives ",
-                                DTypeName(view.policy.ComputeDTypeFor(tensor.name()))));
+      const DType policy_dtype = view.policy.ComputeDTypeFor(tensor.name());
+      if (dtype != held.value_or(policy_dtype)) {
+        return Bad(absl::StrCat("tensor ", tensor.name(), " is ", DTypeName(dtype), " but ",
+                                held ? "the held_dtype is " : "the policy gives ",
+                                DTypeName(held.value_or(policy_dtype))));
       }
       spec.tensors.push_back(
           TensorSpec{tensor.name(), {tensor.shape().begin(), tensor.shape().end()}, n});
-      dtypes.push_back(dtype);
+      dtypes.push_back(policy_dtype);
       counts.push_back(n);
     }
     // The checked layout, not the manifest's own figures: a forger can make
@@ -117,29 +130,42 @@ absl::StatusOr<ShardSetView> CheckManifest(const layercast::v1::Manifest& manife
       return Bad(absl::StrCat("layer ", l, " (", layer.name(), "): ", checked.status().message()));
     }
     AssembledLayout layout = *std::move(checked);
-    if (layout.total_bytes() != layer.assembled_bytes()) {
+    std::optional<AssembledLayout> held_layout;
+    if (held) {
+      absl::StatusOr<AssembledLayout> in_held = LayoutIn(layout, *held, view.policy.fp8_block());
+      if (!in_held.ok()) {
+        return Bad(absl::StrCat("layer ", l, " (", layer.name(),
+                                ") in its held_dtype: ", in_held.status().message()));
+      }
+      held_layout = *std::move(in_held);
+    }
+    const AssembledLayout& listed = held_layout ? *held_layout : layout;
+    if (listed.total_bytes() != layer.assembled_bytes()) {
       return Bad(absl::StrCat("layer ", l, " says ", layer.assembled_bytes(),
-                              " assembled bytes, the layout gives ", layout.total_bytes()));
+                              " assembled bytes, the layout gives ", listed.total_bytes()));
     }
     for (int t = 0; t < layer.tensors_size(); ++t) {
-      if (layout.tensors()[t].byte_offset != layer.tensors(t).byte_offset()) {
+      if (listed.tensors()[t].byte_offset != layer.tensors(t).byte_offset()) {
         return Bad(absl::StrCat("tensor ", layer.tensors(t).name(), " says offset ",
                                 layer.tensors(t).byte_offset(), ", the layout gives ",
-                                layout.tensors()[t].byte_offset));
+                                listed.tensors()[t].byte_offset));
       }
-      if (layout.tensors()[t].block_size != layer.tensors(t).block_size() ||
-          layout.tensors()[t].scale_offset != layer.tensors(t).scale_offset()) {
+      if (listed.tensors()[t].block_size != layer.tensors(t).block_size() ||
+          listed.tensors()[t].scale_offset != layer.tensors(t).scale_offset()) {
         return Bad(absl::StrCat(
             "tensor ", layer.tensors(t).name(), " says blocks of ", layer.tensors(t).block_size(),
             " with scales at ", layer.tensors(t).scale_offset(), ", the layout gives ",
-            layout.tensors()[t].block_size, " at ", layout.tensors()[t].scale_offset));
+            listed.tensors()[t].block_size, " at ", listed.tensors()[t].scale_offset));
       }
     }
     // Shards that each quantized part of a block would send two scales for
     // it, and the last to land would win.
-    if (absl::Status blocks = CheckBlocksWithinShards(spec, layout, view.num_shards);
-        !blocks.ok()) {
-      return Bad(blocks.message());
+    for (const AssembledLayout* cut : {&layout, held_layout ? &*held_layout : nullptr}) {
+      if (cut == nullptr) continue;
+      if (absl::Status blocks = CheckBlocksWithinShards(spec, *cut, view.num_shards);
+          !blocks.ok()) {
+        return Bad(blocks.message());
+      }
     }
     absl::StatusOr<AssembledLayout> gradient = GradientLayout(layout);
     if (!gradient.ok()) {

@@ -13,6 +13,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,7 +60,16 @@ void CheckView(const layercast::v1::Manifest& manifest, const wire::ShardSetView
              "view policy differs from the manifest's");
   for (int l = 0; l < manifest.layers_size(); ++l) {
     const layercast::v1::Layer& layer = manifest.layers(l);
-    const AssembledLayout& layout = view.layouts[l];
+    // A relay's manifest (held_dtype) lists its tensors as it holds them:
+    // the view's layout pulled in that dtype.
+    std::optional<AssembledLayout> held;
+    if (manifest.has_held_dtype()) {
+      absl::StatusOr<AssembledLayout> in_held = LayoutIn(
+          view.layouts[l], static_cast<DType>(manifest.held_dtype()), view.policy.fp8_block());
+      FUZZ_CHECK(in_held.ok(), "layer %d accepted without a layout in its held_dtype", l);
+      held = *std::move(in_held);
+    }
+    const AssembledLayout& layout = held ? *held : view.layouts[l];
     FUZZ_CHECK(layout.total_bytes() == layer.assembled_bytes(), "layer %d size disagrees", l);
     FUZZ_CHECK(layout.total_bytes() <= kMaxAssembledLayerBytes, "layer %d of %llu bytes accepted",
                l, static_cast<unsigned long long>(layout.total_bytes()));
@@ -83,8 +93,9 @@ void CheckView(const layercast::v1::Manifest& manifest, const wire::ShardSetView
           !__builtin_mul_overflow(placed.num_elements, DTypeSize(placed.compute_dtype), &bytes) &&
               !__builtin_add_overflow(placed.byte_offset, bytes, &end),
           "layer %d tensor %d ends past 2^64", l, t);
-      FUZZ_CHECK(placed.compute_dtype == view.policy.ComputeDTypeFor(tensor.name()),
-                 "tensor %s dtype differs from the policy", tensor.name().c_str());
+      FUZZ_CHECK(
+          view.layouts[l].tensors()[t].compute_dtype == view.policy.ComputeDTypeFor(tensor.name()),
+          "tensor %s dtype differs from the policy", tensor.name().c_str());
     }
     FUZZ_CHECK(end <= layout.total_bytes(), "layer %d tensors end beyond its size", l);
   }

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/model_mirror.h"
 #include "client/weight_publisher.h"
@@ -143,8 +144,10 @@ TEST_F(Fp8DeltaTest, DeltasAfterOneTwoAndKVersionsAreTheFullPullCodeForCode) {
   // Mirrors apply the same deltas in place, and through staging copies.
   std::vector<std::unique_ptr<client::ModelMirror>> mirrors;
   for (const uint64_t staging : {uint64_t{0}, uint64_t{1} << 30}) {
+    client::MirrorOptions options;
+    options.staging_bytes = staging;
     absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror =
-        client::ModelMirror::Create(set, {.staging_bytes = staging});
+        client::ModelMirror::Create(set, options);
     ASSERT_TRUE(mirror.ok()) << mirror.status();
     mirrors.push_back(*std::move(mirror));
   }
@@ -227,8 +230,46 @@ TEST_F(Fp8DeltaTest, AnFp8RelayOfABfloat16SetFeedsMirrorsFp8Deltas) {
   absl::StatusOr<std::unique_ptr<client::ShardSet>> below =
       client::ShardSet::Connect(relay.addresses(), options);
   ASSERT_TRUE(below.ok()) << below.status();
-  absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror = client::ModelMirror::Create(
-      **below, {.layer_timeout = std::chrono::seconds(10), .dtype = DType::kFloat8E4M3FN});
+
+  // Its manifest says what it holds, every tensor in fp8 (the shards' policy
+  // and digest kept), to the library and to `layercast manifest`.
+  const layercast::v1::Manifest& listed = (*below)->manifests()[0];
+  EXPECT_EQ(listed.held_dtype(), layercast::v1::FLOAT8_E4M3FN);
+  EXPECT_EQ(listed.policy(), shards_.set->manifests()[0].policy());
+  EXPECT_EQ(listed.layout_digest(), shards_.set->manifests()[0].layout_digest());
+  for (const layercast::v1::Layer& layer : listed.layers()) {
+    for (const layercast::v1::Tensor& tensor : layer.tensors()) {
+      EXPECT_EQ(tensor.compute_dtype(), layercast::v1::FLOAT8_E4M3FN) << tensor.name();
+    }
+  }
+  std::string output;
+  ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " manifest --shards ", relay.addresses()[0], ",",
+                                    relay.addresses()[1]),
+                       &output),
+            0)
+      << output;
+  EXPECT_THAT(output, ::testing::HasSubstr("FLOAT8_E4M3FN"));
+  EXPECT_THAT(output, ::testing::Not(::testing::HasSubstr("BFLOAT16"))) << output;
+
+  // A mirror that reads the policy's dtypes is told which tensor, by name.
+  client::MirrorOptions mirror_options;
+  mirror_options.layer_timeout = std::chrono::seconds(10);
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> policy_mirror =
+      client::ModelMirror::Create(**below, mirror_options);
+  ASSERT_FALSE(policy_mirror.ok());
+  EXPECT_EQ(policy_mirror.status().code(), absl::StatusCode::kFailedPrecondition);
+  int named = 0;
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    const LayerSpec& layer = shards_.set->model().layers[l];
+    named += absl::StrContains(policy_mirror.status().message(),
+                               absl::StrCat("holds layer ", l, " (", layer.name, ")'s tensor 0 (",
+                                            layer.tensors[0].name, ") in float8_e4m3fn, not "));
+  }
+  EXPECT_EQ(named, 1) << policy_mirror.status();
+
+  mirror_options.dtype = DType::kFloat8E4M3FN;
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> mirror =
+      client::ModelMirror::Create(**below, mirror_options);
   ASSERT_TRUE(mirror.ok()) << mirror.status();
   Values values = Random();
   std::mt19937 random(3);

@@ -142,6 +142,64 @@ TEST(ManifestTest, WhatAShardBuildsAWorkerAccepts) {
   EXPECT_FALSE(CheckManifest(changed).ok());
 }
 
+// A relay holding the set in another dtype (held_dtype) lists every tensor
+// as it holds it, laid out as a pull in that dtype; the policy, the digest
+// and the view a reader works from stay the shards'.
+TEST(ManifestTest, ARelayListsTheDtypeItHoldsAndTheViewStaysThePolicys) {
+  auto model = SyntheticModel::Create("llama:layers=2,hidden=64,ffn=96,vocab=10");
+  ASSERT_TRUE(model.ok()) << model.status();
+  const absl::StatusOr<Policy> policy = Policy::Parse("p=f32,c=bf16,fp8_block=32;*norm*=f32");
+  ASSERT_TRUE(policy.ok());
+  const ModelSpec& spec = (*model)->model();
+  std::vector<AssembledLayout> layouts;
+  for (const LayerSpec& layer : spec.layers) {
+    absl::StatusOr<AssembledLayout> layout = AssembledLayout::Build(layer, *policy);
+    ASSERT_TRUE(layout.ok());
+    layouts.push_back(*std::move(layout));
+  }
+  const absl::StatusOr<std::array<uint8_t, 32>> digest = LayoutDigest(spec, *policy);
+  ASSERT_TRUE(digest.ok());
+  const layercast::v1::Manifest shards = BuildManifest({.model = &spec,
+                                                        .policy = &*policy,
+                                                        .layouts = layouts,
+                                                        .layout_digest = *digest,
+                                                        .optimizer = ""});
+  layercast::v1::Manifest relay = shards;
+  relay.set_held_dtype(layercast::v1::FLOAT8_E4M3FN);
+  // The shards' figures under a held_dtype: they say bfloat16, not what it holds.
+  absl::StatusOr<ShardSetView> view = CheckManifest(relay);
+  ASSERT_FALSE(view.ok());
+  EXPECT_THAT(view.status().message(), HasSubstr("but the held_dtype is float8_e4m3fn"));
+
+  for (int l = 0; l < relay.layers_size(); ++l) {
+    const absl::StatusOr<AssembledLayout> held =
+        LayoutIn(layouts[l], DType::kFloat8E4M3FN, policy->fp8_block());
+    ASSERT_TRUE(held.ok());
+    layercast::v1::Layer& layer = *relay.mutable_layers(l);
+    layer.set_assembled_bytes(held->total_bytes());
+    for (int t = 0; t < layer.tensors_size(); ++t) {
+      layer.mutable_tensors(t)->set_compute_dtype(layercast::v1::FLOAT8_E4M3FN);
+      layer.mutable_tensors(t)->set_byte_offset(held->tensors()[t].byte_offset);
+      layer.mutable_tensors(t)->set_block_size(held->tensors()[t].block_size);
+      layer.mutable_tensors(t)->set_scale_offset(held->tensors()[t].scale_offset);
+    }
+  }
+  view = CheckManifest(relay);
+  ASSERT_TRUE(view.ok()) << view.status();
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    ASSERT_EQ(view->layouts[l].tensors().size(), layouts[l].tensors().size());
+    for (size_t t = 0; t < layouts[l].tensors().size(); ++t) {
+      EXPECT_EQ(view->layouts[l].tensors()[t].compute_dtype, layouts[l].tensors()[t].compute_dtype);
+    }
+    EXPECT_EQ(view->layouts[l].total_bytes(), layouts[l].total_bytes()) << "layer " << l;
+  }
+
+  // fp8 dtypes at the bfloat16 layout's offsets are refused.
+  layercast::v1::Manifest misplaced = relay;
+  misplaced.mutable_layers(1)->set_assembled_bytes(shards.layers(1).assembled_bytes());
+  EXPECT_FALSE(CheckManifest(misplaced).ok());
+}
+
 TEST(ManifestCheckTest, ForgerDigestMatchesLayoutDigest) {
   // An honest layout: the forger's digest is the library's, so the refusals
   // below are not digest mismatches.
