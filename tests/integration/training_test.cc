@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -283,8 +285,92 @@ TEST_F(TrainingTest, AnInterruptedPushLeavesNothingAndAFloodGivesItsBudgetBack) 
   EXPECT_EQ(LayerVersion(set, 1), 1u);
 }
 
-// Streams of one push that send a chunk and go idle: the first is admitted
-// and staged inside its step's reservation, every other is refused at its
+// PushAdmissionTest's flood of PushGradients streams, driven on one
+// completion queue so that no stream blocks the test. The shard admits
+// whichever stream's first chunk a reactor reads first, and reactors run on
+// several threads, so it is not always the first stream opened (under ASan,
+// 7 floods in 30 admitted the second). A blocking Finish on the admitted
+// stream waits out its deadline, and the refused streams' statuses not yet
+// collected then read DEADLINE_EXCEEDED.
+class PushFlood {
+ public:
+  enum Op : intptr_t { kStarted = 1, kWritten = 2, kFinished = 3 };
+  struct Stream {
+    grpc::ClientContext context;
+    layercast::v1::PushGradientsResponse response;
+    std::unique_ptr<grpc::ClientAsyncWriterInterface<layercast::v1::GradientChunk>> writer;
+    grpc::Status status;  // once finished
+    bool finished = false;
+  };
+
+  // Opens `n` streams; every operation on them ends by `deadline`.
+  PushFlood(layercast::v1::ShardService::Stub& stub, size_t n,
+            std::chrono::system_clock::time_point deadline)
+      : streams_(n), give_up_(deadline + std::chrono::seconds(10)) {
+    for (size_t i = 0; i < n; ++i) {
+      Stream& stream = streams_[i];
+      stream.context.set_deadline(deadline);
+      stream.writer = stub.PrepareAsyncPushGradients(&stream.context, &stream.response, &cq_);
+      stream.writer->StartCall(Tag(i, kStarted));
+    }
+  }
+
+  // However the test ends, no operation outlives the queue.
+  ~PushFlood() {
+    for (Stream& stream : streams_) stream.context.TryCancel();
+    cq_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  Stream& operator[](size_t i) { return streams_[i]; }
+  size_t size() const { return streams_.size(); }
+
+  void Write(size_t i, const layercast::v1::GradientChunk& chunk) {
+    streams_[i].writer->Write(chunk, Tag(i, kWritten));
+  }
+  void WritesDone(size_t i) { streams_[i].writer->WritesDone(Tag(i, kWritten)); }
+  void Finish(size_t i) { streams_[i].writer->Finish(&streams_[i].status, Tag(i, kFinished)); }
+
+  // The queue's next event (a status marks its stream finished); false when
+  // none came in time (the streams' deadline has passed well before then).
+  bool Next(size_t* i, Op* op, bool* ok) {
+    void* tag = nullptr;
+    if (cq_.AsyncNext(&tag, ok, give_up_) != grpc::CompletionQueue::GOT_EVENT) return false;
+    const auto bits = reinterpret_cast<intptr_t>(tag);
+    *i = static_cast<size_t>(bits >> 2);
+    *op = static_cast<Op>(bits & 3);
+    if (*op == kFinished) streams_[*i].finished = true;
+    return true;
+  }
+
+  // Waits for stream i's `op` (a write or its status): whether it succeeded.
+  bool Await(size_t i, Op op) {
+    size_t stream = 0;
+    Op got = kStarted;
+    bool ok = false;
+    while (Next(&stream, &got, &ok)) {
+      if (stream == i && got == op) return ok;
+      // Its status came first: the write it waits for cannot succeed.
+      if (stream == i && got == kFinished) return false;
+    }
+    return false;
+  }
+
+ private:
+  static void* Tag(size_t i, Op op) {
+    return reinterpret_cast<void*>(static_cast<intptr_t>(i) << 2 | op);
+  }
+
+  grpc::CompletionQueue cq_;
+  std::vector<Stream> streams_;
+  const std::chrono::system_clock::time_point give_up_;
+};
+
+// Streams of one push that send a chunk and go idle: one is admitted and
+// staged inside its step's reservation, every other is refused at its
 // first chunk, so the shard's memory stays within its budget (each used to
 // stage its own copy of the layer slice, uncharged: 60 of them took a 100
 // MiB shard past 1 GiB). The stream limit refuses the rest before they are
@@ -307,24 +393,52 @@ TEST(PushAdmissionTest, IdleStreamsOfOnePushStayWithinTheBudget) {
     }
   }
   const std::vector<layercast::v1::GradientChunk> good = Chunks(set, layer, 0, 0, 0);
-  constexpr int kFlood = 60;
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<layercast::v1::PushGradientsResponse> responses(kFlood + 8);
-  std::vector<std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>>> writers;
-  for (int i = 0; i < kFlood + 8; ++i) {
-    contexts.push_back(std::make_unique<grpc::ClientContext>());
-    contexts.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    writers.push_back(set.stub(0).PushGradients(contexts.back().get(), &responses[i]));
-    if (i < kFlood) writers.back()->Write(good[0]);
-  }
-  // The 60 that sent a chunk: one admitted (it waits, idle, for the rest
-  // of its push), 59 refused. The 8 beyond them: refused unread where 64
+  constexpr size_t kFlood = 60;
+  PushFlood flood(set.stub(0), kFlood + 8,
+                  std::chrono::system_clock::now() + std::chrono::seconds(5));
+  // The 60 that send a chunk: one admitted (it waits, idle, for the rest of
+  // its push), 59 refused. The 8 beyond them: refused unread where 64
   // streams were open when they came (how many depends on how fast the
-  // refused pushes closed), else empty pushes.
+  // refused pushes closed), else empty pushes. Every stream but the admitted
+  // one has its status once the shard has read each first chunk; the
+  // admitted one has none until its push ends.
+  size_t finished = 0;
+  // Starts and writes on the queue: the admitted stream's next write may
+  // only follow its first.
+  size_t busy = flood.size();
+  while (finished + 1 < flood.size() || busy > 0) {
+    size_t i = 0;
+    PushFlood::Op op = PushFlood::kStarted;
+    bool ok = false;
+    if (!flood.Next(&i, &op, &ok)) {
+      ADD_FAILURE() << finished << " streams finished and " << busy << " busy at the give-up time";
+      break;
+    }
+    if (op == PushFlood::kFinished) {
+      ++finished;
+      continue;
+    }
+    --busy;
+    if (op == PushFlood::kStarted) {
+      if (ok) {
+        ++busy;
+        if (i < kFlood) {
+          flood.Write(i, good[0]);
+        } else {
+          flood.WritesDone(i);
+        }
+      }
+      flood.Finish(i);
+    }
+  }
   int aborted = 0, over_limit = 0;
-  for (int i = 1; i < kFlood + 8; ++i) {
-    if (i >= kFlood) writers[i]->WritesDone();
-    const grpc::Status status = writers[i]->Finish();
+  std::vector<size_t> open;
+  for (size_t i = 0; i < flood.size(); ++i) {
+    if (!flood[i].finished) {
+      open.push_back(i);
+      continue;
+    }
+    const grpc::Status& status = flood[i].status;
     if (status.error_code() == grpc::StatusCode::ABORTED) {
       EXPECT_THAT(status.error_message(), HasSubstr("already in flight"));
       ++aborted;
@@ -336,7 +450,10 @@ TEST(PushAdmissionTest, IdleStreamsOfOnePushStayWithinTheBudget) {
                     << status.error_message();
     }
   }
-  EXPECT_GE(aborted + over_limit, kFlood - 1) << aborted << " + " << over_limit;
+  EXPECT_GE(aborted + over_limit, static_cast<int>(kFlood) - 1) << aborted << " + " << over_limit;
+  ASSERT_EQ(open.size(), 1u) << "streams still open: " << ::testing::PrintToString(open);
+  const size_t admitted = open[0];
+  ASSERT_LT(admitted, kFlood);
   if (!kSanitized) {
     const uint64_t peak = shards.processes->PeakRssBytes(0);
     std::printf("peak RSS %s with a budget of %s\n", FormatBytes(peak).c_str(),
@@ -345,10 +462,19 @@ TEST(PushAdmissionTest, IdleStreamsOfOnePushStayWithinTheBudget) {
     EXPECT_LE(peak, kBudget + (32ull << 20));
   }
   // The admitted stream finishes the push; worker 1's applies the step.
-  for (size_t c = 1; c < good.size(); ++c) ASSERT_TRUE(writers[0]->Write(good[c]));
-  writers[0]->WritesDone();
-  const grpc::Status first = writers[0]->Finish();
-  ASSERT_TRUE(first.ok()) << first.error_message();
+  for (size_t c = 1; c < good.size(); ++c) {
+    flood.Write(admitted, good[c]);
+    ASSERT_TRUE(flood.Await(admitted, PushFlood::kWritten))
+        << "stream " << admitted << ", chunk " << c << ": " << flood[admitted].status.error_code()
+        << " " << flood[admitted].status.error_message();
+  }
+  flood.WritesDone(admitted);
+  ASSERT_TRUE(flood.Await(admitted, PushFlood::kWritten));
+  if (!flood[admitted].finished) flood.Await(admitted, PushFlood::kFinished);
+  ASSERT_TRUE(flood[admitted].finished) << "stream " << admitted << " has no status";
+  const grpc::Status& first = flood[admitted].status;
+  ASSERT_TRUE(first.ok()) << "stream " << admitted << ": " << first.error_code() << " "
+                          << first.error_message();
   const PushOutcome outcome = Push(set, 0, Chunks(set, layer, 1, 0, 0));
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
   EXPECT_TRUE(outcome.response.applied());
