@@ -96,7 +96,7 @@ struct MirrorOptions {
   // the pull that failed resumed from it. Relays forward the shards'
   // incarnations, so deltas from one source's versions go on from another.
   // Each must serve the same layout, and outlive the mirror.
-  std::vector<const ShardSet*> fallbacks;
+  std::vector<const ShardSet*> fallbacks = {};
   // While following with fallbacks: how often the mirror probes its source
   // (a WaitVersion answered at once, within `probe`), so that one that
   // refuses connections or stopped answering (a stopped process) is left

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "platform/log.h"
 #include "platform/status_macros.h"
 #include "server/tls_credentials.h"
 
@@ -48,11 +49,16 @@ absl::StatusOr<std::unique_ptr<Relay>> Relay::Start(const client::ShardSet& upst
     ASSIGN_OR_RETURN(relay->endpoint_,
                      server::MetricsEndpoint::Start(relay->options_.metrics_listen));
     relay->endpoint_->Register(relay->registry_);
+    // The serving core's series (streams, refusals, stalls), as a shard's.
+    relay->endpoint_->Register(relay->serving_->metrics.registry());
+    const std::string& listen = relay->options_.metrics_listen;
+    Log()->info("relay: metrics on {}:{}/metrics", listen.substr(0, listen.rfind(':')),
+                relay->endpoint_->port());
   }
   for (uint32_t shard = 0; shard < shards; ++shard) {
     relay->services_.push_back(
         std::make_unique<RelayService>(relay->manifests_[shard], relay->view_, relay->layouts_,
-                                       relay->versions_, relay->metrics_, relay->options_.service));
+                                       relay->versions_, relay->metrics_, *relay->serving_));
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort(relay->options_.listen[shard], security->credentials, &port);
@@ -109,14 +115,19 @@ Relay::Relay(const client::ShardSet& upstream, RelayOptions options,
       manifests_(Served(upstream.manifests(), options_.dtype, layouts)),
       view_(upstream.view()),
       layouts_(std::move(layouts)),
+      serving_(
+          std::make_unique<RelayServing>(options_.limits, static_cast<uint32_t>(layouts_.size()))),
       versions_(layouts_, options_.keep_versions),
       registry_(options_.registry ? options_.registry : std::make_shared<prometheus::Registry>()),
-      metrics_(*registry_) {}
+      metrics_(*registry_) {
+  versions_.SetBudget(&serving_->budget);
+}
 
 Relay::~Relay() { Stop(); }
 
 void Relay::Stop(std::chrono::milliseconds grace) {
-  versions_.Close();  // parked reads end at once, UNAVAILABLE
+  versions_.Close();
+  serving_->Close();  // parked reads end at once, UNAVAILABLE
   const auto deadline = std::chrono::system_clock::now() + grace;
   for (const std::unique_ptr<grpc::Server>& server : servers_) server->Shutdown(deadline);
   for (const std::unique_ptr<grpc::Server>& server : servers_) server->Wait();
@@ -125,11 +136,13 @@ void Relay::Stop(std::chrono::milliseconds grace) {
 
 void Relay::Pulling(uint64_t version) {
   versions_.Heading(version);
+  serving_->Moved(versions_, std::nullopt);
   metrics_.SetVersions(versions_.held(), versions_.heading());
 }
 
 void Relay::Pulled(const PulledLayer& layer) {
   versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes, *layer.incarnations);
+  serving_->Moved(versions_, layer.layer);
   metrics_.RecordReceived(layer.received);
   metrics_.SetVersions(versions_.held(), versions_.heading());
 }

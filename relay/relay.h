@@ -27,7 +27,8 @@ struct RelayOptions {
   // Superseded versions of each layer kept beside the newest, for deltas
   // from them and pinned reads of them.
   uint32_t keep_versions = 2;
-  RelayService::Options service;
+  // The shard's limits, on the relay's reads (RelayLimits).
+  RelayLimits limits = RelayLimits::Defaults();
   // The layers as the relay's mirror holds them: the policy's dtypes, or
   // this one (MirrorOptions::dtype).
   std::optional<DType> dtype;
@@ -67,6 +68,9 @@ class Relay final : public client::MirrorListener {
   // The bound addresses, in shard order.
   const std::vector<std::string>& addresses() const { return addresses_; }
   const RelayedVersions& versions() const { return versions_; }
+  // Memory the relay's budget counts now: held versions (those streams
+  // still send included) and stream buffers.
+  uint64_t budgeted_bytes() const { return serving_->budget.in_use(); }
 
   // Refuses new calls and ends those in flight within `grace`.
   void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(2000));
@@ -82,6 +86,9 @@ class Relay final : public client::MirrorListener {
   const std::vector<layercast::v1::Manifest> manifests_;
   const wire::ShardSetView view_;
   const std::vector<AssembledLayout> layouts_;
+  // Before the versions, whose buffers its budget counts, and the services
+  // and servers that use it, so it outlives them.
+  std::unique_ptr<RelayServing> serving_;
   RelayedVersions versions_;
   std::shared_ptr<prometheus::Registry> registry_;
   RelayMetrics metrics_;

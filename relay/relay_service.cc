@@ -1,23 +1,27 @@
 #include "relay/relay_service.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "core/crc32c.h"
 #include "core/dtype.h"
-#include "platform/failpoint.h"
+#include "layercast/v1/config.pb.h"
 #include "platform/status_macros.h"
+#include "relay/relay_chunks.h"
 #include "server/answer_before.h"
-#include "wire/delta_chunks.h"
+#include "server/fetch_layer_reactor.h"
+#include "server/refusals.h"
+#include "server/stream_reactor.h"
+#include "server/wait_version_reactor.h"
 #include "wire/grpc_status.h"
-#include "wire/incarnation.h"
 
 namespace layercast::relay {
 
 namespace {
-
-using layercast::v1::LayerChunk;
 
 grpc::Status ReadsOnly(absl::string_view what) {
   return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
@@ -25,35 +29,71 @@ grpc::Status ReadsOnly(absl::string_view what) {
                                    " to the shards themselves"));
 }
 
-// Bits [begin, begin + n) of `bits` into `span`, from bit 0, the bits past
-// n clear.
-void SpanBits(const std::vector<uint64_t>& bits, uint64_t begin, uint64_t n,
-              std::vector<uint64_t>& span) {
-  span.assign((n + 63) / 64, 0);
-  const uint64_t first = begin / 64, shift = begin % 64;
-  for (size_t w = 0; w < span.size(); ++w) {
-    uint64_t word = bits[first + w] >> shift;
-    if (shift != 0 && first + w + 1 < bits.size()) word |= bits[first + w + 1] << (64 - shift);
-    span[w] = word;
-  }
-  if (n % 64 != 0) span.back() &= (uint64_t{1} << (n % 64)) - 1;
+}  // namespace
+
+RelayLimits RelayLimits::Defaults() {
+  const auto shard_default = [](const char* field) {
+    const google::protobuf::FieldDescriptor* descriptor =
+        layercast::v1::ShardConfig::descriptor()->FindFieldByName(field);
+    return static_cast<uint32_t>(descriptor->options().GetExtension(layercast::v1::default_value));
+  };
+  RelayLimits limits;
+  limits.max_streams = shard_default("max_streams");
+  limits.max_parked_streams = shard_default("max_parked_streams");
+  limits.max_waits_per_connection = shard_default("max_waits_per_connection");
+  limits.max_version_lead = shard_default("max_version_lead");
+  limits.max_version_wait = std::chrono::milliseconds(10000);
+  limits.write_progress_timeout =
+      std::chrono::milliseconds(shard_default("write_progress_timeout_ms"));
+  return limits;
 }
 
-// The most versions ahead of a layer a read may ask for: a relay follows
-// its upstream, and a version far ahead of it cannot come soon.
-constexpr uint32_t kMaxVersionLead = 1024;
+RelayServing::RelayServing(const RelayLimits& limits, uint32_t layer_count)
+    : limits(limits),
+      layers(grants.get_executor(), 0, &timers),
+      heading(grants.get_executor(), 0, &timers),
+      budget(
+          limits.memory_budget, 0, grants.get_executor(),
+          [this](uint64_t in_use, size_t waiting) {
+            metrics.memory_in_use_bytes().Set(static_cast<double>(in_use));
+            metrics.streams_waiting_for_budget().Set(static_cast<double>(waiting));
+          },
+          &timers),
+      streams({.max_streams = limits.max_streams,
+               .max_parked_streams = limits.max_parked_streams,
+               .max_waits_per_connection = limits.max_waits_per_connection,
+               .write_progress_timeout = limits.write_progress_timeout},
+              metrics, {}, &timers) {
+  layers.SetLayers(layer_count);
+  metrics.memory_budget_bytes().Set(static_cast<double>(limits.memory_budget.value_or(0)));
+  // Serving from its start: reads wait for the layers to land, as a
+  // shard's wait for a version.
+  metrics.ready().Set(1);
+}
 
-}  // namespace
+RelayServing::~RelayServing() { grants.join(); }
+
+void RelayServing::Moved(const RelayedVersions& versions, std::optional<uint32_t> layer) {
+  if (layer) this->layers.Set(*layer, versions.Newest(*layer) + kHeld);
+  heading.Set(versions.heading());
+}
+
+void RelayServing::Close() {
+  layers.Close();
+  heading.Close();
+  streams.StopStreams();
+}
 
 RelayService::RelayService(const layercast::v1::Manifest& manifest, const wire::ShardSetView& view,
                            const std::vector<AssembledLayout>& layouts,
-                           const RelayedVersions& versions, RelayMetrics& metrics, Options options)
+                           const RelayedVersions& versions, RelayMetrics& metrics,
+                           RelayServing& serving)
     : manifest_(manifest),
       view_(view),
       layouts_(layouts),
       versions_(versions),
       metrics_(metrics),
-      options_(options),
+      serving_(serving),
       shard_(manifest.shard_index()) {
   facts_ = {.model = &view_.model,
             .policy = &view_.policy,
@@ -67,220 +107,193 @@ RelayService::RelayService(const layercast::v1::Manifest& manifest, const wire::
   held_facts_.layouts = layouts_;
 }
 
-absl::Time RelayService::Deadline(const grpc::ServerContext& context) const {
-  const auto answer = server::AnswerBefore(context.deadline());
-  const auto now = std::chrono::steady_clock::now();
-  const auto wait = std::min<std::chrono::steady_clock::duration>(
-      answer == std::chrono::steady_clock::time_point::max() ? options_.max_version_wait
-                                                             : answer - now,
-      options_.max_version_wait);
-  return absl::Now() + absl::FromChrono(wait);
+grpc::ServerUnaryReactor* RelayService::FinishUnary(grpc::CallbackServerContext* context,
+                                                    const char* method,
+                                                    const grpc::Status& status) {
+  serving_.metrics.RecordRpc(method, wire::StatusCodeName(status.error_code()));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(status);
+  return reactor;
 }
 
-grpc::Status RelayService::GetManifest(grpc::ServerContext*,
-                                       const layercast::v1::GetManifestRequest*,
-                                       layercast::v1::Manifest* manifest) {
+grpc::ServerUnaryReactor* RelayService::GetManifest(grpc::CallbackServerContext* context,
+                                                    const layercast::v1::GetManifestRequest*,
+                                                    layercast::v1::Manifest* manifest) {
   *manifest = manifest_;
   manifest->set_version(versions_.heading());
-  return grpc::Status::OK;
+  return FinishUnary(context, "GetManifest", grpc::Status::OK);
 }
 
-grpc::Status RelayService::WaitVersion(grpc::ServerContext* context,
-                                       const layercast::v1::WaitVersionRequest* request,
-                                       layercast::v1::WaitVersionResponse* response) {
-  const std::optional<uint64_t> incarnation =
-      request->has_incarnation() ? std::optional<uint64_t>(request->incarnation()) : std::nullopt;
-  response->set_version(
-      versions_.WaitHeading(request->min_version(), Deadline(*context), shard_, incarnation));
-  response->set_incarnation(versions_.IncarnationOf(shard_));
+grpc::ServerUnaryReactor* RelayService::WaitVersion(
+    grpc::CallbackServerContext* context, const layercast::v1::WaitVersionRequest* request,
+    layercast::v1::WaitVersionResponse* response) {
   if (versions_.closed()) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "this relay is stopping: follow the shards, or another relay");
+    return FinishUnary(context, "WaitVersion",
+                       grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                    "this relay is stopping: follow the shards, or another relay"));
   }
-  return grpc::Status::OK;
+  const uint64_t incarnation = versions_.IncarnationOf(shard_);
+  response->set_incarnation(incarnation);
+  const uint64_t current = versions_.heading();
+  // A caller holding another incarnation's versions is told at once: the
+  // shards' numbers started again, so its min_version says nothing here.
+  const bool restarted =
+      request->has_incarnation() && incarnation != 0 && request->incarnation() != incarnation;
+  if (request->min_version() <= current || restarted) {
+    response->set_version(current);
+    return FinishUnary(context, "WaitVersion", grpc::Status::OK);
+  }
+  const RelayLimits& limits = serving_.limits;
+  if (request->min_version() - current > limits.max_version_lead) {
+    return FinishUnary(
+        context, "WaitVersion",
+        grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
+                     absl::StrCat("min_version ", request->min_version(), " is more than ",
+                                  limits.max_version_lead, " versions ahead of this relay's ",
+                                  current, " (--max-version-lead): wait for a nearer one")));
+  }
+  const std::string peer = context->peer();
+  if (grpc::Status admitted = serving_.streams.AddWait(peer); !admitted.ok()) {
+    return FinishUnary(context, "WaitVersion", admitted);
+  }
+  const platform::Clock& clock = serving_.timers.clock();
+  // A version that did not come reads as the version now, never as
+  // DEADLINE_EXCEEDED.
+  const auto answer_at = std::min(clock.Now() + limits.max_version_wait,
+                                  server::AnswerBefore(context->deadline(), clock.Now()));
+  auto* reactor = new server::WaitVersionReactor(
+      serving_.heading, response, [this, peer](const grpc::Status& status) {
+        serving_.metrics.RecordRpc("WaitVersion", wire::StatusCodeName(status.error_code()));
+        serving_.streams.RemoveWait(peer);
+      });
+  reactor->Start(request->min_version(), answer_at);
+  return reactor;
 }
 
-grpc::Status RelayService::GetLayerDigest(grpc::ServerContext*,
-                                          const layercast::v1::GetLayerDigestRequest*,
-                                          layercast::v1::LayerDigest*) {
-  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                      "a relay does not vouch for the bytes it carries: ask the shards for "
-                      "digests (MirrorOptions::verify_with; layercast fetch --verify-shards)");
+grpc::ServerUnaryReactor* RelayService::GetLayerDigest(grpc::CallbackServerContext* context,
+                                                       const layercast::v1::GetLayerDigestRequest*,
+                                                       layercast::v1::LayerDigest*) {
+  return FinishUnary(
+      context, "GetLayerDigest",
+      grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                   "a relay does not vouch for the bytes it carries: ask the shards for "
+                   "digests (MirrorOptions::verify_with; layercast fetch --verify-shards)"));
 }
 
-absl::StatusOr<HeldLayer> RelayService::Target(const layercast::v1::FetchLayerRequest& request,
-                                               absl::Time deadline) const {
-  const uint32_t layer = request.layer();
-  // What the relay heads for counts: its layers land one by one.
-  const uint64_t newest = std::max(versions_.Newest(layer), versions_.heading());
-  RETURN_IF_ERROR(server::PlanWait(request, newest, kMaxVersionLead, true).status());
-  const uint64_t wanted =
-      request.has_exact_version() ? request.exact_version() : request.min_version();
-  const std::optional<HeldLayer> reached = versions_.WaitNewest(layer, wanted, deadline);
-  if (!reached && versions_.closed()) {
-    return absl::UnavailableError(
-        "this relay is stopping: read from the shards, or from another relay");
-  }
-  if (!reached) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("layer ", layer, " has not reached version ", wanted,
-                     " at this relay in time (it holds ", versions_.Newest(layer),
-                     "; its upstream may be slow or gone): read it again, or from the shards"));
-  }
-  if (!request.has_exact_version()) return *reached;
-  std::optional<HeldLayer> exact = versions_.At(layer, request.exact_version());
-  if (!exact) {
-    return absl::AbortedError(
-        absl::StrCat("this relay no longer holds version ", request.exact_version(), " of layer ",
-                     layer, " (it keeps the newest and --keep-versions before it); it is at ",
-                     reached->version, ": walk again at version ", reached->version));
-  }
-  return *exact;
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Refuse(const absl::Status& status) {
+  const grpc::Status refused = wire::ToGrpcStatus(status);
+  serving_.metrics.RecordRpc("FetchLayer", wire::StatusCodeName(refused.error_code()));
+  metrics_.RecordServed(false, 0);
+  return new server::RefusedStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(refused);
 }
 
-grpc::Status RelayService::FetchLayer(grpc::ServerContext* context,
-                                      const layercast::v1::FetchLayerRequest* request,
-                                      grpc::ServerWriter<LayerChunk>* writer) {
-  uint64_t sent = 0;
-  const absl::Status status = [&]() -> absl::Status {
-    // The base's incarnation is checked against the version kept (below),
-    // not one of the relay's own.
-    layercast::v1::FetchLayerRequest planned = *request;
-    planned.clear_base_incarnation();
-    const bool held_dtype =
-        manifest_.has_held_dtype() && request->dtype() == manifest_.held_dtype();
-    ASSIGN_OR_RETURN(const server::FetchPlan plan,
-                     server::PlanFetch(held_dtype ? held_facts_ : facts_, planned));
-    const AssembledLayout& held = layouts_[request->layer()];
-    for (uint32_t t = 0; t < held.tensors().size(); ++t) {
-      const DType has = held.tensors()[t].compute_dtype;
-      const DType asked = plan.layout.tensors()[t].compute_dtype;
-      if (has != asked) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("this relay holds layer ", request->layer(), "'s tensor ", t, " in ",
-                         DTypeName(has), ", not ", DTypeName(asked),
-                         ": ask the shards, or a relay that follows in ", DTypeName(asked)));
-      }
+absl::StatusOr<server::FetchPlan> RelayService::Plan(
+    const layercast::v1::FetchLayerRequest& request) const {
+  // The base's incarnation is checked against the version kept
+  // (RelayChunks), not one of the relay's own.
+  layercast::v1::FetchLayerRequest planned = request;
+  planned.clear_base_incarnation();
+  const bool held_dtype = manifest_.has_held_dtype() && request.dtype() == manifest_.held_dtype();
+  ASSIGN_OR_RETURN(server::FetchPlan plan,
+                   server::PlanFetch(held_dtype ? held_facts_ : facts_, planned));
+  const AssembledLayout& held = layouts_[request.layer()];
+  for (uint32_t t = 0; t < held.tensors().size(); ++t) {
+    const DType has = held.tensors()[t].compute_dtype;
+    const DType asked = plan.layout.tensors()[t].compute_dtype;
+    if (has != asked) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this relay holds layer ", request.layer(), "'s tensor ",
+          view_.model.layers[request.layer()].tensors[t].name, " (", t, ") in ", DTypeName(has),
+          ", not ", DTypeName(asked), ": ask in ", DTypeName(has),
+          " (FetchLayerRequest.dtype; a mirror's MirrorOptions::dtype), or ask the shards, or a "
+          "relay that follows in ",
+          DTypeName(asked)));
     }
-    ASSIGN_OR_RETURN(const HeldLayer target, Target(*request, Deadline(*context)));
-    if (target.incarnations.size() <= shard_) {
-      return absl::InternalError(absl::StrCat(
-          "this relay's mirror did not record which incarnation of shard ", shard_,
-          " served layer ", request->layer(), ": read from the shards, and report this"));
-    }
-    std::shared_ptr<const ChangedElements> changed;
-    if (request->has_base_version()) {
-      const std::optional<HeldLayer> base = versions_.At(request->layer(), request->base_version());
-      if (base) {
-        changed = versions_.ChangedBetween(request->layer(), request->base_version(), target);
-      }
-      const bool same_shard = changed && base->incarnations.size() > shard_ &&
-                              base->incarnations[shard_] == target.incarnations[shard_] &&
-                              (!request->has_base_incarnation() ||
-                               request->base_incarnation() == base->incarnations[shard_]);
-      if (!same_shard) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "this relay no longer holds version ", request->base_version(), " of layer ",
-            request->layer(),
-            " as the delta's base names it (it keeps the newest and "
-            "--keep-versions before it, each with the incarnation of the shard that cast it); "
-            "pull the layer in full"));
-      }
-    }
-    context->AddInitialMetadata(wire::kIncarnationMetadata,
-                                absl::StrCat(target.incarnations[shard_]));
-    return Send(plan, target, changed.get(), request->base_version(),
-                request->accepts_changed_gaps(), writer, &sent);
-  }();
-  metrics_.RecordServed(status.ok(), sent);
-  return wire::ToGrpcStatus(status);
-}
-
-absl::Status RelayService::Send(const server::FetchPlan& plan, const HeldLayer& target,
-                                const ChangedElements* changed, uint64_t base_version, bool gaps,
-                                grpc::ServerWriter<LayerChunk>* writer, uint64_t* sent) const {
-  const uint64_t chunk_bytes = manifest_.chunk_bytes();
-  if (chunk_bytes == 0) {
+  }
+  if (manifest_.chunk_bytes() == 0) {
     return absl::FailedPreconditionError(
         "the shard this relay follows does not name its chunk size (Manifest.chunk_bytes): "
         "upgrade the shards");
   }
-  std::vector<uint64_t> span_changed, span_scales;
-  for (const TensorElementRange& run : plan.runs) {
-    const AssembledTensor& placed = plan.layout.tensors()[run.tensor];
-    const size_t size = DTypeSize(placed.compute_dtype);
-    const server::ChunkGrid grid(chunk_bytes, placed,
-                                 ShardElementRange(placed.num_elements, shard_, facts_.num_shards));
-    for (uint64_t e = run.elements.begin; e < run.elements.end;) {
-      const uint64_t n = std::min(run.elements.end, grid.ChunkEnd(e)) - e;
-      const uint8_t* values = target.bytes->data() + placed.byte_offset + e * size;
-      LayerChunk chunk;
-      if (changed != nullptr) {
-        SpanBits(changed->elements[run.tensor], e, n, span_changed);
-        // An 8-bit float span's scales: those of every block it touches.
-        std::optional<wire::DeltaScales> scales;
-        if (placed.block_size != 0) {
-          const uint64_t first = e / placed.block_size;
-          const uint64_t blocks = (e + n + placed.block_size - 1) / placed.block_size - first;
-          SpanBits(changed->scales[run.tensor], first, blocks, span_scales);
-          scales =
-              wire::DeltaScales{{target.bytes->data() + placed.scale_offset + first * sizeof(float),
-                                 blocks * sizeof(float)},
-                                span_scales};
-        }
-        const grpc::Slice encoded = wire::EncodeDeltaChunk({.tensor = run.tensor,
-                                                            .element_offset = e,
-                                                            .span_elements = n,
-                                                            .version = target.version,
-                                                            .base_version = base_version,
-                                                            .gaps_allowed = gaps},
-                                                           {values, n * size}, size, span_changed,
-                                                           scales ? &*scales : nullptr);
-        chunk.ParseFromArray(encoded.begin(), static_cast<int>(encoded.size()));
-      } else {
-        chunk.set_tensor(run.tensor);
-        chunk.set_element_offset(e);
-        chunk.set_data(values, n * size);
-        chunk.set_version(target.version);
-        uint32_t crc = Crc32c(values, n * size);
-        if (placed.block_size != 0) {
-          const uint64_t first = e / placed.block_size;
-          const uint64_t end = (e + n + placed.block_size - 1) / placed.block_size;
-          const uint8_t* scales =
-              target.bytes->data() + placed.scale_offset + first * sizeof(float);
-          chunk.set_scales(scales, (end - first) * sizeof(float));
-          crc = Crc32c(scales, (end - first) * sizeof(float), crc);
-        }
-        chunk.set_crc32c(crc);
-      }
-      if (!writer->Write(chunk)) return absl::CancelledError("the reader went away mid-stream");
-      *sent += chunk.ByteSizeLong();
-      if (changed != nullptr) FailPoint("relay.mid_delta", shard_);
-      e += n;
-    }
-  }
-  return absl::OkStatus();
+  return plan;
 }
 
-grpc::Status RelayService::PushGradients(grpc::ServerContext*,
-                                         grpc::ServerReader<layercast::v1::GradientChunk>*,
-                                         layercast::v1::PushGradientsResponse*) {
-  return ReadsOnly("gradients");
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::FetchLayer(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
+  layercast::v1::FetchLayerRequest request;
+  grpc::ByteBuffer copy(*raw_request);  // ProtoBufferReader needs a mutable buffer
+  grpc::ProtoBufferReader reader(&copy);
+  if (!request.ParseFromZeroCopyStream(&reader)) {
+    return Refuse(
+        absl::InvalidArgumentError("the request is not a layercast.v1.FetchLayerRequest"));
+  }
+  if (versions_.closed()) {
+    return Refuse(absl::UnavailableError(
+        "this relay is stopping: read from the shards, or from another relay"));
+  }
+  absl::StatusOr<server::FetchPlan> plan = Plan(request);
+  if (!plan.ok()) return Refuse(plan.status());
+  // What the relay heads for counts: its layers land one by one.
+  const uint64_t newest = std::max(serving_.layers.version(request.layer()), versions_.heading());
+  const absl::StatusOr<server::FetchWait> wait =
+      server::PlanWait(request, newest, serving_.limits.max_version_lead, true);
+  if (!wait.ok()) return Refuse(wait.status());
+  const platform::Clock& clock = serving_.timers.clock();
+  server::FetchLayerReactor::Options stream;
+  stream.chunk_bytes = manifest_.chunk_bytes();
+  stream.min_version = wait->version;
+  stream.clock = &clock;
+  stream.version_give_up_at = std::min(clock.Now() + serving_.limits.max_version_wait,
+                                       server::AnswerBefore(context->deadline(), clock.Now()));
+  if (request.has_base_version()) {
+    stream.base_version = request.base_version();
+    stream.changed_gaps = request.accepts_changed_gaps();
+  }
+  stream.gate_offset = RelayServing::kHeld;
+  stream.server = "relay";
+  return serving_.streams.OpenStream(
+      wait->parked, std::move(stream), [&](server::FetchLayerReactor::Options options) {
+        // Counted as a shard counts its streams, and in the relay's own
+        // served series.
+        auto sent = std::make_shared<std::atomic<uint64_t>>(0);
+        options.on_done = [this, on_done = std::move(options.on_done), sent](
+                              server::FetchLayerReactor* stream, const grpc::Status& status) {
+          metrics_.RecordServed(status.ok(), sent->load());
+          on_done(stream, status);
+        };
+        auto chunks = std::make_unique<RelayChunks>(versions_, layouts_[request.layer()], shard_,
+                                                    facts_.num_shards, request, context, sent);
+        return new server::FetchLayerReactor(context, std::move(chunks), serving_.layers,
+                                             serving_.budget, serving_.metrics, *std::move(plan),
+                                             std::move(options));
+      });
 }
-grpc::Status RelayService::GetGradientNorm(grpc::ServerContext*,
-                                           const layercast::v1::GetGradientNormRequest*,
-                                           layercast::v1::GetGradientNormResponse*) {
-  return ReadsOnly("GetGradientNorm");
+
+grpc::ServerReadReactor<layercast::v1::GradientChunk>* RelayService::PushGradients(
+    grpc::CallbackServerContext*, layercast::v1::PushGradientsResponse*) {
+  serving_.metrics.RecordRpc("PushGradients", "FAILED_PRECONDITION");
+  return new server::RefusedStream<grpc::ServerReadReactor<layercast::v1::GradientChunk>>(
+      ReadsOnly("gradients"));
 }
-grpc::Status RelayService::ApplyClippedStep(grpc::ServerContext*,
-                                            const layercast::v1::ApplyClippedStepRequest*,
-                                            layercast::v1::ApplyClippedStepResponse*) {
-  return ReadsOnly("ApplyClippedStep");
+
+grpc::ServerUnaryReactor* RelayService::GetGradientNorm(
+    grpc::CallbackServerContext* context, const layercast::v1::GetGradientNormRequest*,
+    layercast::v1::GetGradientNormResponse*) {
+  return FinishUnary(context, "GetGradientNorm", ReadsOnly("GetGradientNorm"));
 }
-grpc::Status RelayService::GetCastError(grpc::ServerContext*,
-                                        const layercast::v1::GetCastErrorRequest*,
-                                        layercast::v1::GetCastErrorResponse*) {
-  return ReadsOnly("GetCastError (a relay casts nothing: what the casts lost is the shards')");
+
+grpc::ServerUnaryReactor* RelayService::ApplyClippedStep(
+    grpc::CallbackServerContext* context, const layercast::v1::ApplyClippedStepRequest*,
+    layercast::v1::ApplyClippedStepResponse*) {
+  return FinishUnary(context, "ApplyClippedStep", ReadsOnly("ApplyClippedStep"));
+}
+
+grpc::ServerUnaryReactor* RelayService::GetCastError(grpc::CallbackServerContext* context,
+                                                     const layercast::v1::GetCastErrorRequest*,
+                                                     layercast::v1::GetCastErrorResponse*) {
+  return FinishUnary(
+      context, "GetCastError",
+      ReadsOnly("GetCastError (a relay casts nothing: what the casts lost is the shards')"));
 }
 
 }  // namespace layercast::relay

@@ -38,6 +38,17 @@ void Or(const std::vector<uint64_t>& from, std::vector<uint64_t>& into) {
 RelayedVersions::RelayedVersions(const std::vector<AssembledLayout>& layouts, uint32_t keep)
     : layouts_(layouts), keep_(keep), layers_(layouts.size()), spare_(layouts.size()) {}
 
+std::shared_ptr<std::vector<uint8_t>> RelayedVersions::Allocate(size_t bytes) const {
+  if (budget_ == nullptr) return std::make_shared<std::vector<uint8_t>>(bytes);
+  budget_->Charge(bytes);
+  server::MemoryBudget* budget = budget_;
+  return std::shared_ptr<std::vector<uint8_t>>(new std::vector<uint8_t>(bytes),
+                                               [budget, bytes](std::vector<uint8_t>* held) {
+                                                 delete held;
+                                                 budget->Release(bytes);
+                                               });
+}
+
 void RelayedVersions::Heading(uint64_t version) {
   absl::MutexLock lock(&mu_);
   heading_ = std::max(heading_, version);
@@ -61,7 +72,7 @@ void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
     // one costs the kernel a page fault and a zeroed page per 4 KiB, more
     // than the copy itself (measured: half a relay's CPU).
     if (spare == nullptr || spare->size() != bytes.size()) {
-      spare = std::make_shared<std::vector<uint8_t>>(bytes.size());
+      spare = Allocate(bytes.size());
     }
     std::memcpy(spare->data(), bytes.data(), bytes.size());
     kept.held.bytes = std::move(spare);

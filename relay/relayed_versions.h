@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/layout.h"
+#include "server/memory_budget.h"
 
 namespace layercast::relay {
 
@@ -48,6 +49,10 @@ class RelayedVersions {
  public:
   // `layouts`: the layers as held (must outlive this).
   RelayedVersions(const std::vector<AssembledLayout>& layouts, uint32_t keep);
+
+  // Counts every buffer of held bytes in `budget` (which must outlive
+  // them) from its allocation until the last stream sending it lets go.
+  void SetBudget(server::MemoryBudget* budget) { budget_ = budget; }
 
   // The mirror walks to `version` (Create, or an update).
   void Heading(uint64_t version);
@@ -115,8 +120,12 @@ class RelayedVersions {
   // The index of the kept version At(version) finds; nullopt if none.
   std::optional<size_t> IndexOf(const std::deque<Kept>& kept, uint64_t version) const;
 
+  // A buffer for a layer's bytes, counted in budget_.
+  std::shared_ptr<std::vector<uint8_t>> Allocate(size_t bytes) const;
+
   const std::vector<AssembledLayout>& layouts_;
   const uint32_t keep_;
+  server::MemoryBudget* budget_ = nullptr;
   mutable absl::Mutex mu_;
   uint64_t heading_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;

@@ -110,6 +110,13 @@ void MemoryBudget::Expire(uint64_t id) {
   RemoveLocked(id);
 }
 
+void MemoryBudget::Charge(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  in_use_ += bytes;
+  peak_ = std::max(peak_, in_use_);
+  NotifyLocked();
+}
+
 void MemoryBudget::Release(uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   in_use_ -= std::min(in_use_, bytes);

@@ -63,6 +63,11 @@ class MemoryBudget {
   // queue of streams that need it.
   bool TryAcquire(uint64_t bytes);
 
+  // Counts `bytes` held whatever the budget says (a relay's held versions,
+  // which its upstream sends): requests wait for room beside them, and
+  // Release() gives them back.
+  void Charge(uint64_t bytes);
+
   // `reclaim` runs on the budget's timer thread whenever a request has to
   // wait: it should Release() whatever can be given up.
   void SetReclaimer(std::function<void()> reclaim);

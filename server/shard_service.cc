@@ -13,6 +13,7 @@
 #include "server/memory_plan.h"
 #include "server/push_gradients_reactor.h"
 #include "server/refusals.h"
+#include "server/shard_chunks.h"
 #include "server/wait_version_reactor.h"
 #include "wire/cast_error_report.h"
 #include "wire/grpc_status.h"
@@ -198,67 +199,54 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   const absl::StatusOr<FetchWait> wait = PlanWait(*request, gate_.version(request->layer()),
                                                   options_.max_version_lead, changes != nullptr);
   if (!wait.ok()) return Refuse(wire::ToGrpcStatus(wait.status()));
-  const bool parked = wait->parked;
-  if (grpc::Status admitted = streams_.Admit(parked); !admitted.ok()) return Refuse(admitted);
-  metrics_.streams_in_flight().Increment();
-  FetchLayerReactor::Options reactor_options;
-  reactor_options.chunk_bytes = options_.chunk_bytes;
-  reactor_options.min_version = wait->version;
-  if (request->has_exact_version()) reactor_options.exact_version = request->exact_version();
+  ShardChunks::Options source;
+  source.chunk_bytes = options_.chunk_bytes;
+  source.peer = context->peer();
+  if (request->has_exact_version()) source.exact_version = request->exact_version();
   // Also for a stream at a version its layer left: a layer whose change
   // changed no value is still served from the master.
-  reactor_options.changes = changes;
-  reactor_options.pinned = shard->pinned.get();
-  reactor_options.cast_errors = options_.cast_errors;
-  reactor_options.cast_error_sample_every = options_.cast_error_sample_every;
-  // Before the client's deadline, so that it hears what the version waits
-  // for rather than gRPC's bare DEADLINE_EXCEEDED.
-  reactor_options.clock = &clock_;
-  reactor_options.version_give_up_at = std::min(clock_.Now() + options_.max_version_wait,
-                                                AnswerBefore(context->deadline(), clock_.Now()));
+  source.changes = changes;
+  source.pinned = shard->pinned.get();
+  source.cast_errors = options_.cast_errors;
+  source.cast_error_sample_every = options_.cast_error_sample_every;
   if (const LayerTrainer* trainer = shard->trainer.get(); trainer != nullptr) {
-    reactor_options.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
+    source.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
   }
-  reactor_options.shared = shared;
-  if (request->has_base_version()) {
-    reactor_options.base_version = request->base_version();
-    reactor_options.changed_gaps = request->accepts_changed_gaps();
-  }
-  reactor_options.will_pull_deltas = request->will_pull_deltas();
+  source.shared = shared;
+  if (request->has_base_version()) source.base_version = request->base_version();
+  source.will_pull_deltas = request->will_pull_deltas();
   // The worker saw a chunk of this layer fail its checksum: the kept copy,
   // or a kept CRC, may be the corrupted one.
-  reactor_options.recast = request->recast();
+  source.recast = request->recast();
   if (plan->dtype) {
     // Cast for this stream alone: the shared chunks and the cast-error
     // ledger hold the policy's casts.
-    reactor_options.shared = nullptr;
-    reactor_options.cast_errors = nullptr;
+    source.shared = nullptr;
+    source.cast_errors = nullptr;
   }
-  if (request->recast() && reactor_options.shared != nullptr) {
+  if (request->recast() && source.shared != nullptr) {
     shared->DropLayer(request->layer());
-    reactor_options.shared = nullptr;
+    source.shared = nullptr;
   }
-  // Whether the stream still holds a parked slot rather than a streaming one.
-  auto still_parked = std::make_shared<std::atomic<bool>>(parked);
-  reactor_options.on_unparked = [this, still_parked] {
-    if (still_parked->exchange(false)) streams_.Unpark();
-  };
-  reactor_options.on_done = [this, still_parked, start = std::chrono::steady_clock::now()](
-                                FetchLayerReactor* stream, const grpc::Status& status) {
-    metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
-    if (status.ok()) {
-      metrics_.RecordFetchDuration(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-    metrics_.streams_in_flight().Decrement();
-    streams_.RemoveStream(stream, still_parked->load());
-  };
-  // OnDone may come as soon as a posted grant runs (gRPC holds a reactor's
-  // calls until FetchLayer returns it, then replays them).
-  return streams_.AddStream([&] {
-    return new FetchLayerReactor(context, *store, gate_, *shard->budget, metrics_, *std::move(plan),
-                                 std::move(reactor_options));
-  });
+  FetchLayerReactor::Options stream;
+  stream.chunk_bytes = options_.chunk_bytes;
+  stream.min_version = wait->version;
+  // Before the client's deadline, so that it hears what the version waits
+  // for rather than gRPC's bare DEADLINE_EXCEEDED.
+  stream.clock = &clock_;
+  stream.version_give_up_at = std::min(clock_.Now() + options_.max_version_wait,
+                                       AnswerBefore(context->deadline(), clock_.Now()));
+  if (request->has_base_version()) {
+    stream.base_version = request->base_version();
+    stream.changed_gaps = request->accepts_changed_gaps();
+  }
+  return streams_.OpenStream(
+      wait->parked, std::move(stream), [&](FetchLayerReactor::Options options) {
+        auto chunks =
+            std::make_unique<ShardChunks>(*store, gate_, metrics_, *plan, std::move(source));
+        return new FetchLayerReactor(context, std::move(chunks), gate_, *shard->budget, metrics_,
+                                     *std::move(plan), std::move(options));
+      });
 }
 
 grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext* context,

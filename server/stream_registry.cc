@@ -3,10 +3,14 @@
 #include <grpc/grpc.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::server {
 
@@ -90,9 +94,34 @@ void StreamRegistry::Leave(bool parked) {
   --(parked ? parked_ : streaming_);
 }
 
-FetchLayerReactor* StreamRegistry::AddStream(absl::FunctionRef<FetchLayerReactor*()> make) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StreamRegistry::OpenStream(
+    bool parked, FetchLayerReactor::Options options,
+    absl::FunctionRef<FetchLayerReactor*(FetchLayerReactor::Options)> make) {
+  if (grpc::Status admitted = Admit(parked); !admitted.ok()) {
+    metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(admitted.error_code()));
+    return new RefusedStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(admitted);
+  }
+  metrics_.streams_in_flight().Increment();
+  // Whether the stream still holds a parked slot rather than a streaming one.
+  auto still_parked = std::make_shared<std::atomic<bool>>(parked);
+  options.on_unparked = [this, still_parked] {
+    if (still_parked->exchange(false)) Unpark();
+  };
+  options.on_done = [this, still_parked, start = std::chrono::steady_clock::now()](
+                        FetchLayerReactor* stream, const grpc::Status& status) {
+    metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
+    if (status.ok()) {
+      metrics_.RecordFetchDuration(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    metrics_.streams_in_flight().Decrement();
+    RemoveStream(stream, still_parked->load());
+  };
+  // Registered under the lock its on_done takes: OnDone may come as soon as
+  // a posted grant runs (gRPC holds a reactor's calls until FetchLayer
+  // returns it, then replays them), and must find it registered.
   absl::MutexLock lock(&mu_);
-  FetchLayerReactor* stream = make();
+  FetchLayerReactor* stream = make(std::move(options));
   streams_.insert(stream);
   return stream;
 }

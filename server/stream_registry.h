@@ -58,10 +58,13 @@ class StreamRegistry {
   // Gives back a slot Admit took.
   void Leave(bool parked);
 
-  // Registers the stream `make` builds, under the lock its on_done takes
-  // (RemoveStream), so an OnDone that comes as soon as a grant runs finds it
-  // registered.
-  FetchLayerReactor* AddStream(absl::FunctionRef<FetchLayerReactor*()> make);
+  // A FetchLayer stream: a slot (Admit), then the reactor `make` builds
+  // from `options` with on_unparked and on_done set to give the slot back
+  // and count the call; or, when no slot is free, a stream refused with
+  // RESOURCE_EXHAUSTED naming the flag (and `make` never called).
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* OpenStream(
+      bool parked, FetchLayerReactor::Options options,
+      absl::FunctionRef<FetchLayerReactor*(FetchLayerReactor::Options)> make);
   // A stream's on_done: unregisters it and gives back its slot.
   void RemoveStream(FetchLayerReactor* stream, bool parked);
 

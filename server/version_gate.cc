@@ -71,6 +71,20 @@ void VersionGate::Advance(uint64_t version) {
   PostReachedLocked();
 }
 
+void VersionGate::Set(uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  for (uint64_t& layer : layers_) layer = version;
+  version_ = version;
+  PostReachedLocked();
+}
+
+void VersionGate::Set(uint32_t layer, uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  layers_[layer] = version;
+  version_ = *std::min_element(layers_.begin(), layers_.end());
+  PostReachedLocked();
+}
+
 void VersionGate::Advance(uint32_t layer, uint64_t version) {
   absl::MutexLock lock(&mu_);
   if (version <= layers_[layer]) return;

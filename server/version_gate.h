@@ -58,6 +58,12 @@ class VersionGate {
   // Raises `layer` to `version`, likewise.
   void Advance(uint32_t layer, uint64_t version);
 
+  // Sets the model's (every layer's) version, or one layer's, to exactly
+  // `version`, lower or not: a relay whose shards started counting again
+  // follows them down. Posts every waiter now reached.
+  void Set(uint64_t version);
+  void Set(uint32_t layer, uint64_t version);
+
   // Posts `ready` once version() >= min_version (at once if it already is),
   // at `give_up_at` (time_point::max(): never), or at Close(), whichever
   // comes first. Returns an id for Cancel.

@@ -207,6 +207,9 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   mirror_options.layer_timeout = std::chrono::milliseconds(layer_timeout_ms);
   mirror_options.dtype = dtype;
   mirror_options.listener = relay.get();
+  // No reader reads the relay's own mirror (its children read the relay's
+  // held versions): pulled in place, an update costs no staging copy.
+  mirror_options.staging_bytes = 0;
   if (upstream != nullptr) mirror_options.fallback = fallback ? fallback.get() : shards.get();
   // A relay serves only bytes the shards vouch for: each layer is checked
   // against their digests before it is served, whoever it came from.

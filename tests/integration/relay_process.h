@@ -95,6 +95,8 @@ class RelayProcess {
 
   const std::vector<std::string>& addresses() const { return addresses_; }
   const std::string& log() const { return log_; }
+  // 0 once reaped.
+  pid_t pid() const { return pid_; }
   // The marker its failpoint creates as it fires.
   const std::string& fired() const { return fired_; }
 

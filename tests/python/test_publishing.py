@@ -240,5 +240,5 @@ def test_a_mirror_serves_an_fp8_fleet_below_it(served):
                         assert torch.equal(torch.from_dlpack(tensor.scales),
                                            torch.from_dlpack(other.scales)), name
             # A relay serves the dtype it holds, and says where to get others.
-            with pytest.raises(layercast.Error, match="ask the shards"):
+            with pytest.raises(layercast.Error, match="from the shards"):
                 relayed.mirror()
