@@ -70,7 +70,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* ShardService::PushGradients(
       metrics_.RecordPushStaged(bytes);
     }
   };
-  absl::StatusOr<PushGradientsReactor*> push = streams_.AddPush(peer, [&] {
+  absl::StatusOr<StreamRegistry::PushStream*> push = streams_.AddPush(peer, [&] {
     return new PushGradientsReactor(context, *shard.store, **trainer, *shard.budget, response,
                                     std::move(options));
   });

@@ -41,7 +41,7 @@ void StreamRegistry::Sweep() {
                              "--write-progress-timeout-ms");
       }
     }
-    for (PushGradientsReactor* push : pushes_) {
+    for (PushStream* push : pushes_) {
       if (grpc_call* call = push->RefIfStalled(now, limits_.write_progress_timeout)) {
         stalled.emplace_back(call,
                              "the worker sent no chunk within the shard's "
@@ -132,8 +132,8 @@ void StreamRegistry::RemoveStream(FetchLayerReactor* stream, bool parked) {
   streams_.erase(stream);
 }
 
-absl::StatusOr<PushGradientsReactor*> StreamRegistry::AddPush(
-    const std::string& peer, absl::FunctionRef<PushGradientsReactor*()> make) {
+absl::StatusOr<StreamRegistry::PushStream*> StreamRegistry::AddPush(
+    const std::string& peer, absl::FunctionRef<PushStream*()> make) {
   absl::MutexLock lock(&mu_);
   if (pushes_.size() >= limits_.max_push_streams) {
     return absl::ResourceExhaustedError(
@@ -150,13 +150,13 @@ absl::StatusOr<PushGradientsReactor*> StreamRegistry::AddPush(
         "was staged: finish a push on it before the next, or retry with backoff"));
   }
   ++from_peer;
-  PushGradientsReactor* push = make();
+  PushStream* push = make();
   pushes_.insert(push);
   metrics_.push_streams_in_flight().Set(static_cast<double>(pushes_.size()));
   return push;
 }
 
-void StreamRegistry::RemovePush(PushGradientsReactor* push, const std::string& peer) {
+void StreamRegistry::RemovePush(PushStream* push, const std::string& peer) {
   absl::MutexLock lock(&mu_);
   pushes_.erase(push);
   if (auto it = pushes_by_peer_.find(peer); it != pushes_by_peer_.end() && --it->second == 0) {

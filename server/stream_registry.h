@@ -15,8 +15,8 @@
 #include "absl/time/time.h"
 #include "server/deadline_timers.h"
 #include "server/fetch_layer_reactor.h"
-#include "server/push_gradients_reactor.h"
 #include "server/server_metrics.h"
+#include "server/stream_reactor.h"
 
 namespace layercast::server {
 
@@ -33,6 +33,9 @@ namespace layercast::server {
 // Thread-safe.
 class StreamRegistry {
  public:
+  // A PushGradients stream, as the registry sees it: its stall stamp.
+  using PushStream = StreamReactor<grpc::ServerReadReactor<grpc::ByteBuffer>>;
+
   struct Limits {
     uint32_t max_streams = 0;
     uint32_t max_parked_streams = 0;
@@ -71,9 +74,9 @@ class StreamRegistry {
   // Registers the push `make` builds, from `peer` (the call's peer, one per
   // connection), as AddStream does; RESOURCE_EXHAUSTED (and `make` never
   // called) past --max-push-streams or --max-push-streams-per-connection.
-  absl::StatusOr<PushGradientsReactor*> AddPush(const std::string& peer,
-                                                absl::FunctionRef<PushGradientsReactor*()> make);
-  void RemovePush(PushGradientsReactor* push, const std::string& peer);
+  absl::StatusOr<PushStream*> AddPush(const std::string& peer,
+                                      absl::FunctionRef<PushStream*()> make);
+  void RemovePush(PushStream* push, const std::string& peer);
 
   // A WaitVersion call from `peer`: its place among the connection's waits
   // and a parked slot. RESOURCE_EXHAUSTED naming the flag otherwise.
@@ -106,7 +109,7 @@ class StreamRegistry {
   // deletes itself, so the sweep and StopStreams may call into any reactor
   // they find here while they hold the lock.
   absl::flat_hash_set<FetchLayerReactor*> streams_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<PushGradientsReactor*> pushes_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<PushStream*> pushes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint32_t> waits_by_peer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint32_t> pushes_by_peer_ ABSL_GUARDED_BY(mu_);
   DeadlineTimers timers_;  // last: see DeadlineTimers
