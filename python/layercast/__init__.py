@@ -361,10 +361,14 @@ class ShardSet:
 
     @property
     def manifest(self) -> Dict[str, object]:
-        """model_id, num_shards, policy, version (the model's, its lowest
-        layer's, when connecting) and layers: each {index, name, nbytes, grad_nbytes,
-        tensors: [{name, shape, dtype, param_dtype, grad_dtype}]}. grad_dtype is the
-        dtype push_gradients takes: the compute dtype, but float32 for 8-bit floats."""
+        """model_id, num_shards, policy, held_dtype, version (the model's, its
+        lowest layer's, when connecting) and layers: each {index, name, nbytes,
+        grad_nbytes, tensors: [{name, shape, dtype, policy_dtype, param_dtype,
+        grad_dtype}]}. It says what the shards serve: dtype and nbytes are as
+        they hold them, the policy's compute dtypes (policy_dtype) but for a
+        relay started with --dtype, which holds every tensor in held_dtype
+        ("float8_e4m3fn"; None elsewhere). grad_dtype is the dtype
+        push_gradients takes: the compute dtype, but float32 for 8-bit floats."""
         return self._native.manifest
 
     @property

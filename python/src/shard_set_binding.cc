@@ -123,15 +123,23 @@ py::dict PyShardSet::Manifest() const {
   const std::shared_ptr<Connection> connection = Held();
   const client::ShardSet& set = *connection->set;
   const wire::ShardSetView& view = set.view();
+  // What the shards serve, as their manifest lists it: a relay started with
+  // --dtype lists every tensor in the dtype it holds (held_dtype), laid out
+  // as a pull in it, while the view stays the policy's. The view is shard
+  // 0's, and CheckManifest has checked its tensors and sizes against it.
+  const layercast::v1::Manifest& served = set.manifests()[0];
   py::list layers;
   for (uint32_t l = 0; l < view.model.layers.size(); ++l) {
     const LayerSpec& spec = view.model.layers[l];
+    const layercast::v1::Layer& listed = served.layers(static_cast<int>(l));
     py::list tensors;
     for (uint32_t t = 0; t < spec.tensors.size(); ++t) {
       py::dict tensor;
       tensor["name"] = spec.tensors[t].name;
       tensor["shape"] = spec.tensors[t].shape;
-      tensor["dtype"] = DTypeString(view.layouts[l].tensors()[t].compute_dtype);
+      tensor["dtype"] =
+          DTypeString(static_cast<DType>(listed.tensors(static_cast<int>(t)).compute_dtype()));
+      tensor["policy_dtype"] = DTypeString(view.layouts[l].tensors()[t].compute_dtype);
       tensor["param_dtype"] = "float32";
       tensor["grad_dtype"] = DTypeString(view.gradient_layouts[l].tensors()[t].compute_dtype);
       tensors.append(tensor);
@@ -139,7 +147,8 @@ py::dict PyShardSet::Manifest() const {
     py::dict layer;
     layer["index"] = l;
     layer["name"] = spec.name;
-    layer["nbytes"] = view.layouts[l].total_bytes();
+    // The layer as served (held), which CheckManifest has checked.
+    layer["nbytes"] = listed.assembled_bytes();
     layer["grad_nbytes"] = view.gradient_layouts[l].total_bytes();
     layer["tensors"] = tensors;
     layers.append(layer);
@@ -152,10 +161,15 @@ py::dict PyShardSet::Manifest() const {
   out["model_id"] = view.model.model_id;
   out["num_shards"] = view.num_shards;
   out["policy"] = view.policy.ToString();
+  // The dtype a relay holds every tensor in (None: the policy's dtypes).
+  out["held_dtype"] =
+      served.has_held_dtype()
+          ? py::object(py::str(DTypeString(static_cast<DType>(served.held_dtype()))))
+          : py::object(py::none());
   out["version"] = version;
   // What a training set expects of its workers (0 and "" when read-only).
-  out["data_parallel_workers"] = set.manifests()[0].data_parallel_workers();
-  out["optimizer"] = set.manifests()[0].optimizer();
+  out["data_parallel_workers"] = served.data_parallel_workers();
+  out["optimizer"] = served.optimizer();
   out["layers"] = layers;
   return out;
 }

@@ -227,6 +227,21 @@ def test_a_mirror_serves_an_fp8_fleet_below_it(served):
         relay = shard_set.mirror(dtype="float8_e4m3fn", serve=["127.0.0.1:0"] * 2)
         assert len(relay.addresses) == 2
         with layercast.connect(relay.addresses) as relayed:
+            # The relay's manifest lists what it holds; the shards', the policy's.
+            held, own = relayed.manifest, shard_set.manifest
+            assert held["held_dtype"] == "float8_e4m3fn" and own["held_dtype"] is None
+            assert held["policy"] == own["policy"]
+            assert [t["name"] for layer in held["layers"] for t in layer["tensors"]] == \
+                [t["name"] for layer in own["layers"] for t in layer["tensors"]]
+            # nbytes as held too: fp8 codes and block scales, well under bfloat16.
+            assert sum(l["nbytes"] for l in held["layers"]) < \
+                sum(l["nbytes"] for l in own["layers"]) * 3 // 4
+            for layer, shards_layer in zip(held["layers"], own["layers"]):
+                for tensor, shards_tensor in zip(layer["tensors"], shards_layer["tensors"]):
+                    policy = "float32" if "norm" in tensor["name"] else "bfloat16"
+                    assert tensor["dtype"] == "float8_e4m3fn", tensor["name"]
+                    assert shards_tensor["dtype"] == policy, tensor["name"]
+                    assert tensor["policy_dtype"] == shards_tensor["policy_dtype"] == policy
             child = relayed.mirror(dtype="float8_e4m3fn")
             newer = {name: t * 0.75 for name, t in tensors.items()}
             version = shard_set.publish(newer, TOKEN, insecure=True)["version"]
