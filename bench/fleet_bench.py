@@ -18,8 +18,15 @@ Each publish changes --changed of every tensor's values. The shards'
 egress is read from their own metrics (chunk bytes sent, deltas as sent);
 a mirror holds a version when its relay logs it.
 
+With --baseline-build OLD (a build of another commit), a star of --star
+children (one relay, every other following it) runs twice in the same run,
+its relays from OLD/bin/layercast and then from --build: the relays' CPU
+per publish and per child, and the root relay's resident memory (peak),
+each as a ratio of the new to the old, at --keep-versions.
+
 Usage: PYTHONPATH=build/python python3 bench/fleet_bench.py [--build build]
            [--fleets 1,4,16] [--publishes 10] [--rate 1gbit] [--synthetic SPEC]
+           [--baseline-build OLD --star 16 --keep-versions 2]
 """
 
 import argparse
@@ -153,12 +160,24 @@ def egress(shards):
     return total
 
 
-def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, tree, first_node):
-    """Starts `fleet` relays (flat, or a tree of degree 4 rooted at the
-    shards' one child), follows `args.publishes` publishes, stops them.
-    Returns (egress bytes per publish, seconds to the last mirror per
-    publish, the mirrors' CPU seconds per publish, the version published
-    last)."""
+def peak_rss(process):
+    """The process's peak resident memory (VmHWM), bytes."""
+    for line in pathlib.Path(f"/proc/{process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, tree, first_node,
+              binary=None, star=False):
+    """Starts `fleet` relays (flat, a tree of degree 4 rooted at the
+    shards' one child, or a star: every other relay follows the first),
+    from `binary` (the build's layercast by default), follows
+    `args.publishes` publishes, stops them. Returns (egress bytes per
+    publish, seconds to the last mirror per publish, the mirrors' CPU
+    seconds per publish, the version published last, and the first relay's
+    CPU seconds per publish and peak resident bytes)."""
+    binary = binary or f"{args.build}/bin/layercast"
     shards = ",".join(f"{address(n)}:{SHARD_PORT}" for n in shard_nodes)
     processes, logs = [], []
     for m in range(fleet):
@@ -168,10 +187,10 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
         ports = pathlib.Path(directory) / f"{name}.ports"
         log = pathlib.Path(directory) / f"{name}.log"
         listen = ",".join(f"{address(node)}:{RELAY_PORT + s}" for s in range(len(shard_nodes)))
-        argv = ["ip", "netns", "exec", name, f"{args.build}/bin/layercast", "relay", "--shards",
-                shards, "--listen", listen, "--port-file", str(ports), "--keep-versions", "1"]
-        if tree and m > 0:
-            parent = first_node + (m - 1) // 4
+        argv = ["ip", "netns", "exec", name, binary, "relay", "--shards", shards, "--listen",
+                listen, "--port-file", str(ports), "--keep-versions", str(args.keep_versions)]
+        if (tree or star) and m > 0:
+            parent = first_node + (0 if star else (m - 1) // 4)
             argv += ["--upstream", ",".join(f"{address(parent)}:{RELAY_PORT + s}"
                                             for s in range(len(shard_nodes)))]
         with open(log, "w") as err:
@@ -182,6 +201,7 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
         when_held(log, version)
     sent, seconds = [], []
     cpu = cpu_seconds(processes)
+    root_cpu = cpu_seconds(processes[:1])
     try:
         for _ in range(args.publishes):
             step = version % 7
@@ -194,6 +214,8 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
             seconds.append(max(when_held(log, version) for log in logs) - start)
             sent.append(egress(shard_nodes) - before)
         cpu = (cpu_seconds(processes) - cpu) / args.publishes
+        root_cpu = (cpu_seconds(processes[:1]) - root_cpu) / args.publishes
+        root_rss = peak_rss(processes[0])
     finally:
         for process in processes:
             process.terminate()
@@ -203,7 +225,7 @@ def run_fleet(args, directory, shard_nodes, shard_set, values, version, fleet, t
             node = first_node + m
             sh("ip", "link", "del", f"v{node}")
             sh("ip", "netns", "del", f"m{node}")
-    return sent, seconds, cpu, version
+    return sent, seconds, cpu, version, (root_cpu, root_rss)
 
 
 def main():
@@ -218,8 +240,14 @@ def main():
     parser.add_argument("--changed", type=float, default=1 / 32,
                         help="share of every tensor's values each publish changes")
     parser.add_argument("--rate", default="1gbit", help="each process's link, as tc says it")
+    parser.add_argument("--keep-versions", type=int, default=1)
+    parser.add_argument("--baseline-build",
+                        help="another commit's build: its relays against --build's, as a star")
+    parser.add_argument("--star", type=int, default=16, help="children of the star's relay")
     args = parser.parse_args()
     args.build = os.path.abspath(args.build)
+    if args.baseline_build:
+        args.baseline_build = os.path.abspath(args.baseline_build)
     sandbox()
     sys.path.insert(0, f"{args.build}/python")
     import layercast
@@ -258,9 +286,9 @@ def main():
                 results = {}
                 for fleet in fleets:
                     for tree in (False, True):
-                        sent, seconds, cpu, version = run_fleet(args, directory, shard_nodes,
-                                                           shard_set, values, version, fleet,
-                                                           tree, node)
+                        sent, seconds, cpu, version, _ = run_fleet(args, directory, shard_nodes,
+                                                              shard_set, values, version, fleet,
+                                                              tree, node)
                         node += fleet
                         results[(fleet, tree)] = (statistics.median(sent),
                                                   statistics.median(seconds), cpu)
@@ -269,11 +297,31 @@ def main():
                               f"last mirror {results[(fleet, tree)][1] * 1e3:8.1f} ms after the "
                               f"commit (medians); the mirrors' CPU {cpu:.2f} s per publish",
                               flush=True)
+                if args.baseline_build:
+                    star = {}
+                    for label, binary in (("old", f"{args.baseline_build}/bin/layercast"),
+                                          ("new", f"{args.build}/bin/layercast")):
+                        _, seconds, cpu, version, (root_cpu, rss) = run_fleet(
+                            args, directory, shard_nodes, shard_set, values, version,
+                            args.star + 1, False, node, binary=binary, star=True)
+                        node += args.star + 1
+                        star[label] = (cpu / (args.star + 1), rss, statistics.median(seconds),
+                                       root_cpu)
+                        print(f"  star of {args.star} children, {label} relays: CPU "
+                              f"{star[label][0] * 1e3:.1f} ms per publish per relay, the root's "
+                              f"{root_cpu * 1e3:.1f} ms (serving its children), the root's "
+                              f"peak RSS {rss / 2**20:.0f} MiB, last mirror "
+                              f"{star[label][2] * 1e3:.1f} ms after the commit", flush=True)
         finally:
             for process in processes:
                 process.terminate()
             for process in processes:
                 process.wait(timeout=60)
+    if args.baseline_build:
+        print(f"star of {args.star} at --keep-versions {args.keep_versions}, new / old: CPU per "
+              f"publish per relay {star['new'][0] / star['old'][0]:.2f}x, the root's "
+              f"{star['new'][3] / star['old'][3]:.2f}x, the root's peak RSS "
+              f"{star['new'][1] / star['old'][1]:.2f}x")
     one = results[(fleets[0], False)]
     big = fleets[-1]
     for tree in (False, True):

@@ -69,9 +69,10 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
       finish = CancelledWhileWaiting(absl::StrCat(
           "waiting for parameter version ", options_.min_version, " (current ", version, ")"));
     } else if (outcome == VersionGate::Outcome::kClosed) {
-      finish = ShuttingDownRefusal(absl::StrCat("the stream waited for parameter version ",
-                                                options_.min_version, " (current ", version,
-                                                "); retry against its replacement"));
+      finish = ShuttingDownRefusal(
+          absl::StrCat("the stream waited for parameter version ", options_.min_version,
+                       " (current ", version, "); retry against its replacement"),
+          options_.server);
     } else if (outcome == VersionGate::Outcome::kTimedOut) {
       const std::string waiting_for = source_->WaitingFor();
       finish = grpc::Status(
@@ -136,7 +137,8 @@ void FetchLayerReactor::WriteNext() {
   }
   if (stop_) {
     FinishOnce(ShuttingDownRefusal(
-        "its drain timeout has passed; resume the rest of the layer against its replacement"));
+        "its drain timeout has passed; resume the rest of the layer against its replacement",
+        options_.server));
     return;
   }
   const TensorElementRange& run = plan_.runs[run_];

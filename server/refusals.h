@@ -19,16 +19,19 @@ inline constexpr char kLoadingMessage[] =
     "SERVING when it is done)";
 
 // Draining for shutdown; `what_now` says what became of the call and what
-// the caller does next.
-inline std::string ShuttingDownMessage(absl::string_view what_now) {
-  return absl::StrCat("this shard is shutting down: ", what_now);
+// the caller does next. `server`: "shard", or "relay" for the serving core
+// on a relay.
+inline std::string ShuttingDownMessage(absl::string_view what_now,
+                                       absl::string_view server = "shard") {
+  return absl::StrCat("this ", server, " is shutting down: ", what_now);
 }
 
 inline grpc::Status LoadingRefusal() {
   return grpc::Status(grpc::StatusCode::UNAVAILABLE, kLoadingMessage);
 }
-inline grpc::Status ShuttingDownRefusal(absl::string_view what_now) {
-  return grpc::Status(grpc::StatusCode::UNAVAILABLE, ShuttingDownMessage(what_now));
+inline grpc::Status ShuttingDownRefusal(absl::string_view what_now,
+                                        absl::string_view server = "shard") {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, ShuttingDownMessage(what_now, server));
 }
 
 }  // namespace layercast::server
