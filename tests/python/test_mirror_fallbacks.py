@@ -17,10 +17,10 @@ from shards import Relay, ShardSet, bits, llama_tensors
 
 POLICY = "p=f32,c=bf16;*norm*=f32"
 TOKEN = "python-fallback-token-0123456789abcdef"
-# Mirrors below the one relay in the stop-and-kill test: enough to load the
-# relay's and the shards' fan-out on CI's 2 cores, few enough to keep the
-# test to seconds.
-MIRRORS = 4
+# Mirrors below the one relay in the stop-and-kill test: the eight the
+# failures were first seen with, loading the relay's and the shards'
+# fan-out on CI's 2 cores, and still a test of seconds.
+MIRRORS = 8
 
 
 @pytest.fixture(scope="module")
