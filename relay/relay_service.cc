@@ -110,10 +110,7 @@ RelayService::RelayService(const layercast::v1::Manifest& manifest, const wire::
 grpc::ServerUnaryReactor* RelayService::FinishUnary(grpc::CallbackServerContext* context,
                                                     const char* method,
                                                     const grpc::Status& status) {
-  serving_.metrics.RecordRpc(method, wire::StatusCodeName(status.error_code()));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(status);
-  return reactor;
+  return server::FinishUnary(serving_.metrics, context, method, status);
 }
 
 grpc::ServerUnaryReactor* RelayService::GetManifest(grpc::CallbackServerContext* context,

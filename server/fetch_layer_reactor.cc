@@ -4,21 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
-#include <new>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/changed_bits.h"
 #include "platform/byte_size.h"
 #include "platform/failpoint.h"
-#include "platform/status_macros.h"
 #include "server/answer_before.h"
 #include "server/refusals.h"
 #include "wire/chunk_encoder.h"
-#include "wire/delta_chunks.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {

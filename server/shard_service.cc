@@ -252,10 +252,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
 grpc::ServerUnaryReactor* ShardService::FinishUnary(grpc::CallbackServerContext* context,
                                                     const char* method,
                                                     const grpc::Status& status) {
-  metrics_.RecordRpc(method, wire::StatusCodeName(status.error_code()));
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(status);
-  return reactor;
+  return server::FinishUnary(metrics_, context, method, status);
 }
 
 grpc::ServerUnaryReactor* ShardService::WaitVersion(

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "platform/clock.h"
+#include "server/server_metrics.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -88,5 +89,16 @@ class RefusedStream final : public GrpcReactor {
   explicit RefusedStream(const grpc::Status& status) { this->Finish(status); }
   void OnDone() override { delete this; }
 };
+
+// Answers a unary call of `method` with `status` at once and counts it
+// (layercast_rpcs_total): for a shard's and a relay's calls alike.
+inline grpc::ServerUnaryReactor* FinishUnary(ServerMetrics& metrics,
+                                             grpc::CallbackServerContext* context,
+                                             const char* method, const grpc::Status& status) {
+  metrics.RecordRpc(method, wire::StatusCodeName(status.error_code()));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(status);
+  return reactor;
+}
 
 }  // namespace layercast::server
