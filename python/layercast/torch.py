@@ -55,6 +55,69 @@ def bound(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> Iterator[
             owner._parameters[leaf] = parameter
 
 
+class UnboundParameterError(ValueError):
+    """A stage used a parameter of the model that no gathered layer binds:
+    the message names it and says where the shards hold it, if they do."""
+
+
+class _Touched(Exception):
+    """Raised inside a stage when it uses an unbound parameter (`name`)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+class _Unbound(torch.Tensor):
+    """Stands in, during a stage, for a parameter no gathered layer binds:
+    its shape and dtype read as the parameter's, and any computation with
+    it raises _Touched naming it, where the meta parameter would have given
+    a meta tensor with no values."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "__get__" or func in (torch.Tensor.size,
+                                                                  torch.Tensor.dim):
+            return super().__torch_function__(func, types, args, kwargs or {})
+        stack = list(args) + list((kwargs or {}).values())
+        while stack:
+            item = stack.pop()
+            if isinstance(item, _Unbound):
+                raise _Touched(item._layercast_name)
+            if isinstance(item, (list, tuple)):
+                stack.extend(item)
+        raise _Touched("?")
+
+
+def _unbound(name: str, parameter: torch.Tensor) -> torch.Tensor:
+    sentinel = torch.Tensor._make_subclass(_Unbound, torch.empty_like(parameter, device="meta"),
+                                           False)
+    sentinel._layercast_name = name
+    return sentinel
+
+
+# The modules whose kernels refuse inputs of another floating dtype than
+# their weight's ("expected scalar type BFloat16 but found Float"): under a
+# policy that keeps some of them in float32 inside a bf16 model, their
+# inputs are cast to the weight's dtype, as autocast casts around
+# layer_norm and linear. Only where the plain call would fail: a model that
+# casts for itself runs as it is.
+_CASTING_MODULES = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.Conv1d, torch.nn.Conv2d,
+                    torch.nn.Conv3d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
+                    torch.nn.ConvTranspose3d, torch.nn.LayerNorm, torch.nn.GroupNorm)
+
+
+def _module_params(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Parameter]]:
+    """Every (name, parameter) of the model, a tied one under each of its
+    names (named_parameters() gives only the first)."""
+    found = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for leaf, parameter in module._parameters.items():
+            if parameter is not None:
+                found.append((f"{prefix}.{leaf}" if prefix else leaf, parameter))
+    return found
+
+
 def _place_buffers(model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
     """Puts `buffers` in `model` by name; a ValueError naming any buffer
     still on the meta device, a KeyError naming any the model lacks."""
@@ -130,6 +193,12 @@ class _RngState:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         return cls(torch.get_rng_state(), cuda)
 
+    def set(self) -> None:
+        """Makes this the random state, as it was (to run code again)."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
     @contextlib.contextmanager
     def restored(self):
         devices = list(range(len(self.cuda))) if self.cuda is not None else []
@@ -189,6 +258,13 @@ class LayerwiseTrainer:
     The backward pass's recomputation leaves them as they were before it:
     a BatchNorm's running statistics move once per forward pass, as in
     plain PyTorch.
+
+    Tied parameters (`lm_head.weight = wte.weight`) are held once by the
+    shards: a stage using the other name gathers the holder's layer too,
+    and the gradient is the sum of both uses. A stage that uses a
+    parameter no gathered layer binds raises UnboundParameterError naming
+    it. A Linear, Conv or LayerNorm whose weight the policy keeps in
+    another dtype than its input's gets its input cast, as autocast would.
     """
 
     def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
@@ -221,6 +297,16 @@ class LayerwiseTrainer:
                                  f"once, with one fn that does all it does")
             self.stages.append((by_name[name]["index"], fn))
         self._grad_nbytes = {layer["index"]: layer["grad_nbytes"] for layer in manifest["layers"]}
+        self._nbytes = {layer["index"]: layer["nbytes"] for layer in manifest["layers"]}
+        self._layer_names = {layer["index"]: layer["name"] for layer in manifest["layers"]}
+        self._served = {tensor["name"]: layer["index"] for layer in manifest["layers"]
+                        for tensor in layer["tensors"]}
+        self._init_ties()
+        # Per stage, the tied parameters it uses that another layer holds
+        # (found on its first run), and whether it has run through once.
+        self._extras: List[List[str]] = [[] for _ in self.stages]
+        self._verified = [False] * len(self.stages)
+        self._explicit_budget = budget_bytes
         sizes = sorted((by_name[name]["nbytes"] for name, _ in stages), reverse=True)
         self.budget_bytes = budget_bytes or sum(sizes[:2])
         self.lookahead = lookahead
@@ -235,9 +321,179 @@ class LayerwiseTrainer:
         self.fetch_seconds = 0.0
         self.push_seconds = 0.0
 
+    def _init_ties(self) -> None:
+        """Finds the model's tied parameters (one tensor under several
+        names, `lm_head.weight = wte.weight`): the shards hold each once,
+        under one of its names (the holder), and every other name (an
+        alias) is bound to the holder's gathered tensor. Builds
+        self._ties ({alias: (holder's layer index, holder)}), the names'
+        stand-ins for stages, and the cast hooks' module names."""
+        by_tensor: Dict[int, List[str]] = {}
+        self._param_names: List[str] = []
+        self._sentinels: Dict[str, torch.Tensor] = {}
+        for name, parameter in _module_params(self.model):
+            by_tensor.setdefault(id(parameter), []).append(name)
+            self._param_names.append(name)
+            self._sentinels[name] = _unbound(name, parameter)
+        self._ties: Dict[str, Tuple[int, str]] = {}
+        for names in by_tensor.values():
+            held = [name for name in names if name in self._served]
+            if len(held) > 1:
+                raise ValueError(
+                    f"the model ties {names} (one tensor under {len(names)} names), but the "
+                    f"shards hold {held} as separate tensors and would train them apart: write "
+                    f"the model with layercast.torch.save_safetensors(model.state_dict()) or "
+                    f"dict(model.named_parameters()), which write a tied tensor once")
+            if held:
+                for alias in names:
+                    if alias != held[0]:
+                        self._ties[alias] = (self._served[held[0]], held[0])
+        self._module_names = {id(module): name for name, module in
+                              self.model.named_modules(remove_duplicate=False)}
+
+    def _gathers(self, position: int) -> List[int]:
+        """The layers stage `position` runs with: its own, then those that
+        hold tied parameters it uses."""
+        own = self.stages[position][0]
+        return [own] + sorted({self._ties[alias][0] for alias in self._extras[position]} - {own})
+
+    def _used_layers(self) -> List[int]:
+        used = [index for index, _ in self.stages]
+        return used + sorted({index for position in range(len(self.stages))
+                              for index in self._gathers(position)} - set(used))
+
+    def _budget(self) -> int:
+        """The stream budget: at least every layer one stage runs with."""
+        widest = max(sum(self._nbytes[i] for i in self._gathers(position))
+                     for position in range(len(self.stages)))
+        if self._explicit_budget is not None and widest > self._explicit_budget:
+            raise ValueError(f"budget_bytes={self._explicit_budget} cannot hold the layers one "
+                             f"stage runs with (a tied parameter's layer beside its own): "
+                             f"{widest} bytes; give at least that")
+        return max(self.budget_bytes, widest)
+
     def _stream(self, indices: List[int]):
-        return self.shard_set.stream(indices, self.budget_bytes, lookahead=self.lookahead,
+        return self.shard_set.stream(indices, self._budget(), lookahead=self.lookahead,
                                      min_version=self.version, timeout=self.timeout)
+
+    def _binding(self, position: int,
+                 tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """{model parameter name: tensor} for stage `position` from its
+        gathered layers' tensors ({layer index: {tensor name: tensor}}):
+        the layer's own, and each tied alias bound to its holder's."""
+        own_index = self.stages[position][0]
+        binding = dict(tensors[own_index])
+        for alias, (index, holder) in self._ties.items():
+            if index == own_index:
+                binding[alias] = binding[holder]
+        for alias in self._extras[position]:
+            index, holder = self._ties[alias]
+            binding[alias] = tensors[index][holder]
+        return binding
+
+    @contextlib.contextmanager
+    def _running(self, position: int, binding: Mapping[str, torch.Tensor]):
+        """Runs a block as stage `position`: `binding` bound in the model,
+        every other parameter a stand-in that raises _Touched when used,
+        and inputs cast to a float32 module's weight's dtype (and back)
+        as autocast would. A kernel's dtype complaint names the module."""
+        unknown = sorted(set(binding) - set(self._sentinels))
+        if unknown:
+            raise KeyError(f"the model has no parameters {unknown[:5]}: name the model's "
+                           f"modules as the shards name their tensors")
+        entered: List[torch.nn.Module] = []  # the modules whose forward is running
+
+        def left(module, args, output):
+            if entered and entered[-1] is module:
+                entered.pop()
+
+        def cast_inputs(module, args):
+            entered.append(module)
+            if not isinstance(module, _CASTING_MODULES):
+                return None
+            weight = module._parameters.get("weight")
+            if weight is None or isinstance(weight, _Unbound):
+                return None
+            dtype = weight.dtype
+            if not any(isinstance(a, torch.Tensor) and a.dtype.is_floating_point and
+                       a.dtype != dtype for a in args):
+                return None
+            return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and
+                         a.dtype.is_floating_point else a for a in args)
+
+        weights = {name: binding.get(name, sentinel) for name, sentinel in self._sentinels.items()}
+        hooks = [torch.nn.modules.module.register_module_forward_pre_hook(cast_inputs),
+                 torch.nn.modules.module.register_module_forward_hook(left)]
+        try:
+            with bound(self.model, weights):
+                yield
+        except RuntimeError as error:
+            text = str(error)
+            if entered and ("expected scalar type" in text or "same dtype" in text):
+                module = entered[-1]
+                name = self._module_names.get(id(module), type(module).__name__)
+                dtypes = sorted({str(p.dtype) for p in module._parameters.values()
+                                 if p is not None})
+                raise TypeError(
+                    f"stage {self._stage_name(position)!r}: module {name!r} "
+                    f"({type(module).__name__}, parameters {dtypes}) ran on inputs of another "
+                    f"dtype ({text.splitlines()[0]}): cast its input to its parameters' dtype "
+                    f"in its forward (as examples/cnn_train.py does around BatchNorm), or keep "
+                    f"its tensors in the compute dtype in --policy") from error
+            raise
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _stage_name(self, position: int) -> str:
+        return self._layer_names[self.stages[position][0]]
+
+    def _unbound_error(self, position: int, name: str) -> UnboundParameterError:
+        stage = self._stage_name(position)
+        if name in self._served:
+            return UnboundParameterError(
+                f"stage {stage!r} uses {name}, which the shards serve in layer "
+                f"{self._layer_names[self._served[name]]!r}: a stage runs with its own layer's "
+                f"tensors only; group the tensors so that the layer holds it "
+                f"(--first-layer-prefix, --layer-regex: docs/models.md)")
+        return UnboundParameterError(
+            f"stage {stage!r} uses the model's parameter {name}, which the shards do not serve "
+            f"(it would run as a meta tensor, with no values): serve a model file that holds "
+            f"it (layercast.torch.save_safetensors(model.state_dict())), or tie it to one they "
+            f"serve as the model does")
+
+    def _run_forward(self, position: int, fn: Callable, x: torch.Tensor,
+                     layers: Dict[int, Layer], rng: "_RngState") -> torch.Tensor:
+        """Stage `position` on `x` without autograd. On its first run, a
+        tied parameter it uses that another layer holds is found when it
+        is used: that layer is gathered, the buffers and the random state
+        are put back, and the stage runs again; from then on, the stage's
+        gathers include that layer."""
+        while True:
+            before = None
+            if not self._verified[position]:
+                before = [(buffer, buffer.clone()) for buffer in self.model.buffers()]
+            try:
+                tensors = {index: layer_weights(layer) for index, layer in layers.items()}
+                with self._running(position, self._binding(position, tensors)):
+                    output = fn(x)
+                self._verified[position] = True
+                return output
+            except _Touched as touched:
+                name = touched.name
+                if before is None or name not in self._ties:
+                    raise self._unbound_error(position, name) from None
+                self._extras[position].append(name)
+                index = self._ties[name][0]
+                if index not in layers:
+                    with self.shard_set.stream([index], self._nbytes[index],
+                                               min_version=self.version,
+                                               timeout=self.timeout) as stream:
+                        layers[index] = self._next(stream)
+                with torch.no_grad():
+                    for buffer, value in before:
+                        buffer.copy_(value)
+                rng.set()
 
     @property
     def learning_rate(self) -> float:
@@ -268,13 +524,7 @@ class LayerwiseTrainer:
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output for `inputs` at the shards' current version."""
-        x = self._input(inputs)
-        with self._stream([index for index, _ in self.stages]) as stream:
-            for _, fn in self.stages:
-                layer = self._next(stream)
-                with bound(self.model, layer_weights(layer)):
-                    x = fn(x)
-                del layer
+        x, _, _ = self._forward(self._input(inputs), saving=False)
         return self._output(x)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -335,7 +585,7 @@ class LayerwiseTrainer:
                                "on a loss computed from its output first")
         step, pushes = self.version, []
         start = time.perf_counter()
-        for index, _ in self.stages:
+        for index in self._used_layers():
             grads = self._grads.get(index)
             if grads is None:
                 grads = {name: torch.zeros(shape, dtype=dtype)
@@ -375,21 +625,28 @@ class LayerwiseTrainer:
         pass recomputes each stage from: its input and the random state it
         ran with (dropout's masks are drawn again from it, as
         torch.utils.checkpoint does)."""
-        saved: List[Optional[torch.Tensor]] = []
-        rng_states: List[_RngState] = []
         x = self._input(inputs)
         if x is inputs:
             # The caller's own tensor: a batch buffer refilled before the
             # backward pass must not change what it recomputes.
             x = x.detach().clone()
-        with torch.no_grad(), self._stream([index for index, _ in self.stages]) as stream:
-            for _, fn in self.stages:
-                saved.append(x)
-                rng_states.append(_RngState.now())
-                layer = self._next(stream)
-                with bound(self.model, layer_weights(layer)):
-                    x = fn(x)
-                del layer
+        return self._forward(x, saving=True)
+
+    def _forward(self, x: torch.Tensor, saving: bool):
+        """Every stage on `x` without autograd; with `saving`, keeps each
+        stage's input and random state."""
+        saved: List[Optional[torch.Tensor]] = []
+        rng_states: List[_RngState] = []
+        plan = [self._gathers(position) for position in range(len(self.stages))]
+        with torch.no_grad(), self._stream([i for gathers in plan for i in gathers]) as stream:
+            for position, (_, fn) in enumerate(self.stages):
+                rng = _RngState.now()
+                if saving:
+                    saved.append(x)
+                    rng_states.append(rng)
+                layers = {index: self._next(stream) for index in plan[position]}
+                x = self._run_forward(position, fn, x, layers, rng)
+                del layers
         return x, saved, rng_states
 
     def _accumulate(self, layers: Dict[int, Dict[str, torch.Tensor]]) -> None:
@@ -414,16 +671,27 @@ class LayerwiseTrainer:
         gradient of the first stage's input (None for token ids)."""
         before = [(buffer, buffer.clone()) for buffer in self.model.buffers()]
         grad_output: Optional[torch.Tensor] = None
+        plan = [(position, self._gathers(position)) for position in reversed(range(len(self.stages)))]
+        # A layer's gradient is complete, and handed over, after the last
+        # stage (in backward order) that runs with it: a tied parameter's
+        # is the sum of its uses' in every stage, as autograd sums them.
+        last_use: Dict[int, int] = {}
+        for position, gathers in plan:
+            for index in gathers:
+                last_use[index] = position
+        pending: Dict[int, Dict[str, torch.Tensor]] = {}
         try:
-            with self._stream([index for index, _ in reversed(self.stages)]) as stream:
-                for position in reversed(range(len(self.stages))):
-                    index, fn = self.stages[position]
-                    layer = self._next(stream)
-                    weights = layer_weights(layer, requires_grad=True)
+            with self._stream([i for _, gathers in plan for i in gathers]) as stream:
+                for position, gathers in plan:
+                    fn = self.stages[position][1]
+                    layers = {index: self._next(stream) for index in gathers}
+                    tensors = {index: layer_weights(layer, requires_grad=True)
+                               for index, layer in layers.items()}
                     stage_input = saved[position]
                     if stage_input.is_floating_point():
                         stage_input = stage_input.detach().requires_grad_()
-                    with torch.enable_grad(), bound(self.model, weights):
+                    with torch.enable_grad(), self._running(position,
+                                                            self._binding(position, tensors)):
                         # Forked: the run again draws what the forward pass
                         # drew, and leaves the random state where the forward
                         # pass left it, as a plain PyTorch step would.
@@ -433,14 +701,25 @@ class LayerwiseTrainer:
                             top(output)
                         else:
                             output.backward(grad_output)
-                    on_grads(index, {name: (tensor.grad if tensor.grad is not None
-                                            else torch.zeros_like(tensor))
-                                     for name, tensor in weights.items()})
+                    for index, weights in tensors.items():
+                        held = pending.setdefault(index, {})
+                        for name, tensor in weights.items():
+                            if tensor.grad is not None:
+                                held[name] = held[name] + tensor.grad if name in held \
+                                    else tensor.grad
+                    for index in gathers:
+                        if last_use[index] == position:
+                            held = pending.pop(index)
+                            on_grads(index, {name: (held[name] if name in held
+                                                    else torch.zeros_like(tensor))
+                                             for name, tensor in tensors[index].items()})
                     grad_output = stage_input.grad if stage_input.requires_grad else None
                     # The graph's leaves hold the weights: drop it with them,
-                    # so the layer's bytes go back to the stream's budget.
-                    del layer, weights, output
+                    # so the layers' bytes go back to the stream's budget.
+                    del layers, tensors, output
                     saved[position] = None
+        except _Touched as touched:
+            raise self._unbound_error(position, touched.name) from None
         finally:
             with torch.no_grad():
                 for buffer, value in before:
@@ -504,13 +783,23 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor]) -> None:
     bfloat16 and float16 tensors are its parameters; integer and boolean ones
     (buffers such as num_batches_tracked) are written too, and the shards
     skip them. Other dtypes (float64, 8-bit floats) are refused: the shards
-    cannot serve them. By hand, since the format is small (an 8-byte header
+    cannot serve them. A tensor given under two names (tied weights, as
+    state_dict() gives them) is written once, under the first. By hand, since the format is small (an 8-byte header
     length, a JSON header, the raw little-endian bytes) and Debian ships no
     safetensors package."""
     import json
 
     header, blobs, offset = {}, [], 0
+    written = set()
     for name, tensor in tensors.items():
+        # A tied tensor (state_dict() of a model with lm_head.weight =
+        # wte.weight gives both names, views of one storage) is written once,
+        # under its first name: the shards then hold and train one tensor.
+        same = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape),
+                tensor.stride())
+        if tensor.numel() and same in written:
+            continue
+        written.add(same)
         dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
         if dtype is None:
             raise TypeError(f"{name} is {tensor.dtype}, which the shards cannot serve; convert it "

@@ -1,0 +1,84 @@
+"""Tied weights (GPT-2's lm_head.weight = transformer.wte.weight) through
+layercast: the shards hold the tensor once, the last stage gathers the
+first layer for it, and its gradient is the sum of both uses, so the
+losses and the exported master are plain PyTorch's AdamW run bit for bit,
+whether the model was saved with state_dict() (both names) or
+named_parameters() (one). A parameter no layer binds is refused by name."""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import layercast
+import layercast.torch
+from shards import ShardSet, bits
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+import gpt2_train as example  # noqa: E402
+
+STEPS = 4
+
+
+def serve(tmp_path, tensors, flags):
+    (tmp_path / "model").mkdir()
+    layercast.torch.save_safetensors(tmp_path / "model" / "model.safetensors", tensors)
+    (tmp_path / "shards").mkdir()
+    return ShardSet(tmp_path / "shards", 2, ["--model", str(tmp_path / "model")] + flags)
+
+
+@pytest.mark.parametrize("saved_with", ["state_dict", "named_parameters"])
+def test_tied_embeddings_train_as_plain_pytorch_bit_for_bit(tmp_path, saved_with):
+    state = example.initial_state()
+    if saved_with == "named_parameters":
+        model = example.GPT()
+        model.load_state_dict(state)
+        tensors = dict(model.named_parameters())
+        assert "lm_head.weight" not in tensors
+    else:
+        tensors = state
+        assert tensors["lm_head.weight"].data_ptr() == tensors["transformer.wte.weight"].data_ptr()
+    with serve(tmp_path, tensors, example.SHARD_FLAGS) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            served = [t["name"] for layer in shard_set.manifest["layers"] for t in layer["tensors"]]
+            assert "lm_head.weight" not in served, "the tied tensor is held once"
+            losses, _ = example.train(shard_set, STEPS, log=lambda _: None)
+            exported = layercast.torch.load_safetensors(
+                shard_set.export(str(tmp_path / "trained.safetensors"))["files"][0])
+    want_losses, want = example.reference(state, STEPS)
+    assert losses == want_losses, "the loss curve, with dropout, bit for bit"
+    assert exported.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(bits(exported[name]), bits(tensor)), name
+
+
+def test_a_parameter_no_layer_binds_is_refused_by_name(tmp_path):
+    """The model's lm_head is not tied here, and the shards (the tied
+    model's tensors) have no lm_head.weight: the last stage names it, where
+    it would have returned a meta tensor with no values."""
+    flags = example.SHARD_FLAGS[:2] + example.SHARD_FLAGS[4:]  # read-only: no --optimizer
+    with serve(tmp_path, example.initial_state(), flags) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            model = example.GPT(device="meta")
+            model.lm_head.weight = torch.nn.Parameter(torch.empty(example.VOCAB, example.WIDTH,
+                                                                  device="meta"))
+            trainer = layercast.torch.LayerwiseTrainer(shard_set, model, model.stages(),
+                                                       buffers=example.fresh_buffers())
+            with pytest.raises(layercast.torch.UnboundParameterError,
+                               match=r"stage 'final' uses the model's parameter lm_head\.weight, "
+                                     r"which the shards do not serve"):
+                trainer.forward(example.batch(0)[0])
+
+
+def test_a_tied_tensor_the_shards_hold_twice_is_refused(tmp_path):
+    """Two copies would be trained apart: refused before anything runs."""
+    state = example.initial_state()
+    state["lm_head.weight"] = state["lm_head.weight"].clone()  # no longer the same tensor
+    with serve(tmp_path, state, example.SHARD_FLAGS[:2] + example.SHARD_FLAGS[4:]) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            model = example.GPT(device="meta")
+            with pytest.raises(ValueError, match=r"the shards hold \['transformer\.wte\.weight', "
+                                                 r"'lm_head\.weight'\] as separate tensors"):
+                layercast.torch.LayerwiseTrainer(shard_set, model, model.stages(),
+                                                 buffers=example.fresh_buffers())
