@@ -11,14 +11,14 @@ pass's recomputation as in the forward pass (layercast.torch restores the
 random state per stage, as torch.utils.checkpoint does).
 
     # 1. the initial weights, as a safetensors file the shards serve
-    PYTHONPATH=build/python python3 examples/cnn_train.py init /tmp/cnn
+    PYTHONPATH=build/python /usr/bin/python3 examples/cnn_train.py init /tmp/cnn
     # 2. two training shards (in two shells, or with &)
     build/bin/layercast-shard --model /tmp/cnn --shard-index 0 --num-shards 2 \\
         --listen 127.0.0.1:7070 --layer-regex '^blocks\\.(\\d+)\\.' --first-layer-prefix '' \\
         --optimizer adamw:lr=1e-2,weight_decay=0.01 --policy 'p=f32,c=bf16,o=f32;*bn*=f32'
     build/bin/layercast-shard ... --shard-index 1 ... --listen 127.0.0.1:7071 ...
     # 3. the worker: trains, compares with plain PyTorch, exports
-    PYTHONPATH=build/python python3 examples/cnn_train.py train \\
+    PYTHONPATH=build/python /usr/bin/python3 examples/cnn_train.py train \\
         --shards 127.0.0.1:7070,127.0.0.1:7071 --steps 30 --export /tmp/cnn-trained.safetensors
 
 examples/cnn_train.sh does all three with the build tree's binaries.

@@ -13,14 +13,14 @@ x[t+1] = (7 * x[t] + 3) mod vocab from a random start; the model learns to
 predict the next token, and the loss falls.
 
     # 1. the initial weights, as a safetensors file the shards serve
-    PYTHONPATH=build/python python3 examples/llama_train.py init /tmp/llama
+    PYTHONPATH=build/python /usr/bin/python3 examples/llama_train.py init /tmp/llama
     # 2. two training shards (in two shells, or with &)
     build/bin/layercast-shard --model /tmp/llama --shard-index 0 --num-shards 2 \\
         --listen 127.0.0.1:7070 --optimizer "adamw:lr=3e-3,weight_decay=0.1;*norm*:weight_decay=0" \\
         --data-parallel-workers 2 --policy "p=f32,c=bf16;*norm*=f32"
     build/bin/layercast-shard ... --shard-index 1 ... --listen 127.0.0.1:7071 ...
     # 3. two worker processes
-    PYTHONPATH=build/python python3 examples/llama_train.py train \\
+    PYTHONPATH=build/python /usr/bin/python3 examples/llama_train.py train \\
         --shards 127.0.0.1:7070,127.0.0.1:7071 --workers 2 --steps 300
 
 examples/llama_train.sh does all three with the build tree's binaries.

@@ -3,7 +3,7 @@
 # with two worker processes, from the build tree: writes the initial weights,
 # starts the shards on 127.0.0.1, trains, and stops the shards (SIGTERM: they
 # checkpoint their fp32 master and AdamW state to a temporary folder).
-# Usage: examples/llama_train.sh [--steps N]   (build first: cmake --build build)
+# Usage: examples/llama_train.sh [--steps N]   (build first: cmake --build build --target programs)
 . "$(dirname "$0")/local_shards.sh"
 /usr/bin/python3 examples/llama_train.py init "$work/model"
 mkdir -p "$work/checkpoints"

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 shard=build/bin/layercast-shard
 [ -x "$shard" ] && [ -d build/python/layercast ] || {
-  echo "build first: cmake -S . -B build && cmake --build build -j2" >&2; exit 1; }
+  echo "build first: cmake -S . -B build && cmake --build build -j2 --target programs" >&2; exit 1; }
 work=$(mktemp -d)
 pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
