@@ -54,36 +54,37 @@ inline constexpr CastKind kCastKinds[] = {CastKind::kF32ToBF16, CastKind::kF32To
 // "f32_to_bf16", "f32_to_f16", "bf16_to_f32", "f16_to_f32".
 absl::string_view CastKindName(CastKind kind);
 
-// The variant the functions without a CastIsa argument use for `kind`: the
-// widest this CPU runs within 12% of the fastest at that cast
-// (internal::PickMeasured), measured once, at first use, unless
-// ChooseCastIsa named one before. Passing a variant this CPU lacks to a
-// function runs kScalar (same bits).
+// The variant the functions without a CastIsa argument use for `kind`:
+// chosen by this CPU's model (CPUID's vendor and family) from a fixed table
+// (core/cast_dispatch.cc; the widest variant the CPU runs where the table
+// has no row), so every process on one kind of machine runs the same
+// kernels, start after start, unless ChooseCastIsa named one before.
+// Passing a variant this CPU lacks to a function runs kScalar (same bits).
 CastIsa BestCastIsa(CastKind kind);
 
 // How BestCastIsa's variants were picked.
 struct CastIsaSelection {
   struct Choice {
-    CastKind kind;
+    CastKind kind = CastKind::kF32ToBF16;
     CastIsa isa = CastIsa::kScalar;
-    // Each vector variant with a kernel of its own for this cast, and its
-    // speed from memory in GB/s of fp32 (narrowing: read; widening: written):
-    // the best of two interleaved passes over 64 MiB of fp32, more than a
-    // last-level cache holds. Empty when chosen, or on a scalar-only CPU.
-    std::vector<std::pair<CastIsa, double>> measured;
   };
-  bool chosen = false;          // by ChooseCastIsa, not measured
-  std::vector<Choice> choices;  // one per kind, in kCastKinds order
+  bool chosen = false;               // by ChooseCastIsa, not by the table
+  std::vector<Choice> choices = {};  // one per kind, in kCastKinds order
+  // The CPU as CPUID names it ("AuthenticAMD family 0x1a model 0x2") and
+  // the table's row for it ("AMD Zen 5"); empty when chosen.
+  std::string cpu = {};
+  std::string row = {};
 
   CastIsa For(CastKind kind) const { return choices[static_cast<int>(kind)].isa; }
   // The variant's name where every cast uses one ("avx2"), else each cast's
   // ("f32_to_bf16=avx512bf16,f32_to_f16=avx512,bf16_to_f32=avx2,f16_to_f32=avx2").
   std::string Summary() const;
-  // For the start-up log: each cast's variant and every measured figure
-  // ("f32_to_bf16 avx2 (avx2 15.6, avx512 13.8 GB/s); ..."), or the chosen one.
+  // For the start-up log: the CPU, its row and each cast's variant ("by
+  // CPUID, AuthenticAMD family 0x1a model 0x2 (AMD Zen 5): f32_to_bf16
+  // avx512bf16; ..."), or the chosen one.
   std::string Describe() const;
 };
-// Measures on first use (about 0.1 s on a quiet machine, 96 MiB for that time).
+// Picks on first use (CPUID only: nothing is timed).
 const CastIsaSelection& SelectedCastIsa();
 
 // Makes `isa` BestCastIsa's variant for every cast, for experiments (where

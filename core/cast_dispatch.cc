@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
+#include <cstring>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -138,113 +138,72 @@ std::string CastIsaSelection::Describe() const {
   if (chosen) return absl::StrCat(Summary(), " (--cast-isa)");
   std::vector<std::string> casts;
   for (const Choice& choice : choices) {
-    std::vector<std::string> measured;
-    for (const auto& [isa, gbps] : choice.measured) {
-      measured.push_back(absl::StrFormat("%s %.1f", CastIsaName(isa), gbps));
-    }
-    casts.push_back(absl::StrCat(CastKindName(choice.kind), " ", CastIsaName(choice.isa),
-                                 measured.empty() ? "" : " (", absl::StrJoin(measured, ", "),
-                                 measured.empty() ? "" : " GB/s)"));
+    casts.push_back(absl::StrCat(CastKindName(choice.kind), " ", CastIsaName(choice.isa)));
   }
-  return absl::StrCat(absl::StrFormat("at each cast the widest of this CPU's within %.0f%% of the "
-                                      "fastest: ",
-                                      internal::kSameSpeed * 100),
-                      absl::StrJoin(casts, "; "));
+  return absl::StrCat("by CPUID, ", cpu, " (", row, "): ", absl::StrJoin(casts, "; "));
 }
 
 namespace {
+
+// What each row of the table prefers for each cast, in kCastKinds order;
+// a CPU that cannot run a preference gets the widest narrower variant it
+// runs (internal::SelectFor).
+struct CpuRow {
+  const char* name;
+  const char* vendor;  // CPUID leaf 0's vendor string
+  unsigned family_min, family_max;
+  CastIsa prefer[std::size(kCastKinds)];
+};
+
+// Rows are added with a cast_bench figure from the CPU they name, never
+// from a guess: a CPU without a row runs the widest variant it has at every
+// cast, which since the AVX-512 kernels align their loads (docs/
+// performance.md, "Loads that straddle cache lines") is as fast as any on
+// the CPUs measured. A row names a narrower variant where one is clearly
+// faster there. cast_bench on an EPYC Zen 5 (family 0x1a), GB/s of fp32:
+// f32_to_bf16 avx2 28.3, avx512 28.2, avx512bf16 28.0; f32_to_f16 avx2
+// 31.0, avx512 29.4; bf16_to_f32 avx2 28.9, avx512 28.1; f16_to_f32 avx2
+// 27.5, avx512 28.1: bound by memory, so a fixed pick costs nothing, while
+// a pick by timing at start differed from start to start and shard to
+// shard.
+constexpr CpuRow kCpuRows[] = {
+    {"AMD Zen 5",
+     "AuthenticAMD",
+     0x1a,
+     0x1a,
+     {CastIsa::kAvx512Bf16, CastIsa::kAvx512, CastIsa::kAvx512, CastIsa::kAvx512}},
+};
+constexpr CpuRow kWidestRow = {
+    "no row: the widest it runs",
+    "",
+    0,
+    0,
+    {CastIsa::kAvx512Bf16, CastIsa::kAvx512Bf16, CastIsa::kAvx512Bf16, CastIsa::kAvx512Bf16}};
+
+internal::CpuModel ThisCpu() {
+  internal::CpuModel cpu;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return cpu;
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  cpu.vendor = vendor;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return cpu;
+  // The display family and model, as the vendors' manuals compose them.
+  const unsigned base_family = (eax >> 8) & 0xF;
+  const unsigned base_model = (eax >> 4) & 0xF;
+  cpu.family = base_family == 0xF ? base_family + ((eax >> 20) & 0xFF) : base_family;
+  cpu.model = base_family == 0xF || base_family == 0x6 ? (((eax >> 16) & 0xF) << 4) | base_model
+                                                       : base_model;
+  return cpu;
+}
 
 absl::Mutex g_selection_mu;
 CastIsaSelection* g_selection ABSL_GUARDED_BY(g_selection_mu) = nullptr;
 // The selection as kernels, or null before it: the casts' fast path reads
 // only this. Kept for the process's life, like g_selection.
 std::atomic<const Kernels*> g_kernels{nullptr};
-
-// The kernel of `kind` in `kernels`, as an address: variants that share a
-// kernel for a cast are measured once.
-const void* KernelOf(const Kernels& kernels, CastKind kind) {
-  switch (kind) {
-    case CastKind::kF32ToBF16:
-      return reinterpret_cast<const void*>(kernels.f32_to_bf16);
-    case CastKind::kF32ToF16:
-      return reinterpret_cast<const void*>(kernels.f32_to_f16);
-    case CastKind::kBF16ToF32:
-      return reinterpret_cast<const void*>(kernels.bf16_to_f32);
-    case CastKind::kF16ToF32:
-      return reinterpret_cast<const void*>(kernels.f16_to_f32);
-  }
-  return nullptr;
-}
-
-// Buffers for measuring: 64 MiB of fp32 (more than a last-level cache holds)
-// and its 16-bit cast. Both are written before timing, so no page faults are
-// timed.
-struct MeasureBuffers {
-  static constexpr size_t kElements = 16 << 20;
-  std::vector<float> wide = std::vector<float>(kElements);
-  std::vector<uint16_t> narrow = std::vector<uint16_t>(kElements);
-
-  MeasureBuffers() {
-    // Magnitudes below 64: no float16 overflow, so kError runs to the end.
-    for (size_t i = 0; i < kElements; ++i) {
-      wide[i] = static_cast<float>(i & 0xFFFF) * (1.0f / 1024) * ((i & 1) != 0 ? -1.0f : 1.0f);
-    }
-  }
-
-  void Run(const Kernels& kernels, CastKind kind) {
-    switch (kind) {
-      case CastKind::kF32ToBF16:
-        return kernels.f32_to_bf16(wide.data(), narrow.data(), kElements);
-      case CastKind::kF32ToF16:
-        kernels.f32_to_f16(wide.data(), narrow.data(), kElements, Fp16Overflow::kError);
-        return;
-      case CastKind::kBF16ToF32:
-        return kernels.bf16_to_f32(narrow.data(), wide.data(), kElements);
-      case CastKind::kF16ToF32:
-        return kernels.f16_to_f32(narrow.data(), wide.data(), kElements);
-    }
-  }
-};
-
-// Times every vector variant with a kernel of its own for each cast. The
-// variants take turns, twice, so a burst of another tenant's load slows one
-// pass of each rather than all passes of one; the best pass counts. The
-// narrowing casts run first: the widening ones read what they wrote.
-CastIsaSelection Measure() {
-  CastIsaSelection selection;
-  for (CastKind kind : kCastKinds) selection.choices.push_back({kind, CastIsa::kScalar, {}});
-  std::vector<CastIsa> vector_isas;
-  for (CastIsa isa : SupportedCastIsas()) {
-    if (isa != CastIsa::kScalar) vector_isas.push_back(isa);
-  }
-  if (vector_isas.empty()) return selection;  // scalar: nothing to measure
-  MeasureBuffers buffers;
-  for (CastIsaSelection::Choice& choice : selection.choices) {
-    std::vector<CastIsa> candidates;
-    std::vector<const void*> seen;
-    for (CastIsa isa : vector_isas) {
-      const void* kernel = KernelOf(KernelsFor(isa), choice.kind);
-      if (std::find(seen.begin(), seen.end(), kernel) != seen.end()) continue;
-      seen.push_back(kernel);
-      candidates.push_back(isa);
-      choice.measured.emplace_back(isa, 0.0);
-    }
-    for (int pass = 0; pass < 2; ++pass) {
-      for (size_t c = 0; c < candidates.size(); ++c) {
-        const auto start = std::chrono::steady_clock::now();
-        buffers.Run(KernelsFor(candidates[c]), choice.kind);
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (seconds > 0) {
-          const double gbps = MeasureBuffers::kElements * sizeof(float) / seconds / 1e9;
-          choice.measured[c].second = std::max(choice.measured[c].second, gbps);
-        }
-      }
-    }
-    choice.isa = internal::PickMeasured(choice.measured);
-  }
-  return selection;
-}
 
 // The kernels `selection` names, one cast at a time.
 const Kernels* KernelsOf(const CastIsaSelection& selection) {
@@ -257,7 +216,8 @@ const Kernels* KernelsOf(const CastIsaSelection& selection) {
 const CastIsaSelection& Select() {
   absl::MutexLock lock(&g_selection_mu);
   if (g_selection == nullptr) {
-    g_selection = new CastIsaSelection(Measure());  // kept for the process's life
+    // Kept for the process's life.
+    g_selection = new CastIsaSelection(internal::SelectFor(ThisCpu(), SupportedCastIsas()));
     g_kernels.store(KernelsOf(*g_selection), std::memory_order_release);
   }
   return *g_selection;
@@ -287,8 +247,8 @@ absl::Status ChooseCastIsa(CastIsa isa) {
                                                       g_selection->Summary(),
                                                       "): choose before the first cast"));
   }
-  g_selection = new CastIsaSelection{true, {}};
-  for (CastKind kind : kCastKinds) g_selection->choices.push_back({kind, isa, {}});
+  g_selection = new CastIsaSelection{.chosen = true};
+  for (CastKind kind : kCastKinds) g_selection->choices.push_back({kind, isa});
   g_kernels.store(KernelsOf(*g_selection), std::memory_order_release);
   return absl::OkStatus();
 }
@@ -305,14 +265,30 @@ absl::StatusOr<CastIsa> CastIsaFromName(absl::string_view name) {
 
 namespace layercast::internal {
 
-CastIsa PickMeasured(const std::vector<std::pair<CastIsa, double>>& measured) {
-  double fastest = 0;
-  for (const auto& [isa, gbps] : measured) fastest = std::max(fastest, gbps);
-  CastIsa picked = measured.front().first;
-  for (const auto& [isa, gbps] : measured) {
-    if (gbps >= fastest * (1 - kSameSpeed)) picked = isa;
+CastIsaSelection SelectFor(const CpuModel& cpu, const std::vector<CastIsa>& runs) {
+  const CpuRow* row = &kWidestRow;
+  for (const CpuRow& candidate : kCpuRows) {
+    if (cpu.vendor == candidate.vendor && cpu.family >= candidate.family_min &&
+        cpu.family <= candidate.family_max) {
+      row = &candidate;
+      break;
+    }
   }
-  return picked;
+  CastIsaSelection selection;
+  selection.cpu =
+      absl::StrFormat("%s family 0x%x model 0x%x",
+                      cpu.vendor.empty() ? "unknown vendor" : cpu.vendor, cpu.family, cpu.model);
+  selection.row = row->name;
+  for (size_t k = 0; k < std::size(kCastKinds); ++k) {
+    // The widest variant the CPU runs no wider than the row's preference
+    // (variants are declared narrowest first).
+    CastIsa picked = CastIsa::kScalar;
+    for (CastIsa isa : runs) {
+      if (isa <= row->prefer[k]) picked = std::max(picked, isa);
+    }
+    selection.choices.push_back({kCastKinds[k], picked});
+  }
+  return selection;
 }
 
 }  // namespace layercast::internal

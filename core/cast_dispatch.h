@@ -6,8 +6,8 @@
 #include "core/cast.h"
 
 // Which cast kernels run: the variants for each instruction set, what this
-// CPU runs, and the selection (measured at the first cast, or chosen) that
-// the casts without a CastIsa argument use. For core/cast.cc; the public
+// CPU runs, and the selection (by the CPU's model at the first cast, or
+// chosen) that the casts without a CastIsa argument use. For core/cast.cc; the public
 // side of the selection is in cast.h.
 
 namespace layercast::internal {
@@ -24,7 +24,7 @@ struct Kernels {
 const Kernels& KernelsFor(CastIsa isa);
 // Whether this CPU (and its OS) runs `isa`'s kernels.
 bool CpuRunsIsa(CastIsa isa);
-// The selected kernels, one cast at a time (measured at the first call).
+// The selected kernels, one cast at a time (picked at the first call).
 const Kernels& DispatchedKernels();
 
 }  // namespace layercast::internal

@@ -3,6 +3,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,19 +25,18 @@
 
 namespace layercast::internal {
 
-// Dispatch. Kernels within this share of the fastest measured speed count as
-// equally fast: two passes on a shared machine do not separate them (the
-// same kernels swapped places between runs by up to ~10%), and picking by
-// noise made the shards of one set run different kernels (at 5%, one shard
-// of four picked avx2 for f32->bf16 where the others picked avx512bf16; a
-// run here measured 9.6 against 10.1 GB/s, 5.0% apart). Bits are the same
-// whichever runs; what matters is that one machine picks one.
-inline constexpr double kSameSpeed = 0.12;
-// Of the variants measured for one cast (narrowest first, as
-// SupportedCastIsas lists them), the widest within kSameSpeed of the
-// fastest: every process on one kind of machine picks the same kernel unless
-// another is clearly faster. REQUIRES: `measured` is not empty.
-CastIsa PickMeasured(const std::vector<std::pair<CastIsa, double>>& measured);
+// Dispatch: a CPU as CPUID leaves 0 and 1 name it, display family and
+// model as the vendors compose them.
+struct CpuModel {
+  std::string vendor = {};  // "GenuineIntel", "AuthenticAMD"; empty if unknown
+  unsigned family = 0;
+  unsigned model = 0;
+};
+// The selection for `cpu`, which runs the variants `runs` (as
+// SupportedCastIsas lists them): its table row's preference for each cast,
+// or the widest narrower variant it runs; the widest it runs where no row
+// names the CPU. A pure function: one kind of machine, one choice.
+CastIsaSelection SelectFor(const CpuModel& cpu, const std::vector<CastIsa>& runs);
 
 void F32ToBF16Scalar(const float* src, uint16_t* dst, size_t n);
 void F32ToBF16Avx2(const float* src, uint16_t* dst, size_t n);

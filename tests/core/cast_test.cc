@@ -93,28 +93,20 @@ TEST(CastTest, VariantsAreListedScalarFirstAndTheWidestOfTheFastestIsUsed) {
   EXPECT_EQ(CastIsaFromName("avx1024").status().code(), absl::StatusCode::kInvalidArgument);
   ASSERT_FALSE(SupportedCastIsas().empty());
   EXPECT_EQ(SupportedCastIsas().front(), CastIsa::kScalar);
-  // Each cast measured every vector variant with a kernel of its own for it,
-  // and uses the widest of those within 5% of the fastest.
+  // Each cast runs what the table gives this CPU, the same on every call.
   const CastIsaSelection& selection = SelectedCastIsa();
   EXPECT_FALSE(selection.chosen);
   ASSERT_EQ(selection.choices.size(), std::size(kCastKinds));
-  const size_t vector_variants = SupportedCastIsas().size() - 1;
+  EXPECT_FALSE(selection.cpu.empty());
+  EXPECT_FALSE(selection.row.empty());
   for (const CastIsaSelection::Choice& choice : selection.choices) {
     SCOPED_TRACE(CastKindName(choice.kind));
-    if (vector_variants == 0) {
-      EXPECT_TRUE(choice.measured.empty());
-      EXPECT_EQ(choice.isa, CastIsa::kScalar);
-      continue;
-    }
-    // avx512bf16 has a kernel of its own for f32 -> bf16 only.
-    const bool own_bf16_kernel =
-        choice.kind == CastKind::kF32ToBF16 || SupportedCastIsas().back() != CastIsa::kAvx512Bf16;
-    EXPECT_EQ(choice.measured.size(), vector_variants - (own_bf16_kernel ? 0 : 1));
-    for (const auto& [isa, gbps] : choice.measured) EXPECT_GT(gbps, 0) << CastIsaName(isa);
-    EXPECT_EQ(choice.isa, internal::PickMeasured(choice.measured));
+    EXPECT_NE(std::find(SupportedCastIsas().begin(), SupportedCastIsas().end(), choice.isa),
+              SupportedCastIsas().end());
     EXPECT_EQ(BestCastIsa(choice.kind), choice.isa);
     EXPECT_EQ(selection.For(choice.kind), choice.isa);
   }
+  EXPECT_THAT(selection.Describe(), ::testing::HasSubstr(selection.cpu));
   // The build-info label names each cast's variant, or the one they share.
   const std::string summary = selection.Summary();
   for (const CastIsaSelection::Choice& choice : selection.choices) {
@@ -124,22 +116,40 @@ TEST(CastTest, VariantsAreListedScalarFirstAndTheWidestOfTheFastestIsUsed) {
       << "picked already: too late to choose";
 }
 
-// Within kSameSpeed of the fastest the widest is kept (variants come
-// narrowest first), so processes on one machine agree unless one kernel is
-// clearly faster.
-TEST(CastTest, DispatchKeepsTheWidestOfTheKernelsWithinNoiseOfTheFastest) {
-  using internal::PickMeasured;
-  const CastIsa avx2 = CastIsa::kAvx2, avx512 = CastIsa::kAvx512, bf16 = CastIsa::kAvx512Bf16;
-  EXPECT_EQ(PickMeasured({{avx2, 15.6}, {avx512, 15.0}}), avx512) << "3.8% slower: the same";
-  EXPECT_EQ(PickMeasured({{avx2, 15.6}, {avx512, 14.0}}), avx512) << "10% slower: noise";
-  EXPECT_EQ(PickMeasured({{avx2, 15.6}, {avx512, 13.2}}), avx2) << "15% slower: slower";
-  EXPECT_EQ(PickMeasured({{avx2, 14.0}, {avx512, 15.6}}), avx512);
-  EXPECT_EQ(PickMeasured({{avx2, 15.6}, {avx512, 13.0}, {bf16, 15.2}}), bf16);
-  EXPECT_EQ(PickMeasured({{avx2, 15.6}, {avx512, 15.3}, {bf16, 12.0}}), avx512);
-  EXPECT_EQ(PickMeasured({{avx2, 9.0}}), avx2);
-  const double edge = 20.0 * (1 - internal::kSameSpeed);
-  EXPECT_EQ(PickMeasured({{avx2, 20.0}, {avx512, edge}}), avx512) << "at the band's edge";
-  EXPECT_EQ(PickMeasured({{avx2, 20.0}, {avx512, std::nextafter(edge, 0.0)}}), avx2);
+// The choice is a function of the CPU's model and features alone: a row's
+// preference where the CPU runs it, else the widest narrower variant it
+// runs; the widest it runs where no row names it.
+TEST(CastTest, DispatchIsAFunctionOfTheCpuModel) {
+  using internal::CpuModel;
+  using internal::SelectFor;
+  const CastIsa scalar = CastIsa::kScalar, avx2 = CastIsa::kAvx2, avx512 = CastIsa::kAvx512,
+                bf16 = CastIsa::kAvx512Bf16;
+  const auto isas = [](const CastIsaSelection& s) {
+    std::vector<CastIsa> out;
+    for (const auto& c : s.choices) out.push_back(c.isa);
+    return out;
+  };
+  const CpuModel zen5{.vendor = "AuthenticAMD", .family = 0x1a, .model = 0x02};
+  const CastIsaSelection on_zen5 = SelectFor(zen5, {scalar, avx2, avx512, bf16});
+  EXPECT_EQ(on_zen5.row, "AMD Zen 5");
+  EXPECT_EQ(on_zen5.cpu, "AuthenticAMD family 0x1a model 0x2");
+  EXPECT_EQ(isas(on_zen5), (std::vector<CastIsa>{bf16, avx512, avx512, avx512}));
+  EXPECT_EQ(on_zen5.Summary(),
+            "f32_to_bf16=avx512bf16,f32_to_f16=avx512,bf16_to_f32=avx512,f16_to_f32=avx512");
+  // The same inputs, the same answer: nothing is timed.
+  EXPECT_EQ(isas(SelectFor(zen5, {scalar, avx2, avx512, bf16})), isas(on_zen5));
+  // A row's CPU without the preferred variant (a hypervisor hiding AVX-512).
+  EXPECT_EQ(isas(SelectFor(zen5, {scalar, avx2})), (std::vector<CastIsa>{avx2, avx2, avx2, avx2}));
+  // No row: the widest it runs, at every cast.
+  const CpuModel intel{.vendor = "GenuineIntel", .family = 6, .model = 0x8f};
+  const CastIsaSelection on_intel = SelectFor(intel, {scalar, avx2, avx512, bf16});
+  EXPECT_EQ(isas(on_intel), (std::vector<CastIsa>{bf16, bf16, bf16, bf16}));
+  EXPECT_EQ(on_intel.Summary(), "avx512bf16");
+  EXPECT_EQ(isas(SelectFor(intel, {scalar, avx2, avx512})),
+            (std::vector<CastIsa>{avx512, avx512, avx512, avx512}));
+  EXPECT_EQ(isas(SelectFor(CpuModel{}, {scalar})),
+            (std::vector<CastIsa>{scalar, scalar, scalar, scalar}));
+  EXPECT_THAT(SelectFor(CpuModel{}, {scalar}).Describe(), ::testing::HasSubstr("unknown vendor"));
 }
 
 TEST_P(CastIsaTest, BF16KeepsZerosAndSubnormals) {

@@ -74,13 +74,6 @@ std::unique_ptr<tools::LocalShardSet> StartProcesses(uint32_t n, std::vector<std
   tools::LocalShardSet::Options options;
   options.shard_binary = ShardBinary();
   options.num_shards = n;
-  // Unless a test picks them: the widest cast kernels, unmeasured. Each of
-  // the suite's hundreds of shard starts would measure them again (about
-  // 0.1 s, more under a sanitizer); tests/core/cast_test.cc covers the
-  // measurement, and the CLI's and Python's shards still measure.
-  if (std::find(flags.begin(), flags.end(), "--cast-isa") == flags.end()) {
-    flags.insert(flags.end(), {"--cast-isa", "widest"});
-  }
   options.extra_flags = std::move(flags);
   options.log_dir = log_dir;
   auto set = tools::LocalShardSet::Start(options);
