@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<ParameterSource>> OpenSource(const ShardSettings&
   for (const SafetensorsSkipped& skipped : file->Skipped()) {
     Log()->warn(
         "skipping tensor '{}' of {}: its dtype {} is not a floating-point parameter layercast "
-        "serves (F32, BF16, F16); workers that need it read it from the checkpoint "
+        "serves (F32, BF16, F16); workers that need it read it from the model file "
         "(docs/models.md)",
         skipped.name, model.model_id, skipped.dtype);
   }

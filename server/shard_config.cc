@@ -2,7 +2,9 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -74,8 +76,13 @@ absl::Status SetField(layercast::v1::ShardConfig& config, const FieldDescriptor&
 }
 
 absl::Status MergeJsonFile(const std::string& path, layercast::v1::ShardConfig& config) {
+  errno = 0;
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
+  if (!in) {
+    // The reason (no such file, permission denied) is the fix's first clue.
+    const std::string reason = errno != 0 ? std::strerror(errno) : "cannot open it";
+    return absl::NotFoundError(absl::StrCat("cannot read config file ", path, ": ", reason));
+  }
   std::stringstream text;
   text << in.rdbuf();
   google::protobuf::util::JsonParseOptions options;

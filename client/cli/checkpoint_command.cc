@@ -83,7 +83,8 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
         "--admin-token-file)");
   }
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ShardAddressesFromFlags(flags));
-  ASSIGN_OR_RETURN(uint64_t connect_ms, flags.GetUint("connect-timeout-ms", 30000));
+  ASSIGN_OR_RETURN(const std::chrono::milliseconds connect_timeout,
+                   TimeoutFromFlags(flags, "connect-timeout-ms", 30000));
   ASSIGN_OR_RETURN(uint64_t timeout_s, flags.GetUint("timeout-seconds", 3600));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                    ChannelCredentialsFromFlags(flags));
@@ -102,8 +103,7 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
   // Every shard writes at once: the checkpoint takes as long as the slowest.
   const std::vector<absl::StatusOr<layercast::v1::CheckpointResponse>> answers =
       FanOut(static_cast<uint32_t>(targets.size()), [&](uint32_t i) {
-        return CheckpointOne(targets[i], token, std::chrono::milliseconds(connect_ms),
-                             std::chrono::seconds(timeout_s));
+        return CheckpointOne(targets[i], token, connect_timeout, std::chrono::seconds(timeout_s));
       });
   absl::Status first_error;
   for (size_t i = 0; i < answers.size(); ++i) {

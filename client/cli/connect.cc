@@ -76,11 +76,29 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFrom
   return grpc::SslCredentials(options);
 }
 
+absl::StatusOr<std::chrono::milliseconds> TimeoutFromFlags(const tools::CliFlags& flags,
+                                                           const std::string& name,
+                                                           uint64_t fallback_ms) {
+  ASSIGN_OR_RETURN(const uint64_t ms, flags.GetUint(name, fallback_ms));
+  // Past about 292 years the milliseconds overflow a signed 64-bit count.
+  constexpr uint64_t kMaxMs = uint64_t{1} << 62;
+  if (ms == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name,
+                                                   " is 0, which no call can meet: give at least 1 "
+                                                   "(milliseconds; default ",
+                                                   fallback_ms, ")"));
+  }
+  if (ms > kMaxMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " is ", ms, ": give at most ", kMaxMs, " (milliseconds)"));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(ms));
+}
+
 absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const tools::CliFlags& flags) {
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ShardAddressesFromFlags(flags));
-  ASSIGN_OR_RETURN(uint64_t timeout_ms, flags.GetUint("connect-timeout-ms", 30000));
   client::ShardSetOptions options;
-  options.connect_timeout = std::chrono::milliseconds(timeout_ms);
+  ASSIGN_OR_RETURN(options.connect_timeout, TimeoutFromFlags(flags, "connect-timeout-ms", 30000));
   ASSIGN_OR_RETURN(options.credentials, ChannelCredentialsFromFlags(flags));
   return client::ShardSet::Connect(std::move(addresses), options);
 }

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <set>
 #include <string>
@@ -21,6 +23,14 @@ inline const std::set<std::string> kShardSetFlags = {
 
 // kShardSetFlags plus a command's own.
 std::set<std::string> WithShardSetFlags(std::set<std::string> own);
+
+// A deadline flag in milliseconds (--timeout-ms, --connect-timeout-ms):
+// `fallback_ms` when absent; INVALID_ARGUMENT for 0, which would fail every
+// call at once as a bare "Deadline Exceeded", and for a value that is not
+// an unsigned integer.
+absl::StatusOr<std::chrono::milliseconds> TimeoutFromFlags(const tools::CliFlags& flags,
+                                                           const std::string& name,
+                                                           uint64_t fallback_ms);
 
 // Addresses from --shards A,B,... or --shards-pattern P --num-shards N.
 absl::StatusOr<std::vector<std::string>> ShardAddressesFromFlags(const tools::CliFlags& flags);

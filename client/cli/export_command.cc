@@ -25,8 +25,7 @@ absl::Status RunExport(const std::vector<std::string>& args) {
   if (flags.Has("max-file-size")) {
     ASSIGN_OR_RETURN(options.max_file_bytes, ParseByteSize(flags.Get("max-file-size")));
   }
-  ASSIGN_OR_RETURN(const uint64_t timeout_ms, flags.GetUint("timeout-ms", 60000));
-  options.layer_timeout = std::chrono::milliseconds(timeout_ms);
+  ASSIGN_OR_RETURN(options.layer_timeout, TimeoutFromFlags(flags, "timeout-ms", 60000));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   const size_t layers = set->model().layers.size();
   options.on_layer = [layers](uint32_t layer, uint64_t bytes) {

@@ -40,11 +40,12 @@ absl::Status RunFetch(const std::vector<std::string>& args) {
   if (!flags.Has("layer") || !flags.Has("out")) {
     return absl::InvalidArgumentError("--layer L and --out FILE.safetensors are required");
   }
-  ASSIGN_OR_RETURN(uint64_t timeout_ms, flags.GetUint("timeout-ms", 60000));
+  ASSIGN_OR_RETURN(const std::chrono::milliseconds timeout,
+                   TimeoutFromFlags(flags, "timeout-ms", 60000));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const uint32_t layer_index, FindLayer(set->model(), flags.Get("layer")));
   client::GatherOptions options;
-  options.timeout = std::chrono::milliseconds(timeout_ms);
+  options.timeout = timeout;
   // A shard restarting (a rolling update) is waited out until --timeout-ms;
   // the worker library logs each retry, saying what the fetch waits for.
   ASSIGN_OR_RETURN(client::Layer layer, set->Gather(layer_index, options));

@@ -123,7 +123,8 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--keep-versions is ", keep, ": keep 1 to 64 versions before the newest"));
   }
-  ASSIGN_OR_RETURN(const uint64_t layer_timeout_ms, flags.GetUint("layer-timeout-ms", 10000));
+  ASSIGN_OR_RETURN(const std::chrono::milliseconds layer_timeout,
+                   TimeoutFromFlags(flags, "layer-timeout-ms", 10000));
   std::optional<DType> dtype;
   if (flags.Has("dtype")) {
     ASSIGN_OR_RETURN(dtype, DTypeFromName(flags.Get("dtype")));
@@ -131,9 +132,8 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
 
   auto registry = std::make_shared<prometheus::Registry>();
   ASSIGN_OR_RETURN(std::vector<std::string> shard_addresses, ShardAddressesFromFlags(flags));
-  ASSIGN_OR_RETURN(const uint64_t connect_ms, flags.GetUint("connect-timeout-ms", 30000));
   client::ShardSetOptions connect;
-  connect.connect_timeout = std::chrono::milliseconds(connect_ms);
+  ASSIGN_OR_RETURN(connect.connect_timeout, TimeoutFromFlags(flags, "connect-timeout-ms", 30000));
   ASSIGN_OR_RETURN(connect.credentials, ChannelCredentialsFromFlags(flags));
   // The mirror's metrics are the upstream's (ModelMirror keeps them after a
   // fall back): the registry goes to whichever set it follows first.
@@ -204,7 +204,7 @@ absl::Status RunRelay(const std::vector<std::string>& args) {
   }
 
   client::MirrorOptions mirror_options;
-  mirror_options.layer_timeout = std::chrono::milliseconds(layer_timeout_ms);
+  mirror_options.layer_timeout = layer_timeout;
   mirror_options.dtype = dtype;
   mirror_options.listener = relay.get();
   // No reader reads the relay's own mirror (its children read the relay's
