@@ -51,6 +51,11 @@ def test_tied_embeddings_train_as_plain_pytorch_bit_for_bit(tmp_path, saved_with
     assert exported.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(bits(exported[name]), bits(tensor)), name
+    # Reloaded into plain PyTorch: the tie fills the one name not exported.
+    trained = example.GPT()
+    loaded = trained.load_state_dict({**exported, **example.fresh_buffers()}, strict=False)
+    assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys
+    assert torch.equal(bits(trained.lm_head.weight.detach()), bits(want["transformer.wte.weight"]))
 
 
 def test_a_parameter_no_layer_binds_is_refused_by_name(tmp_path):
