@@ -397,7 +397,7 @@ class LayerwiseTrainer:
         every other parameter a stand-in that raises _Touched when used,
         and inputs cast to a float32 module's weight's dtype (and back)
         as autocast would. A kernel's dtype complaint names the module."""
-        unknown = sorted(set(binding) - set(self._sentinels))
+        unknown = sorted(binding.keys() - self._sentinels.keys())
         if unknown:
             raise KeyError(f"the model has no parameters {unknown[:5]}: name the model's "
                            f"modules as the shards name their tensors")

@@ -87,3 +87,21 @@ def test_a_tied_tensor_the_shards_hold_twice_is_refused(tmp_path):
                                                  r"'lm_head\.weight'\] as separate tensors"):
                 layercast.torch.LayerwiseTrainer(shard_set, model, model.stages(),
                                                  buffers=example.fresh_buffers())
+
+
+def test_a_parameter_the_shards_hold_in_another_layer_is_named_with_its_layer(tmp_path):
+    """docs/models.md's old GPT-2 row (--first-layer-prefix transformer.wte.)
+    leaves transformer.wpe in `final`: the embedding stage says so, where
+    torch said "Expected all tensors to be on the same device"."""
+    flags = ["--policy", example.POLICY, "--layer-regex", r"^transformer\.h\.(\d+)\.",
+             "--first-layer-prefix", "transformer.wte."]
+    with serve(tmp_path, example.initial_state(), flags) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            model = example.GPT(device="meta")
+            stages = [("transformer.wte", model.embed)] + model.stages()[1:]
+            trainer = layercast.torch.LayerwiseTrainer(shard_set, model, stages,
+                                                       buffers=example.fresh_buffers())
+            with pytest.raises(layercast.torch.UnboundParameterError,
+                               match=r"stage 'transformer\.wte' uses transformer\.wpe\.weight, "
+                                     r"which the shards serve in layer 'final'"):
+                trainer.forward(example.batch(0)[0])
