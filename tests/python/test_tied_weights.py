@@ -105,3 +105,43 @@ def test_a_parameter_the_shards_hold_in_another_layer_is_named_with_its_layer(tm
                                match=r"stage 'transformer\.wte' uses transformer\.wpe\.weight, "
                                      r"which the shards serve in layer 'final'"):
                 trainer.forward(example.batch(0)[0])
+
+
+def bf16_reference(state, steps):
+    """Plain PyTorch as a bf16 policy says: an fp32 master, a bfloat16
+    copy of it each step (the tied tensor's one copy under both names), the
+    output cast to float32, torch.optim.AdamW(foreach=False) on the master."""
+    model = example.GPT()
+    model.load_state_dict(state)
+    model.train()
+    masters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(list(masters.values()), lr=example.LR,
+                                  weight_decay=example.WEIGHT_DECAY, foreach=False)
+    torch.manual_seed(0)
+    losses = []
+    for step in range(steps):
+        compute = {n: m.to(torch.bfloat16).requires_grad_() for n, m in masters.items()}
+        with layercast.torch.bound(model, {**compute,
+                                           "lm_head.weight": compute["transformer.wte.weight"]}):
+            inputs, targets = example.batch(step)
+            loss = example.loss_fn(model(inputs).float(), targets)
+            loss.backward()
+        losses.append(loss.item())
+        for name, master in masters.items():
+            master.grad = compute[name].grad.float()
+        optimizer.step()
+    return losses, masters
+
+
+def test_tied_embeddings_in_bf16_sum_their_two_bf16_gradients_as_autograd_does(tmp_path):
+    state = example.initial_state()
+    flags = ["--policy", "p=f32,c=bf16,o=f32"] + example.SHARD_FLAGS[2:]
+    with serve(tmp_path, state, flags) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            losses, _ = example.train(shard_set, STEPS, log=lambda _: None)
+            exported = layercast.torch.load_safetensors(
+                shard_set.export(str(tmp_path / "trained.safetensors"))["files"][0])
+    want_losses, want = bf16_reference(state, STEPS)
+    assert losses == want_losses, "the loss curve, bit for bit"
+    for name, tensor in want.items():
+        assert torch.equal(bits(exported[name]), bits(tensor)), name
