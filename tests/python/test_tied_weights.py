@@ -145,3 +145,45 @@ def test_tied_embeddings_in_bf16_sum_their_two_bf16_gradients_as_autograd_does(t
     assert losses == want_losses, "the loss curve, bit for bit"
     for name, tensor in want.items():
         assert torch.equal(bits(exported[name]), bits(tensor)), name
+
+
+def test_the_loop_pytorch_users_know_accumulates_the_tied_gradient(tmp_path):
+    """trainer(x), loss.backward() per micro batch, then step(): the tied
+    tensor's gradient adds up over both uses and both micro batches, as
+    plain PyTorch's .grad does."""
+    state = example.initial_state()
+    micro, steps = 2, 2
+    with serve(tmp_path, state, example.SHARD_FLAGS) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            model = example.GPT(device="meta")
+            trainer = layercast.torch.LayerwiseTrainer(shard_set, model, model.stages(),
+                                                       buffers=example.fresh_buffers())
+            torch.manual_seed(0)
+            losses = []
+            for step in range(steps):
+                for m in range(micro):
+                    loss = example.loss_fn(trainer(example.batch(step * micro + m)[0]),
+                                           example.batch(step * micro + m)[1]) / micro
+                    loss.backward()
+                    losses.append(loss.item())
+                trainer.step()
+            exported = layercast.torch.load_safetensors(
+                shard_set.export(str(tmp_path / "trained.safetensors"))["files"][0])
+    reference = example.GPT()
+    reference.load_state_dict(state)
+    reference.train()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=example.LR,
+                                  weight_decay=example.WEIGHT_DECAY, foreach=False)
+    torch.manual_seed(0)
+    want_losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for m in range(micro):
+            inputs, targets = example.batch(step * micro + m)
+            loss = example.loss_fn(reference(inputs), targets) / micro
+            loss.backward()
+            want_losses.append(loss.item())
+        optimizer.step()
+    assert losses == want_losses
+    for name, tensor in reference.named_parameters():
+        assert torch.equal(bits(exported[name]), bits(tensor.detach())), name
