@@ -41,6 +41,20 @@ std::optional<uint32_t> CheckpointShardCount(const std::string& file_name, uint3
   return count;
 }
 
+std::optional<std::pair<uint32_t, uint32_t>> ParseCheckpointFileName(const std::string& file_name) {
+  constexpr char kPrefix[] = "shard-";
+  if (!absl::StartsWith(file_name, kPrefix)) return std::nullopt;
+  const char* begin = file_name.data() + sizeof(kPrefix) - 1;
+  const char* end = file_name.data() + file_name.size();
+  uint32_t index = 0;
+  auto [index_end, ec] = std::from_chars(begin, end, index);
+  if (index_end == begin || ec != std::errc()) return std::nullopt;
+  const std::optional<uint32_t> count = CheckpointShardCount(file_name, index);
+  // "shard-01-of-2" is not a name any shard writes.
+  if (!count || file_name != CheckpointFileName(index, *count)) return std::nullopt;
+  return std::make_pair(index, *count);
+}
+
 std::string HexString(std::span<const uint8_t> bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string hex;

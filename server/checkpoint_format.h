@@ -5,6 +5,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "platform/file_system.h"
@@ -92,6 +93,10 @@ std::string TempCheckpointPath(const std::string& dir, uint32_t shard_index, uin
 // The shard count of a checkpoint file name "shard-<i>-of-<M>.safetensors"
 // whose index is `shard_index`, or nullopt for any other name.
 std::optional<uint32_t> CheckpointShardCount(const std::string& file_name, uint32_t shard_index);
+
+// The shard index and count of a checkpoint file name
+// "shard-<i>-of-<N>.safetensors", or nullopt for any other name.
+std::optional<std::pair<uint32_t, uint32_t>> ParseCheckpointFileName(const std::string& file_name);
 
 // Lowercase hex of `bytes`.
 std::string HexString(std::span<const uint8_t> bytes);

@@ -7,10 +7,12 @@
 #include <cerrno>
 #include <charconv>
 #include <filesystem>
+#include <set>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "platform/status_macros.h"
 #include "server/checkpoint_format.h"
 
@@ -47,24 +49,45 @@ absl::StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Create(std
 // Listing a directory is not part of the FileSystem seam (nothing else needs
 // it); the scans below use std::filesystem and only ever read names.
 absl::StatusOr<std::optional<std::string>> CheckpointManager::FindExisting() const {
+  if (!fs_.Exists(path_)) return std::nullopt;
+  return path_;
+}
+
+absl::StatusOr<std::optional<uint32_t>> CheckpointManager::FindReshardSource() const {
+  std::set<uint32_t> counts;
+  std::optional<std::string> own_count;  // a file of this count, another index
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(dir_, error)) {
     const std::string name = entry.path().filename().string();
-    const std::optional<uint32_t> count = CheckpointShardCount(name, shard_index_);
-    if (count && *count != num_shards_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("checkpoint ", dir_, "/", name, " is shard ", shard_index_, " of ", *count,
-                       " and this is shard ", shard_index_, " of ", num_shards_,
-                       ": a checkpoint cannot be resharded; start with --num-shards ", *count,
-                       ", or move the old checkpoints away to start from --model/--synthetic"));
+    const auto parsed = ParseCheckpointFileName(name);
+    if (!parsed) continue;
+    if (parsed->second == num_shards_) {
+      own_count = name;
+    } else {
+      counts.insert(parsed->second);
     }
   }
   if (error) {
     return absl::Status(absl::ErrnoToStatusCode(error.value()),
                         absl::StrCat("cannot list --checkpoint-dir ", dir_, ": ", error.message()));
   }
-  if (!fs_.Exists(path_)) return std::nullopt;
-  return path_;
+  if (counts.empty()) return std::nullopt;
+  if (counts.size() > 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--checkpoint-dir ", dir_, " holds checkpoints of ", absl::StrJoin(counts, " and "),
+        " shards and none of shard ", shard_index_, " of ", num_shards_,
+        ": which to load is not clear; move all but one set away"));
+  }
+  if (own_count) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--checkpoint-dir ", dir_, " holds ", *own_count, " but not ",
+        CheckpointFileName(shard_index_, num_shards_), ", beside the checkpoints of ",
+        *counts.begin(),
+        " shards: this shard would start from those while the others start from their own; put "
+        "its file back, or move the shard-*-of-",
+        num_shards_, " files away to load the ", *counts.begin(), " shards' set"));
+  }
+  return *counts.begin();
 }
 
 int CheckpointManager::RemoveStaleTemporaries() {

@@ -34,11 +34,16 @@ class CheckpointManager {
   const std::string& dir() const { return dir_; }
 
   // The checkpoint to start from: path() if it exists, nullopt if the
-  // directory holds none for this shard. FAILED_PRECONDITION naming the file
-  // if the directory holds this shard index's checkpoint of another shard
-  // count: changing the count would otherwise silently ignore it
-  // (resharding a checkpoint is not supported).
+  // directory holds none for this shard.
   absl::StatusOr<std::optional<std::string>> FindExisting() const;
+  // When the directory holds no checkpoint of this shard (FindExisting):
+  // the shard count N of the checkpoints another count wrote there, which
+  // this shard loads resharded (ReshardedCheckpoint); nullopt when there
+  // are none. FAILED_PRECONDITION, naming the files, when that is not one
+  // set: checkpoints of two other counts, or of this count for other
+  // indexes beside another count's (starting from either would leave the
+  // set at two different steps).
+  absl::StatusOr<std::optional<uint32_t>> FindReshardSource() const;
 
   // Removes this shard's temporary files left by writes that a crash
   // interrupted (those of this process id, or of processes no longer

@@ -262,6 +262,22 @@ absl::Status CheckpointSource::ReadState(const std::string& name,
   return absl::OkStatus();
 }
 
+absl::Status CheckpointSource::ReadStateRange(const std::string& name, ElementRange range,
+                                              std::span<float> dst) const {
+  const SafetensorsTensor* entry = reader_->Find(name);
+  if (entry == nullptr || !IsTrainingState(name)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", path_, " has no tensor ", name));
+  }
+  if (range.end < range.begin || range.end > entry->num_elements) {
+    return absl::OutOfRangeError(absl::StrCat("checkpoint ", path_, " holds ", entry->num_elements,
+                                              " elements of ", name, ", not [", range.begin, ", ",
+                                              range.end, ")"));
+  }
+  RETURN_IF_ERROR(reader_->ReadF32(*entry, range, dst));
+  Hash(*entry, range.size() == entry->num_elements, dst);
+  return absl::OkStatus();
+}
+
 void CheckpointSource::Hash(const SafetensorsTensor& entry, bool whole,
                             std::span<const float> values) const {
   absl::MutexLock lock(&mu_);

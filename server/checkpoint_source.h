@@ -14,6 +14,7 @@
 #include "core/safetensors.h"
 #include "platform/file_system.h"
 #include "server/checkpoint_format.h"
+#include "server/checkpoint_state.h"
 
 namespace layercast::server {
 
@@ -28,7 +29,7 @@ namespace layercast::server {
 // served before it passes.
 //
 // Thread-safe: Read may run concurrently.
-class CheckpointSource final : public ParameterSource {
+class CheckpointSource final : public CheckpointState {
  public:
   // FAILED_PRECONDITION naming `path` and the first mismatch; DATA_LOSS when
   // the file is not a valid checkpoint. `fs` must outlive the source.
@@ -51,37 +52,28 @@ class CheckpointSource final : public ParameterSource {
   absl::Status Read(uint32_t layer, uint32_t tensor, ElementRange range,
                     std::span<float> dst) const override;
 
-  const std::string& path() const { return path_; }
-  // The parameter version the checkpoint holds.
-  uint64_t version() const { return version_; }
+  const std::string& path() const override { return path_; }
+  uint64_t version() const override { return version_; }
   // "sha256:<hex>" as the header records it.
   const std::string& checksum() const { return checksum_; }
 
-  // What a training shard saved beside its master (checkpoint_format.h);
-  // nullopt for a checkpoint of a read-only shard.
-  struct Training {
-    std::string optimizer;                  // the canonical spec
-    std::vector<uint64_t> layer_versions;   // per layer
-    std::vector<uint64_t> optimizer_steps;  // per layer
-    // Pushes staged for open steps: (layer, worker index or kStagedMean).
-    std::vector<std::pair<uint32_t, std::string>> staged;
-    // The --data-parallel-workers it trained with; 0 when not recorded.
-    uint64_t workers = 0;
-    // The last clipped step and the scale it was applied with; nullopt when
-    // none was (or not recorded).
-    std::optional<std::pair<uint64_t, float>> last_clip;
-  };
-  const std::optional<Training>& training() const { return training_; }
+  using Training = CheckpointTraining;
+  const std::optional<Training>& training() const override { return training_; }
   // Reads optimizer state or staged push tensor `name` (OptimizerStateName,
   // StagedPushName) whole into `values`. NOT_FOUND when the file has none of
   // that name.
-  absl::Status ReadState(const std::string& name, std::vector<float>& values) const;
+  absl::Status ReadState(const std::string& name, std::vector<float>& values) const override;
+  // Elements `range` of that tensor into `dst` (dst.size() == range.size()):
+  // what a resharded load reads, only the bytes it owns. OUT_OF_RANGE past
+  // the tensor's end.
+  absl::Status ReadStateRange(const std::string& name, ElementRange range,
+                              std::span<float> dst) const;
 
   // DATA_LOSS naming the file unless the SHA-256 of its data equals the
   // recorded checksum. Hashes what Read() returned when that was every
   // tensor, whole, in file order (as ParameterStore::Load reads); otherwise
   // reads the data again. Call once, after loading.
-  absl::Status VerifyChecksum();
+  absl::Status VerifyChecksum() override;
 
  private:
   CheckpointSource() = default;

@@ -221,7 +221,8 @@ class LayerTrainer {
   // push. RESOURCE_EXHAUSTED when the open steps' staging no longer fits.
   // FAILED_PRECONDITION when the checkpoint was trained with another kind
   // of optimizer, or with state this spec does not keep.
-  absl::Status Restore(const CheckpointSource& source);
+  // `source` may be a resharded one: its state is this shard's either way.
+  absl::Status Restore(const CheckpointState& source);
 
   // Takes again what `journal` holds (after Restore, before any push): each
   // push as Push takes it, each clip scale as ApplyClippedStep, skipping
@@ -238,6 +239,10 @@ class LayerTrainer {
   };
   absl::StatusOr<Replayed> Replay(PushJournal& journal,
                                   PushJournal::OnDamage on_damage = PushJournal::OnDamage::kRefuse);
+  // As Replay, for records already read and cut to this shard's elements
+  // (the journals of another shard count: server/journal_reshard.h), in
+  // the order given.
+  absl::StatusOr<Replayed> Replay(std::vector<PushJournal::Record> records);
   // From now on every push and clip scale is appended to `journal` before
   // it is taken (the shard answers a push after Push returns); each
   // checkpoint starts a new generation and retires what it holds. Before
@@ -349,13 +354,15 @@ class LayerTrainer {
   // (restored or replayed pushes, which no reservation brought).
   absl::Status ChargeRestoredLocked(uint32_t layer, LayerState& state, uint64_t bytes,
                                     absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  // Replay's part for one record of either kind.
+  absl::Status ReplayRecord(PushJournal::Record record, Replayed& replayed);
   // Replay's part for one push record.
   absl::Status ReplayPushLocked(PushJournal::Record record, LayerState& state, Replayed& replayed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Restore's part for `layer`: the pushes of its open step, staged again.
-  absl::Status RestoreStagedLocked(const CheckpointSource& source,
-                                   const CheckpointSource::Training& saved, uint32_t layer,
-                                   LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  absl::Status RestoreStagedLocked(const CheckpointState& source, const CheckpointTraining& saved,
+                                   uint32_t layer, LayerState& state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
   // Averages the staged gradients into pushed[0], in worker order, and
   // recycles the other workers' staging.
   void ReduceLocked(LayerState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);

@@ -71,35 +71,47 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
 absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(PushJournal& journal,
                                                             PushJournal::OnDamage on_damage) {
   Replayed replayed;
-  ASSIGN_OR_RETURN(
-      const PushJournal::Replayed read,
-      journal.Replay(
-          [&](PushJournal::Record record) -> absl::Status {
-            if (record.kind == PushJournal::Record::Kind::kClipScale) {
-              if (record.values.size() != 1) {
-                return absl::DataLossError("a clip-scale record without one scale");
-              }
-              uint64_t lowest = UINT64_MAX;
-              for (uint32_t l = 0; l < layers_.size(); ++l) {
-                lowest = std::min(lowest, version(l));
-              }
-              if (lowest > record.step) {
-                ++replayed.skipped;  // every layer applied it before the checkpoint
-                return absl::OkStatus();
-              }
-              RETURN_IF_ERROR(ApplyClippedStep(record.step, record.values[0]).status());
-              ++replayed.taken;
-              replayed.steps += layers_.size();
-              return absl::OkStatus();
-            }
-            RETURN_IF_ERROR(CheckIndices(record.layer, record.worker));
-            LayerState& state = *layers_[record.layer];
-            absl::MutexLock lock(&state.mu);
-            return ReplayPushLocked(std::move(record), state, replayed);
-          },
-          on_damage));
+  ASSIGN_OR_RETURN(const PushJournal::Replayed read,
+                   journal.Replay(
+                       [&](PushJournal::Record record) -> absl::Status {
+                         return ReplayRecord(std::move(record), replayed);
+                       },
+                       on_damage));
   replayed.damage = read.damage;
   return replayed;
+}
+
+absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(
+    std::vector<PushJournal::Record> records) {
+  Replayed replayed;
+  for (PushJournal::Record& record : records) {
+    RETURN_IF_ERROR(ReplayRecord(std::move(record), replayed));
+  }
+  return replayed;
+}
+
+absl::Status LayerTrainer::ReplayRecord(PushJournal::Record record, Replayed& replayed) {
+  if (record.kind == PushJournal::Record::Kind::kClipScale) {
+    if (record.values.size() != 1) {
+      return absl::DataLossError("a clip-scale record without one scale");
+    }
+    uint64_t lowest = UINT64_MAX;
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+      lowest = std::min(lowest, version(l));
+    }
+    if (lowest > record.step) {
+      ++replayed.skipped;  // every layer applied it before the checkpoint
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(ApplyClippedStep(record.step, record.values[0]).status());
+    ++replayed.taken;
+    replayed.steps += layers_.size();
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(CheckIndices(record.layer, record.worker));
+  LayerState& state = *layers_[record.layer];
+  absl::MutexLock lock(&state.mu);
+  return ReplayPushLocked(std::move(record), state, replayed);
 }
 
 absl::Status LayerTrainer::ReplayPushLocked(PushJournal::Record record, LayerState& state,
@@ -144,8 +156,8 @@ absl::Status LayerTrainer::ChargeRestoredLocked(uint32_t layer, LayerState& stat
   return absl::OkStatus();
 }
 
-absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
-  const std::optional<CheckpointSource::Training>& saved = source.training();
+absl::Status LayerTrainer::Restore(const CheckpointState& source) {
+  const std::optional<CheckpointTraining>& saved = source.training();
   if (!saved) return absl::OkStatus();
   {
     absl::MutexLock clip_lock(&clip_mu_);
@@ -187,9 +199,9 @@ absl::Status LayerTrainer::Restore(const CheckpointSource& source) {
   return absl::OkStatus();
 }
 
-absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointSource& source,
-                                               const CheckpointSource::Training& saved,
-                                               uint32_t layer, LayerState& state) {
+absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointState& source,
+                                               const CheckpointTraining& saved, uint32_t layer,
+                                               LayerState& state) {
   for (const auto& staged : saved.staged) {
     if (staged.first != layer) continue;
     const std::string& part =

@@ -12,6 +12,7 @@
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/checkpoint_manager.h"
+#include "server/checkpoint_reshard.h"
 #include "server/checkpoint_source.h"
 #include "server/deadline_timers.h"
 #include "server/layer_trainer.h"
@@ -143,7 +144,10 @@ class ShardServer {
   std::unique_ptr<CheckpointManager> checkpoints_;
   std::unique_ptr<ParameterSource> source_;
   // source_ when it is a checkpoint, for its checksum and version.
-  CheckpointSource* checkpoint_source_ = nullptr;
+  CheckpointState* checkpoint_source_ = nullptr;
+  // source_ when it is the checkpoints of another shard count, whose
+  // journals are replayed too.
+  ReshardedCheckpoint* resharded_ = nullptr;
   // --push-journal's, opened and checked by OpenJournal, until Load's replay.
   std::unique_ptr<PushJournal> journal_;
   std::unique_ptr<ShardService> service_;

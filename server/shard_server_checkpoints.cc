@@ -6,6 +6,8 @@
 #include "platform/byte_size.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
+#include "server/checkpoint_reshard.h"
+#include "server/journal_reshard.h"
 #include "server/shard_checkpoint.h"
 
 // ShardServer's durable state: the checkpoint it starts from, the push
@@ -24,20 +26,37 @@ absl::Status ShardServer::UseCheckpoint() {
                 checkpoints_->dir());
   }
   ASSIGN_OR_RETURN(std::optional<std::string> existing, checkpoints_->FindExisting());
-  if (!existing) return OpenJournal();
+  std::optional<uint32_t> reshard_from;
+  if (!existing) {
+    ASSIGN_OR_RETURN(reshard_from, checkpoints_->FindReshardSource());
+  }
+  if (!existing && !reshard_from) return OpenJournal();
   // The values the shard was started with: a checkpoint descending from
   // another model is not silently served in their place.
   ASSIGN_OR_RETURN(const ContentFingerprint model_fingerprint, source_->Fingerprint());
-  ASSIGN_OR_RETURN(auto checkpoint, CheckpointSource::Open(
-                                        *existing, source_->model(), config.shard_index(),
-                                        config.num_shards(), settings_.policy, model_fingerprint));
-  if (const auto& recorded = checkpoint->recorded_fingerprint();
-      recorded && *recorded != model_fingerprint) {
-    const std::string what =
-        absl::StrCat("checkpoint ", *existing, " descends from a model with content fingerprint ",
-                     FingerprintHex(*recorded, 8), "..., but ",
-                     config.synthetic().empty() ? "--model" : "--synthetic",
-                     " now holds other values (", FingerprintHex(model_fingerprint, 8), "...)");
+  std::unique_ptr<CheckpointState> checkpoint;
+  std::optional<ContentFingerprint> recorded;
+  if (existing) {
+    ASSIGN_OR_RETURN(
+        auto own, CheckpointSource::Open(*existing, source_->model(), config.shard_index(),
+                                         config.num_shards(), settings_.policy, model_fingerprint));
+    recorded = own->recorded_fingerprint();
+    checkpoint = std::move(own);
+  } else {
+    ASSIGN_OR_RETURN(auto resharded,
+                     ReshardedCheckpoint::Open(checkpoints_->dir(), *reshard_from, source_->model(),
+                                               config.shard_index(), config.num_shards(),
+                                               settings_.policy, model_fingerprint));
+    recorded = resharded->recorded_fingerprint();
+    resharded_ = resharded.get();
+    checkpoint = std::move(resharded);
+  }
+  if (recorded && *recorded != model_fingerprint) {
+    const std::string what = absl::StrCat(
+        "checkpoint ", checkpoint->path(), " descends from a model with content fingerprint ",
+        FingerprintHex(*recorded, 8), "..., but ",
+        config.synthetic().empty() ? "--model" : "--synthetic", " now holds other values (",
+        FingerprintHex(model_fingerprint, 8), "...)");
     if (!config.checkpoint_over_changed_model()) {
       return absl::FailedPreconditionError(
           absl::StrCat(what,
@@ -47,8 +66,17 @@ absl::Status ShardServer::UseCheckpoint() {
     }
     Log()->warn("{}; serving the checkpoint as told", what);
   }
-  Log()->info("loading checkpoint {} (version {}) instead of {}", *existing, checkpoint->version(),
-              config.synthetic().empty() ? "--model's values" : "--synthetic's values");
+  if (resharded_ != nullptr) {
+    Log()->info(
+        "loading the checkpoints of {} shards {} (version {}) resharded: this shard's ranges, "
+        "from {} of their files, instead of {}",
+        *reshard_from, checkpoint->path(), checkpoint->version(), resharded_->overlapping().size(),
+        config.synthetic().empty() ? "--model's values" : "--synthetic's values");
+  } else {
+    Log()->info("loading checkpoint {} (version {}) instead of {}", checkpoint->path(),
+                checkpoint->version(),
+                config.synthetic().empty() ? "--model's values" : "--synthetic's values");
+  }
   checkpoint_source_ = checkpoint.get();
   source_ = std::move(checkpoint);
   return OpenJournal();
@@ -91,6 +119,32 @@ absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTra
     return absl::FailedPreconditionError("the push journal was not opened at start");
   }
   const auto start = std::chrono::steady_clock::now();
+  if (resharded_ != nullptr) {
+    // The journals of the set the checkpoints came from first: they go on
+    // from those checkpoints, and this shard's own (pushes taken since it
+    // first started resharded) from where they end.
+    ASSIGN_OR_RETURN(const layercast::v1::JournalIdentity identity, JournalIdentity());
+    absl::StatusOr<ReshardedRecords> records =
+        ReadReshardedJournals(config.checkpoint_dir(), identity, source_->model(),
+                              resharded_->from_count(), resharded_->overlapping());
+    absl::StatusOr<LayerTrainer::Replayed> taken =
+        records.ok() ? trainer.Replay(std::move(records->records))
+                     : absl::StatusOr<LayerTrainer::Replayed>(records.status());
+    if (!taken.ok()) {
+      return absl::Status(
+          taken.status().code(),
+          absl::StrCat("replaying the push journals of the ", resharded_->from_count(),
+                       " shards in --checkpoint-dir ", config.checkpoint_dir(),
+                       " resharded: ", taken.status().message()));
+    }
+    metrics_.RecordJournalReplayed(taken->taken);
+    Log()->info(
+        "push journals of {} shards, resharded: {} record(s) read, {} push(es) and clip scale(s) "
+        "taken again, {} already in the checkpoints, {} layer step(s) applied; {} push(es) that "
+        "only part of that set took left out for their workers to push again",
+        resharded_->from_count(), records->read, taken->taken, taken->skipped, taken->steps,
+        records->incomplete);
+  }
   absl::StatusOr<LayerTrainer::Replayed> replayed =
       trainer.Replay(*journal, config.accept_journal_damage() ? PushJournal::OnDamage::kAccept
                                                               : PushJournal::OnDamage::kRefuse);

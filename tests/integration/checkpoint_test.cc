@@ -315,14 +315,16 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsStopTheShardWithExitStatusTwo
   EXPECT_THAT(output, AllOf(HasSubstr("layercast-shard: checkpoint " + file +
                                       " does not match this shard: it holds model"),
                             HasSubstr("seed=3'")));
-  // Another shard count.
+  // Another shard count loads the set resharded, and needs all of it.
+  const std::string other = dir + "/shard-0-of-2.safetensors";
+  std::filesystem::rename(other, other + ".away");
   EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 3 --synthetic ", spec,
                                   " --checkpoint-dir ", dir),
                      &output),
             2);
-  EXPECT_THAT(output, HasSubstr("checkpoint " + file +
-                                " is shard 1 of 2 and this is shard 1 of 3: a checkpoint cannot be "
-                                "resharded"));
+  EXPECT_THAT(output, HasSubstr("checkpoint " + other +
+                                " is missing: shard 1 of 3 loads the checkpoints 2 shards wrote"));
+  std::filesystem::rename(other + ".away", other);
   // Another policy: a different layout.
   EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 2 --synthetic ", spec,
                                   " --policy p=f32,c=f16 --checkpoint-dir ", dir),
@@ -341,6 +343,14 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsStopTheShardWithExitStatusTwo
     bytes.write(&byte, 1);
   }
   EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 2 --synthetic ", spec,
+                                  " --checkpoint-dir ", dir),
+                     &output),
+            2);
+  EXPECT_THAT(output, HasSubstr("layercast-shard: checkpoint " + file +
+                                " is corrupt: its data hashes to sha256:"));
+  EXPECT_THAT(output, ::testing::Not(HasSubstr("ready"))) << "nothing may be served";
+  // So is a shard of another count that reads from it.
+  EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 3 --synthetic ", spec,
                                   " --checkpoint-dir ", dir),
                      &output),
             2);

@@ -312,7 +312,7 @@ TEST(CheckpointManagerTest, OneManagerPerShardIndexAndDirectory) {
   EXPECT_TRUE(CheckpointManager::Create(dir, 0, 2).ok()) << "the lock went with its manager";
 }
 
-TEST(CheckpointManagerTest, RefusesAMissingDirectoryAndAnotherShardCount) {
+TEST(CheckpointManagerTest, RefusesAMissingDirectoryAndFindsAnotherCountsSet) {
   auto missing = CheckpointManager::Create("/nonexistent/layercast", 0, 2);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr("create it"));
@@ -323,9 +323,32 @@ TEST(CheckpointManagerTest, RefusesAMissingDirectoryAndAnotherShardCount) {
   auto manager = CheckpointManager::Create(dir, 0, 3);
   ASSERT_TRUE(manager.ok());
   auto existing = (*manager)->FindExisting();
-  EXPECT_EQ(existing.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(existing.status().message()),
-              HasSubstr("shard-0-of-2.safetensors is shard 0 of 2 and this is shard 0 of 3"));
+  ASSERT_TRUE(existing.ok()) << existing.status();
+  EXPECT_FALSE(existing->has_value()) << "no file of shard 0 of 3";
+  auto source = (*manager)->FindReshardSource();
+  ASSERT_TRUE(source.ok()) << source.status();
+  EXPECT_EQ(*source, std::optional<uint32_t>(2)) << "shard 0 of 3 loads the 2 shards' set";
+  manager->reset();
+
+  // This count's file of another index beside the other set: the shards of
+  // this count would start at two steps.
+  ASSERT_TRUE(WriteCheckpoint(*LoadStore(values, 1, 3), 0, dir).ok());
+  manager = CheckpointManager::Create(dir, 0, 3);
+  ASSERT_TRUE(manager.ok());
+  source = (*manager)->FindReshardSource();
+  EXPECT_EQ(source.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(source.status().message()),
+              HasSubstr("holds shard-1-of-3.safetensors but not shard-0-of-3.safetensors"));
+  manager->reset();
+
+  // Two other counts: which to load is not clear.
+  std::filesystem::remove(dir + "/shard-1-of-3.safetensors");
+  ASSERT_TRUE(WriteCheckpoint(*LoadStore(values, 0, 4), 0, dir).ok());
+  manager = CheckpointManager::Create(dir, 0, 3);
+  ASSERT_TRUE(manager.ok());
+  source = (*manager)->FindReshardSource();
+  EXPECT_EQ(source.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(source.status().message()), HasSubstr("checkpoints of 2 and 4 shards"));
 }
 
 }  // namespace
