@@ -273,9 +273,20 @@ void ServerMetrics::RecordRpc(absl::string_view method, absl::string_view code) 
   rpcs_->Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
 }
 
+prometheus::Counter& ServerMetrics::SentBytes(DType dtype) {
+  std::atomic<prometheus::Counter*>& slot =
+      sent_bytes_by_dtype_[static_cast<size_t>(dtype) % sent_bytes_by_dtype_.size()];
+  prometheus::Counter* counter = slot.load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    // Two threads may both get here: Add gives both the same child.
+    counter = &sent_bytes_->Add({{"dtype", std::string(DTypeName(dtype))}});
+    slot.store(counter, std::memory_order_release);
+  }
+  return *counter;
+}
+
 void ServerMetrics::RecordChunkSent(DType dtype, uint64_t elements, uint64_t bytes) {
-  sent_bytes_->Add({{"dtype", std::string(DTypeName(dtype))}})
-      .Increment(static_cast<double>(bytes));
+  SentBytes(dtype).Increment(static_cast<double>(bytes));
   sent_parameters_->Increment(static_cast<double>(elements));
 }
 

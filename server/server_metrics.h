@@ -6,6 +6,7 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <array>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -123,6 +124,11 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>* cast_lost_elements_;
   prometheus::Family<prometheus::Counter>* cast_unmeasured_elements_;
   std::atomic<uint64_t> layers_known_{0};  // from SetShardInfo, for LayerRange
+  // sent_bytes_'s child of each dtype (by its number), resolved at the
+  // dtype's first chunk: a chunk sent costs two atomic adds, not a lookup
+  // by label map under the family's lock.
+  std::array<std::atomic<prometheus::Counter*>, 8> sent_bytes_by_dtype_ = {};
+  prometheus::Counter& SentBytes(DType dtype);
   prometheus::Counter* chunks_cast_;
   prometheus::Counter* chunks_shared_;
   prometheus::Gauge* shared_chunk_bytes_;

@@ -30,12 +30,12 @@ ShardChunks::ShardChunks(const ParameterStore& store, const VersionGate& gate,
       (options_.base_version || options_.exact_version || options_.will_pull_deltas)) {
     options_.changes->NoteAsked();
   }
-  if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer, options_.peer);
+  if (options_.shared != nullptr) options_.shared->BeginStream(plan_.layer);
 }
 
 ShardChunks::~ShardChunks() {
   if (pinned_) metrics_.pinned_readers().Decrement();
-  if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer, options_.peer);
+  if (options_.shared != nullptr) options_.shared->EndStream(plan_.layer);
 }
 
 absl::StatusOr<uint64_t> ShardChunks::Start(uint64_t reached) {
@@ -63,7 +63,7 @@ std::optional<absl::StatusOr<CastChunk>> ShardChunks::Get(const ChunkKey& key, u
   if (options_.shared == nullptr) return cast();
   // Another stream casting this very chunk resumes this one when it is done
   // (posted: nothing runs on that stream's thread).
-  return options_.shared->GetOrCast(key, bytes, options_.peer, cast, std::move(resume));
+  return options_.shared->GetOrCast(key, bytes, cast, std::move(resume));
 }
 
 std::string ShardChunks::WhyNotKept() const {

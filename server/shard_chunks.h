@@ -39,8 +39,6 @@ class ShardChunks final : public ChunkSource {
     // Where chunks cast by other streams are shared; null: cast every chunk
     // here.
     SharedChunks* shared = nullptr;
-    // The reader's address, for `shared`.
-    std::string peer;
     // A delta pull from this version (FetchLayerRequest.base_version): what
     // changed since is read from `changes`, which must be set with it.
     std::optional<uint64_t> base_version;

@@ -201,7 +201,6 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   if (!wait.ok()) return Refuse(wire::ToGrpcStatus(wait.status()));
   ShardChunks::Options source;
   source.chunk_bytes = options_.chunk_bytes;
-  source.peer = context->peer();
   if (request->has_exact_version()) source.exact_version = request->exact_version();
   // Also for a stream at a version its layer left: a layer whose change
   // changed no value is still served from the master.

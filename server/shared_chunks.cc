@@ -33,9 +33,15 @@ void SharedChunks::ScheduleSweep() {
 }
 
 std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey& key,
-                                                                 uint64_t bytes,
-                                                                 const std::string& peer, Cast cast,
+                                                                 uint64_t bytes, Cast cast,
                                                                  Resume resume) {
+  // A lone stream with nothing kept of its layer: no lock, no hash. A
+  // stream that begins meanwhile may cast the same chunk once more.
+  const Slot& slot = SlotOf(key.layer);
+  if (slot.open.load(std::memory_order_acquire) <= 1 &&
+      slot.entries.load(std::memory_order_acquire) == 0) {
+    return cast();
+  }
   std::shared_ptr<Entry> entry;
   uint64_t freed = 0;
   {
@@ -50,7 +56,7 @@ std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey&
       if (it->second->chunk.ok()) metrics_.RecordChunkShared();
       return it->second->chunk;
     }
-    if (bytes <= capacity_bytes_ && OthersWantLocked(key.layer, peer, now)) {
+    if (bytes <= capacity_bytes_ && OthersWantLocked(key.layer)) {
       freed = DropIdleLocked(now, /*all=*/false) + MakeRoomLocked(bytes);
       // Bytes just freed pay for the new chunk first; the budget is asked
       // only for the rest, and never while a stream waits for it.
@@ -61,6 +67,7 @@ std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey&
         entry->bytes = bytes;
         entry->last_used = now;
         entries_.emplace(key, entry);
+        SlotOf(key.layer).entries.fetch_add(1, std::memory_order_acq_rel);
         kept_bytes_ += bytes;
       }
     }
@@ -86,47 +93,38 @@ std::optional<absl::StatusOr<CastChunk>> SharedChunks::GetOrCast(const ChunkKey&
   return chunk;
 }
 
-void SharedChunks::BeginStream(uint32_t layer, const std::string& peer) {
+void SharedChunks::BeginStream(uint32_t layer) {
   absl::MutexLock lock(&mu_);
-  const auto now = timers_.Now();
-  std::vector<Reader>& readers = readers_[layer];
-  std::erase_if(readers, [&](const Reader& r) {
-    return r.open == 0 && now - r.last_seen > max_idle_ && r.peer != peer;
-  });
-  auto it =
-      std::find_if(readers.begin(), readers.end(), [&](const Reader& r) { return r.peer == peer; });
-  if (it == readers.end()) {
-    it = readers.insert(readers.end(), Reader{.peer = peer, .open = 0, .last_seen = now});
-  }
-  ++it->open;
-  it->last_seen = now;
+  ++open_[layer];
+  SlotOf(layer).open.fetch_add(1, std::memory_order_acq_rel);
 }
 
-void SharedChunks::EndStream(uint32_t layer, const std::string& peer) {
-  absl::MutexLock lock(&mu_);
-  auto layer_readers = readers_.find(layer);
-  if (layer_readers == readers_.end()) return;
-  for (Reader& reader : layer_readers->second) {
-    if (reader.peer != peer) continue;
-    reader.open = std::max(0, reader.open - 1);
-    reader.last_seen = timers_.Now();
+void SharedChunks::EndStream(uint32_t layer) {
+  uint64_t freed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = open_.find(layer);
+    if (it == open_.end()) return;
+    SlotOf(layer).open.fetch_sub(1, std::memory_order_acq_rel);
+    if (--it->second > 0) return;
+    open_.erase(it);
+    // Nobody reads the layer now: what was kept for its readers goes.
+    freed = DropLayerLocked(layer);
+    metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
+  GiveBack(freed);
 }
 
-bool SharedChunks::OthersWantLocked(uint32_t layer, const std::string& peer,
-                                    std::chrono::steady_clock::time_point now) {
-  auto layer_readers = readers_.find(layer);
-  if (layer_readers == readers_.end()) return false;
-  return std::any_of(layer_readers->second.begin(), layer_readers->second.end(),
-                     [&](const Reader& r) {
-                       return r.peer != peer && (r.open > 0 || now - r.last_seen <= max_idle_);
-                     });
+bool SharedChunks::OthersWantLocked(uint32_t layer) const {
+  auto it = open_.find(layer);
+  return it != open_.end() && it->second > 1;
 }
 
 uint64_t SharedChunks::RemoveLocked(
     absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>>::iterator it) {
   const uint64_t bytes = it->second->bytes;
   kept_bytes_ -= bytes;
+  SlotOf(it->first.layer).entries.fetch_sub(1, std::memory_order_acq_rel);
   entries_.erase(it);
   return bytes;
 }
@@ -182,14 +180,20 @@ void SharedChunks::DropLayer(uint32_t layer) {
   uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      auto next = std::next(it);
-      if (it->first.layer == layer && it->second->ready) freed += RemoveLocked(it);
-      it = next;
-    }
+    freed = DropLayerLocked(layer);
     metrics_.shared_chunk_bytes().Set(static_cast<double>(kept_bytes_));
   }
   GiveBack(freed);
+}
+
+uint64_t SharedChunks::DropLayerLocked(uint32_t layer) {
+  uint64_t freed = 0;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    auto next = std::next(it);
+    if (it->first.layer == layer && it->second->ready) freed += RemoveLocked(it);
+    it = next;
+  }
+  return freed;
 }
 
 void SharedChunks::Drop(bool all) {

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -66,16 +67,18 @@ struct ChunkKey {
 // chunk's, well under a millisecond) is done, instead of repeating it; it
 // never blocks a thread while it waits.
 //
-// A chunk is kept only if another reader (another peer: each worker has its
-// own connection) has a stream of its layer open, or had one within
-// `max_idle`: a lone worker (inference, or one walk at a time) gains nothing
-// from kept chunks and would pay for them in cold memory, every cast landing
-// in a fresh buffer instead of one still in cache. Workers need not overlap:
-// data-parallel workers a layer apart still share.
+// A chunk is kept only while another stream of its layer is open: a lone
+// worker (inference, or one walk at a time) gains nothing from kept chunks
+// and would pay for them in cold memory, every cast landing in a fresh
+// buffer instead of one still in cache. Workers need not be in step: a
+// worker a few chunks behind another still sends what the other cast, as
+// long as their streams of the layer overlap; when the layer's last stream
+// ends, its kept chunks go. Streams are counted, not readers: a reader
+// that reconnects (a new connection per walk) leaves nothing behind, and
+// one worker's two streams of a layer share.
 //
-// Readers are told apart by grpc::ServerContext::peer(). Workers behind a
-// proxy that funnels them into one upstream connection look like one reader,
-// and nothing is kept for them.
+// A stream of a layer nobody else reads, with nothing kept of it, takes no
+// lock and no hash per chunk: it reads two counters of the layer's slot.
 //
 // Kept chunks are charged to the memory budget, and they are the first thing
 // given up: a chunk is kept only if it fits in `capacity_bytes` (the least
@@ -102,20 +105,20 @@ class SharedChunks {
   // REQUIRES: no call in progress.
   ~SharedChunks();
 
-  // Every stream of `layer` from reader `peer` (grpc::ServerContext::peer())
-  // calls BeginStream once before its first GetOrCast and EndStream once
-  // when it is done.
-  void BeginStream(uint32_t layer, const std::string& peer);
-  void EndStream(uint32_t layer, const std::string& peer);
+  // Every stream of `layer` calls BeginStream once before its first
+  // GetOrCast and EndStream once when it is done; the last EndStream of a
+  // layer drops its kept chunks.
+  void BeginStream(uint32_t layer);
+  void EndStream(uint32_t layer);
 
-  // The chunk `key` of `bytes` bytes for a stream of `peer`: returned at
-  // once when it is kept (counted as shared), or cast here by `cast` (and
-  // kept when another reader wants the layer and there is room). When
+  // The chunk `key` of `bytes` bytes for an open stream of its layer:
+  // returned at once when it is kept (counted as shared), or cast here by
+  // `cast` (and kept when another stream of the layer is open and there is
+  // room). When
   // another stream is casting it right now, returns nullopt and posts
   // `resume` with the chunk (counted as shared) once that cast is done. A
   // failed cast goes to every stream that waited for it, and is never kept.
-  std::optional<absl::StatusOr<CastChunk>> GetOrCast(const ChunkKey& key, uint64_t bytes,
-                                                     const std::string& peer, Cast cast,
+  std::optional<absl::StatusOr<CastChunk>> GetOrCast(const ChunkKey& key, uint64_t bytes, Cast cast,
                                                      Resume resume);
 
   // Drops every kept chunk that is not being cast, returning its budget.
@@ -137,16 +140,18 @@ class SharedChunks {
     std::vector<Resume> waiting;      // streams to resume when it is ready
   };
 
-  struct Reader {
-    std::string peer;
-    int open = 0;
-    std::chrono::steady_clock::time_point last_seen;
+  // What GetOrCast reads without the lock: the open streams and the
+  // entries (kept or being cast) of the layers that hash to the slot. A
+  // slot shared by two layers only sends more chunks down the locked path.
+  struct Slot {
+    std::atomic<int> open{0};
+    std::atomic<int> entries{0};
   };
+  static constexpr size_t kSlots = 1024;
+  Slot& SlotOf(uint32_t layer) { return slots_[layer % kSlots]; }
 
-  // Whether a reader other than `peer` has `layer` open or had it lately.
-  bool OthersWantLocked(uint32_t layer, const std::string& peer,
-                        std::chrono::steady_clock::time_point now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a stream besides the caller's has `layer` open.
+  bool OthersWantLocked(uint32_t layer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Each removes finished entries and returns their bytes, for the caller to
   // give back to the budget once the lock is released: those unused for
   // max_idle (all of them when `all`); or the least recently used until
@@ -156,6 +161,8 @@ class SharedChunks {
   uint64_t MakeRoomLocked(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t RemoveLocked(absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the finished entries of `layer`; returns their bytes.
+  uint64_t DropLayerLocked(uint32_t layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(bool all);
   void Forget(const ChunkKey& key, const std::shared_ptr<Entry>& entry);
   void GiveBack(uint64_t bytes);
@@ -171,8 +178,9 @@ class SharedChunks {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<ChunkKey, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // By layer; readers idle past max_idle are dropped when a stream begins.
-  absl::flat_hash_map<uint32_t, std::vector<Reader>> readers_ ABSL_GUARDED_BY(mu_);
+  // Open streams by layer (layers with none are absent).
+  absl::flat_hash_map<uint32_t, int> open_ ABSL_GUARDED_BY(mu_);
+  Slot slots_[kSlots];
   DeadlineTimers timers_;  // last: see DeadlineTimers
 };
 

@@ -28,9 +28,6 @@ using std::chrono::seconds;
 
 constexpr uint64_t kMaster = 1000;
 constexpr uint64_t kChunk = 100;
-// Readers, as grpc::ServerContext::peer() names them.
-const std::string kPeer = "ipv4:127.0.0.1:50001";
-const std::string kOtherPeer = "ipv4:127.0.0.1:50002";
 
 ChunkKey Key(uint64_t begin) {
   return ChunkKey{.layer = 1,
@@ -54,11 +51,11 @@ absl::StatusOr<CastChunk> FakeCast(std::atomic<int>& casts, uint8_t fill,
 // GetOrCast as a stream sees it: the chunk now, or once the stream casting
 // it resumes this one (waited for here, in the test).
 absl::StatusOr<CastChunk> Get(SharedChunks& shared, const ChunkKey& key, uint64_t bytes,
-                              const std::string& peer, SharedChunks::Cast cast) {
+                              SharedChunks::Cast cast) {
   auto resumed = std::make_shared<std::promise<absl::StatusOr<CastChunk>>>();
   std::future<absl::StatusOr<CastChunk>> later = resumed->get_future();
   std::optional<absl::StatusOr<CastChunk>> now = shared.GetOrCast(
-      key, bytes, peer, cast,
+      key, bytes, cast,
       [resumed](absl::StatusOr<CastChunk> chunk) { resumed->set_value(std::move(chunk)); });
   if (now) return *std::move(now);
   return later.get();
@@ -70,9 +67,9 @@ struct Fixture {
       : budget(budget_bytes, kMaster, grants.get_executor()),
         shared(std::make_shared<SharedChunks>(capacity, max_idle, budget, metrics,
                                               grants.get_executor(), &timers)) {
-    // Another reader has the layer open: chunks are worth keeping.
-    shared->BeginStream(Key(0).layer, kPeer);
-    shared->BeginStream(Key(0).layer, kOtherPeer);
+    // Two streams have the layer open: chunks are worth keeping.
+    shared->BeginStream(Key(0).layer);
+    shared->BeginStream(Key(0).layer);
   }
   // Moves the cache's clock on; returns once the sweeps now due ran.
   void Advance(std::chrono::nanoseconds by) { clock.Advance(by); }
@@ -90,8 +87,8 @@ struct Fixture {
 
 TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   Fixture f(10 * kChunk);
-  auto first = Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 7); });
-  auto second = Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 9); });
+  auto first = Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 7); });
+  auto second = Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 9); });
   ASSERT_TRUE(first.ok() && second.ok());
   EXPECT_EQ(f.casts.load(), 1);
   EXPECT_EQ(first->data.begin(), second->data.begin()) << "one buffer, referenced twice";
@@ -101,37 +98,55 @@ TEST(SharedChunksTest, ASecondStreamSendsTheSameBytesWithoutCasting) {
   // Another range, version or dtype is another chunk.
   ChunkKey other_version = Key(0);
   other_version.version = 1;
-  ASSERT_TRUE(
-      Get(*f.shared, other_version, kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
-  ASSERT_TRUE(Get(*f.shared, Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, other_version, kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 3);
 }
 
-TEST(SharedChunksTest, ChunksAreKeptOnlyForOtherReadersOfTheLayer) {
-  Fixture f(10 * kChunk, kMaster + 10 * kChunk, milliseconds(200));
-  const auto cast_twice = [&](const std::string& peer) {
+TEST(SharedChunksTest, ChunksAreKeptOnlyWhileAnotherStreamOfTheLayerIsOpen) {
+  Fixture f(10 * kChunk, kMaster + 10 * kChunk);
+  const uint32_t layer = Key(0).layer;
+  const auto cast_twice = [&](const ChunkKey& key) {
     for (int i = 0; i < 2; ++i) {
-      ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, peer, [&] { return FakeCast(f.casts, 1); }).ok());
+      ASSERT_TRUE(Get(*f.shared, key, kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
     }
   };
-  // A third reader: kPeer and kOtherPeer have the layer open, so its cast is
-  // kept, and its second read shares it.
-  cast_twice("ipv4:127.0.0.1:50003");
+  // Two streams of the layer: the first cast is kept, the second read shares it.
+  cast_twice(Key(0));
   EXPECT_EQ(f.casts.load(), 1);
-  f.shared->DropAll();
-  f.shared->EndStream(Key(0).layer, kOtherPeer);
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk);
+
+  // One stream left: what was kept stays for it (it may be behind), but
+  // nothing new is kept for a lone stream.
+  f.shared->EndStream(layer);
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk);
+  cast_twice(Key(0));
+  EXPECT_EQ(f.casts.load(), 1);
+  cast_twice(Key(50));
+  EXPECT_EQ(f.casts.load(), 3);
+  EXPECT_EQ(f.shared->kept_bytes(), kChunk);
+
+  // The layer's last stream ends: its chunks go, and their budget.
+  f.shared->EndStream(layer);
+  EXPECT_EQ(f.shared->kept_bytes(), 0u);
+  EXPECT_EQ(f.budget.in_use(), kMaster);
+
+  // A reader that reconnects (a new stream, alone): nothing kept for it,
+  // however recently the last stream ended.
+  f.shared->BeginStream(layer);
+  cast_twice(Key(0));
+  EXPECT_EQ(f.casts.load(), 5);
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
 
-  // kOtherPeer closed its stream just now: it may be back soon.
-  cast_twice(kPeer);
-  EXPECT_EQ(f.casts.load(), 2);
-  f.shared->DropAll();
-
-  // Long enough ago: only kPeer itself reads the layer; nothing is kept.
-  f.Advance(milliseconds(300));
-  cast_twice(kPeer);
-  EXPECT_EQ(f.casts.load(), 4);
+  // A layer that shares the lone stream's slot sends it down the locked
+  // path, which still keeps nothing: the layers are counted apart.
+  const uint32_t same_slot = layer + 1024;
+  f.shared->BeginStream(same_slot);
+  cast_twice(Key(0));
+  EXPECT_EQ(f.casts.load(), 7);
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
+  f.shared->EndStream(same_slot);
+  f.shared->EndStream(layer);
   EXPECT_EQ(f.budget.in_use(), kMaster);
 }
 
@@ -141,7 +156,7 @@ TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
   std::vector<std::future<absl::StatusOr<CastChunk>>> results;
   for (int i = 0; i < kStreams; ++i) {
     results.push_back(std::async(std::launch::async, [&] {
-      return Get(*f.shared, Key(0), kChunk, kPeer,
+      return Get(*f.shared, Key(0), kChunk,
                  [&] { return FakeCast(f.casts, 3, milliseconds(100)); });
     }));
   }
@@ -159,8 +174,7 @@ TEST(SharedChunksTest, StreamsAskingWhileAChunkIsCastWaitForThatCast) {
 TEST(SharedChunksTest, KeptChunksAreChargedToTheBudgetAndGivenBack) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk);
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(
-        Get(*f.shared, Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+    ASSERT_TRUE(Get(*f.shared, Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   }
   EXPECT_EQ(f.shared->kept_bytes(), 3 * kChunk);
   EXPECT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
@@ -173,30 +187,28 @@ TEST(SharedChunksTest, KeptChunksAreChargedToTheBudgetAndGivenBack) {
 TEST(SharedChunksTest, TheOldestChunkMakesRoomAndOnlyWithinCapacity) {
   Fixture f(2 * kChunk);
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(
-        Get(*f.shared, Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+    ASSERT_TRUE(Get(*f.shared, Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
     f.Advance(milliseconds(1));  // distinct last use
   }
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
-  ASSERT_TRUE(Get(*f.shared, Key(100), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(100), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 3) << "the newest chunk was kept";
-  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 4) << "the oldest chunk was dropped for the third";
 
   // A chunk larger than the capacity is cast for its stream alone.
-  ASSERT_TRUE(
-      Get(*f.shared, Key(500), 3 * kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(500), 3 * kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 }
 
 TEST(SharedChunksTest, ChunksUnusedForMaxIdleAreDropped) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk, milliseconds(40));
-  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   f.Advance(milliseconds(30));
   ASSERT_TRUE(  // a use keeps it
-      Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+      Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   f.Advance(milliseconds(30));
-  ASSERT_TRUE(Get(*f.shared, Key(50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 2);
   EXPECT_EQ(f.shared->kept_bytes(), 2 * kChunk);
 
@@ -217,8 +229,7 @@ TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
     if (auto shared = weak.lock()) shared->DropAll();
   });
   for (uint64_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(
-        Get(*f.shared, Key(i * 50), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+    ASSERT_TRUE(Get(*f.shared, Key(i * 50), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   }
   ASSERT_EQ(f.budget.in_use(), kMaster + 3 * kChunk);
 
@@ -235,7 +246,7 @@ TEST(SharedChunksTest, SharingNeverTakesBudgetAStreamIsWaitingFor) {
   // While someone waits, nothing new is kept; the cast still happens.
   f.budget.Acquire(4 * kChunk, std::chrono::steady_clock::now() + seconds(10), [](bool) {});
   ASSERT_EQ(f.budget.waiting(), 1u);
-  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_LE(f.budget.peak(), kMaster + 4 * kChunk);
   f.budget.Release(2 * kChunk);  // lets the waiter through before teardown
@@ -246,7 +257,7 @@ TEST(SharedChunksTest, AStreamWaitingForAnotherStreamsCastIsResumedNotBlocked) {
   std::promise<void> casting;
   std::promise<void> finish_cast;
   auto caster = std::async(std::launch::async, [&] {
-    return Get(*f.shared, Key(0), kChunk, kPeer, [&] {
+    return Get(*f.shared, Key(0), kChunk, [&] {
       casting.set_value();
       finish_cast.get_future().wait();
       return FakeCast(f.casts, 5);
@@ -256,7 +267,7 @@ TEST(SharedChunksTest, AStreamWaitingForAnotherStreamsCastIsResumedNotBlocked) {
   std::promise<absl::StatusOr<CastChunk>> resumed;
   // Returns at once, on this thread, while the other cast is still running.
   std::optional<absl::StatusOr<CastChunk>> now = f.shared->GetOrCast(
-      Key(0), kChunk, kOtherPeer, [&] { return FakeCast(f.casts, 9); },
+      Key(0), kChunk, [&] { return FakeCast(f.casts, 9); },
       [&](absl::StatusOr<CastChunk> chunk) { resumed.set_value(chunk); });
   EXPECT_FALSE(now.has_value());
   auto later = resumed.get_future();
@@ -272,17 +283,17 @@ TEST(SharedChunksTest, AStreamWaitingForAnotherStreamsCastIsResumedNotBlocked) {
 
 TEST(SharedChunksTest, DroppingALayerCastsItsChunksAfresh) {
   Fixture f(10 * kChunk, kMaster + 10 * kChunk);
-  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   ChunkKey other_layer = Key(0);
   other_layer.layer = 7;
-  f.shared->BeginStream(7, kOtherPeer);
-  ASSERT_TRUE(
-      Get(*f.shared, other_layer, kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  f.shared->BeginStream(7);
+  f.shared->BeginStream(7);
+  ASSERT_TRUE(Get(*f.shared, other_layer, kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   ASSERT_EQ(f.shared->kept_bytes(), 2 * kChunk);
   f.shared->DropLayer(Key(0).layer);
   EXPECT_EQ(f.shared->kept_bytes(), kChunk) << "only that layer's chunks go";
   EXPECT_EQ(f.budget.in_use(), kMaster + kChunk);
-  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 2); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 2); }).ok());
   EXPECT_EQ(f.casts.load(), 3) << "cast again, not resent";
 }
 
@@ -297,13 +308,12 @@ TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
     return absl::OutOfRangeError("value 1e6 overflows float16");
   };
   auto caster =
-      std::async(std::launch::async, [&] { return Get(*f.shared, Key(0), kChunk, kPeer, fail); });
+      std::async(std::launch::async, [&] { return Get(*f.shared, Key(0), kChunk, fail); });
   casting.get_future().wait();
   // Arrives during the cast: waits for it.
   std::promise<absl::StatusOr<CastChunk>> resumed;
-  std::optional<absl::StatusOr<CastChunk>> now =
-      f.shared->GetOrCast(Key(0), kChunk, kOtherPeer, fail,
-                          [&](absl::StatusOr<CastChunk> chunk) { resumed.set_value(chunk); });
+  std::optional<absl::StatusOr<CastChunk>> now = f.shared->GetOrCast(
+      Key(0), kChunk, fail, [&](absl::StatusOr<CastChunk> chunk) { resumed.set_value(chunk); });
   ASSERT_FALSE(now.has_value());
   finish_cast.set_value();
   absl::StatusOr<CastChunk> first = caster.get();
@@ -313,7 +323,7 @@ TEST(SharedChunksTest, AFailedCastReachesEveryWaiterAndIsNotKept) {
   EXPECT_EQ(f.casts.load(), 1);
   EXPECT_EQ(f.shared->kept_bytes(), 0u);
   EXPECT_EQ(f.budget.in_use(), kMaster);
-  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, kPeer, [&] { return FakeCast(f.casts, 1); }).ok());
+  ASSERT_TRUE(Get(*f.shared, Key(0), kChunk, [&] { return FakeCast(f.casts, 1); }).ok());
   EXPECT_EQ(f.casts.load(), 2) << "the failure was not kept";
 }
 
