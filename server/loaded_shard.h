@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "server/change_log.h"
+#include "server/chunk_pool.h"
 #include "server/layer_digests.h"
 #include "server/layer_trainer.h"
 #include "server/memory_budget.h"
@@ -49,6 +50,10 @@ struct LoadedShard {
   std::unique_ptr<LayerTrainer> trainer;
   // A read-only shard's publishes; null on a training shard.
   std::unique_ptr<Publications> publications;
+  // The buffers chunks are cast into; before `shared`, whose kept chunks
+  // give theirs back as they go. Shared with the budget's reclaimer, which
+  // holds it weakly.
+  std::shared_ptr<ChunkPool> pool;
   // Cast chunks kept for other streams; null with --shared-chunk-bytes 0.
   // Shared with the budget's reclaimer, which holds it weakly.
   std::shared_ptr<SharedChunks> shared;

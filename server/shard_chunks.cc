@@ -169,13 +169,22 @@ absl::StatusOr<CastChunk> ShardChunks::Cast(const ChunkKey& key) {
   const AssembledTensor& placed = plan_.layout.tensors()[key.tensor];
   const size_t bytes =
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements});
-  auto* data = static_cast<uint8_t*>(std::malloc(bytes));
-  if (data == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of memory for a chunk of ", FormatBytes(bytes), "; retry later"));
+  uint8_t* data = nullptr;
+  CastChunk chunk;
+  if (options_.pool != nullptr) {
+    // Back to the pool when the last stream sending it is done.
+    ASSIGN_OR_RETURN(ChunkPool::Lent lent, options_.pool->Take(bytes));
+    chunk.data = std::move(lent.slice);
+    data = lent.data;
+  } else {
+    data = static_cast<uint8_t*>(std::malloc(bytes));
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of memory for a chunk of ", FormatBytes(bytes), "; retry later"));
+    }
+    // Owned by gRPC from here: freed when the last stream sending it is done.
+    chunk.data = grpc::Slice(data, bytes, std::free);
   }
-  // Owned by gRPC from here: freed when the last stream sending it is done.
-  CastChunk chunk{grpc::Slice(data, bytes, std::free), 0};
   chunk.scale_bytes = bytes - key.elements * DTypeSize(key.dtype);
   RETURN_IF_ERROR(caster_.CastInto(key, placed, kept.get(), data, &chunk.crc32c));
   return chunk;

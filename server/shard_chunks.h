@@ -13,6 +13,7 @@
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/chunk_caster.h"
+#include "server/chunk_pool.h"
 #include "server/chunk_source.h"
 #include "server/fetch_plan.h"
 #include "server/parameter_store.h"
@@ -39,6 +40,8 @@ class ShardChunks final : public ChunkSource {
     // Where chunks cast by other streams are shared; null: cast every chunk
     // here.
     SharedChunks* shared = nullptr;
+    // The buffers chunks are cast into; null: a std::malloc block each.
+    ChunkPool* pool = nullptr;
     // A delta pull from this version (FetchLayerRequest.base_version): what
     // changed since is read from `changes`, which must be set with it.
     std::optional<uint64_t> base_version;

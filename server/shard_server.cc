@@ -29,6 +29,10 @@ namespace {
 // chunks shared); room for one layer, 64% and 56%; 32 chunks, less.
 constexpr uint64_t kSharedLayers = 2;
 constexpr uint64_t kMinSharedChunks = 32;
+// Chunk buffers a shard keeps for reuse (ChunkPool): enough for a few
+// streams' chunks in flight and the kept chunks of one worker's walk
+// coming back, at chunk_bytes each.
+constexpr size_t kPooledChunks = 32;
 
 // This shard's part of its largest layer, in the compute dtypes.
 uint64_t LargestLayerShareBytes(const ParameterStore& store) {
@@ -235,19 +239,23 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
           ? config.shared_chunk_bytes()
           : std::max(kMinSharedChunks * config.chunk_bytes(),
                      kSharedLayers * LargestLayerShareBytes(loaded_store));
+  shard->pool = std::make_shared<ChunkPool>(config.chunk_bytes(), kPooledChunks, *shard->budget);
   if (shared_bytes > 0) {
     shard->shared = std::make_shared<SharedChunks>(
         shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *shard->budget,
         metrics_, grants_.get_executor(), &timers_);
   }
   // A request that has to wait for budget first gets what is only kept for
-  // speed: cast chunks kept for other streams, pooled gradient staging,
-  // versions kept for pinned readers.
+  // speed: cast chunks kept for other streams, idle chunk buffers, pooled
+  // gradient staging, versions kept for pinned readers.
   shard->budget->SetReclaimer(
       [shared = std::weak_ptr<SharedChunks>(shard->shared),
+       buffers = std::weak_ptr<ChunkPool>(shard->pool),
        staging = shard->trainer ? shard->trainer->spare_staging() : std::weak_ptr<StagingPool>(),
        pinned = std::weak_ptr<PinnedVersions>(shard->pinned)] {
         if (auto chunks = shared.lock()) chunks->DropAll();
+        // After the kept chunks, whose buffers came back to it.
+        if (auto idle = buffers.lock()) idle->Drain();
         if (auto pool = staging.lock()) pool->Drain();
         if (auto kept = pinned.lock()) kept->DropAll();
       });

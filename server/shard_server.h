@@ -96,6 +96,8 @@ class ShardServer {
   const MemoryBudget* budget() const { return loaded_ ? loaded_->budget.get() : nullptr; }
   // Null before Load() and with --shared-chunk-bytes 0.
   const SharedChunks* shared_chunks() const { return loaded_ ? loaded_->shared.get() : nullptr; }
+  // The chunk buffers; null before Load().
+  const ChunkPool* chunk_pool() const { return loaded_ ? loaded_->pool.get() : nullptr; }
   // What each chunk's cast lost, and its CRC (tests put a fault in it).
   CastErrorLedger& cast_errors() { return *cast_errors_; }
   // The memory plan the server sized its budget and ledger by.

@@ -134,12 +134,16 @@ TEST(ShardServerBudgetTest, ConcurrentFetchesCompleteExactlyWithinTheBudget) {
   // The master and the ledger: the budget less the four chunks left.
   const uint64_t fixed = budget - 4 * kChunkBytes;
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (server->budget()->in_use() != fixed + server->shared_chunks()->kept_bytes() &&
+  const auto kept = [&] {
+    return server->shared_chunks()->kept_bytes() + server->chunk_pool()->charged_bytes();
+  };
+  while (server->budget()->in_use() != fixed + kept() &&
          std::chrono::steady_clock::now() < give_up) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  EXPECT_EQ(server->budget()->in_use(), fixed + server->shared_chunks()->kept_bytes())
-      << "only the master, the ledger and the chunks kept for sharing remain";
+  EXPECT_EQ(server->budget()->in_use(), fixed + kept())
+      << "only the master, the ledger, the chunks kept for sharing and the pooled chunk "
+         "buffers remain";
   server->Shutdown(std::chrono::seconds(5));
 }
 
