@@ -141,7 +141,8 @@ void Relay::Pulling(uint64_t version) {
 }
 
 void Relay::Pulled(const PulledLayer& layer) {
-  versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes, *layer.incarnations);
+  metrics_.RecordCopied(versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes,
+                                      *layer.incarnations, layer.changes));
   serving_->Moved(versions_, layer.layer);
   metrics_.RecordReceived(layer.received);
   metrics_.SetVersions(versions_.held(), versions_.heading());
