@@ -2,11 +2,14 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
 #include <bit>
 #include <charconv>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/crc32c.h"
 
 namespace layercast::server {
 
@@ -84,6 +87,42 @@ std::string Sha256::Finish() {
 std::span<const uint8_t> FloatBytes(std::span<const float> values) {
   return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(values.data()),
                                   values.size_bytes());
+}
+
+void BlockCrc32c::Update(std::span<const uint8_t> bytes) {
+  while (!bytes.empty()) {
+    const size_t n =
+        static_cast<size_t>(std::min<uint64_t>(bytes.size(), block_bytes_ - in_block_));
+    crc_ = Crc32c(bytes.data(), n, crc_);
+    in_block_ += n;
+    bytes = bytes.subspan(n);
+    if (in_block_ == block_bytes_) {
+      absl::StrAppend(&hex_, absl::Hex(crc_, absl::kZeroPad8));
+      in_block_ = 0;
+      crc_ = 0;
+    }
+  }
+}
+
+std::string BlockCrc32c::Finish() {
+  if (in_block_ > 0) absl::StrAppend(&hex_, absl::Hex(crc_, absl::kZeroPad8));
+  return absl::StrCat(block_bytes_, ":", hex_);
+}
+
+std::optional<BlockChecksums> ParseBlockChecksums(const std::string& text) {
+  const size_t colon = text.find(':');
+  BlockChecksums parsed;
+  if (colon == std::string::npos || !absl::SimpleAtoi(text.substr(0, colon), &parsed.block_bytes) ||
+      parsed.block_bytes == 0 || parsed.block_bytes % sizeof(float) != 0 ||
+      (text.size() - colon - 1) % 8 != 0) {
+    return std::nullopt;
+  }
+  for (size_t at = colon + 1; at < text.size(); at += 8) {
+    uint32_t crc = 0;
+    if (!absl::SimpleHexAtoi(text.substr(at, 8), &crc)) return std::nullopt;
+    parsed.crcs.push_back(crc);
+  }
+  return parsed;
 }
 
 std::string OptimizerStateName(const std::string& buffer, const std::string& tensor) {

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "platform/file_system.h"
@@ -37,6 +38,11 @@ namespace layercast::server {
 //                   it existed
 //   checksum        "sha256:" + 64 lowercase hex digits: SHA-256 of the data
 //                   section, i.e. every byte after the header, in file order
+//   block_crc32c    "<B>:" + 8 lowercase hex digits per B bytes of the data
+//                   section (the last block may be shorter): each block's
+//                   CRC-32C, so that a shard loading a range of the file
+//                   (a resharded load) checks what it read without reading
+//                   the rest; absent in checkpoints written before it
 //
 // A training shard (--optimizer) adds its optimizer state, so that a shard
 // restarted from the file continues bit for bit: after the master's
@@ -116,6 +122,32 @@ class Sha256 {
  private:
   evp_md_ctx_st* ctx_;
 };
+
+// Bytes per block_crc32c block: a resharded load reads at most this much
+// beyond its own ranges at either end of each, once per block.
+inline constexpr uint64_t kChecksumBlockBytes = 1 << 20;
+
+// The block_crc32c field, computed as the data goes by. Not thread-safe.
+class BlockCrc32c {
+ public:
+  explicit BlockCrc32c(uint64_t block_bytes = kChecksumBlockBytes) : block_bytes_(block_bytes) {}
+  void Update(std::span<const uint8_t> bytes);
+  // "<B>:<hex>...". Ends the computation: call once.
+  std::string Finish();
+
+ private:
+  uint64_t block_bytes_;
+  uint64_t in_block_ = 0;  // bytes of the current block so far
+  uint32_t crc_ = 0;
+  std::string hex_;
+};
+
+// A parsed block_crc32c field; nullopt when `text` is not one.
+struct BlockChecksums {
+  uint64_t block_bytes = 0;
+  std::vector<uint32_t> crcs;
+};
+std::optional<BlockChecksums> ParseBlockChecksums(const std::string& text);
 
 // The checkpoint's stored bytes of a float span, little-endian (checked at
 // compile time: layercast only builds for little-endian hosts).

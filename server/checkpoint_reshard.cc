@@ -264,7 +264,7 @@ absl::Status ReshardedCheckpoint::ReadState(const std::string& name,
 }
 
 absl::Status ReshardedCheckpoint::VerifyChecksum() {
-  for (uint32_t i : overlapping_) RETURN_IF_ERROR(parts_[i]->VerifyChecksum());
+  for (uint32_t i : overlapping_) RETURN_IF_ERROR(parts_[i]->VerifyReadBlocks());
   return absl::OkStatus();
 }
 

@@ -41,7 +41,9 @@ std::vector<SliceOverlap> LayerOverlaps(const LayerSpec& layer, uint32_t from_sh
 // Open() reads the header of every one of the N files: a missing one, or
 // one that does not match the model, layout, fingerprint or the others'
 // versions, refuses the start with one line. VerifyChecksum() checks the
-// SHA-256 of each file this shard read from.
+// block checksums of the blocks this shard read (block_crc32c), reading
+// only those; a file written before block checksums is checked whole, by
+// its SHA-256.
 //
 // A staged push that not every overlapping file holds (the old set died
 // while a worker's push reached some shards and not others: the worker was

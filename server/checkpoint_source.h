@@ -74,6 +74,12 @@ class CheckpointSource final : public CheckpointState {
   // tensor, whole, in file order (as ParameterStore::Load reads); otherwise
   // reads the data again. Call once, after loading.
   absl::Status VerifyChecksum() override;
+  // As VerifyChecksum, for a file read in ranges (a resharded load): with
+  // block checksums (block_crc32c), checks each block a read touched,
+  // reading those blocks and no others; without, VerifyChecksum. DATA_LOSS
+  // naming the file and the first block that fails. Call once, after
+  // loading.
+  absl::Status VerifyReadBlocks();
 
  private:
   CheckpointSource() = default;
@@ -82,6 +88,8 @@ class CheckpointSource final : public CheckpointState {
   // Feeds what a read returned to the running hash when it is the next
   // whole tensor in file order.
   void Hash(const SafetensorsTensor& entry, bool whole, std::span<const float> values) const;
+  // Notes the blocks elements `range` of `entry` lie in.
+  void Touch(const SafetensorsTensor& entry, ElementRange range) const;
 
   std::string path_;
   ModelSpec model_;
@@ -97,6 +105,9 @@ class CheckpointSource final : public CheckpointState {
   // Every entry, by position in the file.
   std::vector<const SafetensorsTensor*> file_order_;
   std::optional<Training> training_;
+  std::optional<BlockChecksums> blocks_;
+  // Where the data section starts in the file.
+  uint64_t data_begin_ = 0;
 
   // The running hash of whole tensors read in file order.
   mutable absl::Mutex mu_;
@@ -104,6 +115,8 @@ class CheckpointSource final : public CheckpointState {
   mutable uint64_t next_offset_ ABSL_GUARDED_BY(mu_) = 0;
   mutable size_t hashed_tensors_ ABSL_GUARDED_BY(mu_) = 0;
   mutable bool out_of_order_ ABSL_GUARDED_BY(mu_) = false;
+  // The blocks of the data section reads touched (with blocks_).
+  mutable std::vector<bool> touched_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace layercast::server

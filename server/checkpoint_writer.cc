@@ -26,6 +26,7 @@ std::span<const float> Owned(const ParameterStore& store, uint32_t layer, uint32
 
 std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_t version,
                                             const std::string& checksum,
+                                            const std::string& block_checksums,
                                             const CheckpointExtras& extras) {
   std::map<std::string, std::string> metadata{
       {"format", kCheckpointFormat},
@@ -38,6 +39,7 @@ std::map<std::string, std::string> Metadata(const ParameterStore& store, uint64_
       {"layout_digest", HexString(store.layout_digest())},
       {"content_fingerprint", HexString(store.content_fingerprint())},
       {"checksum", checksum},
+      {"block_crc32c", block_checksums},
   };
   for (const auto& [key, value] : extras.metadata) {
     // The format's own fields are never overridden (CheckpointExtras keys
@@ -121,6 +123,7 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint
   const auto started = std::chrono::steady_clock::now();
   std::vector<SafetensorsWriter::TensorHeader> headers;
   Sha256 sha;
+  BlockCrc32c blocks;
   const std::vector<LayerSpec>& layers = store.model().layers;
   for (uint32_t l = 0; l < layers.size(); ++l) {
     for (uint32_t t = 0; t < layers[l].tensors.size(); ++t) {
@@ -129,12 +132,14 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint
                          .dtype = DType::kFloat32,
                          .shape = {static_cast<int64_t>(owned.size())}});
       sha.Update(FloatBytes(owned));
+      blocks.Update(FloatBytes(owned));
     }
   }
   for (const auto& [name, values] : extras.tensors) {
     headers.push_back(
         {.name = name, .dtype = DType::kFloat32, .shape = {static_cast<int64_t>(values.size())}});
     sha.Update(FloatBytes(values));
+    blocks.Update(FloatBytes(values));
   }
   CheckpointInfo info;
   info.version = version;
@@ -144,9 +149,9 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const ParameterStore& store, uint
       TempCheckpointPath(dir, store.shard_index(), store.num_shards(), getpid(), RandomNonce());
 
   bool created = false;
-  absl::StatusOr<uint64_t> size =
-      WriteAndRename(store, headers, Metadata(store, version, info.checksum, extras), extras, tmp,
-                     info.path, fs, &created);
+  absl::StatusOr<uint64_t> size = WriteAndRename(
+      store, headers, Metadata(store, version, info.checksum, blocks.Finish(), extras), extras, tmp,
+      info.path, fs, &created);
   if (!size.ok()) {
     // Never what someone else put at the name: CreatePrivate refused it.
     if (created && fs.Exists(tmp)) (void)fs.Remove(tmp);
