@@ -24,7 +24,7 @@ size_t Rounded(uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; 
 
 struct ChunkPool::Buffer {
   uint8_t* data = nullptr;
-  bool charged = false;          // in the pool's charge (kept)
+  bool charged = false;               // in the pool's charge (kept)
   std::shared_ptr<State> owner = {};  // set while lent
 };
 
