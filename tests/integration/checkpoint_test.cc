@@ -349,14 +349,14 @@ TEST(CheckpointTest, CorruptOrMismatchedCheckpointsStopTheShardWithExitStatusTwo
   EXPECT_THAT(output, HasSubstr("layercast-shard: checkpoint " + file +
                                 " is corrupt: its data hashes to sha256:"));
   EXPECT_THAT(output, ::testing::Not(HasSubstr("ready"))) << "nothing may be served";
-  // So is a shard of another count that reads from it: the block it reads
-  // (the file is smaller than one) fails its CRC-32C.
+  // So is a shard of another count that reads from it: a block it reads
+  // fails its CRC-32C.
   EXPECT_EQ(RunShard(absl::StrCat("--shard-index 1 --num-shards 3 --synthetic ", spec,
                                   " --checkpoint-dir ", dir),
                      &output),
             2);
-  EXPECT_THAT(output, HasSubstr("layercast-shard: checkpoint " + file +
-                                " is corrupt: its data bytes [0, 1048576) hash to crc32c "));
+  EXPECT_THAT(output,
+              HasSubstr("layercast-shard: checkpoint " + file + " is corrupt: its data bytes ["));
   EXPECT_THAT(output, ::testing::Not(HasSubstr("ready"))) << "nothing may be served";
 }
 
