@@ -35,28 +35,38 @@ class WordMarker {
   uint64_t word_ = 0, value_ = 0;
 };
 
-// Copies the elements [first, end) of one tensor's `size`-byte items.
-void CopyItems(const uint8_t* from, uint8_t* to, uint64_t first, uint64_t end, size_t size) {
-  std::memcpy(to + first * size, from + first * size, (end - first) * size);
+constexpr uint64_t kBlockBytes = 4096;
+
+// Whether any of `changed`'s bitmaps (each of tensor `t`, elements or
+// scales by `scales`) marks an item in [first, end).
+bool AnyMarked(std::span<const ChangedElements* const> changed, size_t t, bool scales,
+               uint64_t first, uint64_t end) {
+  for (const ChangedElements* marks : changed) {
+    const std::vector<std::vector<uint64_t>>& all = scales ? marks->scales : marks->elements;
+    if (t >= all.size()) continue;
+    const std::vector<uint64_t>& bits = all[t];
+    for (uint64_t w = first / 64; w < std::min<uint64_t>((end + 63) / 64, bits.size()); ++w) {
+      uint64_t word = bits[w];
+      if (w == first / 64) word &= ~uint64_t{0} << (first % 64);
+      if (w == end / 64 && end % 64 != 0) word &= (uint64_t{1} << (end % 64)) - 1;
+      if (word != 0) return true;
+    }
+  }
+  return false;
 }
 
-// Copies the items of `from` whose bits `marked` sets, a run of set bits
-// at a time (of `n` items of `size` bytes).
-uint64_t CopyRuns(std::span<const uint64_t> marked, uint64_t n, size_t size, const uint8_t* from,
-                  uint8_t* to) {
+// Copies the `n` items of `size` bytes of one tensor's bitmaps (elements,
+// or scales by `scales`) a block at a time where any is marked.
+uint64_t CopyBlocks(std::span<const ChangedElements* const> changed, size_t t, bool scales,
+                    uint64_t n, size_t size, const uint8_t* from, uint8_t* to) {
+  // A multiple of 64 items, so a block's marks are whole words.
+  const uint64_t per_block = std::max<uint64_t>(64, kBlockBytes / size / 64 * 64);
   uint64_t copied = 0;
-  for (uint64_t w = 0; w < marked.size(); ++w) {
-    uint64_t word = marked[w];
-    while (word != 0) {
-      const int begin = std::countr_zero(word);
-      const int length = std::countr_one(word >> begin);
-      const uint64_t first = w * 64 + static_cast<uint64_t>(begin);
-      const uint64_t end = std::min(n, first + static_cast<uint64_t>(length));
-      if (first >= end) return copied;
-      CopyItems(from, to, first, end, size);
-      copied += (end - first) * size;
-      word = length + begin == 64 ? 0 : word & ~(((uint64_t{1} << length) - 1) << begin);
-    }
+  for (uint64_t first = 0; first < n; first += per_block) {
+    const uint64_t end = std::min(n, first + per_block);
+    if (!AnyMarked(changed, t, scales, first, end)) continue;
+    std::memcpy(to + first * size, from + first * size, (end - first) * size);
+    copied += (end - first) * size;
   }
   return copied;
 }
@@ -126,16 +136,18 @@ void MarkIndices(std::span<uint64_t> bits, uint64_t first, std::span<const uint6
   for (const uint64_t i : indices) marker.Mark(first + i);
 }
 
-uint64_t CopyChanged(const AssembledLayout& layout, const ChangedElements& changed,
+uint64_t CopyChanged(const AssembledLayout& layout, std::span<const ChangedElements* const> changed,
                      const uint8_t* from, uint8_t* to) {
   uint64_t copied = 0;
-  for (size_t t = 0; t < layout.tensors().size() && t < changed.elements.size(); ++t) {
+  for (size_t t = 0; t < layout.tensors().size(); ++t) {
     const AssembledTensor& tensor = layout.tensors()[t];
-    copied += CopyRuns(changed.elements[t], tensor.num_elements, DTypeSize(tensor.compute_dtype),
-                       from + tensor.byte_offset, to + tensor.byte_offset);
-    if (tensor.block_size != 0 && t < changed.scales.size()) {
-      copied += CopyRuns(changed.scales[t], Fp8BlockCount(tensor.num_elements, tensor.block_size),
-                         sizeof(float), from + tensor.scale_offset, to + tensor.scale_offset);
+    copied += CopyBlocks(changed, t, /*scales=*/false, tensor.num_elements,
+                         DTypeSize(tensor.compute_dtype), from + tensor.byte_offset,
+                         to + tensor.byte_offset);
+    if (tensor.block_size != 0) {
+      copied += CopyBlocks(changed, t, /*scales=*/true,
+                           Fp8BlockCount(tensor.num_elements, tensor.block_size), sizeof(float),
+                           from + tensor.scale_offset, to + tensor.scale_offset);
     }
   }
   return copied;

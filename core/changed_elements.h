@@ -39,10 +39,15 @@ void MarkBitmap(std::span<uint64_t> bits, uint64_t first, std::span<const uint8_
 // Bit first + i for each i in `indices`, ascending.
 void MarkIndices(std::span<uint64_t> bits, uint64_t first, std::span<const uint64_t> indices);
 
-// Copies from `from` into `to` (both a layer in `layout`) the elements and
-// block scales `changed` marks, in runs: the cost of what moved, not of the
-// layer. Returns the bytes copied.
-uint64_t CopyChanged(const AssembledLayout& layout, const ChangedElements& changed,
+// Copies from `from` into `to` (both a layer in `layout`) every 4 KiB
+// block of a tensor in which any of `changed` marks an element, and a
+// tensor's block scales where any is marked. Blocks, not elements: a
+// streaming copy of a block costs about what one scattered element's
+// cache miss does, so scattered changes cost at most a whole copy (plus
+// reading the marks), and changes that cluster (a tensor that did not
+// train, rows no token touched) cost only their blocks. Returns the bytes
+// copied.
+uint64_t CopyChanged(const AssembledLayout& layout, std::span<const ChangedElements* const> changed,
                      const uint8_t* from, uint8_t* to);
 
 }  // namespace layercast

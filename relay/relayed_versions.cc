@@ -94,11 +94,12 @@ uint64_t RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
       std::memcpy(spare->data(), bytes.data(), bytes.size());
       copied = bytes.size();
     } else {
-      // What moved since the spare's version, from the newest values: an
-      // element marked twice is copied twice, from the same bytes.
-      for (const std::shared_ptr<const ChangedElements>& moved : since_spare) {
-        copied += CopyChanged(layouts_[layer], *moved, bytes.data(), spare->data());
+      // What moved since the spare's version, from the newest values.
+      std::vector<const ChangedElements*> moved;
+      for (const std::shared_ptr<const ChangedElements>& since : since_spare) {
+        moved.push_back(since.get());
       }
+      copied = CopyChanged(layouts_[layer], moved, bytes.data(), spare->data());
     }
     kept.held.bytes = std::move(spare);
     kept.unchanged = false;

@@ -50,9 +50,9 @@ class RelayedVersions {
   void Heading(uint64_t version);
   // Layer `layer` landed at `version`: `bytes` are copied when `changed`,
   // else the values are those of its newest version; with `changes` (what
-  // may differ from the bytes of the layer's Put before), only those are
-  // copied, into the buffer of the version evicted last. Returns the bytes
-  // copied. Cast by other
+  // may differ from the bytes of the layer's Put before), into the buffer
+  // of the version evicted last, only the blocks where something moved
+  // since it (CopyChanged). Returns the bytes copied. Cast by other
   // incarnations than its newest (a shard restarted), it replaces every
   // version kept of the layer: their numbers may name other bits now; and
   // the heading follows it down when the numbers started again.
