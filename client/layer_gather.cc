@@ -82,7 +82,7 @@ void LayerGather::Start(uint32_t shard) {
         absl::MutexLock lock(&mu_);
         finished_.push_back(shard);
       },
-      options_.on_chunk, options_.base_version, options_.changed_marks);
+      options_.on_chunk, options_.base_version);
   s.stream->Start(*shards_[shard].stub,
                   RequestFor(shard, s.runs, /*resume=*/s.attempts > 1,
                              // after a checksum failure, not the kept copy again

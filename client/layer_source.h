@@ -13,7 +13,6 @@
 #include "client/client_metrics.h"
 #include "client/layer.h"
 #include "client/pinned_identity.h"
-#include "core/changed_elements.h"
 #include "wire/manifest.h"
 
 namespace layercast::client {
@@ -78,10 +77,6 @@ struct GatherOptions {
   // from what the buffer held: all of a full pull's, a delta's changed
   // ones (0: the layer's values stayed as they were).
   uint64_t* changed_elements = nullptr;
-  // If set (sized for the layer: ChangedElements::For), marked with the
-  // positions changed_elements counts; marks of an attempt that failed stay
-  // (they wrote into the buffer too).
-  ChangedElements* changed_marks = nullptr;
   // If set and cancelled, the gather stops its streams and returns CANCELLED.
   Cancellation* cancellation = nullptr;
   // If set, called with the size of each chunk placed (for progress), on a

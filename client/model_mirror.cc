@@ -9,7 +9,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/retry_backoff.h"
-#include "core/fp8.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
@@ -31,17 +30,6 @@ void LogFallBack(const ShardSet& from, const ShardSet& to, const absl::Status& f
               absl::StrJoin(from.addresses(), ","), failed.message(),
               absl::StrJoin(to.addresses(), ","));
   if (metrics != nullptr) metrics->RecordMirrorFallback();
-}
-
-// The elements and 8-bit block scales of `layout`: what ChangedElements
-// can mark.
-uint64_t Markable(const AssembledLayout& layout) {
-  uint64_t markable = 0;
-  for (const AssembledTensor& tensor : layout.tensors()) {
-    markable += tensor.num_elements;
-    if (tensor.block_size != 0) markable += Fp8BlockCount(tensor.num_elements, tensor.block_size);
-  }
-  return markable;
 }
 
 // Checks a layer `source` gave at `version` against options.verify_with's
@@ -203,45 +191,22 @@ ModelMirror::ModelMirror(std::vector<const ShardSet*> sources, size_t at, Client
   for (uint32_t i = 0; i < layers_.size(); ++i) {
     told_.emplace_back(layers_[i].version(), incarnations_[i]);
   }
-  if (options_.listener != nullptr) {
-    // Create told the listener each layer's own bytes.
-    for (uint32_t i = 0; i < layers_.size(); ++i) {
-      marks_.push_back(std::make_shared<ChangedElements>(ChangedElements::For(LayoutOf(i))));
-    }
-    marks_valid_.assign(layers_.size(), true);
-  }
-}
-
-const AssembledLayout& ModelMirror::LayoutOf(uint32_t layer) const {
-  return options_.dtype ? layouts_[layer] : source().view().layouts[layer];
 }
 
 void ModelMirror::Tell(uint32_t layer, const Pulled& pulled, bool changed,
-                       std::span<const uint8_t> bytes, bool live) {
+                       std::span<const uint8_t> bytes) {
   // Once per version: a staged layer told as it landed is not told again
   // as it is copied in, nor when a failed update is tried again.
   if (told_[layer].first == pulled.version && told_[layer].second == pulled.incarnations) {
     return;
   }
   told_[layer] = {pulled.version, pulled.incarnations};
-  std::shared_ptr<const ChangedElements> changes;
-  if (!marks_.empty() && marks_valid_[layer] &&
-      marks_[layer]->Count() * 2 <= Markable(LayoutOf(layer))) {
-    // Marks of most of the layer (a full pull marks it all) save a
-    // listener no copy and would stand in for exact changes.
-    changes = marks_[layer];
-  }
   options_.listener->Pulled({.layer = layer,
                              .version = pulled.version,
                              .changed = changed,
                              .bytes = bytes,
                              .incarnations = &told_[layer].second,
-                             .received = pulled.received,
-                             .changes = std::move(changes)});
-  // Marked from here on: what moves the layer away from the bytes told
-  // (a staged copy's are the layer's once it is copied in).
-  marks_[layer] = std::make_shared<ChangedElements>(ChangedElements::For(LayoutOf(layer)));
-  marks_valid_[layer] = live;
+                             .received = pulled.received});
 }
 
 ModelMirror::~ModelMirror() { StopFollowing(); }
@@ -275,8 +240,7 @@ absl::StatusOr<ModelMirror::Polled> ModelMirror::Poll(uint64_t min_version, uint
 
 ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, std::optional<uint64_t> base,
                                       std::vector<uint64_t> base_incarnations,
-                                      std::span<uint8_t> bytes, Cancellation* cancel,
-                                      ChangedElements* marks) const {
+                                      std::span<uint8_t> bytes, Cancellation* cancel) const {
   std::atomic<uint64_t> received{0};
   Pulled pulled;
   GatherOptions gather;
@@ -294,7 +258,6 @@ ModelMirror::Pulled ModelMirror::Pull(uint32_t layer, uint64_t target, std::opti
   gather.dtype = options_.dtype;
   gather.on_chunk = [&received](uint64_t chunk) { received += chunk; };
   gather.changed_elements = &pulled.changed;
-  gather.changed_marks = marks;
   gather.cancellation = cancel;
   const ShardSet& source = this->source();
   absl::StatusOr<uint64_t> version = source.GatherInto(layer, gather, bytes);
@@ -442,9 +405,8 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
       absl::ReaderMutexLock lock(&mu_);
       std::memcpy(copy.data(), live.data(), live.size());
     }
-    // Marked as if in place: the copy starts as the layer's own bytes.
-    Pulled pulled = Pull(i, target, base, std::move(base_incarnations), {copy.data(), copy.size()},
-                         cancel, marks_.empty() ? nullptr : marks_[i].get());
+    Pulled pulled =
+        Pull(i, target, base, std::move(base_incarnations), {copy.data(), copy.size()}, cancel);
     update.bytes += pulled.received;
     // A failure here leaves the live layers as they were.
     RETURN_IF_ERROR(pulled.status);
@@ -459,7 +421,7 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
         // update that failed after telling it): its values may differ.
         changed = changed || torn_[i] || told_[i].first != layers_[i].version();
       }
-      Tell(i, pulled, changed, {copy.data(), copy.size()}, /*live=*/false);
+      Tell(i, pulled, changed, {copy.data(), copy.size()});
     }
     staged.push_back({i, std::move(copy), std::move(pulled)});
   }
@@ -477,8 +439,7 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
     if (changed) update.changed_layers.push_back(i);
     if (options_.listener != nullptr) {
       pulled.incarnations = incarnations_[i];
-      Tell(i, pulled, changed || told_[i].first != pulled.version, layers_[i].bytes(),
-           /*live=*/true);
+      Tell(i, pulled, changed || told_[i].first != pulled.version, layers_[i].bytes());
     }
   };
   for (Staged& s : staged) {
@@ -487,19 +448,14 @@ absl::Status ModelMirror::UpdateFrom(std::optional<uint64_t> min_version,
     }
     ++update.staged_layers;
     settle(s.layer, s.pulled);
-    if (!marks_.empty() && told_[s.layer].first == layers_[s.layer].version() &&
-        told_[s.layer].second == incarnations_[s.layer]) {
-      // The layer's own bytes are the ones told now: marked from here.
-      marks_valid_[s.layer] = true;
-    }
     done[s.layer] = true;
   }
   staged.clear();  // the copies' memory goes back before the in-place pulls
   version_.store(VersionLocked());
   for (const uint32_t i : behind) {
     if (done[i]) continue;  // staged above
-    Pulled pulled = Pull(i, target, base_of(i), incarnations_[i], layers_[i].mutable_bytes(),
-                         cancel, marks_.empty() ? nullptr : marks_[i].get());
+    Pulled pulled =
+        Pull(i, target, base_of(i), incarnations_[i], layers_[i].mutable_bytes(), cancel);
     update.bytes += pulled.received;
     if (!pulled.status.ok()) {
       // Chunks already applied leave a mix; a delta from the same base

@@ -40,11 +40,6 @@ class MirrorListener {
     // Per shard, the incarnation that served it.
     const std::vector<uint64_t>* incarnations = nullptr;
     uint64_t received = 0;  // chunk bytes the pull took
-    // By position, what may differ from the bytes told last of this layer
-    // (a superset); null when not known (the first time, or after an
-    // update that failed between telling a staged copy and copying it in).
-    // A relay copies only these.
-    std::shared_ptr<const ChangedElements> changes = nullptr;
   };
   virtual void Pulled(const PulledLayer& layer) = 0;
 };
@@ -258,10 +253,9 @@ class ModelMirror {
     std::vector<uint64_t> incarnations;
   };
   // No `base`: in full (the layer's bits are another incarnation's).
-  // With `marks`, marks what it writes there (GatherOptions::changed_marks).
   Pulled Pull(uint32_t layer, uint64_t target, std::optional<uint64_t> base,
               std::vector<uint64_t> base_incarnations, std::span<uint8_t> bytes,
-              Cancellation* cancel, ChangedElements* marks = nullptr) const;
+              Cancellation* cancel) const;
   // The follower's long poll: the version shard 0 serves once it reaches
   // `min_version` or the poll ends (then below it), and its incarnation; at
   // once when that is not `incarnation` (the set restarted). StopFollowing
@@ -272,12 +266,9 @@ class ModelMirror {
   };
   absl::StatusOr<Polled> Poll(uint64_t min_version, uint64_t incarnation, Cancellation& cancel);
   // Tells options_.listener of `layer` as `pulled` brought it, in `bytes`,
-  // unless it was told of that version last. `live`: `bytes` are the
-  // layer's own (else a staged copy, not yet copied in).
-  void Tell(uint32_t layer, const Pulled& pulled, bool changed, std::span<const uint8_t> bytes,
-            bool live) ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
-  // The layer's layout as held.
-  const AssembledLayout& LayoutOf(uint32_t layer) const;
+  // unless it was told of that version last.
+  void Tell(uint32_t layer, const Pulled& pulled, bool changed, std::span<const uint8_t> bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(update_mu_);
   // The incarnation of shard 0 that served layer 0 (0: unknown).
   uint64_t HeldIncarnationLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FollowLoop(std::function<void(const MirrorUpdate&)> on_update);
@@ -316,12 +307,6 @@ class ModelMirror {
   // Per layer, the version and incarnations options_.listener was told of
   // last.
   std::vector<std::pair<uint64_t, std::vector<uint64_t>>> told_ ABSL_GUARDED_BY(update_mu_);
-  // With a listener, per layer: what pulls wrote into the layer (or its
-  // staged copy) since it was told last, valid while the told bytes are
-  // the layer's own (a staged copy told but not copied in, by an update
-  // that failed, leaves them unknown until the next Tell).
-  std::vector<std::shared_ptr<ChangedElements>> marks_ ABSL_GUARDED_BY(update_mu_);
-  std::vector<bool> marks_valid_ ABSL_GUARDED_BY(update_mu_);
 
   absl::Mutex follow_mu_;
   bool stopping_ ABSL_GUARDED_BY(follow_mu_) = false;

@@ -14,9 +14,9 @@ constexpr char kFetchLayerMethod[] = "/layercast.v1.ShardService/FetchLayer";
 ShardStream::ShardStream(std::string describe, std::vector<Run> runs, std::span<uint8_t> buffer,
                          std::function<void()> on_done,
                          std::function<void(uint64_t bytes)> on_chunk,
-                         std::optional<uint64_t> base_version, ChangedElements* marks)
+                         std::optional<uint64_t> base_version)
     : describe_(std::move(describe)),
-      decoder_(std::move(runs), buffer, base_version, marks),
+      decoder_(std::move(runs), buffer, base_version),
       on_done_(std::move(on_done)),
       on_chunk_(std::move(on_chunk)) {}
 

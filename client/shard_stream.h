@@ -31,11 +31,10 @@ class ShardStream final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc:
   // `describe` names the shard in messages, e.g. "shard 1 (host:port)".
   // `on_chunk` (optional) runs on a gRPC thread for each chunk placed.
   // With `base_version`, a delta pull: `buffer` holds the layer at that
-  // version, and the request must carry it. `marks`: ChunkDecoder's.
+  // version, and the request must carry it.
   ShardStream(std::string describe, std::vector<Run> runs, std::span<uint8_t> buffer,
               std::function<void()> on_done, std::function<void(uint64_t bytes)> on_chunk = {},
-              std::optional<uint64_t> base_version = std::nullopt,
-              ChangedElements* marks = nullptr);
+              std::optional<uint64_t> base_version = std::nullopt);
 
   // Starts the call on `stub`; `on_done` runs once when it has ended.
   void Start(grpc::GenericStub& stub, const layercast::v1::FetchLayerRequest& request,

@@ -141,8 +141,7 @@ void Relay::Pulling(uint64_t version) {
 }
 
 void Relay::Pulled(const PulledLayer& layer) {
-  metrics_.RecordCopied(versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes,
-                                      *layer.incarnations, layer.changes));
+  versions_.Put(layer.layer, layer.version, layer.changed, layer.bytes, *layer.incarnations);
   serving_->Moved(versions_, layer.layer);
   metrics_.RecordReceived(layer.received);
   metrics_.SetVersions(versions_.held(), versions_.heading());

@@ -19,14 +19,6 @@ RelayMetrics::RelayMetrics(prometheus::Registry& registry) {
                          .Help("Chunk bytes this relay's mirror pulled from its upstream")
                          .Register(registry)
                          .Add({});
-  copied_bytes_ = &prometheus::BuildCounter()
-                       .Name("layercast_relay_copied_bytes_total")
-                       .Help(
-                           "Layer bytes this relay copied into the versions it holds: a moved "
-                           "layer's whole bytes until a kept version is evicted, then only what "
-                           "changed")
-                       .Register(registry)
-                       .Add({});
   version_ = &prometheus::BuildGauge()
                   .Name("layercast_relay_version")
                   .Help("The version every layer this relay serves holds")

@@ -18,8 +18,6 @@ class RelayMetrics {
   void RecordServed(bool ok, uint64_t bytes);
   // The relay's mirror received `bytes` of chunks from its upstream.
   void RecordReceived(uint64_t bytes) { received_bytes_->Increment(static_cast<double>(bytes)); }
-  // `bytes` of a pulled layer were copied into a version the relay holds.
-  void RecordCopied(uint64_t bytes) { copied_bytes_->Increment(static_cast<double>(bytes)); }
   // Every layer now holds `held`; the relay walks to `heading`.
   void SetVersions(uint64_t held, uint64_t heading);
 
@@ -28,7 +26,6 @@ class RelayMetrics {
   prometheus::Counter* streams_ok_;
   prometheus::Counter* streams_failed_;
   prometheus::Counter* received_bytes_;
-  prometheus::Counter* copied_bytes_;
   prometheus::Gauge* version_;
   prometheus::Gauge* heading_;
 };

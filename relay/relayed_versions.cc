@@ -27,14 +27,16 @@ ChangedElements Changes(const AssembledLayout& layout, const uint8_t* now, const
   return changed;
 }
 
+// Marks in `into` what `from` marks: changes over several versions are the
+// union of each version's (both bitmaps of the same tensor).
+void Or(const std::vector<uint64_t>& from, std::vector<uint64_t>& into) {
+  for (size_t w = 0; w < from.size(); ++w) into[w] |= from[w];
+}
+
 }  // namespace
 
 RelayedVersions::RelayedVersions(const std::vector<AssembledLayout>& layouts, uint32_t keep)
-    : layouts_(layouts),
-      keep_(keep),
-      layers_(layouts.size()),
-      spare_(layouts.size()),
-      spare_front_(layouts.size(), nullptr) {}
+    : layouts_(layouts), keep_(keep), layers_(layouts.size()), spare_(layouts.size()) {}
 
 std::shared_ptr<std::vector<uint8_t>> RelayedVersions::Allocate(size_t bytes) const {
   if (budget_ == nullptr) return std::make_shared<std::vector<uint8_t>>(bytes);
@@ -52,59 +54,30 @@ void RelayedVersions::Heading(uint64_t version) {
   heading_ = std::max(heading_, version);
 }
 
-uint64_t RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
-                              std::span<const uint8_t> bytes, std::vector<uint64_t> incarnations,
-                              std::shared_ptr<const ChangedElements> changes) {
+void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
+                          std::span<const uint8_t> bytes, std::vector<uint64_t> incarnations) {
   // Only this thread (the mirror's) writes: what the newest holds is read
   // outside the lock, and the copy is made before taking it, so readers
   // wait for no memcpy.
   std::shared_ptr<const std::vector<uint8_t>> previous;
   std::shared_ptr<std::vector<uint8_t>> spare;
-  // From the spare's values to the newest's, each version's changes: the
-  // spare needs only these copied in (empty: the whole layer).
-  std::vector<std::shared_ptr<const ChangedElements>> since_spare;
   {
     absl::MutexLock lock(&mu_);
-    const std::deque<Kept>& held = layers_[layer];
-    if (!held.empty()) previous = held.back().held.bytes;
+    if (!layers_[layer].empty()) previous = layers_[layer].back().held.bytes;
     spare = std::move(spare_[layer]);
-    if (spare != nullptr && changes != nullptr && !held.empty() &&
-        spare_front_[layer] == held.front().held.bytes.get()) {
-      bool known = true;
-      for (const Kept& kept : held) {
-        if (kept.unchanged) continue;
-        known = known && kept.changed != nullptr;
-        since_spare.push_back(kept.changed);
-      }
-      since_spare.push_back(changes);
-      if (!known) since_spare.clear();
-    }
   }
   Kept kept{{version, previous, std::move(incarnations)}, true, nullptr};
-  uint64_t copied = 0;
   if (changed || previous == nullptr) {
     // Into the buffer of a version evicted earlier when there is one: a new
     // one costs the kernel a page fault and a zeroed page per 4 KiB, more
     // than the copy itself (measured: half a relay's CPU).
     if (spare == nullptr || spare->size() != bytes.size()) {
       spare = Allocate(bytes.size());
-      since_spare.clear();
     }
-    if (since_spare.empty()) {
-      std::memcpy(spare->data(), bytes.data(), bytes.size());
-      copied = bytes.size();
-    } else {
-      // What moved since the spare's version, from the newest values.
-      std::vector<const ChangedElements*> moved;
-      for (const std::shared_ptr<const ChangedElements>& since : since_spare) {
-        moved.push_back(since.get());
-      }
-      copied = CopyChanged(layouts_[layer], moved, bytes.data(), spare->data());
-    }
+    std::memcpy(spare->data(), bytes.data(), bytes.size());
     kept.held.bytes = std::move(spare);
     kept.unchanged = false;
   }
-  kept.changed = std::move(changes);
   absl::MutexLock lock(&mu_);
   std::deque<Kept>& held = layers_[layer];
   if (!held.empty() &&
@@ -131,17 +104,14 @@ uint64_t RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
     const uint64_t newest = held.back().held.version;
     held.clear();
     kept.unchanged = false;
-    kept.changed = nullptr;
     if (version < newest) heading_ = std::min(heading_, version);
   }
   if (!held.empty() && held.back().held.version >= version) {
     // Pulled again (a torn pull repaired): it replaces the entry, and its
-    // changes are from the one before that (compared when asked).
+    // changes are from the one before that.
     held.pop_back();
     kept.unchanged = !held.empty() && kept.held.bytes == held.back().held.bytes;
-    kept.changed = nullptr;
   }
-  if (held.empty()) kept.changed = nullptr;  // from nothing held
   held.push_back(std::move(kept));
   while (held.size() > keep_ + 1) {
     // Its buffer is reused when nothing else holds it: no stream sends it
@@ -151,11 +121,9 @@ uint64_t RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
     held.pop_front();
     if (evicted.use_count() == 1) {
       spare_[layer] = std::const_pointer_cast<std::vector<uint8_t>>(std::move(evicted));
-      spare_front_[layer] = held.front().held.bytes.get();
     }
   }
   heading_ = std::max(heading_, version);
-  return copied;
 }
 
 uint64_t RelayedVersions::WaitHeading(uint64_t min_version, absl::Time deadline, uint32_t shard,
@@ -275,8 +243,23 @@ std::shared_ptr<const ChangedElements> RelayedVersions::ChangedBetween(
   if (moved.size() == 1) return kept[moved[0]].changed;  // the common delta
   // A value that changed and changed back is sent again: its newest bits,
   // so the delta still gives the target exactly (as the shards' own).
-  auto changed = std::make_shared<ChangedElements>(ChangedElements::For(layouts_[layer]));
-  for (const size_t i : moved) changed->Add(*kept[i].changed);
+  const AssembledLayout& layout = layouts_[layer];
+  auto changed = std::make_shared<ChangedElements>(layout.tensors().size());
+  for (size_t t = 0; t < layout.tensors().size(); ++t) {
+    const AssembledTensor& tensor = layout.tensors()[t];
+    changed->elements[t].assign((tensor.num_elements + 63) / 64, 0);
+    if (tensor.block_size != 0) {
+      changed->scales[t].assign((Fp8BlockCount(tensor.num_elements, tensor.block_size) + 63) / 64,
+                                0);
+    }
+  }
+  for (const size_t i : moved) {
+    const ChangedElements& since = *kept[i].changed;
+    for (size_t t = 0; t < since.elements.size(); ++t) {
+      Or(since.elements[t], changed->elements[t]);
+      Or(since.scales[t], changed->scales[t]);
+    }
+  }
   return changed;
 }
 

@@ -10,7 +10,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/changed_elements.h"
 #include "core/layout.h"
 #include "server/memory_budget.h"
 
@@ -26,6 +25,15 @@ struct HeldLayer {
   // it on its streams, so a delta from its versions goes on from the
   // shards.
   std::vector<uint64_t> incarnations;
+};
+
+// Per tensor, one bit per element (bit i % 64 of word i / 64): the elements
+// whose bits differ between two versions of a layer; for an 8-bit float
+// tensor, its codes, and in `scales` one bit per block scale (empty for
+// other tensors).
+struct ChangedElements {
+  explicit ChangedElements(size_t tensors) : elements(tensors), scales(tensors) {}
+  std::vector<std::vector<uint64_t>> elements, scales;
 };
 
 // What a relay serves: every layer's newest version and up to `keep` of
@@ -49,17 +57,13 @@ class RelayedVersions {
   // The mirror walks to `version` (Create, or an update).
   void Heading(uint64_t version);
   // Layer `layer` landed at `version`: `bytes` are copied when `changed`,
-  // else the values are those of its newest version; with `changes` (what
-  // may differ from the bytes of the layer's Put before), into the buffer
-  // of the version evicted last, only the blocks where something moved
-  // since it (CopyChanged). Returns the bytes copied. Cast by other
+  // else the values are those of its newest version. Cast by other
   // incarnations than its newest (a shard restarted), it replaces every
   // version kept of the layer: their numbers may name other bits now; and
   // the heading follows it down when the numbers started again.
   // REQUIRES: layer < layers; the first Put of a layer is `changed`.
-  uint64_t Put(uint32_t layer, uint64_t version, bool changed, std::span<const uint8_t> bytes,
-               std::vector<uint64_t> incarnations,
-               std::shared_ptr<const ChangedElements> changes = nullptr);
+  void Put(uint32_t layer, uint64_t version, bool changed, std::span<const uint8_t> bytes,
+           std::vector<uint64_t> incarnations);
 
   // The version the relay serves or walks to, once it is at least
   // `min_version` or at `deadline` (then below it); at once when
@@ -130,11 +134,8 @@ class RelayedVersions {
   // The incarnations of the newest Put: versions of other ones are not
   // served (At, WaitNewest) until their layer lands again.
   std::vector<uint64_t> current_ ABSL_GUARDED_BY(mu_);
-  // Per layer, the buffer of an evicted version no one held, for the next;
-  // while `spare_front_` is the held front's bytes, the front's changes
-  // (and each later version's) are from the spare's values.
+  // Per layer, the buffer of an evicted version no one held, for the next.
   std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_ ABSL_GUARDED_BY(mu_);
-  std::vector<const std::vector<uint8_t>*> spare_front_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace layercast::relay

@@ -23,19 +23,9 @@ constexpr uint32_t kChecksumBlockBytes = 48 << 10;
 }  // namespace
 
 ChunkDecoder::ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer,
-                           std::optional<uint64_t> base_version, ChangedElements* marks)
-    : runs_(std::move(runs)), buffer_(buffer), base_version_(base_version), marks_(marks) {
+                           std::optional<uint64_t> base_version)
+    : runs_(std::move(runs)), buffer_(buffer), base_version_(base_version) {
   if (!runs_.empty()) next_element_ = runs_[0].elements.begin;
-}
-
-std::span<uint64_t> ChunkDecoder::ElementMarks(const Run& run) const {
-  if (marks_ == nullptr || run.tensor >= marks_->elements.size()) return {};
-  return marks_->elements[run.tensor];
-}
-
-std::span<uint64_t> ChunkDecoder::ScaleMarks(const Run& run) const {
-  if (marks_ == nullptr || run.tensor >= marks_->scales.size()) return {};
-  return marks_->scales[run.tensor];
 }
 
 absl::StatusOr<uint8_t*> ChunkDecoder::Destination(uint32_t tensor, uint64_t offset,
@@ -108,14 +98,8 @@ absl::StatusOr<uint64_t> ChunkDecoder::AcceptDelta(grpc::ByteBuffer& chunk) {
     scales =
         buffer_.subspan(run.scale_offset + first * sizeof(float), (end - first) * sizeof(float));
   }
-  const Run& run = runs_[run_];
-  const DeltaMarks marks{
-      .elements = ElementMarks(run),
-      .first_element = parsed.element_offset(),
-      .scales = ScaleMarks(run),
-      .first_block = run.block_size == 0 ? 0 : parsed.element_offset() / run.block_size};
   absl::StatusOr<uint64_t> applied =
-      ApplyDeltaChunk(parsed, element_size, std::span<uint8_t>(*place, span_bytes), scales, marks);
+      ApplyDeltaChunk(parsed, element_size, std::span<uint8_t>(*place, span_bytes), scales);
   if (!applied.ok()) return applied.status();
   changed_elements_ += *applied;
   Advance(span_bytes);
@@ -140,7 +124,6 @@ absl::Status ChunkDecoder::PlaceScales(google::protobuf::io::CodedInputStream& i
                      " blocks of ", run.block_size, " (", blocks * sizeof(float), " bytes)"));
   }
   uint8_t* destination = buffer_.data() + run.scale_offset + first * sizeof(float);
-  MarkRange(ScaleMarks(run), first, blocks);
   if (!in.ReadRaw(destination, static_cast<int>(size))) {
     return absl::DataLossError("sent a chunk that is not a valid LayerChunk");
   }
@@ -191,7 +174,6 @@ absl::StatusOr<uint64_t> ChunkDecoder::Accept(grpc::ByteBuffer& chunk) {
         absl::StatusOr<uint8_t*> place = Destination(tensor, offset, size);
         if (!place.ok()) return place.status();
         uint8_t* destination = *place;
-        MarkRange(ElementMarks(runs_[run_]), offset, size / runs_[run_].element_size);
         // The checksum follows the data on the wire, so it is computed as the
         // data is placed, a cache-sized block at a time, rather than by
         // reading the whole chunk back from memory afterwards.

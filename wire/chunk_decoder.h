@@ -10,7 +10,6 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/statusor.h"
-#include "core/changed_elements.h"
 #include "core/layout.h"
 
 namespace layercast::wire {
@@ -45,13 +44,8 @@ class ChunkDecoder {
   // `buffer`. With `base_version` (the
   // request's), `buffer` holds the layer at that version, and every chunk
   // must be a delta chunk from it (wire/delta_chunks.h), applied in place.
-  // With `marks` (sized for the layer: ChangedElements::For), marks there
-  // by position what changed_elements() counts, from the moment it is
-  // written (a chunk whose checksum fails may have been placed); other
-  // streams of the gather may mark the same object at once.
   ChunkDecoder(std::vector<Run> runs, std::span<uint8_t> buffer,
-               std::optional<uint64_t> base_version = std::nullopt,
-               ChangedElements* marks = nullptr);
+               std::optional<uint64_t> base_version = std::nullopt);
 
   // Places one encoded chunk and returns its data's size in bytes; DATA_LOSS
   // (saying what was wrong) when the shard broke the contract. A chunk counts
@@ -81,9 +75,6 @@ class ChunkDecoder {
   // Accept for a delta stream: parsed whole (a delta is small by design),
   // then applied. Returns the message's size.
   absl::StatusOr<uint64_t> AcceptDelta(grpc::ByteBuffer& chunk);
-  // The marks of run `run`'s tensor; empty without marks.
-  std::span<uint64_t> ElementMarks(const Run& run) const;
-  std::span<uint64_t> ScaleMarks(const Run& run) const;
   // Places the block scales of `elements` of `run` (the chunk just placed)
   // from `in`, extending `*crc` over them.
   absl::Status PlaceScales(google::protobuf::io::CodedInputStream& in, const Run& run,
@@ -94,7 +85,6 @@ class ChunkDecoder {
   const std::vector<Run> runs_;
   const std::span<uint8_t> buffer_;
   const std::optional<uint64_t> base_version_;
-  ChangedElements* const marks_;
   size_t run_ = 0;             // next run to fill
   uint64_t next_element_ = 0;  // next element expected in runs_[run_]
   std::optional<uint64_t> version_;

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/changed_elements.h"
 #include "core/crc32c.h"
 #include "platform/status_macros.h"
 
@@ -192,22 +191,11 @@ void Scatter(const Positions& positions, const std::string& values, size_t size,
   }
 }
 
-// Marks in `bits`, from bit `first`, the items `positions` wrote.
-void Mark(const Positions& positions, std::span<uint64_t> bits, uint64_t first) {
-  if (bits.empty()) return;
-  if (positions.bitmap == nullptr) {
-    MarkIndices(bits, first, positions.indices);
-    return;
-  }
-  const std::string& bitmap = *positions.bitmap;
-  MarkBitmap(bits, first, {reinterpret_cast<const uint8_t*>(bitmap.data()), bitmap.size()});
-}
-
 }  // namespace
 
 absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
                                          size_t element_size, std::span<uint8_t> destination,
-                                         std::span<uint8_t> scales, const DeltaMarks& marks) {
+                                         std::span<uint8_t> scales) {
   const uint64_t span = chunk.span_elements();
   if (destination.size() != span * element_size) {
     return absl::DataLossError(absl::StrCat("sent a delta chunk of ", span, " elements where ",
@@ -242,10 +230,8 @@ absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
                                             " with a CRC-32C that does not match its data"));
   }
   Scatter(elements, chunk.data(), element_size, destination.data());
-  Mark(elements, marks.elements, marks.first_element);
   if (scales.empty()) return elements.count;
   Scatter(blocks, chunk.scales(), sizeof(float), scales.data());
-  Mark(blocks, marks.scales, marks.first_block);
   return elements.count + blocks.count;
 }
 

@@ -68,20 +68,8 @@ grpc::Slice EncodeDeltaChunk(const DeltaSpan& span, std::span<const uint8_t> val
 // elements and block scales changed: a block whose scale alone moved
 // changed the values of the layer as a code does, and a caller that asks
 // whether anything changed (a mirror) must hear of it.
-//
-// With `marks`, also marks there what it wrote: the chunk's changed
-// elements from `first_element`, and its changed block scales from
-// `first_block` (MarkBitmap's atomic words: other streams mark the same
-// tensor at once).
-struct DeltaMarks {
-  std::span<uint64_t> elements = {};
-  uint64_t first_element = 0;
-  std::span<uint64_t> scales = {};
-  uint64_t first_block = 0;
-};
 absl::StatusOr<uint64_t> ApplyDeltaChunk(const layercast::v1::LayerChunk& chunk,
                                          size_t element_size, std::span<uint8_t> destination,
-                                         std::span<uint8_t> scales = {},
-                                         const DeltaMarks& marks = {});
+                                         std::span<uint8_t> scales = {});
 
 }  // namespace layercast::wire

@@ -8,10 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <random>
 #include <thread>
-
-#include "core/changed_bits.h"
 
 namespace layercast::relay {
 namespace {
@@ -112,73 +109,6 @@ TEST(RelayedVersionsTest, AReadWaitsForItsLayerAndCloseEndsTheWait) {
   closes.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "Close ends a wait at once";
   EXPECT_TRUE(versions.closed());
-}
-
-// What differs between two versions of the one layer, as the mirror marks
-// it (plus `extra` marked though unchanged: marks may be a superset).
-std::shared_ptr<const ChangedElements> Marks(const AssembledLayout& layout,
-                                             const std::vector<uint8_t>& now,
-                                             const std::vector<uint8_t>& was,
-                                             std::initializer_list<uint64_t> extra = {}) {
-  auto marks = std::make_shared<ChangedElements>(ChangedElements::For(layout));
-  for (size_t t = 0; t < layout.tensors().size(); ++t) {
-    const AssembledTensor& tensor = layout.tensors()[t];
-    MarkChangedBits(now.data() + tensor.byte_offset, was.data() + tensor.byte_offset,
-                    tensor.num_elements, DTypeSize(tensor.compute_dtype), marks->elements[t]);
-  }
-  for (const uint64_t e : extra) marks->elements[0][e / 64] |= uint64_t{1} << (e % 64);
-  return marks;
-}
-
-TEST(RelayedVersionsTest, CopiesOnlyWhatMovedIntoTheEvictedVersionsBuffer) {
-  const std::vector<AssembledLayout> layouts = Layouts();
-  const AssembledLayout& layout = layouts[0];
-  RelayedVersions versions(layouts, /*keep=*/2);
-  std::mt19937 random(7);
-  std::vector<std::vector<uint8_t>> truth{std::vector<uint8_t>(layout.total_bytes(), 0)};
-  EXPECT_EQ(versions.Put(0, 0, true, truth[0], {11}), layout.total_bytes()) << "the first, whole";
-  uint64_t full_copies = 1, small_copies = 0;
-  for (uint64_t v = 1; v <= 12; ++v) {
-    // Two elements move; one of the moves is undone at the next version.
-    std::vector<uint8_t> next = truth.back();
-    next = With(layout, next, random() % 100, static_cast<uint16_t>(random() % 60000 + 1));
-    next = With(layout, next, v % 2 == 0 ? 5 : 6, static_cast<uint16_t>(v % 2 == 0 ? v : 0));
-    // Version 7 comes without marks (a staged copy told before): whole.
-    std::shared_ptr<const ChangedElements> marks =
-        v == 7 ? nullptr : Marks(layout, next, truth.back(), {v % 2 == 0 ? 90u : 91u});
-    const uint64_t copied = versions.Put(0, v, true, next, {11}, marks);
-    truth.push_back(next);
-    // Whole until a version has been evicted to write into, and while a
-    // version without marks is still between the spare and the newest.
-    if (v < 4 || (v >= 7 && v <= 10)) {
-      EXPECT_EQ(copied, layout.total_bytes()) << "version " << v;
-      ++full_copies;
-    } else {
-      EXPECT_GT(copied, 0u) << "version " << v;
-      EXPECT_LE(copied, 4u * 3u * 2u)
-          << "version " << v << ": 3 kept versions' and its own marks, 3 of 2 bytes each";
-      ++small_copies;
-    }
-    for (uint64_t kept = v >= 2 ? v - 2 : 0; kept <= v; ++kept) {
-      const std::optional<HeldLayer> held = versions.At(0, kept);
-      ASSERT_TRUE(held.has_value()) << "version " << kept << " after " << v;
-      ASSERT_EQ(*held->bytes, truth[kept]) << "version " << kept << " after " << v;
-    }
-  }
-  EXPECT_EQ(full_copies, 8u);
-  EXPECT_EQ(small_copies, 5u);
-
-  // A restart of the shards: the kept versions go; the marks still say
-  // what differs from the bytes before, so the copy holds.
-  const std::vector<uint8_t> restarted = With(layout, truth.back(), 1, 1);
-  versions.Put(0, 3, true, restarted, {12}, Marks(layout, restarted, truth.back()));
-  EXPECT_EQ(*versions.At(0, 3)->bytes, restarted);
-  EXPECT_FALSE(versions.At(0, 12).has_value());
-  const std::vector<uint8_t> after = With(layout, restarted, 2, 2);
-  EXPECT_EQ(versions.Put(0, 4, true, after, {12}, Marks(layout, after, restarted)),
-            layout.total_bytes())
-      << "no version between the spare and the newest is known since the restart";
-  EXPECT_EQ(*versions.At(0, 4)->bytes, after);
 }
 
 }  // namespace

@@ -58,15 +58,6 @@ Example MakeExample(uint64_t span, double share,
   return example;
 }
 
-// `bits` (one per item of `n`) moved `by` items up, in `n + by` bits.
-std::vector<uint64_t> Shifted(const std::vector<uint64_t>& bits, uint64_t n, uint64_t by) {
-  std::vector<uint64_t> moved((n + by + 63) / 64, 0);
-  for (uint64_t i = 0; i < n; ++i) {
-    if ((bits[i / 64] >> (i % 64) & 1) != 0) moved[(i + by) / 64] |= uint64_t{1} << ((i + by) % 64);
-  }
-  return moved;
-}
-
 // Applies `chunk` to a copy of `old_values`, expecting DATA_LOSS and nothing
 // written; its message.
 std::string RefusedWritingNothing(const layercast::v1::LayerChunk& chunk,
@@ -182,15 +173,10 @@ TEST(DeltaChunksTest, GapsWhereSmallerTheBitmapElseAndBothApplyExactly) {
       }
       for (const grpc::Slice* slice : {&as_bitmap, &adaptive}) {
         std::vector<uint8_t> copy = example.old_values;
-        // Marked where the span lies in its tensor: 37 elements in, so
-        // words straddle.
-        std::vector<uint64_t> marks((kSpan + 37 + 63) / 64, 0);
-        absl::StatusOr<uint64_t> applied =
-            ApplyDeltaChunk(Parse(*slice), 2, copy, {}, {.elements = marks, .first_element = 37});
+        absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(Parse(*slice), 2, copy);
         ASSERT_TRUE(applied.ok()) << label << ": " << applied.status();
         EXPECT_EQ(*applied, example.count) << label;
         EXPECT_TRUE(copy == example.new_values) << label;
-        EXPECT_TRUE(marks == Shifted(example.changed, kSpan, 37)) << label << ": the marks";
       }
     }
   }
@@ -436,13 +422,8 @@ TEST(DeltaChunksTest, Fp8SpansCarryTheChangedScalesApartFromTheChangedCodes) {
         EXPECT_EQ(chunk.scales_changed().size(), 4u) << label;
       }
       std::vector<uint8_t> codes_copy = example.old_codes, scales_copy = example.old_scales;
-      std::vector<uint64_t> code_marks(17, 0), scale_marks(1, 0);
-      absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(
-          chunk, 1, codes_copy, scales_copy,
-          {.elements = code_marks, .first_element = 64, .scales = scale_marks, .first_block = 2});
+      absl::StatusOr<uint64_t> applied = ApplyDeltaChunk(chunk, 1, codes_copy, scales_copy);
       ASSERT_TRUE(applied.ok()) << label << ": " << applied.status();
-      EXPECT_EQ(code_marks, Shifted(example.codes_changed, 1000, 64)) << label;
-      EXPECT_EQ(scale_marks, Shifted(example.scales_changed, 32, 2)) << label;
       EXPECT_EQ(*applied, example.codes + example.scales) << label << ": scales count too";
       EXPECT_EQ(codes_copy, example.new_codes) << label;
       EXPECT_EQ(scales_copy, example.new_scales) << label;
