@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
+#include "wire/incarnation.h"
 #include "wire/owned_runs.h"
 
 namespace layercast::client {
@@ -193,9 +194,10 @@ void LayerGather::ReadAgain(uint32_t shard, uint64_t incarnation, uint64_t versi
     s.incarnation = incarnation;
     return;
   }
-  const std::string what = absl::StrCat(
-      shards_[shard].describe, " restarted mid-gather (incarnation ", s.incarnation,
-      " sent part of its slice, incarnation ", incarnation, " version ", version, " the rest)");
+  const std::string what =
+      absl::StrCat(shards_[shard].describe, " restarted mid-gather (incarnation ",
+                   wire::IncarnationName(s.incarnation), " sent part of its slice, incarnation ",
+                   wire::IncarnationName(incarnation), " version ", version, " the rest)");
   if (options_.base_version) {
     // Deltas were applied in place from the old incarnation's numbering:
     // the caller's base no longer names these bits, so it pulls in full.

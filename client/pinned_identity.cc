@@ -1,6 +1,7 @@
 #include "client/pinned_identity.h"
 
 #include "absl/strings/str_cat.h"
+#include "wire/incarnation.h"
 
 namespace layercast::client {
 
@@ -14,8 +15,9 @@ absl::Status PinnedIdentity::Check(uint32_t shard, uint64_t incarnation, uint64_
     return absl::OkStatus();
   }
   return absl::AbortedError(absl::StrCat(
-      describe, " serves version ", version, " as incarnation ", incarnation,
-      ", but this walk read version ", version, " from its incarnation ", recorded,
+      describe, " serves version ", version, " as incarnation ", wire::IncarnationName(incarnation),
+      ", but this walk read version ", version, " from its incarnation ",
+      wire::IncarnationName(recorded),
       ": the shard restarted, and the same number may name other values now; walk again "
       "from the first layer"));
 }

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/content_fingerprint.h"
 #include "platform/status_macros.h"
+#include "wire/incarnation.h"
 #include "wire/owned_runs.h"
 
 namespace layercast::server {
@@ -145,8 +146,9 @@ absl::StatusOr<FetchPlan> PlanFetch(const FetchFacts& facts,
       request.base_incarnation() != facts.incarnation) {
     return absl::OutOfRangeError(absl::StrCat(
         "the delta's base, version ", request.base_version(), " of layer ", request.layer(),
-        ", was served by an earlier start of this shard (incarnation ", request.base_incarnation(),
-        "; now ", facts.incarnation,
+        ", was served by an earlier start of this shard (incarnation ",
+        wire::IncarnationName(request.base_incarnation()), "; now ",
+        wire::IncarnationName(facts.incarnation),
         "): version numbers restart with the shard, so that "
         "version may name other values here; pull the layer in full"));
   }

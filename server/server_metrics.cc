@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/build_info.h"
+#include "wire/incarnation.h"
 
 namespace layercast::server {
 namespace {
@@ -356,7 +357,7 @@ void ServerMetrics::SetShardInfo(const std::string& model_id, uint32_t shard_ind
              {"shard_index", std::to_string(shard_index)},
              {"num_shards", std::to_string(num_shards)},
              {"policy", policy},
-             {"incarnation", std::to_string(incarnation)}})
+             {"incarnation", wire::IncarnationName(incarnation)}})
       .Set(1);
   layers_->Set(static_cast<double>(layers));
   layers_known_.store(layers, std::memory_order_relaxed);

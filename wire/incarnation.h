@@ -4,7 +4,10 @@
 #include <optional>
 #include <vector>
 
+#include <string>
+
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace layercast::wire {
@@ -21,6 +24,12 @@ inline std::optional<uint64_t> ParseIncarnation(absl::string_view value) {
   uint64_t incarnation = 0;
   if (!absl::SimpleAtoi(value, &incarnation) || incarnation == 0) return std::nullopt;
   return incarnation;
+}
+
+// An incarnation as people read it, in logs, errors, metrics labels and
+// `layercast manifest`: 16 hex digits.
+inline std::string IncarnationName(uint64_t incarnation) {
+  return absl::StrCat(absl::Hex(incarnation, absl::kZeroPad16));
 }
 
 // Whether two lists of incarnations (per shard, as a gather reports the

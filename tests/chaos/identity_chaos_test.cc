@@ -24,6 +24,7 @@
 #include "tests/integration/relay_process.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
+#include "wire/incarnation.h"
 
 namespace layercast::testing {
 namespace {
@@ -206,7 +207,8 @@ TEST_F(IdentityChaosTest, APinnedWalkAcrossARestartRefusesToMixTwoVersionsOfOneN
   ASSERT_FALSE(HasFatalFailure());
   ASSERT_TRUE(layer1.has_value());
   ASSERT_EQ(layer1->status().code(), absl::StatusCode::kAborted) << layer1->status();
-  EXPECT_THAT(layer1->status().message(), HasSubstr(absl::StrCat("incarnation ", before)));
+  EXPECT_THAT(layer1->status().message(),
+              HasSubstr("incarnation " + wire::IncarnationName(before)));
   EXPECT_THAT(layer1->status().message(), HasSubstr("walk again from the first layer"));
 
   client::PinnedIdentity again;

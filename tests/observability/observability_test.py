@@ -416,7 +416,7 @@ def check_shards(checks, args, tmp, shards):
         checks.check(f"shard {s.index} layercast_shard_info labels",
                      len(info) == 1 and info[0].get("shard_index") == str(s.index)
                      and info[0].get("num_shards") == str(NUM_SHARDS) and info[0].get("policy") == POLICY
-                     and int(info[0].get("incarnation", "0")) > 0,
+                     and int(info[0].get("incarnation", "0"), 16) > 0,
                      str(info))
         checks.check(f"shard {s.index} layercast_memory_budget_bytes",
                      total(samples, "layercast_memory_budget_bytes") == BUDGET_BYTES)
