@@ -1,6 +1,7 @@
 #include "server/shard_chunks.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <new>
 #include <utility>
@@ -50,7 +51,36 @@ absl::StatusOr<uint64_t> ShardChunks::Start(uint64_t reached) {
         " can start from version ", options_.changes->OldestBase(plan_.layer, target),
         "); pull the layer in full"));
   }
+  if (options_.base_version) RETURN_IF_ERROR(DeltaPays(*options_.base_version, target));
   return target;
+}
+
+absl::Status ShardChunks::DeltaPays(uint64_t base, uint64_t target) const {
+  uint64_t changed = 0, elements = 0, delta_bytes = 0, full_bytes = 0;
+  std::vector<uint64_t> bits;
+  for (const TensorElementRange& run : plan_.runs) {
+    const AssembledTensor& tensor = plan_.layout.tensors()[run.tensor];
+    // The log records an 8-bit float's fp32 values: one that changed may
+    // leave its code as it was, so the count proves nothing there.
+    if (tensor.block_size != 0) return absl::OkStatus();
+    const uint64_t n = run.elements.end - run.elements.begin;
+    options_.changes->ChangedSince(plan_.layer, base, target, run.tensor, run.elements.begin, n,
+                                   bits);
+    uint64_t count = 0;
+    for (const uint64_t word : bits) count += static_cast<uint64_t>(std::popcount(word));
+    const size_t size = DTypeSize(tensor.compute_dtype);
+    // Each changed value, and the positions as a bitmap (what a dense
+    // delta chunk carries).
+    delta_bytes += count * size + (n + 7) / 8;
+    full_bytes += n * size;
+    changed += count;
+    elements += n;
+  }
+  if (delta_bytes <= full_bytes) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat(
+      "layer ", plan_.layer, " changed in ", changed, " of the ", elements,
+      " values this shard sends since version ", base, ": a delta (", FormatBytes(delta_bytes),
+      ") would be larger than the values (", FormatBytes(full_bytes), "); pull the layer in full"));
 }
 
 std::string ShardChunks::WaitingFor() const {

@@ -116,6 +116,10 @@ class ShardChunks final : public ChunkSource {
   absl::Status NotInThisDType(uint64_t version, uint64_t current) const;
   // Why a superseded version is not at hand, for messages.
   std::string WhyNotKept() const;
+  // OUT_OF_RANGE when a delta from `base` to `target` of what the stream
+  // sends would be larger than the values themselves (most of them
+  // changed): the reader pulls in full, which costs less.
+  absl::Status DeltaPays(uint64_t base, uint64_t target) const;
 
   const ParameterStore& store_;
   const VersionGate& gate_;

@@ -1,10 +1,12 @@
 // A mirror (client::ModelMirror) following publishes to real shards: by
-// delta pulls in place, answered by WaitVersion, and in full from shards
-// that restarted; the manifest command shows a set split between versions.
+// delta pulls in place, answered by WaitVersion, in full from shards that
+// restarted, and in full where a delta would outweigh the layer; the
+// manifest command shows a set split between versions.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <limits>
 #include <optional>
 #include <thread>
@@ -81,6 +83,45 @@ TEST_F(PublishTest, AMirrorFollowsEveryPublishInPlace) {
 // A staged update pulls while a reader reads on, and holds readers off only
 // to copy the changed layers in: the gathers of the update happen while a
 // reading is held, and the reading still sees one version throughout.
+// A publish that moves (nearly) every value: a delta would carry each
+// value and a bitmap besides (6% more than a bf16 layer), so the shards
+// refuse it and the mirror pulls those layers in full: its update takes no
+// more bytes than a full pull of the model.
+TEST_F(PublishTest, AMirrorPullsInFullWhereADeltaWouldOutweighTheLayer) {
+  absl::StatusOr<std::unique_ptr<client::ModelMirror>> created =
+      client::ModelMirror::Create(*shards_.set, {});
+  ASSERT_TRUE(created.ok()) << created.status();
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  const auto moved = Nudged(1.0f / 4);
+  auto all = moved;
+  for (auto& [name, tensor] : all) {
+    for (float& value : tensor) value *= 1.5f;
+  }
+  ASSERT_TRUE(publisher.Publish(View(moved)).ok());
+  absl::StatusOr<client::MirrorUpdate> update = (*created)->Update(1);
+  ASSERT_TRUE(update.ok()) << update.status();
+  const uint64_t delta_bytes = update->bytes;
+  ASSERT_TRUE(publisher.Publish(View(all)).ok());
+  update = (*created)->Update(2);
+  ASSERT_TRUE(update.ok()) << update.status();
+
+  // The chunk bytes of a full pull of every layer at version 2.
+  std::atomic<uint64_t> full_bytes{0};
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    std::vector<uint8_t> buffer(shards_.set->view().layouts[l].total_bytes());
+    client::GatherOptions gather;
+    gather.on_chunk = [&full_bytes](uint64_t bytes) { full_bytes += bytes; };
+    ASSERT_TRUE(shards_.set->GatherInto(l, gather, buffer).ok());
+  }
+  EXPECT_LT(delta_bytes, full_bytes.load() / 2) << "a third of the values moved: deltas";
+  EXPECT_LE(static_cast<double>(update->bytes), 1.005 * static_cast<double>(full_bytes.load()))
+      << "every value moved: deltas carrying a bitmap on top of every value";
+  auto reading = (*created)->Read();
+  for (uint32_t l = 0; l < reading.num_layers(); ++l) {
+    ASSERT_NO_FATAL_FAILURE(ExpectHolds(reading.layer(l), all, 2));
+  }
+}
+
 TEST_F(PublishTest, AStagedUpdatePullsWhileReadersReadAndSwapsWholeVersions) {
   absl::StatusOr<std::unique_ptr<client::ModelMirror>> created = client::ModelMirror::Create(
       *shards_.set, {.staging_bytes = std::numeric_limits<uint64_t>::max()});
