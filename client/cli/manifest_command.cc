@@ -6,6 +6,7 @@
 #include "client/cli/connect.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "wire/incarnation.h"
 
 namespace layercast::cli {
 
@@ -27,9 +28,9 @@ absl::Status RunManifest(const std::vector<std::string>& args) {
     const layercast::v1::Manifest& shard = set->manifests()[i];
     lowest = std::min<uint64_t>(lowest, shard.version());
     highest = std::max<uint64_t>(highest, shard.version());
-    std::printf("  shard %zu  %s  version %llu, incarnation %016llx\n", i,
-                set->addresses()[i].c_str(), static_cast<unsigned long long>(shard.version()),
-                static_cast<unsigned long long>(shard.incarnation()));
+    std::printf("  shard %zu  %s  version %llu, incarnation %s\n", i, set->addresses()[i].c_str(),
+                static_cast<unsigned long long>(shard.version()),
+                wire::IncarnationName(shard.incarnation()).c_str());
   }
   if (lowest != highest) {
     std::printf(
