@@ -277,6 +277,11 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--data-parallel-workers needs --optimizer SPEC: a shard without an optimizer takes no "
         "gradients");
   }
+  if (!training && !config.optimizer_state().empty()) {
+    return absl::InvalidArgumentError(
+        "--optimizer-state needs --optimizer SPEC: the state is the optimizer's, and a shard "
+        "without one does not train");
+  }
   if (!training && !config.worker_token_dir().empty()) {
     return absl::InvalidArgumentError(
         "--worker-token-dir needs --optimizer SPEC: a shard without an optimizer takes no "

@@ -219,20 +219,20 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
     if (config.push_journal()) {
       ASSIGN_OR_RETURN(shard->journal, ReplayJournal(trainer));
     }
-    Log()->info(
-        "training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
-        settings_.optimizer->ToString(), config.data_parallel_workers(),
-        FormatBytes(plan_.state_bytes),
-        checkpoint_source_ != nullptr && checkpoint_source_->training()
-            ? absl::StrCat("the checkpoint's state at version ", checkpoint_source_->version())
-            : std::string("zero state"));
+    Log()->info("training: {} with {} data-parallel worker(s), {} of optimizer state, from {}",
+                settings_.optimizer->ToString(), config.data_parallel_workers(),
+                FormatBytes(plan_.state_bytes),
+                checkpoint_source_ != nullptr && checkpoint_source_->training()
+                    ? absl::StrCat(imported_state_ ? "--optimizer-state's" : "the checkpoint's",
+                                   " state at version ", checkpoint_source_->version())
+                    : std::string("zero state"));
   }
   if (checkpoint_source_ != nullptr) {
     // Before the shard is served: parameters (and optimizer state) that fail
     // their checksum are never served, nor written back as a checkpoint on
     // exit.
     RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
-    checkpoints_->NoteOnDisk(checkpoint_source_->version());
+    if (!imported_state_) checkpoints_->NoteOnDisk(checkpoint_source_->version());
   }
   const uint64_t shared_bytes =
       config.has_shared_chunk_bytes()

@@ -112,6 +112,9 @@ class ShardServer {
   void SetReadiness(bool serving);
   // Makes --checkpoint-dir's checkpoint, if it holds one, the source.
   absl::Status UseCheckpoint();
+  // Without a checkpoint: makes --optimizer-state, if given, the source of
+  // the optimizer state, the values still --model's.
+  absl::Status UseOptimizerState();
   // What this shard's push journal generations record of it.
   absl::StatusOr<layercast::v1::JournalIdentity> JournalIdentity() const;
   // At start, before anything loads: opens the push journal (journal_) and
@@ -150,6 +153,8 @@ class ShardServer {
   // source_ when it is the checkpoints of another shard count, whose
   // journals are replayed too.
   ReshardedCheckpoint* resharded_ = nullptr;
+  // checkpoint_source_ is --optimizer-state's, not a checkpoint on disk.
+  bool imported_state_ = false;
   // --push-journal's, opened and checked by OpenJournal, until Load's replay.
   std::unique_ptr<PushJournal> journal_;
   std::unique_ptr<ShardService> service_;

@@ -9,6 +9,7 @@
 #include "server/checkpoint_reshard.h"
 #include "server/journal_reshard.h"
 #include "server/shard_checkpoint.h"
+#include "server/torch_optimizer_state.h"
 
 // ShardServer's durable state: the checkpoint it starts from, the push
 // journal it replays over it, and the checkpoint it writes on exit.
@@ -17,7 +18,7 @@ namespace layercast::server {
 
 absl::Status ShardServer::UseCheckpoint() {
   const auto& config = settings_.config;
-  if (config.checkpoint_dir().empty()) return absl::OkStatus();
+  if (config.checkpoint_dir().empty()) return UseOptimizerState();
   ASSIGN_OR_RETURN(checkpoints_,
                    CheckpointManager::Create(config.checkpoint_dir(), config.shard_index(),
                                              config.num_shards()));
@@ -30,7 +31,17 @@ absl::Status ShardServer::UseCheckpoint() {
   if (!existing) {
     ASSIGN_OR_RETURN(reshard_from, checkpoints_->FindReshardSource());
   }
-  if (!existing && !reshard_from) return OpenJournal();
+  if (!existing && !reshard_from) {
+    RETURN_IF_ERROR(UseOptimizerState());
+    return OpenJournal();
+  }
+  if (!config.optimizer_state().empty()) {
+    // A restarted shard goes on from its own checkpoint, which holds what
+    // it trained since it first started from the state.
+    Log()->info(
+        "--optimizer-state {} not read: --checkpoint-dir holds a checkpoint, which is newer",
+        config.optimizer_state());
+  }
   // The values the shard was started with: a checkpoint descending from
   // another model is not silently served in their place.
   ASSIGN_OR_RETURN(const ContentFingerprint model_fingerprint, source_->Fingerprint());
@@ -80,6 +91,22 @@ absl::Status ShardServer::UseCheckpoint() {
   checkpoint_source_ = checkpoint.get();
   source_ = std::move(checkpoint);
   return OpenJournal();
+}
+
+absl::Status ShardServer::UseOptimizerState() {
+  const auto& config = settings_.config;
+  if (config.optimizer_state().empty() || !settings_.optimizer) return absl::OkStatus();
+  ASSIGN_OR_RETURN(
+      auto state,
+      TorchOptimizerState::Open(config.optimizer_state(), std::move(source_), *settings_.optimizer,
+                                config.shard_index(), config.num_shards()));
+  Log()->info("starting from optimizer state {} (layers at step {} and on) with {}'s values",
+              state->path(), state->version(),
+              config.synthetic().empty() ? "--model" : "--synthetic");
+  checkpoint_source_ = state.get();
+  imported_state_ = true;
+  source_ = std::move(state);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<layercast::v1::JournalIdentity> ShardServer::JournalIdentity() const {

@@ -777,14 +777,16 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def save_safetensors(path, tensors: Dict[str, torch.Tensor]) -> None:
+def save_safetensors(path, tensors: Dict[str, torch.Tensor],
+                     metadata: Optional[Mapping[str, str]] = None) -> None:
     """Writes tensors ({name: tensor}, e.g. a model's state_dict()) as a
     safetensors file, a model the shards can serve (--model): float32,
     bfloat16 and float16 tensors are its parameters; integer and boolean ones
     (buffers such as num_batches_tracked) are written too, and the shards
     skip them. Other dtypes (float64, 8-bit floats) are refused: the shards
     cannot serve them. A tensor given under two names (tied weights, as
-    state_dict() gives them) is written once, under the first. By hand, since the format is small (an 8-byte header
+    state_dict() gives them) is written once, under the first. `metadata`:
+    the file's `__metadata__` (strings). By hand, since the format is small (an 8-byte header
     length, a JSON header, the raw little-endian bytes) and Debian ships no
     safetensors package."""
     import json
@@ -813,6 +815,8 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor]) -> None:
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
+    if metadata:
+        header["__metadata__"] = {str(key): str(value) for key, value in metadata.items()}
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as f:
@@ -857,3 +861,8 @@ def load_safetensors(path) -> Dict[str, torch.Tensor]:
         tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(entry["shape"]) if raw else \
             torch.empty(entry["shape"], dtype=dtype)
     return tensors
+
+
+# The optimizer's state in and out of torch.optim (after the functions it uses).
+from .training_state import (export_checkpoint, load_optimizer_state,  # noqa: E402,F401
+                             save_optimizer_state)
