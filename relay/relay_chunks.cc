@@ -103,7 +103,9 @@ absl::StatusOr<uint64_t> RelayChunks::Start(uint64_t reached) {
                      " served layer ", layer_, ": read from the shards, and report this"));
   }
   if (base_version_) {
-    const std::optional<HeldLayer> base = versions_.At(layer_, *base_version_);
+    // Its identity only: a delta needs the changes, which are kept, not the
+    // base's bytes, which would be rebuilt.
+    const std::optional<HeldLayer> base = versions_.Identity(layer_, *base_version_);
     if (base) changed_ = versions_.ChangedBetween(layer_, *base_version_, target_);
     const bool same_shard =
         changed_ && base->incarnations.size() > shard_ &&

@@ -20,11 +20,15 @@ namespace layercast::relay {
 // stream that sends them and by the versions that left them equal.
 struct HeldLayer {
   uint64_t version = 0;
+  // Null where only the version's identity was asked for (Identity).
   std::shared_ptr<const std::vector<uint8_t>> bytes;
   // Per shard, the incarnation of the shard that cast them: a relay names
   // it on its streams, so a delta from its versions goes on from the
   // shards.
   std::vector<uint64_t> incarnations;
+  // Which entry of the relay's it came from: a version pulled again (a torn
+  // pull repaired) is another entry under the same number.
+  uint64_t entry = 0;
 };
 
 // Per tensor, one bit per element (bit i % 64 of word i / 64): the elements
@@ -40,9 +44,16 @@ struct ChangedElements {
 // the versions before it (for deltas from them and pinned reads of them),
 // and the version the relay's mirror is walking to. A layer is served as
 // soon as it lands, so a relay's children walk right behind it rather than
-// an update behind. Memory: each layer's bytes once per kept version whose
-// values differ, at most keep + 1 copies of the model, plus those streams
-// still send.
+// an update behind.
+//
+// Memory: one copy of each layer, its newest version, written in place
+// when no stream sends it (else into a new buffer: the old one lives until
+// its last stream ends). Each kept version before it is an undo log, the
+// elements the next version changed and their values before, so a publish
+// that moves 1% of a layer costs about 1% of it per kept version, not a
+// copy. An older version's bytes are rebuilt only for a stream that reads
+// them whole (a pinned read), shared while any stream sends them; a delta
+// needs only the changed elements, which the logs are.
 //
 // Thread-safe.
 class RelayedVersions {
@@ -89,15 +100,18 @@ class RelayedVersions {
   // incarnations of the newest Put: see WaitNewest). A version the
   // relay never pulled is not inferred from its neighbours even when
   // their values are equal: from another relay, equal bits do not prove
-  // that nothing changed and changed back in between.
+  // that nothing changed and changed back in between. An older version's
+  // bytes are rebuilt from the newest and the undo logs (a copy of the
+  // layer, counted in the budget) unless a stream already holds them.
   std::optional<HeldLayer> At(uint32_t layer, uint64_t version) const;
+  // As At, without the bytes: which version, cast by whom. No copy.
+  std::optional<HeldLayer> Identity(uint32_t layer, uint64_t version) const;
   // The elements of `layer` that changed from `base` to `version`, both as
   // At finds them: each kept version's changes from the one before it,
-  // found by the first delta that asks and kept for the rest (a relay no
-  // one asks for deltas compares nothing); the one a single version's
-  // delta needs is shared, not copied. Null when either is not kept.
-  // `target` is the version as At or WaitNewest gave it: null as well if
-  // that entry has been replaced since.
+  // found as it landed; the one a single version's delta needs is shared,
+  // not copied. Null when either is not kept. `target` is the version as
+  // At or WaitNewest gave it: null as well if that entry has been replaced
+  // since.
   std::shared_ptr<const ChangedElements> ChangedBetween(uint32_t layer, uint64_t base,
                                                         const HeldLayer& target) const;
   // The layer's newest version, for messages; 0 before its first Put.
@@ -109,19 +123,34 @@ class RelayedVersions {
 
  private:
   struct Kept {
+    // Its bytes only while it is the newest (the one live copy).
     HeldLayer held;
     // Its values are those of the version before it in the deque.
     bool unchanged = false;
-    // Its changes from the version before it, once a delta asked for them
-    // (a cache: filled in by the const ChangedBetween).
-    mutable std::shared_ptr<const ChangedElements> changed;
+    // Unless unchanged or the oldest kept: its changes from the version
+    // before it, and that version's values at them (the undo log, in
+    // tensor order, each tensor's elements and then its block scales).
+    std::shared_ptr<const ChangedElements> changed;
+    std::shared_ptr<const std::vector<uint8_t>> undo;
+    // An older version's bytes rebuilt for a stream, shared while held
+    // (a cache: set by the const At, under the lock held exclusively).
+    mutable std::weak_ptr<const std::vector<uint8_t>> rebuilt;
   };
   uint64_t IncarnationOfLocked(uint32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The index of the kept version At(version) finds; nullopt if none.
   std::optional<size_t> IndexOf(const std::deque<Kept>& kept, uint64_t version) const;
+  // The bytes of the version kept at `index` of `layer`'s entries as
+  // `entry`: the newest's, or rebuilt from them; null if it is gone.
+  std::shared_ptr<const std::vector<uint8_t>> BytesOf(uint32_t layer, size_t index,
+                                                      uint64_t entry) const;
+  // The version before the newest's bytes, rebuilt (for a repaired pull's
+  // changes). Only the writer (Put's thread) calls it.
+  std::shared_ptr<const std::vector<uint8_t>> BeforeNewest(uint32_t layer) const;
 
   // A buffer for a layer's bytes, counted in budget_.
   std::shared_ptr<std::vector<uint8_t>> Allocate(size_t bytes) const;
+  // `changed`, counted in budget_ while kept.
+  std::shared_ptr<const ChangedElements> Count(ChangedElements changed) const;
 
   const std::vector<AssembledLayout>& layouts_;
   const uint32_t keep_;
@@ -131,11 +160,10 @@ class RelayedVersions {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // Per layer, oldest first.
   std::vector<std::deque<Kept>> layers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_entry_ ABSL_GUARDED_BY(mu_) = 1;
   // The incarnations of the newest Put: versions of other ones are not
   // served (At, WaitNewest) until their layer lands again.
   std::vector<uint64_t> current_ ABSL_GUARDED_BY(mu_);
-  // Per layer, the buffer of an evicted version no one held, for the next.
-  std::vector<std::shared_ptr<std::vector<uint8_t>>> spare_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace layercast::relay
