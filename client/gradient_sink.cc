@@ -7,33 +7,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
-#include "client/retry_backoff.h"
 #include "core/optimizer.h"
 #include "platform/log.h"
+#include "platform/retry.h"
 #include "platform/status_macros.h"
 #include "wire/gradient_chunks.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::client {
-namespace {
-
-// Codes a whole push is sent again for: the shard went away, was busy, or
-// the attempt ran out of time; none of them staged anything.
-bool Retryable(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kUnavailable:
-    case absl::StatusCode::kResourceExhausted:
-    case absl::StatusCode::kAborted:
-    case absl::StatusCode::kCancelled:
-    case absl::StatusCode::kDeadlineExceeded:
-      return true;
-    default:
-      return false;
-  }
-}
-
-}  // namespace
-
 struct GradientSink::Task {
   uint32_t layer = 0;
   uint64_t step = 0;
@@ -162,22 +143,18 @@ absl::Status GradientSink::Flush() {
 
 namespace {
 
-// Calls `rpc` (one attempt: a gRPC status) until it succeeds, fails with a
-// code no retry helps, or `deadline` passes.
+// Calls `rpc` (one attempt: a gRPC status) by platform::kGradientPush until
+// it succeeds, fails with a code no retry helps, or `deadline` passes.
+// GetGradientNorm is also retried by gRPC itself (kUnaryCall); its 4 quick
+// attempts cannot wait out a shard's restart, which these can.
 absl::Status WithRetries(const std::string& who, std::chrono::steady_clock::time_point deadline,
                          const std::function<grpc::Status(grpc::ClientContext&)>& rpc) {
-  RetryBackoff backoff;
-  for (;;) {
+  return platform::Retry(platform::kGradientPush, deadline, [&](int) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
                          (deadline - std::chrono::steady_clock::now()));
-    const absl::Status status = wire::FromGrpcStatus(rpc(context), who);
-    const std::chrono::milliseconds wait = backoff.Next();
-    if (status.ok() || !Retryable(status.code()) || RetryBackoff::GivesUpBefore(wait, deadline)) {
-      return status;
-    }
-    std::this_thread::sleep_for(wait);
-  }
+    return wire::FromGrpcStatus(rpc(context), who);
+  });
 }
 
 }  // namespace
@@ -271,58 +248,58 @@ absl::StatusOr<layercast::v1::PushGradientsResponse> GradientSink::PushToShard(u
   const wire::ShardSetView& view = shards_.view();
   const auto num_shards = static_cast<uint32_t>(shards_.addresses().size());
   const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
-  RetryBackoff backoff;
-  for (int attempt = 0;; ++attempt) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         (task.deadline - std::chrono::steady_clock::now()));
-    AddWorkerToken(context);
-    layercast::v1::PushGradientsResponse response;
-    std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>> writer =
-        shards_.stub(shard).PushGradients(&context, &response);
-    wire::GradientChunker chunker(
-        view.gradient_layouts[task.layer],
-        std::span<const uint8_t>(task.gradient.data(), task.gradient.size()),
-        {task.step, options_.worker, task.layer, shard, num_shards}, options_.chunk_bytes);
-    layercast::v1::GradientChunk chunk;
-    uint64_t sent = 0;
-    while (chunker.Next(&chunk)) {
-      if (!writer->Write(chunk)) break;  // the shard ended the call: Finish says why
-      sent += chunk.data().size();
-    }
-    writer->WritesDone();
-    const absl::Status status = wire::FromGrpcStatus(writer->Finish(), describe);
-    {
-      absl::MutexLock lock(&mu_);
-      bytes_pushed_ += sent;
-    }
-    if (status.ok()) return response;
-    // The push counted once already, which is what was asked: an earlier
-    // attempt that failed on its way back did arrive, or this worker pushed
-    // the layer before it died and was restarted with its index, and now
-    // pushes the step again to rejoin it (the layers it had not pushed
-    // complete the step).
-    if (status.code() == absl::StatusCode::kAlreadyExists) {
-      if (attempt == 0) {
-        Log()->info(
-            "layer {} of step {} counted already on {} (this worker pushed it before a "
-            "restart; if it did not, another process uses worker index {})",
-            task.layer, task.step, describe, options_.worker);
-      }
-      response.set_layer_version(task.step);
-      response.set_applied(false);
-      return response;
-    }
-    const std::chrono::milliseconds wait = backoff.Next();
-    if (!Retryable(status.code()) || RetryBackoff::GivesUpBefore(wait, task.deadline)) {
-      return absl::Status(
-          status.code(),
-          absl::StrCat("pushing the gradient of layer ", task.layer, " (step ", task.step, ") to ",
-                       status.message(),
-                       attempt > 0 ? absl::StrCat(" (after ", attempt + 1, " attempts)") : ""));
-    }
-    std::this_thread::sleep_for(wait);
-  }
+  // Not gRPC's retry policy: it retries a client stream only while what was
+  // sent fits its retry buffer (256 KiB), and a layer's gradient does not.
+  layercast::v1::PushGradientsResponse response;
+  int attempts = 0;
+  const absl::Status status =
+      platform::Retry(platform::kGradientPush, task.deadline, [&](int attempt) -> absl::Status {
+        attempts = attempt;
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() +
+                             (task.deadline - std::chrono::steady_clock::now()));
+        AddWorkerToken(context);
+        response.Clear();
+        std::unique_ptr<grpc::ClientWriter<layercast::v1::GradientChunk>> writer =
+            shards_.stub(shard).PushGradients(&context, &response);
+        wire::GradientChunker chunker(
+            view.gradient_layouts[task.layer],
+            std::span<const uint8_t>(task.gradient.data(), task.gradient.size()),
+            {task.step, options_.worker, task.layer, shard, num_shards}, options_.chunk_bytes);
+        layercast::v1::GradientChunk chunk;
+        uint64_t sent = 0;
+        while (chunker.Next(&chunk)) {
+          if (!writer->Write(chunk)) break;  // the shard ended the call: Finish says why
+          sent += chunk.data().size();
+        }
+        writer->WritesDone();
+        const absl::Status pushed = wire::FromGrpcStatus(writer->Finish(), describe);
+        {
+          absl::MutexLock lock(&mu_);
+          bytes_pushed_ += sent;
+        }
+        if (pushed.code() != absl::StatusCode::kAlreadyExists) return pushed;
+        // The push counted once already, which is what was asked: an
+        // earlier attempt that failed on its way back did arrive, or this
+        // worker pushed the layer before it died and was restarted with its
+        // index, and now pushes the step again to rejoin it (the layers it
+        // had not pushed complete the step).
+        if (attempt == 1) {
+          Log()->info(
+              "layer {} of step {} counted already on {} (this worker pushed it before a "
+              "restart; if it did not, another process uses worker index {})",
+              task.layer, task.step, describe, options_.worker);
+        }
+        response.set_layer_version(task.step);
+        response.set_applied(false);
+        return absl::OkStatus();
+      });
+  if (status.ok()) return response;
+  return absl::Status(
+      status.code(),
+      absl::StrCat("pushing the gradient of layer ", task.layer, " (step ", task.step, ") to ",
+                   status.message(),
+                   attempts > 1 ? absl::StrCat(" (after ", attempts, " attempts)") : ""));
 }
 
 void GradientSink::Settle(Task& task, uint32_t,

@@ -66,13 +66,12 @@ struct PushResult {
 //
 // Retries: a stream that fails UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED,
 // CANCELLED or DEADLINE_EXCEEDED is pushed again whole after a backoff,
-// until `timeout`. A shard stages a push only when its stream completes, so
-// a retry never counts twice; when a retry is told ALREADY_EXISTS the first
-// attempt did arrive, and the push succeeded. So does a first attempt told
-// ALREADY_EXISTS: a worker restarted with its index pushes the step it died
-// in again, the layers it pushed before count once, and the rest complete
-// the step (a second process with the same index would go unnoticed but for
-// the log line; --worker-token-dir keeps other peers out).
+// until `timeout` (platform::kGradientPush). A shard stages a push only when its stream completes,
+// so a retry never counts twice; when a retry is told ALREADY_EXISTS the first attempt did arrive,
+// and the push succeeded. So does a first attempt told ALREADY_EXISTS: a worker restarted with its
+// index pushes the step it died in again, the layers it pushed before count once, and the rest
+// complete the step (a second process with the same index would go unnoticed but for the log line;
+// --worker-token-dir keeps other peers out).
 //
 // Thread-safe.
 class GradientSink {

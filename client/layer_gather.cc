@@ -12,10 +12,10 @@ namespace layercast::client {
 namespace {
 
 // CANCELLED reaches a gather that did not cancel only from the shard: its
-// gRPC server cancels what its drain left when it stops.
-bool Retryable(const absl::Status& status) {
-  return absl::IsUnavailable(status) || absl::IsDataLoss(status) || absl::IsCancelled(status);
-}
+// gRPC server cancels what its drain left when it stops. Not gRPC's retry
+// policy: a resumed stream asks for another range, and a restart takes
+// longer than its 5 attempts can wait.
+bool Retryable(const absl::Status& status) { return platform::kGatherStream.Retries(status); }
 
 }  // namespace
 
@@ -157,7 +157,7 @@ void LayerGather::Settle(uint32_t shard) {
   const auto now = std::chrono::steady_clock::now();
   const auto delay = s.backoff.Next();
   const bool time_left = std::chrono::system_clock::now() + delay < deadline_;
-  if (Retryable(status) && time_left) {
+  if (Retryable(status) && time_left && s.attempts < platform::kGatherStream.max_attempts) {
     s.retry_at = now + delay;
     Log()->warn("gathering layer {}: {}; retrying in {} ms", layer_, status.message(),
                 delay.count());

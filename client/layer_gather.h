@@ -16,27 +16,28 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/layer_source.h"
-#include "client/retry_backoff.h"
 #include "client/shard_stream.h"
 #include "core/layout.h"
+#include "platform/retry.h"
 
 namespace layercast::client {
 
-// One gather of one layer (or byte range of it) from every shard at once.
-// A shard whose stream fails with UNAVAILABLE (it died, restarted, is
-// draining or still loading), DATA_LOSS (a chunk failed its checksum) or a
-// CANCELLED the gather did not ask for (the shard's own shutdown) is retried
-// with exponential backoff and jitter until the gather's deadline
-// (GatherOptions::timeout), resuming from the first element it has not
-// delivered intact rather than from the start; a rolling restart of a shard
-// is waited out. A stream is settled by what it delivered, not by how it
-// ended: one that failed after its last chunk is done. Any other failure, or
-// running out of time, cancels every stream and fails the gather with the
-// shard's error, naming it. A shard that comes back as another incarnation
-// (it restarted: its number may name other values now) is read again from
-// the start of its slice, never resumed; a delta then fails OUT_OF_RANGE.
-// With GatherOptions::pinned_identity, a shard of another incarnation than
-// the walk's fails the gather with ABORTED.
+// One gather of one layer (or byte range of it) from every shard at once. A
+// shard whose stream fails with UNAVAILABLE (it died, restarted, is draining
+// or still loading), DATA_LOSS (a chunk failed its checksum) or a CANCELLED
+// the gather did not ask for (the shard's own shutdown) is retried by
+// platform::kGatherStream, with exponential backoff and jitter until the
+// gather's deadline (GatherOptions::timeout), resuming from the first
+// element it has not delivered intact rather than from the start; a rolling
+// restart of a shard is waited out. A stream is settled by what it
+// delivered, not by how it ended: one that failed after its last chunk is
+// done. Any other failure, or running out of time, cancels every stream and
+// fails the gather with the shard's error, naming it. A shard that comes
+// back as another incarnation (it restarted: its number may name other
+// values now) is read again from the start of its slice, never resumed; a
+// delta then fails OUT_OF_RANGE. With GatherOptions::pinned_identity, a
+// shard of another incarnation than the walk's fails the gather with
+// ABORTED.
 //
 // Single use: construct, Run() once. Not thread-safe; Run() blocks.
 class LayerGather {
@@ -71,7 +72,7 @@ class LayerGather {
     std::vector<ShardStream::Run> runs;  // what this shard still owes
     std::unique_ptr<ShardStream> stream;
     int attempts = 0;
-    RetryBackoff backoff;
+    platform::Backoff backoff{platform::kGatherStream};
     std::optional<std::chrono::steady_clock::time_point> retry_at;
     absl::Status last_error;
     // Of the shard's streams that delivered chunks; 0 before one did.

@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "client/retry_backoff.h"
 #include "platform/log.h"
+#include "platform/retry.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 #include "wire/incarnation.h"
@@ -593,7 +593,9 @@ void ModelMirror::ProbeLoop(std::shared_ptr<Cancellation> stop) {
 }
 
 void ModelMirror::FollowLoop(std::function<void(const MirrorUpdate&)> on_update) {
-  RetryBackoff backoff(options_.backoff, options_.max_backoff);
+  // platform::kMirrorFollow's waits, as the options set them; not Retry:
+  // the loop follows until StopFollowing, whose wait below it ends.
+  platform::Backoff backoff(options_.backoff, options_.max_backoff);
   // Bounded by StopFollowing: each turn is one poll (at most options_.poll)
   // or one update, each cancelled by it, and every wait ends at stopping_.
   for (;;) {

@@ -16,6 +16,7 @@
 #include "client/cancellation.h"
 #include "client/layer.h"
 #include "client/shard_set.h"
+#include "platform/retry.h"
 
 namespace layercast::client {
 
@@ -52,10 +53,10 @@ struct MirrorOptions {
   // less (the poll is cancelled).
   std::chrono::milliseconds poll{10000};
   // After a failed poll or update, the follower waits about this long,
-  // doubling up to max_backoff (client/retry_backoff.h), before trying
+  // doubling up to max_backoff (platform::kMirrorFollow), before trying
   // again.
-  std::chrono::milliseconds backoff{100};
-  std::chrono::milliseconds max_backoff{5000};
+  std::chrono::milliseconds backoff = platform::kMirrorFollow.first_wait;
+  std::chrono::milliseconds max_backoff = platform::kMirrorFollow.max_wait;
   // Every tensor in this dtype instead of the policy's (GatherOptions::
   // dtype): an inference fleet following in fp8 the shards that trainers
   // gather in bfloat16. Shards serve no delta in such a dtype, so each

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -12,11 +11,12 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "client/grpc_retry_config.h"
 #include "client/layer_gather.h"
-#include "client/retry_backoff.h"
 #include "core/dtype.h"
 #include "platform/fan_out.h"
 #include "platform/log.h"
+#include "platform/retry.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 
@@ -42,53 +42,59 @@ absl::StatusOr<layercast::v1::Manifest> FetchManifest(
     const std::string& describe, const std::string& address, const ShardSetOptions& options) {
   const std::chrono::milliseconds timeout = options.connect_timeout;
   auto stub = layercast::v1::ShardService::NewStub(channel);
-  const auto start = std::chrono::system_clock::now();
+  const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + timeout;
-  RetryBackoff backoff;
-  grpc::Status status;
   // The clearest cause seen: the last attempt may have been cut short by
   // the deadline, which says nothing of why.
   std::string cause;
+  std::string last_message;
   const auto why = [&] {
-    return cause.empty() ? absl::StrCat("unreachable (", status.error_message(), ")") : cause;
+    return cause.empty() ? absl::StrCat("unreachable (", last_message, ")") : cause;
   };
+  layercast::v1::Manifest manifest;
+  platform::RetryHooks hooks;
   bool said = false;
-  for (int attempt = 0; attempt < 100000; ++attempt) {
-    grpc::ClientContext context;
-    // Not wait_for_ready: a shard that cannot be reached fails at once,
-    // with the reason, instead of in silence at the deadline.
-    context.set_deadline(
-        std::min(deadline, std::chrono::system_clock::now() + std::chrono::seconds(10)));
-    layercast::v1::Manifest manifest;
-    status = stub->GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
-    if (status.ok()) return manifest;
-    if (std::string known = UnreachableCause(status.error_message(), address); !known.empty()) {
-      cause = std::move(known);
-    }
-    if (absl::StrContains(status.error_message(), "Connection refused")) {
-      channel = make_channel();
-      stub = layercast::v1::ShardService::NewStub(channel);
-    }
-    const auto now = std::chrono::system_clock::now();
-    const bool retry = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-    const std::chrono::milliseconds wait = backoff.Next();
-    if (!retry || RetryBackoff::GivesUpBefore(wait, deadline)) break;
-    if (!said && now - start >= std::chrono::seconds(1)) {
+  hooks.on_retry = [&](const absl::Status&, int, std::chrono::milliseconds) {
+    if (!said && std::chrono::steady_clock::now() - start >= std::chrono::seconds(1)) {
       Log()->warn("waiting for {}: {}; retrying for up to {} ms ({})", describe, why(),
                   timeout.count(), options.connect_timeout_name);
       said = true;
     }
-    std::this_thread::sleep_for(wait);
-  }
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+  };
+  // Not gRPC's retry policy: a shard loads for longer than its 5 attempts
+  // can wait, and a refused connection needs a fresh channel (below).
+  const absl::Status answered = platform::Retry(
+      platform::kConnect, deadline,
+      [&](int) {
+        grpc::ClientContext context;
+        // Not wait_for_ready: a shard that cannot be reached fails at once,
+        // with the reason, instead of in silence at the deadline.
+        context.set_deadline(
+            std::chrono::system_clock::now() +
+            std::min<std::chrono::steady_clock::duration>(
+                deadline - std::chrono::steady_clock::now(), std::chrono::seconds(10)));
+        const grpc::Status status =
+            stub->GetManifest(&context, layercast::v1::GetManifestRequest(), &manifest);
+        if (status.ok()) return absl::OkStatus();
+        last_message = status.error_message();
+        if (std::string known = UnreachableCause(last_message, address); !known.empty()) {
+          cause = std::move(known);
+        }
+        if (absl::StrContains(last_message, "Connection refused")) {
+          channel = make_channel();
+          stub = layercast::v1::ShardService::NewStub(channel);
+        }
+        return wire::FromGrpcStatus(status, absl::StrCat(describe, " did not answer GetManifest"));
+      },
+      hooks);
+  if (answered.ok()) return manifest;
+  if (absl::IsUnavailable(answered) || absl::IsDeadlineExceeded(answered)) {
+    return absl::Status(answered.code(),
                         absl::StrCat(describe, " did not answer within ", timeout.count(),
                                      " ms: ", why(), ". Start it, fix ", options.shards_name,
                                      ", or wait longer (", options.connect_timeout_name, ")"));
   }
-  return wire::FromGrpcStatus(status, absl::StrCat(describe, " did not answer GetManifest"));
+  return answered;
 }
 
 }  // namespace

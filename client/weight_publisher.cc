@@ -2,19 +2,18 @@
 
 #include <algorithm>
 #include <random>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/bearer_token.h"
-#include "client/retry_backoff.h"
 #include "core/crc32c.h"
 #include "core/layout.h"
 #include "layercast/v1/admin.grpc.pb.h"
 #include "platform/failpoint.h"
 #include "platform/fan_out.h"
 #include "platform/log.h"
+#include "platform/retry.h"
 #include "platform/status_macros.h"
 #include "wire/grpc_status.h"
 
@@ -35,23 +34,15 @@ std::unique_ptr<grpc::ClientContext> AdminContext(const std::string& token,
 // reachable, for at most 2 s and within `deadline`. A shard restarting
 // after a death then answers as soon as it listens; a call that fails at
 // once instead found the channel's reconnection torn down again and again
-// (16 s to reach a shard back in 0.1 s).
-struct Attempt {
-  std::chrono::steady_clock::time_point ends;
-  std::unique_ptr<grpc::ClientContext> context;
-};
-Attempt StartAttempt(const std::string& token, std::chrono::steady_clock::time_point deadline) {
-  const auto ends = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2));
-  Attempt attempt{ends, AdminContext(token, ends)};
-  attempt.context->set_wait_for_ready(true);
-  return attempt;
-}
-// Whether an attempt that ended with `status` is worth another: the shard
-// was unreachable, or the attempt (not the call) ran out of time.
-bool TryAgain(const absl::Status& status, const Attempt& attempt,
-              std::chrono::steady_clock::time_point deadline) {
-  return absl::IsUnavailable(status) ||
-         (absl::IsDeadlineExceeded(status) && attempt.ends < deadline);
+// (16 s to reach a shard back in 0.1 s). An attempt that ran out of its
+// 2 s is DEADLINE_EXCEEDED, which the publish policies retry; the call's
+// own deadline ends the retries (platform::Retry).
+std::unique_ptr<grpc::ClientContext> StartAttempt(const std::string& token,
+                                                  std::chrono::steady_clock::time_point deadline) {
+  auto context = AdminContext(
+      token, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(2)));
+  context->set_wait_for_ready(true);
+  return context;
 }
 
 std::string NewPublishId() {
@@ -227,23 +218,18 @@ absl::Status WeightPublisher::CommitOnShard(uint32_t shard, const std::string& i
                                             uint64_t* changed) const {
   auto stub = layercast::v1::ShardAdmin::NewStub(shards_.channel(shard));
   const std::string describe = absl::StrCat("shard ", shard, " (", shards_.addresses()[shard], ")");
-  absl::Status status;
-  RetryBackoff backoff;
-  for (int attempt = 0; attempt < 20 && std::chrono::steady_clock::now() < deadline; ++attempt) {
-    const Attempt call = StartAttempt(token_, deadline);
+  // Not gRPC's retry policy: it cannot give each attempt a 2 s deadline of
+  // its own, and its 5 attempts end long before a publish's deadline.
+  return platform::Retry(platform::kPublishCommit, deadline, [&](int) {
+    const std::unique_ptr<grpc::ClientContext> context = StartAttempt(token_, deadline);
     layercast::v1::CommitPublishRequest request;
     request.set_publish_id(id);
     layercast::v1::CommitPublishResponse response;
-    status =
-        wire::FromGrpcStatus(stub->CommitPublish(call.context.get(), request, &response), describe);
-    if (status.ok()) {
-      *changed = response.changed_elements();
-      return status;
-    }
-    if (!TryAgain(status, call, deadline)) return status;
-    std::this_thread::sleep_for(backoff.Next());
-  }
-  return status;
+    const absl::Status status =
+        wire::FromGrpcStatus(stub->CommitPublish(context.get(), request, &response), describe);
+    if (status.ok()) *changed = response.changed_elements();
+    return status;
+  });
 }
 
 std::string WeightPublisher::ServedNow() const {
@@ -288,16 +274,11 @@ absl::Status WeightPublisher::StageOnShard(uint32_t shard, const std::string& id
                .count())));
     // UNAVAILABLE: the shard is restarting, or settles a publish whose
     // publisher stopped (it says so); both pass.
-    absl::Status begun;
-    RetryBackoff backoff(std::chrono::milliseconds(50), std::chrono::milliseconds(800));
-    for (int attempt = 0; attempt < 60 && std::chrono::steady_clock::now() < deadline; ++attempt) {
-      const Attempt call = StartAttempt(token_, deadline);
+    const absl::Status begun = platform::Retry(platform::kPublishBegin, deadline, [&](int) {
+      const std::unique_ptr<grpc::ClientContext> context = StartAttempt(token_, deadline);
       layercast::v1::BeginPublishResponse response;
-      begun = wire::FromGrpcStatus(stub->BeginPublish(call.context.get(), request, &response),
-                                   describe);
-      if (!TryAgain(begun, call, deadline)) break;
-      std::this_thread::sleep_for(backoff.Next());
-    }
+      return wire::FromGrpcStatus(stub->BeginPublish(context.get(), request, &response), describe);
+    });
     RETURN_IF_ERROR(begun);
   }
   auto context = AdminContext(token_, deadline);

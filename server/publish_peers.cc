@@ -9,6 +9,7 @@
 #include "absl/strings/strip.h"
 #include "platform/fan_out.h"
 #include "platform/log.h"
+#include "platform/retry.h"
 #include "platform/status_macros.h"
 #include "server/auth_file.h"
 #include "wire/grpc_status.h"
@@ -171,15 +172,15 @@ void PublishPeers::HandOn(const std::string& id) {
     }
     FanOut(static_cast<uint32_t>(addresses->size()), [&](uint32_t shard) {
       if (shard == self_) return;
-      const auto give_up = std::chrono::steady_clock::now() + kHandOnFor;
-      absl::Status status;
-      for (int attempt = 0; attempt < 30; ++attempt) {
-        status = Commit((*addresses)[shard], id);
-        if (!absl::IsUnavailable(status) || std::chrono::steady_clock::now() >= give_up ||
-            Stopped(absl::Milliseconds(100 << std::min(attempt, 3)))) {
-          break;
-        }
-      }
+      // Not gRPC's retry policy: its 5 attempts cannot wait out 15 s of a
+      // restart, nor end early when this shard stops.
+      platform::RetryHooks hooks;
+      hooks.sleep = [this](std::chrono::milliseconds wait) {
+        return !Stopped(absl::FromChrono(wait));
+      };
+      const absl::Status status = platform::Retry(
+          platform::kPeerCommit, std::chrono::steady_clock::now() + kHandOnFor,
+          [&](int) { return Commit((*addresses)[shard], id); }, hooks);
       if (!status.ok()) {
         Log()->warn(
             "publish {}: shard {} did not take the commit ({}); its publisher stages "
@@ -216,32 +217,42 @@ absl::StatusOr<bool> PublishPeers::SettleOnce(const std::string& id) {
 void PublishPeers::Settle(const std::string& id, std::function<void(std::optional<bool>)> settled) {
   absl::MutexLock lock(&mu_);
   work_.push_back([this, id, settled = std::move(settled)] {
-    const auto give_up = std::chrono::steady_clock::now() + kSettleFor;
-    for (int attempt = 0;; ++attempt) {
-      absl::StatusOr<bool> committed = SettleOnce(id);
-      if (committed.ok()) {
-        Log()->info("publish {}: settled with the set: {}", id,
-                    *committed ? "committed" : "aborted");
-        settled(*committed);
-        return;
-      }
-      if (attempt == 0 || attempt % 30 == 0) {
+    bool stopped = false;
+    platform::RetryHooks hooks;
+    hooks.sleep = [this, &stopped](std::chrono::milliseconds wait) {
+      stopped = Stopped(absl::FromChrono(wait));
+      return !stopped;
+    };
+    hooks.on_retry = [&id](const absl::Status& failed, int attempt, std::chrono::milliseconds) {
+      if (attempt % 30 == 1) {
         Log()->warn(
             "publish {}: cannot settle it with the set yet: no peer knows shard 0's decision, "
-            "and shard 0 does not answer ({}); asking every shard again every second, for up "
-            "to {} min",
-            id, committed.status().message(), kSettleFor.count());
+            "and shard 0 does not answer ({}); asking every shard again about every second, "
+            "for up to {} min",
+            id, failed.message(), kSettleFor.count());
       }
-      if (Stopped(absl::Seconds(1))) return;
-      if (std::chrono::steady_clock::now() >= give_up) {
-        Log()->error(
-            "publish {}: not settled within {} min; its staging is kept until "
-            "another publish begins and settles it",
-            id, kSettleFor.count());
-        settled(std::nullopt);
-        return;
-      }
+    };
+    std::optional<bool> committed;
+    const absl::Status status = platform::Retry(
+        platform::kPeerSettle, std::chrono::steady_clock::now() + kSettleFor,
+        [&](int) -> absl::Status {
+          absl::StatusOr<bool> answer = SettleOnce(id);
+          if (!answer.ok()) return answer.status();
+          committed = *answer;
+          return absl::OkStatus();
+        },
+        hooks);
+    if (status.ok()) {
+      Log()->info("publish {}: settled with the set: {}", id, *committed ? "committed" : "aborted");
+      settled(*committed);
+      return;
     }
+    if (stopped) return;
+    Log()->error(
+        "publish {}: not settled within {} min; its staging is kept until "
+        "another publish begins and settles it",
+        id, kSettleFor.count());
+    settled(std::nullopt);
   });
 }
 

@@ -33,8 +33,8 @@ namespace layercast::server {
 // late commit cannot split the set) and every shard drops it.
 //
 // The calls run on a thread of this class, never on gRPC's; each one is
-// bounded in time, and a settle that cannot reach shard 0 tries again every
-// second for up to kSettleFor.
+// bounded in time, and a settle that cannot reach shard 0 tries again about
+// once a second for up to kSettleFor (platform::kPeerSettle).
 //
 // Thread-safe.
 class PublishPeers {
