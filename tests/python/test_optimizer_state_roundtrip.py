@@ -1,7 +1,7 @@
 """Training state in and out of PyTorch: K steps of a small GPT-2 in plain
 PyTorch (AdamW, weight decay in two param groups, global-norm clipping,
 dropout), moved to two shards (save_optimizer_state, --optimizer-state), K
-steps there, their checkpoint moved back (export_checkpoint,
+steps there (one shard restarted between two), their checkpoint moved back (export_checkpoint,
 load_optimizer_state), K more in PyTorch: every loss, the final parameters
 and AdamW's final state are those of 3K steps entirely in PyTorch, bit for
 bit. A state file that does not fit the shard refuses its start with one
@@ -99,6 +99,10 @@ def test_pytorch_to_layercast_and_back_bit_for_bit(tmp_path):
             trainer = layercast.torch.LayerwiseTrainer(shard_set, meta, meta.stages(),
                                                        buffers=example.fresh_buffers())
             for step in range(K, 2 * K):
+                if step == K + 1:
+                    # Restarted, a shard goes on from its checkpoint, not
+                    # from the state it first started from.
+                    shards.restart(1)
                 torch.manual_seed(100 + step)
                 losses.append(trainer.train_step(*example.batch(step), example.loss_fn))
     exported = layercast.torch.export_checkpoint(checkpoints, tmp_path / "exported",
