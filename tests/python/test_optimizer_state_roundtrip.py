@@ -1,11 +1,11 @@
 """Training state in and out of PyTorch: K steps of a small GPT-2 in plain
 PyTorch (AdamW, weight decay in two param groups, global-norm clipping,
-dropout), moved to two shards (save_optimizer_state, --optimizer-state), K
-steps there (one shard restarted between two), their checkpoint moved back (export_checkpoint,
-load_optimizer_state), K more in PyTorch: every loss, the final parameters
-and AdamW's final state are those of 3K steps entirely in PyTorch, bit for
-bit. A state file that does not fit the shard refuses its start with one
-line."""
+dropout), moved to two shards (save_optimizer_state, split with an index;
+--optimizer-state), K steps there (one shard restarted between two), their
+checkpoint moved back (export_checkpoint, load_optimizer_state), K more in
+PyTorch: every loss, the final parameters and AdamW's final state are those
+of 3K steps entirely in PyTorch, bit for bit. A state file that does not
+fit the shard refuses its start with one line."""
 
 import math
 import pathlib
@@ -23,6 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 import gpt2_train as example  # noqa: E402
 
 K = 2
+SPLIT = 100_000  # bytes per file: the model's state is split in three
 CLIP = 0.5
 # Biases and LayerNorm weights without weight decay, as GPT recipes group them.
 OPTIMIZER = (f"adamw:lr={example.LR},weight_decay={example.WEIGHT_DECAY},clip={CLIP};"
@@ -82,8 +83,11 @@ def test_pytorch_to_layercast_and_back_bit_for_bit(tmp_path):
     torch_steps(model, optimizer, range(K), losses, [])
     (tmp_path / "model").mkdir()
     layercast.torch.save_safetensors(tmp_path / "model" / "model.safetensors", model.state_dict())
-    state = tmp_path / "optimizer.safetensors"
-    layercast.torch.save_optimizer_state(state, optimizer, model)
+    # Split, as a large model's state is: the shards take the index.
+    files = layercast.torch.save_optimizer_state(tmp_path / "optimizer.safetensors", optimizer,
+                                                 model, max_file_bytes=SPLIT)
+    state = tmp_path / "optimizer.safetensors.index.json"
+    assert files[-1] == str(state) and len(files) > 2
 
     # 2. K steps through two shards started from them; SIGTERM checkpoints.
     (tmp_path / "shards").mkdir()
@@ -106,18 +110,21 @@ def test_pytorch_to_layercast_and_back_bit_for_bit(tmp_path):
                 torch.manual_seed(100 + step)
                 losses.append(trainer.train_step(*example.batch(step), example.loss_fn))
     exported = layercast.torch.export_checkpoint(checkpoints, tmp_path / "exported",
-                                                 example.GPT(device="meta"))
+                                                 example.GPT(device="meta"), max_file_bytes=SPLIT)
     assert exported["step"] == 2 * K and exported["version"] == 2 * K
+    back = tmp_path / "exported"
+    assert {pathlib.Path(f).name for f in exported["files"]} >= {
+        "model.safetensors.index.json", "optimizer.safetensors.index.json"}
 
     # 3. Back into PyTorch (the optimizer built with another lr: the file's
     # is taken), K more steps.
     model = example.GPT()
-    weights = layercast.torch.load_safetensors(tmp_path / "exported" / "model.safetensors")
+    weights = layercast.torch.load_safetensors(back / "model.safetensors.index.json")
     loaded = model.load_state_dict({**weights, **example.fresh_buffers()}, strict=False)
     assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys
     optimizer = adamw(model, lr=1.0)
-    layercast.torch.load_optimizer_state(tmp_path / "exported" / "optimizer.safetensors",
-                                         optimizer, model)
+    layercast.torch.load_optimizer_state(back / "optimizer.safetensors.index.json", optimizer,
+                                         model)
     assert [g["lr"] for g in optimizer.param_groups] == [example.LR, example.LR]
     torch_steps(model, optimizer, range(2 * K, 3 * K), losses, [])
 
@@ -161,6 +168,7 @@ def test_a_state_that_does_not_fit_refuses_the_start(tmp_path, change, line):
         metadata = layercast.training_state._metadata(state)
         layercast.torch.save_safetensors(state, tensors, metadata)
     (tmp_path / "shards").mkdir()
-    with pytest.raises(RuntimeError, match="--optimizer-state " + re.escape(str(state)) + ": .*" + line):
+    refused = f"--optimizer-state {re.escape(str(state))}: .*{line}"
+    with pytest.raises(RuntimeError, match=refused):
         ShardSet(tmp_path / "shards", 1,
                  ["--model", str(tmp_path / "model"), "--optimizer-state", str(state)] + flags)
