@@ -44,6 +44,10 @@ class RelayChunks final : public server::ChunkSource {
   std::string WaitingFor() const override;
 
  private:
+  // OUT_OF_RANGE when the delta to target_ of this shard's slice would be
+  // larger than its values (most of them changed), as the shards answer:
+  // the reader pulls in full, which costs less.
+  absl::Status DeltaPays() const;
   absl::StatusOr<server::CastChunk> Full(const server::ChunkKey& key,
                                          const AssembledTensor& placed) const;
   absl::StatusOr<server::CastChunk> Delta(const server::ChunkKey& key,

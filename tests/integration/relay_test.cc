@@ -150,5 +150,47 @@ TEST_F(PublishTest, ARelayForwardsTheShardsChunksAndItsChildrenOutliveIt) {
   EXPECT_EQ(shards_.processes->Stop(), absl::OkStatus());
 }
 
+// A delta larger than the values it replaces (a publish that moved nearly
+// every value) is refused by a relay as by the shards, so its readers pull
+// in full and never carry a bitmap on top of every value.
+TEST_F(PublishTest, ARelayRefusesADeltaThatWouldOutweighTheLayerAsTheShardsDo) {
+  const std::string dir = MakeTempDir("relay-dense");
+  RelayProcess relay(dir, "relay", shards_.set->addresses(), "");
+  ASSERT_EQ(relay.addresses().size(), 2u) << relay.log();
+  client::WeightPublisher publisher(*shards_.set, {.admin_token = kToken, .insecure = true});
+  const auto some = Nudged(1.0f / 16);
+  auto all = some;
+  for (auto& [name, tensor] : all) {
+    for (float& value : tensor) value *= 1.5f;
+  }
+  ASSERT_TRUE(publisher.Publish(View(some)).ok());
+  ASSERT_TRUE(publisher.Publish(View(all)).ok());
+  uint32_t refused = 0;
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    for (uint32_t s = 0; s < 2; ++s) {
+      auto relayed = layercast::v1::ShardService::NewStub(
+          grpc::CreateChannel(relay.addresses()[s], grpc::InsecureChannelCredentials()));
+      for (const uint64_t base : {0, 1}) {
+        layercast::v1::FetchLayerRequest request;
+        request.set_layer(l);
+        request.set_exact_version(2);  // the relay's read waits for it to land
+        request.set_base_version(base);
+        request.set_accepts_changed_gaps(true);
+        const Stream from_shard = Read(shards_.set->stub(s), request);
+        const Stream from_relay = Read(*relayed, request);
+        EXPECT_EQ(from_relay.status.error_code(), from_shard.status.error_code())
+            << "layer " << l << ", shard " << s << ", base " << base << ": "
+            << from_relay.status.error_message() << " / " << from_shard.status.error_message();
+        if (from_relay.status.error_code() == grpc::StatusCode::OUT_OF_RANGE) {
+          EXPECT_THAT(from_relay.status.error_message(), HasSubstr("pull the layer in full"));
+          ++refused;
+        }
+      }
+    }
+  }
+  // Layers 0 and 3 moved nearly every value; in the others enough stayed.
+  EXPECT_GE(refused, 4u) << "the dense deltas are refused";
+}
+
 }  // namespace
 }  // namespace layercast::testing
