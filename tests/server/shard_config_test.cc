@@ -85,6 +85,9 @@ TEST(ShardConfigTest, TrainingNeedsAnOptimizerAndAValidWorkerCount) {
   EXPECT_THAT(settings.status().message(), HasSubstr("--optimizer: "));
   settings = Resolve({"--data-parallel-workers", "2"});
   EXPECT_THAT(settings.status().message(), HasSubstr("needs --optimizer"));
+  settings = Resolve({"--optimizer-state", "optimizer.safetensors"});
+  EXPECT_EQ(settings.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(settings.status().message(), HasSubstr("--optimizer-state needs --optimizer"));
   settings = Resolve({"--optimizer", "sgd:lr=1", "--data-parallel-workers", "5000"});
   EXPECT_THAT(settings.status().message(), HasSubstr("use 1-4096"));
 }
