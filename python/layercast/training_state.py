@@ -143,15 +143,22 @@ def _target(path) -> pathlib.Path:
 
 
 def save_optimizer_state(path, optimizer: torch.optim.Optimizer, module: torch.nn.Module, *,
+                         steps: Optional[int] = None,
                          max_file_bytes: int = 5_000_000_000) -> List[str]:
     """Writes `optimizer`'s state (a torch.optim.AdamW or SGD over
     `module`'s parameters) by parameter name, for shards started with
     `--optimizer-state` (and `--model` holding the module's parameters, as
-    save_safetensors writes them). `path` ends in ".safetensors"; over
-    `max_file_bytes` it is split, with "<path>.index.json" (name that to the
-    shards). Returns the files written."""
+    save_safetensors writes them). `steps`: SGD only, the steps taken so
+    far, which torch's SGD does not count (the shards' layers start at that
+    version, so a schedule goes on; default: 1 for a parameter with a
+    momentum buffer). `path` ends in ".safetensors"; over `max_file_bytes`
+    it is split, with "<path>.index.json" (name that to the shards).
+    Returns the files written."""
     path = _target(path)
     kind = _kind(optimizer)
+    if steps is not None and (kind == "adamw" or steps < 1):
+        raise ValueError("steps is for SGD, whose state does not count them, and at least 1; "
+                         "AdamW's state holds its own")
     names = _names(optimizer, module)
     for name in names:
         if _SPEC_SYNTAX.search(name):
@@ -181,8 +188,11 @@ def save_optimizer_state(path, optimizer: torch.optim.Optimizer, module: torch.n
                 tensors[f"state.{name}.{buffer}"] = (
                     torch.zeros(p.shape, dtype=torch.float32) if value is None else
                     value.detach().to(device="cpu", dtype=torch.float32).contiguous())
-            if kind == "adamw" or not state:
-                # torch's SGD counts no steps; one without a buffer is at step 0.
+            if kind == "sgd":
+                # Without a buffer, no step was taken; with one, the shards
+                # count one unless told.
+                step = 0 if state.get("momentum_buffer") is None else steps
+            if step is not None:
                 tensors[f"state.{name}.step"] = torch.tensor(float(step), dtype=torch.float32)
     metadata = {"format": FORMAT, "optimizer": spec, "param_groups": json.dumps(groups)}
     return _write(path, tensors, metadata, max_file_bytes)
