@@ -428,8 +428,10 @@ class ShardSet:
         and "<path>.index.json"). `version`: default, the shards' current
         one. Each layer's gather ends within `timeout` seconds. Files appear
         under their names only once all are complete (a failed export
-        leaves none behind). Returns {version,
-        bytes, tensors, files}."""
+        leaves none behind). The optimizer's state is not in it:
+        layercast.torch.export_checkpoint writes the master and that state,
+        for torch.optim, from the checkpoint training shards wrote. Returns
+        {version, bytes, tensors, files}."""
         if not str(path).endswith(".safetensors"):
             raise ValueError(f"path {str(path)!r} does not end in .safetensors: name the file, "
                              f"e.g. 'model.safetensors'")
