@@ -11,6 +11,7 @@
 #include "core/layout.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "server/cast_cache.h"
 #include "server/memory_plan.h"
 #include "server/model_source.h"
 
@@ -45,6 +46,28 @@ std::string LayerGrouping(const ModelSpec& model) {
   return absl::StrJoin(shown, ", ");
 }
 
+// What --cast-cache-bytes would hold of shard `plan.shard_index`'s layers
+// after a walk through the model, each admitted as the cache admits it
+// (CastCache::Admits) beside the plan's reserved bytes and the one stream
+// reading it.
+std::string CastCacheLine(const std::vector<AssembledLayout>& layouts, const MemoryPlan& plan,
+                          uint64_t capacity, std::optional<uint64_t> budget) {
+  uint64_t held = 0, all = 0;
+  size_t kept = 0, keepable = 0;
+  for (const AssembledLayout& layout : layouts) {
+    const uint64_t bytes = CastCache::LayerBytes(layout, plan.shard_index, plan.num_shards);
+    all += bytes;
+    keepable += bytes > 0;
+    if (CastCache::Admits(held, bytes, capacity, budget, plan.MinimumBudget() + held)) {
+      held += bytes;
+      ++kept;
+    }
+  }
+  return absl::StrCat("  shard ", plan.shard_index, "/", plan.num_shards, ": ", kept, " of ",
+                      keepable, " layers, ", FormatBytes(held), " of the ", FormatBytes(all),
+                      " its layers take\n");
+}
+
 }  // namespace
 
 absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
@@ -75,7 +98,11 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
                                                 "step staging", "stream buffers", "change bitmaps",
                                                 "cast ledger", "least --memory-budget"));
   uint64_t most = 0;
-  std::string refusal;
+  std::string refusal, cast_cache;
+  std::vector<AssembledLayout> layouts;
+  if (config.cast_cache_bytes() > 0) {
+    ASSIGN_OR_RETURN(layouts, ShardedLayouts(model, settings.policy, config.num_shards()));
+  }
   for (uint32_t shard = 0; shard < config.num_shards(); ++shard) {
     // A policy the model's tensors cannot take (an 8-bit float block that
     // two shards would split) stops the shard as it plans: so it does here.
@@ -83,6 +110,10 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
                      PlanShardMemory(model, settings.policy, shard, config.num_shards(),
                                      config.chunk_bytes(), config.delta_versions(), training));
     most = std::max(most, plan.MinimumBudget());
+    if (config.cast_cache_bytes() > 0) {
+      absl::StrAppend(&cast_cache, CastCacheLine(layouts, plan, config.cast_cache_bytes(),
+                                                 settings.memory_budget_bytes));
+    }
     absl::StrAppend(&report.text,
                     absl::StrFormat("%-8s %14s %16s %14s %14s %14s %14s %22s\n",
                                     absl::StrCat(shard, "/", config.num_shards()),
@@ -96,6 +127,13 @@ absl::StatusOr<DryRunReport> DryRun(const ShardSettings& settings) {
         refusal = std::string(fits.message());
       }
     }
+  }
+  if (!cast_cache.empty()) {
+    absl::StrAppend(&report.text, "cast cache (--cast-cache-bytes ",
+                    FormatBytes(config.cast_cache_bytes()),
+                    "; a shard's RSS grows by what it holds; 8-bit float tensors are not kept), "
+                    "after one walk by one reader",
+                    settings.memory_budget_bytes ? " in --memory-budget" : "", ":\n", cast_cache);
   }
   // Whole MiB, rounded up: the Kubernetes quantity a manifest can carry.
   const auto mebibytes = [](uint64_t bytes) { return (bytes + (1 << 20) - 1) >> 20; };

@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "server/cast_cache.h"
 #include "server/change_log.h"
 #include "server/chunk_pool.h"
 #include "server/layer_digests.h"
@@ -54,6 +55,10 @@ struct LoadedShard {
   // give theirs back as they go. Shared with the budget's reclaimer, which
   // holds it weakly.
   std::shared_ptr<ChunkPool> pool;
+  // A read-only shard's cast cache; null without --cast-cache-bytes. Before
+  // `shared`, whose kept chunks may be slices of it. Shared with the
+  // budget's reclaimer, which holds it weakly.
+  std::shared_ptr<CastCache> cast_cache;
   // Cast chunks kept for other streams; null with --shared-chunk-bytes 0.
   // Shared with the budget's reclaimer, which holds it weakly.
   std::shared_ptr<SharedChunks> shared;

@@ -101,14 +101,20 @@ ServerMetrics::ServerMetrics() : registry_(std::make_shared<prometheus::Registry
   auto& chunk_sources = BuildCounter()
                             .Name("layercast_chunks_total")
                             .Help(
-                                "Chunks sent, by source: cast for the stream, or shared with "
-                                "another stream that cast it")
+                                "Chunks sent, by source: cast for the stream, shared with "
+                                "another stream that cast it, or from the cast cache")
                             .Register(r);
   chunks_cast_ = &chunk_sources.Add({{"source", "cast"}});
   chunks_shared_ = &chunk_sources.Add({{"source", "shared"}});
+  chunks_cached_ = &chunk_sources.Add({{"source", "cache"}});
   shared_chunk_bytes_ =
       Gauge(r, "layercast_shared_chunk_bytes",
             "Bytes of cast chunks kept for other streams to send (part of memory in use)");
+  cast_cache_bytes_ = Gauge(r, "layercast_cast_cache_bytes",
+                            "Bytes of compute-dtype layers the cast cache holds for later reads "
+                            "(--cast-cache-bytes; part of memory in use)");
+  cast_cache_layers_ =
+      Gauge(r, "layercast_cast_cache_layers", "Layers the cast cache holds for later reads");
   fetch_duration_ = &BuildHistogram()
                          .Name("layercast_fetch_duration_seconds")
                          .Help("Duration of FetchLayer streams that ended OK, start to last chunk")

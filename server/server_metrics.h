@@ -52,13 +52,18 @@ class ServerMetrics {
   // stream that cast it (see SharedChunks).
   void RecordChunkCast() { chunks_cast_->Increment(); }
   void RecordChunkShared() { chunks_shared_->Increment(); }
+  // A chunk went out from the cast cache (CastCache), cast by no stream.
+  void RecordChunkCached() { chunks_cached_->Increment(); }
   // A stream was cancelled because its reader stopped draining chunks.
   void RecordStalledStream() { streams_stalled_->Increment(); }
   const prometheus::Counter& streams_stalled() const { return *streams_stalled_; }
 
   const prometheus::Counter& chunks_cast() const { return *chunks_cast_; }
   const prometheus::Counter& chunks_shared() const { return *chunks_shared_; }
+  const prometheus::Counter& chunks_cached() const { return *chunks_cached_; }
   prometheus::Gauge& shared_chunk_bytes() { return *shared_chunk_bytes_; }
+  prometheus::Gauge& cast_cache_bytes() { return *cast_cache_bytes_; }
+  prometheus::Gauge& cast_cache_layers() { return *cast_cache_layers_; }
   prometheus::Gauge& streams_in_flight() { return *streams_in_flight_; }
   prometheus::Gauge& push_streams_in_flight() { return *push_streams_in_flight_; }
   prometheus::Gauge& streams_waiting_for_version() { return *streams_waiting_version_; }
@@ -131,7 +136,10 @@ class ServerMetrics {
   prometheus::Counter& SentBytes(DType dtype);
   prometheus::Counter* chunks_cast_;
   prometheus::Counter* chunks_shared_;
+  prometheus::Counter* chunks_cached_;
   prometheus::Gauge* shared_chunk_bytes_;
+  prometheus::Gauge* cast_cache_bytes_;
+  prometheus::Gauge* cast_cache_layers_;
   prometheus::Histogram* fetch_duration_;
   prometheus::Gauge* streams_in_flight_;
   prometheus::Gauge* push_streams_in_flight_;

@@ -25,7 +25,12 @@ ShardChunks::ShardChunks(const ParameterStore& store, const VersionGate& gate,
                .cast_errors = options_.cast_errors,
                .recast = options_.recast,
                .own_dtype = plan_.dtype.has_value(),
-               .sample_every = options_.cast_error_sample_every}) {
+               .sample_every = options_.cast_error_sample_every}),
+      // The cache holds the policy's casts, whole; a recast trusts none.
+      cache_(options_.recast || plan_.dtype || options_.base_version ? nullptr : options_.cache) {
+  // The worker saw a chunk of this layer fail its checksum: the cached
+  // bytes may be what failed.
+  if (options_.recast && options_.cache != nullptr) options_.cache->DropLayer(plan_.layer);
   // What keeps a training shard recording its steps (ChangeLog::Wanted).
   if (options_.changes != nullptr &&
       (options_.base_version || options_.exact_version || options_.will_pull_deltas)) {
@@ -87,8 +92,23 @@ std::string ShardChunks::WaitingFor() const {
   return options_.waiting_for ? options_.waiting_for(plan_.layer) : std::string();
 }
 
+CastCache::Layer* ShardChunks::CachedLayer(const ChunkKey& key) {
+  if (cache_ == nullptr || key.base_version != ChunkKey::kWhole) return nullptr;
+  if (!cache_looked_up_) {
+    cache_looked_up_ = true;
+    cached_ = cache_->ForVersion(key.layer, key.version);
+  }
+  return cached_ != nullptr && cached_->version() == key.version ? cached_.get() : nullptr;
+}
+
 std::optional<absl::StatusOr<CastChunk>> ShardChunks::Get(const ChunkKey& key, uint64_t bytes,
                                                           Resume resume) {
+  if (CastCache::Layer* cached = CachedLayer(key); cached != nullptr) {
+    if (std::optional<CastChunk> hit = cached->Find(key)) {
+      metrics_.RecordChunkCached();
+      return *std::move(hit);
+    }
+  }
   const auto cast = [this, &key] { return Cast(key); };
   if (options_.shared == nullptr) return cast();
   // Another stream casting this very chunk resumes this one when it is done
@@ -197,6 +217,16 @@ absl::StatusOr<CastChunk> ShardChunks::Cast(const ChunkKey& key) {
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
   ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
   const AssembledTensor& placed = plan_.layout.tensors()[key.tensor];
+  if (CastCache::Layer* cached = CachedLayer(key); cached != nullptr) {
+    if (uint8_t* into = cached->Claim(key); into != nullptr) {
+      uint32_t crc = 0;
+      if (absl::Status cast = caster_.CastInto(key, placed, kept.get(), into, &crc); !cast.ok()) {
+        cached->Abandon(key);
+        return cast;
+      }
+      return cached->Fill(key, crc);
+    }
+  }
   const size_t bytes =
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements});
   uint8_t* data = nullptr;

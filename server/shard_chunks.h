@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/cast_cache.h"
 #include "server/cast_error_ledger.h"
 #include "server/change_log.h"
 #include "server/chunk_caster.h"
@@ -33,6 +34,8 @@ namespace layercast::server {
 // from the version PinnedVersions kept, which a cast at that version gave.
 // A delta chunk is cast whole and packed to the elements ChangeLog says
 // changed. Chunks another stream cast are shared through SharedChunks.
+// On a shard with a cast cache, a full pull in the policy's dtypes sends
+// what the cache holds of its version and casts the rest into it.
 class ShardChunks final : public ChunkSource {
  public:
   struct Options {
@@ -42,6 +45,9 @@ class ShardChunks final : public ChunkSource {
     SharedChunks* shared = nullptr;
     // The buffers chunks are cast into; null: a std::malloc block each.
     ChunkPool* pool = nullptr;
+    // A read-only shard's cast cache (--cast-cache-bytes); null: off. Used
+    // by full pulls in the policy's dtypes; a recast drops the layer's.
+    CastCache* cache = nullptr;
     // A delta pull from this version (FetchLayerRequest.base_version): what
     // changed since is read from `changes`, which must be set with it.
     std::optional<uint64_t> base_version;
@@ -84,9 +90,14 @@ class ShardChunks final : public ChunkSource {
   std::string WaitingFor() const override;
 
  private:
-  // Casts chunk `key` from the master into a new slice, with its CRC-32C,
-  // or (a delta key) into the delta chunk of its span.
+  // Casts chunk `key` from the master into a new slice (the cast cache's,
+  // when it takes the chunk), with its CRC-32C, or (a delta key) into the
+  // delta chunk of its span.
   absl::StatusOr<CastChunk> Cast(const ChunkKey& key);
+  // What the cast cache holds of the stream's layer at key.version (looked
+  // up at the stream's first chunk): null when the stream does not use it
+  // or the cache does not hold the layer.
+  CastCache::Layer* CachedLayer(const ChunkKey& key);
   absl::StatusOr<CastChunk> CastDelta(const ChunkKey& key);
   // A delta chunk of an 8-bit float tensor, from the span's codes and
   // scales at key.version (`quantized`) and the fp32 elements that changed
@@ -131,6 +142,11 @@ class ShardChunks final : public ChunkSource {
   std::atomic<bool> pinned_{false};
   // The kept version a pinned read sends from; set by Start.
   std::shared_ptr<const PinnedVersions::Kept> held_;
+  // The cast cache, when this stream reads through it; the layer it holds
+  // of the stream's version, once looked up.
+  CastCache* const cache_;
+  bool cache_looked_up_ = false;
+  std::shared_ptr<CastCache::Layer> cached_;
 };
 
 }  // namespace layercast::server

@@ -282,6 +282,11 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--optimizer-state needs --optimizer SPEC: the state is the optimizer's, and a shard "
         "without one does not train");
   }
+  if (training && config.cast_cache_bytes() > 0) {
+    return absl::InvalidArgumentError(
+        "--cast-cache-bytes serves a read-only shard: a training shard's layers change every "
+        "step, so nothing it kept would be read again; drop --cast-cache-bytes or --optimizer");
+  }
   if (!training && !config.worker_token_dir().empty()) {
     return absl::InvalidArgumentError(
         "--worker-token-dir needs --optimizer SPEC: a shard without an optimizer takes no "

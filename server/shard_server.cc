@@ -240,20 +240,38 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
           : std::max(kMinSharedChunks * config.chunk_bytes(),
                      kSharedLayers * LargestLayerShareBytes(loaded_store));
   shard->pool = std::make_shared<ChunkPool>(config.chunk_bytes(), kPooledChunks, *shard->budget);
+  if (config.cast_cache_bytes() > 0 && shard->trainer == nullptr) {
+    shard->cast_cache =
+        std::make_shared<CastCache>(CastCache::Options{.capacity_bytes = config.cast_cache_bytes(),
+                                                       .chunk_bytes = config.chunk_bytes(),
+                                                       .shard_index = loaded_store.shard_index(),
+                                                       .num_shards = loaded_store.num_shards()},
+                                    loaded_store.layouts(), *shard->budget, metrics_);
+    uint64_t all = 0;
+    for (const AssembledLayout& layout : loaded_store.layouts()) {
+      all += CastCache::LayerBytes(layout, loaded_store.shard_index(), loaded_store.num_shards());
+    }
+    Log()->info(
+        "cast cache: up to {} (--cast-cache-bytes) of the {} this shard's layers take in "
+        "their compute dtypes, as the budget has room",
+        FormatBytes(config.cast_cache_bytes()), FormatBytes(all));
+  }
   if (shared_bytes > 0) {
     shard->shared = std::make_shared<SharedChunks>(
         shared_bytes, std::chrono::milliseconds(config.shared_chunk_max_idle_ms()), *shard->budget,
         metrics_, grants_.get_executor(), &timers_);
   }
   // A request that has to wait for budget first gets what is only kept for
-  // speed: cast chunks kept for other streams, idle chunk buffers, pooled
-  // gradient staging, versions kept for pinned readers.
+  // speed: cast chunks kept for other streams, the cast cache, idle chunk
+  // buffers, pooled gradient staging, versions kept for pinned readers.
   shard->budget->SetReclaimer(
       [shared = std::weak_ptr<SharedChunks>(shard->shared),
+       cache = std::weak_ptr<CastCache>(shard->cast_cache),
        buffers = std::weak_ptr<ChunkPool>(shard->pool),
        staging = shard->trainer ? shard->trainer->spare_staging() : std::weak_ptr<StagingPool>(),
        pinned = std::weak_ptr<PinnedVersions>(shard->pinned)] {
         if (auto chunks = shared.lock()) chunks->DropAll();
+        if (auto cached = cache.lock()) cached->DropAll();
         // After the kept chunks, whose buffers came back to it.
         if (auto idle = buffers.lock()) idle->Drain();
         if (auto pool = staging.lock()) pool->Drain();

@@ -213,6 +213,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   }
   source.shared = shared;
   source.pool = shard->pool.get();
+  source.cache = shard->cast_cache.get();
   if (request->has_base_version()) source.base_version = request->base_version();
   source.will_pull_deltas = request->will_pull_deltas();
   // The worker saw a chunk of this layer fail its checksum: the kept copy,

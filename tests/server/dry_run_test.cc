@@ -42,5 +42,25 @@ TEST(DryRunTest, RefusesAnFp8BlockThatTwoShardsWouldSplit) {
   EXPECT_THAT(whole->text, HasSubstr("float8_e4m3fn"));
 }
 
+// The cast cache's line: how many layers the capacity holds, in the order
+// a walk reads them, none without the flag.
+TEST(DryRunTest, ShowsWhatTheCastCacheWouldHold) {
+  const absl::StatusOr<DryRunReport> off = DryRunWith({"--num-shards", "1"});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_THAT(off->text, ::testing::Not(HasSubstr("cast cache")));
+  // The embedding (1024 x 256 in bfloat16, 512 KiB) fits; layer 0 and the
+  // final layer (its norm and a head as large as the embedding) do not.
+  const absl::StatusOr<DryRunReport> on =
+      DryRunWith({"--num-shards", "1", "--policy", "p=f32,c=bf16", "--cast-cache-bytes", "524288"});
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_THAT(on->text, HasSubstr("cast cache (--cast-cache-bytes 512.00 KiB"));
+  EXPECT_THAT(on->text, HasSubstr("shard 0/1: 1 of 3 layers, 512.00 KiB of the "));
+  // A training shard's every step is a new version: nothing kept is read.
+  const absl::StatusOr<DryRunReport> training =
+      DryRunWith({"--num-shards", "1", "--optimizer", "sgd:lr=0.1", "--cast-cache-bytes", "1"});
+  EXPECT_EQ(training.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(training.status().message(), HasSubstr("serves a read-only shard"));
+}
+
 }  // namespace
 }  // namespace layercast::server
