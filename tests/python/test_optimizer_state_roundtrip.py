@@ -195,3 +195,12 @@ def test_a_state_that_does_not_fit_refuses_the_start(tmp_path, change, line):
     with pytest.raises(RuntimeError, match=refused):
         ShardSet(tmp_path / "shards", 1,
                  ["--model", str(tmp_path / "model"), "--optimizer-state", str(state)] + flags(optimizer))
+
+
+def test_a_shard_without_a_checkpoint_dir_starts_from_the_state(tmp_path):
+    state = state_file(tmp_path)
+    (tmp_path / "shards").mkdir()
+    with ShardSet(tmp_path / "shards", 1, ["--model", str(tmp_path / "model"),
+                                           "--optimizer-state", str(state)] + flags()) as shards:
+        with layercast.connect(shards.addresses) as shard_set:
+            assert shard_set.version() == 1
