@@ -14,4 +14,11 @@ namespace layercast {
 void MarkChangedBits(const uint8_t* now, const uint8_t* was, uint64_t n, size_t size,
                      std::vector<uint64_t>& bits);
 
+// As MarkChangedBits, into bits [first, first + n) of `bits`, which keeps
+// what it held (bits are only set): a shard's change log marks a layer's
+// slice block by block this way. Returns how many differ.
+// REQUIRES: bits.size() * 64 >= first + n.
+uint64_t MarkChangedBitsFrom(const uint8_t* now, const uint8_t* was, uint64_t n, size_t size,
+                             uint64_t first, std::vector<uint64_t>& bits);
+
 }  // namespace layercast

@@ -1,15 +1,10 @@
 #include "server/change_log.h"
 
 #include <algorithm>
-#include <bit>
-#include <cstring>
 #include <new>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include "core/cast.h"
+#include "core/changed_bits.h"
 #include "core/layout.h"
 #include "platform/log.h"
 
@@ -21,77 +16,6 @@ constexpr uint64_t Words(uint64_t bits) { return (bits + 63) / 64; }
 // Compared a cache-sized block at a time: the new values are cast into it
 // and compared with the snapshot while both are in cache.
 constexpr uint64_t kBlockElements = TensorOptimizer::kObservedBlock;
-
-// Bit i of the result: elements i of `a` and `b` (64 of `element_size`
-// bytes each) differ. SSE2 (every x86-64) compares 16 at a time; a
-// compiler does not vectorise the scalar loop's shift-or reduction.
-uint64_t DifferenceMask64(const uint8_t* a, const uint8_t* b, size_t element_size) {
-#if defined(__SSE2__)
-  if (element_size == 2 || element_size == 4) {
-    uint64_t equal = 0;
-    for (int group = 0; group < 4; ++group) {  // 16 elements each
-      __m128i lanes[4];
-      // 16 elements of element_size bytes fill that many 16-byte vectors.
-      const int vectors_per_group = static_cast<int>(element_size);
-      for (int v = 0; v < vectors_per_group; ++v) {
-        const size_t at = (static_cast<size_t>(group) * vectors_per_group + v) * 16;
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + at));
-        const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
-        lanes[v] = element_size == 2 ? _mm_cmpeq_epi16(x, y) : _mm_cmpeq_epi32(x, y);
-      }
-      // Narrowed to one byte per element (all ones or zero survive the
-      // signed saturation), then one bit per element.
-      const __m128i bytes = element_size == 2
-                                ? _mm_packs_epi16(lanes[0], lanes[1])
-                                : _mm_packs_epi16(_mm_packs_epi32(lanes[0], lanes[1]),
-                                                  _mm_packs_epi32(lanes[2], lanes[3]));
-      equal |= static_cast<uint64_t>(static_cast<uint16_t>(_mm_movemask_epi8(bytes)))
-               << (16 * group);
-    }
-    return ~equal;
-  }
-#endif
-  uint64_t mask = 0;
-  for (size_t i = 0; i < 64; ++i) {
-    if (std::memcmp(a + i * element_size, b + i * element_size, element_size) != 0) {
-      mask |= uint64_t{1} << i;
-    }
-  }
-  return mask;
-}
-
-// ORs `mask` (64 elements' bits) into `bits` from bit `first`.
-void MarkMask(uint64_t mask, uint64_t first, std::vector<uint64_t>& bits) {
-  const uint64_t shift = first % 64;
-  bits[first / 64] |= mask << shift;
-  // Only bits that exist can be shifted into the next word.
-  if (shift != 0 && (mask >> (64 - shift)) != 0) bits[first / 64 + 1] |= mask >> (64 - shift);
-}
-
-// Sets bit `first + i` of `bits` for each i where the elements of
-// `element_size` bytes at `a` and `b` differ; returns how many.
-uint64_t MarkDifferences(const uint8_t* a, const uint8_t* b, uint64_t count, size_t element_size,
-                         uint64_t first, std::vector<uint64_t>& bits) {
-  uint64_t changed = 0;
-  uint64_t i = 0;
-  for (; i + 64 <= count; i += 64) {
-    const uint64_t mask =
-        DifferenceMask64(a + i * element_size, b + i * element_size, element_size);
-    if (mask == 0) continue;
-    changed += static_cast<uint64_t>(std::popcount(mask));
-    MarkMask(mask, first + i, bits);
-  }
-  uint64_t tail = 0;
-  for (uint64_t j = 0; i + j < count; ++j) {
-    const uint64_t at = (i + j) * element_size;
-    if (std::memcmp(a + at, b + at, element_size) != 0) tail |= uint64_t{1} << j;
-  }
-  if (tail != 0) {
-    changed += static_cast<uint64_t>(std::popcount(tail));
-    MarkMask(tail, first + i, bits);
-  }
-  return changed;
-}
 
 // Marks `count` elements from bit `first` changed.
 void MarkAll(uint64_t first, uint64_t count, std::vector<uint64_t>& bits) {
@@ -117,7 +41,7 @@ uint64_t MarkChangedBlock(const float* now, uint64_t count, const uint8_t* old_b
     MarkAll(first, count, bits);
     return count;
   }
-  return MarkDifferences(fresh, old_bits, count, DTypeSize(dtype), first, bits);
+  return MarkChangedBitsFrom(fresh, old_bits, count, DTypeSize(dtype), first, bits);
 }
 
 }  // namespace
