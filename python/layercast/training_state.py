@@ -220,6 +220,7 @@ def load_optimizer_state(path, optimizer: torch.optim.Optimizer, module: torch.n
     group_of = {name: group for group in groups for name in group["params"]}
     tensors = load_safetensors(path)
     names = _names(optimizer, module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     for i, name in enumerate(names):
         if name not in group_of:
@@ -237,6 +238,10 @@ def load_optimizer_state(path, optimizer: torch.optim.Optimizer, module: torch.n
         except (KeyError, AttributeError):
             raise ValueError(f"{path} lacks part of parameter {name}'s state (its step, exp_avg "
                              f"and exp_avg_sq)") from None
+        for buffer, value in state.get(i, {}).items():
+            if buffer != "step" and value.shape != params[i].shape:
+                raise ValueError(f"{path}: {name}'s {buffer} is {tuple(value.shape)}, the "
+                                 f"parameter {tuple(params[i].shape)}: it is another model's")
     current = optimizer.state_dict()
     param_groups = []
     at = 0

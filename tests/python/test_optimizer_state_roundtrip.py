@@ -6,7 +6,8 @@ there (one shard restarted between two), their checkpoint moved back
 (export_checkpoint, load_optimizer_state), K more in PyTorch: every loss,
 the final parameters and the optimizer's final state are those of 3K steps
 entirely in PyTorch, bit for bit. A state file that does not fit the shard
-refuses its start with one line."""
+refuses its start with one line, and one that does not fit the torch
+optimizer is refused by load_optimizer_state."""
 
 import math
 import pathlib
@@ -204,3 +205,17 @@ def test_a_shard_without_a_checkpoint_dir_starts_from_the_state(tmp_path):
                                            "--optimizer-state", str(state)] + flags()) as shards:
         with layercast.connect(shards.addresses) as shard_set:
             assert shard_set.version() == 1
+
+
+def test_torch_refuses_a_state_that_does_not_fit(tmp_path):
+    state = state_file(tmp_path)
+    model = fresh_model()
+    with pytest.raises(ValueError, match="holds adamw state; the optimizer is sgd"):
+        layercast.torch.load_optimizer_state(state, sgd(model), model)
+    tensors = layercast.torch.load_safetensors(state)
+    tensors["state.transformer.ln_f.bias.exp_avg"] = torch.zeros(3)
+    metadata = layercast.training_state._metadata(state)
+    layercast.torch.save_safetensors(state, tensors, metadata)
+    with pytest.raises(ValueError, match=r"transformer\.ln_f\.bias's exp_avg is \(3,\), the "
+                                         r"parameter \(32,\)"):
+        layercast.torch.load_optimizer_state(state, adamw(model), model)
