@@ -24,9 +24,8 @@ namespace layercast::relay {
 namespace {
 
 grpc::Status ReadsOnly(absl::string_view what) {
-  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                      absl::StrCat("this is a relay, which serves reads only: send ", what,
-                                   " to the shards themselves"));
+  return wire::ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+      "this is a relay, which serves reads only: send ", what, " to the shards themselves")));
 }
 
 }  // namespace
@@ -126,8 +125,8 @@ grpc::ServerUnaryReactor* RelayService::WaitVersion(
     layercast::v1::WaitVersionResponse* response) {
   if (versions_.closed()) {
     return FinishUnary(context, "WaitVersion",
-                       grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                    "this relay is stopping: follow the shards, or another relay"));
+                       wire::ToGrpcStatus(absl::UnavailableError(
+                           "this relay is stopping: follow the shards, or another relay")));
   }
   const uint64_t incarnation = versions_.IncarnationOf(shard_);
   response->set_incarnation(incarnation);
@@ -142,12 +141,11 @@ grpc::ServerUnaryReactor* RelayService::WaitVersion(
   }
   const RelayLimits& limits = serving_.limits;
   if (request->min_version() - current > limits.max_version_lead) {
-    return FinishUnary(
-        context, "WaitVersion",
-        grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
-                     absl::StrCat("min_version ", request->min_version(), " is more than ",
-                                  limits.max_version_lead, " versions ahead of this relay's ",
-                                  current, " (--max-version-lead): wait for a nearer one")));
+    return FinishUnary(context, "WaitVersion",
+                       wire::ToGrpcStatus(absl::OutOfRangeError(
+                           absl::StrCat("min_version ", request->min_version(), " is more than ",
+                                        limits.max_version_lead, " versions ahead of this relay's ",
+                                        current, " (--max-version-lead): wait for a nearer one"))));
   }
   const std::string peer = context->peer();
   if (grpc::Status admitted = serving_.streams.AddWait(peer); !admitted.ok()) {
@@ -170,11 +168,10 @@ grpc::ServerUnaryReactor* RelayService::WaitVersion(
 grpc::ServerUnaryReactor* RelayService::GetLayerDigest(grpc::CallbackServerContext* context,
                                                        const layercast::v1::GetLayerDigestRequest*,
                                                        layercast::v1::LayerDigest*) {
-  return FinishUnary(
-      context, "GetLayerDigest",
-      grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                   "a relay does not vouch for the bytes it carries: ask the shards for "
-                   "digests (MirrorOptions::verify_with; layercast fetch --verify-shards)"));
+  return FinishUnary(context, "GetLayerDigest",
+                     wire::ToGrpcStatus(absl::FailedPreconditionError(
+                         "a relay does not vouch for the bytes it carries: ask the shards for "
+                         "digests (MirrorOptions::verify_with; layercast fetch --verify-shards)")));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* RelayService::Refuse(const absl::Status& status) {

@@ -42,9 +42,9 @@ FetchLayerReactor::FetchLayerReactor(grpc::CallbackServerContext* context,
 
 grpc::Status FetchLayerReactor::CancelledWhileWaiting(absl::string_view what) const {
   const bool expired = context_->deadline() <= std::chrono::system_clock::now();
-  return grpc::Status(
-      expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
-      absl::StrCat(what, " when the call ", expired ? "reached its deadline" : "was cancelled"));
+  return wire::ToGrpcStatus(absl::Status(
+      expired ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled,
+      absl::StrCat(what, " when the call ", expired ? "reached its deadline" : "was cancelled")));
 }
 
 void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version) {
@@ -69,12 +69,11 @@ void FetchLayerReactor::OnVersion(VersionGate::Outcome outcome, uint64_t version
           options_.server);
     } else if (outcome == VersionGate::Outcome::kTimedOut) {
       const std::string waiting_for = source_->WaitingFor();
-      finish = grpc::Status(
-          grpc::StatusCode::DEADLINE_EXCEEDED,
+      finish = wire::ToGrpcStatus(absl::DeadlineExceededError(
           absl::StrCat("parameter version ", options_.min_version, " was not reached (current ",
                        version, ") within the call's deadline or this ", options_.server,
                        "'s limit on waiting for a version (--max-version-wait-ms)",
-                       waiting_for.empty() ? "; ask again" : absl::StrCat(": ", waiting_for)));
+                       waiting_for.empty() ? "; ask again" : absl::StrCat(": ", waiting_for))));
     } else if (!started->ok()) {
       finish = wire::ToGrpcStatus(started->status());
     } else {
@@ -104,15 +103,12 @@ void FetchLayerReactor::OnBudget(bool granted) {
       finish = CancelledWhileWaiting("waiting for memory budget");
     } else if (!granted) {
       const std::optional<uint64_t> budget = budget_.budget();
-      finish = grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("no memory budget became free for this stream's ",
-                       FormatBytes(buffer_bytes_), " of chunk buffers before its deadline: the ",
-                       options_.server, "'s budget of ",
-                       budget ? FormatBytes(*budget) : "unlimited", " has ",
-                       FormatBytes(budget_.in_use()), " in use (fp32 master included) and ",
-                       budget_.waiting(), " stream(s) waiting; retry later, or raise ",
-                       "--memory-budget or lower --chunk-bytes"));
+      finish = wire::ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+          "no memory budget became free for this stream's ", FormatBytes(buffer_bytes_),
+          " of chunk buffers before its deadline: the ", options_.server, "'s budget of ",
+          budget ? FormatBytes(*budget) : "unlimited", " has ", FormatBytes(budget_.in_use()),
+          " in use (fp32 master included) and ", budget_.waiting(),
+          " stream(s) waiting; retry later, or raise --memory-budget or lower --chunk-bytes")));
     } else {
       phase_ = Phase::kStreaming;
     }
@@ -195,10 +191,10 @@ void FetchLayerReactor::Write(absl::StatusOr<CastChunk> chunk) {
 void FetchLayerReactor::OnWriteDone(bool ok) {
   StampDone();
   if (!ok) {
-    FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED,
-                            stalled() ? "the client stopped reading: no chunk was drained within "
-                                        "the shard's --write-progress-timeout-ms"
-                                      : "the client went away mid-stream"));
+    FinishOnce(wire::ToGrpcStatus(
+        absl::CancelledError(stalled() ? "the client stopped reading: no chunk was drained within "
+                                         "the shard's --write-progress-timeout-ms"
+                                       : "the client went away mid-stream")));
     return;
   }
   metrics_.RecordChunkSent(pending_dtype_, pending_elements_, pending_bytes_);

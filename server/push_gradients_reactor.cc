@@ -73,9 +73,8 @@ void PushGradientsReactor::Begin() {
   ticket_.emplace(*std::move(ticket));
   // The step's staging, for every worker's push, is reserved once; this
   // push waits for it (without blocking a thread) unless it is there.
-  const grpc::Status cancelled(grpc::StatusCode::CANCELLED,
-                               "the push was cancelled before it was staged; nothing of it was "
-                               "kept");
+  const grpc::Status cancelled = wire::ToGrpcStatus(
+      absl::CancelledError("the push was cancelled before it was staged; nothing of it was kept"));
   bool was_cancelled = false;
   {
     absl::MutexLock lock(&mu_);
@@ -113,17 +112,15 @@ void PushGradientsReactor::OnReserved(bool granted) {
     waiting_ = false;
     wait_id_ = 0;
     if (cancelled_) {
-      finish = grpc::Status(grpc::StatusCode::CANCELLED,
-                            "the push was cancelled while it waited for memory budget; nothing "
-                            "of it was staged");
+      finish = wire::ToGrpcStatus(
+          absl::CancelledError("the push was cancelled while it waited for memory budget; nothing "
+                               "of it was staged"));
     } else if (!granted) {
-      finish = grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("no memory budget became free to stage a step of layer ", layer_, " (",
-                       FormatBytes(trainer_.StepBytes(layer_)),
-                       ") in time: ", FormatBytes(budget_.in_use()),
-                       " is in use, much of it steps waiting for other workers' pushes; retry "
-                       "the push, or raise --memory-budget"));
+      finish = wire::ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+          "no memory budget became free to stage a step of layer ", layer_, " (",
+          FormatBytes(trainer_.StepBytes(layer_)), ") in time: ", FormatBytes(budget_.in_use()),
+          " is in use, much of it steps waiting for other workers' pushes; retry "
+          "the push, or raise --memory-budget")));
     }
   }
   if (finish) {
@@ -156,25 +153,24 @@ void PushGradientsReactor::Take() {
 
 void PushGradientsReactor::Complete() {
   if (context_->IsCancelled()) {
-    End(grpc::Status(grpc::StatusCode::CANCELLED,
-                     stalled() ? "the worker sent no chunk within the shard's "
-                                 "--write-progress-timeout-ms; nothing of the push was staged: "
-                                 "push it again"
-                               : "the push was cancelled before it ended; nothing of it was "
-                                 "staged"));
+    End(wire::ToGrpcStatus(absl::CancelledError(
+        stalled() ? "the worker sent no chunk within the shard's "
+                    "--write-progress-timeout-ms; nothing of the push was staged: "
+                    "push it again"
+                  : "the push was cancelled before it ended; nothing of it was "
+                    "staged")));
     return;
   }
   if (!begun_) {
-    End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                     "the push carried no chunks: send every element this shard owns of "
-                     "the layer (its manifest's layout and the shard math say which)"));
+    End(wire::ToGrpcStatus(absl::InvalidArgumentError(
+        "the push carried no chunks: send every element this shard owns of "
+        "the layer (its manifest's layout and the shard math say which)")));
     return;
   }
   if (!decoder_->done()) {
-    End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                     absl::StrCat("the push ended before every element this shard owns of layer ",
-                                  layer_, " arrived (due: ", decoder_->Due(),
-                                  "); nothing of it was staged: push the whole layer again")));
+    End(wire::ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "the push ended before every element this shard owns of layer ", layer_, " arrived (due: ",
+        decoder_->Due(), "); nothing of it was staged: push the whole layer again"))));
     return;
   }
   absl::StatusOr<LayerTrainer::Pushed> pushed = ticket_->Push();
@@ -202,8 +198,8 @@ void PushGradientsReactor::OnCancel() {
     if (withdrawn) wait_id_ = 0;
   }
   if (withdrawn) {
-    End(grpc::Status(grpc::StatusCode::CANCELLED,
-                     "the push was cancelled while it waited for memory budget"));
+    End(wire::ToGrpcStatus(
+        absl::CancelledError("the push was cancelled while it waited for memory budget")));
   }
 }
 

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::server {
 
@@ -27,11 +28,11 @@ inline std::string ShuttingDownMessage(absl::string_view what_now,
 }
 
 inline grpc::Status LoadingRefusal() {
-  return grpc::Status(grpc::StatusCode::UNAVAILABLE, kLoadingMessage);
+  return wire::ToGrpcStatus(absl::UnavailableError(kLoadingMessage));
 }
 inline grpc::Status ShuttingDownRefusal(absl::string_view what_now,
                                         absl::string_view server = "shard") {
-  return grpc::Status(grpc::StatusCode::UNAVAILABLE, ShuttingDownMessage(what_now, server));
+  return wire::ToGrpcStatus(absl::UnavailableError(ShuttingDownMessage(what_now, server)));
 }
 
 }  // namespace layercast::server

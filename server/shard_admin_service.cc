@@ -32,9 +32,9 @@ void ShardAdminService::AttachStore(LoadedShard& shard) {
 
 grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& context) const {
   if (!options_.token) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        "this shard has no admin token, so it refuses every ShardAdmin call: "
-                        "start it with --admin-token-file FILE (see docs/security.md)");
+    return wire::ToGrpcStatus(absl::FailedPreconditionError(
+        "this shard has no admin token, so it refuses every ShardAdmin call: "
+        "start it with --admin-token-file FILE (see docs/security.md)"));
   }
   const std::optional<std::string> authorization = AuthorizationOf(context);
   return wire::ToGrpcStatus(options_.token->Check(authorization ? &*authorization : nullptr));
@@ -56,9 +56,9 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
     return Finish(reactor, authorized);
   }
   if (options_.checkpoints == nullptr) {
-    return Finish(reactor, grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                        "this shard has no checkpoint directory: start it with "
-                                        "--checkpoint-dir DIR"));
+    return Finish(reactor, wire::ToGrpcStatus(absl::FailedPreconditionError(
+                               "this shard has no checkpoint directory: start it with "
+                               "--checkpoint-dir DIR")));
   }
   if (draining_.load()) {
     return Finish(reactor, ShuttingDownRefusal("it writes its checkpoint on exit unless started "
@@ -69,11 +69,10 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
     return Finish(reactor, LoadingRefusal());
   }
   if (writing_) {
-    return Finish(reactor, grpc::Status(grpc::StatusCode::ABORTED,
-                                        absl::StrCat("a checkpoint of this shard is being "
-                                                     "written to ",
-                                                     options_.checkpoints->path(),
-                                                     "; wait for it to finish and retry")));
+    return Finish(reactor,
+                  wire::ToGrpcStatus(absl::AbortedError(absl::StrCat(
+                      "a checkpoint of this shard is being written to ",
+                      options_.checkpoints->path(), "; wait for it to finish and retry"))));
   }
   // The previous writer has finished (writing_ is false); reap it.
   if (writer_.joinable()) writer_.join();
@@ -109,8 +108,7 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
 absl::StatusOr<Publications*> ShardAdminService::PublicationsFor(
     const grpc::CallbackServerContext& context) {
   if (grpc::Status authorized = Authorize(context); !authorized.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(authorized.error_code()),
-                        authorized.error_message());
+    return wire::FromGrpcStatus(authorized);
   }
   if (draining_.load()) {
     return absl::UnavailableError(ShuttingDownMessage(

@@ -166,8 +166,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   grpc::ByteBuffer copy(*raw_request);  // ProtoBufferReader needs a mutable buffer
   grpc::ProtoBufferReader reader(&copy);
   if (!parsed.ParseFromZeroCopyStream(&reader)) {
-    return Refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                               "the request is not a layercast.v1.FetchLayerRequest"));
+    return Refuse(wire::ToGrpcStatus(
+        absl::InvalidArgumentError("the request is not a layercast.v1.FetchLayerRequest")));
   }
   const layercast::v1::FetchLayerRequest* request = &parsed;
   if (draining_.load()) {
@@ -187,13 +187,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
       plan->dtype && IsFloat8(*plan->dtype) && options_.chunk_bytes < least) {
     // An 8-bit chunk holds whole blocks: a smaller one would outgrow what
     // the memory plan counts a stream as (MaxStreamBufferBytes).
-    return Refuse(grpc::Status(
-        grpc::StatusCode::FAILED_PRECONDITION,
+    return Refuse(wire::ToGrpcStatus(absl::FailedPreconditionError(
         absl::StrCat("this shard's --chunk-bytes ", options_.chunk_bytes, " is below the ", least,
                      " bytes a chunk of ", DTypeName(*plan->dtype),
                      " needs (a block of fp8_block codes and its scales): pull in the policy's "
                      "dtypes, or start the shards with --chunk-bytes of at least ",
-                     least)));
+                     least))));
   }
 
   const absl::StatusOr<FetchWait> wait = PlanWait(*request, gate_.version(request->layer()),
@@ -275,12 +274,11 @@ grpc::ServerUnaryReactor* ShardService::WaitVersion(
     return FinishUnary(context, "WaitVersion", grpc::Status::OK);
   }
   if (request->min_version() - current > options_.max_version_lead) {
-    return FinishUnary(
-        context, "WaitVersion",
-        grpc::Status(grpc::StatusCode::OUT_OF_RANGE,
-                     absl::StrCat("min_version ", request->min_version(), " is more than ",
-                                  options_.max_version_lead, " versions ahead of the shard's ",
-                                  current, " (--max-version-lead): wait for a nearer one")));
+    return FinishUnary(context, "WaitVersion",
+                       wire::ToGrpcStatus(absl::OutOfRangeError(absl::StrCat(
+                           "min_version ", request->min_version(), " is more than ",
+                           options_.max_version_lead, " versions ahead of the shard's ", current,
+                           " (--max-version-lead): wait for a nearer one"))));
   }
   const std::string peer = context->peer();
   if (grpc::Status admitted = streams_.AddWait(peer); !admitted.ok()) {

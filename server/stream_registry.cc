@@ -67,20 +67,19 @@ grpc::Status StreamRegistry::Admit(bool parked) {
       ++parked_;
       return grpc::Status::OK;
     }
-    return grpc::Status(
-        grpc::StatusCode::RESOURCE_EXHAUSTED,
+    return wire::ToGrpcStatus(absl::ResourceExhaustedError(
         absl::StrCat("this shard already has ", limits_.max_parked_streams,
                      " FetchLayer streams parked for a future min_version "
-                     "(--max-parked-streams); retry with backoff once its version advances"));
+                     "(--max-parked-streams); retry with backoff once its version advances")));
   }
   if (streaming_ < static_cast<int64_t>(limits_.max_streams)) {
     ++streaming_;
     return grpc::Status::OK;
   }
-  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      absl::StrCat("this shard already serves ", limits_.max_streams,
-                                   " FetchLayer streams (--max-streams); retry with backoff, or "
-                                   "raise --max-streams"));
+  return wire::ToGrpcStatus(absl::ResourceExhaustedError(
+      absl::StrCat("this shard already serves ", limits_.max_streams,
+                   " FetchLayer streams (--max-streams); retry with backoff, or "
+                   "raise --max-streams")));
 }
 
 void StreamRegistry::Unpark() {
@@ -170,11 +169,10 @@ grpc::Status StreamRegistry::AddWait(const std::string& peer) {
     absl::MutexLock lock(&mu_);
     uint32_t& waits = waits_by_peer_[peer];
     if (waits >= limits_.max_waits_per_connection) {
-      return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
+      return wire::ToGrpcStatus(absl::ResourceExhaustedError(
           absl::StrCat("this connection already has ", limits_.max_waits_per_connection,
                        " WaitVersion calls waiting (--max-waits-per-connection); one at a time "
-                       "sees every version: wait for it to end"));
+                       "sees every version: wait for it to end")));
     }
     ++waits;
   }

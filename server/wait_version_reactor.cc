@@ -3,12 +3,13 @@
 #include <utility>
 
 #include "server/refusals.h"
+#include "wire/grpc_status.h"
 
 namespace layercast::server {
 namespace {
 
-const grpc::Status kCancelled(grpc::StatusCode::CANCELLED,
-                              "the wait was cancelled by the client; its slot is free again");
+const grpc::Status kCancelled = wire::ToGrpcStatus(
+    absl::CancelledError("the wait was cancelled by the client; its slot is free again"));
 
 }  // namespace
 
