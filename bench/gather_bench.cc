@@ -3,14 +3,18 @@
 //   (a) baseline: N minimal gRPC servers that stream pre-made frames of the
 //       same bytes and chunks (bench/baseline_server.h);
 //   (b) layercast, policy p=f32,c=bf16 (cast just in time, per chunk);
-//   (c) layercast, policy p=f32,c=f32 (the fp32 gather the cast replaces).
+//   (c) layercast, policy p=f32,c=f32 (the fp32 gather the cast replaces);
+//   (d) layercast, policy p=f32,c=bf16 with the cast cache
+//       (--cast-cache-bytes, room for the whole model): after the warm-up
+//       walk, every read is sent from bytes cast once.
 // Reports bytes/s on the wire, parameters/s, server and worker CPU seconds per
-// GB delivered, and the ratios b/a, b/c against their goals. The three take
+// GB delivered, and the ratios b/a, b/c, d/a against their goals. The four take
 // turns --repeat times (default 5) and the ratios' medians are the figures.
 // What the shard adds to the baseline's CPU is set against the cast alone:
 // (server CPU s/GB of b - of a) / (s per GB of bf16 that the dispatched cast
 // kernel takes to narrow fp32 from memory in this process), measured in each
 // turn; 1.0 means the shard adds nothing but the cast.
+// --no-cast-cache leaves (d) out.
 //
 // --table instead loops N in {1,2,4,8} and W in {1,8} over a smaller model
 // (policy b only) and prints bytes/s, time to first byte and p50/p99 per-layer
@@ -25,7 +29,7 @@
 //
 // Usage: gather_bench [--num-shards N] [--workers W] [--rounds R] [--repeat K]
 //                     [--synthetic SPEC] [--table | --sharing | --fp8]
-//                     [--shared-chunk-bytes B (with --sharing)]
+//                     [--shared-chunk-bytes B (with --sharing)] [--no-cast-cache]
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -37,6 +41,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,15 +76,17 @@ struct Args {
   bool sharing = false;
   bool fp8 = false;
   std::string shared_chunk_bytes;  // passed to the sharing shards; "" for their default
+  bool cast_cache = true;          // row (d) of the default run
 };
 
 // A mistyped or unknown flag is an error, not a default silently measured.
 absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
-  ASSIGN_OR_RETURN(tools::CliFlags flags,
-                   tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                                          {"num-shards", "workers", "rounds", "repeat", "synthetic",
-                                           "shared-chunk-bytes", "table", "sharing", "fp8"},
-                                          {"table", "sharing", "fp8"}));
+  ASSIGN_OR_RETURN(
+      tools::CliFlags flags,
+      tools::CliFlags::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                             {"num-shards", "workers", "rounds", "repeat", "synthetic",
+                              "shared-chunk-bytes", "table", "sharing", "fp8", "no-cast-cache"},
+                             {"table", "sharing", "fp8", "no-cast-cache"}));
   Args args;
   const auto count = [&](const char* name, uint32_t fallback) -> absl::StatusOr<uint32_t> {
     ASSIGN_OR_RETURN(uint64_t value, flags.GetUint(name, fallback));
@@ -97,6 +104,7 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   args.table = flags.Has("table");
   args.sharing = flags.Has("sharing");
   args.fp8 = flags.Has("fp8");
+  args.cast_cache = !flags.Has("no-cast-cache");
   if (args.table + args.sharing + args.fp8 > 1) {
     return absl::InvalidArgumentError("--table, --sharing and --fp8 are separate runs: give one");
   }
@@ -329,6 +337,14 @@ int RunDefault(const Args& args) {
   if (!bf16_shards.ok()) return Fail(bf16_shards.status(), "starting shards (b)");
   auto f32_shards = StartShards(args.num_shards, args.synthetic, kPolicyF32);
   if (!f32_shards.ok()) return Fail(f32_shards.status(), "starting shards (c)");
+  // Room for every layer of any model the bench is given: the cache holds
+  // what the shard's layers take, no more.
+  absl::StatusOr<std::unique_ptr<tools::LocalShardSet>> cached_shards;
+  if (args.cast_cache) {
+    cached_shards = StartShards(args.num_shards, args.synthetic, kPolicyBf16,
+                                {"--cast-cache-bytes", absl::StrCat(uint64_t{1} << 40)});
+    if (!cached_shards.ok()) return Fail(cached_shards.status(), "starting shards (d)");
+  }
   auto baseline = bench::ServeBaselines(baselines, (*bf16_shards)->addresses());
   if (!baseline.ok()) return Fail(baseline.status(), "starting the baseline (a)");
   const std::vector<std::string>& baseline_addresses = baseline->addresses;
@@ -345,7 +361,8 @@ int RunDefault(const Args& args) {
   PrintHeader();
 
   // The ratios of each turn; their medians are the figures.
-  std::vector<double> bytes_b_a, params_b_c, cpu_b_a, worker_b_a, added_per_cast, cast_s_per_gb;
+  std::vector<double> bytes_b_a, params_b_c, cpu_b_a, worker_b_a, added_per_cast, cast_s_per_gb,
+      bytes_d_a, bytes_d_b, cpu_d_a;
   for (uint32_t turn = 1; turn <= args.repeat; ++turn) {
     auto a = Measure(baseline_addresses, baseline_pids, args.workers, args.rounds, limit);
     if (!a.ok()) return Fail(a.status(), "baseline (a)");
@@ -353,10 +370,22 @@ int RunDefault(const Args& args) {
     if (!b.ok()) return Fail(b.status(), "layercast bf16 (b)");
     auto c = MeasureSet(**f32_shards, args, limit);
     if (!c.ok()) return Fail(c.status(), "layercast f32 (c)");
+    std::optional<Result> d;
+    if (args.cast_cache) {
+      absl::StatusOr<Result> measured = MeasureSet(**cached_shards, args, limit);
+      if (!measured.ok()) return Fail(measured.status(), "layercast bf16, cast cache (d)");
+      d = *std::move(measured);
+    }
     const double cast = CastOnlySecondsPerGb();
     PrintRow(absl::StrCat("(a) baseline, pre-made  #", turn).c_str(), *a);
     PrintRow(absl::StrCat("(b) layercast c=bf16    #", turn).c_str(), *b);
     PrintRow(absl::StrCat("(c) layercast c=f32     #", turn).c_str(), *c);
+    if (d) {
+      PrintRow(absl::StrCat("(d) c=bf16, cast cache  #", turn).c_str(), *d);
+      bytes_d_a.push_back(d->bytes_per_s() / a->bytes_per_s());
+      bytes_d_b.push_back(d->bytes_per_s() / b->bytes_per_s());
+      cpu_d_a.push_back(d->server_cpu_per_gb() / a->server_cpu_per_gb());
+    }
     const double added = (b->server_cpu_per_gb() - a->server_cpu_per_gb()) / cast;
     std::printf(
         "%-30s cast alone %.3f s/GB of bf16; shard adds %.2fx that; shard page faults "
@@ -374,6 +403,7 @@ int RunDefault(const Args& args) {
   bench::StopBaselines(baselines);
   const absl::Status stopped_b = (*bf16_shards)->Stop();
   const absl::Status stopped_c = (*f32_shards)->Stop();
+  const absl::Status stopped_d = args.cast_cache ? (*cached_shards)->Stop() : absl::OkStatus();
 
   std::printf("\nmedians of %u turns\n", args.repeat);
   std::printf("%-44s %7.3f   goal >= 0.95\n", "b/a wire bytes/s:", Median(bytes_b_a));
@@ -384,9 +414,15 @@ int RunDefault(const Args& args) {
               "cast-only s/GB:", Median(cast_s_per_gb));
   std::printf("%-44s %7.3f   (no goal)\n", "b/a server CPU s/GB:", Median(cpu_b_a));
   std::printf("%-44s %7.3f   (no goal)\n", "b/a worker CPU s/GB:", Median(worker_b_a));
-  if (!stopped_b.ok() || !stopped_c.ok()) {
-    std::fprintf(stderr, "shard exit: %s / %s\n", stopped_b.ToString().c_str(),
-                 stopped_c.ToString().c_str());
+  if (args.cast_cache) {
+    std::printf("%-44s %7.3f   goal >= 0.9\n", "d/a wire bytes/s (cast cache):", Median(bytes_d_a));
+    std::printf("%-44s %7.3f   (no goal)\n", "d/a server CPU s/GB:", Median(cpu_d_a));
+    std::printf("%-44s %7.3f   (no goal: the cache against the cast)\n",
+                "d/b wire bytes/s:", Median(bytes_d_b));
+  }
+  if (!stopped_b.ok() || !stopped_c.ok() || !stopped_d.ok()) {
+    std::fprintf(stderr, "shard exit: %s / %s / %s\n", stopped_b.ToString().c_str(),
+                 stopped_c.ToString().c_str(), stopped_d.ToString().c_str());
     return 1;
   }
   return 0;
