@@ -129,7 +129,8 @@ TEST_F(CastCacheTest, ALayerWithoutRoomIsCastAsBefore) {
   // Room for the smallest layer on either shard, and no other.
   RunningShards probe = Start(MakeTempDir("probe_logs"));
   ASSERT_NE(probe.set, nullptr);
-  const std::vector<AssembledLayout>& layouts = probe.set->view().layouts;
+  // A copy: the probe set goes before the cached one starts.
+  const std::vector<AssembledLayout> layouts = probe.set->view().layouts;
   std::vector<std::array<uint64_t, 2>> share(layouts.size());
   for (size_t l = 0; l < layouts.size(); ++l) {
     for (uint32_t shard = 0; shard < 2; ++shard) {
