@@ -11,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "client/client_defaults.h"
 #include "client/layer.h"
 #include "client/shard_set.h"
 #include "wire/gradient_chunks.h"
@@ -27,7 +28,7 @@ struct GradientSinkOptions {
   // whole budget is taken when nothing else is queued).
   uint64_t max_bytes_in_flight = 512ull << 20;
   // A layer's push to one shard, retries included, ends by then.
-  std::chrono::milliseconds timeout{120000};
+  std::chrono::milliseconds timeout = kPushTimeout;
   // Pushes of different layers in flight to one shard at once: with two,
   // the next layer's gradient streams while the shard runs the optimizer on
   // the one before (a push's answer waits for its step when it is the last

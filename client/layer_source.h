@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "client/cancellation.h"
+#include "client/client_defaults.h"
 #include "client/client_metrics.h"
 #include "client/layer.h"
 #include "client/pinned_identity.h"
@@ -19,7 +20,7 @@ namespace layercast::client {
 
 struct GatherOptions {
   // The whole gather, every shard's stream included, ends by then.
-  std::chrono::milliseconds timeout{60000};
+  std::chrono::milliseconds timeout = kLayerTimeout;
   // Wait on each shard until its parameter version reaches this.
   uint64_t min_version = 0;
   // A delta pull: the buffer holds the layer (or the byte range) at this

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/cancellation.h"
+#include "client/client_defaults.h"
 #include "client/layer.h"
 #include "client/shard_set.h"
 #include "platform/retry.h"
@@ -47,11 +48,11 @@ class MirrorListener {
 
 struct MirrorOptions {
   // Each layer's pull, retries included, ends by then.
-  std::chrono::milliseconds layer_timeout{60000};
+  std::chrono::milliseconds layer_timeout = kLayerTimeout;
   // How long one long poll for a newer version (WaitVersion) lasts before
   // it is asked again; what Stop waits at most for a poll in flight is far
   // less (the poll is cancelled).
-  std::chrono::milliseconds poll{10000};
+  std::chrono::milliseconds poll = kMirrorPoll;
   // After a failed poll or update, the follower waits about this long,
   // doubling up to max_backoff (platform::kMirrorFollow), before trying
   // again.
@@ -107,7 +108,7 @@ struct MirrorOptions {
   // at a version no lower than the mirror's (between updates). 0: no
   // probes (a source is left only when a call to it fails; never returned
   // to).
-  std::chrono::milliseconds probe{500};
+  std::chrono::milliseconds probe = kMirrorProbe;
 };
 
 // What one update brought.

@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
+#include "client/client_defaults.h"
 #include "client/layer.h"
 #include "client/layer_source.h"
 #include "layercast/v1/shard.grpc.pb.h"
@@ -22,7 +23,7 @@ namespace layercast::client {
 struct ShardSetOptions {
   // How long Connect waits for every shard to answer GetManifest, retrying
   // shards that are unreachable or still loading.
-  std::chrono::milliseconds connect_timeout{30000};
+  std::chrono::milliseconds connect_timeout = kConnectTimeout;
   // Where the worker library's metrics go; none if null.
   std::shared_ptr<prometheus::Registry> registry;
   // Channel credentials (TLS, mutual TLS); plaintext when null.
@@ -104,7 +105,7 @@ class ShardSet final : public LayerSource {
   // over the shard's slice. Errors are the call's, naming the shard.
   absl::StatusOr<std::vector<layercast::v1::LayerDigest>> LayerDigests(
       uint32_t layer, uint64_t version, std::optional<DType> dtype,
-      std::chrono::milliseconds timeout = std::chrono::seconds(60)) const;
+      std::chrono::milliseconds timeout = kLayerTimeout) const;
   // DATA_LOSS naming the first shard whose slice of `bytes` (layer `layer`
   // at `version` in `dtype`, assembled in `layout`, from anyone) differs
   // from the SHA-256 that shard gives of it; ABORTED when `served_by` (per

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/client_defaults.h"
 #include "client/shard_set.h"
 #include "wire/gradient_chunks.h"
 
@@ -23,7 +24,7 @@ struct PublishOptions {
   bool insecure = false;
   // The whole publish ends by then; the shards abort it by themselves if
   // it is not committed by then (a publisher that died).
-  std::chrono::milliseconds timeout{120000};
+  std::chrono::milliseconds timeout = kPublishTimeout;
   // Value bytes per PublishChunk.
   uint64_t chunk_bytes = wire::kWriteChunkBytes;
 };

@@ -1,6 +1,7 @@
 #include "client/cli/connect.h"
 
 #include "absl/strings/str_cat.h"
+#include "client/client_defaults.h"
 #include "platform/file_system.h"
 #include "platform/secret_file.h"
 #include "platform/status_macros.h"
@@ -98,7 +99,9 @@ absl::StatusOr<std::chrono::milliseconds> TimeoutFromFlags(const tools::CliFlags
 absl::StatusOr<std::unique_ptr<client::ShardSet>> ConnectFromFlags(const tools::CliFlags& flags) {
   ASSIGN_OR_RETURN(std::vector<std::string> addresses, ShardAddressesFromFlags(flags));
   client::ShardSetOptions options;
-  ASSIGN_OR_RETURN(options.connect_timeout, TimeoutFromFlags(flags, "connect-timeout-ms", 30000));
+  ASSIGN_OR_RETURN(options.connect_timeout,
+                   TimeoutFromFlags(flags, "connect-timeout-ms",
+                                    static_cast<uint64_t>(client::kConnectTimeout.count())));
   ASSIGN_OR_RETURN(options.credentials, ChannelCredentialsFromFlags(flags));
   return client::ShardSet::Connect(std::move(addresses), options);
 }

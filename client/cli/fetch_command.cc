@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/cli/commands.h"
 #include "client/cli/connect.h"
+#include "client/client_defaults.h"
 #include "core/safetensors.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
@@ -40,8 +41,9 @@ absl::Status RunFetch(const std::vector<std::string>& args) {
   if (!flags.Has("layer") || !flags.Has("out")) {
     return absl::InvalidArgumentError("--layer L and --out FILE.safetensors are required");
   }
-  ASSIGN_OR_RETURN(const std::chrono::milliseconds timeout,
-                   TimeoutFromFlags(flags, "timeout-ms", 60000));
+  ASSIGN_OR_RETURN(
+      const std::chrono::milliseconds timeout,
+      TimeoutFromFlags(flags, "timeout-ms", static_cast<uint64_t>(client::kLayerTimeout.count())));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const uint32_t layer_index, FindLayer(set->model(), flags.Get("layer")));
   client::GatherOptions options;

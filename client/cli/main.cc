@@ -6,7 +6,10 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "client/cli/commands.h"
+#include "client/client_defaults.h"
 #include "core/build_info.h"
 #include "platform/failpoint.h"
 #include "platform/log.h"
@@ -21,7 +24,8 @@ constexpr char kShardSetUsage[] =
     "  --shards A,B,...            host:port of every shard, in shard order\n"
     "  --shards-pattern P --num-shards N\n"
     "                              or a pattern, e.g. 'layercast-{i}.layercast:7070', i = 0..N-1\n"
-    "  --connect-timeout-ms MS     how long to wait for every shard to answer (default 30000)\n"
+    "  --connect-timeout-ms MS     how long to wait for every shard to answer (default "
+    "{connect_ms})\n"
     "  --tls-ca-file CA.pem        verify the shards' TLS certificates against this CA\n"
     "  --tls-cert-file F --tls-key-file F\n"
     "                              present a client certificate (mutual TLS); the key must be\n"
@@ -31,7 +35,7 @@ struct Command {
   const char* name;
   absl::Status (*run)(const std::vector<std::string>&);
   const char* summary;
-  const char* usage;  // flags, each with its type and default
+  const char* usage;  // flags, each with its type and default (WithDefaults)
   bool reaches_shards;
 };
 
@@ -91,7 +95,7 @@ const Command kCommands[] = {
      "  --layer L                   the layer's index or its name (e.g. model.layers.3)\n"
      "  --out FILE                  where to write the layer (safetensors)\n"
      "  --timeout-ms MS             the gather's deadline, retries of restarting shards\n"
-     "                              included (default 60000)\n"
+     "                              included (default {layer_ms})\n"
      "  --verify-shards H:P,...     check the layer (read from a relay) against these\n"
      "                              shards' digests of it; exit non-zero if it differs\n",
      true},
@@ -133,6 +137,15 @@ const Command kCommands[] = {
      false},
 };
 
+// `usage` with the worker library's defaults (client/client_defaults.h) in
+// place of {connect_ms} and {layer_ms}, so that the help says what the
+// flags fall back to.
+std::string WithDefaults(const char* usage) {
+  return absl::StrReplaceAll(
+      usage, {{"{connect_ms}", absl::StrCat(layercast::client::kConnectTimeout.count())},
+              {"{layer_ms}", absl::StrCat(layercast::client::kLayerTimeout.count())}});
+}
+
 void PrintUsage(FILE* out) {
   std::fputs("usage: layercast COMMAND [FLAGS]\n\nCommands:\n", out);
   for (const Command& command : kCommands) {
@@ -142,12 +155,13 @@ void PrintUsage(FILE* out) {
       "  help [COMMAND]  this text, or a command's flags and defaults\n\n"
       "layercast COMMAND --help shows a command's flags; layercast --version the build.\n\n",
       out);
-  std::fputs(kShardSetUsage, out);
+  std::fputs(WithDefaults(kShardSetUsage).c_str(), out);
 }
 
 void PrintCommandUsage(const Command& command, FILE* out) {
-  std::fprintf(out, "%s: %s\n\nusage: %s", command.name, command.summary, command.usage);
-  if (command.reaches_shards) std::fprintf(out, "\n%s", kShardSetUsage);
+  std::fprintf(out, "%s: %s\n\nusage: %s", command.name, command.summary,
+               WithDefaults(command.usage).c_str());
+  if (command.reaches_shards) std::fprintf(out, "\n%s", WithDefaults(kShardSetUsage).c_str());
 }
 
 const Command* Find(const std::string& name) {

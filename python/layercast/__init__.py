@@ -28,6 +28,10 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 
 from . import _layercast
 
+# The worker library's defaults, in seconds, as client/client_defaults.h
+# writes them once.
+_DEFAULTS = _layercast.defaults
+
 __all__ = [
     "connect", "learning_rate", "Error", "LayerIndexError", "ShardSet", "LayerStream", "Layer", "Tensor",
     "PushResult", "Mirror", "MirrorReading"
@@ -377,7 +381,7 @@ class ShardSet:
 
     def stream(self, order: Iterable[int], budget_bytes: int, *, lookahead: Optional[int] = None,
                min_version: int = 0, version: Optional[int] = None,
-               timeout: float = 60.0) -> LayerStream:
+               timeout: float = _DEFAULTS.layer_timeout) -> LayerStream:
         """Layers in `order` (any list of layer indices, repeats allowed),
         gathered ahead within `budget_bytes` of host memory (layers landed
         ahead plus layers handed out and still referenced) and at most
@@ -417,7 +421,8 @@ class ShardSet:
         return self._native.finish_step(step, worker)
 
     def export(self, path: str, *, dtype: str = "float32", version: Optional[int] = None,
-               max_file_bytes: int = 5_000_000_000, timeout: float = 60.0) -> Dict[str, object]:
+               max_file_bytes: int = 5_000_000_000,
+               timeout: float = _DEFAULTS.layer_timeout) -> Dict[str, object]:
         """Writes the whole model at one version as a safetensors model that
         safetensors, PyTorch and Hugging Face transformers load (and a shard
         serves again with --model): every tensor the shards serve, named and
@@ -440,11 +445,12 @@ class ShardSet:
                              f"'bfloat16' or 'float16'")
         return self._native.export(str(path), dtype, version, max_file_bytes, timeout)
 
-    def mirror(self, *, timeout: float = 60.0, poll: float = 10.0,
+    def mirror(self, *, timeout: float = _DEFAULTS.layer_timeout,
+               poll: float = _DEFAULTS.mirror_poll,
                dtype: Optional[str] = None, staging_bytes: Optional[int] = None,
                serve: Optional[Sequence[str]] = None,
                fallbacks: Optional[Sequence[object]] = None,
-               probe: float = 0.5) -> Mirror:
+               probe: float = _DEFAULTS.mirror_probe) -> Mirror:
         """Pulls every layer in full into a Mirror (each pull within
         `timeout` seconds); `poll`: how long each of its long polls for a new
         version lasts once it follows. `dtype` ("float8_e4m3fn", ...): every
@@ -494,7 +500,7 @@ class ShardSet:
                       [layer["name"] for layer in self.manifest["layers"]])
 
     def publish(self, values: Mapping[str, object], admin_token: str, *,
-                base_version: Optional[int] = None, timeout: float = 120.0,
+                base_version: Optional[int] = None, timeout: float = _DEFAULTS.publish_timeout,
                 insecure: bool = False) -> Dict[str, object]:
         """Publishes new fp32 values, {tensor name: tensor}, to read-only
         shards as the next version of every layer: all shards commit it or
@@ -537,7 +543,7 @@ def learning_rate(optimizer: str, step: int, tensor: Optional[str] = None) -> fl
 
 
 def connect(shards: Sequence[str], *, tls: Optional[Mapping[str, str]] = None,
-            timeout: float = 30.0, worker_token: Optional[str] = None,
+            timeout: float = _DEFAULTS.connect_timeout, worker_token: Optional[str] = None,
             insecure: bool = False) -> ShardSet:
     """Connects to the shard set at `shards` (host:port, in shard order) and
     checks its shards agree. `tls`: {root_certificates, certificate_chain,

@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from . import Layer, ShardSet, learning_rate
+from . import Layer, ShardSet, _layercast, learning_rate
 
 Stage = Tuple[str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -269,7 +269,8 @@ class LayerwiseTrainer:
 
     def __init__(self, shard_set: ShardSet, model: torch.nn.Module, stages: Sequence[Stage], *,
                  worker: int = 0, budget_bytes: Optional[int] = None, lookahead: int = 1,
-                 buffers: Optional[Mapping[str, torch.Tensor]] = None, timeout: float = 60.0):
+                 buffers: Optional[Mapping[str, torch.Tensor]] = None,
+                 timeout: float = _layercast.defaults.layer_timeout):
         self.shard_set = shard_set
         self.model = model
         self.worker = worker

@@ -10,8 +10,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdlib>
 
+#include "client/client_defaults.h"
 #include "core/optimizer_spec.h"
 #include "platform/process_tuning.h"
 #include "python/src/dlpack_views.h"
@@ -39,6 +41,11 @@ void TuneMalloc() {
   KeepChunkBuffersInHeap();
 }
 
+// The worker library's defaults in the package's unit, seconds.
+double Seconds(std::chrono::milliseconds duration) {
+  return std::chrono::duration<double>(duration).count();
+}
+
 }  // namespace
 }  // namespace layercast::python
 
@@ -52,6 +59,17 @@ PYBIND11_MODULE(_layercast, module) {
       "status name, e.g. 'NOT_FOUND'.",
       PyExc_RuntimeError, nullptr));
   module.attr("Error") = py::handle(ErrorType());
+
+  // The worker library's defaults (client/client_defaults.h), in seconds:
+  // the package's signatures read them here rather than repeat them.
+  namespace client = layercast::client;
+  py::module_ defaults = module.def_submodule(
+      "defaults", "The worker library's defaults, in seconds (client/client_defaults.h).");
+  defaults.attr("layer_timeout") = Seconds(client::kLayerTimeout);
+  defaults.attr("connect_timeout") = Seconds(client::kConnectTimeout);
+  defaults.attr("publish_timeout") = Seconds(client::kPublishTimeout);
+  defaults.attr("mirror_poll") = Seconds(client::kMirrorPoll);
+  defaults.attr("mirror_probe") = Seconds(client::kMirrorProbe);
 
   py::class_<TensorView>(module, "Tensor")
       .def_property_readonly("name", &TensorView::name)
@@ -91,7 +109,7 @@ PYBIND11_MODULE(_layercast, module) {
       .def_property_readonly("closed", &PyShardSet::closed)
       .def("stream", &PyShardSet::Stream, py::arg("order"), py::arg("budget_bytes"),
            py::arg("lookahead") = py::none(), py::arg("min_version") = 0,
-           py::arg("version") = py::none(), py::arg("timeout") = 60.0)
+           py::arg("version") = py::none(), py::arg("timeout") = Seconds(client::kLayerTimeout))
       .def("version", &PyShardSet::Version)
       .def("push_gradients", &PyShardSet::PushGradients, py::arg("step"), py::arg("worker"),
            py::arg("layer"), py::arg("gradients"))
@@ -109,9 +127,11 @@ PYBIND11_MODULE(_layercast, module) {
             return MakeMirror(self.Held(), timeout, poll, dtype, staging_bytes, serve,
                               std::move(held), probe);
           },
-          py::arg("timeout") = 60.0, py::arg("poll") = 10.0, py::arg("dtype") = "",
+          py::arg("timeout") = Seconds(client::kLayerTimeout),
+          py::arg("poll") = Seconds(client::kMirrorPoll), py::arg("dtype") = "",
           py::arg("staging_bytes") = py::none(), py::arg("serve") = std::vector<std::string>{},
-          py::arg("fallbacks") = std::vector<const PyShardSet*>{}, py::arg("probe") = 0.5)
+          py::arg("fallbacks") = std::vector<const PyShardSet*>{},
+          py::arg("probe") = Seconds(client::kMirrorProbe))
       .def(
           "publish",
           [](const PyShardSet& self, const py::dict& values, const std::string& admin_token,
@@ -119,7 +139,7 @@ PYBIND11_MODULE(_layercast, module) {
             return Publish(*self.Held(), values, admin_token, base_version, timeout, insecure);
           },
           py::arg("values"), py::arg("admin_token"), py::arg("base_version") = py::none(),
-          py::arg("timeout") = 120.0, py::arg("insecure") = false);
+          py::arg("timeout") = Seconds(client::kPublishTimeout), py::arg("insecure") = false);
 
   py::class_<PyMirrorReading>(module, "MirrorReading")
       .def_property_readonly("version", &PyMirrorReading::version)
@@ -149,5 +169,6 @@ PYBIND11_MODULE(_layercast, module) {
       py::arg("optimizer"), py::arg("step"), py::arg("tensor") = "");
   module.def("route_logs", &RouteLogsToPipe, py::arg("fd"));
   module.def("connect", &Connect, py::arg("shards"), py::arg("tls") = py::none(),
-             py::arg("timeout") = 30.0, py::arg("worker_token") = "", py::arg("insecure") = false);
+             py::arg("timeout") = Seconds(client::kConnectTimeout), py::arg("worker_token") = "",
+             py::arg("insecure") = false);
 }

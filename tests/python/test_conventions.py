@@ -4,6 +4,7 @@ as a read-only mapping, shapes as tuples, a mirror that raises instead
 of waiting for itself when asked for its lock from inside a reading, the
 library's log lines in Python's logging, and bfloat16 for numpy."""
 
+import inspect
 import logging
 import threading
 import time
@@ -116,3 +117,21 @@ def test_a_message_names_the_python_arguments_to_change():
     assert "connect()'s timeout" in unreachable.value.message
     assert "--connect-timeout-ms" not in unreachable.value.message
     assert "--shards" not in unreachable.value.message
+
+
+def test_signatures_take_the_worker_librarys_defaults_through_the_binding():
+    defaults = layercast._layercast.defaults
+    # client/client_defaults.h's, in seconds.
+    assert (defaults.layer_timeout, defaults.connect_timeout, defaults.publish_timeout,
+            defaults.mirror_poll, defaults.mirror_probe) == (60.0, 30.0, 120.0, 10.0, 0.5)
+    for function, argument, name in [
+            (layercast.ShardSet.stream, "timeout", "layer_timeout"),
+            (layercast.ShardSet.export, "timeout", "layer_timeout"),
+            (layercast.ShardSet.mirror, "timeout", "layer_timeout"),
+            (layercast.ShardSet.mirror, "poll", "mirror_poll"),
+            (layercast.ShardSet.mirror, "probe", "mirror_probe"),
+            (layercast.ShardSet.publish, "timeout", "publish_timeout"),
+            (layercast.connect, "timeout", "connect_timeout"),
+            (layercast.torch.LayerwiseTrainer.__init__, "timeout", "layer_timeout")]:
+        parameter = inspect.signature(function).parameters[argument]
+        assert parameter.default == getattr(defaults, name), (function.__qualname__, argument)
