@@ -155,6 +155,70 @@ grpc::ServerUnaryReactor* ShardService::GetLayerDigest(
   return reactor;
 }
 
+namespace {
+
+// Where a stream of `request` takes its chunks from on `shard`: the
+// master and its caster, the chunks other readers share, and the logs a
+// delta or a pinned read needs.
+ShardChunks::Options SourceFor(const layercast::v1::FetchLayerRequest& request,
+                               const FetchPlan& plan, const LoadedShard& shard,
+                               const ShardService::Options& options) {
+  ShardChunks::Options source;
+  source.chunk_bytes = options.chunk_bytes;
+  if (request.has_exact_version()) source.exact_version = request.exact_version();
+  // Also for a stream at a version its layer left: a layer whose change
+  // changed no value is still served from the master.
+  source.changes = shard.changes.get();
+  source.pinned = shard.pinned.get();
+  source.cast_errors = options.cast_errors;
+  source.cast_error_sample_every = options.cast_error_sample_every;
+  if (const LayerTrainer* trainer = shard.trainer.get(); trainer != nullptr) {
+    source.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
+  }
+  source.shared = shard.shared.get();
+  source.pool = shard.pool.get();
+  source.cache = shard.cast_cache.get();
+  if (request.has_base_version()) source.base_version = request.base_version();
+  source.will_pull_deltas = request.will_pull_deltas();
+  // The worker saw a chunk of this layer fail its checksum: the kept copy,
+  // or a kept CRC, may be the corrupted one.
+  source.recast = request.recast();
+  if (plan.dtype) {
+    // Cast for this stream alone: the shared chunks and the cast-error
+    // ledger hold the policy's casts.
+    source.shared = nullptr;
+    source.cast_errors = nullptr;
+  }
+  if (request.recast() && source.shared != nullptr) {
+    source.shared->DropLayer(request.layer());
+    source.shared = nullptr;
+  }
+  return source;
+}
+
+// How a stream of `request` waits for its version and sends: its base for
+// a delta, and when it gives up.
+FetchLayerReactor::Options StreamFor(const layercast::v1::FetchLayerRequest& request,
+                                     const FetchWait& wait, const ShardService::Options& options,
+                                     platform::Clock& clock,
+                                     const grpc::CallbackServerContext& context) {
+  FetchLayerReactor::Options stream;
+  stream.chunk_bytes = options.chunk_bytes;
+  stream.min_version = wait.version;
+  // Before the client's deadline, so that it hears what the version waits
+  // for rather than gRPC's bare DEADLINE_EXCEEDED.
+  stream.clock = &clock;
+  stream.version_give_up_at = std::min(clock.Now() + options.max_version_wait,
+                                       AnswerBefore(context.deadline(), clock.Now()));
+  if (request.has_base_version()) {
+    stream.base_version = request.base_version();
+    stream.changed_gaps = request.accepts_changed_gaps();
+  }
+  return stream;
+}
+
+}  // namespace
+
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::Refuse(const grpc::Status& status) {
   metrics_.RecordRpc("FetchLayer", wire::StatusCodeName(status.error_code()));
   return new RefusedStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(status);
@@ -176,8 +240,6 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
   LoadedShard* shard = loaded();
   if (shard == nullptr) return Refuse(LoadingRefusal());
   const ParameterStore* store = shard->store.get();
-  const ChangeLog* changes = shard->changes.get();
-  SharedChunks* shared = shard->shared.get();
   // Which start of the shard serves the stream: the worker names it again
   // as the base of its next delta (FetchLayerRequest.base_incarnation).
   context->AddInitialMetadata(wire::kIncarnationMetadata, absl::StrCat(store->incarnation()));
@@ -195,51 +257,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ShardService::FetchLayer(
                      least))));
   }
 
-  const absl::StatusOr<FetchWait> wait = PlanWait(*request, gate_.version(request->layer()),
-                                                  options_.max_version_lead, changes != nullptr);
+  const absl::StatusOr<FetchWait> wait =
+      PlanWait(*request, gate_.version(request->layer()), options_.max_version_lead,
+               shard->changes != nullptr);
   if (!wait.ok()) return Refuse(wire::ToGrpcStatus(wait.status()));
-  ShardChunks::Options source;
-  source.chunk_bytes = options_.chunk_bytes;
-  if (request->has_exact_version()) source.exact_version = request->exact_version();
-  // Also for a stream at a version its layer left: a layer whose change
-  // changed no value is still served from the master.
-  source.changes = changes;
-  source.pinned = shard->pinned.get();
-  source.cast_errors = options_.cast_errors;
-  source.cast_error_sample_every = options_.cast_error_sample_every;
-  if (const LayerTrainer* trainer = shard->trainer.get(); trainer != nullptr) {
-    source.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
-  }
-  source.shared = shared;
-  source.pool = shard->pool.get();
-  source.cache = shard->cast_cache.get();
-  if (request->has_base_version()) source.base_version = request->base_version();
-  source.will_pull_deltas = request->will_pull_deltas();
-  // The worker saw a chunk of this layer fail its checksum: the kept copy,
-  // or a kept CRC, may be the corrupted one.
-  source.recast = request->recast();
-  if (plan->dtype) {
-    // Cast for this stream alone: the shared chunks and the cast-error
-    // ledger hold the policy's casts.
-    source.shared = nullptr;
-    source.cast_errors = nullptr;
-  }
-  if (request->recast() && source.shared != nullptr) {
-    shared->DropLayer(request->layer());
-    source.shared = nullptr;
-  }
-  FetchLayerReactor::Options stream;
-  stream.chunk_bytes = options_.chunk_bytes;
-  stream.min_version = wait->version;
-  // Before the client's deadline, so that it hears what the version waits
-  // for rather than gRPC's bare DEADLINE_EXCEEDED.
-  stream.clock = &clock_;
-  stream.version_give_up_at = std::min(clock_.Now() + options_.max_version_wait,
-                                       AnswerBefore(context->deadline(), clock_.Now()));
-  if (request->has_base_version()) {
-    stream.base_version = request->base_version();
-    stream.changed_gaps = request->accepts_changed_gaps();
-  }
+  ShardChunks::Options source = SourceFor(*request, *plan, *shard, options_);
+  FetchLayerReactor::Options stream = StreamFor(*request, *wait, options_, clock_, *context);
   return streams_.OpenStream(
       wait->parked, std::move(stream), [&](FetchLayerReactor::Options options) {
         auto chunks =
