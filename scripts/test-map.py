@@ -15,7 +15,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PARTS = ["platform", "core", "wire", "server", "client", "client/gpu", "client/cli", "relay", "tools",
+PARTS = ["platform", "core", "wire", "server", "client", "client/gpu", "programs", "relay", "tools",
          "python/src"]
 INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.MULTILINE)
 

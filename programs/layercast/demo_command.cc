@@ -3,9 +3,9 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
-#include "client/cli/layer_walk.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
+#include "programs/layercast/layer_walk.h"
 #include "core/cast.h"
 #include "core/safetensors_source.h"
 #include "core/synthetic_model.h"

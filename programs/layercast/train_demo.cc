@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/cli/commands.h"
+#include "programs/layercast/commands.h"
 #include "client/gradient_sink.h"
 #include "core/cast.h"
 #include "core/dtype.h"

@@ -17,7 +17,6 @@
 #include <boost/asio/signal_set.hpp>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -25,13 +24,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/build_info.h"
-#include "platform/failpoint.h"
 #include "platform/log.h"
-#include "platform/process_tuning.h"
+#include "programs/process_start.h"
 #include "server/dry_run.h"
 #include "server/shard_config.h"
 #include "server/shard_server.h"
-#include "wire/grpc_log.h"
 
 namespace {
 
@@ -43,15 +40,7 @@ int Fail(const absl::Status& status, int code) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The environment is read here, in the program, never in the libraries.
-  const char* lock_order_checks = std::getenv("LAYERCAST_LOCK_ORDER_CHECKS");
-  layercast::TuneOwnProcess(lock_order_checks != nullptr &&
-                            std::string_view(lock_order_checks) == "1");
-  layercast::ArmFailPoints(std::getenv("LAYERCAST_FAILPOINT"),
-                           std::getenv("LAYERCAST_FAILPOINT_ONCE"));
-  layercast::ConfigureLogging("layercast-shard", layercast::LogFormat::kText);
-  layercast::wire::RouteGrpcLogs(std::getenv("GRPC_TRACE") != nullptr ||
-                                 std::getenv("GRPC_VERBOSITY") != nullptr);
+  layercast::StartProcess("layercast-shard", spdlog::level::info);
   using layercast::server::ShardServer;
   std::vector<std::string> args(argv + 1, argv + argc);
   // --dry-run is a mode, not a setting: it is no field of the config.

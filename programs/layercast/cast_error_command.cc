@@ -1,8 +1,8 @@
 #include <cstdio>
 
 #include "client/cast_error_report.h"
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "platform/status_macros.h"
 
 namespace layercast::cli {

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "client/cli/commands.h"
+#include "programs/layercast/commands.h"
 #include "client/model_mirror.h"
 #include "client/weight_publisher.h"
 #include "platform/byte_size.h"

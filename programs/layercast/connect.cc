@@ -1,4 +1,4 @@
-#include "client/cli/connect.h"
+#include "programs/layercast/connect.h"
 
 #include "absl/strings/str_cat.h"
 #include "client/client_defaults.h"

@@ -1,4 +1,4 @@
-#include "client/cli/layer_walk.h"
+#include "programs/layercast/layer_walk.h"
 
 #include <unistd.h>
 

@@ -5,8 +5,8 @@
 #include <fstream>
 
 #include "absl/strings/str_join.h"
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "client/model_mirror.h"
 #include "platform/byte_size.h"
 #include "platform/log.h"

@@ -1,7 +1,7 @@
 #include <cstdio>
 
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "client/model_export.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"

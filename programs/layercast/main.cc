@@ -1,24 +1,21 @@
 // layercast: the worker-side command-line tool over the client library.
 
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "client/cli/commands.h"
 #include "client/client_defaults.h"
 #include "core/build_info.h"
-#include "platform/failpoint.h"
 #include "platform/log.h"
-#include "platform/process_tuning.h"
-#include "wire/grpc_log.h"
+#include "programs/layercast/commands.h"
+#include "programs/process_start.h"
 
 namespace {
 
-// Flags every command that reaches a shard set takes (client/cli/connect.h).
+// Flags every command that reaches a shard set takes (programs/layercast/connect.h).
 constexpr char kShardSetUsage[] =
     "Shards:\n"
     "  --shards A,B,...            host:port of every shard, in shard order\n"
@@ -174,17 +171,9 @@ const Command* Find(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The environment is read here, in the program, never in the libraries.
-  const char* lock_order_checks = std::getenv("LAYERCAST_LOCK_ORDER_CHECKS");
-  layercast::TuneOwnProcess(lock_order_checks != nullptr &&
-                            std::string_view(lock_order_checks) == "1");
-  layercast::ArmFailPoints(std::getenv("LAYERCAST_FAILPOINT"),
-                           std::getenv("LAYERCAST_FAILPOINT_ONCE"));
   // The worker library's messages (connections, retries): warnings and
   // worse, so they do not crowd the command's own output.
-  layercast::ConfigureLogging("layercast", layercast::LogFormat::kText, spdlog::level::warn);
-  layercast::wire::RouteGrpcLogs(std::getenv("GRPC_TRACE") != nullptr ||
-                                 std::getenv("GRPC_VERBOSITY") != nullptr);
+  layercast::StartProcess("layercast", spdlog::level::warn);
   const std::vector<std::string> words(argv + 1, argv + argc);
   if (words.empty()) {
     PrintUsage(stderr);

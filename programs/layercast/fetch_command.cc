@@ -3,8 +3,8 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "client/client_defaults.h"
 #include "core/safetensors.h"
 #include "platform/byte_size.h"

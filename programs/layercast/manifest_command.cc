@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "absl/strings/escaping.h"
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
 #include "wire/incarnation.h"

@@ -1,8 +1,8 @@
 #include <cstdio>
 
-#include "client/cli/commands.h"
-#include "client/cli/connect.h"
-#include "client/cli/layer_walk.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
+#include "programs/layercast/layer_walk.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
 
