@@ -167,6 +167,12 @@ absl::Status LayerTrainer::CheckIndices(uint32_t layer, uint32_t worker) const {
 
 absl::Status LayerTrainer::CheckStepLocked(uint32_t layer, uint32_t worker, uint64_t step,
                                            const LayerState& state) const {
+  if (const uint64_t frozen = frozen_at_.load(); step >= frozen) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this shard set is handing over to a new set at version ", frozen,
+                     " and takes no push for step ", step,
+                     ": reconnect to the new set's addresses and push step ", step, " there"));
+  }
   const uint64_t version = VersionLocked(state);
   if (step < version) {
     return absl::AlreadyExistsError(

@@ -19,6 +19,7 @@
 #include "core/optimizer_spec.h"
 #include "server/change_log.h"
 #include "server/checkpoint_source.h"
+#include "server/checkpoint_state.h"
 #include "server/checkpoint_writer.h"
 #include "server/memory_budget.h"
 #include "server/parameter_store.h"
@@ -268,6 +269,29 @@ class LayerTrainer {
   // outside [0, 1] (a NaN norm), changing nothing.
   absl::StatusOr<uint64_t> ApplyClippedStep(uint64_t step, float scale);
 
+  // Live hand-over to a set of another size (ShardAdmin.HandOver,
+  // docs/decisions.md): from now on every push for a step at or after
+  // `version` is refused (FAILED_PRECONDITION, telling the worker to move to
+  // the new set), so the state stops changing once every layer reaches it.
+  // FAILED_PRECONDITION, freezing nothing, when a layer is past `version` or
+  // its step `version` has begun, or when frozen at another version.
+  absl::Status Freeze(uint64_t version);
+  // Takes pushes again (the hand-over was abandoned).
+  void Unfreeze() { frozen_at_.store(kNoPush); }
+  std::optional<uint64_t> frozen_at() const;
+  // Frozen, and every layer at frozen_at() with no push staged or in flight:
+  // the state is one consistent cut, and stays so.
+  bool AtFrozenBoundary() const;
+  // What a checkpoint written now would hold as its training header (no
+  // staged pushes: it is meant for a frozen trainer).
+  CheckpointTraining TrainingHeader() const;
+  // Elements `range` of tensor `tensor` of `layer`: its master (`buffer`
+  // empty) or its optimizer state buffer `buffer`, into `dst`.
+  // FAILED_PRECONDITION unless AtFrozenBoundary(); OUT_OF_RANGE for a range
+  // outside this shard's slice; NOT_FOUND for no such tensor or buffer.
+  absl::Status ReadFrozen(uint32_t layer, uint32_t tensor, const std::string& buffer,
+                          ElementRange range, std::span<float> dst) const;
+
   // The layer step that has waited longest for its last push: its missing
   // workers and the seconds since its first push; {0, 0} when every layer's
   // step is either complete or not yet begun.
@@ -388,6 +412,8 @@ class LayerTrainer {
   void OnReservation(uint32_t layer, bool granted);
 
   std::atomic<uint64_t> next_wait_id_{1};
+  // Pushes for steps at or after it are refused (Freeze); kNoPush: none.
+  std::atomic<uint64_t> frozen_at_{kNoPush};
   PushJournal* journal_ = nullptr;  // set before any push
   // Serialises clipped steps; the last one applied and its scale.
   mutable absl::Mutex clip_mu_;

@@ -11,7 +11,7 @@
 #include "platform/log.h"
 #include "platform/retry.h"
 #include "platform/status_macros.h"
-#include "server/auth_file.h"
+#include "server/peer_credentials.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::server {
@@ -24,7 +24,6 @@ using layercast::v1::ResolvePublishResponse;
 constexpr std::chrono::seconds kCallDeadline{10};
 // A peer that is restarting (UNAVAILABLE) is tried again for this long.
 constexpr std::chrono::seconds kHandOnFor{15};
-constexpr uint64_t kMaxCredentialBytes = 1 << 20;
 
 std::vector<std::string> SplitAddresses(absl::string_view text, absl::string_view separators) {
   std::vector<std::string> addresses;
@@ -65,40 +64,9 @@ absl::StatusOr<std::unique_ptr<PublishPeers>> PublishPeers::FromConfig(
           config.num_shards(), ": list every shard of the set in shard order, this one included"));
     }
   }
-  ASSIGN_OR_RETURN(const std::string token,
-                   ReadCredentialFile(config.admin_token_file(), "admin-token-file",
-                                      kMaxCredentialBytes, CredentialKind::kSecret));
-  options.token = std::string(absl::StripAsciiWhitespace(token));
-  if (config.tls_cert_file().empty()) {
-    // As the client tools refuse to without --insecure: a token in clear
-    // text is for a network the operator vouches for, never a default.
-    if (!config.peers_insecure()) {
-      return absl::InvalidArgumentError(
-          "--peers/--peers-file with --admin-token-file and no --tls-cert-file: this shard would "
-          "send its admin token to its peers in clear text; serve TLS (--tls-cert-file, "
-          "--tls-key-file, --peer-tls-ca-file), or pass --peers-insecure where the network "
-          "between the shards is trusted");
-    }
-    Log()->warn("--peers-insecure: the admin token goes to the peers in clear text");
-    options.credentials = grpc::InsecureChannelCredentials();
-  } else {
-    grpc::SslCredentialsOptions ssl;
-    ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                     ReadCredentialFile(config.tls_cert_file(), "tls-cert-file",
-                                        kMaxCredentialBytes, CredentialKind::kPublic));
-    ASSIGN_OR_RETURN(ssl.pem_private_key,
-                     ReadCredentialFile(config.tls_key_file(), "tls-key-file", kMaxCredentialBytes,
-                                        CredentialKind::kSecret));
-    const bool own_ca = !config.peer_tls_ca_file().empty();
-    if (own_ca || !config.tls_client_ca_file().empty()) {
-      ASSIGN_OR_RETURN(
-          ssl.pem_root_certs,
-          ReadCredentialFile(own_ca ? config.peer_tls_ca_file() : config.tls_client_ca_file(),
-                             own_ca ? "peer-tls-ca-file" : "tls-client-ca-file",
-                             kMaxCredentialBytes, CredentialKind::kPublic));
-    }
-    options.credentials = grpc::SslCredentials(ssl);
-  }
+  ASSIGN_OR_RETURN(PeerCalls calls, PeerCallsFromConfig(config, "--peers/--peers-file"));
+  options.token = std::move(calls.token);
+  options.credentials = std::move(calls.credentials);
   return std::unique_ptr<PublishPeers>(new PublishPeers(std::move(options)));
 }
 

@@ -63,6 +63,16 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   grpc::ServerUnaryReactor* ResolvePublish(
       grpc::CallbackServerContext* context, const layercast::v1::ResolvePublishRequest* request,
       layercast::v1::ResolvePublishResponse* response) override;
+  // Live hand-over (shard_admin_handover.cc).
+  grpc::ServerUnaryReactor* HandOver(grpc::CallbackServerContext* context,
+                                     const layercast::v1::HandOverRequest* request,
+                                     layercast::v1::HandOverResponse* response) override;
+  grpc::ServerUnaryReactor* Unfreeze(grpc::CallbackServerContext* context,
+                                     const layercast::v1::UnfreezeRequest* request,
+                                     layercast::v1::UnfreezeResponse* response) override;
+  grpc::ServerUnaryReactor* ReadState(grpc::CallbackServerContext* context,
+                                      const layercast::v1::ReadStateRequest* request,
+                                      layercast::v1::ReadStateResponse* response) override;
 
  private:
   grpc::Status Authorize(const grpc::CallbackServerContext& context) const;
@@ -71,6 +81,9 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   // The publications of a loaded read-only shard, or why a publish call is
   // refused (authorisation, draining, loading, training).
   absl::StatusOr<Publications*> PublicationsFor(const grpc::CallbackServerContext& context);
+  // The trainer of a loaded training shard, or why a hand-over call is
+  // refused (authorisation, draining, loading, read-only).
+  absl::StatusOr<LayerTrainer*> TrainerFor(const grpc::CallbackServerContext& context);
 
   const Options options_;
   const VersionGate& gate_;

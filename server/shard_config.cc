@@ -282,6 +282,13 @@ absl::StatusOr<ShardSettings> ResolveShardConfig(layercast::v1::ShardConfig conf
         "--optimizer-state needs --optimizer SPEC: the state is the optimizer's, and a shard "
         "without one does not train");
   }
+  if (!config.hand_over_from().empty() &&
+      (!training || config.admin_token_file().empty() || !config.optimizer_state().empty())) {
+    return absl::InvalidArgumentError(
+        "--hand-over-from needs --optimizer SPEC and --admin-token-file (the old set's token, "
+        "with which this shard reads its state), and no --optimizer-state: the state comes from "
+        "the old set");
+  }
   if (training && config.cast_cache_bytes() > 0) {
     return absl::InvalidArgumentError(
         "--cast-cache-bytes serves a read-only shard: a training shard's layers change every "

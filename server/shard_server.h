@@ -115,6 +115,8 @@ class ShardServer {
   // Without a checkpoint: makes --optimizer-state, if given, the source of
   // the optimizer state, the values still --model's.
   absl::Status UseOptimizerState();
+  // The state of a running set frozen for a hand-over (--hand-over-from).
+  absl::Status UseHandOver();
   // What this shard's push journal generations record of it.
   absl::StatusOr<layercast::v1::JournalIdentity> JournalIdentity() const;
   // At start, before anything loads: opens the push journal (journal_) and

@@ -1,6 +1,8 @@
 #include "server/shard_server.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "core/content_fingerprint.h"
 #include "core/layout.h"
 #include "platform/byte_size.h"
@@ -8,6 +10,7 @@
 #include "platform/status_macros.h"
 #include "server/checkpoint_reshard.h"
 #include "server/journal_reshard.h"
+#include "server/peer_state.h"
 #include "server/shard_checkpoint.h"
 #include "server/torch_optimizer_state.h"
 
@@ -34,6 +37,10 @@ absl::Status ShardServer::UseCheckpoint() {
   if (!existing && !reshard_from) {
     RETURN_IF_ERROR(UseOptimizerState());
     return OpenJournal();
+  }
+  if (!config.hand_over_from().empty()) {
+    Log()->info("--hand-over-from {} not read: --checkpoint-dir holds a checkpoint, which is newer",
+                config.hand_over_from());
   }
   if (!config.optimizer_state().empty()) {
     // A restarted shard goes on from its own checkpoint, which holds what
@@ -95,6 +102,7 @@ absl::Status ShardServer::UseCheckpoint() {
 
 absl::Status ShardServer::UseOptimizerState() {
   const auto& config = settings_.config;
+  if (!config.hand_over_from().empty()) return UseHandOver();
   if (config.optimizer_state().empty() || !settings_.optimizer) return absl::OkStatus();
   ASSIGN_OR_RETURN(
       auto state,
@@ -103,6 +111,24 @@ absl::Status ShardServer::UseOptimizerState() {
   Log()->info("starting from optimizer state {} (layers at step {} and on) with {}'s values",
               state->path(), state->version(),
               config.synthetic().empty() ? "--model" : "--synthetic");
+  checkpoint_source_ = state.get();
+  imported_state_ = true;
+  source_ = std::move(state);
+  return absl::OkStatus();
+}
+
+absl::Status ShardServer::UseHandOver() {
+  const auto& config = settings_.config;
+  ASSIGN_OR_RETURN(PeerCalls calls, PeerCallsFromConfig(config, "--hand-over-from"));
+  std::vector<std::string> addresses;
+  for (absl::string_view part : absl::StrSplit(config.hand_over_from(), ',', absl::SkipEmpty())) {
+    addresses.emplace_back(absl::StripAsciiWhitespace(part));
+  }
+  ASSIGN_OR_RETURN(auto state,
+                   PeerState::Open(std::move(addresses), std::move(calls), std::move(source_),
+                                   config.shard_index(), config.num_shards()));
+  Log()->info("filling this shard from the {} shards of a running set ({}) frozen at version {}",
+              state->from_count(), state->path(), state->version());
   checkpoint_source_ = state.get();
   imported_state_ = true;
   source_ = std::move(state);

@@ -4,7 +4,9 @@
 // optimizer buffer equals those of the same 6 steps on N = 2 without a stop,
 // bit for bit; and so they do when the 2 shards stopped without a checkpoint
 // on the way out, so that the pushes of the step after their last checkpoint
-// are only in their journals.
+// are only in their journals. And live: 2 shards train 3 steps, freeze,
+// and 4 shards fill themselves from them over ShardAdmin and train the last
+// 3, bit for bit as well.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -17,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "client/gradient_sink.h"
 #include "core/safetensors.h"
+#include "layercast/v1/admin.grpc.pb.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 #include "tools/synthetic_gradient.h"
@@ -284,6 +287,93 @@ TEST_F(ReshardTest, PushesAfterTheCheckpointComeFromTheJournalsResharded) {
         log, HasSubstr(absl::StrCat(4 * kWorkers + 1, " push(es) and clip scale(s) taken again")))
         << log;
   }
+}
+
+// HandOver on every shard at `addresses`, with `at_version` if given: the
+// answers, or a failure.
+std::vector<layercast::v1::HandOverResponse> HandOver(const std::vector<std::string>& addresses,
+                                                      std::optional<uint64_t> at_version,
+                                                      grpc::StatusCode expected = grpc::OK) {
+  std::vector<layercast::v1::HandOverResponse> answers;
+  for (const std::string& address : addresses) {
+    auto admin = layercast::v1::ShardAdmin::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    layercast::v1::HandOverRequest request;
+    if (at_version) request.set_at_version(*at_version);
+    const grpc::Status status = admin->HandOver(&context, request, &answers.emplace_back());
+    EXPECT_EQ(status.error_code(), expected) << address << ": " << status.error_message();
+  }
+  return answers;
+}
+
+TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
+  RunningShards old_set =
+      StartShards(2, BaseFlags(model_.path, MakeTempDir("handover-old"), token_));
+  ASSERT_NE(old_set.set, nullptr);
+  const std::string old_addresses = absl::StrJoin(old_set.set->addresses(), ",");
+  const std::vector<std::string> new_flags = [&] {
+    std::vector<std::string> flags =
+        BaseFlags(model_.path, MakeTempDir("handover-refused"), token_);
+    flags.insert(flags.end(), {"--hand-over-from", old_addresses, "--peers-insecure", "true"});
+    return flags;
+  }();
+  // Not frozen: the new set refuses to start, naming what to do.
+  {
+    tools::LocalShardSet::Options options;
+    options.shard_binary = ShardBinary();
+    options.num_shards = 4;
+    options.extra_flags = new_flags;
+    options.log_dir = MakeTempDir("handover-refused-logs");
+    EXPECT_FALSE(tools::LocalShardSet::Start(options).ok());
+    std::string log;
+    EXPECT_EQ(RunCommand(absl::StrCat("cat ", options.log_dir, "/shard-0.log"), &log), 0);
+    EXPECT_THAT(log, HasSubstr("this shard is not handing over: freeze every shard"));
+  }
+  Seen seen;
+  ASSERT_TRUE(Train(*old_set.set, 0, kStopAfter, seen));
+  // Past version 2 already: that hand-over is refused, freezing nothing.
+  HandOver(old_set.set->addresses(), kStopAfter - 1, grpc::FAILED_PRECONDITION);
+  for (const auto& answer : HandOver(old_set.set->addresses(), kStopAfter)) {
+    EXPECT_TRUE(answer.at_boundary());
+    EXPECT_EQ(answer.frozen_at(), kStopAfter);
+  }
+  // The frozen set refuses the next step's push, telling the worker where
+  // to go, and keeps serving reads.
+  {
+    auto sink = client::GradientSink::Create(*old_set.set, {.worker = 0, .chunk_bytes = 8192});
+    ASSERT_TRUE(sink.ok()) << sink.status();
+    absl::StatusOr<client::LayerBuffer> gradient =
+        client::LayerBuffer::Allocate(old_set.set->view().gradient_layouts[0].total_bytes());
+    ASSERT_TRUE(gradient.ok());
+    auto pushed = (*sink)->Push(0, kStopAfter, *std::move(gradient));
+    absl::Status refused = pushed.ok() ? pushed->get().status() : pushed.status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_THAT(refused.message(), HasSubstr("reconnect to the new set's addresses"));
+    client::GatherOptions options;
+    options.min_version = kStopAfter;
+    absl::StatusOr<client::Layer> layer = old_set.set->Gather(1, options);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    EXPECT_EQ(layer->version(), kStopAfter);
+  }
+  // The workers move: a set of 4 filled from the frozen 2 trains on.
+  const std::string new_dir = MakeTempDir("handover-new");
+  std::vector<std::string> flags = BaseFlags(model_.path, new_dir, token_);
+  flags.insert(flags.end(), {"--hand-over-from", old_addresses, "--peers-insecure", "true"});
+  const std::string logs = MakeTempDir("handover-logs");
+  RunningShards new_set = StartShards(4, flags, logs);
+  ASSERT_NE(new_set.set, nullptr);
+  ASSERT_TRUE(Train(*new_set.set, kStopAfter, kSteps, seen));
+  // Reads of the old set still answer while the new set trains.
+  EXPECT_TRUE(old_set.set->Gather(0, {}).ok());
+  ASSERT_EQ(new_set.processes->Stop(), absl::OkStatus());
+  EXPECT_EQ(seen.losses, straight_.losses);
+  EXPECT_EQ(seen.scales, straight_.scales);
+  ExpectSameBits(expected_, Assemble(new_dir, 4), "2 shards handed over to 4");
+  std::string log;
+  EXPECT_EQ(RunCommand(absl::StrCat("cat ", logs, "/shard-3.log"), &log), 0);
+  EXPECT_THAT(log, HasSubstr("filling this shard from the 2 shards of a running set"));
 }
 
 }  // namespace
