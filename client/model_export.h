@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/client_defaults.h"
 #include "client/shard_set.h"
 #include "core/dtype.h"
 #include "platform/file_system.h"
@@ -31,7 +32,7 @@ struct ExportOptions {
   // this gets a file of its own.
   uint64_t max_file_bytes = 5'000'000'000;
   // Each layer's gather ends by then.
-  std::chrono::milliseconds layer_timeout{60000};
+  std::chrono::milliseconds layer_timeout = kLayerTimeout;
   // Told after each layer is written: its index and the bytes so far.
   std::function<void(uint32_t layer, uint64_t bytes)> on_layer;
 };

@@ -1,10 +1,10 @@
 #include <cstdio>
 
+#include "platform/byte_size.h"
+#include "platform/status_macros.h"
 #include "programs/layercast/commands.h"
 #include "programs/layercast/connect.h"
 #include "programs/layercast/layer_walk.h"
-#include "platform/byte_size.h"
-#include "platform/status_macros.h"
 
 namespace layercast::cli {
 

@@ -1,9 +1,9 @@
 #include <cstdio>
 
 #include "client/cast_error_report.h"
+#include "platform/status_macros.h"
 #include "programs/layercast/commands.h"
 #include "programs/layercast/connect.h"
-#include "platform/status_macros.h"
 
 namespace layercast::cli {
 

@@ -6,8 +6,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "client/bearer_token.h"
-#include "programs/layercast/commands.h"
-#include "programs/layercast/connect.h"
 #include "client/shard_set.h"
 #include "layercast/v1/admin.grpc.pb.h"
 #include "platform/byte_size.h"
@@ -15,6 +13,8 @@
 #include "platform/file_system.h"
 #include "platform/secret_file.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::cli {

@@ -3,14 +3,14 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "programs/layercast/commands.h"
-#include "programs/layercast/connect.h"
-#include "programs/layercast/layer_walk.h"
 #include "core/cast.h"
 #include "core/safetensors_source.h"
 #include "core/synthetic_model.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
+#include "programs/layercast/layer_walk.h"
 #include "tools/local_shard_set.h"
 
 namespace layercast::cli {

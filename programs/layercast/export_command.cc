@@ -1,10 +1,11 @@
 #include <cstdio>
 
-#include "programs/layercast/commands.h"
-#include "programs/layercast/connect.h"
+#include "client/client_defaults.h"
 #include "client/model_export.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 
 namespace layercast::cli {
 
@@ -25,7 +26,9 @@ absl::Status RunExport(const std::vector<std::string>& args) {
   if (flags.Has("max-file-size")) {
     ASSIGN_OR_RETURN(options.max_file_bytes, ParseByteSize(flags.Get("max-file-size")));
   }
-  ASSIGN_OR_RETURN(options.layer_timeout, TimeoutFromFlags(flags, "timeout-ms", 60000));
+  ASSIGN_OR_RETURN(
+      options.layer_timeout,
+      TimeoutFromFlags(flags, "timeout-ms", static_cast<uint64_t>(client::kLayerTimeout.count())));
   ASSIGN_OR_RETURN(auto set, ConnectFromFlags(flags));
   const size_t layers = set->model().layers.size();
   options.on_layer = [layers](uint32_t layer, uint64_t bytes) {

@@ -3,12 +3,12 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "programs/layercast/commands.h"
-#include "programs/layercast/connect.h"
 #include "client/client_defaults.h"
 #include "core/safetensors.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 
 namespace layercast::cli {
 namespace {

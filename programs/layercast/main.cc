@@ -51,7 +51,7 @@ const Command kCommands[] = {
      "  --dtype D                   float32 (the master, default), bfloat16 or float16\n"
      "  --version V                 the version to export (default: the shards' current)\n"
      "  --max-file-size BYTES       largest data file, e.g. 2GiB (default 5000000000)\n"
-     "  --timeout-ms MS             each layer's gather deadline (default 60000)\n"
+     "  --timeout-ms MS             each layer's gather deadline (default {layer_ms})\n"
      "The optimizer's state is not exported here: layercast.torch.export_checkpoint\n"
      "writes it, with the master, for torch.optim from the training shards' checkpoint\n"
      "(docs/training.md, \"In and out of PyTorch\").\n",

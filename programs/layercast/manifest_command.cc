@@ -2,10 +2,10 @@
 #include <cstdio>
 
 #include "absl/strings/escaping.h"
-#include "programs/layercast/commands.h"
-#include "programs/layercast/connect.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "wire/incarnation.h"
 
 namespace layercast::cli {

@@ -16,11 +16,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "programs/layercast/commands.h"
 #include "client/model_mirror.h"
 #include "client/weight_publisher.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
 #include "tools/local_shard_set.h"
 #include "tools/synthetic_trainer.h"
 

@@ -5,12 +5,12 @@
 #include <fstream>
 
 #include "absl/strings/str_join.h"
-#include "programs/layercast/commands.h"
-#include "programs/layercast/connect.h"
 #include "client/model_mirror.h"
 #include "platform/byte_size.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
+#include "programs/layercast/connect.h"
 #include "relay/relay.h"
 
 namespace layercast::cli {

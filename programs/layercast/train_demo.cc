@@ -9,13 +9,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "programs/layercast/commands.h"
 #include "client/gradient_sink.h"
 #include "core/cast.h"
 #include "core/dtype.h"
 #include "core/layout.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
+#include "programs/layercast/commands.h"
 #include "tools/local_shard_set.h"
 #include "tools/synthetic_gradient.h"
 
