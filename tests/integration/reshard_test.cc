@@ -333,6 +333,19 @@ TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
   }
   Seen seen;
   ASSERT_TRUE(Train(*old_set.set, 0, kStopAfter, seen));
+  // Not frozen: its state may still change, so ReadState refuses.
+  {
+    auto admin = layercast::v1::ShardAdmin::NewStub(
+        grpc::CreateChannel(old_set.set->addresses()[0], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    layercast::v1::ReadStateRequest request;
+    request.set_end(1);
+    layercast::v1::ReadStateResponse answer;
+    const grpc::Status status = admin->ReadState(&context, request, &answer);
+    EXPECT_EQ(status.error_code(), grpc::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("call HandOver with at_version"));
+  }
   // Past version 2 already: that hand-over is refused, freezing nothing.
   HandOver(old_set.set->addresses(), kStopAfter - 1, grpc::FAILED_PRECONDITION);
   for (const auto& answer : HandOver(old_set.set->addresses(), kStopAfter)) {
@@ -374,6 +387,23 @@ TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
   std::string log;
   EXPECT_EQ(RunCommand(absl::StrCat("cat ", logs, "/shard-3.log"), &log), 0);
   EXPECT_THAT(log, HasSubstr("filling this shard from the 2 shards of a running set"));
+  // Unfreeze (a hand-over abandoned): the old set takes step 3 again.
+  for (const std::string& address : old_set.set->addresses()) {
+    auto admin = layercast::v1::ShardAdmin::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    layercast::v1::UnfreezeResponse answer;
+    EXPECT_TRUE(admin->Unfreeze(&context, {}, &answer).ok()) << address;
+  }
+  auto sink = client::GradientSink::Create(*old_set.set, {.worker = 0, .chunk_bytes = 8192});
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  absl::StatusOr<client::LayerBuffer> gradient =
+      client::LayerBuffer::Allocate(old_set.set->view().gradient_layouts[0].total_bytes());
+  ASSERT_TRUE(gradient.ok());
+  auto pushed = (*sink)->Push(0, kStopAfter, *std::move(gradient));
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_TRUE(pushed->get().ok()) << pushed->get().status();
 }
 
 }  // namespace
