@@ -530,5 +530,50 @@ TEST(LimitsTest, OversizedRequestsAreRefusedBeforeTheyAreParsed) {
   EXPECT_EQ(processes->Stop(), absl::OkStatus());
 }
 
+// A live hand-over over TLS: a new shard trusting the old set's CA fills
+// itself from it; one trusting another CA is refused the handshake and
+// does not start.
+TEST_F(SecurityTest, HandOverReadsTheOldSetOverTls) {
+  const std::string token = WriteToken(kToken);
+  std::vector<std::string> flags = TlsFlags();
+  flags.insert(flags.end(),
+               {"--optimizer", "sgd:lr=0.01,momentum=0.9", "--admin-token-file", token});
+  auto old_set = StartProcesses(2, flags);
+  ASSERT_NE(old_set, nullptr);
+  for (const std::string& address : old_set->addresses()) {
+    auto admin = layercast::v1::ShardAdmin::NewStub(grpc::CreateChannel(address, Tls(certs_.ca)));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    layercast::v1::HandOverRequest request;
+    request.set_at_version(0);
+    layercast::v1::HandOverResponse answer;
+    ASSERT_TRUE(admin->HandOver(&context, request, &answer).ok()) << address;
+    EXPECT_TRUE(answer.at_boundary());
+  }
+  flags.insert(flags.end(), {"--hand-over-from", absl::StrJoin(old_set->addresses(), ",")});
+  const auto start = [&](const std::string& ca, const std::string& logs) {
+    tools::LocalShardSet::Options options;
+    options.shard_binary = ShardBinary();
+    options.num_shards = 1;
+    options.extra_flags = flags;
+    options.extra_flags.insert(options.extra_flags.end(), {"--peer-tls-ca-file", ca});
+    options.log_dir = logs;
+    return tools::LocalShardSet::Start(options);
+  };
+  const std::string refused_logs = MakeTempDir("handover-tls-refused");
+  EXPECT_FALSE(start(certs_.other_ca, refused_logs).ok());
+  std::string log;
+  EXPECT_EQ(RunCommand(absl::StrCat("cat ", refused_logs, "/shard-0.log"), &log), 0);
+  EXPECT_THAT(log, HasSubstr("--hand-over-from: old shard 0"));
+  const std::string logs = MakeTempDir("handover-tls");
+  auto new_set = start(certs_.ca, logs);
+  ASSERT_TRUE(new_set.ok()) << new_set.status();
+  auto set = Connect(**new_set, Tls(certs_.ca));
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(RunCommand(absl::StrCat("cat ", logs, "/shard-0.log"), &log), 0);
+  EXPECT_THAT(log, HasSubstr("filling this shard from the 2 shards of a running set"));
+  EXPECT_EQ((*new_set)->Stop(), absl::OkStatus());
+}
+
 }  // namespace
 }  // namespace layercast::testing
