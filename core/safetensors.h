@@ -36,6 +36,11 @@ struct SafetensorsSkipped {
   std::string name;
   std::string dtype;  // as the file names it, e.g. "I32"
   std::vector<int64_t> shape;
+  // Where its bytes are, checked as a served tensor's: for a reader that
+  // takes every tensor (the Python package's load_safetensors).
+  uint32_t file = 0;
+  uint64_t data_begin = 0;
+  uint64_t bytes = 0;
 };
 
 // Reads a safetensors model: one `.safetensors` file, or a

@@ -278,9 +278,9 @@ absl::StatusOr<ParsedFile> ParseFile(const RandomAccessFile& file, uint32_t file
     if (entry.skipped_dtype.empty()) {
       parsed.tensors.push_back(std::move(entry.tensor));
     } else {
-      parsed.skipped.push_back(SafetensorsSkipped{std::move(entry.tensor.name),
-                                                  std::move(entry.skipped_dtype),
-                                                  std::move(entry.tensor.shape)});
+      parsed.skipped.push_back(SafetensorsSkipped{
+          std::move(entry.tensor.name), std::move(entry.skipped_dtype),
+          std::move(entry.tensor.shape), entry.tensor.file, entry.tensor.data_begin, entry.bytes});
     }
   }
   return parsed;

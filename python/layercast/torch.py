@@ -136,24 +136,9 @@ def _place_buffers(model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) 
 
 
 def _fp8_values(dtype: str) -> torch.Tensor:
-    """The value of each of the 256 codes of an OCP 8-bit float, by code."""
-    exponent_bits, mantissa_bits = {"float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}[dtype]
-    bias = (1 << (exponent_bits - 1)) - 1
-    values = []
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        exponent = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
-        mantissa = code & ((1 << mantissa_bits) - 1)
-        top = exponent == (1 << exponent_bits) - 1
-        if dtype == "float8_e4m3fn" and top and mantissa == (1 << mantissa_bits) - 1:
-            values.append(float("nan"))  # e4m3fn has no infinities, one NaN
-        elif dtype == "float8_e5m2" and top:
-            values.append(sign * float("inf") if mantissa == 0 else float("nan"))
-        elif exponent == 0:
-            values.append(sign * mantissa / (1 << mantissa_bits) * 2.0 ** (1 - bias))
-        else:
-            values.append(sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias))
-    return torch.tensor(values, dtype=torch.float32)
+    """The value of each of the 256 codes of an OCP 8-bit float, by code:
+    the shards' own table (core/fp8), not a second one."""
+    return torch.tensor(_layercast.fp8_values(dtype), dtype=torch.float32)
 
 
 def dequantize(tensor) -> torch.Tensor:
@@ -833,34 +818,25 @@ _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 def load_safetensors(path) -> Dict[str, torch.Tensor]:
     """Reads a safetensors model ({name: tensor}, on the CPU): one file, or
     a Hugging Face index ("....safetensors.index.json") and the files it
-    names, as `ShardSet.export` writes them. The counterpart of
-    save_safetensors, for the same dtypes; by hand for the same reason."""
-    import json
+    names, as `ShardSet.export` writes them; in the order the files hold
+    them. The header is the shards' reader's (checked as strictly: a
+    malformed file raises layercast.Error naming it and what is wrong); the
+    dtypes are save_safetensors's."""
     import pathlib
 
-    path = pathlib.Path(path)
-    if path.name.endswith(".index.json"):
-        weight_map = json.loads(path.read_text())["weight_map"]
-        tensors: Dict[str, torch.Tensor] = {}
-        for file in sorted(set(weight_map.values())):
-            tensors.update(load_safetensors(path.parent / file))
-        return {name: tensors[name] for name in weight_map}
-    data = path.read_bytes()
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + length])
-    start = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _TORCH_DTYPES.get(entry["dtype"])
+    entries, _ = _layercast.safetensors_header(str(path))
+    tensors: Dict[str, torch.Tensor] = {}
+    files: Dict[str, bytes] = {}
+    for name, tag, shape, file, begin, nbytes in sorted(entries, key=lambda e: (e[3], e[4])):
+        dtype = _TORCH_DTYPES.get(tag)
         if dtype is None:
-            raise TypeError(f"{path}: tensor {name} is {entry['dtype']}, which this reader does "
-                            f"not take; it reads {sorted(_TORCH_DTYPES)}")
-        begin, end = entry["data_offsets"]
-        raw = bytearray(data[start + begin:start + end])
-        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(entry["shape"]) if raw else \
-            torch.empty(entry["shape"], dtype=dtype)
+            raise TypeError(f"{path}: tensor {name} is {tag}, which this reader does not take; "
+                            f"it reads {sorted(_TORCH_DTYPES)}")
+        if file not in files:
+            files[file] = pathlib.Path(file).read_bytes()
+        raw = bytearray(files[file][begin:begin + nbytes])
+        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else \
+            torch.empty(shape, dtype=dtype)
     return tensors
 
 

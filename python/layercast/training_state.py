@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import learning_rate
+from . import _layercast, learning_rate
 from .torch import load_safetensors, save_safetensors
 
 FORMAT = "torch-optimizer-state"
@@ -95,13 +95,9 @@ def _group_json(kind: str, group: Mapping[str, object], names: Sequence[str]) ->
 
 
 def _metadata(path: pathlib.Path) -> Dict[str, str]:
-    """The `__metadata__` of a safetensors file (of an index's first file)."""
-    if path.name.endswith(".index.json"):
-        weight_map = json.loads(path.read_text())["weight_map"]
-        path = path.parent / sorted(set(weight_map.values()))[0]
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(length)).get("__metadata__", {})
+    """The `__metadata__` of a safetensors file (of an index's first file),
+    its header checked by the shards' reader."""
+    return _layercast.safetensors_header(str(path))[1]
 
 
 def _write(path: pathlib.Path, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str],
@@ -303,20 +299,20 @@ def _checkpoint_files(directory: pathlib.Path, num_shards: Optional[int]) -> Lis
 
 
 def _read_checkpoint(file: pathlib.Path) -> Tuple[Dict[str, str], Dict[str, torch.Tensor]]:
-    data = file.read_bytes()
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + length])
-    metadata = header.pop("__metadata__", {})
+    # The header as the shards' reader checks it; the checksum over the data.
+    entries, metadata = _layercast.safetensors_header(str(file))
     if metadata.get("format") != "layercast-shard-checkpoint":
         raise ValueError(f"{file} is not a layercast shard checkpoint")
-    body = memoryview(data)[8 + length:]
+    data = file.read_bytes()
+    body = memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
     if metadata.get("checksum") != "sha256:" + hashlib.sha256(body).hexdigest():
         raise ValueError(f"{file} is damaged: its data does not match its checksum")
     tensors = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        tensors[name] = torch.frombuffer(bytearray(body[begin:end]), dtype=torch.float32) \
-            if end > begin else torch.empty(0)
+    for name, tag, _, _, begin, nbytes in entries:
+        if tag != "F32":
+            raise ValueError(f"{file}: tensor {name} is {tag}; a shard checkpoint holds F32 only")
+        tensors[name] = torch.frombuffer(bytearray(data[begin:begin + nbytes]),
+                                         dtype=torch.float32) if nbytes else torch.empty(0)
     return metadata, tensors
 
 

@@ -18,6 +18,7 @@
 #include "platform/process_tuning.h"
 #include "python/src/dlpack_views.h"
 #include "python/src/errors.h"
+#include "python/src/formats_binding.h"
 #include "python/src/log_pipe.h"
 #include "python/src/mirror_binding.h"
 #include "python/src/shard_set_binding.h"
@@ -70,6 +71,8 @@ PYBIND11_MODULE(_layercast, module) {
   defaults.attr("publish_timeout") = Seconds(client::kPublishTimeout);
   defaults.attr("mirror_poll") = Seconds(client::kMirrorPoll);
   defaults.attr("mirror_probe") = Seconds(client::kMirrorProbe);
+
+  BindFormats(module);
 
   py::class_<TensorView>(module, "Tensor")
       .def_property_readonly("name", &TensorView::name)
