@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/synthetic_model.h"
+#include "server/checkpoint_format.h"
 
 namespace layercast::server {
 namespace {
@@ -123,6 +124,75 @@ TEST(LayerTrainerTest, AppliesTheMeanWithTheStepsLearningRate) {
       at += n;
     }
   }
+}
+
+// A live hand-over's freeze: only at a step boundary no step has passed,
+// the steps before it finish, the next is refused naming the move, and
+// what it reads is what the trainer holds.
+TEST(LayerTrainerTest, FreezeHoldsTheStateAtAStepBoundary) {
+  auto store = Store(1, 2);
+  auto created = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
+  ASSERT_TRUE(created.ok()) << created.status();
+  LayerTrainer& trainer = **created;
+  const auto layers = static_cast<uint32_t>(store->model().layers.size());
+  const auto push = [&](uint32_t layer, uint32_t worker, uint64_t step) {
+    return trainer.Push(layer, worker, step, Gradient(trainer, layer, worker, step)).status();
+  };
+  for (uint32_t l = 0; l < layers; ++l) {
+    ASSERT_TRUE(push(l, 0, 0).ok());
+    ASSERT_TRUE(push(l, 1, 0).ok());
+  }
+  // Worker 0 has begun step 1 of layer 0: a freeze at 1 would cut it.
+  ASSERT_TRUE(push(0, 0, 1).ok());
+  const absl::Status past = trainer.Freeze(1);
+  EXPECT_EQ(past.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(past.message(), HasSubstr("hand over at version 2 or later"));
+  EXPECT_FALSE(trainer.frozen_at().has_value());
+
+  ASSERT_TRUE(trainer.Freeze(2).ok());
+  EXPECT_FALSE(trainer.AtFrozenBoundary());
+  const ElementRange owned = store->owned(1, 0);
+  std::vector<float> values(owned.size() - 1);
+  const ElementRange tail{owned.begin + 1, owned.end};
+  EXPECT_EQ(trainer.ReadFrozen(1, 0, "", tail, values).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(push(0, 1, 1).ok());
+  for (uint32_t l = 1; l < layers; ++l) {
+    ASSERT_TRUE(push(l, 0, 1).ok());
+    ASSERT_TRUE(push(l, 1, 1).ok());
+  }
+  EXPECT_TRUE(trainer.AtFrozenBoundary());
+  const absl::Status refused = push(0, 0, 2);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("reconnect to the new set's addresses"));
+  EXPECT_EQ(trainer.Freeze(3).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(trainer.TrainingHeader().layer_versions, std::vector<uint64_t>(layers, 2));
+
+  ASSERT_TRUE(trainer.ReadFrozen(1, 0, "", tail, values).ok());
+  EXPECT_EQ(std::memcmp(values.data(), store->master(1, 0) + 1, values.size() * 4), 0);
+  ASSERT_TRUE(trainer.ReadFrozen(1, 0, "exp_avg", tail, values).ok());
+  // What a checkpoint would write of the same buffer.
+  const std::string name = OptimizerStateName("exp_avg", store->model().layers[1].tensors[0].name);
+  std::vector<float> saved;
+  ASSERT_TRUE(
+      trainer
+          .WriteWithState(
+              [&](uint64_t, const CheckpointExtras& extras) -> absl::StatusOr<CheckpointInfo> {
+                for (const auto& [tensor, data] : extras.tensors) {
+                  if (tensor == name) saved.assign(data.begin(), data.end());
+                }
+                return CheckpointInfo{};
+              })
+          .ok());
+  ASSERT_EQ(saved.size(), owned.size());
+  EXPECT_EQ(std::memcmp(values.data(), saved.data() + 1, values.size() * 4), 0);
+  EXPECT_EQ(trainer.ReadFrozen(1, 0, "exp_avg", {owned.begin, owned.end + 1}, values).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(trainer.ReadFrozen(1, 0, "momentum_buffer", tail, values).code(),
+            absl::StatusCode::kNotFound);
+
+  trainer.Unfreeze();
+  EXPECT_TRUE(push(0, 0, 2).ok());
 }
 
 // A step advances its layer in the gate, and gives the step's reservation
