@@ -223,7 +223,9 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                 settings_.optimizer->ToString(), config.data_parallel_workers(),
                 FormatBytes(plan_.state_bytes),
                 checkpoint_source_ != nullptr && checkpoint_source_->training()
-                    ? absl::StrCat(imported_state_ ? "--optimizer-state's" : "the checkpoint's",
+                    ? absl::StrCat(!imported_state_                  ? "the checkpoint's"
+                                   : config.hand_over_from().empty() ? "--optimizer-state's"
+                                                                     : "the old set's",
                                    " state at version ", checkpoint_source_->version())
                     : std::string("zero state"));
   }
