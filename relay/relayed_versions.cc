@@ -1,6 +1,7 @@
 #include "relay/relayed_versions.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstring>
 #include <utility>
@@ -210,6 +211,10 @@ void RelayedVersions::Put(uint32_t layer, uint64_t version, bool changed,
   if (write && fresh == nullptr) {
     std::shared_ptr<const std::vector<uint8_t>>& live = held.back().held.bytes;
     if (live.use_count() == 1) {
+      // use_count() is a relaxed load: the fence orders the last stream's
+      // reads of these bytes (before its releasing decrement, often on a
+      // gRPC thread dropping its slice) before this write.
+      std::atomic_thread_fence(std::memory_order_acquire);
       // Under the lock, so no reader sees a version's number on another's
       // bits. A memcpy into warm memory is the cheapest write there is
       // (measured against copying only what moved: 1.0-1.4x faster).
@@ -327,7 +332,7 @@ std::optional<size_t> RelayedVersions::IndexOf(const std::deque<Kept>& kept,
   return std::nullopt;
 }
 
-std::shared_ptr<const std::vector<uint8_t>> RelayedVersions::BytesOf(uint32_t layer, size_t index,
+std::shared_ptr<const std::vector<uint8_t>> RelayedVersions::BytesOf(uint32_t layer,
                                                                      uint64_t entry) const {
   struct Log {
     std::shared_ptr<const ChangedElements> changed;
@@ -338,7 +343,9 @@ std::shared_ptr<const std::vector<uint8_t>> RelayedVersions::BytesOf(uint32_t la
   {
     absl::ReaderMutexLock lock(&mu_);
     const std::deque<Kept>& kept = layers_[layer];
-    if (index >= kept.size() || kept[index].held.entry != entry) return nullptr;
+    size_t index = 0;
+    while (index < kept.size() && kept[index].held.entry != entry) ++index;
+    if (index == kept.size()) return nullptr;  // evicted or replaced
     if (index + 1 == kept.size()) return kept.back().held.bytes;
     if (std::shared_ptr<const std::vector<uint8_t>> rebuilt = kept[index].rebuilt.lock()) {
       return rebuilt;
@@ -348,6 +355,7 @@ std::shared_ptr<const std::vector<uint8_t>> RelayedVersions::BytesOf(uint32_t la
       if (!kept[i].unchanged) logs.push_back({kept[i].changed, kept[i].undo});
     }
   }
+  if (logs.empty()) return newest;  // nothing changed since: its bytes
   // Outside the lock: the reference taken to the newest keeps Put from
   // writing it in place meanwhile.
   std::shared_ptr<std::vector<uint8_t>> rebuilt = Allocate(newest->size());
@@ -363,16 +371,14 @@ std::shared_ptr<const std::vector<uint8_t>> RelayedVersions::BytesOf(uint32_t la
 }
 
 std::shared_ptr<const std::vector<uint8_t>> RelayedVersions::BeforeNewest(uint32_t layer) const {
-  size_t index = 0;
   uint64_t entry = 0;
   {
     absl::ReaderMutexLock lock(&mu_);
     const std::deque<Kept>& kept = layers_[layer];
     if (kept.size() < 2) return nullptr;
-    index = kept.size() - 2;
-    entry = kept[index].held.entry;
+    entry = kept[kept.size() - 2].held.entry;
   }
-  return BytesOf(layer, index, entry);
+  return BytesOf(layer, entry);
 }
 
 std::optional<HeldLayer> RelayedVersions::Identity(uint32_t layer, uint64_t version) const {
@@ -388,14 +394,7 @@ std::optional<HeldLayer> RelayedVersions::Identity(uint32_t layer, uint64_t vers
 std::optional<HeldLayer> RelayedVersions::At(uint32_t layer, uint64_t version) const {
   std::optional<HeldLayer> at = Identity(layer, version);
   if (!at) return std::nullopt;
-  size_t index = 0;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    const std::optional<size_t> i = IndexOf(layers_[layer], version);
-    if (!i) return std::nullopt;
-    index = *i;
-  }
-  at->bytes = BytesOf(layer, index, at->entry);
+  at->bytes = BytesOf(layer, at->entry);
   if (at->bytes == nullptr) return std::nullopt;  // evicted meanwhile
   return at;
 }
