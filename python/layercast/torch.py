@@ -826,15 +826,18 @@ def load_safetensors(path) -> Dict[str, torch.Tensor]:
 
     entries, _ = _layercast.safetensors_header(str(path))
     tensors: Dict[str, torch.Tensor] = {}
-    files: Dict[str, bytes] = {}
+    # One file's bytes at a time (the entries come file by file): a split
+    # model never sits in memory twice.
+    held, data = None, b""
     for name, tag, shape, file, begin, nbytes in sorted(entries, key=lambda e: (e[3], e[4])):
         dtype = _TORCH_DTYPES.get(tag)
         if dtype is None:
             raise TypeError(f"{path}: tensor {name} is {tag}, which this reader does not take; "
                             f"it reads {sorted(_TORCH_DTYPES)}")
-        if file not in files:
-            files[file] = pathlib.Path(file).read_bytes()
-        raw = bytearray(files[file][begin:begin + nbytes])
+        if file != held:
+            held, data = file, b""
+            data = pathlib.Path(file).read_bytes()
+        raw = bytearray(data[begin:begin + nbytes])
         tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else \
             torch.empty(shape, dtype=dtype)
     return tensors

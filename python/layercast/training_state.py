@@ -184,7 +184,11 @@ def save_optimizer_state(path, optimizer: torch.optim.Optimizer, module: torch.n
                 tensors[f"state.{name}.{buffer}"] = (
                     torch.zeros(p.shape, dtype=torch.float32) if value is None else
                     value.detach().to(device="cpu", dtype=torch.float32).contiguous())
-            if kind == "sgd":
+            if kind == "sgd" and not group["momentum"]:
+                # Plain SGD keeps no state at all: only steps= says how far
+                # it went (the shards' lr schedule goes on from there).
+                step = steps or 0
+            elif kind == "sgd":
                 # Without a buffer, no step was taken; with one, the shards
                 # count one unless told.
                 step = 0 if state.get("momentum_buffer") is None else steps

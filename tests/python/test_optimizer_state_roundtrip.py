@@ -219,3 +219,17 @@ def test_torch_refuses_a_state_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match=r"transformer\.ln_f\.bias's exp_avg is \(3,\), the "
                                          r"parameter \(32,\)"):
         layercast.torch.load_optimizer_state(state, adamw(model), model)
+
+
+def test_plain_sgd_takes_its_step_count_from_steps(tmp_path):
+    # torch's SGD without momentum keeps no state: the file's step is
+    # steps=, so the shards' learning-rate schedule goes on where it was.
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "state.safetensors"
+    layercast.torch.save_optimizer_state(path, optimizer, model, steps=7)
+    tensors = layercast.torch.load_safetensors(path)
+    assert {name: float(t) for name, t in tensors.items()} == \
+        {"state.weight.step": 7.0, "state.bias.step": 7.0}
