@@ -5,6 +5,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/content_fingerprint.h"
+#include "platform/byte_size.h"
 #include "platform/status_macros.h"
 #include "wire/incarnation.h"
 #include "wire/owned_runs.h"
@@ -169,6 +170,22 @@ constexpr uint64_t kDeltaHeaderBytes = 64;
 
 uint64_t DeltaExtraBytes(uint64_t elements, uint64_t blocks) {
   return elements / 8 + blocks / 8 + 2 + kDeltaHeaderBytes;
+}
+
+void DeltaCost::Add(uint64_t changed, uint64_t elements, size_t size) {
+  delta_bytes_ += changed * size + (elements + 7) / 8;
+  full_bytes_ += elements * size;
+  changed_ += changed;
+  elements_ += elements;
+}
+
+absl::Status DeltaCost::Check(uint32_t layer, uint64_t base_version, absl::string_view what) const {
+  if (delta_bytes_ <= full_bytes_) return absl::OkStatus();
+  return absl::OutOfRangeError(absl::StrCat("layer ", layer, " changed in ", changed_, " of the ",
+                                            elements_, " values ", what, " sends since version ",
+                                            base_version, ": a delta (", FormatBytes(delta_bytes_),
+                                            ") would be larger than the values (",
+                                            FormatBytes(full_bytes_), "); pull the layer in full"));
 }
 
 uint64_t MaxStreamBufferBytes(uint64_t chunk_bytes, bool deltas) {

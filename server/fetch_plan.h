@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "core/layout.h"
 #include "layercast/v1/shard.pb.h"
 #include "server/change_log.h"
@@ -84,6 +85,22 @@ uint64_t GridChunks(const std::vector<AssembledLayout>& layouts, uint32_t shard_
 // an 8-bit float) holds beside them: their bitmaps and a header (tags,
 // varints and the CRC).
 uint64_t DeltaExtraBytes(uint64_t elements, uint64_t blocks);
+
+// Whether a delta pays against the values it replaces, for a shard and a
+// relay alike: each changed value and a bitmap bit per element, against
+// every value. Most values changed, a delta is larger, and the reader
+// should pull in full.
+class DeltaCost {
+ public:
+  // `changed` of `elements` values of `size` bytes each.
+  void Add(uint64_t changed, uint64_t elements, size_t size);
+  // OUT_OF_RANGE ("pull the layer in full") naming the figures when the
+  // delta would be larger; `what` says what sends it (e.g. "this shard").
+  absl::Status Check(uint32_t layer, uint64_t base_version, absl::string_view what) const;
+
+ private:
+  uint64_t changed_ = 0, elements_ = 0, delta_bytes_ = 0, full_bytes_ = 0;
+};
 
 // Budgeted bytes one stream of `plan` holds while it runs: its largest
 // chunk, twice, since the transport may still hold the previous chunk's

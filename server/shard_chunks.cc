@@ -61,7 +61,7 @@ absl::StatusOr<uint64_t> ShardChunks::Start(uint64_t reached) {
 }
 
 absl::Status ShardChunks::DeltaPays(uint64_t base, uint64_t target) const {
-  uint64_t changed = 0, elements = 0, delta_bytes = 0, full_bytes = 0;
+  DeltaCost cost;
   std::vector<uint64_t> bits;
   for (const TensorElementRange& run : plan_.runs) {
     const AssembledTensor& tensor = plan_.layout.tensors()[run.tensor];
@@ -73,19 +73,9 @@ absl::Status ShardChunks::DeltaPays(uint64_t base, uint64_t target) const {
                                    bits);
     uint64_t count = 0;
     for (const uint64_t word : bits) count += static_cast<uint64_t>(std::popcount(word));
-    const size_t size = DTypeSize(tensor.compute_dtype);
-    // Each changed value, and the positions as a bitmap (what a dense
-    // delta chunk carries).
-    delta_bytes += count * size + (n + 7) / 8;
-    full_bytes += n * size;
-    changed += count;
-    elements += n;
+    cost.Add(count, n, DTypeSize(tensor.compute_dtype));
   }
-  if (delta_bytes <= full_bytes) return absl::OkStatus();
-  return absl::OutOfRangeError(absl::StrCat(
-      "layer ", plan_.layer, " changed in ", changed, " of the ", elements,
-      " values this shard sends since version ", base, ": a delta (", FormatBytes(delta_bytes),
-      ") would be larger than the values (", FormatBytes(full_bytes), "); pull the layer in full"));
+  return cost.Check(plan_.layer, base, "this shard");
 }
 
 std::string ShardChunks::WaitingFor() const {

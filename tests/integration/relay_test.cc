@@ -164,6 +164,18 @@ TEST_F(PublishTest, ARelayRefusesADeltaThatWouldOutweighTheLayerAsTheShardsDo) {
     for (float& value : tensor) value *= 1.5f;
   }
   ASSERT_TRUE(publisher.Publish(View(some)).ok());
+  // The relay holds version 1 of every layer (a read of it waits for it to
+  // land) before version 2 is published: else it may go from 0 to 2 and
+  // never hold the base the deltas below name.
+  for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
+    auto relayed = layercast::v1::ShardService::NewStub(
+        grpc::CreateChannel(relay.addresses()[0], grpc::InsecureChannelCredentials()));
+    layercast::v1::FetchLayerRequest request;
+    request.set_layer(l);
+    request.set_exact_version(1);
+    const Stream landed = Read(*relayed, request);
+    ASSERT_TRUE(landed.status.ok()) << "layer " << l << ": " << landed.status.error_message();
+  }
   ASSERT_TRUE(publisher.Publish(View(all)).ok());
   uint32_t refused = 0;
   for (uint32_t l = 0; l < shards_.set->model().layers.size(); ++l) {
