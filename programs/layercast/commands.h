@@ -31,6 +31,7 @@ absl::Status RunBench(const std::vector<std::string>& args);
 // layercast checkpoint --shards A,B,... --token-file F [--timeout-seconds S]
 //     [--insecure]: refuses to send the token in plaintext unless --insecure.
 absl::Status RunCheckpoint(const std::vector<std::string>& args);
+absl::Status RunHandOver(const std::vector<std::string>& args);
 // layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] ...
 absl::Status RunDemo(const std::vector<std::string>& args);
 // layercast demo --train ...: the training steps (forward gather, backward

@@ -109,6 +109,20 @@ const Command kCommands[] = {
      "  --insecure                  send the token without TLS (loopback testing only);\n"
      "                              otherwise --tls-ca-file is required\n",
      true},
+    {"hand-over", layercast::cli::RunHandOver,
+     "freeze a training set at a step boundary, for a set of another size to fill itself from",
+     "layercast hand-over SHARDS --token-file F --at-version V [--wait-seconds S] [--insecure]\n"
+     "layercast hand-over SHARDS --token-file F --unfreeze [--insecure]\n"
+     "  --at-version V              the version the workers step to next: pushes for that\n"
+     "                              step are refused, naming the move; waits until every\n"
+     "                              shard has finished the steps before it\n"
+     "  --wait-seconds S            how long to wait for that (default 600)\n"
+     "  --unfreeze                  abandon a hand-over: the set trains on\n"
+     "  --token-file F              the admin token (chmod 600)\n"
+     "  --insecure                  send the token without TLS (loopback testing only)\n"
+     "Then start the new set with --hand-over-from and move the workers to it\n"
+     "(docs/deploy.md, Operations: \"Changing the shard count live\").\n",
+     true},
     {"demo", layercast::cli::RunDemo,
      "start N local shards and walk every layer forward then backward",
      "layercast demo [--num-shards N] [--synthetic SPEC | --model PATH] [--policy P]\n"

@@ -348,7 +348,22 @@ TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
   }
   // Past version 2 already: that hand-over is refused, freezing nothing.
   HandOver(old_set.set->addresses(), kStopAfter - 1, grpc::FAILED_PRECONDITION);
-  for (const auto& answer : HandOver(old_set.set->addresses(), kStopAfter)) {
+  // The freeze as an operator runs it: every shard, waited for to its
+  // step boundary.
+  {
+    std::string output;
+    ASSERT_EQ(
+        RunCommand(absl::StrCat(CliBinary(), " hand-over --shards ", old_addresses,
+                                " --token-file ", token_, " --insecure --at-version ", kStopAfter),
+                   &output),
+        0)
+        << output;
+    for (const char* shard : {"shard 0/2", "shard 1/2"}) {
+      EXPECT_THAT(output, HasSubstr(absl::StrCat(shard, "  frozen at version ", kStopAfter,
+                                                 ", at its step boundary")));
+    }
+  }
+  for (const auto& answer : HandOver(old_set.set->addresses(), std::nullopt)) {
     EXPECT_TRUE(answer.at_boundary());
     EXPECT_EQ(answer.frozen_at(), kStopAfter);
   }
@@ -388,13 +403,14 @@ TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
   EXPECT_EQ(RunCommand(absl::StrCat("cat ", logs, "/shard-3.log"), &log), 0);
   EXPECT_THAT(log, HasSubstr("filling this shard from the 2 shards of a running set"));
   // Unfreeze (a hand-over abandoned): the old set takes step 3 again.
-  for (const std::string& address : old_set.set->addresses()) {
-    auto admin = layercast::v1::ShardAdmin::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-    grpc::ClientContext context;
-    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
-    layercast::v1::UnfreezeResponse answer;
-    EXPECT_TRUE(admin->Unfreeze(&context, {}, &answer).ok()) << address;
+  {
+    std::string output;
+    ASSERT_EQ(RunCommand(absl::StrCat(CliBinary(), " hand-over --shards ", old_addresses,
+                                      " --token-file ", token_, " --insecure --unfreeze"),
+                         &output),
+              0)
+        << output;
+    EXPECT_THAT(output, HasSubstr("2 shard(s) unfrozen"));
   }
   auto sink = client::GradientSink::Create(*old_set.set, {.worker = 0, .chunk_bytes = 8192});
   ASSERT_TRUE(sink.ok()) << sink.status();
