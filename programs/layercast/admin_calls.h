@@ -1,8 +1,11 @@
 #pragma once
 
 #include <chrono>
+#include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -38,5 +41,28 @@ absl::Status Connect(const AdminTarget& target, std::chrono::milliseconds timeou
 // A context carrying the admin token, with `timeout`.
 std::unique_ptr<grpc::ClientContext> AdminContext(const std::string& token,
                                                   std::chrono::milliseconds timeout);
+
+// What a command that called every shard returns: the first error of
+// `answers` (each an absl::Status or StatusOr), the others printed to
+// stderr; OK when every call was.
+template <typename T>
+absl::Status FirstError(const std::vector<T>& answers) {
+  absl::Status first;
+  for (const T& answer : answers) {
+    absl::Status status;
+    if constexpr (std::is_same_v<T, absl::Status>) {
+      status = answer;
+    } else {
+      status = answer.status();
+    }
+    if (status.ok()) continue;
+    if (first.ok()) {
+      first = status;
+    } else {
+      std::fprintf(stderr, "%s\n", std::string(status.message()).c_str());
+    }
+  }
+  return first;
+}
 
 }  // namespace layercast::cli

@@ -44,24 +44,14 @@ absl::Status RunCheckpoint(const std::vector<std::string>& args) {
       FanOut(static_cast<uint32_t>(calls.targets.size()), [&](uint32_t i) {
         return CheckpointOne(calls, calls.targets[i], std::chrono::seconds(timeout_s));
       });
-  absl::Status first_error;
-  for (size_t i = 0; i < answers.size(); ++i) {
-    if (!answers[i].ok()) {
-      // The first error is what the command returns (and main prints).
-      if (first_error.ok()) {
-        first_error = answers[i].status();
-      } else {
-        std::fprintf(stderr, "%s\n", std::string(answers[i].status().message()).c_str());
-      }
-      continue;
-    }
-    const layercast::v1::CheckpointResponse& response = *answers[i];
-    std::printf("shard %u/%u  version %llu  %s in %.2f s  %s  %s\n", response.shard_index(),
-                response.num_shards(), static_cast<unsigned long long>(response.version()),
-                FormatBytes(response.bytes()).c_str(), response.seconds(), response.path().c_str(),
-                response.checksum().c_str());
+  for (const auto& answer : answers) {
+    if (!answer.ok()) continue;
+    std::printf("shard %u/%u  version %llu  %s in %.2f s  %s  %s\n", answer->shard_index(),
+                answer->num_shards(), static_cast<unsigned long long>(answer->version()),
+                FormatBytes(answer->bytes()).c_str(), answer->seconds(), answer->path().c_str(),
+                answer->checksum().c_str());
   }
-  return first_error;
+  return FirstError(answers);
 }
 
 }  // namespace layercast::cli

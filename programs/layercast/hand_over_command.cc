@@ -52,27 +52,6 @@ absl::Status UnfreezeOne(const AdminCalls& calls, const AdminTarget& target) {
   return absl::OkStatus();
 }
 
-// The first error of `answers` (the rest printed), or OK.
-template <typename T>
-absl::Status FirstError(const std::vector<T>& answers) {
-  absl::Status first;
-  for (const T& answer : answers) {
-    absl::Status status;
-    if constexpr (std::is_same_v<T, absl::Status>) {
-      status = answer;
-    } else {
-      status = answer.status();
-    }
-    if (status.ok()) continue;
-    if (first.ok()) {
-      first = status;
-    } else {
-      std::fprintf(stderr, "%s\n", std::string(status.message()).c_str());
-    }
-  }
-  return first;
-}
-
 }  // namespace
 
 absl::Status RunHandOver(const std::vector<std::string>& args) {

@@ -835,7 +835,7 @@ def load_safetensors(path) -> Dict[str, torch.Tensor]:
             raise TypeError(f"{path}: tensor {name} is {tag}, which this reader does not take; "
                             f"it reads {sorted(_TORCH_DTYPES)}")
         if file != held:
-            held, data = file, b""
+            held, data = file, b""  # the previous file's bytes go first
             data = pathlib.Path(file).read_bytes()
         raw = bytearray(data[begin:begin + nbytes])
         tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else \

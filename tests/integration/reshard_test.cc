@@ -308,6 +308,18 @@ std::vector<layercast::v1::HandOverResponse> HandOver(const std::vector<std::str
   return answers;
 }
 
+// Worker 0's (zero) gradient of layer 0 for `step`: what the shard made of
+// it, taken or refused.
+absl::Status PushLayerZero(client::ShardSet& set, uint64_t step) {
+  auto sink = client::GradientSink::Create(set, {.worker = 0, .chunk_bytes = 8192});
+  if (!sink.ok()) return sink.status();
+  absl::StatusOr<client::LayerBuffer> gradient =
+      client::LayerBuffer::Allocate(set.view().gradient_layouts[0].total_bytes());
+  if (!gradient.ok()) return gradient.status();
+  auto pushed = (*sink)->Push(0, step, *std::move(gradient));
+  return pushed.ok() ? pushed->get().status() : pushed.status();
+}
+
 TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
   RunningShards old_set =
       StartShards(2, BaseFlags(model_.path, MakeTempDir("handover-old"), token_));
@@ -370,13 +382,7 @@ TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
   // The frozen set refuses the next step's push, telling the worker where
   // to go, and keeps serving reads.
   {
-    auto sink = client::GradientSink::Create(*old_set.set, {.worker = 0, .chunk_bytes = 8192});
-    ASSERT_TRUE(sink.ok()) << sink.status();
-    absl::StatusOr<client::LayerBuffer> gradient =
-        client::LayerBuffer::Allocate(old_set.set->view().gradient_layouts[0].total_bytes());
-    ASSERT_TRUE(gradient.ok());
-    auto pushed = (*sink)->Push(0, kStopAfter, *std::move(gradient));
-    absl::Status refused = pushed.ok() ? pushed->get().status() : pushed.status();
+    const absl::Status refused = PushLayerZero(*old_set.set, kStopAfter);
     EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
     EXPECT_THAT(refused.message(), HasSubstr("reconnect to the new set's addresses"));
     client::GatherOptions options;
@@ -412,14 +418,8 @@ TEST_F(ReshardTest, LiveHandOverFromTwoToFourTrainsOnBitForBit) {
         << output;
     EXPECT_THAT(output, HasSubstr("2 shard(s) unfrozen"));
   }
-  auto sink = client::GradientSink::Create(*old_set.set, {.worker = 0, .chunk_bytes = 8192});
-  ASSERT_TRUE(sink.ok()) << sink.status();
-  absl::StatusOr<client::LayerBuffer> gradient =
-      client::LayerBuffer::Allocate(old_set.set->view().gradient_layouts[0].total_bytes());
-  ASSERT_TRUE(gradient.ok());
-  auto pushed = (*sink)->Push(0, kStopAfter, *std::move(gradient));
-  ASSERT_TRUE(pushed.ok()) << pushed.status();
-  EXPECT_TRUE(pushed->get().ok()) << pushed->get().status();
+  const absl::Status taken = PushLayerZero(*old_set.set, kStopAfter);
+  EXPECT_TRUE(taken.ok()) << taken;
 }
 
 }  // namespace
