@@ -181,7 +181,7 @@ void BM_Crc32cOfBf16(benchmark::State& state, Crc32cPath path) {
 }
 
 // As a shard checksums a chunk: one call per 48 KiB block it has just cast
-// (server/fetch_layer_reactor.cc), so a cost per call shows. (One did: every
+// (server/serving/fetch_layer_reactor.cc), so a cost per call shows. (One did: every
 // carry-less multiplication call ran CPUID, ~10 us in a virtual machine.)
 void BM_Crc32cOfBf16Blocks(benchmark::State& state, Crc32cPath path) {
   constexpr size_t kBlockBytes = 48 << 10;
@@ -396,7 +396,7 @@ int main(int argc, char** argv) {
     Register(
         benchmark::RegisterBenchmark((name + "+error").c_str(), BM_ShardCast, to, true, kElements));
   }
-  // The shard casts a chunk in blocks of 24 Ki elements (server/chunk_caster.cc).
+  // The shard casts a chunk in blocks of 24 Ki elements (server/casting/chunk_caster.cc).
   constexpr size_t kCachedPiece = 24 << 10;
   for (DType to : {DType::kBFloat16, DType::kFloat16}) {
     const std::string name = absl::StrCat("shard_cast_cached/", DTypeShortName(to));

@@ -24,11 +24,11 @@
 #include "core/synthetic_model.h"
 #include "platform/byte_size.h"
 #include "platform/status_macros.h"
-#include "server/checkpoint_format.h"
-#include "server/checkpoint_reshard.h"
-#include "server/checkpoint_source.h"
-#include "server/checkpoint_writer.h"
-#include "server/parameter_store.h"
+#include "server/checkpoints/checkpoint_format.h"
+#include "server/checkpoints/checkpoint_reshard.h"
+#include "server/checkpoints/checkpoint_source.h"
+#include "server/checkpoints/checkpoint_writer.h"
+#include "server/serving/parameter_store.h"
 
 namespace layercast::server {
 namespace {

@@ -40,7 +40,7 @@ float ClipScale(double total_norm, double max_norm);
 //
 // Sees a step's parameters a block at a time, just before and just after
 // the block is updated, while the block is still in cache: what the shard's
-// change log compares (server/change_log.h) costs no second pass over
+// change log compares (server/serving/change_log.h) costs no second pass over
 // memory. `offset` is the block's first element in the tensor (slice).
 class StepObserver {
  public:

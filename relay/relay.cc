@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
-#include "server/tls_credentials.h"
+#include "server/access/tls_credentials.h"
 
 namespace layercast::relay {
 

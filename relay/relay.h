@@ -15,7 +15,7 @@
 #include "relay/relay_metrics.h"
 #include "relay/relay_service.h"
 #include "relay/relayed_versions.h"
-#include "server/metrics_endpoint.h"
+#include "server/serving/metrics_endpoint.h"
 
 namespace layercast::relay {
 
@@ -38,7 +38,7 @@ struct RelayOptions {
   std::shared_ptr<prometheus::Registry> registry;
   std::string metrics_listen;
   // TLS for what it serves, as a shard's --tls-cert-file, --tls-key-file
-  // and --tls-client-ca-file (server/tls_credentials.h); plaintext when the
+  // and --tls-client-ca-file (server/access/tls_credentials.h); plaintext when the
   // first two are empty.
   std::string tls_cert_file;
   std::string tls_key_file;

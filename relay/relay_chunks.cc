@@ -12,7 +12,7 @@
 #include "platform/byte_size.h"
 #include "platform/failpoint.h"
 #include "platform/status_macros.h"
-#include "server/fetch_plan.h"
+#include "server/serving/fetch_plan.h"
 #include "wire/delta_chunks.h"
 #include "wire/incarnation.h"
 

@@ -12,7 +12,7 @@
 #include "core/layout.h"
 #include "layercast/v1/shard.pb.h"
 #include "relay/relayed_versions.h"
-#include "server/chunk_source.h"
+#include "server/serving/chunk_source.h"
 
 namespace layercast::relay {
 

@@ -12,11 +12,11 @@
 #include "layercast/v1/config.pb.h"
 #include "platform/status_macros.h"
 #include "relay/relay_chunks.h"
-#include "server/answer_before.h"
-#include "server/fetch_layer_reactor.h"
-#include "server/refusals.h"
-#include "server/stream_reactor.h"
-#include "server/wait_version_reactor.h"
+#include "server/serving/answer_before.h"
+#include "server/serving/fetch_layer_reactor.h"
+#include "server/serving/refusals.h"
+#include "server/serving/stream_reactor.h"
+#include "server/serving/wait_version_reactor.h"
 #include "wire/grpc_status.h"
 
 namespace layercast::relay {

@@ -12,12 +12,12 @@
 #include "layercast/v1/shard.grpc.pb.h"
 #include "relay/relay_metrics.h"
 #include "relay/relayed_versions.h"
-#include "server/deadline_timers.h"
-#include "server/fetch_plan.h"
-#include "server/memory_budget.h"
-#include "server/server_metrics.h"
-#include "server/stream_registry.h"
-#include "server/version_gate.h"
+#include "server/serving/deadline_timers.h"
+#include "server/serving/fetch_plan.h"
+#include "server/serving/memory_budget.h"
+#include "server/serving/server_metrics.h"
+#include "server/serving/stream_registry.h"
+#include "server/serving/version_gate.h"
 #include "wire/manifest.h"
 
 namespace layercast::relay {

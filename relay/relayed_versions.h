@@ -11,7 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/layout.h"
-#include "server/memory_budget.h"
+#include "server/serving/memory_budget.h"
 
 namespace layercast::relay {
 

@@ -15,7 +15,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PARTS = ["platform", "core", "wire", "server", "client", "client/gpu", "relay", "tools", "programs",
+PARTS = ["platform", "core", "wire"] + sorted(
+    f"server/{room.name}" for room in (ROOT / "server").iterdir() if room.is_dir()) + ["client", "client/gpu", "relay", "tools", "programs",
          "programs/layercast", "programs/layercast-shard",
          "python/src"]
 INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"', re.MULTILINE)

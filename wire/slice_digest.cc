@@ -27,7 +27,7 @@ SliceDigest::Sha256 FinishSha256(EVP_MD_CTX* context) {
 
 }  // namespace
 
-// EVP contexts stay out of the header (as in server/checkpoint_format.h).
+// EVP contexts stay out of the header (as in server/checkpoints/checkpoint_format.h).
 struct SliceDigest::Contexts {
   Context outer = NewSha256();
   Context elements;

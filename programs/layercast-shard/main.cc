@@ -2,7 +2,7 @@
 // life cycle and proto/layercast/v1/config.proto for the flags.
 //
 // --dry-run reads only the model's headers and prints what every shard needs
-// in memory (server/dry_run.h); it exits 2 when --memory-budget is too small.
+// in memory (server/shard/dry_run.h); it exits 2 when --memory-budget is too small.
 //
 // Exit status: 0 after a clean stop (SIGTERM/SIGINT, drained, checkpoint
 // written if configured); 2 when it refuses to start (bad flags, a model or
@@ -26,9 +26,9 @@
 #include "core/build_info.h"
 #include "platform/log.h"
 #include "programs/process_start.h"
-#include "server/dry_run.h"
-#include "server/shard_config.h"
-#include "server/shard_server.h"
+#include "server/shard/dry_run.h"
+#include "server/shard/shard_config.h"
+#include "server/shard/shard_server.h"
 
 namespace {
 

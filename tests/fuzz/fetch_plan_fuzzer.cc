@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "core/synthetic_model.h"
-#include "server/fetch_plan.h"
-#include "server/parameter_store.h"
+#include "server/serving/fetch_plan.h"
+#include "server/serving/parameter_store.h"
 #include "tests/fuzz/fuzz_check.h"
 
 namespace layercast::fuzz {

@@ -8,7 +8,7 @@
 
 #include "core/policy.h"
 #include "core/synthetic_model.h"
-#include "server/parameter_store.h"
+#include "server/serving/parameter_store.h"
 
 namespace layercast::fuzz {
 

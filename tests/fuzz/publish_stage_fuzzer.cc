@@ -17,9 +17,9 @@
 #include <cstdint>
 #include <memory>
 
-#include "server/memory_budget.h"
-#include "server/publication.h"
-#include "server/version_gate.h"
+#include "server/publishing/publication.h"
+#include "server/serving/memory_budget.h"
+#include "server/serving/version_gate.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/publish_stage_fixture.h"
 

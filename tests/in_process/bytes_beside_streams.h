@@ -7,8 +7,8 @@
 
 #include "absl/status/statusor.h"
 #include "core/synthetic_model.h"
-#include "server/memory_plan.h"
-#include "server/shard_config.h"
+#include "server/shard/memory_plan.h"
+#include "server/shard/shard_config.h"
 
 namespace layercast::server {
 

@@ -19,7 +19,7 @@
 #include "client/shard_set.h"
 #include "core/cast.h"
 #include "core/synthetic_model.h"
-#include "server/shard_server.h"
+#include "server/shard/shard_server.h"
 #include "tests/in_process/bytes_beside_streams.h"
 
 namespace layercast::server {

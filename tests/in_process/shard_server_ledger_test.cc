@@ -1,4 +1,4 @@
-// What a shard's cast-error ledger (server/cast_error_ledger.h) keeps, seen
+// What a shard's cast-error ledger (server/casting/cast_error_ledger.h) keeps, seen
 // through a real in-process shard server on 127.0.0.1 that a worker fetches
 // every layer from, twice: a record for each chunk of the grid the server's
 // memory plan counts, each lossy one summarised once, in its dtype.
@@ -19,9 +19,9 @@
 #include "core/synthetic_model.h"
 #include "layercast/v1/config.pb.h"
 #include "layercast/v1/shard.grpc.pb.h"
-#include "server/cast_error_ledger.h"
-#include "server/shard_config.h"
-#include "server/shard_server.h"
+#include "server/casting/cast_error_ledger.h"
+#include "server/shard/shard_config.h"
+#include "server/shard/shard_server.h"
 
 namespace layercast::server {
 namespace {

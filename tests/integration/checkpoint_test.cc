@@ -22,7 +22,7 @@
 #include "core/policy.h"
 #include "core/synthetic_model.h"
 #include "layercast/v1/admin.grpc.pb.h"
-#include "server/checkpoint_source.h"
+#include "server/checkpoints/checkpoint_source.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 

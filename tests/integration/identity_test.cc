@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "server/push_journal.h"
+#include "server/training/push_journal.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 

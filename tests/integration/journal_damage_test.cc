@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/gradient_sink.h"
 #include "platform/file_system.h"
-#include "server/journal_record.h"
+#include "server/training/journal_record.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 #include "tools/synthetic_gradient.h"

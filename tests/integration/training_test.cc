@@ -20,7 +20,7 @@
 #include "core/safetensors_source.h"
 #include "layercast/v1/shard.grpc.pb.h"
 #include "platform/byte_size.h"
-#include "server/memory_plan.h"
+#include "server/shard/memory_plan.h"
 #include "tests/integration/shard_fixture.h"
 #include "tests/integration/test_model.h"
 #include "tests/sanitized_build.h"

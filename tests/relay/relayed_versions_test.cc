@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "core/fp8.h"
-#include "server/memory_budget.h"
+#include "server/serving/memory_budget.h"
 
 namespace layercast::relay {
 namespace {

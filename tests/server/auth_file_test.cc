@@ -1,13 +1,13 @@
 // ReadCredentialFile: a secret (token, private key) that other users may read
 // is refused before it is read; a public one (certificate) is not.
 
-#include "server/auth_file.h"
+#include "server/access/auth_file.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "server/auth_token.h"
-#include "server/worker_tokens.h"
+#include "server/access/auth_token.h"
+#include "server/access/worker_tokens.h"
 #include "tests/fuzz/memory_file_system.h"
 
 namespace layercast::server {

@@ -3,7 +3,7 @@
 // beside it, versions replacing one another, chunks claimed and found on
 // the grid and off it.
 
-#include "server/cast_cache.h"
+#include "server/casting/cast_cache.h"
 
 #include <gtest/gtest.h>
 #include <boost/asio/thread_pool.hpp>

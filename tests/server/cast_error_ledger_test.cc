@@ -3,7 +3,7 @@
 // summary adds up its chunks at the newest version only, and a chunk's CRC
 // is kept with its figures at their version.
 
-#include "server/cast_error_ledger.h"
+#include "server/casting/cast_error_ledger.h"
 
 #include <gtest/gtest.h>
 #include <malloc.h>

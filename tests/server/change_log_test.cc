@@ -2,7 +2,7 @@
 // dtype bits changed, spans cut anywhere read the right bits, and only the
 // last K consecutive versions are covered.
 
-#include "server/change_log.h"
+#include "server/serving/change_log.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

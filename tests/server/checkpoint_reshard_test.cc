@@ -1,7 +1,7 @@
 // ReshardedCheckpoint: shard j of M reads its ranges of the checkpoints N
 // shards wrote, and only the bytes it needs; the N must be one set.
 
-#include "server/checkpoint_reshard.h"
+#include "server/checkpoints/checkpoint_reshard.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/synthetic_model.h"
-#include "server/checkpoint_writer.h"
+#include "server/checkpoints/checkpoint_writer.h"
 #include "tests/server/checkpoint_test_util.h"
 
 namespace layercast::server::testing {

@@ -15,7 +15,7 @@
 #include "core/parameter_source.h"
 #include "core/policy.h"
 #include "platform/file_system.h"
-#include "server/parameter_store.h"
+#include "server/serving/parameter_store.h"
 
 namespace layercast::server::testing {
 

@@ -14,10 +14,10 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "server/checkpoint_format.h"
-#include "server/checkpoint_manager.h"
-#include "server/checkpoint_source.h"
-#include "server/checkpoint_writer.h"
+#include "server/checkpoints/checkpoint_format.h"
+#include "server/checkpoints/checkpoint_manager.h"
+#include "server/checkpoints/checkpoint_source.h"
+#include "server/checkpoints/checkpoint_writer.h"
 #include "tests/server/checkpoint_test_util.h"
 
 namespace layercast::server::testing {

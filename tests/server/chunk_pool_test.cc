@@ -2,7 +2,7 @@
 // callback and are reused, kept ones are charged to the budget (never
 // beyond it), Drain returns them, and a slice may outlive its pool.
 
-#include "server/chunk_pool.h"
+#include "server/serving/chunk_pool.h"
 
 #include <gtest/gtest.h>
 #include <boost/asio/thread_pool.hpp>

@@ -2,7 +2,7 @@
 // one timer thread): callbacks run on the shared thread, and none of an
 // owner's runs once its DeadlineTimers is gone, while the others' still do.
 
-#include "server/deadline_timers.h"
+#include "server/serving/deadline_timers.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "server/dry_run.h"
+#include "server/shard/dry_run.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "server/shard_config.h"
+#include "server/shard/shard_config.h"
 
 namespace layercast::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/fetch_plan.h"
+#include "server/serving/fetch_plan.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

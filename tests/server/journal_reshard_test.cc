@@ -2,7 +2,7 @@
 // shard of M's elements and put together; what only part of the set took
 // is left out.
 
-#include "server/journal_reshard.h"
+#include "server/training/journal_reshard.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

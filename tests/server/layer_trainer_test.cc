@@ -3,7 +3,7 @@
 // order the pushes arrive in, and every bad push refused changing nothing.
 // In server_concurrency_test: runs under ThreadSanitizer (label concurrency).
 
-#include "server/layer_trainer.h"
+#include "server/training/layer_trainer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "core/synthetic_model.h"
-#include "server/checkpoint_format.h"
+#include "server/checkpoints/checkpoint_format.h"
 
 namespace layercast::server {
 namespace {

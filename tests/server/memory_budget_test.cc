@@ -1,4 +1,4 @@
-#include "server/memory_budget.h"
+#include "server/serving/memory_budget.h"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "platform/clock.h"
-#include "server/deadline_timers.h"
+#include "server/serving/deadline_timers.h"
 
 namespace layercast::server {
 namespace {

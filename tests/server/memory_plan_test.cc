@@ -1,4 +1,4 @@
-#include "server/memory_plan.h"
+#include "server/shard/memory_plan.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -6,8 +6,8 @@
 #include <optional>
 
 #include "core/synthetic_model.h"
-#include "server/fetch_plan.h"
-#include "server/parameter_store.h"
+#include "server/serving/fetch_plan.h"
+#include "server/serving/parameter_store.h"
 
 namespace layercast::server {
 namespace {

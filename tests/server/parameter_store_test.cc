@@ -1,7 +1,7 @@
 // ParameterStore's sizes for models too large to count: refused with the
 // figure before anything is allocated, never wrapped.
 
-#include "server/parameter_store.h"
+#include "server/serving/parameter_store.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -5,7 +5,7 @@
 // needs the memory, or when the last reader lets go after that; a version a
 // change left as it was is found in the next kept one.
 
-#include "server/pinned_versions.h"
+#include "server/versions/pinned_versions.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include "core/cast.h"
 #include "core/synthetic_model.h"
 #include "platform/clock.h"
-#include "server/deadline_timers.h"
+#include "server/serving/deadline_timers.h"
 
 namespace layercast::server {
 namespace {

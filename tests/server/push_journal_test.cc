@@ -7,7 +7,7 @@
 // share one sync at most an interval after they were written (group
 // commit, on a ManualClock), and a failed sync breaks the journal.
 
-#include "server/push_journal.h"
+#include "server/training/push_journal.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -23,8 +23,8 @@
 #include "core/policy.h"
 #include "core/synthetic_model.h"
 #include "platform/clock.h"
-#include "server/layer_trainer.h"
-#include "server/parameter_store.h"
+#include "server/serving/parameter_store.h"
+#include "server/training/layer_trainer.h"
 
 namespace layercast::server {
 namespace {

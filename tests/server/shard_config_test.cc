@@ -1,4 +1,4 @@
-#include "server/shard_config.h"
+#include "server/shard/shard_config.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -2,7 +2,7 @@
 // many streams ask for it, kept chunks are charged to the memory budget and
 // given up first when a stream waits for budget, and failures are never kept.
 
-#include "server/shared_chunks.h"
+#include "server/serving/shared_chunks.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "platform/clock.h"
-#include "server/deadline_timers.h"
+#include "server/serving/deadline_timers.h"
 
 namespace layercast::server {
 namespace {

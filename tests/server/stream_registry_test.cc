@@ -2,7 +2,7 @@
 // named, and given back when its call ends; a connection's WaitVersion
 // calls counted apart from another's.
 
-#include "server/stream_registry.h"
+#include "server/serving/stream_registry.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <chrono>
 
 #include "platform/clock.h"
-#include "server/deadline_timers.h"
+#include "server/serving/deadline_timers.h"
 
 namespace layercast::server {
 namespace {

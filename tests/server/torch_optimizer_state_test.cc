@@ -3,7 +3,7 @@
 // every buffer and every layer's step; a file that does not fit the model
 // or --optimizer is refused, naming what does not.
 
-#include "server/torch_optimizer_state.h"
+#include "server/training/torch_optimizer_state.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/layout.h"
-#include "server/checkpoint_format.h"
+#include "server/checkpoints/checkpoint_format.h"
 #include "tests/server/checkpoint_test_util.h"
 
 namespace layercast::server::testing {

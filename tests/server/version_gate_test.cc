@@ -1,4 +1,4 @@
-#include "server/version_gate.h"
+#include "server/serving/version_gate.h"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "platform/clock.h"
-#include "server/deadline_timers.h"
+#include "server/serving/deadline_timers.h"
 
 namespace layercast::server {
 namespace {
