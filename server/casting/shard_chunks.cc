@@ -98,6 +98,10 @@ std::optional<absl::StatusOr<CastChunk>> ShardChunks::Get(const ChunkKey& key, u
       metrics_.RecordChunkCached();
       return *std::move(hit);
     }
+    // Cast into the cache, past the shared chunks: the cache shares it
+    // with every later stream, and holds its budget already (kept there as
+    // well, it would be charged twice).
+    if (uint8_t* into = cached->Claim(key); into != nullptr) return CastInto(*cached, key, into);
   }
   const auto cast = [this, &key] { return Cast(key); };
   if (options_.shared == nullptr) return cast();
@@ -207,16 +211,6 @@ absl::StatusOr<CastChunk> ShardChunks::Cast(const ChunkKey& key) {
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
   ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
   const AssembledTensor& placed = plan_.layout.tensors()[key.tensor];
-  if (CastCache::Layer* cached = CachedLayer(key); cached != nullptr) {
-    if (uint8_t* into = cached->Claim(key); into != nullptr) {
-      uint32_t crc = 0;
-      if (absl::Status cast = caster_.CastInto(key, placed, kept.get(), into, &crc); !cast.ok()) {
-        cached->Abandon(key);
-        return cast;
-      }
-      return cached->Fill(key, crc);
-    }
-  }
   const size_t bytes =
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements});
   uint8_t* data = nullptr;
@@ -238,6 +232,22 @@ absl::StatusOr<CastChunk> ShardChunks::Cast(const ChunkKey& key) {
   chunk.scale_bytes = bytes - key.elements * DTypeSize(key.dtype);
   RETURN_IF_ERROR(caster_.CastInto(key, placed, kept.get(), data, &chunk.crc32c));
   return chunk;
+}
+
+absl::StatusOr<CastChunk> ShardChunks::CastInto(CastCache::Layer& cached, const ChunkKey& key,
+                                                uint8_t* into) {
+  absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
+  absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> kept = SourceOf(key);
+  uint32_t crc = 0;
+  absl::Status cast = kept.status();
+  if (cast.ok()) {
+    cast = caster_.CastInto(key, plan_.layout.tensors()[key.tensor], kept->get(), into, &crc);
+  }
+  if (!cast.ok()) {
+    cached.Abandon(key);
+    return cast;
+  }
+  return cached.Fill(key, crc);
 }
 
 absl::StatusOr<CastChunk> ShardChunks::CastDelta(const ChunkKey& key) {

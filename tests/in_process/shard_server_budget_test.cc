@@ -58,7 +58,8 @@ class HeldStream {
 
 std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::string& model = kModel,
                                          std::optional<uint64_t> shared_chunk_bytes = {},
-                                         uint32_t shared_chunk_max_idle_ms = 0) {
+                                         uint32_t shared_chunk_max_idle_ms = 0,
+                                         uint64_t cast_cache_bytes = 0) {
   layercast::v1::ShardConfig config;
   config.set_listen("127.0.0.1:0");
   config.set_num_shards(1);
@@ -70,6 +71,7 @@ std::unique_ptr<ShardServer> StartServer(uint64_t spare_chunks, const std::strin
   config.set_memory_budget(std::to_string(BytesBesideStreams(config) + spare_chunks * kChunkBytes));
   if (shared_chunk_bytes) config.set_shared_chunk_bytes(*shared_chunk_bytes);
   config.set_shared_chunk_max_idle_ms(shared_chunk_max_idle_ms);
+  config.set_cast_cache_bytes(cast_cache_bytes);
   auto settings = ResolveShardConfig(config);
   EXPECT_TRUE(settings.ok()) << settings.status();
   auto server = ShardServer::Create(*std::move(settings));
@@ -273,6 +275,59 @@ TEST(ShardServerSharingTest, AWorkerBehindAnotherSendsEveryChunkItCast) {
   EXPECT_EQ(metrics.chunks_cast().Value(), cast_after_first) << "nothing was cast again";
   EXPECT_EQ(metrics.chunks_shared().Value() - shared_before, chunks);
   EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
+
+  stalled_context.TryCancel();
+  while (stalled->Read(&chunk)) {
+  }
+  stalled->Finish();
+  server->Shutdown(std::chrono::seconds(5));
+}
+
+TEST(ShardServerSharingTest, ChunksCastIntoTheCastCacheAreNotKeptTwice) {
+  const std::string model = "llama:layers=1,hidden=256,ffn=64,vocab=65536,seed=5";
+  // 128 MiB beside the streams: the cache takes the 32 MiB embedding with
+  // as much again free beside it.
+  auto server = StartServer(8192, model, 64 << 20, /*shared_chunk_max_idle_ms=*/600'000,
+                            /*cast_cache_bytes=*/1 << 30);
+  auto source = SyntheticModel::Create(model);
+  const ServerMetrics& metrics = server->metrics();
+  constexpr uint32_t kLayer = 0;
+
+  // A third worker's stream of the layer stays open: chunks cast now would
+  // be kept for it, were the cache not keeping them already.
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = layercast::v1::ShardService::NewStub(channel);
+  grpc::ClientContext stalled_context;
+  layercast::v1::FetchLayerRequest request;
+  request.set_layer(kLayer);
+  auto stalled = stub->FetchLayer(&stalled_context, request);
+  layercast::v1::LayerChunk chunk;
+  ASSERT_TRUE(stalled->Read(&chunk));
+  // Until flow control stops it: a chunk it is casting would be cast again.
+  double cast = -1;
+  for (int i = 0; i < 100 && metrics.chunks_cast().Value() != cast; ++i) {
+    cast = metrics.chunks_cast().Value();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+
+  auto first = Connect(*server);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto gathered = (*first)->Gather(kLayer);
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  ASSERT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  EXPECT_EQ(server->shared_chunks()->kept_bytes(), 0u) << "kept beside the cache's copy";
+
+  const double cast_after_first = metrics.chunks_cast().Value();
+  const double cached_before = metrics.chunks_cached().Value();
+  auto second = Connect(*server);
+  ASSERT_TRUE(second.ok()) << second.status();
+  gathered = (*second)->Gather(kLayer);
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  EXPECT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  EXPECT_EQ(metrics.chunks_cast().Value(), cast_after_first) << "nothing was cast again";
+  EXPECT_GT(metrics.chunks_cached().Value(), cached_before);
+  EXPECT_EQ(server->shared_chunks()->kept_bytes(), 0u);
 
   stalled_context.TryCancel();
   while (stalled->Read(&chunk)) {
