@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "core/dtype.h"
 #include "core/layout.h"
+#include "core/safetensors_dtype.h"
 #include "platform/file_system.h"
 
 namespace layercast {
@@ -28,8 +29,8 @@ struct SafetensorsTensor {
   uint64_t data_begin = 0;  // absolute byte offset of element 0 in that file
 };
 
-// A tensor of an integer or boolean dtype (position ids, masks), which
-// layercast does not serve: its header entry is checked
+// A tensor of an integer or boolean dtype (IntegerDType: position ids,
+// masks), which layercast does not serve: its header entry is checked
 // like any other, then it is left out of the model. docs/decisions.md says
 // why it is skipped rather than served as it is.
 struct SafetensorsSkipped {
@@ -86,7 +87,9 @@ class SafetensorsWriter {
  public:
   struct TensorHeader {
     std::string name;
-    DType dtype = DType::kFloat32;
+    // A float DType or an integer one (IntegerDType): the Python package
+    // writes a state_dict()'s integer buffers and torch's optimizer steps.
+    SafetensorsDType dtype = DType::kFloat32;
     std::vector<int64_t> shape;
   };
 

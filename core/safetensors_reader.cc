@@ -84,19 +84,6 @@ struct ParsedFile {
   std::map<std::string, std::string> metadata;
 };
 
-// The element size of an integer or boolean dtype of the safetensors format,
-// which layercast skips (position ids, masks: no parameter); nullopt for any
-// other name. Floating-point dtypes it cannot serve (F64, FP8 weights, whose
-// model would lose its linear layers) are refused instead.
-std::optional<uint64_t> SkippedDTypeSize(const std::string& name) {
-  static const std::map<std::string, uint64_t> kSizes = {{"BOOL", 1}, {"U8", 1},  {"I8", 1},
-                                                         {"I16", 2},  {"U16", 2}, {"I32", 4},
-                                                         {"U32", 4},  {"I64", 8}, {"U64", 8}};
-  const auto found = kSizes.find(name);
-  if (found == kSizes.end()) return std::nullopt;
-  return found->second;
-}
-
 // A header entry as parsed: the tensor, its bytes in the data section, and,
 // for a dtype that is not served, that dtype's name.
 struct ParsedTensor {
@@ -142,14 +129,18 @@ absl::StatusOr<ParsedTensor> ParseTensor(const std::string& name, const Json& en
   }
   const std::string dtype_name = dtype->get<std::string>();
   absl::StatusOr<DType> parsed_dtype = DTypeFromSafetensorsName(dtype_name);
-  const std::optional<uint64_t> skipped_size = SkippedDTypeSize(dtype_name);
-  if (!parsed_dtype.ok() && !skipped_size) {
+  // Integer and boolean tensors are checked, then skipped (position ids,
+  // masks: no parameter). Floating-point dtypes a shard cannot serve (F64,
+  // FP8 weights, whose model would lose its linear layers) are refused.
+  const std::optional<IntegerDType> skipped_dtype = IntegerDTypeFromSafetensorsName(dtype_name);
+  if (!parsed_dtype.ok() && !skipped_dtype) {
     return Malformed(path, absl::StrCat(where, ": dtype '", dtype_name,
                                         "' is not supported: layercast serves F32, BF16 and F16 "
                                         "tensors and skips integer and boolean ones"));
   }
   if (parsed_dtype.ok()) tensor.dtype = *parsed_dtype;
-  const uint64_t element_size = parsed_dtype.ok() ? DTypeSize(*parsed_dtype) : *skipped_size;
+  const uint64_t element_size =
+      parsed_dtype.ok() ? DTypeSize(*parsed_dtype) : IntegerDTypeSize(*skipped_dtype);
 
   const auto shape = entry.find("shape");
   if (shape == entry.end() || !shape->is_array()) {

@@ -58,7 +58,7 @@ absl::StatusOr<std::string> SafetensorsWriter::EncodeHeader(
     if (!names.insert(tensor.name).second) {
       return Invalid(path_, absl::StrCat("tensor '", tensor.name, "' is declared twice"));
     }
-    uint64_t bytes = DTypeSize(tensor.dtype);
+    uint64_t bytes = tensor.dtype.size();
     for (int64_t dim : tensor.shape) {
       if (dim < 0) {
         return Invalid(path_,
@@ -73,7 +73,7 @@ absl::StatusOr<std::string> SafetensorsWriter::EncodeHeader(
     if (__builtin_add_overflow(offset, bytes, &end)) {
       return Invalid(path_, "the tensors together have more bytes than fit in 64 bits");
     }
-    header[tensor.name] = {{"dtype", std::string(DTypeSafetensorsName(tensor.dtype))},
+    header[tensor.name] = {{"dtype", std::string(tensor.dtype.name())},
                            {"shape", tensor.shape},
                            {"data_offsets", {offset, end}}};
     offset = end;

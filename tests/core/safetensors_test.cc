@@ -7,7 +7,10 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -358,7 +361,7 @@ TEST(SafetensorsReaderTest, ReadF32RejectsBadRanges) {
 // Writes `tensors` (name, dtype, shape, raw bytes) with SafetensorsWriter.
 struct RawTensor {
   std::string name;
-  DType dtype;
+  SafetensorsDType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   std::string bytes;
 };
@@ -424,6 +427,72 @@ TEST(SafetensorsRoundTripTest, HeaderIsSpacePaddedToEightBytesAndDense) {
   EXPECT_THAT(header, HasSubstr(R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]})"));
   EXPECT_THAT(header, HasSubstr(R"("a":{"dtype":"F32","shape":[1],"data_offsets":[6,10]})"));
   EXPECT_EQ(header.find_last_not_of(' '), header.find_last_of('}'));
+}
+
+// The integer and boolean dtypes the Python package writes (a
+// state_dict()'s num_batches_tracked, torch's optimizer "step"): each with
+// its tag and its element size, its bytes where the reader finds them.
+TEST(SafetensorsRoundTripTest, IntegerAndBooleanDtypes) {
+  const std::string path = MakeTestDir() + "/ints.safetensors";
+  const std::vector<int64_t> steps = {4, -1};
+  const std::vector<int32_t> ids = {7, 8, 9};
+  const std::vector<uint8_t> mask = {1, 0, 1};
+  const std::vector<uint16_t> u16 = {65535};
+  WriteModel(path, {{"steps", IntegerDType::kInt64, {2}, Bytes(steps)},
+                    {"w", DType::kFloat32, {4}, Bytes(kValues)},
+                    {"ids", IntegerDType::kInt32, {1, 3}, Bytes(ids)},
+                    {"mask", IntegerDType::kBool, {3}, Bytes(mask)},
+                    {"u16", IntegerDType::kUInt16, {}, Bytes(u16)},
+                    {"none", IntegerDType::kInt64, {0, 5}, ""}});
+  absl::StatusOr<std::unique_ptr<SafetensorsReader>> reader = SafetensorsReader::Open(path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  ASSERT_EQ((*reader)->tensors().size(), 1u);
+  std::ifstream in(path, std::ios::binary);
+  const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::map<std::string, SafetensorsSkipped> skipped;
+  for (const SafetensorsSkipped& tensor : (*reader)->skipped()) skipped[tensor.name] = tensor;
+  ASSERT_EQ(skipped.size(), 5u);
+  EXPECT_EQ(skipped["steps"].dtype, "I64");
+  EXPECT_EQ(skipped["ids"].dtype, "I32");
+  EXPECT_EQ(skipped["ids"].shape, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(skipped["mask"].dtype, "BOOL");
+  EXPECT_EQ(skipped["u16"].dtype, "U16");
+  EXPECT_EQ(skipped["u16"].shape, std::vector<int64_t>{});
+  EXPECT_EQ(skipped["none"].bytes, 0u);
+  EXPECT_EQ(file.substr(skipped["steps"].data_begin, skipped["steps"].bytes), Bytes(steps));
+  EXPECT_EQ(file.substr(skipped["ids"].data_begin, skipped["ids"].bytes), Bytes(ids));
+  EXPECT_EQ(file.substr(skipped["mask"].data_begin, skipped["mask"].bytes), Bytes(mask));
+  EXPECT_EQ(file.substr(skipped["u16"].data_begin, skipped["u16"].bytes), Bytes(u16));
+  // Dense in declared order: the float tensor sits right after the steps.
+  EXPECT_EQ((*reader)->tensors()[0].data_begin, skipped["steps"].data_begin + 16);
+}
+
+// Every tag the writer writes parses back to its dtype with its size; the
+// reader's refusals (F64) are the parser's too.
+TEST(SafetensorsDTypeTest, TagsAndSizes) {
+  const std::vector<std::pair<SafetensorsDType, size_t>> all = {
+      {DType::kFloat32, 4},       {DType::kBFloat16, 2},     {DType::kFloat16, 2},
+      {DType::kFloat8E4M3FN, 1},  {DType::kFloat8E5M2, 1},   {IntegerDType::kBool, 1},
+      {IntegerDType::kUInt8, 1},  {IntegerDType::kInt8, 1},  {IntegerDType::kInt16, 2},
+      {IntegerDType::kUInt16, 2}, {IntegerDType::kInt32, 4}, {IntegerDType::kUInt32, 4},
+      {IntegerDType::kInt64, 8},  {IntegerDType::kUInt64, 8}};
+  std::set<std::string> names;
+  for (const auto& [dtype, size] : all) {
+    SCOPED_TRACE(dtype.name());
+    EXPECT_EQ(dtype.size(), size);
+    EXPECT_TRUE(names.insert(std::string(dtype.name())).second) << "two dtypes share a tag";
+    absl::StatusOr<SafetensorsDType> parsed = SafetensorsDType::FromName(dtype.name());
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, dtype);
+  }
+  EXPECT_EQ(SafetensorsDType(IntegerDType::kInt64).name(), "I64");
+  EXPECT_EQ(SafetensorsDType(IntegerDType::kBool).name(), "BOOL");
+  EXPECT_FALSE(IntegerDTypeFromSafetensorsName("F32").has_value());
+  for (const char* tag : {"F64", "i64", ""}) {
+    absl::StatusOr<SafetensorsDType> refused = SafetensorsDType::FromName(tag);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << tag;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("I64")) << tag;
+  }
 }
 
 TEST(SafetensorsRoundTripTest, ReadsExactlyTheRequestedElements) {
