@@ -772,13 +772,10 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor],
     skip them. Other dtypes (float64, 8-bit floats) are refused: the shards
     cannot serve them. A tensor given under two names (tied weights, as
     state_dict() gives them) is written once, under the first. `metadata`:
-    the file's `__metadata__` (strings). By hand, since the format is small (an 8-byte header
-    length, a JSON header, the raw little-endian bytes) and Debian ships no
-    safetensors package."""
-    import json
-
-    header, blobs, offset = {}, [], 0
-    written = set()
+    the file's `__metadata__` (strings). Written by the shards' own writer
+    (core/safetensors), so the file is laid out as a shard lays out its own;
+    a name it refuses (empty, "__metadata__") raises layercast.Error."""
+    entries, written = [], set()
     for name, tensor in tensors.items():
         # A tied tensor (state_dict() of a model with lm_head.weight =
         # wte.weight gives both names, views of one storage) is written once,
@@ -792,24 +789,13 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor],
         if dtype is None:
             raise TypeError(f"{name} is {tensor.dtype}, which the shards cannot serve; convert it "
                             f"to float32 (or bfloat16, float16) first")
+        # Its bytes as they lie in memory (little-endian, as the format's),
+        # viewed as bytes since numpy has no bfloat16: no copy for a
+        # contiguous CPU tensor.
         flat = tensor.detach().contiguous().cpu().reshape(-1)
-        # Through bytes of the same width: numpy has no bfloat16.
-        if tensor.dtype in (torch.bfloat16, torch.float16):
-            flat = flat.view(torch.int16)
-        data = flat.numpy().tobytes()
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    if metadata:
-        header["__metadata__"] = {str(key): str(value) for key, value in metadata.items()}
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
+        entries.append((name, dtype, list(tensor.shape), flat.view(torch.uint8).numpy()))
+    _layercast.write_safetensors(
+        str(path), entries, {str(key): str(value) for key, value in (metadata or {}).items()})
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}

@@ -3,14 +3,20 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <span>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/dtype.h"
 #include "core/fp8.h"
 #include "core/safetensors.h"
+#include "core/safetensors_dtype.h"
+#include "platform/status_macros.h"
 #include "python/src/errors.h"
 
 namespace layercast::python {
@@ -53,6 +59,72 @@ py::tuple SafetensorsHeader(const std::string& path) {
   return py::make_tuple(tensors, reader->metadata());
 }
 
+// Whether `info` lies in memory as one run of bytes, in C order: the bytes
+// a safetensors tensor holds.
+bool IsCContiguous(const py::buffer_info& info) {
+  py::ssize_t stride = info.itemsize;
+  for (py::ssize_t dim = info.ndim - 1; dim >= 0; --dim) {
+    if (info.shape[dim] != 1 && info.strides[dim] != stride) return false;
+    stride *= info.shape[dim];
+  }
+  return true;
+}
+
+// The writing itself, without the GIL: each tensor's bytes checked against
+// its declaration before they go out, so one tensor never spills into the
+// next.
+absl::Status Write(const std::string& path,
+                   const std::vector<SafetensorsWriter::TensorHeader>& headers,
+                   const std::vector<std::span<const uint8_t>>& data,
+                   const std::map<std::string, std::string>& metadata) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
+                   SafetensorsWriter::Create(path, headers, metadata));
+  for (size_t i = 0; i < headers.size(); ++i) {
+    uint64_t declared = headers[i].dtype.size();
+    // Create checked these products fit in 64 bits.
+    for (int64_t dim : headers[i].shape) declared *= static_cast<uint64_t>(dim);
+    if (data[i].size() != declared) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "safetensors writer for '", path, "': tensor '", headers[i].name, "' is declared ",
+          headers[i].dtype.name(), " of ", declared, " bytes but ", data[i].size(),
+          " bytes were given: pass the tensor's own contiguous bytes"));
+    }
+    RETURN_IF_ERROR(writer->Append(data[i]));
+  }
+  return writer->Finish();
+}
+
+// Writes `tensors` ((name, dtype tag, shape, bytes) each, in file order) as
+// one safetensors file through the shards' own writer (core/safetensors),
+// so a file from Python is laid out exactly as one from a shard.
+void WriteSafetensors(const std::string& path, const py::list& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsWriter::TensorHeader> headers;
+  // Held until the writing is done: they pin the tensors' memory.
+  std::vector<py::buffer_info> buffers;
+  std::vector<std::span<const uint8_t>> data;
+  for (const py::handle entry : tensors) {
+    auto [name, tag, shape, bytes] =
+        entry.cast<std::tuple<std::string, std::string, std::vector<int64_t>, py::buffer>>();
+    headers.push_back({name, ValueOrRaise(SafetensorsDType::FromName(tag)), std::move(shape)});
+    py::buffer_info info = bytes.request();
+    if (!IsCContiguous(info)) {
+      Raise(absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "' for '", path,
+                       "': its bytes are not contiguous; pass tensor.contiguous()")));
+    }
+    data.emplace_back(static_cast<const uint8_t*>(info.ptr),
+                      static_cast<size_t>(info.size * info.itemsize));
+    buffers.push_back(std::move(info));
+  }
+  absl::Status written;
+  {
+    py::gil_scoped_release release;
+    written = Write(path, headers, data, metadata);
+  }
+  if (!written.ok()) Raise(written);
+}
+
 }  // namespace
 
 void BindFormats(py::module_& module) {
@@ -61,6 +133,11 @@ void BindFormats(py::module_& module) {
   module.def("safetensors_header", &SafetensorsHeader, py::arg("path"),
              "(tensors, metadata) of a safetensors model, one file or an index, checked: each "
              "tensor as (name, dtype tag, shape, file, byte offset, byte count).");
+  module.def("write_safetensors", &WriteSafetensors, py::arg("path"), py::arg("tensors"),
+             py::arg("metadata"),
+             "Writes one safetensors file: `tensors` as (name, dtype tag, shape, bytes) in file "
+             "order, the bytes C-contiguous (a buffer such as a numpy array), `metadata` its "
+             "__metadata__.");
 }
 
 }  // namespace layercast::python

@@ -2,8 +2,11 @@
 the 8-bit float table is core/fp8's (checked against a decoder written from
 the OCP spec here, and against torch's own float8 dtypes), and safetensors
 headers are core/safetensors's reader's, as strict for Python as for a
-shard: a file whose tensors overlap is refused, naming the file."""
+shard: a file whose tensors overlap is refused, naming the file. Files are
+written by core/safetensors's writer too, every dtype save_safetensors
+takes, byte for byte as the native writer lays them out."""
 
+import json
 import math
 import struct
 
@@ -63,3 +66,49 @@ def test_a_malformed_header_is_refused_naming_the_file(tmp_path):
     with pytest.raises(layercast.Error, match="overlap.safetensors") as refused:
         layercast.torch.load_safetensors(path)
     assert "overlap" in str(refused.value)
+
+
+def test_save_safetensors_writes_the_native_writers_bytes(tmp_path):
+    """The exact file: the native writer's compact header (__metadata__
+    first, then the tensors as given, dense offsets, spaces to a multiple of
+    8) and each tensor's little-endian bytes, spelled here by hand. A Python
+    writer of its own (json.dumps puts spaces after separators and the
+    metadata where it was added) would differ."""
+    tensors = {
+        "w": (torch.tensor([[1.0, -2.5]]), "F32", struct.pack("<2f", 1.0, -2.5)),
+        "half": (torch.tensor([1.0, -2.5]).half(), "F16", bytes.fromhex("003c00c1")),
+        "brain": (torch.tensor([1.0, -2.5]).bfloat16(), "BF16", bytes.fromhex("803f20c0")),
+        "step": (torch.tensor(4, dtype=torch.int64), "I64", struct.pack("<q", 4)),
+        "ids": (torch.tensor([[7, -8, 9]], dtype=torch.int32), "I32", struct.pack("<3i", 7, -8, 9)),
+        "small": (torch.tensor([-3], dtype=torch.int16), "I16", struct.pack("<h", -3)),
+        "tiny": (torch.tensor([-1, 2], dtype=torch.int8), "I8", bytes([0xFF, 2])),
+        "bytes": (torch.tensor([255], dtype=torch.uint8), "U8", bytes([255])),
+        "mask": (torch.tensor([True, False, True]), "BOOL", bytes([1, 0, 1])),
+        "none": (torch.empty(0, 2), "F32", b""),
+        # Not contiguous: written as its elements in C order.
+        "t": (torch.arange(4, dtype=torch.int64).reshape(2, 2).t(), "I64",
+              struct.pack("<4q", 0, 2, 1, 3)),
+    }
+    path = tmp_path / "m.safetensors"
+    layercast.torch.save_safetensors(path, {name: t for name, (t, _, _) in tensors.items()},
+                                     {"note": "kept"})
+    header, data, offset = {"__metadata__": {"note": "kept"}}, b"", 0
+    for name, (tensor, tag, raw) in tensors.items():
+        header[name] = {"dtype": tag, "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        data, offset = data + raw, offset + len(raw)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    assert path.read_bytes() == struct.pack("<Q", len(encoded)) + encoded + data
+
+
+def test_save_safetensors_is_refused_as_the_native_writer_refuses(tmp_path):
+    """A name the format reserves is refused by the native writer, naming
+    the file, before anything is written; dtypes the shards cannot serve are
+    refused in Python first."""
+    path = tmp_path / "reserved.safetensors"
+    with pytest.raises(layercast.Error, match="reserved.safetensors.*'__metadata__' cannot name"):
+        layercast.torch.save_safetensors(path, {"__metadata__": torch.zeros(1)})
+    assert not path.exists()
+    with pytest.raises(TypeError, match="float64"):
+        layercast.torch.save_safetensors(path, {"w": torch.zeros(1, dtype=torch.float64)})
