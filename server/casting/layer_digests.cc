@@ -1,6 +1,5 @@
 #include "server/casting/layer_digests.h"
 
-#include <boost/asio/post.hpp>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -9,9 +8,9 @@
 
 namespace layercast::server {
 
-LayerDigests::LayerDigests(Links links) : links_(links) {}
+LayerDigests::LayerDigests(Links links) : links_(links), work_(links.background) {}
 
-LayerDigests::~LayerDigests() { thread_.join(); }
+LayerDigests::~LayerDigests() = default;
 
 layercast::v1::LayerDigest LayerDigests::Answer(const Key& key,
                                                 const wire::SliceDigest::Sha256& sha) const {
@@ -41,7 +40,7 @@ void LayerDigests::Get(const layercast::v1::GetLayerDigestRequest& request, Done
     done(Answer(key, *kept));
     return;
   }
-  boost::asio::post(thread_, [this, key, plan = *std::move(plan), done = std::move(done)] {
+  work_.Post([this, key, plan = *std::move(plan), done = std::move(done)] {
     // Asked for twice before the first was done: the second finds it.
     if (const std::optional<wire::SliceDigest::Sha256> kept = Cached(key); kept) {
       done(Answer(key, *kept));

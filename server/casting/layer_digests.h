@@ -1,7 +1,6 @@
 #pragma once
 
 #include <atomic>
-#include <boost/asio/thread_pool.hpp>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -12,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/shard.pb.h"
 #include "server/serving/change_log.h"
+#include "server/serving/deadline_timers.h"
 #include "server/serving/fetch_plan.h"
 #include "server/serving/parameter_store.h"
 #include "server/serving/server_metrics.h"
@@ -26,10 +26,10 @@ namespace layercast::server {
 // (wire/slice_digest.h), cast chunk by chunk on the stream's own grid, from
 // the master or the version PinnedVersions kept, exactly as a FetchLayer
 // stream casts it, so a reader can check bytes a relay carried. Each is
-// computed once, when first asked for, on a thread of its own (each chunk
-// takes the layer's lock shared, as a stream's chunk does: an optimizer
-// step waits for one chunk's cast at most, never for the digest), and the
-// newest kCached are kept for the readers after.
+// computed once, when first asked for, on the shard's background thread
+// (each chunk takes the layer's lock shared, as a stream's chunk does: an
+// optimizer step waits for one chunk's cast at most, never for the
+// digest), and the newest kCached are kept for the readers after.
 //
 // Thread-safe. The destructor waits for the digest being computed.
 class LayerDigests {
@@ -44,6 +44,9 @@ class LayerDigests {
     // Set when the shard drains: a digest in progress or queued stops with
     // UNAVAILABLE instead of holding the shutdown for a pass over a slice.
     const std::atomic<bool>* stopping = nullptr;
+    // The shard's background thread, which must outlive this; null: a
+    // thread of its own.
+    DeadlineTimers* background = nullptr;
   };
   static constexpr size_t kCached = 256;
 
@@ -77,8 +80,10 @@ class LayerDigests {
   const Links links_;
   mutable absl::Mutex mu_;
   std::deque<std::pair<Key, wire::SliceDigest::Sha256>> cached_
-      ABSL_GUARDED_BY(mu_);             // newest last
-  boost::asio::thread_pool thread_{1};  // last: joined before the rest goes
+      ABSL_GUARDED_BY(mu_);  // newest last
+  // Last: see DeadlineTimers. The gRPC server stops first and waits for
+  // every call, so no digest is dropped while queued.
+  DeadlineTimers work_;
 };
 
 }  // namespace layercast::server

@@ -17,6 +17,12 @@ namespace {
 
 constexpr std::chrono::milliseconds kDefaultTimeout{60000};
 
+// On the shard's background thread, or one of its own on `links.clock`.
+DeadlineTimers TimersFor(const Publications::Links& links) {
+  if (links.background != nullptr) return DeadlineTimers(links.background);
+  return DeadlineTimers(links.clock != nullptr ? *links.clock : platform::Clock::Steady());
+}
+
 }  // namespace
 
 Publications::Publications(Links links) : Publications(links, SetOptions{}) {}
@@ -29,7 +35,7 @@ Publications::Publications(Links links, SetOptions set)
                .pinned = links.pinned}),
       idle_(set.idle),
       peers_(std::move(set.peers)),
-      timers_(links.clock != nullptr ? *links.clock : platform::Clock::Steady()) {}
+      timers_(TimersFor(links)) {}
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);

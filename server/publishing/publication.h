@@ -57,6 +57,9 @@ class Publications {
     // What the publish timeout and the idle window are read on; null: the
     // steady clock.
     platform::Clock* clock = nullptr;
+    // The shard's background thread (its clock, not `clock`, then); null:
+    // a thread of its own.
+    DeadlineTimers* background = nullptr;
   };
   struct SetOptions {
     std::unique_ptr<PublishPeers> peers;  // null: no --peers, settle alone
@@ -156,9 +159,9 @@ class Publications {
   std::deque<Decision> decided_ ABSL_GUARDED_BY(mu_);  // oldest first
   // After mu_ and open_: its thread settles into them until it is joined.
   std::unique_ptr<PublishPeers> peers_;
-  // Last: see DeadlineTimers. A thread of its own, not the shard's: a
-  // publish's timeout takes mu_, which a commit or a checkpoint holds for
-  // long.
+  // Last: see DeadlineTimers. The shard's background thread, not its timer
+  // thread: a publish's timeout takes mu_, which a commit or a checkpoint
+  // holds for long.
   DeadlineTimers timers_;
 };
 

@@ -37,7 +37,7 @@ std::vector<std::string> SplitAddresses(absl::string_view text, absl::string_vie
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PublishPeers>> PublishPeers::FromConfig(
-    const layercast::v1::ShardConfig& config) {
+    const layercast::v1::ShardConfig& config, platform::Clock& clock) {
   if (config.peers().empty() && config.peers_file().empty()) return nullptr;
   if (!config.peers().empty() && !config.peers_file().empty()) {
     return absl::InvalidArgumentError("give --peers or --peers-file, not both");
@@ -47,6 +47,7 @@ absl::StatusOr<std::unique_ptr<PublishPeers>> PublishPeers::FromConfig(
     return nullptr;
   }
   Options options;
+  options.clock = &clock;
   options.self = config.shard_index();
   options.num_shards = config.num_shards();
   options.addresses_file = config.peers_file();
@@ -143,11 +144,12 @@ void PublishPeers::HandOn(const std::string& id) {
       // Not gRPC's retry policy: its 5 attempts cannot wait out 15 s of a
       // restart, nor end early when this shard stops.
       platform::RetryHooks hooks;
+      hooks.clock = options_.clock;
       hooks.sleep = [this](std::chrono::milliseconds wait) {
         return !Stopped(absl::FromChrono(wait));
       };
       const absl::Status status = platform::Retry(
-          platform::kPeerCommit, std::chrono::steady_clock::now() + kHandOnFor,
+          platform::kPeerCommit, options_.clock->Now() + kHandOnFor,
           [&](int) { return Commit((*addresses)[shard], id); }, hooks);
       if (!status.ok()) {
         Log()->warn(
@@ -187,6 +189,7 @@ void PublishPeers::Settle(const std::string& id, std::function<void(std::optiona
   work_.push_back([this, id, settled = std::move(settled)] {
     bool stopped = false;
     platform::RetryHooks hooks;
+    hooks.clock = options_.clock;
     hooks.sleep = [this, &stopped](std::chrono::milliseconds wait) {
       stopped = Stopped(absl::FromChrono(wait));
       return !stopped;
@@ -202,7 +205,7 @@ void PublishPeers::Settle(const std::string& id, std::function<void(std::optiona
     };
     std::optional<bool> committed;
     const absl::Status status = platform::Retry(
-        platform::kPeerSettle, std::chrono::steady_clock::now() + kSettleFor,
+        platform::kPeerSettle, options_.clock->Now() + kSettleFor,
         [&](int) -> absl::Status {
           absl::StatusOr<bool> answer = SettleOnce(id);
           if (!answer.ok()) return answer.status();

@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "layercast/v1/admin.grpc.pb.h"
 #include "layercast/v1/config.pb.h"
+#include "platform/clock.h"
 
 namespace layercast::server {
 
@@ -34,7 +35,12 @@ namespace layercast::server {
 //
 // The calls run on a thread of this class, never on gRPC's; each one is
 // bounded in time, and a settle that cannot reach shard 0 tries again about
-// once a second for up to kSettleFor (platform::kPeerSettle).
+// once a second for up to kSettleFor (platform::kPeerSettle). A thread of
+// its own rather than the shard's background thread: a settle blocks on
+// peers for up to kSettleFor, which would hold up the shard's checkpoint
+// writes and publish timeouts queued behind it. Its windows (kSettleFor,
+// the hand-on's) are read on the shard's clock; the pause between two
+// attempts is real time, so that a stop ends it.
 //
 // Thread-safe.
 class PublishPeers {
@@ -44,9 +50,10 @@ class PublishPeers {
 
   // Nullptr when `config` names no peers, or has no --admin-token-file (no
   // publishes to settle). INVALID_ARGUMENT for a peer list of the wrong
-  // length, or both peers and peers_file.
+  // length, or both peers and peers_file. `clock` (the shard's) must
+  // outlive this.
   static absl::StatusOr<std::unique_ptr<PublishPeers>> FromConfig(
-      const layercast::v1::ShardConfig& config);
+      const layercast::v1::ShardConfig& config, platform::Clock& clock = platform::Clock::Steady());
   // Waits for the call in progress; drops the rest.
   ~PublishPeers();
 
@@ -73,6 +80,7 @@ class PublishPeers {
     std::string addresses_file;
     std::string token;
     std::shared_ptr<grpc::ChannelCredentials> credentials;
+    platform::Clock* clock = &platform::Clock::Steady();  // the windows' clock
   };
   explicit PublishPeers(Options options);
 

@@ -64,7 +64,10 @@ void MetricsEndpoint::Register(const std::weak_ptr<prometheus::Collectable>& col
 
 MetricsEndpoint::~MetricsEndpoint() {
   // Nudges civetweb's accept loop until its stop (in the Exposer's
-  // destructor) has returned; each connection wakes its poll at once.
+  // destructor) has returned; each connection wakes its poll at once. A
+  // thread only for the length of this destructor, not a shard's scheduler:
+  // the endpoint serves relays too, and the nudges must go on in real time
+  // while a test's clock stands still.
   std::atomic<bool> stopped{false};
   std::thread nudger;
   try {

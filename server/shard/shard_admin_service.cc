@@ -11,17 +11,8 @@
 namespace layercast::server {
 
 ShardAdminService::ShardAdminService(Options options, const VersionGate& gate,
-                                     ServerMetrics& metrics)
-    : options_(std::move(options)), gate_(gate), metrics_(metrics) {}
-
-ShardAdminService::~ShardAdminService() {
-  std::thread writer;
-  {
-    absl::MutexLock lock(&mu_);
-    writer = std::move(writer_);
-  }
-  if (writer.joinable()) writer.join();
-}
+                                     ServerMetrics& metrics, DeadlineTimers* background)
+    : options_(std::move(options)), gate_(gate), metrics_(metrics), writes_(background) {}
 
 void ShardAdminService::AttachStore(LoadedShard& shard) {
   absl::MutexLock lock(&mu_);
@@ -74,10 +65,8 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
                       "a checkpoint of this shard is being written to ",
                       options_.checkpoints->path(), "; wait for it to finish and retry"))));
   }
-  // The previous writer has finished (writing_ is false); reap it.
-  if (writer_.joinable()) writer_.join();
   writing_ = true;
-  writer_ = std::thread(
+  writes_.Post(
       [this, reactor, response, store = store_, trainer = trainer_, publications = publications_] {
         absl::StatusOr<CheckpointInfo> info =
             WriteShardCheckpoint(*options_.checkpoints, *store, trainer, publications, gate_, true);

@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <optional>
-#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -10,6 +9,7 @@
 #include "server/access/auth_token.h"
 #include "server/checkpoints/checkpoint_manager.h"
 #include "server/publishing/publication.h"
+#include "server/serving/deadline_timers.h"
 #include "server/serving/parameter_store.h"
 #include "server/serving/server_metrics.h"
 #include "server/serving/version_gate.h"
@@ -22,7 +22,8 @@ namespace layercast::server {
 // on the callback API. Every call is authorised first: refused with
 // FAILED_PRECONDITION when the shard has no admin token, UNAUTHENTICATED
 // without a bearer token, PERMISSION_DENIED with a wrong one. Checkpoint
-// writes run on a thread of their own, never on gRPC's, one at a time.
+// writes run on the shard's background thread, never on gRPC's, one at a
+// time.
 //
 // Thread-safe: gRPC calls its handlers from many threads.
 class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackService {
@@ -34,10 +35,13 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
     std::optional<AdminToken> token;
   };
 
-  // `checkpoints`, `gate` and `metrics` must outlive the service.
-  ShardAdminService(Options options, const VersionGate& gate, ServerMetrics& metrics);
+  // `checkpoints`, `gate`, `metrics` and `background` must outlive the
+  // service. `background`: the shard's background thread; null: a thread
+  // of its own.
+  ShardAdminService(Options options, const VersionGate& gate, ServerMetrics& metrics,
+                    DeadlineTimers* background = nullptr);
   // Waits for a checkpoint being written.
-  ~ShardAdminService() override;
+  ~ShardAdminService() override = default;
 
   // Makes the loaded shard available; called once. `shard` must outlive
   // every call. Without publications (a training shard) publishes are
@@ -94,8 +98,10 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   LayerTrainer* trainer_ ABSL_GUARDED_BY(mu_) = nullptr;  // null: read-only
   Publications* publications_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  // The thread of the last checkpoint written for a call.
-  std::thread writer_ ABSL_GUARDED_BY(mu_);
+  // Last: see DeadlineTimers. Where a call's checkpoint is written. The
+  // gRPC server stops first and waits for the call, so a write is never
+  // dropped while queued.
+  DeadlineTimers writes_;
 };
 
 }  // namespace layercast::server

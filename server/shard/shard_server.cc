@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
   }
   // A training shard takes no publishes: nothing to settle.
   if (config.optimizer().empty()) {
-    ASSIGN_OR_RETURN(server->peers_, PublishPeers::FromConfig(config));
+    ASSIGN_OR_RETURN(server->peers_, PublishPeers::FromConfig(config, server->timers_.clock()));
   }
   server->publish_idle_ms_ = config.publish_idle_ms();
   RETURN_IF_ERROR(server->UseCheckpoint());
@@ -135,7 +135,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
           .cast_error_sample_every = config.cast_error_sample_every()},
       server->metrics_, server->grants_.get_executor(), &server->timers_);
   server->admin_ = std::make_unique<ShardAdminService>(
-      std::move(admin), server->service_->version_gate(), server->metrics_);
+      std::move(admin), server->service_->version_gate(), server->metrics_, &server->background_);
   server->metrics_.master_bytes().Set(static_cast<double>(master));
   server->metrics_.memory_budget_bytes().Set(
       static_cast<double>(server->settings_.memory_budget_bytes.value_or(0)));
@@ -144,7 +144,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
 
 ShardServer::ShardServer(ShardSettings settings)
     : settings_(std::move(settings)),
-      timers_(settings_.clock != nullptr ? *settings_.clock : platform::Clock::Steady()) {}
+      timers_(settings_.clock != nullptr ? *settings_.clock : platform::Clock::Steady()),
+      background_(timers_.clock()) {}
 
 ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
@@ -287,7 +288,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                             .changes = shard->changes.get(),
                             .metrics = &metrics_,
                             .pinned = shard->pinned.get(),
-                            .clock = &timers_.clock()},
+                            .clock = &timers_.clock(),
+                            .background = &background_},
         Publications::SetOptions{.peers = std::move(peers_),
                                  .idle = std::chrono::milliseconds(publish_idle_ms_)});
   }
@@ -297,7 +299,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
         [this, store = shard->store.get(), trainer = shard->trainer.get()] {
           return WriteShardCheckpoint(*checkpoints_, *store, trainer, nullptr,
                                       service_->version_gate(), /*try_only=*/false);
-        });
+        },
+        &background_);
   }
   shard->digests =
       std::make_unique<LayerDigests>(LayerDigests::Links{.store = shard->store.get(),
@@ -306,7 +309,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                                                          .pinned = shard->pinned.get(),
                                                          .metrics = &metrics_,
                                                          .chunk_bytes = config.chunk_bytes(),
-                                                         .stopping = service_->draining()});
+                                                         .stopping = service_->draining(),
+                                                         .background = &background_});
   loaded_ = std::move(shard);
   service_->AttachStore(*loaded_);
   admin_->AttachStore(*loaded_);

@@ -134,10 +134,16 @@ class ShardServer {
   // everything that posts to it.
   boost::asio::thread_pool grants_{std::max(2u, std::thread::hardware_concurrency())};
   // The shard's timer thread: the version gate's, the budget's, the pinned
-  // versions' and the stall sweep's deadlines run on it (a publish's
-  // timeout has a thread of its own: it waits for a commit). After grants_,
+  // versions' and the stall sweep's deadlines run on it. After grants_,
   // which its callbacks post to; before everything that schedules on it.
   DeadlineTimers timers_;
+  // The shard's background thread, on timers_' clock: the work that blocks
+  // for long (checkpoint writes, periodic or asked for; digests; a
+  // publish's timeout, which waits for a commit) runs here one piece at a
+  // time, never on timers_, whose callbacks must not wait. Each part
+  // schedules through a DeadlineTimers of its own on it, which stops its
+  // work when the part goes: the shard's one stop rule.
+  DeadlineTimers background_;
   ServerMetrics metrics_;
   // The start-up check's arithmetic, from the model's shapes (a checkpoint
   // must have the same): its ReservedBytes are reserved in budget_.

@@ -6,69 +6,58 @@
 
 namespace layercast::server {
 
-PeriodicCheckpoints::PeriodicCheckpoints(VersionGate& gate, uint64_t every, Write write)
-    : gate_(gate), every_(every), write_(std::move(write)), thread_([this] { Run(); }) {}
+PeriodicCheckpoints::PeriodicCheckpoints(VersionGate& gate, uint64_t every, Write write,
+                                         DeadlineTimers* background)
+    : gate_(gate), every_(every), write_(std::move(write)), work_(background) {
+  {
+    absl::MutexLock lock(&link_->mu);
+    link_->self = this;
+  }
+  Arm(gate_.version());
+}
 
 PeriodicCheckpoints::~PeriodicCheckpoints() {
   {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
+    absl::MutexLock lock(&link_->mu);
+    link_->self = nullptr;
+    gate_.Cancel(link_->wait);
   }
-  thread_.join();
+  // Then work_ goes first: it waits for a write under way and drops one
+  // posted but not begun.
 }
 
-bool PeriodicCheckpoints::AwaitVersion(uint64_t version) {
-  {
-    absl::MutexLock lock(&mu_);
-    reached_ = false;
-  }
-  const uint64_t id = gate_.Wait(version, std::chrono::steady_clock::time_point::max(),
-                                 [this](VersionGate::Outcome, uint64_t) {
-                                   absl::MutexLock lock(&mu_);
-                                   reached_ = true;  // or closed: the next check stops
-                                 });
-  bool reached = false;
-  {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](PeriodicCheckpoints* self)
-             ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->reached_ || self->stopping_; },
-        this));
-    reached = reached_ && !stopping_;
-  }
-  if (!reached) {
-    // Stopping: the callback must not run once this is gone, so it is
-    // withdrawn, or waited for when already posted (bounded: an executor
-    // stopped first would never run it).
-    if (!gate_.Cancel(id)) {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(&reached_), absl::Seconds(5));
-    }
-    return false;
-  }
-  return gate_.version() >= version;
+void PeriodicCheckpoints::Arm(uint64_t version) {
+  const uint64_t next = (version / every_ + 1) * every_;
+  // Under the link's lock, so that the destructor withdraws this wait or
+  // finds none made after it.
+  absl::MutexLock lock(&link_->mu);
+  if (link_->self == nullptr) return;
+  link_->wait =
+      gate_.Wait(next, std::chrono::steady_clock::time_point::max(),
+                 [link = link_, next](VersionGate::Outcome outcome, uint64_t) {
+                   // Closed: the shard is draining, and no write starts.
+                   if (outcome != VersionGate::Outcome::kReached) return;
+                   absl::MutexLock lock(&link->mu);
+                   if (link->self == nullptr) return;
+                   link->self->work_.Post([self = link->self, next] { self->Reached(next); });
+                 });
 }
 
-void PeriodicCheckpoints::Run() {
-  for (uint64_t version = gate_.version();;) {
-    const uint64_t next = (version / every_ + 1) * every_;
-    if (!AwaitVersion(next)) return;
-    const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<CheckpointInfo> written = write_();
-    if (written.ok()) {
-      Log()->info("checkpoint version {} written to {} in {:.2f} s (--checkpoint-every {})",
-                  written->version, written->path,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
-                  every_);
-      version = written->version;
-    } else {
-      Log()->error(
-          "the checkpoint at version {} (--checkpoint-every {}) failed: {}; the previous "
-          "checkpoint and the push journal are kept, and the next multiple tries again",
-          next, every_, written.status().message());
-      version = next;
-    }
+void PeriodicCheckpoints::Reached(uint64_t next) {
+  const auto start = work_.Now();
+  absl::StatusOr<CheckpointInfo> written = write_();
+  if (written.ok()) {
+    Log()->info("checkpoint version {} written to {} in {:.2f} s (--checkpoint-every {})",
+                written->version, written->path,
+                std::chrono::duration<double>(work_.Now() - start).count(), every_);
+    Arm(written->version);
+    return;
   }
+  Log()->error(
+      "the checkpoint at version {} (--checkpoint-every {}) failed: {}; the previous "
+      "checkpoint and the push journal are kept, and the next multiple tries again",
+      next, every_, written.status().message());
+  Arm(next);
 }
 
 }  // namespace layercast::server
