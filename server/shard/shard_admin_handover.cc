@@ -45,11 +45,11 @@ grpc::ServerUnaryReactor* ShardAdminService::HandOver(grpc::CallbackServerContex
   absl::StatusOr<LayerTrainer*> trainer = TrainerFor(*context);
   if (!trainer.ok()) return Finish(reactor, wire::ToGrpcStatus(trainer.status()), "HandOver");
   if (request->has_at_version()) {
-    if (absl::Status frozen = (*trainer)->Freeze(request->at_version()); !frozen.ok()) {
+    if (absl::Status frozen = (*trainer)->hand_over().Freeze(request->at_version()); !frozen.ok()) {
       return Finish(reactor, wire::ToGrpcStatus(frozen), "HandOver");
     }
   }
-  const std::optional<uint64_t> frozen_at = (*trainer)->frozen_at();
+  const std::optional<uint64_t> frozen_at = (*trainer)->hand_over().frozen_at();
   if (!frozen_at) {
     return Finish(reactor,
                   wire::ToGrpcStatus(absl::FailedPreconditionError(
@@ -58,9 +58,9 @@ grpc::ServerUnaryReactor* ShardAdminService::HandOver(grpc::CallbackServerContex
                       "step to), then start the new set")),
                   "HandOver");
   }
-  const CheckpointTraining header = (*trainer)->TrainingHeader();
+  const CheckpointTraining header = (*trainer)->checkpoint().TrainingHeader();
   response->set_frozen_at(*frozen_at);
-  response->set_at_boundary((*trainer)->AtFrozenBoundary());
+  response->set_at_boundary((*trainer)->hand_over().AtFrozenBoundary());
   {
     absl::MutexLock lock(&mu_);
     response->set_shard_index(store_->shard_index());
@@ -83,7 +83,7 @@ grpc::ServerUnaryReactor* ShardAdminService::Unfreeze(grpc::CallbackServerContex
                                                       layercast::v1::UnfreezeResponse*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<LayerTrainer*> trainer = TrainerFor(*context);
-  if (trainer.ok()) (*trainer)->Unfreeze();
+  if (trainer.ok()) (*trainer)->hand_over().Unfreeze();
   return Finish(reactor, wire::ToGrpcStatus(trainer.status()), "Unfreeze");
 }
 
@@ -103,9 +103,9 @@ grpc::ServerUnaryReactor* ShardAdminService::ReadState(
   }
   std::string& data = *response->mutable_data();
   data.resize(range.size() * sizeof(float));
-  const absl::Status read =
-      (*trainer)->ReadFrozen(request->layer(), request->tensor(), request->buffer(), range,
-                             {reinterpret_cast<float*>(data.data()), range.size()});
+  const absl::Status read = (*trainer)->hand_over().ReadFrozen(
+      request->layer(), request->tensor(), request->buffer(), range,
+      {reinterpret_cast<float*>(data.data()), range.size()});
   if (!read.ok()) data.clear();
   return Finish(reactor, wire::ToGrpcStatus(read), "ReadState");
 }

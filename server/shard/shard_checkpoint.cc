@@ -11,7 +11,7 @@ absl::StatusOr<CheckpointInfo> WriteShardCheckpoint(CheckpointManager& checkpoin
     return try_only ? checkpoints.TryWrite(store, at, extras)
                     : checkpoints.Write(store, at, extras);
   };
-  if (trainer != nullptr) return trainer->WriteWithState(write);
+  if (trainer != nullptr) return trainer->checkpoint().WriteWithState(write);
   // The version is read with the commits paused, so the file's label and
   // its data are of one version (296 of 349 checkpoints taken during a
   // publish loop were torn or mislabelled without this).

@@ -16,7 +16,7 @@ namespace layercast::server {
 // committing meanwhile (`publications`, when not null), at the model's
 // version in `gate` then; a training shard's (`trainer` not null) master
 // and optimizer state with every layer's steps paused, at the model's
-// version (see LayerTrainer::WriteWithState). `try_only`: ABORTED at once
+// version (see TrainerCheckpoint::WriteWithState). `try_only`: ABORTED at once
 // while another write is in progress (CheckpointManager::TryWrite).
 absl::StatusOr<CheckpointInfo> WriteShardCheckpoint(CheckpointManager& checkpoints,
                                                     const ParameterStore& store,

@@ -211,7 +211,8 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
                               shard->pinned.get()}));
     LayerTrainer& trainer = *shard->trainer;
     if (checkpoint_source_ != nullptr) {
-      if (absl::Status restored = trainer.Restore(*checkpoint_source_); !restored.ok()) {
+      if (absl::Status restored = trainer.checkpoint().Restore(*checkpoint_source_);
+          !restored.ok()) {
         // A damaged file says so first (DATA_LOSS, exit status 2).
         RETURN_IF_ERROR(checkpoint_source_->VerifyChecksum());
         return restored;
@@ -267,19 +268,19 @@ absl::Status ShardServer::Load(const std::atomic<bool>* cancel) {
   // A request that has to wait for budget first gets what is only kept for
   // speed: cast chunks kept for other streams, the cast cache, idle chunk
   // buffers, pooled gradient staging, versions kept for pinned readers.
-  shard->budget->SetReclaimer(
-      [shared = std::weak_ptr<SharedChunks>(shard->shared),
-       cache = std::weak_ptr<CastCache>(shard->cast_cache),
-       buffers = std::weak_ptr<ChunkPool>(shard->pool),
-       staging = shard->trainer ? shard->trainer->spare_staging() : std::weak_ptr<StagingPool>(),
-       pinned = std::weak_ptr<PinnedVersions>(shard->pinned)] {
-        if (auto chunks = shared.lock()) chunks->DropAll();
-        if (auto cached = cache.lock()) cached->DropAll();
-        // After the kept chunks, whose buffers came back to it.
-        if (auto idle = buffers.lock()) idle->Drain();
-        if (auto pool = staging.lock()) pool->Drain();
-        if (auto kept = pinned.lock()) kept->DropAll();
-      });
+  shard->budget->SetReclaimer([shared = std::weak_ptr<SharedChunks>(shard->shared),
+                               cache = std::weak_ptr<CastCache>(shard->cast_cache),
+                               buffers = std::weak_ptr<ChunkPool>(shard->pool),
+                               staging = shard->trainer ? shard->trainer->staging().spare_staging()
+                                                        : std::weak_ptr<StagingPool>(),
+                               pinned = std::weak_ptr<PinnedVersions>(shard->pinned)] {
+    if (auto chunks = shared.lock()) chunks->DropAll();
+    if (auto cached = cache.lock()) cached->DropAll();
+    // After the kept chunks, whose buffers came back to it.
+    if (auto idle = buffers.lock()) idle->Drain();
+    if (auto pool = staging.lock()) pool->Drain();
+    if (auto kept = pinned.lock()) kept->DropAll();
+  });
   if (shard->trainer == nullptr) {
     shard->publications = std::make_unique<Publications>(
         Publications::Links{.store = shard->store.get(),

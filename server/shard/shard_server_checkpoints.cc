@@ -181,7 +181,7 @@ absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTra
         ReadReshardedJournals(config.checkpoint_dir(), identity, source_->model(),
                               resharded_->from_count(), resharded_->overlapping());
     absl::StatusOr<LayerTrainer::Replayed> taken =
-        records.ok() ? trainer.Replay(std::move(records->records))
+        records.ok() ? trainer.checkpoint().Replay(std::move(records->records))
                      : absl::StatusOr<LayerTrainer::Replayed>(records.status());
     if (!taken.ok()) {
       return absl::Status(
@@ -198,9 +198,9 @@ absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTra
         resharded_->from_count(), records->read, taken->taken, taken->skipped, taken->steps,
         records->incomplete);
   }
-  absl::StatusOr<LayerTrainer::Replayed> replayed =
-      trainer.Replay(*journal, config.accept_journal_damage() ? PushJournal::OnDamage::kAccept
-                                                              : PushJournal::OnDamage::kRefuse);
+  absl::StatusOr<LayerTrainer::Replayed> replayed = trainer.checkpoint().Replay(
+      *journal, config.accept_journal_damage() ? PushJournal::OnDamage::kAccept
+                                               : PushJournal::OnDamage::kRefuse);
   if (!replayed.ok()) {
     return absl::Status(replayed.status().code(),
                         absl::StrCat("replaying the push journal in --checkpoint-dir ",
@@ -225,7 +225,7 @@ absl::StatusOr<std::unique_ptr<PushJournal>> ShardServer::ReplayJournal(LayerTra
         replayed->taken, replayed->skipped, replayed->steps,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  trainer.JournalTo(*journal);
+  trainer.checkpoint().JournalTo(*journal);
   return journal;
 }
 

@@ -33,8 +33,8 @@ layercast::v1::Manifest BuildManifest(const ParameterStore& store, const LayerTr
       .layout_digest = store.layout_digest(),
       .content_fingerprint = store.content_fingerprint(),
       .incarnation = store.incarnation(),
-      .data_parallel_workers = trainer != nullptr ? trainer->workers() : 0,
-      .optimizer = trainer != nullptr ? trainer->spec().ToString() : "",
+      .data_parallel_workers = trainer != nullptr ? trainer->layers().workers() : 0,
+      .optimizer = trainer != nullptr ? trainer->layers().spec().ToString() : "",
       .chunk_bytes = chunk_bytes,
   });
 }
@@ -173,7 +173,7 @@ ShardChunks::Options SourceFor(const layercast::v1::FetchLayerRequest& request,
   source.cast_errors = options.cast_errors;
   source.cast_error_sample_every = options.cast_error_sample_every;
   if (const LayerTrainer* trainer = shard.trainer.get(); trainer != nullptr) {
-    source.waiting_for = [trainer](uint32_t layer) { return trainer->WaitingFor(layer); };
+    source.waiting_for = [trainer](uint32_t layer) { return trainer->layers().WaitingFor(layer); };
   }
   source.shared = shard.shared.get();
   source.pool = shard.pool.get();

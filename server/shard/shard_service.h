@@ -133,7 +133,7 @@ class ShardService final
   // gRPC's receive buffer (wire::ReadGradientChunk).
   grpc::ServerReadReactor<grpc::ByteBuffer>* PushGradients(grpc::CallbackServerContext* context,
                                                            grpc::ByteBuffer* response) override;
-  // Global-norm clipping (LayerTrainer::NormOfStep, ApplyClippedStep);
+  // Global-norm clipping (TrainerClip::NormOfStep, ApplyClippedStep);
   // FAILED_PRECONDITION on a shard without an optimizer.
   grpc::ServerUnaryReactor* GetGradientNorm(
       grpc::CallbackServerContext* context, const layercast::v1::GetGradientNormRequest* request,

@@ -15,7 +15,7 @@ void ShardService::UpdateStepGauges() {
   // Under the lock DetachStore takes, so the trainer stays while it is read.
   absl::MutexLock lock(&mu_);
   if (shard_ == nullptr || shard_->trainer == nullptr) return;
-  const LayerTrainer::OpenStep oldest = shard_->trainer->OldestOpenStep();
+  const LayerTrainer::OpenStep oldest = shard_->trainer->layers().OldestOpenStep();
   metrics_.step_missing_workers().Set(oldest.missing_workers);
   metrics_.step_wait_seconds().Set(oldest.waited_seconds);
 }
@@ -103,7 +103,7 @@ grpc::ServerUnaryReactor* ShardService::GetGradientNorm(
   if (!trainer.ok()) {
     return FinishUnary(context, "GetGradientNorm", wire::ToGrpcStatus(trainer.status()));
   }
-  const LayerTrainer::StepNorm norm = (*trainer)->NormOfStep(request->step());
+  const LayerTrainer::StepNorm norm = (*trainer)->clip().NormOfStep(request->step());
   response->set_ready(norm.ready);
   if (norm.ready) response->set_sum_of_squares(norm.sum_of_squares);
   for (uint32_t layer : norm.waiting_layers) response->add_waiting_layers(layer);
@@ -126,7 +126,7 @@ grpc::ServerUnaryReactor* ShardService::ApplyClippedStep(
   // Every layer's optimizer step runs here, on this gRPC thread: the
   // workers wait for this version anyway.
   absl::StatusOr<uint64_t> version =
-      (*trainer)->ApplyClippedStep(request->step(), request->scale());
+      (*trainer)->clip().ApplyClippedStep(request->step(), request->scale());
   if (!version.ok()) {
     return FinishUnary(context, "ApplyClippedStep", wire::ToGrpcStatus(version.status()));
   }

@@ -17,7 +17,7 @@ namespace layercast::server {
 // resharded (server/checkpoints/checkpoint_reshard.h): every push cut to shard j's
 // elements of its layer, the pieces of one push (layer, worker, step) from
 // the N journals put together, and every clip scale once; in an order
-// LayerTrainer::Replay takes (by step, a step's pushes before its scale).
+// TrainerCheckpoint::Replay takes (by step, a step's pushes before its scale).
 //
 // A push that some of the overlapping journals hold and others do not was
 // never acknowledged by the whole set (a journal record precedes each

@@ -118,7 +118,7 @@ void PushGradientsReactor::OnReserved(bool granted) {
     } else if (!granted) {
       finish = wire::ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
           "no memory budget became free to stage a step of layer ", layer_, " (",
-          FormatBytes(trainer_.StepBytes(layer_)), ") in time: ", FormatBytes(budget_.in_use()),
+          FormatBytes(ticket_->StepBytes()), ") in time: ", FormatBytes(budget_.in_use()),
           " is in use, much of it steps waiting for other workers' pushes; retry "
           "the push, or raise --memory-budget")));
     }

@@ -28,7 +28,7 @@ namespace layercast::server {
 // refused, so one push is staged at most once. Raw: chunks arrive as gRPC's receive buffers and are
 // read in place (wire::ReadGradientChunk); the response is encoded here. The push that opens a
 // layer step waits (without blocking a thread) for budget for the whole step's staging
-// (LayerTrainer::StepBytes); the step's later pushes need none. wire::GradientDecoder widens every
+// (PushTicket::StepBytes); the step's later pushes need none. wire::GradientDecoder widens every
 // chunk into the push's staging, one fp32 value per element the shard owns of the layer. Only a
 // stream that half-closes with every owned element covered exactly once reaches the trainer; a
 // stream that fails, is cancelled or ends short leaves nothing behind (a reservation it made stays

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/synthetic_model.h"
+#include "platform/status_macros.h"
 #include "server/checkpoints/checkpoint_format.h"
 
 namespace layercast::server {
@@ -38,9 +39,27 @@ std::vector<float> Gradient(const LayerTrainer& trainer, uint32_t layer, uint32_
                             uint64_t step) {
   std::mt19937 random(static_cast<uint32_t>(layer * 1000 + worker * 100 + step));
   std::normal_distribution<float> normal(0.0f, 0.1f);
-  std::vector<float> g(trainer.owned_elements(layer));
+  std::vector<float> g(trainer.layers().owned_elements(layer));
   for (float& v : g) v = normal(random);
   return g;
+}
+
+// Pushes `gradient` as a PushGradients stream does: admitted as a ticket,
+// its step's staging reserved (at once here: reserved already, or no
+// budget linked), staged and handed over.
+absl::StatusOr<LayerTrainer::Pushed> PushGradient(LayerTrainer& trainer, uint32_t layer,
+                                                  uint32_t worker, uint64_t step,
+                                                  const std::vector<float>& gradient) {
+  ASSIGN_OR_RETURN(LayerTrainer::PushTicket ticket, trainer.AdmitPush(layer, worker, step));
+  bool reserved = false;
+  const uint64_t id = ticket.Reserve(std::chrono::steady_clock::time_point::max(),
+                                     [&reserved](bool granted) { reserved = granted; });
+  if (id != 0) ticket.CancelWait(id);
+  if (!reserved) return absl::InternalError("the step's staging is not reserved");
+  ASSIGN_OR_RETURN(const std::span<float> staged, ticket.Stage());
+  if (staged.size() != gradient.size()) return absl::InternalError("a gradient of another size");
+  std::copy(gradient.begin(), gradient.end(), staged.begin());
+  return ticket.Push();
 }
 
 // Every master bit of the store, layer by layer.
@@ -70,18 +89,18 @@ TEST(LayerTrainerTest, ArrivalOrderChangesNoBit) {
   for (uint64_t step = 0; step < 3; ++step) {
     for (uint32_t l = 0; l < layers; ++l) {
       for (uint32_t w : {0u, 1u, 2u}) {
-        auto pushed = (*a)->Push(l, w, step, Gradient(**a, l, w, step));
+        auto pushed = PushGradient(**a, l, w, step, Gradient(**a, l, w, step));
         ASSERT_TRUE(pushed.ok()) << pushed.status();
         EXPECT_EQ(pushed->applied, w == 2);
         EXPECT_EQ(pushed->layer_version, w == 2 ? step + 1 : step);
       }
       for (uint32_t w : {2u, 0u, 1u}) {
-        auto pushed = (*b)->Push(l, w, step, Gradient(**b, l, w, step));
+        auto pushed = PushGradient(**b, l, w, step, Gradient(**b, l, w, step));
         ASSERT_TRUE(pushed.ok()) << pushed.status();
         EXPECT_EQ(pushed->applied, w == 1);
       }
-      EXPECT_EQ((*b)->version(l), step + 1);
-      EXPECT_EQ((*b)->missing_workers(l), 3u);
+      EXPECT_EQ((*b)->layers().version(l), step + 1);
+      EXPECT_EQ((*b)->layers().missing_workers(l), 3u);
     }
     ASSERT_EQ(MasterBits(*in_order), MasterBits(*shuffled)) << "after step " << step;
   }
@@ -108,8 +127,8 @@ TEST(LayerTrainerTest, AppliesTheMeanWithTheStepsLearningRate) {
   for (uint64_t step = 0; step < 4; ++step) {
     const std::vector<float> g0 = Gradient(**trainer, layer, 0, step);
     const std::vector<float> g1 = Gradient(**trainer, layer, 1, step);
-    ASSERT_TRUE((*trainer)->Push(layer, 1, step, g1).ok());
-    ASSERT_TRUE((*trainer)->Push(layer, 0, step, g0).ok());
+    ASSERT_TRUE(PushGradient(**trainer, layer, 1, step, g1).ok());
+    ASSERT_TRUE(PushGradient(**trainer, layer, 0, step, g0).ok());
     uint64_t at = 0;
     for (uint32_t t = 0; t < tensors; ++t) {
       const uint64_t n = store->owned(layer, t).size();
@@ -136,7 +155,8 @@ TEST(LayerTrainerTest, FreezeHoldsTheStateAtAStepBoundary) {
   LayerTrainer& trainer = **created;
   const auto layers = static_cast<uint32_t>(store->model().layers.size());
   const auto push = [&](uint32_t layer, uint32_t worker, uint64_t step) {
-    return trainer.Push(layer, worker, step, Gradient(trainer, layer, worker, step)).status();
+    return PushGradient(trainer, layer, worker, step, Gradient(trainer, layer, worker, step))
+        .status();
   };
   for (uint32_t l = 0; l < layers; ++l) {
     ASSERT_TRUE(push(l, 0, 0).ok());
@@ -144,38 +164,38 @@ TEST(LayerTrainerTest, FreezeHoldsTheStateAtAStepBoundary) {
   }
   // Worker 0 has begun step 1 of layer 0: a freeze at 1 would cut it.
   ASSERT_TRUE(push(0, 0, 1).ok());
-  const absl::Status past = trainer.Freeze(1);
+  const absl::Status past = trainer.hand_over().Freeze(1);
   EXPECT_EQ(past.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(past.message(), HasSubstr("hand over at version 2 or later"));
-  EXPECT_FALSE(trainer.frozen_at().has_value());
+  EXPECT_FALSE(trainer.hand_over().frozen_at().has_value());
 
-  ASSERT_TRUE(trainer.Freeze(2).ok());
-  EXPECT_FALSE(trainer.AtFrozenBoundary());
+  ASSERT_TRUE(trainer.hand_over().Freeze(2).ok());
+  EXPECT_FALSE(trainer.hand_over().AtFrozenBoundary());
   const ElementRange owned = store->owned(1, 0);
   std::vector<float> values(owned.size() - 1);
   const ElementRange tail{owned.begin + 1, owned.end};
-  EXPECT_EQ(trainer.ReadFrozen(1, 0, "", tail, values).code(),
+  EXPECT_EQ(trainer.hand_over().ReadFrozen(1, 0, "", tail, values).code(),
             absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(push(0, 1, 1).ok());
   for (uint32_t l = 1; l < layers; ++l) {
     ASSERT_TRUE(push(l, 0, 1).ok());
     ASSERT_TRUE(push(l, 1, 1).ok());
   }
-  EXPECT_TRUE(trainer.AtFrozenBoundary());
+  EXPECT_TRUE(trainer.hand_over().AtFrozenBoundary());
   const absl::Status refused = push(0, 0, 2);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.message(), HasSubstr("reconnect to the new set's addresses"));
-  EXPECT_EQ(trainer.Freeze(3).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(trainer.TrainingHeader().layer_versions, std::vector<uint64_t>(layers, 2));
+  EXPECT_EQ(trainer.hand_over().Freeze(3).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(trainer.checkpoint().TrainingHeader().layer_versions, std::vector<uint64_t>(layers, 2));
 
-  ASSERT_TRUE(trainer.ReadFrozen(1, 0, "", tail, values).ok());
+  ASSERT_TRUE(trainer.hand_over().ReadFrozen(1, 0, "", tail, values).ok());
   EXPECT_EQ(std::memcmp(values.data(), store->master(1, 0) + 1, values.size() * 4), 0);
-  ASSERT_TRUE(trainer.ReadFrozen(1, 0, "exp_avg", tail, values).ok());
+  ASSERT_TRUE(trainer.hand_over().ReadFrozen(1, 0, "exp_avg", tail, values).ok());
   // What a checkpoint would write of the same buffer.
   const std::string name = OptimizerStateName("exp_avg", store->model().layers[1].tensors[0].name);
   std::vector<float> saved;
   ASSERT_TRUE(
-      trainer
+      trainer.checkpoint()
           .WriteWithState(
               [&](uint64_t, const CheckpointExtras& extras) -> absl::StatusOr<CheckpointInfo> {
                 for (const auto& [tensor, data] : extras.tensors) {
@@ -186,12 +206,13 @@ TEST(LayerTrainerTest, FreezeHoldsTheStateAtAStepBoundary) {
           .ok());
   ASSERT_EQ(saved.size(), owned.size());
   EXPECT_EQ(std::memcmp(values.data(), saved.data() + 1, values.size() * 4), 0);
-  EXPECT_EQ(trainer.ReadFrozen(1, 0, "exp_avg", {owned.begin, owned.end + 1}, values).code(),
-            absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(trainer.ReadFrozen(1, 0, "momentum_buffer", tail, values).code(),
+  EXPECT_EQ(
+      trainer.hand_over().ReadFrozen(1, 0, "exp_avg", {owned.begin, owned.end + 1}, values).code(),
+      absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(trainer.hand_over().ReadFrozen(1, 0, "momentum_buffer", tail, values).code(),
             absl::StatusCode::kNotFound);
 
-  trainer.Unfreeze();
+  trainer.hand_over().Unfreeze();
   EXPECT_TRUE(push(0, 0, 2).ok());
 }
 
@@ -208,59 +229,74 @@ TEST(LayerTrainerTest, AStepAdvancesItsLayerAndReturnsItsReservation) {
                                       {.gate = &gate, .budget = &budget});
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   const uint32_t layer = 1;
-  EXPECT_EQ((*trainer)->version(layer), 4u) << "layers start at the gate's versions";
-  const uint64_t step_bytes = (*trainer)->StepBytes(layer);
-  EXPECT_EQ(step_bytes, 2 * (*trainer)->StagingBytes(layer));
+  EXPECT_EQ((*trainer)->layers().version(layer), 4u) << "layers start at the gate's versions";
+  const uint64_t step_bytes = (*trainer)->staging().StepBytes(layer);
+  EXPECT_EQ(step_bytes, 2 * (*trainer)->staging().StagingBytes(layer));
   constexpr auto kNever = std::chrono::steady_clock::time_point::max();
   int ready = 0;
   const auto count = [&ready](bool granted) { ready += granted ? 1 : 100; };
-  EXPECT_NE((*trainer)->ReserveStep(layer, 4, kNever, count), 0u) << "the budget answers later";
-  EXPECT_NE((*trainer)->ReserveStep(layer, 4, kNever, count), 0u) << "waits for the same grant";
+  // Stages `gradient` into the ticket's buffer and hands it over.
+  const auto stage_and_push = [](LayerTrainer::PushTicket& ticket,
+                                 const std::vector<float>& gradient) {
+    absl::StatusOr<std::span<float>> staged = ticket.Stage();
+    EXPECT_TRUE(staged.ok() && staged->size() == gradient.size());
+    if (staged.ok()) std::copy(gradient.begin(), gradient.end(), staged->begin());
+    return ticket.Push();
+  };
+  absl::StatusOr<LayerTrainer::PushTicket> first = (*trainer)->AdmitPush(layer, 0, 4);
+  absl::StatusOr<LayerTrainer::PushTicket> second = (*trainer)->AdmitPush(layer, 1, 4);
+  ASSERT_TRUE(first.ok() && second.ok()) << first.status() << second.status();
+  EXPECT_NE(first->Reserve(kNever, count), 0u) << "the budget answers later";
+  EXPECT_NE(second->Reserve(kNever, count), 0u) << "waits for the same grant";
   EXPECT_EQ(ready, 0);
   io.restart();
   io.poll();
   EXPECT_EQ(ready, 2) << "one grant serves every push of the step";
   EXPECT_EQ(budget.in_use(), step_bytes) << "reserved once, for both workers";
-  EXPECT_EQ((*trainer)->ReserveStep(layer, 4, kNever, count), 0u) << "reserved: at once";
+  EXPECT_EQ(first->Reserve(kNever, count), 0u) << "reserved: at once";
   EXPECT_EQ(ready, 3);
-  auto pushed = (*trainer)->Push(layer, 0, 4, Gradient(**trainer, layer, 0, 4));
+  auto pushed = stage_and_push(*first, Gradient(**trainer, layer, 0, 4));
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_FALSE(pushed->applied);
-  EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 1u);
-  EXPECT_EQ((*trainer)->Push(layer, 0, 4, Gradient(**trainer, layer, 0, 4)).status().code(),
+  EXPECT_EQ((*trainer)->layers().OldestOpenStep().missing_workers, 1u);
+  EXPECT_EQ(PushGradient(**trainer, layer, 0, 4, Gradient(**trainer, layer, 0, 4)).status().code(),
             absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(budget.in_use(), step_bytes);
-  pushed = (*trainer)->Push(layer, 1, 4, Gradient(**trainer, layer, 1, 4));
+  pushed = stage_and_push(*second, Gradient(**trainer, layer, 1, 4));
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_TRUE(pushed->applied);
   EXPECT_EQ(pushed->layer_version, 5u);
   EXPECT_EQ(budget.in_use(), step_bytes) << "applied: the staging is pooled, still charged";
   EXPECT_EQ(gate.version(layer), 5u);
   EXPECT_EQ(gate.version(0), 4u);
-  EXPECT_EQ((*trainer)->ReserveStep(layer, 5, kNever, count), 0u)
+  absl::StatusOr<LayerTrainer::PushTicket> next = (*trainer)->AdmitPush(layer, 0, 5);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->Reserve(kNever, count), 0u)
       << "the next step's reservation is the pooled staging, at once";
   EXPECT_EQ(ready, 4);
   EXPECT_EQ(budget.in_use(), step_bytes);
-  EXPECT_EQ((*trainer)->TakeStaging(layer).size(), (*trainer)->owned_elements(layer));
-  EXPECT_EQ((*trainer)->OldestOpenStep().missing_workers, 0u);
+  EXPECT_EQ((*trainer)->layers().OldestOpenStep().missing_workers, 0u);
   // A step of the other layer, another size, asks the budget; draining the
   // pool (the budget's reclaimer) returns what it holds.
-  ASSERT_NE((*trainer)->StagingBytes(0), (*trainer)->StagingBytes(layer));
-  EXPECT_NE((*trainer)->ReserveStep(0, 4, kNever, count), 0u);
+  ASSERT_NE((*trainer)->staging().StagingBytes(0), (*trainer)->staging().StagingBytes(layer));
+  absl::StatusOr<LayerTrainer::PushTicket> other = (*trainer)->AdmitPush(0, 0, 4);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_NE(other->Reserve(kNever, count), 0u);
   io.restart();
   io.poll();
   EXPECT_EQ(ready, 5);
-  EXPECT_EQ(budget.in_use(), step_bytes + (*trainer)->StepBytes(0));
-  const std::shared_ptr<StagingPool> pool = (*trainer)->spare_staging().lock();
+  EXPECT_EQ(budget.in_use(), step_bytes + (*trainer)->staging().StepBytes(0));
+  const std::shared_ptr<StagingPool> pool = (*trainer)->staging().spare_staging().lock();
   ASSERT_NE(pool, nullptr);
   EXPECT_EQ(pool->bytes(), 0u) << "layer 1's step claimed what was pooled";
-  pushed = (*trainer)->Push(layer, 0, 5, Gradient(**trainer, layer, 0, 5));
+  pushed = stage_and_push(*next, Gradient(**trainer, layer, 0, 5));
   ASSERT_TRUE(pushed.ok()) << pushed.status();
-  pushed = (*trainer)->Push(layer, 1, 5, Gradient(**trainer, layer, 1, 5));
+  pushed = PushGradient(**trainer, layer, 1, 5, Gradient(**trainer, layer, 1, 5));
   ASSERT_TRUE(pushed.ok() && pushed->applied) << pushed.status();
   EXPECT_EQ(pool->bytes(), step_bytes);
   pool->Drain();
-  EXPECT_EQ(budget.in_use(), (*trainer)->StepBytes(0)) << "drained: only layer 0's step holds any";
+  EXPECT_EQ(budget.in_use(), (*trainer)->staging().StepBytes(0))
+      << "drained: only layer 0's step holds any";
 }
 
 // With clip=, a layer whose pushes are in waits, reduced to its mean, for
@@ -277,12 +313,13 @@ TEST(LayerTrainerTest, AClippedStepWaitsForEveryLayerAndItsScale) {
   std::vector<std::vector<float>> means;
   for (uint32_t l = 0; l < layers; ++l) {
     const std::vector<float> g0 = Gradient(**trainer, l, 0, 0), g1 = Gradient(**trainer, l, 1, 0);
-    ASSERT_TRUE((*trainer)->Push(l, 1, 0, g1).ok());
-    EXPECT_FALSE((*trainer)->NormOfStep(0).ready);
-    auto pushed = (*trainer)->Push(l, 0, 0, g0);
+    ASSERT_TRUE(PushGradient(**trainer, l, 1, 0, g1).ok());
+    EXPECT_FALSE((*trainer)->clip().NormOfStep(0).ready);
+    auto pushed = PushGradient(**trainer, l, 0, 0, g0);
     ASSERT_TRUE(pushed.ok()) << pushed.status();
     EXPECT_FALSE(pushed->applied) << "a clipped step waits for the scale";
-    EXPECT_EQ((*trainer)->Push(l, 1, 0, g1).status().code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_EQ(PushGradient(**trainer, l, 1, 0, g1).status().code(),
+              absl::StatusCode::kAlreadyExists);
     std::vector<float> mean(g0.size());
     for (size_t i = 0; i < mean.size(); ++i) {
       mean[i] = (g0[i] + g1[i]) / 2.0f;
@@ -290,27 +327,28 @@ TEST(LayerTrainerTest, AClippedStepWaitsForEveryLayerAndItsScale) {
     }
     means.push_back(mean);
   }
-  const LayerTrainer::StepNorm norm = (*trainer)->NormOfStep(0);
+  const LayerTrainer::StepNorm norm = (*trainer)->clip().NormOfStep(0);
   ASSERT_TRUE(norm.ready);
   EXPECT_DOUBLE_EQ(norm.max_norm, 1.0);
   EXPECT_NEAR(norm.sum_of_squares, expected_sum, 1e-9 * expected_sum);
   EXPECT_EQ(MasterBits(*store), MasterBits(*reference)) << "nothing applied before the scale";
-  EXPECT_EQ((*trainer)->ApplyClippedStep(0, std::nanf("")).status().code(),
+  EXPECT_EQ((*trainer)->clip().ApplyClippedStep(0, std::nanf("")).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*trainer)->ApplyClippedStep(1, 0.5f).status().code(),
+  EXPECT_EQ((*trainer)->clip().ApplyClippedStep(1, 0.5f).status().code(),
             absl::StatusCode::kFailedPrecondition);
   const float scale = 0.25f;
-  ASSERT_EQ((*trainer)->ApplyClippedStep(0, scale).value_or(0), 1u);
-  ASSERT_EQ((*trainer)->ApplyClippedStep(0, scale).value_or(0), 1u) << "applied once";
+  ASSERT_EQ((*trainer)->clip().ApplyClippedStep(0, scale).value_or(0), 1u);
+  ASSERT_EQ((*trainer)->clip().ApplyClippedStep(0, scale).value_or(0), 1u) << "applied once";
   // Another scale for the applied step (a restarted worker 0 computing it
   // afresh) changes nothing: the step keeps, and reports, its first.
-  ASSERT_EQ((*trainer)->ApplyClippedStep(0, 0.75f).value_or(0), 1u);
-  EXPECT_EQ((*trainer)->NormOfStep(0).applied_scale.value_or(0), scale);
+  ASSERT_EQ((*trainer)->clip().ApplyClippedStep(0, 0.75f).value_or(0), 1u);
+  EXPECT_EQ((*trainer)->clip().NormOfStep(0).applied_scale.value_or(0), scale);
   // And a checkpoint carries it, for a restarted shard to report.
   std::map<std::string, std::string> saved;
   ASSERT_TRUE(
       (*trainer)
-          ->WriteWithState(
+          ->checkpoint()
+          .WriteWithState(
               [&](uint64_t, const CheckpointExtras& extras) -> absl::StatusOr<CheckpointInfo> {
                 saved = extras.metadata;
                 return CheckpointInfo{};
@@ -318,7 +356,7 @@ TEST(LayerTrainerTest, AClippedStepWaitsForEveryLayerAndItsScale) {
           .ok());
   EXPECT_EQ(saved["last_clip"], absl::StrCat("0,", std::bit_cast<uint32_t>(scale)));
   for (uint32_t l = 0; l < layers; ++l) {
-    EXPECT_EQ((*trainer)->version(l), 1u);
+    EXPECT_EQ((*trainer)->layers().version(l), 1u);
     uint64_t at = 0;
     for (uint32_t t = 0; t < store->model().layers[l].tensors.size(); ++t) {
       const uint64_t n = store->owned(l, t).size();
@@ -338,39 +376,36 @@ TEST(LayerTrainerTest, EveryBadPushIsRefusedAndChangesNothing) {
   auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   LayerTrainer& t = **trainer;
-  ASSERT_TRUE(t.Push(0, 0, 0, Gradient(t, 0, 0, 0)).ok());
-  ASSERT_TRUE(t.Push(0, 1, 0, Gradient(t, 0, 1, 0)).ok());  // layer 0 at version 1
-  ASSERT_TRUE(t.Push(0, 1, 1, Gradient(t, 0, 1, 1)).ok());  // worker 1 staged for step 1
+  ASSERT_TRUE(PushGradient(t, 0, 0, 0, Gradient(t, 0, 0, 0)).ok());
+  ASSERT_TRUE(PushGradient(t, 0, 1, 0, Gradient(t, 0, 1, 0)).ok());  // layer 0 at version 1
+  ASSERT_TRUE(PushGradient(t, 0, 1, 1, Gradient(t, 0, 1, 1)).ok());  // worker 1 staged for step 1
   const std::vector<uint32_t> before = MasterBits(*store);
   struct Case {
     const char* what;
     uint32_t layer, worker;
     uint64_t step;
-    size_t size;
     absl::StatusCode code;
     const char* says;
   };
-  const uint64_t n = t.owned_elements(0);
+  const uint64_t n = t.layers().owned_elements(0);
   for (const Case& c : {
-           Case{"retry of an applied step", 0, 0, 0, n, absl::StatusCode::kAlreadyExists,
+           Case{"retry of an applied step", 0, 0, 0, absl::StatusCode::kAlreadyExists,
                 "was applied already"},
-           Case{"duplicate in the open step", 0, 1, 1, n, absl::StatusCode::kAlreadyExists,
+           Case{"duplicate in the open step", 0, 1, 1, absl::StatusCode::kAlreadyExists,
                 "counts once"},
-           Case{"a step ahead", 0, 0, 5, n, absl::StatusCode::kFailedPrecondition,
+           Case{"a step ahead", 0, 0, 5, absl::StatusCode::kFailedPrecondition,
                 "a gradient for step 5 of layer 0, which is at version 1"},
-           Case{"no such worker", 0, 2, 1, n, absl::StatusCode::kInvalidArgument,
+           Case{"no such worker", 0, 2, 1, absl::StatusCode::kInvalidArgument,
                 "worker 2 is out of range"},
-           Case{"wrong size", 0, 0, 1, n - 1, absl::StatusCode::kInvalidArgument,
-                "of which this shard owns"},
-           Case{"no such layer", 99, 0, 0, n, absl::StatusCode::kNotFound, "does not exist"},
+           Case{"no such layer", 99, 0, 0, absl::StatusCode::kNotFound, "does not exist"},
        }) {
-    auto pushed = t.Push(c.layer, c.worker, c.step, std::vector<float>(c.size, 1.0f));
+    auto pushed = PushGradient(t, c.layer, c.worker, c.step, std::vector<float>(n, 1.0f));
     EXPECT_EQ(pushed.status().code(), c.code) << c.what << ": " << pushed.status();
     EXPECT_THAT(std::string(pushed.status().message()), HasSubstr(c.says)) << c.what;
   }
   EXPECT_EQ(MasterBits(*store), before);
-  EXPECT_EQ(t.version(0), 1u);
-  EXPECT_EQ(t.missing_workers(0), 1u) << "worker 1's staged push survived the refusals";
+  EXPECT_EQ(t.layers().version(0), 1u);
+  EXPECT_EQ(t.layers().missing_workers(0), 1u) << "worker 1's staged push survived the refusals";
 }
 
 // One stream per push at a time: a second stream of the same (step,
@@ -381,17 +416,18 @@ TEST(LayerTrainerTest, OnePushStreamOfAPushAtATime) {
   auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   LayerTrainer& t = **trainer;
-  ASSERT_TRUE(t.BeginPush(0, 0, 0).ok());
-  const absl::Status second = t.BeginPush(0, 0, 0);
+  std::optional<absl::StatusOr<LayerTrainer::PushTicket>> first(t.AdmitPush(0, 0, 0));
+  ASSERT_TRUE(first->ok()) << first->status();
+  const absl::Status second = t.AdmitPush(0, 0, 0).status();
   EXPECT_EQ(second.code(), absl::StatusCode::kAborted) << second;
   EXPECT_THAT(std::string(second.message()), HasSubstr("already in flight"));
-  EXPECT_TRUE(t.BeginPush(0, 1, 0).ok()) << "another worker's push is another push";
-  EXPECT_TRUE(t.BeginPush(1, 0, 0).ok()) << "so is another layer's";
-  t.EndPush(0, 0, 0, {});  // the first stream failed: a retry is admitted
-  EXPECT_TRUE(t.BeginPush(0, 0, 0).ok());
-  ASSERT_TRUE(t.Push(0, 0, 0, Gradient(t, 0, 0, 0)).ok());
-  t.EndPush(0, 0, 0, {});
-  EXPECT_EQ(t.BeginPush(0, 0, 0).code(), absl::StatusCode::kAlreadyExists) << "it counted";
+  absl::StatusOr<LayerTrainer::PushTicket> other_worker = t.AdmitPush(0, 1, 0);
+  EXPECT_TRUE(other_worker.ok()) << "another worker's push is another push";
+  absl::StatusOr<LayerTrainer::PushTicket> other_layer = t.AdmitPush(1, 0, 0);
+  EXPECT_TRUE(other_layer.ok()) << "so is another layer's";
+  first.reset();  // the first stream failed: a retry is admitted
+  ASSERT_TRUE(PushGradient(t, 0, 0, 0, Gradient(t, 0, 0, 0)).ok());
+  EXPECT_EQ(t.AdmitPush(0, 0, 0).status().code(), absl::StatusCode::kAlreadyExists) << "it counted";
 }
 
 // AdmitPush's ticket is the push in flight: it stages and hands over the
@@ -420,7 +456,7 @@ TEST(LayerTrainerTest, APushTicketHoldsItsPushInFlightUntilItGoes) {
   absl::StatusOr<LayerTrainer::Pushed> pushed = ticket->Push();
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_FALSE(pushed->applied) << "worker 1's push is still missing";
-  EXPECT_EQ(t.missing_workers(0), 1u);
+  EXPECT_EQ(t.layers().missing_workers(0), 1u);
 }
 
 TEST(LayerTrainerTest, RefusesWhatItCannotDo) {
@@ -429,9 +465,9 @@ TEST(LayerTrainerTest, RefusesWhatItCannotDo) {
             absl::StatusCode::kInvalidArgument);
   auto unclipped = LayerTrainer::Create(*store, *OptimizerSpec::Parse("sgd:lr=1"), 1);
   ASSERT_TRUE(unclipped.ok());
-  EXPECT_EQ((*unclipped)->ApplyClippedStep(0, 0.5f).status().code(),
+  EXPECT_EQ((*unclipped)->clip().ApplyClippedStep(0, 0.5f).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*unclipped)->NormOfStep(0).max_norm, 0.0);
+  EXPECT_EQ((*unclipped)->clip().NormOfStep(0).max_norm, 0.0);
   // AdamW keeps two floats of state per owned element, SGD with momentum one.
   EXPECT_EQ(LayerTrainer::StateBytes(*store, *OptimizerSpec::Parse("adamw:lr=1")),
             2 * store->master_bytes());
@@ -453,7 +489,7 @@ TEST(LayerTrainerConcurrencyTest, ConcurrentPushesGiveTheSequentialResult) {
   for (uint64_t step = 0; step < kSteps; ++step) {
     for (uint32_t l = 0; l < layers; ++l) {
       for (uint32_t w = 0; w < kWorkers; ++w) {
-        ASSERT_TRUE((*a)->Push(l, w, step, Gradient(**a, l, w, step)).ok());
+        ASSERT_TRUE(PushGradient(**a, l, w, step, Gradient(**a, l, w, step)).ok());
       }
     }
   }
@@ -464,17 +500,17 @@ TEST(LayerTrainerConcurrencyTest, ConcurrentPushesGiveTheSequentialResult) {
         for (uint32_t l = 0; l < layers; ++l) {
           // A worker's next step starts when the layer has applied this one.
           const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-          while ((*b)->version(l) < step && std::chrono::steady_clock::now() < give_up) {
+          while ((*b)->layers().version(l) < step && std::chrono::steady_clock::now() < give_up) {
             std::this_thread::yield();
           }
-          EXPECT_TRUE((*b)->Push(l, w, step, Gradient(**b, l, w, step)).ok());
+          EXPECT_TRUE(PushGradient(**b, l, w, step, Gradient(**b, l, w, step)).ok());
         }
       }
     });
   }
   for (std::thread& t : workers) t.join();
   EXPECT_EQ(MasterBits(*sequential), MasterBits(*concurrent));
-  for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ((*b)->version(l), kSteps);
+  for (uint32_t l = 0; l < layers; ++l) EXPECT_EQ((*b)->layers().version(l), kSteps);
 }
 
 }  // namespace

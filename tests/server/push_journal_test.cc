@@ -330,21 +330,26 @@ TEST(PushJournalTest, ATrainerReplayingAnothersJournalHoldsTheSameBitsAndOpenSte
   auto store = Store();
   auto trainer = LayerTrainer::Create(*store, *OptimizerSpec::Parse(kAdamW), 2);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
-  (*trainer)->JournalTo(*journal);
+  (*trainer)->checkpoint().JournalTo(*journal);
   const auto layers = static_cast<uint32_t>(store->model().layers.size());
   std::mt19937 random(7);
   std::normal_distribution<float> normal(0.0f, 0.1f);
+  // As a push stream does (no budget linked: its staging is reserved at once).
   const auto push = [&](uint32_t l, uint32_t w, uint64_t step) {
-    std::vector<float> g((*trainer)->owned_elements(l));
-    for (float& v : g) v = normal(random);
-    ASSERT_TRUE((*trainer)->Push(l, w, step, std::move(g)).ok());
+    absl::StatusOr<LayerTrainer::PushTicket> ticket = (*trainer)->AdmitPush(l, w, step);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    ASSERT_EQ(ticket->Reserve(std::chrono::steady_clock::time_point::max(), [](bool) {}), 0u);
+    absl::StatusOr<std::span<float>> g = ticket->Stage();
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (float& v : *g) v = normal(random);
+    ASSERT_TRUE(ticket->Push().ok());
   };
   for (uint64_t step = 0; step < 2; ++step) {
     for (uint32_t l = layers; l-- > 0;) {
       push(l, 1, step);
       push(l, 0, step);
     }
-    ASSERT_TRUE((*trainer)->ApplyClippedStep(step, 0.5f).ok());
+    ASSERT_TRUE((*trainer)->clip().ApplyClippedStep(step, 0.5f).ok());
   }
   push(layers - 1, 1, 2);  // step 2 open: one push in
 
@@ -352,19 +357,20 @@ TEST(PushJournalTest, ATrainerReplayingAnothersJournalHoldsTheSameBitsAndOpenSte
   auto restarted = LayerTrainer::Create(*restarted_store, *OptimizerSpec::Parse(kAdamW), 2);
   ASSERT_TRUE(restarted.ok()) << restarted.status();
   auto reopened = Open(dir);
-  absl::StatusOr<LayerTrainer::Replayed> replayed = (*restarted)->Replay(*reopened);
+  absl::StatusOr<LayerTrainer::Replayed> replayed = (*restarted)->checkpoint().Replay(*reopened);
   ASSERT_TRUE(replayed.ok()) << replayed.status();
   EXPECT_EQ(replayed->taken, 2 * (2 * layers + 1) + 1);
   EXPECT_EQ(replayed->steps, 2 * layers);
   EXPECT_EQ(MasterBits(*restarted_store), MasterBits(*store));
   for (uint32_t l = 0; l < layers; ++l) {
-    EXPECT_EQ((*restarted)->version(l), 2u);
-    EXPECT_EQ((*restarted)->missing_workers(l), (*trainer)->missing_workers(l)) << "layer " << l;
+    EXPECT_EQ((*restarted)->layers().version(l), 2u);
+    EXPECT_EQ((*restarted)->layers().missing_workers(l), (*trainer)->layers().missing_workers(l))
+        << "layer " << l;
   }
-  EXPECT_EQ((*restarted)->NormOfStep(1).applied_scale, 0.5f);
+  EXPECT_EQ((*restarted)->clip().NormOfStep(1).applied_scale, 0.5f);
 
   // Replayed again (a second restart before any checkpoint): nothing moves.
-  replayed = (*restarted)->Replay(*reopened);
+  replayed = (*restarted)->checkpoint().Replay(*reopened);
   ASSERT_TRUE(replayed.ok()) << replayed.status();
   EXPECT_EQ(replayed->taken, 0u);
   EXPECT_EQ(MasterBits(*restarted_store), MasterBits(*store));

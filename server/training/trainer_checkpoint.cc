@@ -1,4 +1,4 @@
-#include "server/training/layer_trainer.h"
+#include "server/training/trainer_checkpoint.h"
 
 #include <algorithm>
 #include <bit>
@@ -8,31 +8,24 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "platform/byte_size.h"
-#include "platform/log.h"
 #include "platform/status_macros.h"
 #include "server/checkpoints/checkpoint_format.h"
 
-// LayerTrainer's durability: its checkpoints, what it takes back from one,
-// and the push journal it replays over one (server/training/push_journal.h).
-
 namespace layercast::server {
 
-absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite write)
+absl::StatusOr<CheckpointInfo> TrainerCheckpoint::WriteWithState(Write write)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {  // holds every layer's lock, which the analysis cannot follow
-  // Not in the middle of a clipped step, which moves every layer: the same
-  // order as ApplyClippedStep's, clip_mu_ first.
-  absl::MutexLock clip_lock(&clip_mu_);
-  std::vector<std::unique_ptr<absl::MutexLock>> locks;
-  for (auto& layer : layers_) locks.push_back(std::make_unique<absl::MutexLock>(&layer->mu));
+  // Not in the middle of a clipped step, which moves every layer: all_mu
+  // first, as ApplyClippedStep takes it.
+  const TrainerLayers::Paused paused(layers_);
   CheckpointExtras extras;
   std::vector<std::string> versions, steps, staged;
   uint64_t version = UINT64_MAX;
-  const ModelSpec& model = store_.model();
+  const ModelSpec& model = layers_.store().model();
   for (uint32_t l = 0; l < layers_.size(); ++l) {
-    const LayerState& state = *layers_[l];
-    version = std::min(version, VersionLocked(state));
-    versions.push_back(absl::StrCat(VersionLocked(state)));
+    const TrainerLayers::Layer& state = layers_.layer(l);
+    version = std::min(version, layers_.VersionLocked(state));
+    versions.push_back(absl::StrCat(layers_.VersionLocked(state)));
     steps.push_back(absl::StrCat(state.optimizers.empty() ? 0 : state.optimizers[0].steps()));
     for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
       for (const auto& [buffer, values] : state.optimizers[t].StateBuffers()) {
@@ -41,35 +34,49 @@ absl::StatusOr<CheckpointInfo> LayerTrainer::WriteWithState(CheckpointWrite writ
       }
     }
     // The open step's pushes, so that a shard stopped mid-step completes it.
-    for (uint32_t w = 0; w < workers_; ++w) {
+    for (uint32_t w = 0; w < layers_.workers(); ++w) {
       if (!state.pushed[w]) continue;
       const std::string part = state.reduced ? kStagedMean : absl::StrCat(w);
       staged.push_back(absl::StrCat(l, "/", part));
       extras.tensors.emplace_back(StagedPushName(l, part), *state.pushed[w]);
     }
   }
-  extras.metadata = {{"optimizer", spec_.ToString()},
+  extras.metadata = {{"optimizer", layers_.spec().ToString()},
                      {"layer_versions", absl::StrJoin(versions, ",")},
                      {"optimizer_steps", absl::StrJoin(steps, ",")},
                      {"staged_pushes", absl::StrJoin(staged, ",")},
-                     {"data_parallel_workers", absl::StrCat(workers_)}};
+                     {"data_parallel_workers", absl::StrCat(layers_.workers())}};
   // The last clipped step and its scale's bits, so that a restarted shard
   // reports (and keeps) the scale it applied.
-  if (last_clip_) {
-    extras.metadata.emplace("last_clip", absl::StrCat(last_clip_->first, ",",
-                                                      std::bit_cast<uint32_t>(last_clip_->second)));
+  if (const auto last_clip = clip_.last_clip_locked()) {
+    extras.metadata.emplace("last_clip", absl::StrCat(last_clip->first, ",",
+                                                      std::bit_cast<uint32_t>(last_clip->second)));
   }
   // Everything the journal holds so far is in this checkpoint (no push is
   // between its record and its step while the locks are held): once the
   // file is durable, those generations go.
-  const uint64_t generation = journal_ != nullptr ? journal_->Rotate(version) : 0;
+  const uint64_t generation = steps_.journal() != nullptr ? steps_.journal()->Rotate(version) : 0;
   absl::StatusOr<CheckpointInfo> written = write(version, extras);
-  if (written.ok() && journal_ != nullptr) journal_->Retire(generation);
+  if (written.ok() && steps_.journal() != nullptr) steps_.journal()->Retire(generation);
   return written;
 }
 
-absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(PushJournal& journal,
-                                                            PushJournal::OnDamage on_damage) {
+CheckpointTraining TrainerCheckpoint::TrainingHeader() const {
+  CheckpointTraining header;
+  header.optimizer = layers_.spec().ToString();
+  header.workers = layers_.workers();
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const TrainerLayers::Layer& layer = layers_.layer(l);
+    absl::MutexLock lock(&layer.mu);
+    header.layer_versions.push_back(layers_.VersionLocked(layer));
+    header.optimizer_steps.push_back(layer.optimizers.empty() ? 0 : layer.optimizers[0].steps());
+  }
+  header.last_clip = clip_.last_clip();
+  return header;
+}
+
+absl::StatusOr<TrainerCheckpoint::Replayed> TrainerCheckpoint::Replay(
+    PushJournal& journal, PushJournal::OnDamage on_damage) {
   Replayed replayed;
   ASSIGN_OR_RETURN(const PushJournal::Replayed read,
                    journal.Replay(
@@ -81,7 +88,7 @@ absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(PushJournal& journal
   return replayed;
 }
 
-absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(
+absl::StatusOr<TrainerCheckpoint::Replayed> TrainerCheckpoint::Replay(
     std::vector<PushJournal::Record> records) {
   Replayed replayed;
   for (PushJournal::Record& record : records) {
@@ -90,39 +97,39 @@ absl::StatusOr<LayerTrainer::Replayed> LayerTrainer::Replay(
   return replayed;
 }
 
-absl::Status LayerTrainer::ReplayRecord(PushJournal::Record record, Replayed& replayed) {
+absl::Status TrainerCheckpoint::ReplayRecord(PushJournal::Record record, Replayed& replayed) {
   if (record.kind == PushJournal::Record::Kind::kClipScale) {
     if (record.values.size() != 1) {
       return absl::DataLossError("a clip-scale record without one scale");
     }
     uint64_t lowest = UINT64_MAX;
     for (uint32_t l = 0; l < layers_.size(); ++l) {
-      lowest = std::min(lowest, version(l));
+      lowest = std::min(lowest, layers_.version(l));
     }
     if (lowest > record.step) {
       ++replayed.skipped;  // every layer applied it before the checkpoint
       return absl::OkStatus();
     }
-    RETURN_IF_ERROR(ApplyClippedStep(record.step, record.values[0]).status());
+    RETURN_IF_ERROR(clip_.ApplyClippedStep(record.step, record.values[0]).status());
     ++replayed.taken;
     replayed.steps += layers_.size();
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(CheckIndices(record.layer, record.worker));
-  LayerState& state = *layers_[record.layer];
+  RETURN_IF_ERROR(layers_.CheckIndices(record.layer, record.worker));
+  TrainerLayers::Layer& state = layers_.layer(record.layer);
   absl::MutexLock lock(&state.mu);
   return ReplayPushLocked(std::move(record), state, replayed);
 }
 
-absl::Status LayerTrainer::ReplayPushLocked(PushJournal::Record record, LayerState& state,
-                                            Replayed& replayed) {
+absl::Status TrainerCheckpoint::ReplayPushLocked(PushJournal::Record record,
+                                                 TrainerLayers::Layer& state, Replayed& replayed) {
   const uint32_t layer = record.layer;
   if (record.values.size() != state.owned_elements) {
     return absl::DataLossError(absl::StrCat("a journaled push of ", record.values.size(),
                                             " values for layer ", layer, ", which owns ",
                                             state.owned_elements));
   }
-  const absl::Status checked = CheckStepLocked(layer, record.worker, record.step, state);
+  const absl::Status checked = layers_.CheckStepLocked(layer, record.worker, record.step, state);
   if (absl::IsAlreadyExists(checked)) {
     ++replayed.skipped;  // in the checkpoint already
     return absl::OkStatus();
@@ -133,50 +140,34 @@ absl::Status LayerTrainer::ReplayPushLocked(PushJournal::Record record, LayerSta
         "): it holds steps the checkpoint lacks. Restore the checkpoint written with it, or "
         "remove the journal files (losing the pushes they hold)"));
   }
-  RETURN_IF_ERROR(ChargeRestoredLocked(layer, state, StepBytes(layer), "the push journal"));
-  ASSIGN_OR_RETURN(const Pushed pushed,
-                   TakeLocked(layer, record.worker, state, std::move(record.values)));
+  RETURN_IF_ERROR(
+      staging_.ChargeRestoredLocked(layer, state, staging_.StepBytes(layer), "the push journal"));
+  ASSIGN_OR_RETURN(const TrainerSteps::Pushed pushed,
+                   steps_.TakeLocked(layer, record.worker, state, std::move(record.values)));
   ++replayed.taken;
   if (pushed.applied) ++replayed.steps;
   return absl::OkStatus();
 }
 
-absl::Status LayerTrainer::ChargeRestoredLocked(uint32_t layer, LayerState& state, uint64_t bytes,
-                                                absl::string_view what) {
-  if (state.reserved) return absl::OkStatus();
-  if (links_.budget != nullptr && !links_.budget->TryAcquire(bytes)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(what, " holds pushes of an open step of layer ", layer, ", whose staging (",
-                     FormatBytes(bytes),
-                     ") no longer fits --memory-budget beside what is loaded: raise "
-                     "--memory-budget"));
-  }
-  state.reserved = true;
-  state.opened = std::chrono::steady_clock::now();
-  return absl::OkStatus();
-}
-
-absl::Status LayerTrainer::Restore(const CheckpointState& source) {
+absl::Status TrainerCheckpoint::Restore(const CheckpointState& source) {
   const std::optional<CheckpointTraining>& saved = source.training();
   if (!saved) return absl::OkStatus();
-  {
-    absl::MutexLock clip_lock(&clip_mu_);
-    last_clip_ = saved->last_clip;
-  }
+  clip_.set_last_clip(saved->last_clip);
   ASSIGN_OR_RETURN(const OptimizerSpec saved_spec, OptimizerSpec::Parse(saved->optimizer));
-  const ModelSpec& model = store_.model();
+  const ModelSpec& model = layers_.store().model();
   for (uint32_t l = 0; l < layers_.size(); ++l) {
-    LayerState& state = *layers_[l];
+    TrainerLayers::Layer& state = layers_.layer(l);
     absl::MutexLock lock(&state.mu);
     for (uint32_t t = 0; t < state.optimizers.size(); ++t) {
       TensorOptimizer& optimizer = state.optimizers[t];
       const std::string& name = model.layers[l].tensors[t].name;
-      if (saved_spec.kind() != spec_.kind() ||
+      if (saved_spec.kind() != layers_.spec().kind() ||
           StateFloatsPerElement(saved_spec.kind(), saved_spec.HyperFor(name)) !=
               optimizer.StateBuffers().size()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoint ", source.path(), " was trained with --optimizer ", saved->optimizer,
-            ", whose state for tensor ", name, " this shard's --optimizer ", spec_.ToString(),
+            ", whose state for tensor ", name, " this shard's --optimizer ",
+            layers_.spec().ToString(),
             " does not keep: resume with the checkpoint's optimizer (the learning rate and "
             "schedule may change), or start from a fresh --checkpoint-dir"));
       }
@@ -191,7 +182,7 @@ absl::Status LayerTrainer::Restore(const CheckpointState& source) {
             restored.message(), "); start from a fresh --checkpoint-dir or restore the file"));
       }
     }
-    links_.gate->Advance(l, saved->layer_versions[l]);
+    layers_.links().gate->Advance(l, saved->layer_versions[l]);
     // Right after the layer's state, in file order: read out of order, the
     // checksum would need a second pass over the whole file.
     RETURN_IF_ERROR(RestoreStagedLocked(source, *saved, l, state));
@@ -199,9 +190,9 @@ absl::Status LayerTrainer::Restore(const CheckpointState& source) {
   return absl::OkStatus();
 }
 
-absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointState& source,
-                                               const CheckpointTraining& saved, uint32_t layer,
-                                               LayerState& state) {
+absl::Status TrainerCheckpoint::RestoreStagedLocked(const CheckpointState& source,
+                                                    const CheckpointTraining& saved, uint32_t layer,
+                                                    TrainerLayers::Layer& state) {
   for (const auto& staged : saved.staged) {
     if (staged.first != layer) continue;
     const std::string& part =
@@ -213,14 +204,15 @@ absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointState& source,
           "; resume with the checkpoint's --data-parallel-workers and --optimizer, or from a "
           "fresh --checkpoint-dir"));
     };
-    if (saved.workers != 0 && saved.workers != workers_) {
+    if (saved.workers != 0 && saved.workers != layers_.workers()) {
       return refuse(absl::StrCat("it was trained with ", saved.workers,
-                                 " data-parallel workers, this shard has ", workers_));
+                                 " data-parallel workers, this shard has ", layers_.workers()));
     }
     const bool mean = part == kStagedMean;
-    if (mean && !spec_.clip()) return refuse("a mean waiting for the clip scale, and no clip=");
+    if (mean && !layers_.spec().clip())
+      return refuse("a mean waiting for the clip scale, and no clip=");
     uint64_t worker = 0;
-    if (!mean && (!absl::SimpleAtoi(part, &worker) || worker >= workers_)) {
+    if (!mean && (!absl::SimpleAtoi(part, &worker) || worker >= layers_.workers())) {
       return refuse("no such worker");
     }
     std::vector<float> values;
@@ -232,13 +224,13 @@ absl::Status LayerTrainer::RestoreStagedLocked(const CheckpointState& source,
     }
     // Charged as when it was written: the step's reservation, or, for a
     // reduced mean, the one push's share the reduction kept.
-    RETURN_IF_ERROR(ChargeRestoredLocked(layer, state,
-                                         mean ? StagingBytes(layer) : StepBytes(layer),
-                                         absl::StrCat("checkpoint ", source.path())));
+    RETURN_IF_ERROR(staging_.ChargeRestoredLocked(
+        layer, state, mean ? staging_.StagingBytes(layer) : staging_.StepBytes(layer),
+        absl::StrCat("checkpoint ", source.path())));
     state.pushed[worker] = std::move(values);
     if (mean) {
       state.reduced = true;
-      state.sum_of_squares = SumOfSquares(*state.pushed[0]);
+      state.sum_of_squares = TrainerSteps::SumOfSquares(*state.pushed[0]);
     }
   }
   return absl::OkStatus();

@@ -1,29 +1,25 @@
+#include "server/training/trainer_handover.h"
+
 #include <algorithm>
 #include <cstring>
-#include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "server/training/layer_trainer.h"
-
-// LayerTrainer's side of a live hand-over: the freeze that stops its state
-// at a step boundary, and the reads a new set fills itself with.
 
 namespace layercast::server {
 
-absl::Status LayerTrainer::Freeze(uint64_t version) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status TrainerHandOver::Freeze(uint64_t version) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Every layer's lock, as a checkpoint takes them: no push is between its
   // check and its staging while the freeze is decided.
-  absl::MutexLock clip_lock(&clip_mu_);
-  std::vector<std::unique_ptr<absl::MutexLock>> locks;
-  for (auto& layer : layers_) locks.push_back(std::make_unique<absl::MutexLock>(&layer->mu));
-  const uint64_t frozen = frozen_at_.load();
-  if (frozen != kNoPush && frozen != version) {
+  const TrainerLayers::Paused paused(layers_);
+  const uint64_t frozen = layers_.frozen_at();
+  if (frozen != TrainerLayers::kNoPush && frozen != version) {
     return absl::FailedPreconditionError(
         absl::StrCat("this shard is handing over at version ", frozen, ", not ", version,
                      ": ask every shard of the set for the same version (or Unfreeze first)"));
   }
-  for (const auto& layer : layers_) {
-    const uint64_t at = VersionLocked(*layer);
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const TrainerLayers::Layer* const layer = &layers_.layer(l);
+    const uint64_t at = layers_.VersionLocked(*layer);
     const bool begun =
         at == version && (layer->reduced ||
                           std::any_of(layer->pushed.begin(), layer->pushed.end(),
@@ -37,54 +33,41 @@ absl::Status LayerTrainer::Freeze(uint64_t version) ABSL_NO_THREAD_SAFETY_ANALYS
                        version, ": hand over at version ", begun ? at + 1 : at, " or later"));
     }
   }
-  frozen_at_.store(version);
+  layers_.set_frozen_at(version);
   return absl::OkStatus();
 }
 
-std::optional<uint64_t> LayerTrainer::frozen_at() const {
-  const uint64_t frozen = frozen_at_.load();
-  return frozen == kNoPush ? std::nullopt : std::optional<uint64_t>(frozen);
+std::optional<uint64_t> TrainerHandOver::frozen_at() const {
+  const uint64_t frozen = layers_.frozen_at();
+  return frozen == TrainerLayers::kNoPush ? std::nullopt : std::optional<uint64_t>(frozen);
 }
 
-bool LayerTrainer::AtFrozenBoundary() const {
-  const uint64_t frozen = frozen_at_.load();
-  if (frozen == kNoPush) return false;
-  for (const auto& layer : layers_) {
-    absl::MutexLock lock(&layer->mu);
-    if (VersionLocked(*layer) != frozen || layer->reduced) return false;
-    for (uint32_t w = 0; w < workers_; ++w) {
-      if (layer->pushed[w].has_value() || layer->in_flight[w] != kNoPush) return false;
+bool TrainerHandOver::AtFrozenBoundary() const {
+  const uint64_t frozen = layers_.frozen_at();
+  if (frozen == TrainerLayers::kNoPush) return false;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    const TrainerLayers::Layer& layer = layers_.layer(l);
+    absl::MutexLock lock(&layer.mu);
+    if (layers_.VersionLocked(layer) != frozen || layer.reduced) return false;
+    for (uint32_t w = 0; w < layers_.workers(); ++w) {
+      if (layer.pushed[w].has_value() || layer.in_flight[w] != TrainerLayers::kNoPush) return false;
     }
   }
   return true;
 }
 
-CheckpointTraining LayerTrainer::TrainingHeader() const {
-  CheckpointTraining header;
-  header.optimizer = spec_.ToString();
-  header.workers = workers_;
-  for (const auto& layer : layers_) {
-    absl::MutexLock lock(&layer->mu);
-    header.layer_versions.push_back(VersionLocked(*layer));
-    header.optimizer_steps.push_back(layer->optimizers.empty() ? 0 : layer->optimizers[0].steps());
-  }
-  absl::MutexLock clip_lock(&clip_mu_);
-  header.last_clip = last_clip_;
-  return header;
-}
-
-absl::Status LayerTrainer::ReadFrozen(uint32_t layer, uint32_t tensor, const std::string& buffer,
-                                      ElementRange range, std::span<float> dst) const {
+absl::Status TrainerHandOver::ReadFrozen(uint32_t layer, uint32_t tensor, const std::string& buffer,
+                                         ElementRange range, std::span<float> dst) const {
   if (!AtFrozenBoundary()) {
     return absl::FailedPreconditionError(
         "this shard is not frozen at a step boundary, so its state may still change: call "
         "HandOver with at_version on every shard of the set until each answers at_boundary");
   }
-  if (layer >= layers_.size() || tensor >= store_.model().layers[layer].tensors.size()) {
+  if (layer >= layers_.size() || tensor >= layers_.store().model().layers[layer].tensors.size()) {
     return absl::NotFoundError(absl::StrCat("no tensor ", tensor, " of layer ", layer, " in model ",
-                                            store_.model().model_id));
+                                            layers_.store().model().model_id));
   }
-  const ElementRange owned = store_.owned(layer, tensor);
+  const ElementRange owned = layers_.store().owned(layer, tensor);
   if (range.begin < owned.begin || range.end > owned.end || range.begin > range.end ||
       dst.size() != range.size()) {
     return absl::OutOfRangeError(
@@ -94,11 +77,12 @@ absl::Status LayerTrainer::ReadFrozen(uint32_t layer, uint32_t tensor, const std
   }
   const uint64_t skip = range.begin - owned.begin;
   if (buffer.empty()) {
-    absl::ReaderMutexLock lock(&store_.layer_mutex(layer));
-    std::memcpy(dst.data(), store_.master(layer, tensor) + skip, range.size() * sizeof(float));
+    absl::ReaderMutexLock lock(&layers_.store().layer_mutex(layer));
+    std::memcpy(dst.data(), layers_.store().master(layer, tensor) + skip,
+                range.size() * sizeof(float));
     return absl::OkStatus();
   }
-  const LayerState& state = *layers_[layer];
+  const TrainerLayers::Layer& state = layers_.layer(layer);
   absl::MutexLock lock(&state.mu);
   if (tensor < state.optimizers.size()) {
     for (const auto& [name, values] : state.optimizers[tensor].StateBuffers()) {
@@ -109,7 +93,7 @@ absl::Status LayerTrainer::ReadFrozen(uint32_t layer, uint32_t tensor, const std
   }
   return absl::NotFoundError(absl::StrCat("tensor ", tensor, " of layer ", layer,
                                           " keeps no optimizer buffer ", buffer, " under ",
-                                          spec_.ToString()));
+                                          layers_.spec().ToString()));
 }
 
 }  // namespace layercast::server
