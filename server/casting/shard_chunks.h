@@ -72,7 +72,7 @@ class ShardChunks final : public ChunkSource {
     // every chunk it casts, and puts that CRC in `cast_errors` in place of
     // a kept one that differs (which may be what failed).
     bool recast = false;
-    // What the layer's next version waits for (LayerTrainer::WaitingFor).
+    // What the layer's next version waits for (TrainerLayers::WaitingFor).
     // Empty: nothing to add.
     std::function<std::string(uint32_t layer)> waiting_for;
   };
