@@ -226,6 +226,42 @@ absl::StatusOr<std::unique_ptr<client::ShardSet>> Connect(const ShardServer& ser
   return client::ShardSet::Connect({"127.0.0.1:" + std::to_string(server.port())});
 }
 
+// A worker's stream of `layer` that reads what it is asked to and no more:
+// open, and another reader of the layer, until it goes.
+class StalledStream {
+ public:
+  StalledStream(const ShardServer& server, uint32_t layer)
+      : stub_(layercast::v1::ShardService::NewStub(grpc::CreateChannel(
+            "127.0.0.1:" + std::to_string(server.port()), grpc::InsecureChannelCredentials()))) {
+    layercast::v1::FetchLayerRequest request;
+    request.set_layer(layer);
+    reader_ = stub_->FetchLayer(&context_, request);
+  }
+  ~StalledStream() { Close(); }
+
+  // Cancels the stream (before the server is shut down: it would wait for
+  // the stream's drain).
+  void Close() {
+    if (reader_ == nullptr) return;
+    context_.TryCancel();
+    layercast::v1::LayerChunk chunk;
+    for (int i = 0; i < 100'000 && reader_->Read(&chunk); ++i) {
+    }
+    reader_->Finish();
+    reader_ = nullptr;
+  }
+
+  bool ReadOne() {
+    layercast::v1::LayerChunk chunk;
+    return reader_->Read(&chunk);
+  }
+
+ private:
+  std::unique_ptr<layercast::v1::ShardService::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<layercast::v1::LayerChunk>> reader_;
+};
+
 TEST(ShardServerSharingTest, AWorkerBehindAnotherSendsEveryChunkItCast) {
   // The embedding is 32 MiB of bfloat16: a stream whose reader stalls stays
   // open, far beyond what flow control lets through.
@@ -249,15 +285,8 @@ TEST(ShardServerSharingTest, AWorkerBehindAnotherSendsEveryChunkItCast) {
 
   // With a third worker's stream of the layer open, the first worker's
   // casts are kept and the second worker casts nothing.
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server->port()),
-                                     grpc::InsecureChannelCredentials());
-  auto stub = layercast::v1::ShardService::NewStub(channel);
-  grpc::ClientContext stalled_context;
-  layercast::v1::FetchLayerRequest request;
-  request.set_layer(kLayer);
-  auto stalled = stub->FetchLayer(&stalled_context, request);
-  layercast::v1::LayerChunk chunk;
-  ASSERT_TRUE(stalled->Read(&chunk));
+  StalledStream stalled(*server, kLayer);
+  ASSERT_TRUE(stalled.ReadOne());
 
   const double cast_before = metrics.chunks_cast().Value();
   gathered = (*first)->Gather(kLayer);
@@ -276,10 +305,7 @@ TEST(ShardServerSharingTest, AWorkerBehindAnotherSendsEveryChunkItCast) {
   EXPECT_EQ(metrics.chunks_shared().Value() - shared_before, chunks);
   EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
 
-  stalled_context.TryCancel();
-  while (stalled->Read(&chunk)) {
-  }
-  stalled->Finish();
+  stalled.Close();
   server->Shutdown(std::chrono::seconds(5));
 }
 
@@ -295,15 +321,8 @@ TEST(ShardServerSharingTest, ChunksCastIntoTheCastCacheAreNotKeptTwice) {
 
   // A third worker's stream of the layer stays open: chunks cast now would
   // be kept for it, were the cache not keeping them already.
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server->port()),
-                                     grpc::InsecureChannelCredentials());
-  auto stub = layercast::v1::ShardService::NewStub(channel);
-  grpc::ClientContext stalled_context;
-  layercast::v1::FetchLayerRequest request;
-  request.set_layer(kLayer);
-  auto stalled = stub->FetchLayer(&stalled_context, request);
-  layercast::v1::LayerChunk chunk;
-  ASSERT_TRUE(stalled->Read(&chunk));
+  StalledStream stalled(*server, kLayer);
+  ASSERT_TRUE(stalled.ReadOne());
   // Until flow control stops it: a chunk it is casting would be cast again.
   double cast = -1;
   for (int i = 0; i < 100 && metrics.chunks_cast().Value() != cast; ++i) {
@@ -329,10 +348,7 @@ TEST(ShardServerSharingTest, ChunksCastIntoTheCastCacheAreNotKeptTwice) {
   EXPECT_GT(metrics.chunks_cached().Value(), cached_before);
   EXPECT_EQ(server->shared_chunks()->kept_bytes(), 0u);
 
-  stalled_context.TryCancel();
-  while (stalled->Read(&chunk)) {
-  }
-  stalled->Finish();
+  stalled.Close();
   server->Shutdown(std::chrono::seconds(5));
 }
 
