@@ -1,5 +1,7 @@
 #include "server/publishing/publish_peers.h"
 
+#include <pthread.h>
+
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -72,16 +74,17 @@ absl::StatusOr<std::unique_ptr<PublishPeers>> PublishPeers::FromConfig(
 }
 
 PublishPeers::PublishPeers(Options options) : options_(std::move(options)), self_(options_.self) {
-  thread_ = std::thread([this] { Run(); });
+  // Beside gRPC's threads, in `ps -L`.
+  calls_.Post([] { pthread_setname_np(pthread_self(), "lc-publish-peer"); });
 }
 
 PublishPeers::~PublishPeers() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    work_.clear();
   }
-  thread_.join();
+  // Then calls_ goes first: it waits for the call under way, which the
+  // stop cuts short, and drops the rest.
 }
 
 absl::StatusOr<std::vector<std::string>> PublishPeers::Addresses() const {
@@ -132,8 +135,9 @@ absl::Status PublishPeers::Commit(const std::string& address, const std::string&
 }
 
 void PublishPeers::HandOn(const std::string& id) {
-  absl::MutexLock lock(&mu_);
-  work_.push_back([this, id] {
+  calls_.Post([this, id] {
+    // Queued when the stop came: dropped, as calls_ drops the rest.
+    if (Stopped(absl::ZeroDuration())) return;
     absl::StatusOr<std::vector<std::string>> addresses = Addresses();
     if (!addresses.ok()) {
       Log()->warn("publish {}: cannot hand the commit on: {}", id, addresses.status().message());
@@ -185,8 +189,8 @@ absl::StatusOr<bool> PublishPeers::SettleOnce(const std::string& id) {
 }
 
 void PublishPeers::Settle(const std::string& id, std::function<void(std::optional<bool>)> settled) {
-  absl::MutexLock lock(&mu_);
-  work_.push_back([this, id, settled = std::move(settled)] {
+  calls_.Post([this, id, settled = std::move(settled)] {
+    if (Stopped(absl::ZeroDuration())) return;  // as above
     bool stopped = false;
     platform::RetryHooks hooks;
     hooks.clock = options_.clock;
@@ -230,24 +234,6 @@ void PublishPeers::Settle(const std::string& id, std::function<void(std::optiona
 bool PublishPeers::Stopped(absl::Duration wait) {
   absl::MutexLock lock(&mu_);
   return mu_.AwaitWithTimeout(absl::Condition(&stopping_), wait);
-}
-
-void PublishPeers::Run() {
-  for (;;) {
-    std::function<void()> work;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](PublishPeers* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-            return self->stopping_ || !self->work_.empty();
-          },
-          this));
-      if (stopping_) return;
-      work = std::move(work_.front());
-      work_.pop_front();
-    }
-    work();
-  }
 }
 
 }  // namespace layercast::server

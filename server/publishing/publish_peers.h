@@ -2,13 +2,11 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -19,6 +17,7 @@
 #include "layercast/v1/admin.grpc.pb.h"
 #include "layercast/v1/config.pb.h"
 #include "platform/clock.h"
+#include "server/serving/deadline_timers.h"
 
 namespace layercast::server {
 
@@ -33,7 +32,8 @@ namespace layercast::server {
 // any shard committed it, else shard 0 fences it (aborts it for good, so a
 // late commit cannot split the set) and every shard drops it.
 //
-// The calls run on a thread of this class, never on gRPC's; each one is
+// The calls run one at a time on a thread of this class (a DeadlineTimers
+// of its own, with the shard's stop rule), never on gRPC's; each one is
 // bounded in time, and a settle that cannot reach shard 0 tries again about
 // once a second for up to kSettleFor (platform::kPeerSettle). A thread of
 // its own rather than the shard's background thread: a settle blocks on
@@ -94,17 +94,17 @@ class PublishPeers {
   absl::StatusOr<bool> SettleOnce(const std::string& id);
   // Waits up to `wait`; true once this is being destroyed.
   bool Stopped(absl::Duration wait);
-  void Run();
 
   const Options options_;
   const uint32_t self_;
   absl::Mutex mu_;
-  std::deque<std::function<void()>> work_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // ends a call's waits
   absl::Mutex stubs_mu_;
   std::map<std::string, std::unique_ptr<layercast::v1::ShardAdmin::Stub>> stubs_
       ABSL_GUARDED_BY(stubs_mu_);
-  std::thread thread_;  // last: runs Run() over everything above
+  // Last: see DeadlineTimers. Steady, whatever the shard's clock: nothing
+  // is scheduled on it, and a test's clock jump must not wait for a settle.
+  DeadlineTimers calls_;
 };
 
 }  // namespace layercast::server

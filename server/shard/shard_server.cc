@@ -3,6 +3,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -145,7 +146,12 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Create(ShardSettings s
 ShardServer::ShardServer(ShardSettings settings)
     : settings_(std::move(settings)),
       timers_(settings_.clock != nullptr ? *settings_.clock : platform::Clock::Steady()),
-      background_(timers_.clock()) {}
+      background_(timers_.clock()) {
+  // Named, so that /proc/PID/task and `ps -L` tell the shard's own threads
+  // from gRPC's and civetweb's.
+  timers_.Post([] { pthread_setname_np(pthread_self(), "lc-timers"); });
+  background_.Post([] { pthread_setname_np(pthread_self(), "lc-background"); });
+}
 
 ShardServer::~ShardServer() {
   if (server_ != nullptr) Shutdown(std::chrono::milliseconds(0));
