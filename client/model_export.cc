@@ -1,16 +1,13 @@
 #include "client/model_export.h"
 
-#include <algorithm>
 #include <map>
 #include <memory>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "core/safetensors.h"
+#include "core/safetensors_split.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
 
@@ -22,41 +19,25 @@ constexpr absl::string_view kSuffix = ".safetensors";
 // what the shards keep in the export's dtype.
 constexpr int kWalks = 4;
 
-// Which data file each tensor goes to, in manifest order (layers, then
-// their tensors), and each file's final and partial paths.
+// The split of every tensor, in manifest order (layers, then their
+// tensors), and each file's partial path, renamed into place once all are
+// complete.
 struct FilePlan {
-  std::vector<std::vector<SafetensorsWriter::TensorHeader>> headers;  // per file
-  std::vector<uint32_t> file_of;                                      // per tensor, in order
-  std::vector<std::string> paths, partial_paths;
-  uint64_t bytes = 0;
+  SafetensorsSplit split;
+  std::vector<std::string> partial_paths;
 };
 
-FilePlan PlanFiles(const ModelSpec& model, DType dtype, uint64_t max_file_bytes,
-                   const std::string& path) {
-  FilePlan plan;
-  plan.headers.emplace_back();
-  uint64_t in_file = 0;
+absl::StatusOr<FilePlan> PlanFiles(const ModelSpec& model, DType dtype, uint64_t max_file_bytes,
+                                   const std::string& path) {
+  std::vector<SafetensorsWriter::TensorHeader> tensors;
   for (const LayerSpec& layer : model.layers) {
     for (const TensorSpec& tensor : layer.tensors) {
-      const uint64_t bytes = tensor.num_elements * DTypeSize(dtype);
-      if (in_file > 0 && in_file + bytes > max_file_bytes) {
-        plan.headers.emplace_back();
-        in_file = 0;
-      }
-      plan.headers.back().push_back({tensor.name, dtype, tensor.shape});
-      plan.file_of.push_back(static_cast<uint32_t>(plan.headers.size() - 1));
-      in_file += bytes;
-      plan.bytes += bytes;
+      tensors.push_back({tensor.name, dtype, tensor.shape});
     }
   }
-  const size_t files = plan.headers.size();
-  const std::string stem = path.substr(0, path.size() - kSuffix.size());
-  for (size_t f = 0; f < files; ++f) {
-    plan.paths.push_back(files == 1 ? path
-                                    : absl::StrFormat("%s-%05d-of-%05d%s", stem, f + 1, files,
-                                                      std::string(kSuffix)));
-    plan.partial_paths.push_back(plan.paths.back() + ".partial");
-  }
+  FilePlan plan;
+  ASSIGN_OR_RETURN(plan.split, PlanSafetensorsSplit(tensors, max_file_bytes, path));
+  for (const std::string& file : plan.split.paths) plan.partial_paths.push_back(file + ".partial");
   return plan;
 }
 
@@ -76,7 +57,7 @@ absl::StatusOr<uint64_t> WriteAt(const ShardSet& set, const ExportOptions& optio
     if (writer != nullptr) RETURN_IF_ERROR(writer->Finish());
     ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, fs.OpenForWrite(plan.partial_paths[file]));
     ASSIGN_OR_RETURN(writer, SafetensorsWriter::Create(std::move(out), plan.partial_paths[file],
-                                                       plan.headers[file], metadata));
+                                                       plan.split.files[file], metadata));
     open_file = file;
     return absl::OkStatus();
   };
@@ -96,38 +77,18 @@ absl::StatusOr<uint64_t> WriteAt(const ShardSet& set, const ExportOptions& optio
     RETURN_IF_ERROR(
         set.GatherInto(l, gather, std::span<uint8_t>(buffer.data(), buffer.size())).status());
     for (const AssembledTensor& placed : layout.tensors()) {
-      RETURN_IF_ERROR(switch_to(static_cast<int>(plan.file_of[tensor_index++])));
+      RETURN_IF_ERROR(switch_to(static_cast<int>(plan.split.file_of[tensor_index++])));
       RETURN_IF_ERROR(writer->Append({buffer.data() + placed.byte_offset, placed.num_bytes()}));
       written += placed.num_bytes();
     }
     if (options.on_layer) options.on_layer(l, written);
   }
   // Files past the last tensor's (none, unless the model has no tensors).
-  for (int file = open_file + 1; file < static_cast<int>(plan.headers.size()); ++file) {
+  for (int file = open_file + 1; file < static_cast<int>(plan.split.files.size()); ++file) {
     RETURN_IF_ERROR(switch_to(file));
   }
   RETURN_IF_ERROR(writer->Finish());
   return written;
-}
-
-absl::Status WriteIndex(const FilePlan& plan, const std::string& path, FileSystem& fs) {
-  nlohmann::ordered_json index;
-  index["metadata"]["total_size"] = plan.bytes;
-  nlohmann::ordered_json& weight_map = index["weight_map"];
-  for (size_t f = 0; f < plan.headers.size(); ++f) {
-    const std::string& file = plan.paths[f];
-    const size_t slash = file.rfind('/');
-    for (const SafetensorsWriter::TensorHeader& header : plan.headers[f]) {
-      weight_map[header.name] = slash == std::string::npos ? file : file.substr(slash + 1);
-    }
-  }
-  const std::string text = index.dump(2) + "\n";
-  const std::string partial = path + ".partial";
-  ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, fs.OpenForWrite(partial));
-  RETURN_IF_ERROR(out->Append({reinterpret_cast<const uint8_t*>(text.data()), text.size()}));
-  RETURN_IF_ERROR(out->Sync());
-  RETURN_IF_ERROR(out->Close());
-  return fs.Rename(partial, path);
 }
 
 std::string DirectoryOf(const std::string& path) {
@@ -150,8 +111,8 @@ absl::StatusOr<ExportResult> ExportModel(const ShardSet& set, const ExportOption
         ": a safetensors file has no agreed place for its block scales; export float32, bfloat16 "
         "or float16"));
   }
-  const FilePlan plan = PlanFiles(set.model(), options.dtype,
-                                  std::max<uint64_t>(1, options.max_file_bytes), options.path);
+  ASSIGN_OR_RETURN(const FilePlan plan,
+                   PlanFiles(set.model(), options.dtype, options.max_file_bytes, options.path));
   std::map<std::string, std::string> metadata = {
       {"format", "pt"},
       {"layercast_policy", set.view().policy.ToString()},
@@ -179,16 +140,16 @@ absl::StatusOr<ExportResult> ExportModel(const ShardSet& set, const ExportOption
     Log()->info("exporting again at version {}: {}", *now, written.status().message());
     result.version = *now;
   }
-  const bool split = plan.paths.size() > 1;
+  const bool split = plan.split.split();
   const std::string index = options.path + ".index.json";
   const absl::Status placed = [&]() -> absl::Status {
     RETURN_IF_ERROR(written.status());
-    for (size_t f = 0; f < plan.paths.size(); ++f) {
-      RETURN_IF_ERROR(fs.Rename(plan.partial_paths[f], plan.paths[f]));
-      result.files.push_back(plan.paths[f]);
+    for (size_t f = 0; f < plan.split.paths.size(); ++f) {
+      RETURN_IF_ERROR(fs.Rename(plan.partial_paths[f], plan.split.paths[f]));
+      result.files.push_back(plan.split.paths[f]);
     }
     if (split) {
-      RETURN_IF_ERROR(WriteIndex(plan, index, fs));
+      RETURN_IF_ERROR(WriteSafetensorsIndex(plan.split, index, fs));
       result.files.push_back(index);
     }
     return absl::OkStatus();
@@ -210,7 +171,7 @@ absl::StatusOr<ExportResult> ExportModel(const ShardSet& set, const ExportOption
   }
   RETURN_IF_ERROR(fs.SyncDir(DirectoryOf(options.path)));
   result.bytes = *written;
-  result.tensors = plan.file_of.size();
+  result.tensors = plan.split.file_of.size();
   return result;
 }
 
