@@ -775,6 +775,16 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor],
     the file's `__metadata__` (strings). Written by the shards' own writer
     (core/safetensors), so the file is laid out as a shard lays out its own;
     a name it refuses (empty, "__metadata__") raises layercast.Error."""
+    _layercast.write_safetensors(str(path), _safetensors_entries(tensors), _strings(metadata))
+
+
+def _strings(metadata: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    return {str(key): str(value) for key, value in (metadata or {}).items()}
+
+
+def _safetensors_entries(tensors: Dict[str, torch.Tensor]) -> list:
+    """(name, dtype tag, shape, bytes) of each tensor, as the native writer
+    takes them; a tied tensor once, under its first name."""
     entries, written = [], set()
     for name, tensor in tensors.items():
         # A tied tensor (state_dict() of a model with lm_head.weight =
@@ -794,8 +804,7 @@ def save_safetensors(path, tensors: Dict[str, torch.Tensor],
         # contiguous CPU tensor.
         flat = tensor.detach().contiguous().cpu().reshape(-1)
         entries.append((name, dtype, list(tensor.shape), flat.view(torch.uint8).numpy()))
-    _layercast.write_safetensors(
-        str(path), entries, {str(key): str(value) for key, value in (metadata or {}).items()})
+    return entries
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}

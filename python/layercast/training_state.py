@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import _layercast, learning_rate
-from .torch import load_safetensors, save_safetensors
+from .torch import _safetensors_entries, _strings, load_safetensors
 
 FORMAT = "torch-optimizer-state"
 # The hyper-parameters each kind's param group holds that the shards take.
@@ -102,32 +102,10 @@ def _metadata(path: pathlib.Path) -> Dict[str, str]:
 
 def _write(path: pathlib.Path, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str],
            max_file_bytes: int) -> List[str]:
-    """One file, or (over max_file_bytes) files and an index as
-    ShardSet.export splits them; every file carries `metadata`."""
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if total <= max_file_bytes:
-        save_safetensors(path, tensors, metadata)
-        return [str(path)]
-    parts: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if parts[-1] and size + nbytes > max_file_bytes:
-            parts.append({})
-            size = 0
-        parts[-1][name] = tensor
-        size += nbytes
-    stem = path.name[:-len(".safetensors")]
-    files, weight_map = [], {}
-    for i, part in enumerate(parts):
-        name = f"{stem}-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        save_safetensors(path.parent / name, part, metadata)
-        files.append(str(path.parent / name))
-        weight_map.update({tensor: name for tensor in part})
-    index = path.parent / f"{path.name}.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": total, **metadata},
-                                 "weight_map": weight_map}, indent=2))
-    return files + [str(index)]
+    """One file, or (over max_file_bytes) files and an index, split by the
+    native rule ShardSet.export splits by; every file carries `metadata`."""
+    return _layercast.write_safetensors_split(str(path), _safetensors_entries(tensors),
+                                              _strings(metadata), max_file_bytes)
 
 
 def _target(path) -> pathlib.Path:

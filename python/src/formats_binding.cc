@@ -16,6 +16,7 @@
 #include "core/fp8.h"
 #include "core/safetensors.h"
 #include "core/safetensors_dtype.h"
+#include "core/safetensors_split.h"
 #include "platform/status_macros.h"
 #include "python/src/errors.h"
 
@@ -75,7 +76,7 @@ bool IsCContiguous(const py::buffer_info& info) {
 // next.
 absl::Status Write(const std::string& path,
                    const std::vector<SafetensorsWriter::TensorHeader>& headers,
-                   const std::vector<std::span<const uint8_t>>& data,
+                   std::span<const std::span<const uint8_t>> data,
                    const std::map<std::string, std::string>& metadata) {
   ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
                    SafetensorsWriter::Create(path, headers, metadata));
@@ -94,35 +95,81 @@ absl::Status Write(const std::string& path,
   return writer->Finish();
 }
 
-// Writes `tensors` ((name, dtype tag, shape, bytes) each, in file order) as
-// one safetensors file through the shards' own writer (core/safetensors),
-// so a file from Python is laid out exactly as one from a shard.
-void WriteSafetensors(const std::string& path, const py::list& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+// Python's (name, dtype tag, shape, bytes) entries as the writer's
+// declarations and the bytes they declare.
+struct Entries {
   std::vector<SafetensorsWriter::TensorHeader> headers;
   // Held until the writing is done: they pin the tensors' memory.
   std::vector<py::buffer_info> buffers;
   std::vector<std::span<const uint8_t>> data;
+};
+
+Entries TakeEntries(const std::string& path, const py::list& tensors) {
+  Entries entries;
   for (const py::handle entry : tensors) {
     auto [name, tag, shape, bytes] =
         entry.cast<std::tuple<std::string, std::string, std::vector<int64_t>, py::buffer>>();
-    headers.push_back({name, ValueOrRaise(SafetensorsDType::FromName(tag)), std::move(shape)});
+    entries.headers.push_back(
+        {name, ValueOrRaise(SafetensorsDType::FromName(tag)), std::move(shape)});
     py::buffer_info info = bytes.request();
     if (!IsCContiguous(info)) {
       Raise(absl::InvalidArgumentError(
           absl::StrCat("tensor '", name, "' for '", path,
                        "': its bytes are not contiguous; pass tensor.contiguous()")));
     }
-    data.emplace_back(static_cast<const uint8_t*>(info.ptr),
-                      static_cast<size_t>(info.size * info.itemsize));
-    buffers.push_back(std::move(info));
+    entries.data.emplace_back(static_cast<const uint8_t*>(info.ptr),
+                              static_cast<size_t>(info.size * info.itemsize));
+    entries.buffers.push_back(std::move(info));
   }
+  return entries;
+}
+
+// Writes `tensors` ((name, dtype tag, shape, bytes) each, in file order) as
+// one safetensors file through the shards' own writer (core/safetensors),
+// so a file from Python is laid out exactly as one from a shard.
+void WriteSafetensors(const std::string& path, const py::list& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  const Entries entries = TakeEntries(path, tensors);
   absl::Status written;
   {
     py::gil_scoped_release release;
-    written = Write(path, headers, data, metadata);
+    written = Write(path, entries.headers, entries.data, metadata);
   }
   if (!written.ok()) Raise(written);
+}
+
+// Writes `tensors` as one file, or, over `max_file_bytes`, split with an
+// index exactly as ShardSet.export splits a model (core/safetensors_split),
+// every file carrying `metadata`. Returns the files written, the index
+// last.
+std::vector<std::string> WriteSafetensorsSplit(const std::string& path, const py::list& tensors,
+                                               const std::map<std::string, std::string>& metadata,
+                                               uint64_t max_file_bytes) {
+  const Entries entries = TakeEntries(path, tensors);
+  const SafetensorsSplit split =
+      ValueOrRaise(PlanSafetensorsSplit(entries.headers, max_file_bytes, path));
+  std::vector<std::string> files;
+  absl::Status written = [&]() -> absl::Status {
+    py::gil_scoped_release release;
+    // The split keeps the tensors' order, so each file's bytes are the
+    // next run of them.
+    size_t at = 0;
+    for (size_t f = 0; f < split.files.size(); ++f) {
+      const std::span<const std::span<const uint8_t>> data(entries.data.data() + at,
+                                                           split.files[f].size());
+      RETURN_IF_ERROR(Write(split.paths[f], split.files[f], data, metadata));
+      files.push_back(split.paths[f]);
+      at += split.files[f].size();
+    }
+    if (split.split()) {
+      const std::string index = path + ".index.json";
+      RETURN_IF_ERROR(WriteSafetensorsIndex(split, index));
+      files.push_back(index);
+    }
+    return absl::OkStatus();
+  }();
+  if (!written.ok()) Raise(written);
+  return files;
 }
 
 }  // namespace
@@ -138,6 +185,11 @@ void BindFormats(py::module_& module) {
              "Writes one safetensors file: `tensors` as (name, dtype tag, shape, bytes) in file "
              "order, the bytes C-contiguous (a buffer such as a numpy array), `metadata` its "
              "__metadata__.");
+  module.def("write_safetensors_split", &WriteSafetensorsSplit, py::arg("path"), py::arg("tensors"),
+             py::arg("metadata"), py::arg("max_file_bytes"),
+             "Writes `tensors` (as write_safetensors takes them) as one file, or over "
+             "`max_file_bytes` as files and an index, split as ShardSet.export splits a model; "
+             "every file carries `metadata`. Returns the files written, the index last.");
 }
 
 }  // namespace layercast::python

@@ -8,6 +8,7 @@ takes, byte for byte as the native writer lays them out."""
 
 import json
 import math
+import pathlib
 import struct
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import layercast
 import layercast.torch
+from layercast import training_state
 
 
 def ocp_value(code, dtype):
@@ -92,14 +94,54 @@ def test_save_safetensors_writes_the_native_writers_bytes(tmp_path):
     path = tmp_path / "m.safetensors"
     layercast.torch.save_safetensors(path, {name: t for name, (t, _, _) in tensors.items()},
                                      {"note": "kept"})
-    header, data, offset = {"__metadata__": {"note": "kept"}}, b"", 0
+    assert path.read_bytes() == native_file(tensors, {"note": "kept"})
+
+
+def native_file(tensors, metadata):
+    """The bytes the native writer lays `tensors` ({name: (tensor, tag,
+    raw bytes)}) out as, with `metadata`."""
+    header, data, offset = {"__metadata__": metadata}, b"", 0
     for name, (tensor, tag, raw) in tensors.items():
         header[name] = {"dtype": tag, "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + len(raw)]}
         data, offset = data + raw, offset + len(raw)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    assert path.read_bytes() == struct.pack("<Q", len(encoded)) + encoded + data
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+def test_a_split_state_is_the_native_split_and_index(tmp_path):
+    """save_optimizer_state's and export_checkpoint's split is the one
+    ShardSet.export writes (core/safetensors_split): a new file when the
+    next tensor would take a non-empty one past the limit, a tensor over it
+    alone, "<stem>-0000i-of-0000N", and Hugging Face's index (total_size
+    only, indented by 2, a final newline) written natively. Python's own
+    split wrote the files' metadata into the index and no newline."""
+    tensors = {
+        "a": (torch.tensor([1.0, 2.0]), "F32", struct.pack("<2f", 1.0, 2.0)),
+        "b": (torch.tensor([3.0]), "F32", struct.pack("<f", 3.0)),
+        "c": (torch.arange(6, dtype=torch.float32), "F32", struct.pack("<6f", *range(6))),
+        "d": (torch.tensor(5, dtype=torch.int64), "I64", struct.pack("<q", 5)),
+    }
+    metadata = {"format": "torch-optimizer-state", "note": "every file's"}
+    path = tmp_path / "optimizer.safetensors"
+    given = {name: tensor for name, (tensor, _, _) in tensors.items()}
+    files = training_state._write(path, given, metadata, max_file_bytes=16)
+    parts = [["a", "b"], ["c"], ["d"]]
+    names = [f"optimizer-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert files == [str(tmp_path / name) for name in names] + [f"{path}.index.json"]
+    for name, part in zip(names, parts):
+        assert (tmp_path / name).read_bytes() == native_file(
+            {t: tensors[t] for t in part}, metadata), name
+    weight_map = ",\n".join(f'    "{t}": "{name}"' for name, part in zip(names, parts)
+                            for t in part)
+    assert pathlib.Path(files[-1]).read_text() == (
+        '{\n  "metadata": {\n    "total_size": 44\n  },\n  "weight_map": {\n' + weight_map +
+        "\n  }\n}\n")
+    assert not path.exists()
+    # Under the limit: the one file, no index.
+    assert training_state._write(path, given, metadata, 44) == [str(path)]
+    assert path.read_bytes() == native_file(tensors, metadata)
 
 
 def test_save_safetensors_is_refused_as_the_native_writer_refuses(tmp_path):
