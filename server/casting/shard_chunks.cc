@@ -98,16 +98,15 @@ std::optional<absl::StatusOr<CastChunk>> ShardChunks::Get(const ChunkKey& key, u
       metrics_.RecordChunkCached();
       return *std::move(hit);
     }
-    // Cast into the cache, past the shared chunks: the cache shares it
-    // with every later stream, and holds its budget already (kept there as
-    // well, it would be charged twice).
-    if (uint8_t* into = cached->Claim(key); into != nullptr) return CastInto(*cached, key, into);
   }
   const auto cast = [this, &key] { return Cast(key); };
   if (options_.shared == nullptr) return cast();
   // Another stream casting this very chunk resumes this one when it is done
-  // (posted: nothing runs on that stream's thread).
-  return options_.shared->GetOrCast(key, bytes, cast, std::move(resume));
+  // (posted: nothing runs on that stream's thread). A chunk of a layer the
+  // cast cache holds is cast into the cache, whose budget holds it already:
+  // kept for other streams at no charge, or it would be charged twice.
+  const uint64_t charged = CachedLayer(key) != nullptr ? 0 : bytes;
+  return options_.shared->GetOrCast(key, charged, cast, std::move(resume));
 }
 
 std::string ShardChunks::WhyNotKept() const {
@@ -211,6 +210,16 @@ absl::StatusOr<CastChunk> ShardChunks::Cast(const ChunkKey& key) {
   absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
   ASSIGN_OR_RETURN(const std::shared_ptr<const PinnedVersions::Kept> kept, SourceOf(key));
   const AssembledTensor& placed = plan_.layout.tensors()[key.tensor];
+  if (CastCache::Layer* cached = CachedLayer(key); cached != nullptr) {
+    if (uint8_t* into = cached->Claim(key); into != nullptr) {
+      uint32_t crc = 0;
+      if (absl::Status cast = caster_.CastInto(key, placed, kept.get(), into, &crc); !cast.ok()) {
+        cached->Abandon(key);
+        return cast;
+      }
+      return cached->Fill(key, crc);
+    }
+  }
   const size_t bytes =
       SentBytes(placed, ElementRange{key.element_begin, key.element_begin + key.elements});
   uint8_t* data = nullptr;
@@ -232,22 +241,6 @@ absl::StatusOr<CastChunk> ShardChunks::Cast(const ChunkKey& key) {
   chunk.scale_bytes = bytes - key.elements * DTypeSize(key.dtype);
   RETURN_IF_ERROR(caster_.CastInto(key, placed, kept.get(), data, &chunk.crc32c));
   return chunk;
-}
-
-absl::StatusOr<CastChunk> ShardChunks::CastInto(CastCache::Layer& cached, const ChunkKey& key,
-                                                uint8_t* into) {
-  absl::ReaderMutexLock master_lock(&store_.layer_mutex(key.layer));
-  absl::StatusOr<std::shared_ptr<const PinnedVersions::Kept>> kept = SourceOf(key);
-  uint32_t crc = 0;
-  absl::Status cast = kept.status();
-  if (cast.ok()) {
-    cast = caster_.CastInto(key, plan_.layout.tensors()[key.tensor], kept->get(), into, &crc);
-  }
-  if (!cast.ok()) {
-    cached.Abandon(key);
-    return cast;
-  }
-  return cached.Fill(key, crc);
 }
 
 absl::StatusOr<CastChunk> ShardChunks::CastDelta(const ChunkKey& key) {

@@ -90,12 +90,10 @@ class ShardChunks final : public ChunkSource {
   std::string WaitingFor() const override;
 
  private:
-  // Casts chunk `key` from the master into a buffer of its own, with its
-  // CRC-32C, or (a delta key) into the delta chunk of its span.
+  // Casts chunk `key` from the master into a new slice (the cast cache's,
+  // when it takes the chunk), with its CRC-32C, or (a delta key) into the
+  // delta chunk of its span.
   absl::StatusOr<CastChunk> Cast(const ChunkKey& key);
-  // Casts chunk `key` into `into`, claimed in `cached` (filled, or abandoned
-  // when the cast fails).
-  absl::StatusOr<CastChunk> CastInto(CastCache::Layer& cached, const ChunkKey& key, uint8_t* into);
   // What the cast cache holds of the stream's layer at key.version (looked
   // up at the stream's first chunk): null when the stream does not use it
   // or the cache does not hold the layer.
