@@ -1,12 +1,13 @@
 #include "server/training/push_journal.h"
 
 #include <algorithm>
-#include <bit>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/cast.h"
 #include "core/crc32c.h"
 #include "platform/log.h"
 #include "platform/status_macros.h"
@@ -30,13 +31,13 @@ using journal::MixedBitmapBytes;
 using journal::MixedPrefix;
 using journal::WidthOf;
 
-// bf16 values at `from` (unaligned) into `to`.
-void Widen(const uint8_t* from, std::span<float> to) {
-  for (size_t i = 0; i < to.size(); ++i) {
-    uint16_t narrow = 0;
-    std::memcpy(&narrow, from + 2 * i, 2);
-    to[i] = std::bit_cast<float>(static_cast<uint32_t>(narrow) << 16);
-  }
+// bf16 values at `from` into `to`, through core's cast (exact). Copied into
+// `narrow` first: `from` is a byte offset into the record, which core's
+// uint16_t reads may not be aligned for.
+void Widen(const uint8_t* from, std::span<float> to, std::vector<uint16_t>& narrow) {
+  narrow.resize(to.size());
+  std::memcpy(narrow.data(), from, 2 * to.size());
+  CastBF16ToF32(narrow, to);
 }
 
 }  // namespace
@@ -158,6 +159,7 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
                    ReadIdentity(*file));
   if (recorded) RETURN_IF_ERROR(Matches(*recorded, file->path()));
   uint64_t offset = 0;
+  std::vector<uint16_t> narrow;  // Widen's, kept across records
   while (offset < file->size()) {
     ASSIGN_OR_RETURN(std::optional<journal::RawRecord> raw, journal::ReadRecord(*file, offset));
     if (!raw) {
@@ -189,7 +191,7 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
     record.step = header.step;
     record.values.resize(header.count);
     if (header.encoding == kBfloat16) {
-      Widen(raw->payload.data(), record.values);
+      Widen(raw->payload.data(), record.values, narrow);
     } else if (header.encoding == kMixed) {
       // ReadRecord checked the bitmap against the prefix and the length.
       const uint8_t* bitmap = raw->payload.data() + sizeof(MixedPrefix);
@@ -201,7 +203,7 @@ absl::Status PushJournal::ReplayGeneration(uint64_t generation,
           std::memcpy(to.data(), from, to.size_bytes());
           from += to.size_bytes();
         } else {
-          Widen(from, to);
+          Widen(from, to, narrow);
           from += 2 * to.size();
         }
       }
