@@ -39,7 +39,8 @@ Publications::Publications(Links links, SetOptions set)
 
 Publications::~Publications() {
   absl::MutexLock lock(&mu_);
-  // Reset, so that a settle that ends while peers_ is joined finds nothing.
+  // Reset, so that a settle that ends while peers_ goes (its calls_ waits
+  // for the call under way) finds nothing.
   if (open_) links_.budget->Release(open_->staging_bytes);
   open_.reset();
 }

@@ -157,7 +157,8 @@ class Publications {
   absl::Mutex mu_;
   std::optional<Open> open_ ABSL_GUARDED_BY(mu_);
   std::deque<Decision> decided_ ABSL_GUARDED_BY(mu_);  // oldest first
-  // After mu_ and open_: its thread settles into them until it is joined.
+  // After mu_ and open_: its calls settle into them until it goes (its
+  // calls_ waits for the call under way and drops the rest).
   std::unique_ptr<PublishPeers> peers_;
   // Last: see DeadlineTimers. The shard's background thread, not its timer
   // thread: a publish's timeout takes mu_, which a commit or a checkpoint

@@ -64,7 +64,9 @@ struct LoadedShard {
   std::shared_ptr<SharedChunks> shared;
   // --checkpoint-every; null without it.
   std::unique_ptr<PeriodicCheckpoints> periodic_checkpoints;
-  // GetLayerDigest's: last, so its thread stops before what it reads goes.
+  // GetLayerDigest's: last, so that its DeadlineTimers on the shard's
+  // background thread stops (waits for the digest under way, drops the
+  // rest) before what it reads goes.
   std::unique_ptr<LayerDigests> digests;
 };
 
