@@ -19,6 +19,7 @@ void ShardAdminService::AttachStore(LoadedShard& shard) {
   store_ = shard.store.get();
   trainer_ = shard.trainer.get();
   publications_ = shard.publications.get();
+  periodic_ = shard.periodic_checkpoints.get();
 }
 
 grpc::Status ShardAdminService::Authorize(const grpc::CallbackServerContext& context) const {
@@ -59,7 +60,9 @@ grpc::ServerUnaryReactor* ShardAdminService::Checkpoint(
   if (store_ == nullptr) {
     return Finish(reactor, LoadingRefusal());
   }
-  if (writing_) {
+  // A periodic write under way too: on the one background thread this call
+  // would otherwise queue behind it, and its TryWrite would find none.
+  if (writing_ || (periodic_ != nullptr && periodic_->writing())) {
     return Finish(reactor,
                   wire::ToGrpcStatus(absl::AbortedError(absl::StrCat(
                       "a checkpoint of this shard is being written to ",

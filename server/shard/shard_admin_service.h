@@ -23,7 +23,12 @@ namespace layercast::server {
 // FAILED_PRECONDITION when the shard has no admin token, UNAUTHENTICATED
 // without a bearer token, PERMISSION_DENIED with a wrong one. Checkpoint
 // writes run on the shard's background thread, never on gRPC's, one at a
-// time.
+// time. That thread also runs the periodic checkpoints, the digests and
+// the publish timeouts one after another: a Checkpoint call while another
+// write (asked for or periodic) is under way is refused with ABORTED at
+// once, as admin.proto says, rather than queued; one that arrives while a
+// digest or a publish timeout runs waits for it, and a GetLayerDigest or a
+// publish timeout asked meanwhile waits for the write.
 //
 // Thread-safe: gRPC calls its handlers from many threads.
 class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackService {
@@ -97,6 +102,8 @@ class ShardAdminService final : public layercast::v1::ShardAdmin::CallbackServic
   const ParameterStore* store_ ABSL_GUARDED_BY(mu_) = nullptr;
   LayerTrainer* trainer_ ABSL_GUARDED_BY(mu_) = nullptr;  // null: read-only
   Publications* publications_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // A training shard's --checkpoint-every; null without it.
+  const PeriodicCheckpoints* periodic_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   // Last: see DeadlineTimers. Where a call's checkpoint is written. The
   // gRPC server stops first and waits for the call, so a write is never

@@ -143,6 +143,19 @@ class ShardServer {
   // time, never on timers_, whose callbacks must not wait. Each part
   // schedules through a DeadlineTimers of its own on it, which stops its
   // work when the part goes: the shard's one stop rule.
+  //
+  // One after another: a publish timeout can fire as late as one checkpoint
+  // write after its deadline, and a GetLayerDigest can wait behind a write
+  // (ShardAdmin.Checkpoint does not: it is refused with ABORTED while
+  // another write is under way, see ShardAdminService).
+  //
+  // On timers_' clock because publish timeouts are, and tests move that
+  // clock through them. So a test's ManualClock::Advance also waits for the
+  // background work under way (a write, a digest) to finish before it
+  // returns (DeadlineTimers::Jumped runs on this thread): a test deadlocks
+  // if it advances the clock while that work waits on something the
+  // advancing thread holds (a lock, a notification it would give after
+  // Advance returns, a reply it has yet to read).
   DeadlineTimers background_;
   ServerMetrics metrics_;
   // The start-up check's arithmetic, from the model's shapes (a checkpoint

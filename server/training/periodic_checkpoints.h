@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -17,7 +18,7 @@ namespace layercast::server {
 // multiple of `every` steps (--checkpoint-every), written on the shard's
 // background thread: the push that completes the step is answered at once,
 // and the steps after it wait only while the write holds the layers
-// (LayerTrainer::WriteWithState). No thread waits in between: the version
+// (TrainerCheckpoint::WriteWithState). No thread waits in between: the version
 // gate posts the multiple's arrival. A write that fails is logged and tried
 // again at the next multiple; the previous checkpoint and the push journal
 // stay meanwhile.
@@ -31,6 +32,12 @@ class PeriodicCheckpoints {
                       DeadlineTimers* background = nullptr);
   // Waits for a write in progress; none starts after.
   ~PeriodicCheckpoints();
+
+  // Whether a write is under way (from its first step, the layers' pause):
+  // ShardAdmin.Checkpoint refuses one asked for meanwhile with ABORTED, as
+  // its contract says, rather than queue it behind this one on the shard's
+  // background thread.
+  bool writing() const { return writing_.load(); }
 
  private:
   // What the gate's callback reaches this through: null once this is going,
@@ -50,6 +57,7 @@ class PeriodicCheckpoints {
   const uint64_t every_;
   const Write write_;
   const std::shared_ptr<Link> link_ = std::make_shared<Link>();
+  std::atomic<bool> writing_{false};
   DeadlineTimers work_;  // last: see DeadlineTimers
 };
 

@@ -95,6 +95,7 @@ TEST_F(PeriodicCheckpointsTest, GoingWaitsForTheWriteUnderWayAndStartsNoneAfter)
       &background_);
   gate_.Advance(1);
   ASSERT_TRUE(writing.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_TRUE(periodic->writing()) << "ShardAdmin.Checkpoint's ABORTED reads it meanwhile";
 
   std::atomic<bool> gone{false};
   std::thread stopper([&] {
