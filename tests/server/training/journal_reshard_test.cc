@@ -7,7 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "tests/server/checkpoint_test_util.h"
+#include "tests/server/checkpoints/checkpoint_test_util.h"
 
 namespace layercast::server::testing {
 namespace {

@@ -15,7 +15,7 @@
 #include "server/checkpoints/checkpoint_format.h"
 #include "server/checkpoints/checkpoint_source.h"
 #include "server/checkpoints/checkpoint_writer.h"
-#include "tests/server/checkpoint_test_util.h"
+#include "tests/server/checkpoints/checkpoint_test_util.h"
 
 namespace layercast::server::testing {
 namespace {

@@ -17,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/synthetic_model.h"
 #include "server/checkpoints/checkpoint_writer.h"
-#include "tests/server/checkpoint_test_util.h"
+#include "tests/server/checkpoints/checkpoint_test_util.h"
 
 namespace layercast::server::testing {
 namespace {

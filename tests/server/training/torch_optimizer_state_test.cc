@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/layout.h"
 #include "server/checkpoints/checkpoint_format.h"
-#include "tests/server/checkpoint_test_util.h"
+#include "tests/server/checkpoints/checkpoint_test_util.h"
 
 namespace layercast::server::testing {
 namespace {

@@ -1,4 +1,4 @@
-#include "tests/server/checkpoint_test_util.h"
+#include "tests/server/checkpoints/checkpoint_test_util.h"
 
 #include <unistd.h>
 
