@@ -226,6 +226,16 @@ absl::StatusOr<std::unique_ptr<client::ShardSet>> Connect(const ShardServer& ser
   return client::ShardSet::Connect({"127.0.0.1:" + std::to_string(server.port())});
 }
 
+// A new worker (connections of its own) gathers `layer`: the master's
+// cast, bit for bit.
+void GatherAsNewWorker(const ShardServer& server, const ParameterSource& source, uint32_t layer) {
+  auto set = Connect(server);
+  ASSERT_TRUE(set.ok()) << set.status();
+  absl::StatusOr<client::Layer> gathered = (*set)->Gather(layer);
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  EXPECT_TRUE(MatchesMaster(source, layer, *gathered));
+}
+
 // A worker's stream of `layer` that reads what it is asked to and no more:
 // open, and another reader of the layer, until it goes.
 class StalledStream {
@@ -296,11 +306,7 @@ TEST(ShardServerSharingTest, AWorkerBehindAnotherSendsEveryChunkItCast) {
   const double cast_after_first = metrics.chunks_cast().Value();
   EXPECT_GT(cast_after_first, cast_before);
 
-  auto second = Connect(*server);
-  ASSERT_TRUE(second.ok()) << second.status();
-  gathered = (*second)->Gather(kLayer);
-  ASSERT_TRUE(gathered.ok()) << gathered.status();
-  EXPECT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  ASSERT_NO_FATAL_FAILURE(GatherAsNewWorker(*server, **source, kLayer));
   EXPECT_EQ(metrics.chunks_cast().Value(), cast_after_first) << "nothing was cast again";
   EXPECT_EQ(metrics.chunks_shared().Value() - shared_before, chunks);
   EXPECT_LE(server->budget()->peak(), *server->budget()->budget());
@@ -330,20 +336,12 @@ TEST(ShardServerSharingTest, ChunksCastIntoTheCastCacheAreNotKeptTwice) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 
-  auto first = Connect(*server);
-  ASSERT_TRUE(first.ok()) << first.status();
-  auto gathered = (*first)->Gather(kLayer);
-  ASSERT_TRUE(gathered.ok()) << gathered.status();
-  ASSERT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  ASSERT_NO_FATAL_FAILURE(GatherAsNewWorker(*server, **source, kLayer));
   EXPECT_EQ(server->shared_chunks()->kept_bytes(), 0u) << "kept beside the cache's copy";
 
   const double cast_after_first = metrics.chunks_cast().Value();
   const double cached_before = metrics.chunks_cached().Value();
-  auto second = Connect(*server);
-  ASSERT_TRUE(second.ok()) << second.status();
-  gathered = (*second)->Gather(kLayer);
-  ASSERT_TRUE(gathered.ok()) << gathered.status();
-  EXPECT_TRUE(MatchesMaster(**source, kLayer, *gathered));
+  ASSERT_NO_FATAL_FAILURE(GatherAsNewWorker(*server, **source, kLayer));
   EXPECT_EQ(metrics.chunks_cast().Value(), cast_after_first) << "nothing was cast again";
   EXPECT_GT(metrics.chunks_cached().Value(), cached_before);
   EXPECT_EQ(server->shared_chunks()->kept_bytes(), 0u);
