@@ -19,8 +19,6 @@ struct ExportOptions {
   // A path ending in ".safetensors". A model larger than max_file_bytes is
   // written as Hugging Face shards it: "<stem>-00001-of-0000N.safetensors"
   // beside it and "<path>.index.json" naming which file holds each tensor.
-  // An earlier model at the path in the other form is removed
-  // (core/safetensors_split's PlaceSafetensorsSplit).
   std::string path;
   // float32 writes the fp32 master as it is; bfloat16 and float16 a cast
   // of it, as a shard casts. 8-bit floats are refused: a safetensors file

@@ -139,34 +139,37 @@ void WriteSafetensors(const std::string& path, const py::list& tensors,
 }
 
 // Writes `tensors` as one file, or, over `max_file_bytes`, split with an
-// index exactly as ShardSet.export splits and places a model
-// (core/safetensors_split: through partial files, an earlier model at the
-// path in the other form removed), every file carrying `metadata`.
-// Returns the files written, the index last.
+// index exactly as ShardSet.export splits a model (core/safetensors_split),
+// every file carrying `metadata`. Returns the files written, the index
+// last.
 std::vector<std::string> WriteSafetensorsSplit(const std::string& path, const py::list& tensors,
                                                const std::map<std::string, std::string>& metadata,
                                                uint64_t max_file_bytes) {
   const Entries entries = TakeEntries(path, tensors);
   const SafetensorsSplit split =
       ValueOrRaise(PlanSafetensorsSplit(entries.headers, max_file_bytes, path));
-  const auto write_files = [&](const std::vector<std::string>& partial_paths) -> absl::Status {
+  std::vector<std::string> files;
+  absl::Status written = [&]() -> absl::Status {
+    py::gil_scoped_release release;
     // The split keeps the tensors' order, so each file's bytes are the
     // next run of them.
     size_t at = 0;
     for (size_t f = 0; f < split.files.size(); ++f) {
       const std::span<const std::span<const uint8_t>> data(entries.data.data() + at,
                                                            split.files[f].size());
-      RETURN_IF_ERROR(Write(partial_paths[f], split.files[f], data, metadata));
+      RETURN_IF_ERROR(Write(split.paths[f], split.files[f], data, metadata));
+      files.push_back(split.paths[f]);
       at += split.files[f].size();
     }
+    if (split.split()) {
+      const std::string index = path + ".index.json";
+      RETURN_IF_ERROR(WriteSafetensorsIndex(split, index));
+      files.push_back(index);
+    }
     return absl::OkStatus();
-  };
-  absl::StatusOr<std::vector<std::string>> files;
-  {
-    py::gil_scoped_release release;
-    files = PlaceSafetensorsSplit(split, write_files);
-  }
-  return ValueOrRaise(std::move(files));
+  }();
+  if (!written.ok()) Raise(written);
+  return files;
 }
 
 }  // namespace
@@ -185,9 +188,8 @@ void BindFormats(py::module_& module) {
   module.def("write_safetensors_split", &WriteSafetensorsSplit, py::arg("path"), py::arg("tensors"),
              py::arg("metadata"), py::arg("max_file_bytes"),
              "Writes `tensors` (as write_safetensors takes them) as one file, or over "
-             "`max_file_bytes` as files and an index, split and placed as ShardSet.export places a "
-             "model (an earlier one at `path` in the other form removed); every file carries "
-             "`metadata`. Returns the files written, the index last.");
+             "`max_file_bytes` as files and an index, split as ShardSet.export splits a model; "
+             "every file carries `metadata`. Returns the files written, the index last.");
 }
 
 }  // namespace layercast::python

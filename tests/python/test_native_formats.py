@@ -144,29 +144,6 @@ def test_a_split_state_is_the_native_split_and_index(tmp_path):
     assert path.read_bytes() == native_file(tensors, metadata)
 
 
-def test_a_state_saved_again_in_the_other_form_replaces_the_first(tmp_path):
-    """Saving at a path that holds the other form removes it, as
-    ShardSet.export does (core's PlaceSafetensorsSplit): a single file left
-    beside a split is what transformers loads, an index left beside a
-    single file what a shard's folder loads, and either is the old state."""
-    path = tmp_path / "optimizer.safetensors"
-    index = tmp_path / "optimizer.safetensors.index.json"
-
-    def state(value):
-        return {"a": torch.full((2,), value), "b": torch.full((2,), value)}
-
-    assert training_state._write(path, state(1.0), {}, 16) == [str(path)]
-    split = training_state._write(path, state(2.0), {}, 8)
-    assert split[-1] == str(index) and len(split) == 3
-    assert not path.exists()
-    assert layercast.torch.load_safetensors(index)["a"].tolist() == [2.0, 2.0]
-
-    assert training_state._write(path, state(3.0), {}, 16) == [str(path)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
-    loaded = layercast.torch.load_safetensors(path)
-    assert loaded["a"].tolist() == [3.0, 3.0] and loaded["b"].tolist() == [3.0, 3.0]
-
-
 def test_save_safetensors_is_refused_as_the_native_writer_refuses(tmp_path):
     """A name the format reserves is refused by the native writer, naming
     the file, before anything is written; dtypes the shards cannot serve are
